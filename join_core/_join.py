@@ -1,0 +1,317 @@
+"""The imperative shell: ``Join``, ``Joinable`` and ``JoinHook``.
+
+The shell owns everything the pure machine in ``_machine`` must not touch: the
+clock, the backend's collectives, the joinables' hooks, warnings and raising.
+It feeds observations to ``step`` and carries out the commands that come back,
+in order. The API (names, arguments, messages) follows
+``torch.distributed.algorithms.join`` so code written for torch works by
+changing one import.
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+import attrs
+
+from . import _machine as m
+from ._errors import LocalProtocolError
+
+__all__ = ["Join", "Joinable", "JoinHook"]
+
+
+class JoinHook:
+    """The two entry points a joinable gives the Join context manager.
+
+    Subclass it and override what you need; both default to doing nothing.
+    """
+
+    def main_hook(self) -> None:
+        """Shadow the collectives of one training iteration on a joined rank.
+
+        Called repeatedly while some rank has not joined yet.
+        """
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Run once after every rank has joined.
+
+        Args:
+            is_last_joiner: ``True`` if this rank was one of the last to join.
+        """
+
+
+@attrs.frozen(kw_only=True)
+class _JoinConfig:
+    """What a joinable reads to know whether (and how) it is inside a Join."""
+
+    enable: bool = False
+    throw_on_early_termination: bool = False
+    is_first_joinable: bool = False
+    join: Join | None = None
+
+
+_DISABLED = _JoinConfig()
+
+
+class Joinable(abc.ABC):
+    """Base class of objects that take part in a Join.
+
+    A joinable implements :meth:`join_hook`, :attr:`join_device` and
+    :attr:`join_process_group`, calls ``Joinable.__init__`` from its
+    constructor (it installs a disabled join config) and calls
+    :meth:`Join.notify_join_context` before its per-iteration collectives.
+    """
+
+    @abc.abstractmethod
+    def __init__(self) -> None:
+        super().__init__()
+        self._join_config = _DISABLED
+
+    @abc.abstractmethod
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Return the :class:`JoinHook` for this joinable.
+
+        Args:
+            **kwargs: the keyword arguments given to ``Join``; every joinable of
+                one Join receives the same ones.
+        """
+
+    @property
+    @abc.abstractmethod
+    def join_device(self) -> Any:
+        """The device for the Join's own collectives (e.g. ``"cpu"``)."""
+
+    @property
+    @abc.abstractmethod
+    def join_process_group(self) -> Any:
+        """The process group (or communicator) for the Join's own collectives."""
+
+
+def _as_joinable(obj: Any) -> Joinable:
+    """Return ``obj`` if it is a joinery Joinable, else its adapter."""
+    if isinstance(obj, Joinable):
+        return obj
+    # Framework objects (torch's DDP, ZeRO, any torch Joinable) are bridged by
+    # adapters; imported here so join_core itself stays free of torch.
+    if _is_torch_joinable(obj):
+        from adapters.torch import adapt
+
+        return adapt(obj)
+    raise TypeError(
+        f"Join expects Joinable objects, got {type(obj).__qualname__}: subclass "
+        "join_core.Joinable (or torch.distributed.algorithms.join.Joinable) and "
+        "implement join_hook, join_device and join_process_group"
+    )
+
+
+def _is_torch_joinable(obj: Any) -> bool:
+    join_module = sys.modules.get("torch.distributed.algorithms.join")
+    return join_module is not None and isinstance(obj, join_module.Joinable)
+
+
+class Join:
+    """Context manager for data-parallel loops whose ranks have uneven inputs.
+
+    Inside ``with Join(joinables):`` each rank runs its own loop. When a rank
+    runs out of inputs it *joins*: on leaving the block it keeps running every
+    joinable's main hook, shadowing the collectives of the ranks still in their
+    loop, until all ranks have joined; then each rank runs the post hooks.
+
+    Args:
+        joinables: the participating joinables; their hooks run in this order
+            and the first one sends the heartbeat.
+        enable: ``False`` makes the context manager do nothing (only for inputs
+            known to be even).
+        throw_on_early_termination: raise ``RuntimeError`` on every rank as soon
+            as one rank runs out of inputs, instead of shadowing.
+        **kwargs: forwarded to every joinable's ``join_hook``.
+
+    Raises:
+        ValueError: ``joinables`` is empty, or the joinables use different
+            process groups.
+        TypeError: an element is not a Joinable, or its hook is not a JoinHook.
+    """
+
+    def __init__(
+        self,
+        joinables: Iterable[Any],
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        joinable_list = [_as_joinable(j) for j in joinables]
+        if not joinable_list:
+            raise ValueError("The join context manager requires at least one joinable")
+        hooks = [joinable.join_hook(**kwargs) for joinable in joinable_list]
+        for joinable, hook in zip(joinable_list, hooks):
+            if not isinstance(hook, JoinHook) and not _looks_like_hook(hook):
+                raise TypeError(
+                    f"{type(joinable).__qualname__}.join_hook() returned "
+                    f"{type(hook).__qualname__}, not a JoinHook: return an object "
+                    "with main_hook() and post_hook(is_last_joiner)"
+                )
+        process_group = joinable_list[0].join_process_group
+        for joinable in joinable_list[1:]:
+            if joinable.join_process_group != process_group:
+                raise ValueError(
+                    "Using join context manager with multiple process groups: "
+                    f"{type(joinable).__qualname__} uses a different "
+                    "join_process_group from the first joinable; all joinables "
+                    "of one Join must share one process group"
+                )
+        self._joinables = joinable_list
+        self._hooks = hooks
+        self._enable = bool(enable)
+        self._throw_on_early_termination = bool(throw_on_early_termination)
+        self._process_group = process_group
+        self._device = joinable_list[0].join_device
+        self._clock: Callable[[], float] = time.monotonic
+        self._backend: Any = None
+        self._state: m.JoinState | None = None
+        if self._enable:
+            from backends import resolve
+
+            self._backend = resolve(process_group, self._device)
+            self._state = m.initial_state(
+                m.MachineConfig(
+                    rank=self._backend.rank,
+                    throw_on_early_termination=self._throw_on_early_termination,
+                )
+            )
+
+    # -- context manager -------------------------------------------------------
+
+    def __enter__(self) -> Join:
+        for joinable in self._joinables:
+            config = getattr(joinable, "_join_config", None)
+            if config is None:
+                raise _missing_config(joinable)
+            if config.enable and config.join is not self:
+                raise LocalProtocolError(
+                    f"{type(joinable).__qualname__} is already inside another "
+                    "enabled Join; Joins over the same joinable cannot be nested"
+                )
+        for index, joinable in enumerate(self._joinables):
+            joinable._join_config = _JoinConfig(
+                enable=self._enable,
+                throw_on_early_termination=self._throw_on_early_termination,
+                is_first_joinable=index == 0,
+                join=self,
+            )
+        if self._enable:
+            self._feed(m.Entered(now=self._clock()))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if self._enable:
+                self._feed(m.LoopExited(raised=exc_type is not None, now=self._clock()))
+        finally:
+            for joinable in self._joinables:
+                joinable._join_config = _DISABLED
+
+    # -- the heartbeat ---------------------------------------------------------
+
+    @staticmethod
+    def notify_join_context(joinable: Joinable) -> Any:
+        """Tell the Join that this rank has not joined yet (one more input).
+
+        Call it from a joinable before its per-iteration collectives. Only the
+        first joinable of the Join sends the heartbeat; for the others, and
+        outside any enabled Join, this does nothing. With
+        ``throw_on_early_termination=True`` it raises if a rank has joined.
+
+        Args:
+            joinable: the joinable calling.
+
+        Returns:
+            The heartbeat's async handle for the first joinable, else ``None``.
+
+        Raises:
+            LocalProtocolError: the joinable's constructor did not call
+                ``Joinable.__init__``.
+            RuntimeError: throw mode, and some rank exhausted its inputs.
+        """
+        config = getattr(joinable, "_join_config", None)
+        if config is None:
+            raise _missing_config(joinable)
+        if not config.is_first_joinable or not config.enable:
+            return None
+        return config.join._feed(m.Notified(now=config.join._clock()))
+
+    # -- driving the machine ---------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This rank in the Join's process group (``enable=True`` only)."""
+        return int(self._backend.rank)
+
+    @property
+    def state(self) -> m.JoinState | None:
+        """The machine's current state (``None`` when not enabled)."""
+        return self._state
+
+    def _feed(self, observation: m.Observation) -> Any:
+        """Step the machine and carry out its commands until none is pending.
+
+        Returns the heartbeat handle if a heartbeat was sent.
+        """
+        handle = None
+        pending: m.Observation | None = observation
+        while pending is not None:
+            assert self._state is not None
+            transition = m.step(self._state, pending)
+            self._state = transition.state
+            pending = None
+            for command in transition.commands:
+                kind = type(command)
+                if kind is m.SendHeartbeat:
+                    handle = self._backend.heartbeat(command.value)
+                elif kind is m.CheckTermination:
+                    total = self._backend.count(command.value)
+                    pending = m.TerminationChecked(total=total, now=self._clock())
+                elif kind is m.CountNonjoined:
+                    total = self._backend.count(command.value)
+                    pending = m.Counted(total=total, now=self._clock())
+                elif kind is m.SignalTermination:
+                    self._backend.count(command.value)
+                elif kind is m.RunMainHooks:
+                    for hook in self._hooks:
+                        hook.main_hook()
+                    pending = m.HooksDone(now=self._clock())
+                elif kind is m.RunPostHooks:
+                    for hook in self._hooks:
+                        hook.post_hook(command.is_last_joiner)
+                    pending = m.HooksDone(now=self._clock())
+                elif kind is m.WarnSkew:
+                    warnings.warn(command.message, UserWarning, stacklevel=4)
+                elif kind is m.Raise:
+                    raise command.error
+                else:  # pragma: no cover - a new command without a handler
+                    raise AssertionError(f"unhandled command {command!r}")
+        return handle
+
+
+def _looks_like_hook(hook: Any) -> bool:
+    # torch's JoinHook subclasses (DDP's, ZeRO's) are hooks too.
+    return callable(getattr(hook, "main_hook", None)) and callable(
+        getattr(hook, "post_hook", None)
+    )
+
+
+def _missing_config(joinable: Any) -> LocalProtocolError:
+    return LocalProtocolError(
+        f"{type(joinable).__qualname__} has no join config: its constructor must "
+        "call Joinable.__init__(self) (e.g. super().__init__())"
+    )
