@@ -19,20 +19,28 @@ point group ``joinery.backends``: each entry point names a callable
 ``resolver(process_group, device) -> JoinBackend | None`` that returns ``None``
 for groups it does not handle.
 
+Every backend module also offers a *group*: the framework-agnostic collectives
+(:class:`CollectiveGroup`) on NumPy arrays and torch CPU tensors. A group is its
+own join backend, so ``join_process_group`` may simply return the group.
+
 This module imports only the standard library.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "Handle",
     "JoinBackend",
+    "CollectiveGroup",
+    "REDUCE_OPS",
+    "detect_launcher",
     "register",
     "resolve",
     "ENTRY_POINT_GROUP",
@@ -62,6 +70,72 @@ class JoinBackend(Protocol):
     def count(self, value: float) -> float:
         """1-element SUM all-reduce contributing ``value``; return the sum."""
         ...
+
+
+REDUCE_OPS = ("sum", "prod", "min", "max", "band", "bor", "bxor")
+
+
+@runtime_checkable
+class CollectiveGroup(JoinBackend, Protocol):
+    """The framework-agnostic collectives every backend's group offers.
+
+    Buffers are NumPy arrays or torch CPU tensors and are updated in place.
+    ``op`` is one of :data:`REDUCE_OPS`. With ``async_op=True`` a call returns a
+    :class:`Handle` whose ``wait()`` returns what the blocking call would have
+    returned (and only then is the buffer guaranteed to hold the result).
+    """
+
+    device: Any
+
+    def all_reduce(self, buf: Any, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``buf`` over all ranks; every rank gets the result."""
+        ...
+
+    def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
+        """Copy ``buf`` of rank ``src`` into ``buf`` of every rank."""
+        ...
+
+    def all_gather(self, buf: Any, async_op: bool = False) -> Any:
+        """Return a list of every rank's ``buf`` (new buffers, rank order)."""
+        ...
+
+    def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``buf`` over all ranks into ``buf`` of rank ``dst``."""
+        ...
+
+    def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
+        """Return the list of every rank's ``buf`` on ``dst``; ``None`` elsewhere."""
+        ...
+
+    def scatter(
+        self, buf: Any, src: int, chunks: Any = None, async_op: bool = False
+    ) -> Any:
+        """Fill ``buf`` with ``chunks[rank]`` of rank ``src`` (``chunks`` on src only)."""
+        ...
+
+    def barrier(self) -> None:
+        """Return once every rank has called ``barrier``."""
+        ...
+
+
+def detect_launcher(environ: Mapping[str, str] | None = None) -> str | None:
+    """Name the launcher that started this process, from its environment.
+
+    Returns:
+        ``"torchrun"``, ``"mpirun"`` (Open MPI, MPICH/Hydra or PMIx),
+        ``"srun"`` (Slurm), or ``None`` when no launcher is detected.
+    """
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "WORLD_SIZE" in env):
+        return "torchrun"
+    if any(
+        key in env
+        for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+    ):
+        return "mpirun"
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return "srun"
+    return None
 
 
 Factory = Callable[[Any, Any], JoinBackend]
