@@ -1,0 +1,186 @@
+"""The pure join machine: every (phase x observation) pair, and its invariants."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import attrs
+import pytest
+
+from join_core import EarlyTermination, LocalProtocolError
+from join_core import _machine as m
+
+OBSERVATIONS = {
+    m.Entered: m.Entered(now=1.0),
+    m.Notified: m.Notified(now=1.0),
+    m.TerminationChecked: m.TerminationChecked(total=0.0, now=1.0),
+    m.LoopExited: m.LoopExited(now=1.0),
+    m.Counted: m.Counted(total=1.0, now=1.0),
+    m.HooksDone: m.HooksDone(now=1.0),
+}
+
+
+def state(phase: m.Phase, *, throw: bool = False, **fields: object) -> m.JoinState:
+    config = m.MachineConfig(rank=3, throw_on_early_termination=throw)
+    return attrs.evolve(m.initial_state(config), phase=phase, **fields)
+
+
+# The legal pairs with the sample observation above: (next phase, commands).
+LEGAL = {
+    (m.Phase.IDLE, m.Entered): (m.Phase.ACTIVE, ()),
+    (m.Phase.ACTIVE, m.Notified): (m.Phase.ACTIVE, (m.SendHeartbeat(value=1.0),)),
+    (m.Phase.ACTIVE, m.LoopExited): (m.Phase.COUNTING, (m.CountNonjoined(value=0.0),)),
+    (m.Phase.CHECKING, m.TerminationChecked): (m.Phase.ACTIVE, ()),
+    # The loop left without an exception while a termination check was
+    # outstanding: the shell never lets this happen, so it is illegal.
+    (m.Phase.CHECKING, m.LoopExited): (m.Phase.ERRORED, "illegal"),
+    (m.Phase.TERMINATED, m.LoopExited): (m.Phase.ERRORED, "swallowed"),
+    (m.Phase.COUNTING, m.Counted): (m.Phase.SHADOWING, (m.RunMainHooks(round=0),)),
+    (m.Phase.SHADOWING, m.HooksDone): (m.Phase.COUNTING, (m.CountNonjoined(),)),
+    (m.Phase.POST_HOOKS, m.HooksDone): (m.Phase.DONE, ()),
+}
+
+
+@pytest.mark.parametrize(
+    ("phase", "kind"),
+    list(itertools.product(m.Phase, OBSERVATIONS)),
+    ids=lambda v: getattr(v, "name", getattr(v, "__name__", str(v))),
+)
+def test_every_phase_and_observation(phase: m.Phase, kind: type) -> None:
+    before = state(phase)
+    if phase is m.Phase.ERRORED:
+        before = attrs.evolve(before, error=LocalProtocolError("earlier"))
+    transition = m.step(before, OBSERVATIONS[kind])
+    expected = LEGAL.get((phase, kind))
+    if phase is m.Phase.ERRORED:
+        # Sticky: the same error again, the state unchanged.
+        assert transition.state == before
+        assert transition.commands == (m.Raise(error=before.error),)
+    elif expected is None or expected[1] == "illegal":
+        assert transition.state.phase is m.Phase.ERRORED
+        (command,) = transition.commands
+        assert isinstance(command, m.Raise)
+        assert isinstance(command.error, LocalProtocolError)
+        assert phase.name in str(command.error) and kind.__name__ in str(command.error)
+        assert transition.state.error is command.error
+        # ...and it stays errored whatever comes next.
+        for later in OBSERVATIONS.values():
+            again = m.step(transition.state, later)
+            assert again.state.phase is m.Phase.ERRORED
+            assert again.commands == (m.Raise(error=command.error),)
+    elif expected[1] == "swallowed":
+        assert transition.state.phase is m.Phase.ERRORED
+        (command,) = transition.commands
+        assert "swallowed the early-termination error" in str(command.error)
+    else:
+        next_phase, commands = expected
+        assert transition.state.phase is next_phase
+        assert transition.commands == commands
+
+
+def test_table_has_no_entry_for_errored_or_done() -> None:
+    assert not any(phase in (m.Phase.DONE, m.Phase.ERRORED) for phase, _ in m.TRANSITIONS)
+
+
+# -- the branches the sample observations above do not take ----------------------
+
+
+def test_notify_counts_inputs() -> None:
+    s = state(m.Phase.ACTIVE)
+    for _ in range(3):
+        s = m.step(s, m.Notified()).state
+    assert s.heartbeats == 3
+
+
+def test_throw_mode_notify_checks_termination() -> None:
+    t = m.step(state(m.Phase.ACTIVE, throw=True), m.Notified())
+    assert t.state.phase is m.Phase.CHECKING
+    assert t.commands == (m.SendHeartbeat(), m.CheckTermination())
+
+
+def test_throw_mode_active_rank_raises_torch_message() -> None:
+    t = m.step(state(m.Phase.CHECKING, throw=True), m.TerminationChecked(total=1.0))
+    assert t.state.phase is m.Phase.TERMINATED
+    (command,) = t.commands
+    assert isinstance(command.error, EarlyTermination)
+    assert isinstance(command.error, RuntimeError)
+    assert str(command.error) == (
+        "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+    )
+    # The loop then exits with that error and the context is left.
+    done = m.step(t.state, m.LoopExited(raised=True, now=5.0)).state
+    assert done.phase is m.Phase.DONE and done.done_at == 5.0
+
+
+def test_throw_mode_joined_rank_signals_and_raises_torch_message() -> None:
+    t = m.step(state(m.Phase.COUNTING, throw=True), m.Counted(total=2.0))
+    assert t.state.phase is m.Phase.DONE
+    assert t.commands[0] == m.SignalTermination(value=1.0)
+    assert str(t.commands[1].error) == "Rank 3 exhausted all inputs."
+    assert not t.state.is_last_joiner
+
+
+def test_throw_mode_last_joiner_runs_post_hooks() -> None:
+    t = m.step(state(m.Phase.COUNTING, throw=True), m.Counted(total=0.0))
+    assert t.commands == (m.RunPostHooks(is_last_joiner=True),)
+
+
+def test_count_zero_runs_post_hooks_with_last_joiner_flag() -> None:
+    first = m.step(state(m.Phase.COUNTING), m.Counted(total=0.0))
+    assert first.state.phase is m.Phase.POST_HOOKS
+    assert first.commands == (m.RunPostHooks(is_last_joiner=True),)
+    later = m.step(state(m.Phase.COUNTING, is_last_joiner=False), m.Counted(total=0.0))
+    assert later.commands == (m.RunPostHooks(is_last_joiner=False),)
+
+
+def test_loop_exception_propagates_without_collectives() -> None:
+    for phase in (m.Phase.ACTIVE, m.Phase.CHECKING):
+        t = m.step(state(phase), m.LoopExited(raised=True, now=2.0))
+        assert t.state.phase is m.Phase.DONE and t.commands == ()
+
+
+def test_skew_warning_once_after_threshold() -> None:
+    config = m.MachineConfig(rank=1, skew_warn_threshold=3)
+    s = attrs.evolve(m.initial_state(config), phase=m.Phase.COUNTING)
+    warnings = []
+    for _ in range(10):
+        t = m.step(s, m.Counted(total=1.0))
+        assert t.commands == (m.RunMainHooks(round=t.state.shadow_rounds),)
+        t = m.step(t.state, m.HooksDone())
+        warnings += [c for c in t.commands if isinstance(c, m.WarnSkew)]
+        assert t.commands[-1] == m.CountNonjoined()
+        s = t.state
+    assert s.shadow_rounds == 10
+    (warning,) = warnings
+    assert "skew of greater than 3" in warning.message and "rank 1" in warning.message
+
+
+def test_times_are_recorded_from_observations() -> None:
+    s = m.initial_state(m.MachineConfig(rank=0))
+    s = m.step(s, m.Entered(now=10.0)).state
+    s = m.step(s, m.LoopExited(now=12.0)).state
+    s = m.step(s, m.Counted(total=0.0, now=12.5)).state
+    s = m.step(s, m.HooksDone(now=13.0)).state
+    assert (s.entered_at, s.joined_at, s.done_at) == (10.0, 12.0, 13.0)
+
+
+def test_decode_tally() -> None:
+    assert m.decode_tally(0.0) == (0, 0)
+    assert m.decode_tally(7.0) == (7, 0)
+    assert m.decode_tally(2 * m.FAILED + 5) == (5, 2)
+
+
+def test_values_are_frozen() -> None:
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        m.SendHeartbeat().value = 2.0  # type: ignore[misc]
+
+
+def test_importing_the_core_imports_no_framework() -> None:
+    code = (
+        "import sys, join_core, join_core._machine;"
+        "bad = {'torch', 'numpy', 'mpi4py'} & set(sys.modules);"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
