@@ -174,6 +174,9 @@ class Join:
         self._clock: Callable[[], float] = time.monotonic
         self._backend: Any = None
         self._state: m.JoinState | None = None
+        # Heartbeats sent on the fast path, not yet folded into the state.
+        self._batched_notifies = 0
+        self._batch_notifies = False
         if self._enable:
             from backends import resolve
 
@@ -246,9 +249,9 @@ class Join:
         config = getattr(joinable, "_join_config", None)
         if config is None:
             raise _missing_config(joinable)
-        if not config.is_first_joinable or not config.enable:
-            return None
-        return config.join._feed(m.Notified(now=config.join._clock()))
+        if config.is_first_joinable and config.enable:
+            return config.join._notify()
+        return None
 
     # -- driving the machine ---------------------------------------------------
 
@@ -260,17 +263,41 @@ class Join:
     @property
     def state(self) -> m.JoinState | None:
         """The machine's current state (``None`` when not enabled)."""
+        self._fold_batched_notifies()
         return self._state
+
+    def _notify(self) -> Any:
+        if self._batch_notifies:
+            # The machine's answer is known (see m.notify_is_batchable): send
+            # the heartbeat and count it; _feed folds the count in later.
+            self._batched_notifies += 1
+            return self._backend.heartbeat(m.ACTIVE)
+        return self._feed(m.Notified(now=self._clock()))
 
     def _feed(self, observation: m.Observation) -> Any:
         """Step the machine and carry out its commands until none is pending.
 
         Returns the heartbeat handle if a heartbeat was sent.
         """
+        self._fold_batched_notifies()
+        self._batch_notifies = False
+        try:
+            return self._run(observation)
+        finally:
+            assert self._state is not None
+            self._batch_notifies = m.notify_is_batchable(self._state)
+
+    def _fold_batched_notifies(self) -> None:
+        if self._batched_notifies:
+            assert self._state is not None
+            self._state = m.replay_notifies(self._state, self._batched_notifies)
+            self._batched_notifies = 0
+
+    def _run(self, observation: m.Observation) -> Any:
+        assert self._state is not None
         handle = None
         pending: m.Observation | None = observation
         while pending is not None:
-            assert self._state is not None
             transition = m.step(self._state, pending)
             self._state = transition.state
             pending = None

@@ -88,6 +88,8 @@ __all__ = [
     "decode_tally",
     "initial_state",
     "step",
+    "notify_is_batchable",
+    "replay_notifies",
     "TRANSITIONS",
     "SKEW_WARN_THRESHOLD",
     "ACTIVE_RANK_MESSAGE",
@@ -431,6 +433,24 @@ TRANSITIONS: dict[tuple[Phase, type], _Handler] = {
     (Phase.SHADOWING, HooksDone): _shadow_round_done,
     (Phase.POST_HOOKS, HooksDone): _post_hooks_done,
 }  # type: ignore[dict-item]
+
+
+def notify_is_batchable(state: JoinState) -> bool:
+    """Whether ``Notified`` now always yields the same transition.
+
+    In ACTIVE without throw mode, ``Notified`` keeps the phase, adds one to
+    ``heartbeats`` and commands one ``SendHeartbeat(ACTIVE)``. The shell may then
+    send heartbeats without stepping the machine (the per-iteration path must be
+    cheap) and fold them in with :func:`replay_notifies` before its next
+    observation; the result equals stepping ``Notified`` that many times.
+    """
+    return state.phase is Phase.ACTIVE and not state.config.throw_on_early_termination
+
+
+def replay_notifies(state: JoinState, count: int) -> JoinState:
+    """The state after ``count`` batchable ``Notified`` observations."""
+    assert notify_is_batchable(state), state.phase
+    return attrs.evolve(state, heartbeats=state.heartbeats + count)
 
 
 def step(state: JoinState, observation: Observation) -> Transition:

@@ -184,3 +184,19 @@ def test_importing_the_core_imports_no_framework() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_replaying_batched_notifies_equals_stepping() -> None:
+    s = state(m.Phase.ACTIVE)
+    assert m.notify_is_batchable(s)
+    stepped = s
+    for _ in range(5):
+        t = m.step(stepped, m.Notified())
+        assert t.commands == (m.SendHeartbeat(value=m.ACTIVE),)
+        stepped = t.state
+    assert m.replay_notifies(s, 5) == stepped
+    # Not batchable where Notified does more (throw mode) or is illegal.
+    assert not m.notify_is_batchable(state(m.Phase.ACTIVE, throw=True))
+    assert not any(
+        m.notify_is_batchable(state(phase)) for phase in m.Phase if phase is not m.Phase.ACTIVE
+    )
