@@ -1,0 +1,524 @@
+"""The MPI backend: joinery's collectives over an mpi4py communicator.
+
+Theory of operation
+-------------------
+:class:`MPIGroup` wraps one communicator (``COMM_WORLD`` by default) and is
+both a :class:`backends.CollectiveGroup` and its own join backend. Importing
+this module registers two kinds of ``join_process_group`` with the registry: an
+``MPIGroup`` resolves to itself, and a raw ``mpi4py.MPI.Comm`` resolves to a
+new ``MPIGroup`` over it. ``backends`` imports this module by itself once
+``mpi4py.MPI`` is loaded, so a joinable may simply return its communicator.
+
+*Every collective is nonblocking on the wire.* MPI does not match a blocking
+collective with a nonblocking one (MPI-3.1 section 5.12: "nonblocking
+collective operations do not match with blocking collective operations"); with
+Open MPI 5, one rank in ``Allreduce`` and another in ``Iallreduce`` hang. The
+join protocol pairs an active rank's heartbeat (which must not block) with a
+joined rank's count (which must), so both are an ``Iallreduce``; the count
+waits at once. For the same reason the group's blocking calls are the
+nonblocking call plus ``Wait()``: a hook that shadows an ``async_op=True``
+all-reduce with a blocking one matches, as it does in torch.distributed. (The
+nonblocking variants measured no slower than the blocking ones for large
+buffers.) Code that calls the communicator directly must keep its own calls
+consistent across ranks, as MPI always requires.
+
+*The heartbeat allocates nothing of its own.* Its 1-element float32 send and
+receive buffers (float32 like torch's, so the wire format is the same on every
+backend) live on the group, and so does the handle it returns. MPI forbids
+touching the buffers of an ``Iallreduce`` before it completes, so each
+heartbeat first waits for the previous one, which finished long ago: every
+rank has since passed the collectives of a whole iteration. The count first
+completes a pending heartbeat too, so no request outlives the Join. The handle
+is the group's one heartbeat handle: ``wait()`` completes the latest heartbeat
+and returns its sum.
+
+*Buffers are used in place, never copied.* A NumPy array is handed to MPI as
+it is; a torch CPU tensor through its ``tensor.numpy()`` view (torch is never
+imported here: tensors are recognised by the module of their type). Buffers
+must be contiguous, writable where they receive, and of a supported dtype; the
+MPI datatype and reduce op are looked up in tables built once, and a
+combination MPI cannot reduce (a bitwise op on floats, a bool sum, float16)
+raises a ``TypeError`` that says what would work. Bool buffers use MPI's
+logical ops with torch's meaning: ``sum``/``max``/``bor`` are OR,
+``prod``/``min``/``band`` are AND, ``bxor`` is XOR.
+
+Only MPI-3 calls are used (nonblocking collectives, ``MPI_IN_PLACE``,
+``MPI_C_BOOL``), so Open MPI and MPICH both work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+import backends
+
+__all__ = ["MPIGroup"]
+
+# numpy dtype -> MPI datatype. Explicit so the wire type never depends on how
+# a buffer spells its format ('l' vs 'q').
+_DATATYPES: dict[np.dtype[Any], MPI.Datatype] = {
+    np.dtype(np.bool_): MPI.C_BOOL,
+    np.dtype(np.int8): MPI.INT8_T,
+    np.dtype(np.int16): MPI.INT16_T,
+    np.dtype(np.int32): MPI.INT32_T,
+    np.dtype(np.int64): MPI.INT64_T,
+    np.dtype(np.uint8): MPI.UINT8_T,
+    np.dtype(np.uint16): MPI.UINT16_T,
+    np.dtype(np.uint32): MPI.UINT32_T,
+    np.dtype(np.uint64): MPI.UINT64_T,
+    np.dtype(np.float32): MPI.FLOAT,
+    np.dtype(np.float64): MPI.DOUBLE,
+    np.dtype(np.complex64): MPI.C_FLOAT_COMPLEX,
+    np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX,
+}
+
+_ARITHMETIC = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+_BITWISE = {"band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
+_LOGICAL = {
+    "sum": MPI.LOR, "max": MPI.LOR, "bor": MPI.LOR,
+    "prod": MPI.LAND, "min": MPI.LAND, "band": MPI.LAND,
+    "bxor": MPI.LXOR,
+}
+
+
+def _ops_for(dtype: np.dtype[Any]) -> dict[str, MPI.Op]:
+    if dtype.kind == "b":
+        return _LOGICAL
+    if dtype.kind in "iu":
+        return {**_ARITHMETIC, **_BITWISE}
+    if dtype.kind == "f":
+        return _ARITHMETIC
+    return {"sum": MPI.SUM, "prod": MPI.PROD}  # complex: MPI has no order on it
+
+
+# (dtype, op name) -> MPI op; a missing pair is a combination MPI cannot reduce.
+_REDUCE_OPS: dict[tuple[np.dtype[Any], str], MPI.Op] = {
+    (dtype, name): op for dtype in _DATATYPES for name, op in _ops_for(dtype).items()
+}
+
+# type -> whether it is a torch tensor type; filled on first sight of a type.
+_is_tensor_type: dict[type, bool] = {np.ndarray: False}
+
+
+def _is_tensor(buf: Any) -> bool:
+    kind = type(buf)
+    known = _is_tensor_type.get(kind)
+    if known is None:
+        # torch.Tensor and its subclasses (nn.Parameter), without importing torch.
+        known = any(
+            c.__name__ == "Tensor" and c.__module__ == "torch" for c in kind.__mro__
+        )
+        _is_tensor_type[kind] = known
+    return known
+
+
+def _array(buf: Any, what: str = "buffer", writable: bool = True) -> np.ndarray:
+    """The NumPy view MPI reads or writes for ``buf`` (never a copy)."""
+    if _is_tensor(buf):
+        if buf.device.type != "cpu":
+            raise ValueError(
+                f"MPIGroup needs CPU tensors, but the {what} is on {buf.device}; "
+                "move it with .cpu() (joinery does not assume a CUDA-aware MPI)"
+            )
+        if not buf.is_contiguous():
+            raise ValueError(
+                f"the {what} tensor is not contiguous; MPI works on the memory in "
+                "place, so pass t.contiguous() and copy the result back"
+            )
+        try:
+            arr = buf.detach().numpy()
+        except TypeError as exc:  # bfloat16 and other types NumPy lacks
+            raise TypeError(
+                f"MPIGroup cannot send a tensor of dtype {buf.dtype}: supported "
+                f"are {_supported_dtypes()}"
+            ) from exc
+    elif isinstance(buf, np.ndarray):
+        arr = buf
+        if not arr.flags.c_contiguous:
+            raise ValueError(
+                f"the {what} array is not C-contiguous; MPI works on the memory in "
+                "place, so pass np.ascontiguousarray(a) and copy the result back"
+            )
+        if writable and not arr.flags.writeable:
+            raise ValueError(f"the {what} array is read-only but receives a result")
+    else:
+        raise TypeError(
+            f"MPIGroup collectives take NumPy arrays or torch CPU tensors, got "
+            f"{type(buf).__module__}.{type(buf).__qualname__} for the {what}"
+        )
+    if arr.dtype not in _DATATYPES:
+        raise TypeError(
+            f"MPIGroup cannot send dtype {arr.dtype} (the {what}): supported are "
+            f"{_supported_dtypes()}"
+        )
+    return arr
+
+
+def _supported_dtypes() -> str:
+    return ", ".join(str(d) for d in _DATATYPES)
+
+
+def _reduce_op(dtype: np.dtype[Any], op: str) -> MPI.Op:
+    mpi_op = _REDUCE_OPS.get((dtype, op))
+    if mpi_op is not None:
+        return mpi_op
+    if op not in backends.REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}: use one of {backends.REDUCE_OPS}")
+    allowed = sorted(name for (d, name) in _REDUCE_OPS if d == dtype)
+    raise TypeError(
+        f"reduce op {op!r} is not defined for dtype {dtype}: use one of {allowed}"
+    )
+
+
+class _Request:
+    """A collective in flight; ``wait()`` returns what the blocking call returns."""
+
+    __slots__ = ("_request", "_result", "_buffers")
+
+    def __init__(self, request: MPI.Request, result: Any, buffers: Any = None) -> None:
+        self._request = request
+        self._result = result
+        # MPI reads/writes these until completion; keep them alive until then.
+        self._buffers = buffers
+
+    def wait(self) -> Any:
+        """Block until the collective completes; return its result."""
+        self._request.Wait()
+        self._buffers = None
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Whether the collective has completed (never blocks)."""
+        return bool(self._request.Test())
+
+
+class _HeartbeatHandle:
+    """The group's one heartbeat handle (allocated once, see the module doc)."""
+
+    __slots__ = ("_group",)
+
+    def __init__(self, group: MPIGroup) -> None:
+        self._group = group
+
+    def wait(self) -> float:
+        """Complete the latest heartbeat; return its sum over all ranks."""
+        group = self._group
+        group._heartbeat_request.Wait()
+        return float(group._heartbeat_recv[0])
+
+
+class MPIGroup:
+    """joinery's collectives over an mpi4py communicator.
+
+    Every method is collective: all ranks of the communicator call it in the
+    same order with matching arguments (same shapes and dtypes, same root).
+    Results land in the callers' buffers, which are used in place.
+
+    Args:
+        comm: an intra-communicator; ``None`` means ``MPI.COMM_WORLD``. It is
+            used as it is, not duplicated, so the Join's collectives and your
+            own interleave on it like torch's do on a process group.
+
+    Raises:
+        TypeError: ``comm`` is not an intra-communicator.
+    """
+
+    device = "cpu"
+
+    def __init__(self, comm: MPI.Comm | None = None) -> None:
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError(
+                f"MPIGroup needs an MPI intra-communicator, got {comm!r}"
+            )
+        self.comm = comm
+        self.rank: int = comm.Get_rank()
+        self.world_size: int = comm.Get_size()
+        # The per-iteration path: bound methods and buffers made once.
+        self._iallreduce = comm.Iallreduce
+        self._heartbeat_send = np.zeros(1, dtype=np.float32)
+        self._heartbeat_recv = np.zeros(1, dtype=np.float32)
+        self._heartbeat_msgs = (
+            [self._heartbeat_send, MPI.FLOAT],
+            [self._heartbeat_recv, MPI.FLOAT],
+        )
+        self._count_send = np.zeros(1, dtype=np.float32)
+        self._count_recv = np.zeros(1, dtype=np.float32)
+        self._count_msgs = ([self._count_send, MPI.FLOAT], [self._count_recv, MPI.FLOAT])
+        self._heartbeat_request: MPI.Request = MPI.REQUEST_NULL
+        self._heartbeat_handle = _HeartbeatHandle(self)
+
+    def __repr__(self) -> str:
+        return f"MPIGroup(rank={self.rank}, world_size={self.world_size})"
+
+    # -- join backend ------------------------------------------------------------
+
+    def heartbeat(self, value: float) -> _HeartbeatHandle:
+        """Start the 1-element float32 SUM all-reduce contributing ``value``.
+
+        Args:
+            value: this rank's contribution.
+
+        Returns:
+            The group's heartbeat handle; ``wait()`` returns the sum.
+        """
+        # The previous heartbeat's buffers are about to be reused.
+        self._heartbeat_request.Wait()
+        self._heartbeat_send[0] = value
+        send, recv = self._heartbeat_msgs
+        self._heartbeat_request = self._iallreduce(send, recv, MPI.SUM)
+        return self._heartbeat_handle
+
+    def count(self, value: float) -> float:
+        """1-element float32 SUM all-reduce contributing ``value`` (blocking).
+
+        Args:
+            value: this rank's contribution.
+
+        Returns:
+            The sum over all ranks.
+        """
+        self._heartbeat_request.Wait()
+        self._count_send[0] = value
+        send, recv = self._count_msgs
+        self._iallreduce(send, recv, MPI.SUM).Wait()
+        return float(self._count_recv[0])
+
+    # -- collectives ---------------------------------------------------------------
+
+    def _finish(self, request: MPI.Request, result: Any, async_op: bool,
+                buffers: Any = None) -> Any:
+        if async_op:
+            return _Request(request, result, buffers)
+        request.Wait()
+        return result
+
+    def _root(self, root: int, what: str) -> int:
+        if not 0 <= root < self.world_size:
+            raise ValueError(
+                f"{what}={root} is not a rank of this group (world size "
+                f"{self.world_size})"
+            )
+        return root
+
+    def all_reduce(self, buf: Any, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``buf`` over all ranks, in place; every rank gets the result.
+
+        Args:
+            buf: a contiguous NumPy array or torch CPU tensor.
+            op: one of :data:`backends.REDUCE_OPS`.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf`` (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            TypeError: unsupported buffer type or dtype, or ``op`` undefined for it.
+            ValueError: unknown ``op``, or ``buf`` not contiguous/writable/on CPU.
+        """
+        arr = _array(buf)
+        mpi_op = _reduce_op(arr.dtype, op)
+        request = self._iallreduce(MPI.IN_PLACE, [arr, _DATATYPES[arr.dtype]], mpi_op)
+        return self._finish(request, buf, async_op, arr)
+
+    def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
+        """Copy ``buf`` of rank ``src`` into ``buf`` of every rank.
+
+        Args:
+            buf: a contiguous NumPy array or torch CPU tensor.
+            src: the rank whose buffer is sent.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf`` (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            TypeError: unsupported buffer type or dtype.
+            ValueError: ``src`` is not a rank, or ``buf`` is unusable.
+        """
+        arr = _array(buf)
+        request = self.comm.Ibcast([arr, _DATATYPES[arr.dtype]], self._root(src, "src"))
+        return self._finish(request, buf, async_op, arr)
+
+    def all_gather(self, buf: Any, async_op: bool = False) -> Any:
+        """Gather every rank's ``buf`` on every rank.
+
+        Args:
+            buf: a contiguous NumPy array or torch CPU tensor; same shape and
+                dtype on every rank.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            A list of ``world_size`` new buffers of ``buf``'s kind, in rank
+            order (views of one fresh buffer), or a handle whose ``wait()``
+            returns it.
+
+        Raises:
+            TypeError: unsupported buffer type or dtype.
+            ValueError: ``buf`` is unusable.
+        """
+        arr = _array(buf, writable=False)
+        out, parts = self._stacked(buf)
+        datatype = _DATATYPES[arr.dtype]
+        request = self.comm.Iallgather([arr, datatype], [out, datatype])
+        return self._finish(request, parts, async_op, (arr, out))
+
+    def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``buf`` over all ranks into ``buf`` of rank ``dst``.
+
+        Other ranks' buffers are left as they were.
+
+        Args:
+            buf: a contiguous NumPy array or torch CPU tensor.
+            dst: the rank that receives the result.
+            op: one of :data:`backends.REDUCE_OPS`.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf`` (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            TypeError: unsupported buffer type or dtype, or ``op`` undefined for it.
+            ValueError: unknown ``op``, ``dst`` not a rank, or ``buf`` unusable.
+        """
+        dst = self._root(dst, "dst")
+        arr = _array(buf, writable=self.rank == dst)
+        mpi_op = _reduce_op(arr.dtype, op)
+        msg = [arr, _DATATYPES[arr.dtype]]
+        if self.rank == dst:
+            request = self.comm.Ireduce(MPI.IN_PLACE, msg, mpi_op, dst)
+        else:
+            request = self.comm.Ireduce(msg, None, mpi_op, dst)
+        return self._finish(request, buf, async_op, arr)
+
+    def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
+        """Gather every rank's ``buf`` on rank ``dst``.
+
+        Args:
+            buf: a contiguous NumPy array or torch CPU tensor; same shape and
+                dtype on every rank.
+            dst: the rank that receives the list.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            On ``dst`` a list of ``world_size`` new buffers in rank order, on
+            the other ranks ``None`` (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            TypeError: unsupported buffer type or dtype.
+            ValueError: ``dst`` is not a rank, or ``buf`` is unusable.
+        """
+        dst = self._root(dst, "dst")
+        arr = _array(buf, writable=False)
+        datatype = _DATATYPES[arr.dtype]
+        if self.rank == dst:
+            out, parts = self._stacked(buf)
+            request = self.comm.Igather([arr, datatype], [out, datatype], dst)
+            return self._finish(request, parts, async_op, (arr, out))
+        request = self.comm.Igather([arr, datatype], None, dst)
+        return self._finish(request, None, async_op, arr)
+
+    def scatter(
+        self, buf: Any, src: int, chunks: Any = None, async_op: bool = False
+    ) -> Any:
+        """Fill every rank's ``buf`` with ``chunks[rank]`` of rank ``src``.
+
+        Args:
+            buf: a contiguous NumPy array or torch CPU tensor that receives.
+            src: the rank that sends.
+            chunks: on ``src`` only: ``world_size`` buffers shaped like ``buf``,
+                or one buffer of shape ``(world_size, *buf.shape)`` (sent
+                without a copy when contiguous).
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf`` (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            TypeError: unsupported buffer type or dtype, or chunks of another dtype.
+            ValueError: ``src`` is not a rank, ``chunks`` missing on ``src`` or
+                of the wrong number or shape, or ``buf`` unusable.
+        """
+        src = self._root(src, "src")
+        arr = _array(buf)
+        datatype = _DATATYPES[arr.dtype]
+        if self.rank != src:
+            request = self.comm.Iscatter(None, [arr, datatype], src)
+            return self._finish(request, buf, async_op, arr)
+        send = self._scatter_source(arr, chunks)
+        request = self.comm.Iscatter([send, datatype], [arr, datatype], src)
+        return self._finish(request, buf, async_op, (arr, send))
+
+    def barrier(self) -> None:
+        """Return once every rank of the group has called ``barrier``."""
+        self.comm.Ibarrier().Wait()
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _stacked(self, buf: Any) -> tuple[np.ndarray, list[Any]]:
+        """A fresh ``(world_size, *shape)`` buffer of ``buf``'s kind, and its rows."""
+        if _is_tensor(buf):
+            out = buf.new_empty((self.world_size, *buf.shape))
+            return out.numpy(), list(out.unbind(0))
+        stacked = np.empty((self.world_size, *buf.shape), dtype=buf.dtype)
+        return stacked, list(stacked)
+
+    def _scatter_source(self, arr: np.ndarray, chunks: Any) -> np.ndarray:
+        shape = (self.world_size, *arr.shape)
+        if chunks is None:
+            raise ValueError(f"scatter needs chunks on the source rank {self.rank}")
+        if isinstance(chunks, np.ndarray) or _is_tensor(chunks):
+            send = _array(chunks, "chunks", writable=False)
+            if send.shape != shape:
+                raise ValueError(
+                    f"scatter chunks have shape {tuple(send.shape)}, expected {shape}"
+                )
+        else:
+            parts = _chunk_arrays(chunks)
+            if len(parts) != self.world_size:
+                raise ValueError(
+                    f"scatter needs {self.world_size} chunks (one per rank), got "
+                    f"{len(parts)}"
+                )
+            for part in parts:
+                if part.shape != arr.shape:
+                    raise ValueError(
+                        f"a scatter chunk has shape {part.shape}, the receive buffer "
+                        f"{arr.shape}"
+                    )
+            send = np.stack(parts)
+        if send.dtype != arr.dtype:
+            raise TypeError(
+                f"scatter chunks have dtype {send.dtype}, the receive buffer {arr.dtype}"
+            )
+        return send
+
+
+def _chunk_arrays(chunks: Sequence[Any]) -> list[np.ndarray]:
+    # The chunks are copied into one send buffer anyway, so unlike the other
+    # buffers they need not be contiguous.
+    parts = []
+    for chunk in chunks:
+        if _is_tensor(chunk):
+            chunk = chunk.contiguous()
+        elif isinstance(chunk, np.ndarray):
+            chunk = np.ascontiguousarray(chunk)
+        parts.append(_array(chunk, "chunk", writable=False))
+    return parts
+
+
+def _backend_for_comm(comm: MPI.Comm, device: Any) -> MPIGroup:
+    return MPIGroup(comm)
+
+
+def _backend_for_group(group: MPIGroup, device: Any) -> MPIGroup:
+    return group
+
+
+backends.register(MPI.Comm, _backend_for_comm)
+backends.register(MPIGroup, _backend_for_group)
