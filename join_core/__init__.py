@@ -9,15 +9,20 @@ from ._errors import (
     JoinError,
     LocalProtocolError,
     PeerError,
+    PeerAborted,
     PeerFailure,
     RankTimeout,
+    AgreementError,
 )
-from ._join import Join, JoinHook, Joinable
+from ._join import Join, JoinHook, Joinable, format_reports
+from ._machine import JoinReport
 
 __all__ = [
     "Join",
     "Joinable",
     "JoinHook",
+    "JoinReport",
+    "format_reports",
     "JoinError",
     "LocalProtocolError",
     "PeerError",
@@ -25,4 +30,6 @@ __all__ = [
     "CollectiveMismatch",
     "RankTimeout",
     "PeerFailure",
+    "PeerAborted",
+    "AgreementError",
 ]

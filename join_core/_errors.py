@@ -18,6 +18,8 @@ __all__ = [
     "CollectiveMismatch",
     "RankTimeout",
     "PeerFailure",
+    "PeerAborted",
+    "AgreementError",
 ]
 
 
@@ -67,3 +69,16 @@ class PeerFailure(PeerError):
         self.rank = rank
         self.exc_type = exc_type
         self.exc_message = exc_message
+
+
+class PeerAborted(PeerError):
+    """Raised inside the loop when a heartbeat shows that another rank failed.
+
+    Let it propagate out of the ``with Join(...)`` block: on the way out the
+    rank shadows with the others until everyone has stopped, then raises a
+    :class:`PeerFailure` naming the failing rank and its exception.
+    """
+
+
+class AgreementError(PeerError):
+    """Ranks entered a Join with different settings (see the message's table)."""

@@ -11,6 +11,7 @@ changing one import.
 from __future__ import annotations
 
 import abc
+import logging
 import sys
 import time
 import warnings
@@ -21,9 +22,11 @@ from typing import Any
 import attrs
 
 from . import _machine as m
-from ._errors import LocalProtocolError
+from ._errors import LocalProtocolError, PeerAborted
 
-__all__ = ["Join", "Joinable", "JoinHook"]
+__all__ = ["Join", "Joinable", "JoinHook", "format_reports"]
+
+_log = logging.getLogger("joinery")
 
 
 class JoinHook:
@@ -123,6 +126,11 @@ class Join:
     joinable's main hook, shadowing the collectives of the ranks still in their
     loop, until all ranks have joined; then each rank runs the post hooks.
 
+    If the loop body raises on one rank, that rank keeps shadowing too, its
+    peers learn of the failure through the join collectives, and every rank
+    leaves the block with an error: the failing rank with its own exception,
+    the others with :class:`~join_core.PeerFailure` naming it.
+
     Args:
         joinables: the participating joinables; their hooks run in this order
             and the first one sends the heartbeat.
@@ -130,12 +138,16 @@ class Join:
             known to be even).
         throw_on_early_termination: raise ``RuntimeError`` on every rank as soon
             as one rank runs out of inputs, instead of shadowing.
+        check_agreement: on entry, check with one all-gather that all ranks pass
+            the same number of joinables and flags on the same backend (turn it
+            off to share a group with torch's own Join).
         **kwargs: forwarded to every joinable's ``join_hook``.
 
     Raises:
         ValueError: ``joinables`` is empty, or the joinables use different
             process groups.
-        TypeError: an element is not a Joinable, or its hook is not a JoinHook.
+        TypeError: an element is not a Joinable, or its hook is not a JoinHook,
+            or no backend handles the joinables' process group.
     """
 
     def __init__(
@@ -143,8 +155,15 @@ class Join:
         joinables: Iterable[Any],
         enable: bool = True,
         throw_on_early_termination: bool = False,
+        *,
+        check_agreement: bool = True,
         **kwargs: Any,
     ) -> None:
+        if isinstance(joinables, Joinable) or not isinstance(joinables, Iterable):
+            raise TypeError(
+                f"Join expects a list of Joinables, got {type(joinables).__qualname__}: "
+                "write Join([joinable])"
+            )
         joinable_list = [_as_joinable(j) for j in joinables]
         if not joinable_list:
             raise ValueError("The join context manager requires at least one joinable")
@@ -174,17 +193,30 @@ class Join:
         self._clock: Callable[[], float] = time.monotonic
         self._backend: Any = None
         self._state: m.JoinState | None = None
-        # Heartbeats sent on the fast path, not yet folded into the state.
+        # The per-iteration fast path (see _notify): heartbeats sent but not yet
+        # folded into the state, the previous heartbeat's handle, and the
+        # backend's collective counter when that heartbeat went out.
         self._batched_notifies = 0
         self._batch_notifies = False
+        self._last_heartbeat: Any = None
+        self._collectives_at_heartbeat: int | None = None
         if self._enable:
             from backends import resolve
 
-            self._backend = resolve(process_group, self._device)
+            backend = resolve(process_group, self._device)
+            self._backend = backend
+            self._heartbeat = backend.heartbeat
+            self._heartbeat_total = getattr(backend, "heartbeat_total", None)
+            signature = (
+                ("joinables", len(joinable_list)),
+                ("throw_on_early_termination", self._throw_on_early_termination),
+                ("backend", type(backend).__name__),
+            )
             self._state = m.initial_state(
                 m.MachineConfig(
-                    rank=self._backend.rank,
+                    rank=backend.rank,
                     throw_on_early_termination=self._throw_on_early_termination,
+                    signature=signature if check_agreement else None,
                 )
             )
 
@@ -200,6 +232,8 @@ class Join:
                     f"{type(joinable).__qualname__} is already inside another "
                     "enabled Join; Joins over the same joinable cannot be nested"
                 )
+        if self._enable:
+            self._feed(m.Entered(now=self._clock()))  # may raise AgreementError
         for index, joinable in enumerate(self._joinables):
             joinable._join_config = _JoinConfig(
                 enable=self._enable,
@@ -207,8 +241,6 @@ class Join:
                 is_first_joinable=index == 0,
                 join=self,
             )
-        if self._enable:
-            self._feed(m.Entered(now=self._clock()))
         return self
 
     def __exit__(
@@ -219,10 +251,38 @@ class Join:
     ) -> None:
         try:
             if self._enable:
-                self._feed(m.LoopExited(raised=exc_type is not None, now=self._clock()))
+                self._leave(exc)
         finally:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
+
+    def _leave(self, exc: BaseException | None) -> None:
+        if exc is None:
+            self._feed(m.LoopExited(now=self._clock()))
+            return
+        if isinstance(exc, PeerAborted):
+            self._feed(m.LoopExited(outcome=m.Outcome.ABORTED, now=self._clock()))
+            return
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
+            self._feed(m.LoopExited(outcome=m.Outcome.INTERRUPTED, now=self._clock()))
+            return
+        counter = getattr(self._backend, "collectives_issued", None)
+        iteration_open = (
+            self._collectives_at_heartbeat is not None
+            and counter == self._collectives_at_heartbeat
+        )
+        try:
+            self._feed(
+                m.LoopExited(
+                    outcome=m.Outcome.FAILED,
+                    failure=_failure(exc, self._backend.rank),
+                    iteration_open=iteration_open,
+                    now=self._clock(),
+                )
+            )
+        except Exception as follow_up:
+            # The rank's own exception is the one to report; keep the follow-up.
+            _add_note(exc, f"joinery could not finish shadowing after it: {follow_up!r}")
 
     # -- the heartbeat ---------------------------------------------------------
 
@@ -245,6 +305,7 @@ class Join:
             LocalProtocolError: the joinable's constructor did not call
                 ``Joinable.__init__``.
             RuntimeError: throw mode, and some rank exhausted its inputs.
+            PeerAborted: another rank failed; let it leave the Join block.
         """
         config = getattr(joinable, "_join_config", None)
         if config is None:
@@ -253,7 +314,26 @@ class Join:
             return config.join._notify()
         return None
 
-    # -- driving the machine ---------------------------------------------------
+    def _notify(self) -> Any:
+        if self._batch_notifies:
+            # The machine's answer is known (m.notify_is_batchable): read the
+            # previous heartbeat's sum for a failed peer, send this one, count
+            # it; _feed folds the count into the state later.
+            previous = self._last_heartbeat
+            if previous is not None and self._heartbeat_total is not None:
+                total = self._heartbeat_total(previous)
+                if m.tally_has_failure(total):
+                    return self._feed(m.HeartbeatSeen(total=total, now=self._clock()))
+            self._batched_notifies += 1
+            handle = self._last_heartbeat = self._heartbeat(m.ACTIVE)
+        else:
+            handle = self._feed(m.Notified(now=self._clock()))
+        # A failure before the backend issues another collective leaves this
+        # iteration open for the peers (see _leave).
+        self._collectives_at_heartbeat = getattr(self._backend, "collectives_issued", 0)
+        return handle
+
+    # -- observability -----------------------------------------------------------
 
     @property
     def rank(self) -> int:
@@ -266,13 +346,31 @@ class Join:
         self._fold_batched_notifies()
         return self._state
 
-    def _notify(self) -> Any:
-        if self._batch_notifies:
-            # The machine's answer is known (see m.notify_is_batchable): send
-            # the heartbeat and count it; _feed folds the count in later.
-            self._batched_notifies += 1
-            return self._backend.heartbeat(m.ACTIVE)
-        return self._feed(m.Notified(now=self._clock()))
+    @property
+    def report(self) -> m.JoinReport | None:
+        """What this rank did: inputs, join round, shadow rounds and time, last joiner.
+
+        ``None`` when the Join is not enabled.
+        """
+        state = self.state
+        return None if state is None else m.report(state)
+
+    def gather_report(self, dst: int = 0) -> list[m.JoinReport] | None:
+        """Collect every rank's report on rank ``dst`` (a collective: call it on all ranks).
+
+        Args:
+            dst: the rank that receives the reports.
+
+        Returns:
+            The reports in rank order on ``dst``, ``None`` elsewhere. Render them
+            with :func:`join_core.format_reports`.
+        """
+        if self._backend is None:
+            raise LocalProtocolError("gather_report needs an enabled Join (enable=True)")
+        reports = self._backend.all_gather_object(self.report)
+        return list(reports) if self._backend.rank == dst else None
+
+    # -- driving the machine ---------------------------------------------------
 
     def _feed(self, observation: m.Observation) -> Any:
         """Step the machine and carry out its commands until none is pending.
@@ -295,32 +393,64 @@ class Join:
 
     def _run(self, observation: m.Observation) -> Any:
         assert self._state is not None
+        backend = self._backend
         handle = None
+        hook_error: BaseException | None = None
         pending: m.Observation | None = observation
         while pending is not None:
+            before = self._state.phase
             transition = m.step(self._state, pending)
             self._state = transition.state
+            if transition.state.phase is not before and _log.isEnabledFor(logging.DEBUG):
+                _log.debug(
+                    "rank %s: %s -> %s on %s",
+                    transition.state.config.rank,
+                    before.name,
+                    transition.state.phase.name,
+                    type(pending).__name__,
+                )
             pending = None
             for command in transition.commands:
                 kind = type(command)
                 if kind is m.SendHeartbeat:
-                    handle = self._backend.heartbeat(command.value)
+                    handle = self._last_heartbeat = backend.heartbeat(command.value)
                 elif kind is m.CheckTermination:
-                    total = self._backend.count(command.value)
+                    total = backend.count(command.value)
                     pending = m.TerminationChecked(total=total, now=self._clock())
                 elif kind is m.CountNonjoined:
-                    total = self._backend.count(command.value)
+                    total = backend.count(command.value)
                     pending = m.Counted(total=total, now=self._clock())
                 elif kind is m.SignalTermination:
-                    self._backend.count(command.value)
-                elif kind is m.RunMainHooks:
-                    for hook in self._hooks:
-                        hook.main_hook()
-                    pending = m.HooksDone(now=self._clock())
-                elif kind is m.RunPostHooks:
-                    for hook in self._hooks:
-                        hook.post_hook(command.is_last_joiner)
-                    pending = m.HooksDone(now=self._clock())
+                    backend.count(command.value)
+                elif kind is m.RunMainHooks or kind is m.RunPostHooks:
+                    try:
+                        if kind is m.RunMainHooks:
+                            for hook in self._hooks:
+                                hook.main_hook()
+                        else:
+                            for hook in self._hooks:
+                                hook.post_hook(command.is_last_joiner)
+                    except Exception as error:
+                        hook_error = error
+                        pending = m.HookFailed(
+                            failure=_failure(error, backend.rank), now=self._clock()
+                        )
+                    else:
+                        pending = m.HooksDone(now=self._clock())
+                elif kind is m.CheckAgreement:
+                    signatures = backend.all_gather_object(command.signature)
+                    pending = m.AgreementChecked(
+                        signatures=tuple(signatures), now=self._clock()
+                    )
+                elif kind is m.ExchangeFailures:
+                    failures = backend.all_gather_object(command.failure)
+                    pending = m.FailuresExchanged(failures=tuple(failures), now=self._clock())
+                elif kind is m.AbortGroup:
+                    abort = getattr(backend, "abort", None)
+                    if abort is not None:
+                        abort(command.message)
+                    assert hook_error is not None
+                    raise hook_error
                 elif kind is m.WarnSkew:
                     warnings.warn(command.message, UserWarning, stacklevel=4)
                 elif kind is m.Raise:
@@ -328,6 +458,42 @@ class Join:
                 else:  # pragma: no cover - a new command without a handler
                     raise AssertionError(f"unhandled command {command!r}")
         return handle
+
+
+def format_reports(reports: Iterable[m.JoinReport]) -> str:
+    """Render join reports as a small table, with the input skew on top.
+
+    Args:
+        reports: one report per rank (from :meth:`Join.gather_report`).
+
+    Returns:
+        A multi-line string.
+    """
+    rows = list(reports)
+    inputs = [r.inputs for r in rows]
+    lines = [
+        f"join report: {len(rows)} ranks, inputs min {min(inputs, default=0)} / "
+        f"max {max(inputs, default=0)} (skew {max(inputs, default=0) - min(inputs, default=0)})",
+        "rank | inputs | joined at | shadow rounds | shadowing s | last joiner | failure",
+    ]
+    for r in rows:
+        failure = f"{r.failure.exc_type}: {r.failure.message}" if r.failure else "-"
+        joined = "-" if r.joined_at_round is None else str(r.joined_at_round)
+        lines.append(
+            f"{r.rank:>4} | {r.inputs:>6} | {joined:>9} | {r.shadow_rounds:>13} | "
+            f"{r.seconds_shadowing:>11.3f} | {str(r.is_last_joiner):>11} | {failure}"
+        )
+    return "\n".join(lines)
+
+
+def _failure(error: BaseException, rank: int) -> m.Failure:
+    return m.Failure(rank=rank, exc_type=type(error).__qualname__, message=str(error))
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    add_note = getattr(error, "add_note", None)  # Python 3.11+
+    if add_note is not None:
+        add_note(note)
 
 
 def _looks_like_hook(hook: Any) -> bool:

@@ -19,75 +19,109 @@ With ``throw_on_early_termination`` an active rank follows its heartbeat with a
 rank that sees active ranks *signals termination* on that same all-reduce
 (contributing 1) and raises; the active ranks see a non-zero check and raise.
 
+Failures ride on the same collectives. A rank whose loop body raises does not
+leave: it counts and shadows like a joined rank but contributes ``FAILED`` (a
+weight far above any rank count, so every sum decodes into ``(active,
+failed)``). If it raised right after its heartbeat, before any other collective
+of that iteration, it first runs one *completion round* of main hooks so that
+iteration's collectives are matched. Active ranks read each heartbeat's sum at
+their next notify; seeing a failure they stop (``PeerAborted`` is raised inside
+the loop) and count as joined. Once a count shows no active rank and some
+failure, no post hook runs: all ranks *exchange failures* (one all-gather of
+``Failure`` values) and every rank raises ``PeerFailure`` naming the failing
+rank, except the failing ranks, which re-raise their own exception.
+
+On entry, ranks may first *check agreement*: one all-gather of each rank's
+``signature`` (number of joinables, throw mode, backend); a difference raises
+``AgreementError`` with a per-rank table on every rank instead of a later hang.
+
 Phases (``Phase``)::
 
     IDLE        built, not entered
+    AGREEING    entered, waiting for the agreement check's result
     ACTIVE      inside the loop body, sending heartbeats
     CHECKING    active, waiting for the termination check's result (throw mode)
-    TERMINATED  active, the early-termination error was raised inside the loop;
-                the loop body must now exit with it
-    COUNTING    joined, waiting for the count of non-joined ranks
-    SHADOWING   joined, running one round of main hooks
+    TERMINATED  active, the early-termination error (or, in throw mode, a
+                PeerFailure) was raised inside the loop; the body must exit
+    ABORTING    active, a heartbeat showed a failed peer and PeerAborted was
+                raised inside the loop; the loop body must now exit
+    COUNTING    out of the loop, waiting for the count of non-joined ranks
+    SHADOWING   out of the loop, running one round of main hooks
+    EXCHANGING  a failure was seen; waiting for the exchange of failures
     POST_HOOKS  everyone joined, running the post hooks
     DONE        finished; the shell leaves the context
     ERRORED     an illegal observation arrived; sticky: every later
                 observation re-raises the same error
 
-Observations are what the shell saw (``Entered``, ``Notified``,
-``TerminationChecked``, ``LoopExited``, ``Counted``, ``HooksDone``); each
-carries ``now``, a time the shell read from its clock, because the core never
-reads one. Commands are what the shell must do next (``SendHeartbeat``,
-``CheckTermination``, ``CountNonjoined``, ``SignalTermination``,
-``RunMainHooks``, ``RunPostHooks``, ``WarnSkew``, ``Raise``). A command that
-produces a result (a check or a count) is answered by exactly one observation.
+Observations are what the shell saw; each carries ``now``, a time the shell
+read from its clock, because the core never reads one. Commands are what the
+shell must do next, in order. A command that produces a result (a check, a
+count, an exchange, hooks that run) is answered by exactly one observation.
 
 Invariants:
 - every rank issues the same sequence of join collectives, so the SUM of one
   round is the same number on every rank and all ranks make the same decision;
 - a rank's ``is_last_joiner`` is true iff its first count was zero;
+- after a failure, post hooks never run and every rank leaves with an error;
 - the machine never raises: an illegal (phase, observation) pair moves it to
   ERRORED and emits ``Raise(LocalProtocolError(...))``.
-
-Wire values leave room for later features: a heartbeat/count contribution is
-``ACTIVE`` (1) or ``JOINED`` (0); ``FAILED`` is a large weight so a sum still
-decodes into (active, failed) counts by ``divmod``.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import attrs
 
-from ._errors import EarlyTermination, JoinError, LocalProtocolError
+from ._errors import (
+    AgreementError,
+    EarlyTermination,
+    JoinError,
+    LocalProtocolError,
+    PeerAborted,
+    PeerError,
+    PeerFailure,
+)
 
 __all__ = [
     "Phase",
+    "Outcome",
+    "Failure",
     "MachineConfig",
     "JoinState",
+    "JoinReport",
     "Transition",
     "Entered",
+    "AgreementChecked",
     "Notified",
+    "HeartbeatSeen",
     "TerminationChecked",
     "LoopExited",
     "Counted",
     "HooksDone",
+    "HookFailed",
+    "FailuresExchanged",
+    "CheckAgreement",
     "SendHeartbeat",
     "CheckTermination",
     "CountNonjoined",
     "SignalTermination",
     "RunMainHooks",
     "RunPostHooks",
+    "ExchangeFailures",
+    "AbortGroup",
     "WarnSkew",
     "Raise",
     "ACTIVE",
     "JOINED",
     "FAILED",
     "decode_tally",
+    "tally_has_failure",
     "initial_state",
     "step",
+    "report",
     "notify_is_batchable",
     "replay_notifies",
     "TRANSITIONS",
@@ -121,41 +155,71 @@ def decode_tally(total: float) -> tuple[int, int]:
     return active, failed
 
 
+def tally_has_failure(total: float) -> bool:
+    """Whether a heartbeat/count sum includes a failed rank (cheap check)."""
+    return total >= FAILED - 0.5
+
+
 class Phase(enum.Enum):
     IDLE = "idle"
+    AGREEING = "agreeing"
     ACTIVE = "active"
     CHECKING = "checking"
     TERMINATED = "terminated"
+    ABORTING = "aborting"
     COUNTING = "counting"
     SHADOWING = "shadowing"
+    EXCHANGING = "exchanging"
     POST_HOOKS = "post_hooks"
     DONE = "done"
     ERRORED = "errored"
 
 
-# -- configuration and state ----------------------------------------------------
+class Outcome(enum.Enum):
+    """How the loop body left the context."""
+
+    NORMAL = "normal"  # inputs exhausted: the rank joins
+    FAILED = "failed"  # it raised an Exception of its own
+    ABORTED = "aborted"  # it raised PeerAborted (a peer failed)
+    INTERRUPTED = "interrupted"  # KeyboardInterrupt, SystemExit: leave at once
+
+
+# -- values -------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Failure:
+    """A rank's exception, as data that can cross the wire."""
+
+    rank: int
+    exc_type: str
+    message: str
 
 
 @attrs.frozen(kw_only=True)
 class MachineConfig:
     """What a rank's machine needs to know about its Join.
 
-    ``skew_warn_threshold`` is the number of shadow rounds after which a joined
-    rank warns once about input skew (torch: 1000).
+    ``signature`` is what ranks must agree on at entry, as ``(name, value)``
+    pairs; ``None`` turns the agreement check off. ``skew_warn_threshold`` is
+    the number of shadow rounds after which a joined rank warns once about input
+    skew (torch: 1000).
     """
 
     rank: int
     throw_on_early_termination: bool = False
+    signature: tuple[tuple[str, Any], ...] | None = None
     skew_warn_threshold: int = SKEW_WARN_THRESHOLD
 
 
 @attrs.frozen(kw_only=True)
 class JoinState:
-    """One rank's protocol state. Counters feed the join report.
+    """One rank's protocol state. Counters and times feed the join report.
 
     ``heartbeats`` is the number of inputs this rank processed (heartbeats sent),
     which is also the round at which it joined; ``shadow_rounds`` counts the
-    main-hook rounds it ran after joining.
+    main-hook rounds it ran after leaving its loop. ``failure`` is this rank's
+    own failure; ``failure_seen`` whether some count showed a failed rank.
     """
 
     phase: Phase
@@ -164,8 +228,11 @@ class JoinState:
     shadow_rounds: int = 0
     is_last_joiner: bool = True
     warned_skew: bool = False
+    failure: Failure | None = None
+    failure_seen: bool = False
     entered_at: float | None = None
     joined_at: float | None = None
+    all_joined_at: float | None = None
     done_at: float | None = None
     error: JoinError | None = None
 
@@ -173,6 +240,51 @@ class JoinState:
 def initial_state(config: MachineConfig) -> JoinState:
     """The state of a machine that has been built but not entered."""
     return JoinState(phase=Phase.IDLE, config=config)
+
+
+@attrs.frozen(kw_only=True)
+class JoinReport:
+    """What one rank did in one Join (``join.report``).
+
+    Attributes:
+        rank: this rank.
+        inputs: inputs processed (heartbeats sent) before leaving the loop.
+        joined_at_round: the round at which it joined (``None`` if it never
+            left its loop normally).
+        shadow_rounds: main-hook rounds run after leaving the loop.
+        seconds_shadowing: from leaving the loop until every rank had joined.
+        is_last_joiner: whether it was among the last to join.
+        phase: the machine's final phase name.
+        failure: this rank's own failure, if any.
+    """
+
+    rank: int
+    inputs: int
+    joined_at_round: int | None
+    shadow_rounds: int
+    seconds_shadowing: float
+    is_last_joiner: bool
+    phase: str
+    failure: Failure | None = None
+
+
+def report(state: JoinState) -> JoinReport:
+    """Summarise a state as a :class:`JoinReport`."""
+    joined = state.joined_at is not None and state.failure is None
+    end = state.all_joined_at if state.all_joined_at is not None else state.done_at
+    seconds = 0.0
+    if state.joined_at is not None and end is not None:
+        seconds = max(0.0, end - state.joined_at)
+    return JoinReport(
+        rank=state.config.rank,
+        inputs=state.heartbeats,
+        joined_at_round=state.heartbeats if joined else None,
+        shadow_rounds=state.shadow_rounds,
+        seconds_shadowing=seconds,
+        is_last_joiner=joined and state.is_last_joiner,
+        phase=state.phase.name,
+        failure=state.failure,
+    )
 
 
 # -- observations -------------------------------------------------------------
@@ -186,9 +298,25 @@ class Entered:
 
 
 @attrs.frozen(kw_only=True)
+class AgreementChecked:
+    """Result of ``CheckAgreement``: every rank's signature, in rank order."""
+
+    signatures: tuple[Any, ...]
+    now: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
 class Notified:
     """The first joinable called ``notify_join_context``: one more input."""
 
+    now: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class HeartbeatSeen:
+    """The sum of an earlier heartbeat, read on an active rank."""
+
+    total: float
     now: float = 0.0
 
 
@@ -202,9 +330,16 @@ class TerminationChecked:
 
 @attrs.frozen(kw_only=True)
 class LoopExited:
-    """The loop body left the context; ``raised`` if it left with an exception."""
+    """The loop body left the context.
 
-    raised: bool = False
+    ``failure`` is set with ``Outcome.FAILED``; ``iteration_open`` means the
+    rank raised after its heartbeat and before any other collective of that
+    iteration, so its peers still expect that iteration's collectives.
+    """
+
+    outcome: Outcome = Outcome.NORMAL
+    failure: Failure | None = None
+    iteration_open: bool = False
     now: float = 0.0
 
 
@@ -223,11 +358,43 @@ class HooksDone:
     now: float = 0.0
 
 
+@attrs.frozen(kw_only=True)
+class HookFailed:
+    """A main or post hook raised; its round's collectives are incomplete."""
+
+    failure: Failure
+    now: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class FailuresExchanged:
+    """Result of ``ExchangeFailures``: each rank's ``Failure`` or ``None``."""
+
+    failures: tuple[Failure | None, ...]
+    now: float = 0.0
+
+
 Observation: TypeAlias = (
-    Entered | Notified | TerminationChecked | LoopExited | Counted | HooksDone
+    Entered
+    | AgreementChecked
+    | Notified
+    | HeartbeatSeen
+    | TerminationChecked
+    | LoopExited
+    | Counted
+    | HooksDone
+    | HookFailed
+    | FailuresExchanged
 )
 
 # -- commands -------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class CheckAgreement:
+    """All-gather ``signature``; answer with ``AgreementChecked``."""
+
+    signature: tuple[tuple[str, Any], ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -260,16 +427,30 @@ class SignalTermination:
 
 @attrs.frozen(kw_only=True)
 class RunMainHooks:
-    """Run every joinable's main hook once (shadow round ``round``, from 0)."""
+    """Run every joinable's main hook once; answer with ``HooksDone``/``HookFailed``."""
 
     round: int
 
 
 @attrs.frozen(kw_only=True)
 class RunPostHooks:
-    """Run every joinable's post hook; answer with ``HooksDone``."""
+    """Run every joinable's post hook; answer with ``HooksDone``/``HookFailed``."""
 
     is_last_joiner: bool
+
+
+@attrs.frozen(kw_only=True)
+class ExchangeFailures:
+    """All-gather this rank's ``failure``; answer with ``FailuresExchanged``."""
+
+    failure: Failure | None
+
+
+@attrs.frozen(kw_only=True)
+class AbortGroup:
+    """Abort the process group where the backend can, so peers fail too."""
+
+    message: str
 
 
 @attrs.frozen(kw_only=True)
@@ -287,12 +468,15 @@ class Raise:
 
 
 Command: TypeAlias = (
-    SendHeartbeat
+    CheckAgreement
+    | SendHeartbeat
     | CheckTermination
     | CountNonjoined
     | SignalTermination
     | RunMainHooks
     | RunPostHooks
+    | ExchangeFailures
+    | AbortGroup
     | WarnSkew
     | Raise
 )
@@ -306,79 +490,148 @@ class Transition:
 
 # -- transitions ------------------------------------------------------------------
 
-_Handler: TypeAlias = Callable[[JoinState, "Observation"], Transition]
+_Handler: TypeAlias = Callable[[JoinState, Any], Transition]
+
+
+def _go(s: JoinState, phase: Phase, *commands: Command, **fields: Any) -> Transition:
+    return Transition(attrs.evolve(s, phase=phase, **fields), commands)
+
+
+def _raise(s: JoinState, phase: Phase, error: JoinError, **fields: Any) -> Transition:
+    return _go(s, phase, Raise(error=error), error=error, **fields)
 
 
 def _enter(s: JoinState, o: Entered) -> Transition:
-    return Transition(attrs.evolve(s, phase=Phase.ACTIVE, entered_at=o.now))
+    if s.config.signature is None:
+        return _go(s, Phase.ACTIVE, entered_at=o.now)
+    return _go(
+        s, Phase.AGREEING, CheckAgreement(signature=s.config.signature), entered_at=o.now
+    )
+
+
+def _agreement_checked(s: JoinState, o: AgreementChecked) -> Transition:
+    if all(signature == s.config.signature for signature in o.signatures):
+        return _go(s, Phase.ACTIVE)
+    names = [name for name, _ in s.config.signature or ()]
+    rows = [f"  rank | {' | '.join(names)}"]
+    for rank, signature in enumerate(o.signatures):
+        values = dict(signature) if signature is not None else {}
+        rows.append(f"  {rank:>4} | {' | '.join(repr(values.get(n)) for n in names)}")
+    error = AgreementError(
+        "ranks entered the Join with different settings; every rank must pass the "
+        "same number of joinables and the same throw_on_early_termination, on the "
+        "same backend:\n" + "\n".join(rows)
+    )
+    return _raise(s, Phase.DONE, error, done_at=o.now)
 
 
 def _notify(s: JoinState, o: Notified) -> Transition:
     if s.config.throw_on_early_termination:
-        return Transition(
-            attrs.evolve(s, phase=Phase.CHECKING, heartbeats=s.heartbeats + 1),
-            _HEARTBEAT_AND_CHECK,
-        )
+        return _go(s, Phase.CHECKING, *_HEARTBEAT_AND_CHECK, heartbeats=s.heartbeats + 1)
     return Transition(attrs.evolve(s, heartbeats=s.heartbeats + 1), _HEARTBEAT)
+
+
+def _heartbeat_seen(s: JoinState, o: HeartbeatSeen) -> Transition:
+    if not tally_has_failure(o.total):
+        return Transition(s)
+    error = PeerAborted(
+        f"rank {s.config.rank} stopped: another rank failed inside the Join context; "
+        "let this error leave the `with Join(...)` block, which then names the "
+        "failing rank"
+    )
+    return _raise(s, Phase.ABORTING, error, failure_seen=True)
 
 
 def _termination_checked(s: JoinState, o: TerminationChecked) -> Transition:
     active, failed = decode_tally(o.total)
-    if active or failed:
-        error = EarlyTermination(ACTIVE_RANK_MESSAGE)
-        return Transition(
-            attrs.evolve(s, phase=Phase.TERMINATED, error=error), (Raise(error=error),)
-        )
-    return Transition(attrs.evolve(s, phase=Phase.ACTIVE))
+    if failed:
+        return _exchange(s, o.now)
+    if active:
+        return _raise(s, Phase.TERMINATED, EarlyTermination(ACTIVE_RANK_MESSAGE))
+    return _go(s, Phase.ACTIVE)
 
 
 def _loop_exited(s: JoinState, o: LoopExited) -> Transition:
-    if o.raised:
-        # The exception propagates as it is (torch's behaviour).
-        return Transition(attrs.evolve(s, phase=Phase.DONE, done_at=o.now))
-    if s.phase is Phase.CHECKING:
-        return _illegal(s, o)
-    return Transition(
-        attrs.evolve(s, phase=Phase.COUNTING, joined_at=o.now), _COUNT
-    )
+    if o.outcome is Outcome.INTERRUPTED:
+        return _go(s, Phase.DONE, done_at=o.now)
+    if o.outcome is Outcome.FAILED and o.failure is not None:
+        failure = attrs.evolve(o.failure, rank=s.config.rank)
+        if o.iteration_open:
+            # Peers are inside this iteration's collectives: match them first.
+            return _go(
+                s,
+                Phase.SHADOWING,
+                RunMainHooks(round=s.shadow_rounds),
+                failure=failure,
+                joined_at=o.now,
+            )
+        return _go(
+            s, Phase.COUNTING, CountNonjoined(value=FAILED), failure=failure, joined_at=o.now
+        )
+    if o.outcome is Outcome.NORMAL and s.phase is not Phase.CHECKING:
+        return _go(s, Phase.COUNTING, *_COUNT, joined_at=o.now)
+    return _illegal(s, o)
 
 
 def _terminated_loop_exited(s: JoinState, o: LoopExited) -> Transition:
-    if o.raised:
-        return Transition(attrs.evolve(s, phase=Phase.DONE, done_at=o.now))
+    if o.outcome is not Outcome.NORMAL:
+        return _go(s, Phase.DONE, done_at=o.now)
     error = LocalProtocolError(
         "the loop body swallowed the early-termination error that "
         "throw_on_early_termination=True raised inside the Join context; "
         "let it propagate out of the `with Join(...)` block (every other "
         "rank raised too)"
     )
-    return Transition(
-        attrs.evolve(s, phase=Phase.ERRORED, error=error), (Raise(error=error),)
-    )
+    return _raise(s, Phase.ERRORED, error)
+
+
+def _aborting_loop_exited(s: JoinState, o: LoopExited) -> Transition:
+    # Whatever the body did with PeerAborted, this rank must now count with
+    # the others so nobody is left waiting; the PeerFailure comes at the end.
+    if o.outcome is Outcome.INTERRUPTED:
+        return _go(s, Phase.DONE, done_at=o.now)
+    if o.outcome is Outcome.FAILED and o.failure is not None:
+        failure = attrs.evolve(o.failure, rank=s.config.rank)
+        return _go(
+            s, Phase.COUNTING, CountNonjoined(value=FAILED), failure=failure, joined_at=o.now
+        )
+    return _go(s, Phase.COUNTING, *_COUNT, joined_at=o.now)
 
 
 def _counted(s: JoinState, o: Counted) -> Transition:
     active, failed = decode_tally(o.total)
+    seen = s.failure_seen or failed > 0 or s.failure is not None
     if active == 0:
-        return Transition(
-            attrs.evolve(s, phase=Phase.POST_HOOKS),
-            (RunPostHooks(is_last_joiner=s.is_last_joiner),),
+        if seen:
+            return _exchange(attrs.evolve(s, all_joined_at=o.now), o.now)
+        return _go(
+            s,
+            Phase.POST_HOOKS,
+            RunPostHooks(is_last_joiner=s.is_last_joiner),
+            all_joined_at=o.now,
         )
     if s.config.throw_on_early_termination:
+        if seen:
+            signal = SignalTermination(value=FAILED if s.failure else ACTIVE)
+            exchange = _exchange(attrs.evolve(s, is_last_joiner=False), o.now)
+            return Transition(exchange.state, (signal, *exchange.commands))
         error = EarlyTermination(joined_rank_message(s.config.rank))
         return Transition(
-            attrs.evolve(s, phase=Phase.DONE, is_last_joiner=False, error=error,
-                         done_at=o.now),
+            attrs.evolve(s, phase=Phase.DONE, is_last_joiner=False, error=error, done_at=o.now),
             (SignalTermination(), Raise(error=error)),
         )
-    return Transition(
-        attrs.evolve(s, phase=Phase.SHADOWING, is_last_joiner=False),
-        (RunMainHooks(round=s.shadow_rounds),),
+    return _go(
+        s,
+        Phase.SHADOWING,
+        RunMainHooks(round=s.shadow_rounds),
+        is_last_joiner=False,
+        failure_seen=seen,
     )
 
 
 def _shadow_round_done(s: JoinState, o: HooksDone) -> Transition:
     rounds = s.shadow_rounds + 1
+    count = CountNonjoined(value=FAILED if s.failure else JOINED)
     if rounds > s.config.skew_warn_threshold and not s.warned_skew:
         threshold = s.config.skew_warn_threshold
         warning = WarnSkew(
@@ -389,30 +642,57 @@ def _shadow_round_done(s: JoinState, o: HooksDone) -> Transition:
                 "skew could lead to performance degradation during training."
             )
         )
-        return Transition(
-            attrs.evolve(s, phase=Phase.COUNTING, shadow_rounds=rounds,
-                         warned_skew=True),
-            (warning, *_COUNT),
-        )
-    return Transition(attrs.evolve(s, phase=Phase.COUNTING, shadow_rounds=rounds),
-                      _COUNT)
+        return _go(s, Phase.COUNTING, warning, count, shadow_rounds=rounds, warned_skew=True)
+    return _go(s, Phase.COUNTING, count, shadow_rounds=rounds)
+
+
+def _hook_failed(s: JoinState, o: HookFailed) -> Transition:
+    # A hook that raised left its round's collectives unmatched; nothing the
+    # protocol can do keeps peers in step any more, so make them fail fast.
+    failure = attrs.evolve(o.failure, rank=s.config.rank)
+    message = (
+        f"rank {failure.rank} failed in a join hook ({s.phase.name}) with "
+        f"{failure.exc_type}: {failure.message}"
+    )
+    return _go(s, Phase.DONE, AbortGroup(message=message), failure=failure, done_at=o.now)
 
 
 def _post_hooks_done(s: JoinState, o: HooksDone) -> Transition:
-    return Transition(attrs.evolve(s, phase=Phase.DONE, done_at=o.now))
+    return _go(s, Phase.DONE, done_at=o.now)
 
 
-def _illegal(s: JoinState, o: Observation) -> Transition:
+def _exchange(s: JoinState, now: float) -> Transition:
+    return _go(s, Phase.EXCHANGING, ExchangeFailures(failure=s.failure), failure_seen=True)
+
+
+def _failures_exchanged(s: JoinState, o: FailuresExchanged) -> Transition:
+    if s.failure is not None:
+        # The failing rank leaves with its own exception, which is in flight.
+        return _go(s, Phase.DONE, done_at=o.now)
+    failures = [f for f in o.failures if f is not None]
+    if not failures:
+        error: PeerError = PeerError(
+            "a count showed a failed rank, but no rank reported a failure"
+        )
+    else:
+        first = failures[0]
+        error = PeerFailure(first.rank, first.exc_type, first.message)
+        error.failures = tuple(failures)  # type: ignore[attr-defined]
+    if s.joined_at is None:
+        # Raised inside the loop (throw mode's check): the body must exit next.
+        return _raise(s, Phase.TERMINATED, error)
+    return _raise(s, Phase.DONE, error, done_at=o.now)
+
+
+def _illegal(s: JoinState, o: Any) -> Transition:
     error = LocalProtocolError(
         f"join state machine of rank {s.config.rank} cannot accept "
         f"{type(o).__name__} in phase {s.phase.name}"
     )
-    return Transition(
-        attrs.evolve(s, phase=Phase.ERRORED, error=error), (Raise(error=error),)
-    )
+    return _raise(s, Phase.ERRORED, error)
 
 
-def _still_errored(s: JoinState, o: Observation) -> Transition:
+def _still_errored(s: JoinState, o: Any) -> Transition:
     assert s.error is not None
     return Transition(s, (Raise(error=s.error),))
 
@@ -424,15 +704,21 @@ _COUNT = (CountNonjoined(),)
 #: (phase, observation type) -> handler. A pair missing here is illegal.
 TRANSITIONS: dict[tuple[Phase, type], _Handler] = {
     (Phase.IDLE, Entered): _enter,
+    (Phase.AGREEING, AgreementChecked): _agreement_checked,
     (Phase.ACTIVE, Notified): _notify,
+    (Phase.ACTIVE, HeartbeatSeen): _heartbeat_seen,
     (Phase.ACTIVE, LoopExited): _loop_exited,
     (Phase.CHECKING, TerminationChecked): _termination_checked,
     (Phase.CHECKING, LoopExited): _loop_exited,
     (Phase.TERMINATED, LoopExited): _terminated_loop_exited,
+    (Phase.ABORTING, LoopExited): _aborting_loop_exited,
     (Phase.COUNTING, Counted): _counted,
     (Phase.SHADOWING, HooksDone): _shadow_round_done,
+    (Phase.SHADOWING, HookFailed): _hook_failed,
+    (Phase.EXCHANGING, FailuresExchanged): _failures_exchanged,
     (Phase.POST_HOOKS, HooksDone): _post_hooks_done,
-}  # type: ignore[dict-item]
+    (Phase.POST_HOOKS, HookFailed): _hook_failed,
+}
 
 
 def notify_is_batchable(state: JoinState) -> bool:
@@ -443,6 +729,8 @@ def notify_is_batchable(state: JoinState) -> bool:
     send heartbeats without stepping the machine (the per-iteration path must be
     cheap) and fold them in with :func:`replay_notifies` before its next
     observation; the result equals stepping ``Notified`` that many times.
+    (``HeartbeatSeen`` without a failure leaves the state unchanged, so the shell
+    need only step it when :func:`tally_has_failure` says so.)
     """
     return state.phase is Phase.ACTIVE and not state.config.throw_on_early_termination
 

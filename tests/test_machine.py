@@ -9,38 +9,69 @@ import sys
 import attrs
 import pytest
 
-from join_core import EarlyTermination, LocalProtocolError
+from join_core import (
+    AgreementError,
+    EarlyTermination,
+    LocalProtocolError,
+    PeerAborted,
+    PeerError,
+    PeerFailure,
+)
 from join_core import _machine as m
+
+FAILURE = m.Failure(rank=9, exc_type="ValueError", message="bad batch")
+SIGNATURE = (("joinables", 1),)
 
 OBSERVATIONS = {
     m.Entered: m.Entered(now=1.0),
+    m.AgreementChecked: m.AgreementChecked(signatures=(SIGNATURE, SIGNATURE), now=1.0),
     m.Notified: m.Notified(now=1.0),
+    m.HeartbeatSeen: m.HeartbeatSeen(total=2.0, now=1.0),
     m.TerminationChecked: m.TerminationChecked(total=0.0, now=1.0),
     m.LoopExited: m.LoopExited(now=1.0),
     m.Counted: m.Counted(total=1.0, now=1.0),
     m.HooksDone: m.HooksDone(now=1.0),
+    m.HookFailed: m.HookFailed(failure=FAILURE, now=1.0),
+    m.FailuresExchanged: m.FailuresExchanged(failures=(None, FAILURE), now=1.0),
 }
 
 
 def state(phase: m.Phase, *, throw: bool = False, **fields: object) -> m.JoinState:
-    config = m.MachineConfig(rank=3, throw_on_early_termination=throw)
+    config = m.MachineConfig(rank=3, throw_on_early_termination=throw, signature=SIGNATURE)
     return attrs.evolve(m.initial_state(config), phase=phase, **fields)
 
 
+ABORT = m.AbortGroup(
+    message="rank 3 failed in a join hook (PHASE) with ValueError: bad batch"
+)
+
 # The legal pairs with the sample observation above: (next phase, commands).
 LEGAL = {
-    (m.Phase.IDLE, m.Entered): (m.Phase.ACTIVE, ()),
+    (m.Phase.IDLE, m.Entered): (
+        m.Phase.AGREEING,
+        (m.CheckAgreement(signature=SIGNATURE),),
+    ),
+    (m.Phase.AGREEING, m.AgreementChecked): (m.Phase.ACTIVE, ()),
     (m.Phase.ACTIVE, m.Notified): (m.Phase.ACTIVE, (m.SendHeartbeat(value=1.0),)),
+    (m.Phase.ACTIVE, m.HeartbeatSeen): (m.Phase.ACTIVE, ()),
     (m.Phase.ACTIVE, m.LoopExited): (m.Phase.COUNTING, (m.CountNonjoined(value=0.0),)),
     (m.Phase.CHECKING, m.TerminationChecked): (m.Phase.ACTIVE, ()),
     # The loop left without an exception while a termination check was
     # outstanding: the shell never lets this happen, so it is illegal.
     (m.Phase.CHECKING, m.LoopExited): (m.Phase.ERRORED, "illegal"),
     (m.Phase.TERMINATED, m.LoopExited): (m.Phase.ERRORED, "swallowed"),
+    (m.Phase.ABORTING, m.LoopExited): (m.Phase.COUNTING, (m.CountNonjoined(value=0.0),)),
     (m.Phase.COUNTING, m.Counted): (m.Phase.SHADOWING, (m.RunMainHooks(round=0),)),
     (m.Phase.SHADOWING, m.HooksDone): (m.Phase.COUNTING, (m.CountNonjoined(),)),
+    (m.Phase.SHADOWING, m.HookFailed): (m.Phase.DONE, "abort"),
+    (m.Phase.EXCHANGING, m.FailuresExchanged): (m.Phase.TERMINATED, "peer failure"),
     (m.Phase.POST_HOOKS, m.HooksDone): (m.Phase.DONE, ()),
+    (m.Phase.POST_HOOKS, m.HookFailed): (m.Phase.DONE, "abort"),
 }
+
+
+def test_legal_table_matches_the_machine() -> None:
+    assert set(LEGAL) == set(m.TRANSITIONS)
 
 
 @pytest.mark.parametrize(
@@ -74,6 +105,21 @@ def test_every_phase_and_observation(phase: m.Phase, kind: type) -> None:
         assert transition.state.phase is m.Phase.ERRORED
         (command,) = transition.commands
         assert "swallowed the early-termination error" in str(command.error)
+    elif expected[1] == "abort":
+        assert transition.state.phase is m.Phase.DONE
+        assert transition.commands == (
+            m.AbortGroup(message=ABORT.message.replace("PHASE", phase.name)),
+        )
+        assert transition.state.failure == attrs.evolve(FAILURE, rank=3)
+    elif expected[1] == "peer failure":
+        # The sample state never left its loop (throw mode's in-loop exchange).
+        assert transition.state.phase is m.Phase.TERMINATED
+        (command,) = transition.commands
+        assert isinstance(command.error, PeerFailure)
+        assert (command.error.rank, command.error.exc_type) == (9, "ValueError")
+        assert str(command.error) == (
+            "rank 9 failed inside the Join context with ValueError: bad batch"
+        )
     else:
         next_phase, commands = expected
         assert transition.state.phase is next_phase
@@ -85,6 +131,26 @@ def test_table_has_no_entry_for_errored_or_done() -> None:
 
 
 # -- the branches the sample observations above do not take ----------------------
+
+
+def test_without_signature_entering_skips_the_agreement_check() -> None:
+    s = m.initial_state(m.MachineConfig(rank=0))
+    t = m.step(s, m.Entered(now=4.0))
+    assert t.state.phase is m.Phase.ACTIVE and t.commands == ()
+    assert t.state.entered_at == 4.0
+
+
+def test_agreement_mismatch_raises_with_a_table() -> None:
+    other = (("joinables", 2),)
+    t = m.step(
+        state(m.Phase.AGREEING), m.AgreementChecked(signatures=(SIGNATURE, other, SIGNATURE))
+    )
+    assert t.state.phase is m.Phase.DONE
+    (command,) = t.commands
+    assert isinstance(command.error, AgreementError)
+    text = str(command.error)
+    assert "rank | joinables" in text
+    assert "     1 | 2" in text and "     0 | 1" in text
 
 
 def test_notify_counts_inputs() -> None:
@@ -110,7 +176,7 @@ def test_throw_mode_active_rank_raises_torch_message() -> None:
         "Detected at least one rank that exhausted inputs. Throwing across all ranks."
     )
     # The loop then exits with that error and the context is left.
-    done = m.step(t.state, m.LoopExited(raised=True, now=5.0)).state
+    done = m.step(t.state, m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE, now=5.0)).state
     assert done.phase is m.Phase.DONE and done.done_at == 5.0
 
 
@@ -137,7 +203,7 @@ def test_count_zero_runs_post_hooks_with_last_joiner_flag() -> None:
 
 def test_loop_exception_propagates_without_collectives() -> None:
     for phase in (m.Phase.ACTIVE, m.Phase.CHECKING):
-        t = m.step(state(phase), m.LoopExited(raised=True, now=2.0))
+        t = m.step(state(phase), m.LoopExited(outcome=m.Outcome.INTERRUPTED, now=2.0))
         assert t.state.phase is m.Phase.DONE and t.commands == ()
 
 
@@ -200,3 +266,102 @@ def test_replaying_batched_notifies_equals_stepping() -> None:
     assert not any(
         m.notify_is_batchable(state(phase)) for phase in m.Phase if phase is not m.Phase.ACTIVE
     )
+
+
+# -- failures --------------------------------------------------------------------
+
+
+def test_failing_rank_counts_with_the_failed_weight() -> None:
+    t = m.step(
+        state(m.Phase.ACTIVE, heartbeats=4),
+        m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE, now=2.0),
+    )
+    assert t.state.phase is m.Phase.COUNTING
+    assert t.commands == (m.CountNonjoined(value=m.FAILED),)
+    assert t.state.failure == attrs.evolve(FAILURE, rank=3)  # its own rank
+    # It shadows like a joined rank, still contributing FAILED...
+    t = m.step(t.state, m.Counted(total=m.FAILED + 2))
+    assert t.commands == (m.RunMainHooks(round=0),)
+    t = m.step(t.state, m.HooksDone())
+    assert t.commands == (m.CountNonjoined(value=m.FAILED),)
+    # ...until nobody is active: no post hooks, an exchange of failures.
+    t = m.step(t.state, m.Counted(total=m.FAILED))
+    assert t.state.phase is m.Phase.EXCHANGING
+    assert t.commands == (m.ExchangeFailures(failure=t.state.failure),)
+    # It leaves with its own exception (in flight), so nothing is raised.
+    t = m.step(t.state, m.FailuresExchanged(failures=(None, None, None, t.state.failure)))
+    assert t.state.phase is m.Phase.DONE and t.commands == ()
+    assert m.report(t.state).failure == t.state.failure
+
+
+def test_failure_right_after_heartbeat_first_completes_the_iteration() -> None:
+    t = m.step(
+        state(m.Phase.ACTIVE),
+        m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE, iteration_open=True),
+    )
+    assert t.state.phase is m.Phase.SHADOWING
+    assert t.commands == (m.RunMainHooks(round=0),)
+    t = m.step(t.state, m.HooksDone())
+    assert t.commands == (m.CountNonjoined(value=m.FAILED),)
+
+
+def test_active_rank_stops_when_a_heartbeat_shows_a_failure() -> None:
+    t = m.step(state(m.Phase.ACTIVE), m.HeartbeatSeen(total=m.FAILED + 3))
+    assert t.state.phase is m.Phase.ABORTING
+    (command,) = t.commands
+    assert isinstance(command.error, PeerAborted)
+    for outcome in (m.Outcome.ABORTED, m.Outcome.NORMAL):
+        after = m.step(t.state, m.LoopExited(outcome=outcome))
+        assert after.state.phase is m.Phase.COUNTING
+        assert after.commands == (m.CountNonjoined(value=m.JOINED),)
+    # A different exception while leaving makes it a failing rank too.
+    after = m.step(t.state, m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE))
+    assert after.commands == (m.CountNonjoined(value=m.FAILED),)
+
+
+def test_joined_rank_that_saw_a_failure_skips_post_hooks() -> None:
+    t = m.step(state(m.Phase.COUNTING, joined_at=1.0), m.Counted(total=m.FAILED + 1))
+    assert t.state.failure_seen and t.commands == (m.RunMainHooks(round=0),)
+    t = m.step(m.step(t.state, m.HooksDone()).state, m.Counted(total=m.FAILED))
+    assert t.commands == (m.ExchangeFailures(failure=None),)
+    t = m.step(t.state, m.FailuresExchanged(failures=(None, FAILURE)))
+    assert t.state.phase is m.Phase.DONE
+    assert isinstance(t.commands[0].error, PeerFailure)
+
+
+def test_exchange_without_any_reported_failure_is_a_peer_error() -> None:
+    t = m.step(
+        state(m.Phase.EXCHANGING, joined_at=1.0), m.FailuresExchanged(failures=(None, None))
+    )
+    (command,) = t.commands
+    assert type(command.error) is PeerError
+
+
+def test_throw_mode_failure_is_exchanged_on_every_rank() -> None:
+    # The active rank's check shows a failed signaller.
+    t = m.step(state(m.Phase.CHECKING, throw=True), m.TerminationChecked(total=m.FAILED))
+    assert t.state.phase is m.Phase.EXCHANGING
+    assert t.commands == (m.ExchangeFailures(failure=None),)
+    # The failing rank signals with the failed weight, then exchanges.
+    failing = state(m.Phase.COUNTING, throw=True, failure=FAILURE, joined_at=1.0)
+    t = m.step(failing, m.Counted(total=m.FAILED + 2))
+    assert t.commands == (
+        m.SignalTermination(value=m.FAILED),
+        m.ExchangeFailures(failure=FAILURE),
+    )
+
+
+def test_interrupt_leaves_at_once() -> None:
+    t = m.step(state(m.Phase.ACTIVE), m.LoopExited(outcome=m.Outcome.INTERRUPTED))
+    assert t.state.phase is m.Phase.DONE and t.commands == ()
+
+
+def test_report_of_a_joined_rank() -> None:
+    s = state(m.Phase.COUNTING, heartbeats=5, joined_at=10.0)
+    s = m.step(s, m.Counted(total=1.0)).state
+    s = m.step(s, m.HooksDone()).state
+    s = m.step(s, m.Counted(total=0.0, now=12.5)).state
+    s = m.step(s, m.HooksDone(now=13.0)).state
+    r = m.report(s)
+    assert (r.rank, r.inputs, r.joined_at_round, r.shadow_rounds) == (3, 5, 5, 1)
+    assert r.seconds_shadowing == 2.5 and not r.is_last_joiner and r.phase == "DONE"

@@ -17,20 +17,37 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from join_core import EarlyTermination
+from join_core import EarlyTermination, PeerAborted, PeerError, PeerFailure
 from join_core import _machine as m
 
 Collective = tuple[str, float]
 Program = Generator[Collective, float, dict[str, Any]]
 
 
-def rank_program(rank: int, inputs: int, throw: bool, joinables: int) -> Program:
+class Boom(ValueError):
+    pass
+
+
+def rank_program(
+    rank: int,
+    inputs: int,
+    throw: bool,
+    joinables: int,
+    fail_at: int | None = None,
+    fail_after_heartbeat: bool = False,
+) -> Program:
+    """One rank: its loop over ``inputs`` items, then the machine's commands.
+
+    With ``fail_at`` the loop body raises ``Boom`` in that iteration, before
+    its heartbeat or (``fail_after_heartbeat``) right after it.
+    """
     config = m.MachineConfig(rank=rank, throw_on_early_termination=throw)
     state = m.step(m.initial_state(config), m.Entered()).state
     counts = [0.0] * joinables
     result: dict[str, Any] = {"error": None, "post_hooks": [], "main_rounds": 0}
+    last_heartbeat: list[float] = []
 
-    def run(observation: m.Observation) -> Generator[Collective, float, None]:
+    def run(observation: m.Observation) -> Generator[Collective, Any, None]:
         nonlocal state
         pending: m.Observation | None = observation
         while pending is not None:
@@ -38,7 +55,7 @@ def rank_program(rank: int, inputs: int, throw: bool, joinables: int) -> Program
             state, pending = transition.state, None
             for command in transition.commands:
                 if isinstance(command, m.SendHeartbeat):
-                    yield ("join", command.value)
+                    last_heartbeat[:] = [(yield ("join", command.value))]
                 elif isinstance(command, (m.CheckTermination, m.CountNonjoined)):
                     total = yield ("join", command.value)
                     pending = (
@@ -56,35 +73,70 @@ def rank_program(rank: int, inputs: int, throw: bool, joinables: int) -> Program
                 elif isinstance(command, m.RunPostHooks):
                     result["post_hooks"].append(command.is_last_joiner)
                     pending = m.HooksDone()
+                elif isinstance(command, m.ExchangeFailures):
+                    failures = yield ("exchange", command.failure)
+                    pending = m.FailuresExchanged(failures=failures)
                 elif isinstance(command, m.Raise):
                     raise command.error
                 else:
                     raise AssertionError(command)
 
-    raised = False
+    exit_observation = m.LoopExited()
     try:
-        for _ in range(inputs):
+        for i in range(inputs):
+            if i == fail_at and not fail_after_heartbeat:
+                raise Boom(f"rank {rank} before heartbeat {i}")
+            # notify: read the previous heartbeat's sum (failure detection),
+            # then send this iteration's heartbeat.
+            if last_heartbeat and m.notify_is_batchable(state):
+                yield from run(m.HeartbeatSeen(total=last_heartbeat[0]))
             yield from run(m.Notified())
+            if i == fail_at:
+                raise Boom(f"rank {rank} after heartbeat {i}")
             for j in range(joinables):
                 counts[j] += yield (f"joinable{j}", 1.0)
-    except EarlyTermination as error:
-        result["error"], raised = error, True
+    except (EarlyTermination, PeerFailure) as error:
+        result["error"] = error
+        exit_observation = m.LoopExited(outcome=m.Outcome.FAILED, failure=_as_failure(error))
+    except PeerAborted as error:
+        result["error"] = error
+        exit_observation = m.LoopExited(outcome=m.Outcome.ABORTED)
+    except Boom as error:
+        result["error"] = error
+        exit_observation = m.LoopExited(
+            outcome=m.Outcome.FAILED,
+            failure=_as_failure(error),
+            iteration_open=fail_after_heartbeat,
+        )
     try:
-        yield from run(m.LoopExited(raised=raised))
-    except EarlyTermination as error:
+        yield from run(exit_observation)
+    except (EarlyTermination, PeerError) as error:
         result["error"] = error
     result.update(counts=counts, state=state)
     return result
 
 
-def run_lockstep(inputs: list[int], throw: bool, joinables: int) -> list[dict[str, Any]]:
-    programs = [rank_program(r, n, throw, joinables) for r, n in enumerate(inputs)]
+def _as_failure(error: BaseException) -> m.Failure:
+    return m.Failure(rank=-1, exc_type=type(error).__name__, message=str(error))
+
+
+def run_lockstep(
+    inputs: list[int],
+    throw: bool,
+    joinables: int,
+    failures: dict[int, tuple[int, bool]] | None = None,
+) -> list[dict[str, Any]]:
+    failures = failures or {}
+    programs = [
+        rank_program(r, n, throw, joinables, *failures.get(r, (None, False)))
+        for r, n in enumerate(inputs)
+    ]
     results: list[dict[str, Any] | None] = [None] * len(programs)
     requests: list[Collective | None] = [None] * len(programs)
 
-    def advance(rank: int, value: float | None) -> None:
+    def advance(rank: int, value: Any) -> None:
         try:
-            requests[rank] = programs[rank].send(value)  # type: ignore[arg-type]
+            requests[rank] = programs[rank].send(value)
         except StopIteration as stop:
             requests[rank], results[rank] = None, stop.value
 
@@ -97,9 +149,10 @@ def run_lockstep(inputs: list[int], throw: bool, joinables: int) -> list[dict[st
         assert all(request is not None for request in requests), (steps, requests, results)
         kinds = {request[0] for request in requests if request}
         assert len(kinds) == 1, f"ranks disagree at step {steps}: {requests}"
-        total = sum(request[1] for request in requests if request)
+        values = [request[1] for request in requests if request]
+        answer = tuple(values) if kinds == {"exchange"} else sum(values)
         for rank in range(len(programs)):
-            advance(rank, total)
+            advance(rank, answer)
     return [result for result in results if result is not None]
 
 
@@ -151,3 +204,65 @@ def test_one_rank_world() -> None:
     (result,) = run_lockstep([4], throw=True, joinables=2)
     assert result["post_hooks"] == [True] and result["counts"] == [4.0, 4.0]
     assert attrs.asdict(result["state"])["heartbeats"] == 4
+
+
+@st.composite
+def worlds_with_failures(draw: Any) -> tuple[list[int], dict[int, tuple[int, bool]]]:
+    inputs = draw(st.lists(st.integers(0, 10), min_size=1, max_size=16))
+    failing = draw(st.sets(st.integers(0, len(inputs) - 1), max_size=len(inputs)))
+    failures = {
+        rank: (draw(st.integers(0, 10)), draw(st.booleans())) for rank in sorted(failing)
+    }
+    return inputs, failures
+
+
+@settings(max_examples=300, deadline=None)
+@given(world=worlds_with_failures(), joinables=st.integers(0, 3))
+def test_a_failure_reaches_every_rank_and_nobody_hangs(
+    world: tuple[list[int], dict[int, tuple[int, bool]]], joinables: int
+) -> None:
+    inputs, failures = world
+    # run_lockstep asserts that all ranks stay in step and finish together.
+    results = run_lockstep(inputs, throw=False, joinables=joinables, failures=failures)
+    eligible = {r: at for r, (at, _) in failures.items() if at < inputs[r]}
+    # A rank stopped by an earlier failure never reaches its own failing
+    # iteration, but the earliest failures always happen.
+    failed = sorted(r for r, result in enumerate(results) if isinstance(result["error"], Boom))
+    if eligible:
+        earliest = min(eligible.values())
+        assert {r for r, at in eligible.items() if at == earliest} <= set(failed)
+    assert set(failed) <= set(eligible)
+    for rank, result in enumerate(results):
+        state = result["state"]
+        assert state.phase is m.Phase.DONE
+        if not failed:
+            assert result["error"] is None and len(result["post_hooks"]) == 1
+            continue
+        assert result["post_hooks"] == []  # post hooks never run after a failure
+        if rank in failed:
+            # The failing rank leaves with its own exception.
+            assert state.failure is not None and state.failure.rank == rank
+        else:
+            error = result["error"]
+            assert isinstance(error, PeerFailure), error
+            assert error.rank == failed[0] and error.exc_type == "Boom"
+            assert [f.rank for f in error.failures] == failed
+
+
+@settings(max_examples=200, deadline=None)
+@given(world=worlds_with_failures(), joinables=st.integers(0, 3))
+def test_failures_in_throw_mode_stay_in_step(
+    world: tuple[list[int], dict[int, tuple[int, bool]]], joinables: int
+) -> None:
+    inputs, failures = world
+    results = run_lockstep(inputs, throw=True, joinables=joinables, failures=failures)
+    errors = [result["error"] for result in results]
+    assert all(result["state"].phase is m.Phase.DONE for result in results)
+    if any(error is not None for error in errors):
+        assert all(error is not None for error in errors)
+        assert all(result["post_hooks"] == [] for result in results)
+    peer_failures = [e for e in errors if isinstance(e, PeerFailure)]
+    if peer_failures:
+        # Everyone who did not fail learned the same failing rank.
+        assert len({e.rank for e in peer_failures}) == 1
+        assert all(isinstance(e, (PeerFailure, Boom)) for e in errors)
