@@ -4,11 +4,29 @@ A *join backend* is the small object the Join shell talks to: it knows its
 ``rank`` and ``world_size`` and offers the two join collectives, both a
 1-element float32 SUM all-reduce on the wire (torch's Join uses the same):
 
-==================  ===========================================================
-``heartbeat(v)``    start the all-reduce contributing ``v``; return a handle
-                    with ``wait()`` (the active rank does not wait for it)
-``count(v)``        all-reduce contributing ``v`` and return the sum (blocking)
-==================  ===========================================================
+==========================  ===================================================
+``heartbeat(v)``            start the all-reduce contributing ``v``; return a
+                            handle with ``wait()`` (the active rank does not
+                            wait for it)
+``count(v)``                all-reduce contributing ``v`` and return the sum
+                            (blocking)
+``all_gather_object(obj)``  every rank's picklable ``obj``, in rank order
+                            (agreement check at entry, failure exchange, reports)
+==========================  ===================================================
+
+Optional, each making the Join better where a backend can offer it:
+
+==========================  ===================================================
+``heartbeat_total(h)``      wait for heartbeat handle ``h``, return its sum: an
+                            active rank then learns of a failed peer at its next
+                            notify instead of at the end
+``collectives_issued``      an int counting the group's own collectives (not
+                            heartbeats or counts): tells whether a failure came
+                            right after a heartbeat, before the iteration's
+                            collectives, so the failing rank can match them
+``abort(message)``          make peers' pending and future collectives fail
+                            (used when a hook raised and the shadow is broken)
+==========================  ===================================================
 
 The registry maps a joinable's ``join_process_group`` (plus ``join_device``) to
 such a backend. Backends that ship with joinery register themselves when their
@@ -44,6 +62,8 @@ __all__ = [
     "register",
     "resolve",
     "ENTRY_POINT_GROUP",
+    "init",
+    "init_torch",
 ]
 
 ENTRY_POINT_GROUP = "joinery.backends"
@@ -69,6 +89,10 @@ class JoinBackend(Protocol):
 
     def count(self, value: float) -> float:
         """1-element SUM all-reduce contributing ``value``; return the sum."""
+        ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (blocking)."""
         ...
 
 
@@ -118,23 +142,49 @@ class CollectiveGroup(JoinBackend, Protocol):
         ...
 
 
+# Variables only an MPI launcher sets: Open MPI's mpirun, MPICH's Hydra (also
+# Intel MPI), MVAPICH's mpirun_rsh.
+_MPIRUN_MARKERS = ("OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
+# Set by any PMI/PMIx process manager, srun's MPI plugins included.
+_PMI_MARKERS = ("PMI_SIZE", "PMIX_RANK")
+# Set for the tasks of an srun step, not for the batch script itself (whose
+# SLURM_NTASKS would describe tasks that do not exist as processes yet).
+_SRUN_STEP_MARKERS = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS")
+
+
 def detect_launcher(environ: Mapping[str, str] | None = None) -> str | None:
     """Name the launcher that started this process, from its environment.
 
+    The checks go from the most to the least specific variable, because
+    launchers nest: ``srun torchrun ...`` sets Slurm's variables as well as
+    torchrun's, an ``mpirun`` inside an sbatch script inherits Slurm's, srun
+    with an MPI plugin sets PMI variables, and ``init_torch`` under mpirun
+    exports torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``.
+
+    Args:
+        environ: the environment to inspect; ``None`` means ``os.environ``.
+
     Returns:
-        ``"torchrun"``, ``"mpirun"`` (Open MPI, MPICH/Hydra or PMIx),
-        ``"srun"`` (Slurm), or ``None`` when no launcher is detected.
+        ``"torchrun"``, ``"mpirun"`` (Open MPI, MPICH/Hydra, MVAPICH or a
+        PMI/PMIx process manager), ``"srun"`` (Slurm), or ``None`` when no
+        launcher is detected.
     """
     env = os.environ if environ is None else environ
-    if "TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "WORLD_SIZE" in env):
+    if "TORCHELASTIC_RUN_ID" in env:
         return "torchrun"
-    if any(
-        key in env
-        for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
-    ):
+    if any(key in env for key in _MPIRUN_MARKERS):
         return "mpirun"
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if (
+        "SLURM_PROCID" in env
+        and ("SLURM_NTASKS" in env or "SLURM_STEP_NUM_TASKS" in env)
+        and any(key in env for key in _SRUN_STEP_MARKERS)
+    ):
         return "srun"
+    if any(key in env for key in _PMI_MARKERS):
+        return "mpirun"
+    if "LOCAL_RANK" in env and "WORLD_SIZE" in env:
+        # torch.distributed.launch or a hand-made torchrun environment.
+        return "torchrun"
     return None
 
 
@@ -184,6 +234,16 @@ def _load_entry_points() -> list[Resolver]:
             ep.load() for ep in entry_points(group=ENTRY_POINT_GROUP)
         ]
     return _entry_point_resolvers
+
+
+def __getattr__(name: str) -> Any:
+    # init/init_torch live in _launch (which imports attrs); load it on first
+    # use so importing backends stays standard-library only.
+    if name in ("init", "init_torch"):
+        from . import _launch
+
+        return getattr(_launch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve(process_group: Any, device: Any = None) -> JoinBackend:
