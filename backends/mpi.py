@@ -48,6 +48,7 @@ Only MPI-3 calls are used (nonblocking collectives, ``MPI_IN_PLACE``,
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,7 +121,7 @@ def _array(buf: Any, what: str = "buffer", writable: bool = True) -> np.ndarray:
     """The NumPy view MPI reads or writes for ``buf`` (never a copy)."""
     if _is_tensor(buf):
         if buf.device.type != "cpu":
-            raise ValueError(
+            raise TypeError(
                 f"MPIGroup needs CPU tensors, but the {what} is on {buf.device}; "
                 "move it with .cpu() (joinery does not assume a CUDA-aware MPI)"
             )
@@ -252,9 +253,26 @@ class MPIGroup:
         self._count_msgs = ([self._count_send, MPI.FLOAT], [self._count_recv, MPI.FLOAT])
         self._heartbeat_request: MPI.Request = MPI.REQUEST_NULL
         self._heartbeat_handle = _HeartbeatHandle(self)
+        #: Collectives issued through this group's collective methods (not the
+        #: join collectives). The Join shell compares it with its value at the
+        #: last heartbeat to tell whether a failing rank left an iteration open.
+        self.collectives_issued = 0
 
     def __repr__(self) -> str:
         return f"MPIGroup(rank={self.rank}, world_size={self.world_size})"
+
+    # An MPIGroup stands for its communicator, so a joinable holding the group
+    # and one holding the raw communicator may share a Join (which compares
+    # their process groups with ``!=``).
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MPIGroup):
+            return bool(other.comm == self.comm)
+        if isinstance(other, MPI.Comm):
+            return bool(other == self.comm)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(("MPIGroup", self.comm.py2f()))
 
     # -- join backend ------------------------------------------------------------
 
@@ -288,6 +306,43 @@ class MPIGroup:
         send, recv = self._count_msgs
         self._iallreduce(send, recv, MPI.SUM).Wait()
         return float(self._count_recv[0])
+
+    def heartbeat_total(self, handle: Any) -> float:
+        """The sum of the latest heartbeat (completing it first).
+
+        Args:
+            handle: the latest heartbeat's handle.
+
+        Returns:
+            Its sum over all ranks.
+        """
+        self._heartbeat_request.Wait()
+        return float(self._heartbeat_recv[0])
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather one picklable object from every rank, on every rank.
+
+        Args:
+            obj: this rank's object.
+
+        Returns:
+            Every rank's object, in rank order.
+        """
+        return list(self.comm.allgather(obj))
+
+    def abort(self, message: str) -> None:
+        """Abort every process of the communicator (``MPI_Abort``).
+
+        The Join calls this when a hook failed midway through a round, so its
+        peers wait in collectives that can never complete; MPI cannot cancel a
+        collective, so ending the job is the only alternative to a hang.
+
+        Args:
+            message: why; written to standard error first.
+        """
+        sys.stderr.write(f"joinery: rank {self.rank} aborts the MPI job: {message}\n")
+        sys.stderr.flush()
+        self.comm.Abort(1)
 
     # -- collectives ---------------------------------------------------------------
 
@@ -323,6 +378,7 @@ class MPIGroup:
         """
         arr = _array(buf)
         mpi_op = _reduce_op(arr.dtype, op)
+        self.collectives_issued += 1
         request = self._iallreduce(MPI.IN_PLACE, [arr, _DATATYPES[arr.dtype]], mpi_op)
         return self._finish(request, buf, async_op, arr)
 
@@ -342,6 +398,7 @@ class MPIGroup:
             ValueError: ``src`` is not a rank, or ``buf`` is unusable.
         """
         arr = _array(buf)
+        self.collectives_issued += 1
         request = self.comm.Ibcast([arr, _DATATYPES[arr.dtype]], self._root(src, "src"))
         return self._finish(request, buf, async_op, arr)
 
@@ -365,6 +422,7 @@ class MPIGroup:
         arr = _array(buf, writable=False)
         out, parts = self._stacked(buf)
         datatype = _DATATYPES[arr.dtype]
+        self.collectives_issued += 1
         request = self.comm.Iallgather([arr, datatype], [out, datatype])
         return self._finish(request, parts, async_op, (arr, out))
 
@@ -390,6 +448,7 @@ class MPIGroup:
         arr = _array(buf, writable=self.rank == dst)
         mpi_op = _reduce_op(arr.dtype, op)
         msg = [arr, _DATATYPES[arr.dtype]]
+        self.collectives_issued += 1
         if self.rank == dst:
             request = self.comm.Ireduce(MPI.IN_PLACE, msg, mpi_op, dst)
         else:
@@ -416,6 +475,7 @@ class MPIGroup:
         dst = self._root(dst, "dst")
         arr = _array(buf, writable=False)
         datatype = _DATATYPES[arr.dtype]
+        self.collectives_issued += 1
         if self.rank == dst:
             out, parts = self._stacked(buf)
             request = self.comm.Igather([arr, datatype], [out, datatype], dst)
@@ -448,14 +508,17 @@ class MPIGroup:
         arr = _array(buf)
         datatype = _DATATYPES[arr.dtype]
         if self.rank != src:
+            self.collectives_issued += 1
             request = self.comm.Iscatter(None, [arr, datatype], src)
             return self._finish(request, buf, async_op, arr)
         send = self._scatter_source(arr, chunks)
+        self.collectives_issued += 1
         request = self.comm.Iscatter([send, datatype], [arr, datatype], src)
         return self._finish(request, buf, async_op, (arr, send))
 
     def barrier(self) -> None:
         """Return once every rank of the group has called ``barrier``."""
+        self.collectives_issued += 1
         self.comm.Ibarrier().Wait()
 
     # -- helpers -------------------------------------------------------------------
@@ -512,8 +575,29 @@ def _chunk_arrays(chunks: Sequence[Any]) -> list[np.ndarray]:
     return parts
 
 
-def _backend_for_comm(comm: MPI.Comm, device: Any) -> MPIGroup:
-    return MPIGroup(comm)
+class _CommJoinBackend:
+    """The join backend of a raw communicator: an MPIGroup's join methods only.
+
+    The joinable's own collectives go to the communicator directly, where no
+    one counts them, so unlike an MPIGroup this has no ``collectives_issued``.
+    """
+
+    __slots__ = ("group", "rank", "world_size", "heartbeat", "count",
+                 "heartbeat_total", "all_gather_object", "abort")
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        group = self.group = MPIGroup(comm)
+        self.rank, self.world_size = group.rank, group.world_size
+        # Bound methods of the group: the per-iteration call costs the same.
+        self.heartbeat = group.heartbeat
+        self.count = group.count
+        self.heartbeat_total = group.heartbeat_total
+        self.all_gather_object = group.all_gather_object
+        self.abort = group.abort
+
+
+def _backend_for_comm(comm: MPI.Comm, device: Any) -> _CommJoinBackend:
+    return _CommJoinBackend(comm)
 
 
 def _backend_for_group(group: MPIGroup, device: Any) -> MPIGroup:

