@@ -1,0 +1,632 @@
+"""The torch.distributed backend: joinery's collectives over a torch ProcessGroup.
+
+Theory of operation
+-------------------
+:class:`TorchGroup` wraps one ``ProcessGroup`` (the default group unless told
+otherwise) and one device: the CPU for gloo, ``cuda:LOCAL_RANK`` for nccl. It
+is both a :class:`backends.CollectiveGroup` and its own join backend. Importing
+this module registers three kinds of ``join_process_group`` with the registry:
+a ``TorchGroup`` resolves to itself, a raw ``ProcessGroup`` (what DDP and
+ZeroRedundancyOptimizer return, and ``dist.group.WORLD``) to a new
+``TorchGroup`` over it on the joinable's device, and ``None`` (torch's spelling
+of "the default group", and what ``dist.group.WORLD`` is before
+``init_process_group``) to the default group, or a clear error when there is
+none. ``backends`` imports this module by itself once ``torch.distributed`` is
+loaded.
+
+*Wire-compatible with torch's Join.* A heartbeat is what
+``torch.distributed.algorithms.join.Join.notify_join_context`` sends: a
+1-element float32 SUM all-reduce on the joinable's device, issued with
+``async_op`` so the active rank does not wait for it; a count is the same
+all-reduce, blocking. So a torch rank and a joinery rank can share one group
+(pass ``check_agreement=False`` to joinery's Join: torch does no agreement
+check). The heartbeat returns the raw ``torch.distributed.Work``: DDP hands it
+to its reducer, which with ``divide_by_initial_world_size=False`` reads the
+number of active ranks from it.
+
+*The per-iteration path allocates nothing.* The 1-element tensors are made
+once, and the collectives go to the ``ProcessGroup`` directly with options built
+once (``dist.all_reduce`` re-checks its arguments on every call). An async
+all-reduce's buffer must not be touched before its work completes, and a
+heartbeat's buffer is read after it was sent (by DDP's reducer in the backward
+pass, by the Join's failure check at the next notify), so heartbeats rotate
+over two buffers and each waits for the work that last used its buffer, which
+finished long ago: every rank has since passed a later collective on the same
+group, and a group completes its collectives in order. On CUDA that wait only
+orders the device streams. Reading a heartbeat's sum (``heartbeat_total``) on
+CUDA would need a device synchronisation per iteration, so there it reports no
+failure and a failed peer is seen at the next count instead.
+
+*Buffers.* Collectives take torch tensors and NumPy arrays. A contiguous tensor
+already on the group's device is used in place; anything else (a NumPy array, a
+CPU tensor on an nccl group, a non-contiguous tensor) is copied to a staging
+tensor and the result copied back into it in place. A writable C-contiguous
+NumPy array on a CPU group is shared with torch without a copy. Bool buffers
+reduce with logical ops like the other backends: ``sum``/``max``/``bor`` are
+OR, ``prod``/``min``/``band`` are AND, ``bxor`` is XOR. ``async_op=True``
+returns a handle whose ``wait()`` returns what the blocking call returns.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
+
+import backends
+from join_core import LocalProtocolError
+
+__all__ = ["TorchGroup"]
+
+_ARITHMETIC: dict[str, Any] = {
+    "sum": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+}
+_BITWISE = {
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
+}
+_INTEGER = {**_ARITHMETIC, **_BITWISE}
+# Bool buffers travel as uint8; these ops give the logical meaning on 0/1.
+_LOGICAL = {
+    "sum": dist.ReduceOp.MAX,
+    "max": dist.ReduceOp.MAX,
+    "bor": dist.ReduceOp.MAX,
+    "prod": dist.ReduceOp.MIN,
+    "min": dist.ReduceOp.MIN,
+    "band": dist.ReduceOp.MIN,
+    "bxor": dist.ReduceOp.BXOR,
+}
+
+
+def _reduce_op(dtype: torch.dtype, op: str) -> Any:
+    if op not in backends.REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}: use one of {backends.REDUCE_OPS}")
+    if dtype == torch.bool:
+        return _LOGICAL[op]
+    if dtype.is_floating_point or dtype.is_complex:
+        allowed = ("sum", "prod") if dtype.is_complex else tuple(_ARITHMETIC)
+        if op not in allowed:
+            raise TypeError(
+                f"reduce op {op!r} is not defined for dtype {dtype}: use one of {allowed}"
+            )
+        return _ARITHMETIC[op]
+    return _INTEGER[op]
+
+
+class _Staged:
+    """A buffer as a tensor on the group's device, and how to give the result back.
+
+    ``tensor`` is what the collective reads and writes. ``finish()`` copies it
+    back into the caller's buffer when it is a copy (it is a no-op when the
+    buffer was used in place).
+    """
+
+    __slots__ = ("buf", "tensor", "in_place")
+
+    def __init__(self, buf: Any, tensor: torch.Tensor, in_place: bool) -> None:
+        self.buf = buf
+        self.tensor = tensor
+        self.in_place = in_place
+
+    def finish(self) -> None:
+        if self.in_place:
+            return
+        result = self.tensor
+        if isinstance(self.buf, torch.Tensor):
+            with torch.no_grad():
+                self.buf.copy_(result.to(self.buf.dtype))
+        else:
+            np.copyto(self.buf, result.cpu().numpy().astype(self.buf.dtype, copy=False))
+
+
+class _Pending:
+    """A collective in flight; ``wait()`` returns what the blocking call returns."""
+
+    __slots__ = ("_work", "_finish", "_done", "_result")
+
+    def __init__(self, work: Any, finish: Callable[[], Any]) -> None:
+        self._work = work
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+
+    def wait(self) -> Any:
+        """Block until the collective completes; return its result."""
+        if not self._done:
+            self._work.wait()
+            self._result = self._finish()
+            self._done = True
+            self._finish = _nothing
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Whether the collective has completed (never blocks)."""
+        return self._done or bool(self._work.is_completed())
+
+
+def _nothing() -> None:
+    return None
+
+
+class TorchGroup:
+    """joinery's collectives over a torch.distributed ProcessGroup.
+
+    Every method is collective: all ranks of the group call it in the same
+    order with matching arguments (same shapes and dtypes, same root). Ranks
+    (``src``, ``dst``, ``rank``) are ranks *within this group*.
+
+    Args:
+        process_group: a ProcessGroup (``dist.new_group(...)``,
+            ``dist.group.WORLD``); ``None`` means the default group.
+        device: where the group's collectives run; default: the CPU, or for an
+            nccl group the group's bound device, else ``cuda:LOCAL_RANK``, else
+            the current CUDA device.
+
+    Raises:
+        LocalProtocolError: torch.distributed is not initialised, or the group
+            is not a live group of this process (destroyed, or this rank is not
+            a member).
+    """
+
+    def __init__(self, process_group: Any = None, device: Any = None) -> None:
+        group = _live_group(process_group)
+        self.process_group = group
+        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.rank: int = group.rank()
+        self.world_size: int = group.size()
+        self._on_cuda = self.device.type == "cuda"
+        # The per-iteration path: options and buffers made once (module doc).
+        self._allreduce = group.allreduce
+        self._sum = dist.AllreduceOptions()
+        self._sum.reduceOp = _ARITHMETIC["sum"]
+        self._beats = (self._scalar(), self._scalar())
+        self._beat_works: list[Any] = [None, None]
+        self._next_beat = 0
+        self._tally = self._scalar()
+        self._barrier_buf = self._scalar()
+
+    def __repr__(self) -> str:
+        return (
+            f"TorchGroup(rank={self.rank}, world_size={self.world_size}, "
+            f"device={self.device}, backend={_backend_name(self.process_group)!r})"
+        )
+
+    # A TorchGroup stands for its ProcessGroup: DDP (whose join_process_group is
+    # the raw group) and a joinery joinable holding a TorchGroup over the same
+    # group may share one Join, which compares the groups with ``!=``.
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TorchGroup):
+            return other.process_group is self.process_group
+        return other is self.process_group
+
+    def __hash__(self) -> int:
+        return hash(self.process_group)
+
+    # -- join backend ------------------------------------------------------------
+
+    def heartbeat(self, value: float) -> Any:
+        """Start the 1-element float32 SUM all-reduce contributing ``value``.
+
+        Args:
+            value: this rank's contribution.
+
+        Returns:
+            The ``torch.distributed.Work`` of the all-reduce (DDP's reducer
+            reads the number of active ranks from it).
+        """
+        index = self._next_beat
+        self._next_beat = 1 - index
+        previous = self._beat_works[index]
+        if previous is not None:
+            previous.wait()  # this buffer's last all-reduce (module doc)
+        buf = self._beats[index]
+        buf.fill_(value)
+        work = self._allreduce([buf], self._sum)
+        self._beat_works[index] = work
+        return work
+
+    def heartbeat_total(self, handle: Any) -> float:
+        """The sum of a heartbeat this group sent (waits for it).
+
+        Args:
+            handle: what :meth:`heartbeat` returned.
+
+        Returns:
+            The sum over all ranks; ``0.0`` ("nothing known") on CUDA, where
+            reading it would synchronise the device every iteration, or when the
+            heartbeat's buffer has been reused since.
+        """
+        if self._on_cuda:
+            return 0.0
+        for index in (1 - self._next_beat, self._next_beat):
+            if self._beat_works[index] is handle:
+                handle.wait()
+                return float(self._beats[index].item())
+        return 0.0
+
+    def count(self, value: float) -> float:
+        """1-element float32 SUM all-reduce contributing ``value`` (blocking).
+
+        Args:
+            value: this rank's contribution.
+
+        Returns:
+            The sum over all ranks.
+        """
+        buf = self._tally
+        buf.fill_(value)
+        self._allreduce([buf], self._sum).wait()
+        return float(buf.item())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather one picklable object from every rank, on every rank.
+
+        Args:
+            obj: this rank's object.
+
+        Returns:
+            The objects in rank order.
+        """
+        payload = pickle.dumps(obj)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        self.process_group.allgather([sizes], [size], AllgatherOptions()).wait()
+        lengths = [int(s.item()) for s in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        padded[: data.numel()] = data
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        self.process_group.allgather([parts], [padded], AllgatherOptions()).wait()
+        return [
+            pickle.load(io.BytesIO(part[:length].cpu().numpy().tobytes()))
+            for part, length in zip(parts, lengths, strict=True)
+        ]
+
+    def abort(self, message: str) -> None:
+        """Abort the process group so peers blocked in a collective fail too.
+
+        Args:
+            message: why (torch's ``abort`` takes no message; it is unused).
+        """
+        try:
+            self.process_group.abort()
+        except (RuntimeError, NotImplementedError):
+            pass  # this backend cannot abort; peers fail at their timeout
+
+    # -- collectives ---------------------------------------------------------------
+
+    def all_reduce(self, buf: Any, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``buf`` over all ranks, in place; every rank gets the result.
+
+        Args:
+            buf: a torch tensor or NumPy array.
+            op: one of :data:`backends.REDUCE_OPS`.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf`` (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            TypeError: unsupported buffer type, or ``op`` undefined for its dtype.
+            ValueError: unknown ``op``.
+        """
+        staged = self._stage(buf)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _reduce_op(_dtype_of(buf), op)
+        work = self.process_group.allreduce([staged.tensor], opts)
+        return self._finish(work, async_op, staged, lambda: buf)
+
+    def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
+        """Copy ``buf`` of rank ``src`` into ``buf`` of every rank.
+
+        Args:
+            buf: a torch tensor or NumPy array.
+            src: the rank whose buffer is sent.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf`` (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            TypeError: unsupported buffer type.
+            ValueError: ``src`` is not a rank of the group.
+        """
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self._root(src, "src")
+        staged = self._stage(buf)
+        work = self.process_group.broadcast([staged.tensor], opts)
+        return self._finish(work, async_op, staged, lambda: buf)
+
+    def all_gather(self, buf: Any, async_op: bool = False) -> Any:
+        """Gather every rank's ``buf`` on every rank.
+
+        Args:
+            buf: a torch tensor or NumPy array; same shape and dtype on every rank.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            A list of ``world_size`` new buffers of ``buf``'s kind (and device),
+            in rank order, or a handle whose ``wait()`` returns it.
+
+        Raises:
+            TypeError: unsupported buffer type.
+        """
+        staged = self._stage(buf, receives=False)
+        parts = [torch.empty_like(staged.tensor) for _ in range(self.world_size)]
+        work = self.process_group.allgather([parts], [staged.tensor], AllgatherOptions())
+        return self._finish(work, async_op, None, lambda: [_like(buf, p) for p in parts])
+
+    def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``buf`` over all ranks into ``buf`` of rank ``dst``.
+
+        Other ranks' buffers are left as they were.
+
+        Args:
+            buf: a torch tensor or NumPy array.
+            dst: the rank that receives the result.
+            op: one of :data:`backends.REDUCE_OPS`.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf`` (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            TypeError: unsupported buffer type, or ``op`` undefined for its dtype.
+            ValueError: unknown ``op``, or ``dst`` is not a rank of the group.
+        """
+        opts = dist.ReduceOptions()
+        opts.rootRank = self._root(dst, "dst")
+        opts.reduceOp = _reduce_op(_dtype_of(buf), op)
+        receives = self.rank == dst
+        staged = self._stage(buf, receives=receives)
+        # A backend may use a non-root rank's input as scratch space; send a copy.
+        tensor = staged.tensor if receives or not staged.in_place else staged.tensor.clone()
+        work = self.process_group.reduce([tensor], opts)
+        return self._finish(work, async_op, staged if receives else None, lambda: buf)
+
+    def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
+        """Gather every rank's ``buf`` on rank ``dst``.
+
+        Args:
+            buf: a torch tensor or NumPy array; same shape and dtype on every rank.
+            dst: the rank that receives the list.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            On ``dst`` a list of ``world_size`` new buffers in rank order, on the
+            other ranks ``None`` (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            TypeError: unsupported buffer type.
+            ValueError: ``dst`` is not a rank of the group.
+        """
+        opts = dist.GatherOptions()
+        opts.rootRank = self._root(dst, "dst")
+        staged = self._stage(buf, receives=False)
+        if self.rank != dst:
+            work = self.process_group.gather([], [staged.tensor], opts)
+            return self._finish(work, async_op, None, _nothing)
+        parts = [torch.empty_like(staged.tensor) for _ in range(self.world_size)]
+        work = self.process_group.gather([parts], [staged.tensor], opts)
+        return self._finish(work, async_op, None, lambda: [_like(buf, p) for p in parts])
+
+    def scatter(
+        self, buf: Any, src: int, chunks: Any = None, async_op: bool = False
+    ) -> Any:
+        """Fill every rank's ``buf`` with ``chunks[rank]`` of rank ``src``.
+
+        Args:
+            buf: a torch tensor or NumPy array that receives.
+            src: the rank that sends.
+            chunks: on ``src`` only: ``world_size`` buffers shaped like ``buf``,
+                or one buffer of shape ``(world_size, *buf.shape)``.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf`` (or a handle whose ``wait()`` returns it).
+
+        Raises:
+            TypeError: unsupported buffer type, or chunks of another dtype.
+            ValueError: ``src`` is not a rank, or ``chunks`` missing on ``src``
+                or of the wrong number or shape.
+        """
+        opts = dist.ScatterOptions()
+        opts.rootRank = self._root(src, "src")
+        staged = self._stage(buf)
+        sources = [self._scatter_sources(staged.tensor, chunks)] if self.rank == src else []
+        work = self.process_group.scatter([staged.tensor], sources, opts)
+        return self._finish(work, async_op, staged, lambda: buf)
+
+    def barrier(self) -> None:
+        """Return once every rank of the group has called ``barrier``."""
+        # An all-reduce is a barrier on every backend (nccl's barrier() guesses a
+        # device); reading the result blocks the host on CUDA too.
+        self._barrier_buf.zero_()
+        self._allreduce([self._barrier_buf], self._sum).wait()
+        self._barrier_buf.item()
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _scalar(self) -> torch.Tensor:
+        # float32 on the wire, like torch's Join (and every joinery backend).
+        return torch.zeros(1, dtype=torch.float32, device=self.device)
+
+    def _root(self, root: int, what: str) -> int:
+        if not 0 <= root < self.world_size:
+            raise ValueError(
+                f"{what}={root} is not a rank of this group (world size {self.world_size})"
+            )
+        return root
+
+    def _stage(self, buf: Any, receives: bool = True) -> _Staged:
+        """``buf`` as a contiguous tensor on the group's device (module doc)."""
+        if isinstance(buf, torch.Tensor):
+            tensor = buf.detach()
+            if tensor.dtype == torch.bool:
+                return _Staged(buf, tensor.to(self.device, torch.uint8), False)
+            if tensor.device == self.device and tensor.is_contiguous():
+                return _Staged(buf, tensor, True)
+            return _Staged(buf, tensor.to(self.device).contiguous(), False)
+        if isinstance(buf, np.ndarray):
+            if receives and not buf.flags.writeable:
+                raise ValueError("the buffer array is read-only but receives a result")
+            if buf.dtype == np.bool_:
+                host = torch.from_numpy(buf.astype(np.uint8))
+                return _Staged(buf, host.to(self.device), False)
+            shareable = (
+                self.device.type == "cpu" and buf.flags.c_contiguous and buf.flags.writeable
+            )
+            try:
+                host = torch.from_numpy(buf if shareable else np.ascontiguousarray(buf).copy())
+            except TypeError as exc:
+                raise TypeError(
+                    f"TorchGroup cannot send a NumPy array of dtype {buf.dtype}"
+                ) from exc
+            return _Staged(buf, host if shareable else host.to(self.device), shareable)
+        raise TypeError(
+            "TorchGroup collectives take torch tensors or NumPy arrays, got "
+            f"{type(buf).__module__}.{type(buf).__qualname__}"
+        )
+
+    def _scatter_sources(self, like: torch.Tensor, chunks: Any) -> list[torch.Tensor]:
+        if chunks is None:
+            raise ValueError(f"scatter needs chunks on the source rank {self.rank}")
+        if isinstance(chunks, (torch.Tensor, np.ndarray)):
+            expected = (self.world_size, *like.shape)
+            if tuple(chunks.shape) != expected:
+                raise ValueError(
+                    f"scatter chunks have shape {tuple(chunks.shape)}, expected {expected}"
+                )
+            chunks = list(chunks)
+        if len(chunks) != self.world_size:
+            raise ValueError(
+                f"scatter needs {self.world_size} chunks (one per rank), got {len(chunks)}"
+            )
+        sources = []
+        for chunk in chunks:
+            tensor = self._stage(chunk, receives=False).tensor
+            if tensor.shape != like.shape:
+                raise ValueError(
+                    f"a scatter chunk has shape {tuple(tensor.shape)}, the receive "
+                    f"buffer {tuple(like.shape)}"
+                )
+            if tensor.dtype != like.dtype:
+                raise TypeError(
+                    f"scatter chunks have dtype {tensor.dtype}, the receive buffer "
+                    f"{like.dtype}"
+                )
+            sources.append(tensor.contiguous())
+        return sources
+
+    @staticmethod
+    def _finish(
+        work: Any, async_op: bool, staged: _Staged | None, result: Callable[[], Any]
+    ) -> Any:
+        def finish() -> Any:
+            if staged is not None:
+                staged.finish()
+            return result()
+
+        if async_op:
+            return _Pending(work, finish)
+        work.wait()
+        return finish()
+
+
+def _dtype_of(buf: Any) -> torch.dtype:
+    if isinstance(buf, torch.Tensor):
+        return buf.dtype
+    if isinstance(buf, np.ndarray):
+        if buf.dtype == np.bool_:
+            return torch.bool
+        try:
+            return torch.from_numpy(np.empty(0, dtype=buf.dtype)).dtype
+        except TypeError as exc:
+            raise TypeError(f"TorchGroup cannot send a NumPy array of dtype {buf.dtype}") from exc
+    raise TypeError(
+        "TorchGroup collectives take torch tensors or NumPy arrays, got "
+        f"{type(buf).__module__}.{type(buf).__qualname__}"
+    )
+
+
+def _like(buf: Any, tensor: torch.Tensor) -> Any:
+    """A new buffer of ``buf``'s kind, dtype and device holding ``tensor``."""
+    if isinstance(buf, torch.Tensor):
+        return tensor.to(buf.device, buf.dtype)
+    return tensor.cpu().numpy().astype(buf.dtype, copy=False)
+
+
+def _backend_name(group: Any) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return "?"
+
+
+def _default_device(group: Any) -> torch.device:
+    if "nccl" not in _backend_name(group) or "gloo" in _backend_name(group):
+        return torch.device("cpu")
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None:
+        return torch.device(bound)
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None:
+        return torch.device("cuda", int(local_rank))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _live_group(process_group: Any) -> Any:
+    """``process_group`` (``None``: the default group), checked to be usable here."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise LocalProtocolError(
+            "torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group(...) before building the joinable "
+            "or entering Join (a group taken as dist.group.WORLD before that is None)"
+        )
+    group = dist.distributed_c10d._get_default_group() if process_group is None else process_group
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise LocalProtocolError(
+            "this rank is not a member of the joinable's process group "
+            "(dist.new_group returned GroupMember.NON_GROUP_MEMBER here): only the "
+            "group's ranks may enter a Join over it"
+        )
+    try:
+        rank = dist.get_rank(group)
+    except (ValueError, RuntimeError) as exc:
+        raise LocalProtocolError(
+            f"the joinable's process group {group!r} is not a live group of this "
+            f"process (destroyed, or from an earlier init_process_group): {exc}"
+        ) from exc
+    if rank < 0:
+        raise LocalProtocolError(
+            "this rank is not a member of the joinable's process group"
+        )
+    return group
+
+
+def _backend_for_process_group(group: Any, device: Any) -> TorchGroup:
+    return TorchGroup(group, device)
+
+
+def _backend_for_group(group: TorchGroup, device: Any) -> TorchGroup:
+    # The Join's collectives run on its first joinable's device (torch's rule);
+    # a group on another device gets a sibling there.
+    if device is None or torch.device(device) == group.device:
+        return group
+    return TorchGroup(group.process_group, device)
+
+
+backends.register(lambda group: group is None, _backend_for_process_group)
+backends.register(dist.ProcessGroup, _backend_for_process_group)
+backends.register(TorchGroup, _backend_for_group)
