@@ -1,0 +1,350 @@
+"""Drive torch's own Joinables (DDP, ZeroRedundancyOptimizer, subclasses) with joinery's Join.
+
+Theory of operation
+-------------------
+``join_core.Join`` calls :func:`adapt` for every instance of
+``torch.distributed.algorithms.join.Joinable`` it is given; the result, a
+:class:`TorchJoinable`, is an ordinary joinery Joinable standing for the torch
+object, so torch and joinery joinables mix in any order in one ``Join``.
+
+*Config.* A torch joinable reads ``self._join_config`` (torch's ``_JoinConfig``
+namedtuple) in its forward or step. The shell sets the adapter's
+``_join_config`` on entry and resets it on exit; the adapter mirrors each
+change onto the torch object: ``enable`` and ``throw_on_early_termination`` as
+given, ``is_first_joinable`` always ``False``, and torch's disabled config on
+exit, so that after the block DDP sends no join collectives any more (torch's
+own Join leaves the config enabled, and every later forward pays for a
+heartbeat, a gradient-sync check and, with buffers, a rank agreement).
+
+*Heartbeats are joinery's.* A torch joinable announces an iteration by calling
+``torch...Join.notify_join_context(self)``. While a joinery Join holds torch
+joinables, that static method is replaced by a router: for an object held by an
+active adapter it calls joinery's ``Join.notify_join_context(adapter)``, so the
+heartbeat (and in throw mode the termination check) goes through joinery's
+machine, which must observe every ``Notified``; for any other object it calls
+torch's original. ``is_first_joinable=False`` in the torch config makes sure
+torch's original never sends a second heartbeat. The router is installed when
+the first adapter is entered and removed when the last one leaves. DDP gets the
+heartbeat's ``Work`` back, exactly as from torch, and hands it to its reducer,
+so ``divide_by_initial_world_size=False`` divides by the number of active ranks.
+
+*Shadow rounds are not heartbeats.* ZeroRedundancyOptimizer's main hook is a
+plain ``step()``, which notifies. In torch's Join, with the optimizer first,
+that joined rank's heartbeat contributes 1 to the count and the ranks deadlock.
+The adapter marks the time its own hooks run and drops a notify made then.
+
+*Gradients on a joined rank.* DDP's main hook all-reduces zero gradients to
+match the active ranks' backward pass, and throws the result away; ZeRO's main
+hook then steps the joined rank's shard with whatever ``.grad`` it still holds
+from its last real iteration, so torch's DDP + ZeRO ends with a shard updated
+by stale gradients. Here DDP's shadow all-reduce keeps its result, which is the
+active ranks' averaged gradient (the joined rank contributed zero), and writes
+it into the joined rank's ``.grad``; ZeRO's shadow step zeroes any gradient no
+such all-reduce refreshed in that round. Every rank's shard then sees the
+gradient a single process would apply. On exit DDP's reducer also forgets the
+last heartbeat's ``Work``: left in place, a later backward outside the Join
+would divide by that stale count of active ranks.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.algorithms.join as torch_join
+from torch.nn.parallel import DistributedDataParallel
+
+from join_core import Join, Joinable, JoinHook, LocalProtocolError
+from join_core._join import _DISABLED
+
+__all__ = ["adapt", "TorchJoinable"]
+
+_TorchJoinConfig = torch_join._JoinConfig
+_TORCH_DISABLED = _TorchJoinConfig(
+    enable=False, throw_on_early_termination=False, is_first_joinable=False
+)
+_ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
+
+
+def adapt(obj: Any) -> TorchJoinable:
+    """Return the joinery Joinable that stands for a torch Joinable.
+
+    The same object always gets the same adapter (when it is hashable), so the
+    shell notices a torch object entered in two nested Joins.
+
+    Args:
+        obj: an instance of ``torch.distributed.algorithms.join.Joinable``.
+
+    Returns:
+        Its :class:`TorchJoinable`.
+
+    Raises:
+        TypeError: ``obj`` is not a torch Joinable.
+        LocalProtocolError: ``obj``'s constructor did not call
+            ``Joinable.__init__`` (it has no ``_join_config``).
+    """
+    if not isinstance(obj, torch_join.Joinable):
+        raise TypeError(
+            f"adapters.torch.adapt expects a torch Joinable, got {type(obj).__qualname__}"
+        )
+    if not hasattr(obj, "_join_config"):
+        raise LocalProtocolError(
+            f"{type(obj).__qualname__} has no join config: its constructor must call "
+            "torch.distributed.algorithms.join.Joinable.__init__(self) (e.g. "
+            "super().__init__())"
+        )
+    try:
+        adapter = _adapters.get(obj)
+    except TypeError:  # unhashable or not weak-referenceable: no caching
+        return TorchJoinable(obj)
+    if adapter is None:
+        adapter = TorchJoinable(obj)
+        _adapters[obj] = adapter
+    return adapter
+
+
+class TorchJoinable(Joinable):
+    """A joinery Joinable standing for one torch Joinable (see the module doc).
+
+    Args:
+        obj: the torch Joinable.
+    """
+
+    def __init__(self, obj: Any) -> None:
+        # Joinable.__init__ would assign _join_config, i.e. write a disabled
+        # config onto ``obj``, which may be inside a torch Join right now.
+        self.obj = obj
+        self._config = _DISABLED
+        self._in_hook = False
+        self._is_ddp = isinstance(obj, DistributedDataParallel)
+
+    def __repr__(self) -> str:
+        return f"TorchJoinable({type(self.obj).__qualname__})"
+
+    # -- the config the shell sets -------------------------------------------------
+
+    @property
+    def _join_config(self) -> Any:
+        return self._config
+
+    @_join_config.setter
+    def _join_config(self, config: Any) -> None:
+        was_active = self._config.enable and self._config.join is not None
+        active = config.enable and config.join is not None
+        self._config = config
+        if active:
+            self.obj._join_config = _TorchJoinConfig(
+                enable=True,
+                throw_on_early_termination=config.throw_on_early_termination,
+                is_first_joinable=False,  # joinery sends the heartbeat (module doc)
+            )
+            if not was_active:
+                _route(self)
+            return
+        self.obj._join_config = _TORCH_DISABLED
+        if was_active:
+            _unroute(self)
+            if self._is_ddp:
+                _forget_join(self.obj)
+
+    # -- Joinable ------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Return the torch object's hook, wrapped (see the module doc).
+
+        Args:
+            **kwargs: the Join's keyword arguments, passed on unchanged (e.g.
+                DDP's ``divide_by_initial_world_size``).
+        """
+        hook = self.obj.join_hook(**kwargs)
+        if not (callable(getattr(hook, "main_hook", None))
+                and callable(getattr(hook, "post_hook", None))):
+            raise TypeError(
+                f"{type(self.obj).__qualname__}.join_hook() returned "
+                f"{type(hook).__qualname__}, not a JoinHook"
+            )
+        if self._is_ddp:
+            return _DDPShadow(self, hook)
+        if _is_zero(self.obj):
+            return _ZeROShadow(self, hook)
+        return _Shadow(self, hook)
+
+    @property
+    def join_device(self) -> Any:
+        return self.obj.join_device
+
+    @property
+    def join_process_group(self) -> Any:
+        group = self.obj.join_process_group
+        if group is None and dist.is_available() and dist.is_initialized():
+            # torch's spelling of the default group (ZeRO built before init
+            # stores None); compare equal to DDP's default group.
+            return dist.distributed_c10d._get_default_group()
+        return group
+
+    # -- the heartbeat -------------------------------------------------------------
+
+    def _notify(self) -> Any:
+        """What torch's ``notify_join_context(self.obj)`` does inside our Join."""
+        if self._in_hook:
+            return None  # a shadow round's own notify (ZeRO's step), not an input
+        handle = Join.notify_join_context(self)
+        if self._is_ddp and not isinstance(handle, dist.Work):
+            return None  # DDP's reducer accepts nothing but a torch Work
+        return handle
+
+
+# -- hooks ------------------------------------------------------------------------
+
+
+class _Shadow(JoinHook):
+    """A torch join hook, run with its adapter marked as inside a hook."""
+
+    def __init__(self, adapter: TorchJoinable, hook: Any) -> None:
+        self.adapter = adapter
+        self.hook = hook
+
+    def main_hook(self) -> None:
+        self.adapter._in_hook = True
+        try:
+            self.hook.main_hook()
+        finally:
+            self.adapter._in_hook = False
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.adapter._in_hook = True
+        try:
+            self.hook.post_hook(is_last_joiner)
+        finally:
+            self.adapter._in_hook = False
+
+
+# Parameters whose .grad a DDP shadow round just refreshed with the averaged
+# gradient, by id; a ZeRO shadow step consumes the marks of its parameters.
+_fresh_grads: dict[int, torch.Tensor] = {}
+
+
+class _DDPShadow(_Shadow):
+    """DDP's hook, but its shadow all-reduce writes the averaged gradient to .grad."""
+
+    def main_hook(self) -> None:
+        ddp = self.adapter.obj
+        # torch's main hook calls ddp._match_all_reduce_for_bwd_pass() when the
+        # active ranks sync gradients this round; an instance attribute puts our
+        # variant in its place for this call only.
+        ddp._match_all_reduce_for_bwd_pass = self._match_all_reduce_keeping_grads
+        try:
+            super().main_hook()
+        finally:
+            del ddp._match_all_reduce_for_bwd_pass
+
+    def _match_all_reduce_keeping_grads(self) -> None:
+        ddp = self.adapter.obj
+        reducer = ddp.reducer
+        # Same collectives, same order as torch's _match_all_reduce_for_bwd_pass:
+        # one comm-hook all-reduce per bucket, zeros in the reducer's layout.
+        buckets = reducer._get_zeros_like_grad_buckets()
+        futures = [reducer._run_comm_hook(bucket) for bucket in buckets]
+        with torch.no_grad():
+            for bucket, future in zip(buckets, futures, strict=True):
+                result = future.wait()
+                if isinstance(result, (list, tuple)):
+                    result = result[0]
+                bucket.set_buffer(result)
+                for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                    if param.grad is None:
+                        param.grad = grad.detach().clone()
+                    else:
+                        param.grad.copy_(grad)
+                    _fresh_grads[id(param)] = param
+
+
+class _ZeROShadow(_Shadow):
+    """ZeRO's hook (one step), with gradients no shadow all-reduce refreshed zeroed."""
+
+    def main_hook(self) -> None:
+        params = list(_parameters(self.adapter.obj))
+        with torch.no_grad():
+            for param in params:
+                if param.grad is not None and id(param) not in _fresh_grads:
+                    # A joined rank has no gradient of its own this round: it
+                    # contributes zero, as it does to DDP's average.
+                    param.grad.zero_()
+        try:
+            super().main_hook()
+        finally:
+            for param in params:
+                _fresh_grads.pop(id(param), None)
+
+
+def _parameters(optimizer: Any) -> Iterable[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def _is_zero(obj: Any) -> bool:
+    module = sys.modules.get(_ZERO_MODULE)
+    return module is not None and isinstance(obj, module.ZeroRedundancyOptimizer)
+
+
+_completed_work: Any = None
+
+
+def _forget_join(ddp: DistributedDataParallel) -> None:
+    """Undo what a Join leaves in a DDP's reducer and in the gradient marks."""
+    global _completed_work
+    for param in ddp.parameters():
+        _fresh_grads.pop(id(param), None)
+    reducer = getattr(ddp, "reducer", None)
+    if reducer is None:
+        return
+    if _completed_work is None:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result([torch.zeros(1)])
+        c10d: Any = torch._C._distributed_c10d
+        _completed_work = c10d._create_work_from_future(future)
+    # "Use the static world size": the reducer never reads this work.
+    reducer._set_forward_pass_work_handle(_completed_work, True)
+
+
+# -- routing torch's notify_join_context ------------------------------------------
+
+_adapters: weakref.WeakKeyDictionary[Any, TorchJoinable] = weakref.WeakKeyDictionary()
+# id(torch object) -> its active adapter (the adapter keeps the object alive).
+_routes: dict[int, TorchJoinable] = {}
+_routes_lock = threading.Lock()
+_torch_notify = torch_join.Join.__dict__["notify_join_context"]
+
+
+def _routed_notify_join_context(joinable: Any) -> Any:
+    adapter = _routes.get(id(joinable))
+    if adapter is None:
+        return _torch_notify.__func__(joinable)
+    return adapter._notify()
+
+
+_routed_notify_join_context.__doc__ = (
+    "torch's Join.notify_join_context, routed to joinery's Join for torch "
+    "joinables inside a joinery Join (installed by adapters.torch)."
+)
+_router = staticmethod(_routed_notify_join_context)
+
+
+def _route(adapter: TorchJoinable) -> None:
+    with _routes_lock:
+        if not _routes:
+            torch_join.Join.notify_join_context = _router  # type: ignore[method-assign]
+        _routes[id(adapter.obj)] = adapter
+
+
+def _unroute(adapter: TorchJoinable) -> None:
+    with _routes_lock:
+        if _routes.get(id(adapter.obj)) is adapter:
+            del _routes[id(adapter.obj)]
+        if not _routes and torch_join.Join.__dict__.get("notify_join_context") is _router:
+            torch_join.Join.notify_join_context = _torch_notify  # type: ignore[method-assign]
