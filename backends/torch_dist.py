@@ -37,6 +37,12 @@ orders the device streams. Reading a heartbeat's sum (``heartbeat_total``) on
 CUDA would need a device synchronisation per iteration, so there it reports no
 failure and a failed peer is seen at the next count instead.
 
+*Failure handling extras.* ``collectives_issued`` is the group's own sequence
+number (which counts every collective on the group, DDP's from C++ included)
+minus the heartbeats and counts, so the Join knows whether a rank failed right
+after its heartbeat. ``abort`` aborts the ProcessGroup: peers blocked in a
+collective on it fail at once instead of at their timeout.
+
 *Buffers.* Collectives take torch tensors and NumPy arrays. A contiguous tensor
 already on the group's device is used in place; anything else (a NumPy array, a
 CPU tensor on an nccl group, a non-contiguous tensor) is copied to a staging
@@ -195,6 +201,14 @@ class TorchGroup:
         self._next_beat = 0
         self._tally = self._scalar()
         self._barrier_buf = self._scalar()
+        # collectives_issued: the group's sequence number counts every
+        # collective on it (DDP's from C++ too); ours are subtracted.
+        self._join_collectives = 0
+        try:
+            self._sequence: Callable[[], int] | None = group._get_sequence_number_for_group
+            self._sequence()
+        except (AttributeError, RuntimeError):
+            self._sequence = None
 
     def __repr__(self) -> str:
         return (
@@ -233,8 +247,22 @@ class TorchGroup:
         buf = self._beats[index]
         buf.fill_(value)
         work = self._allreduce([buf], self._sum)
+        self._join_collectives += 1
         self._beat_works[index] = work
         return work
+
+    @property
+    def collectives_issued(self) -> int | None:
+        """How many collectives the group issued besides heartbeats and counts.
+
+        It counts what other code (DDP's reducer, a joinable) sends on the
+        group, so the Join can tell whether a rank failed right after its
+        heartbeat, before that iteration's collectives. ``None`` when the
+        group's backend keeps no sequence number.
+        """
+        if self._sequence is None:
+            return None
+        return self._sequence() - self._join_collectives
 
     def heartbeat_total(self, handle: Any) -> float:
         """The sum of a heartbeat this group sent (waits for it).
@@ -266,7 +294,9 @@ class TorchGroup:
         """
         buf = self._tally
         buf.fill_(value)
-        self._allreduce([buf], self._sum).wait()
+        work = self._allreduce([buf], self._sum)
+        self._join_collectives += 1
+        work.wait()
         return float(buf.item())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
