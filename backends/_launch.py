@@ -1,0 +1,555 @@
+"""From "whatever launched this process" to a world group.
+
+Theory of operation
+-------------------
+:func:`init` answers one question per process: which collective library
+connects me to my peers, and who are they? It does so in two steps.
+
+1. :func:`plan_launch` is pure: from an environment mapping, the requested
+   backend and a way to ask whether a library is importable, it returns a
+   frozen :class:`LaunchPlan`: the launcher, the backend and, when the
+   environment tells them, rank, world size, local rank and the torch
+   rendezvous address. It reads no global state, so every launcher is unit
+   tested with a faked environment.
+2. :func:`init` and :func:`init_torch` carry the plan out: build an
+   ``MPIGroup`` over ``COMM_WORLD``, initialise ``torch.distributed`` and wrap
+   it in a ``TorchGroup``, or return a world of one.
+
+The backend is, first match wins: the ``backend=`` argument, the
+``JOINERY_BACKEND`` environment variable (``torch``, ``mpi``, ``threads``), or
+the launcher's natural choice::
+
+    torchrun          -> torch (env:// rendezvous, set up by torchrun)
+    mpirun / mpiexec  -> mpi   (Open MPI, MPICH/Hydra, MVAPICH, PMIx)
+    srun (Slurm)      -> mpi if mpi4py is importable, else torch from the
+                         Slurm variables
+    nothing           -> threads: a world of one in this process
+
+A requested backend whose library is missing is an ``ImportError`` that says
+what to install; nothing is silently swapped for something else.
+
+torch under mpirun: MPI already knows rank and world size, so
+:func:`init_torch` takes them from ``COMM_WORLD``; rank 0 opens torch's
+``TCPStore`` on a port the kernel picks (no race between choosing a free port
+and binding it) and broadcasts ``(address, port)`` over MPI; the other ranks
+connect to it. Under Slurm without MPI there is nobody to ask, so the address
+is the first host of the step (where task 0 runs) and the port is derived from
+the job and step ids, unless ``MASTER_ADDR``/``MASTER_PORT`` are set. After
+initialising, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT`` are exported when absent, so scripts written for torchrun (a
+``LOCAL_RANK`` lookup for the device) run unchanged under mpirun and srun.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import socket
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import attrs
+
+import backends
+
+__all__ = ["BACKENDS", "LaunchPlan", "plan_launch", "init", "init_torch"]
+
+#: The values ``JOINERY_BACKEND`` and ``backend=`` accept.
+BACKENDS = ("torch", "mpi", "threads")
+
+ENV_VAR = "JOINERY_BACKEND"
+
+# backend -> (module that must be importable, pip extra)
+_LIBRARIES = {"torch": ("torch", "torch"), "mpi": ("mpi4py", "mpi")}
+
+# Rank / size / local rank variables of MPI launchers, in lookup order.
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK")
+_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+_MPI_LOCAL_RANK_VARS = (
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+)
+
+_DEFAULT_STORE_TIMEOUT = timedelta(minutes=5)
+
+
+@attrs.frozen(kw_only=True)
+class LaunchPlan:
+    """What this process should do to join its world.
+
+    Attributes:
+        launcher: what :func:`backends.detect_launcher` found (``None``: nothing).
+        backend: one of :data:`BACKENDS`.
+        chosen_by: ``"argument"``, ``"JOINERY_BACKEND"`` or ``"launcher"``.
+        rank, world_size, local_rank: from the environment when it tells them
+            (``None`` otherwise; MPI then knows them).
+        master_addr, master_port: the torch rendezvous, when the environment
+            fixes it.
+    """
+
+    launcher: str | None
+    backend: str
+    chosen_by: str
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def plan_launch(
+    environ: Mapping[str, str] | None = None,
+    backend: str | None = None,
+    available: Callable[[str], bool] = _importable,
+) -> LaunchPlan:
+    """Decide the backend and read the world from the environment (pure).
+
+    Args:
+        environ: the environment; ``None`` means ``os.environ``.
+        backend: the explicitly requested backend, or ``None``.
+        available: ``available(module)`` tells whether a library is importable.
+
+    Returns:
+        The :class:`LaunchPlan`.
+
+    Raises:
+        ValueError: the requested backend is not one of :data:`BACKENDS`, or
+            the launcher's variables are malformed.
+        ModuleNotFoundError: the backend's library is not installed.
+    """
+    env = os.environ if environ is None else environ
+    launcher = backends.detect_launcher(env)
+    requested, chosen_by = backend, "argument"
+    if requested is None and env.get(ENV_VAR, "").strip():
+        requested, chosen_by = env[ENV_VAR], ENV_VAR
+    if requested is not None:
+        choice = requested.strip().lower()
+        if choice not in BACKENDS:
+            where = f"{ENV_VAR}={requested!r}" if chosen_by == ENV_VAR else f"backend={requested!r}"
+            raise ValueError(
+                f"{where} is not a joinery backend: use one of {', '.join(BACKENDS)}"
+            )
+    else:
+        chosen_by = "launcher"
+        choice = _natural_backend(launcher, available)
+    _require_library(choice, chosen_by, launcher, available)
+
+    fields: dict[str, Any] = {}
+    if choice == "torch":
+        fields = _torch_world(env, launcher)
+    elif choice == "mpi" and launcher == "mpirun":
+        fields = _mpi_world(env)
+    return LaunchPlan(launcher=launcher, backend=choice, chosen_by=chosen_by, **fields)
+
+
+def _natural_backend(launcher: str | None, available: Callable[[str], bool]) -> str:
+    if launcher == "torchrun":
+        return "torch"
+    if launcher == "mpirun":
+        return "mpi"
+    if launcher == "srun":
+        # An MPI library under srun (PMI/PMIx) needs no rendezvous address.
+        return "mpi" if available("mpi4py") else "torch"
+    return "threads"
+
+
+def _require_library(
+    choice: str, chosen_by: str, launcher: str | None, available: Callable[[str], bool]
+) -> None:
+    if choice not in _LIBRARIES:
+        return
+    module, extra = _LIBRARIES[choice]
+    if available(module):
+        return
+    install = f"pip install 'joinery[{extra}]'"
+    if chosen_by == ENV_VAR:
+        message = f"{ENV_VAR}={choice} but {module} is not installed: {install}"
+    elif chosen_by == "argument":
+        message = f"backend={choice!r} but {module} is not installed: {install}"
+    else:
+        message = (
+            f"this process was launched by {launcher}, which joinery runs on "
+            f"{module}, but {module} is not installed: {install}, or choose "
+            f"another backend with {ENV_VAR}"
+        )
+        if launcher == "srun":
+            message = (
+                "this process was launched by srun, and neither mpi4py nor torch "
+                "is installed: pip install 'joinery[mpi]' or 'joinery[torch]'"
+            )
+    raise ModuleNotFoundError(message, name=module)
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        if name in env:
+            return _int(env, name)
+    return None
+
+
+def _torch_world(env: Mapping[str, str], launcher: str | None) -> dict[str, Any]:
+    """The torch rendezvous fields the environment fixes, per launcher."""
+    fields: dict[str, Any] = {}
+    if launcher == "torchrun":
+        fields = {
+            "rank": _first_int(env, ("RANK",)),
+            "world_size": _first_int(env, ("WORLD_SIZE",)),
+            "local_rank": _first_int(env, ("LOCAL_RANK",)),
+        }
+    elif launcher == "srun":
+        job = env.get("SLURM_JOB_ID", env.get("SLURM_JOBID", "0"))
+        step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
+        fields = {
+            "rank": _int(env, "SLURM_PROCID"),
+            "world_size": _first_int(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")),
+            "local_rank": _first_int(env, ("SLURM_LOCALID",)) or 0,
+            "master_addr": _slurm_master_addr(env),
+            "master_port": _slurm_port(job, step),
+        }
+    elif launcher == "mpirun":
+        fields = _mpi_world(env)
+    elif launcher is None:
+        fields = {"rank": 0, "world_size": 1, "local_rank": 0}
+    # Explicit settings win over what the launcher implies.
+    if "MASTER_ADDR" in env:
+        fields["master_addr"] = env["MASTER_ADDR"]
+    if "MASTER_PORT" in env:
+        fields["master_port"] = _int(env, "MASTER_PORT")
+    return fields
+
+
+def _mpi_world(env: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        "rank": _first_int(env, _MPI_RANK_VARS),
+        "world_size": _first_int(env, _MPI_SIZE_VARS),
+        "local_rank": _first_int(env, _MPI_LOCAL_RANK_VARS),
+    }
+
+
+def _slurm_master_addr(env: Mapping[str, str]) -> str | None:
+    # Task 0 runs on the first node of the step. SLURM_LAUNCH_NODE_IPADDR is
+    # where srun ran: the same node inside sbatch, but a login node (where no
+    # task runs) for an interactive srun, so it is only the last resort.
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        if env.get(name):
+            return first_host(env[name])
+    return env.get("SLURM_LAUNCH_NODE_IPADDR")
+
+
+def _slurm_port(job: str, step: str) -> int:
+    # Both ends derive the same port with no communication; the job and step
+    # ids spread concurrent steps on one node over 20000..59999.
+    try:
+        return 20000 + (int(job) * 97 + int(step)) % 40000
+    except ValueError:
+        return 29500
+
+
+_BRACKET = re.compile(r"\[([^\]]*)\]")
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist such as ``"node[07-09,12],gpu1"``.
+
+    Args:
+        nodelist: a (possibly compressed) Slurm hostlist.
+
+    Returns:
+        Its first host name (``"node07"``); zero padding is kept.
+    """
+    depth, end = 0, len(nodelist)
+    for i, char in enumerate(nodelist):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            end = i
+            break
+    first = nodelist[:end].strip()
+    # In each bracket keep the first item, and of a range its start.
+    return _BRACKET.sub(lambda m: m.group(1).split(",")[0].split("-")[0], first)
+
+
+# -- carrying the plan out ------------------------------------------------------
+
+
+def init(backend: str | None = None) -> Any:
+    """The world group of whatever launched this process.
+
+    Args:
+        backend: ``"torch"``, ``"mpi"`` or ``"threads"`` to override the
+            launcher's choice (so does the ``JOINERY_BACKEND`` variable; the
+            argument wins). ``"threads"`` gives a world of one.
+
+    Returns:
+        A :class:`backends.CollectiveGroup`: a ``TorchGroup`` over the default
+        process group (initialised if needed), an ``MPIGroup`` over
+        ``COMM_WORLD``, or a single-rank group.
+
+    Raises:
+        ValueError: unknown backend name.
+        ModuleNotFoundError: the backend's library is not installed.
+        RuntimeError: the torch rendezvous failed.
+    """
+    plan = plan_launch(os.environ, backend)
+    if plan.backend == "mpi":
+        from backends.mpi import MPIGroup
+
+        return MPIGroup()
+    if plan.backend == "torch":
+        return _init_torch(plan, None, None)
+    return solo_group()
+
+
+def init_torch(
+    dist_backend: str | None = None, timeout: timedelta | None = None
+) -> Any:
+    """Initialise ``torch.distributed`` from any launcher; return the world group.
+
+    Under torchrun this is ``env://``; under mpirun rank and world size come
+    from MPI and rank 0 broadcasts the rendezvous address over MPI; under
+    srun they come from the Slurm variables; without a launcher the world is
+    this one process. Already initialised: just wrap the default group.
+
+    Args:
+        dist_backend: torch's backend name; default ``"nccl"`` when CUDA is
+            available, else ``"gloo"``.
+        timeout: the process group's (and rendezvous store's) timeout.
+
+    Returns:
+        A ``backends.torch_dist.TorchGroup`` over the default process group.
+
+    Raises:
+        ModuleNotFoundError: torch (or, under mpirun without
+            ``MASTER_ADDR``/``MASTER_PORT``, mpi4py) is not installed.
+        RuntimeError: the rendezvous failed.
+    """
+    return _init_torch(plan_launch(os.environ, "torch"), dist_backend, timeout)
+
+
+def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta | None) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from backends.torch_dist import TorchGroup
+
+    if dist.is_initialized():
+        return TorchGroup()
+    if dist_backend is None:
+        dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs: dict[str, Any] = {"backend": dist_backend}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    store_timeout = timeout or _DEFAULT_STORE_TIMEOUT
+
+    if plan.launcher == "mpirun" and _importable("mpi4py"):
+        rank, world_size, local_rank, addr, port, store = _mpi_rendezvous(
+            plan, store_timeout
+        )
+        kwargs.update(store=store, rank=rank, world_size=world_size)
+    elif plan.launcher == "mpirun" and (plan.master_addr is None or plan.master_port is None):
+        raise ModuleNotFoundError(
+            "init_torch under mpirun agrees on the rendezvous through MPI, but "
+            "mpi4py is not installed: pip install 'joinery[mpi]', or set "
+            "MASTER_ADDR and MASTER_PORT",
+            name="mpi4py",
+        )
+    elif plan.launcher is None:
+        rank, world_size, local_rank, addr, port = 0, 1, 0, None, None
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        rank, world_size, local_rank = plan.rank, plan.world_size, plan.local_rank or 0
+        addr, port = plan.master_addr, plan.master_port
+        missing = [
+            name
+            for name, value in (("rank", rank), ("world size", world_size),
+                                ("MASTER_ADDR", addr), ("MASTER_PORT", port))
+            if value is None
+        ]
+        if missing:
+            raise RuntimeError(
+                f"cannot initialise torch.distributed under {plan.launcher}: the "
+                f"environment does not give {', '.join(missing)}"
+            )
+        assert rank is not None and world_size is not None
+        if plan.launcher == "torchrun":
+            # torchrun's agent already serves the store at MASTER_PORT.
+            kwargs.update(init_method="env://", rank=rank, world_size=world_size)
+        else:
+            store = dist.TCPStore(str(addr), int(port), world_size, rank == 0,  # type: ignore[arg-type]
+                                  store_timeout, wait_for_workers=False)
+            kwargs.update(store=store, rank=rank, world_size=world_size)
+
+    if dist_backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(**kwargs)
+    if plan.launcher in ("mpirun", "srun"):
+        _export_torchrun_env(rank, world_size, local_rank, addr, port)
+    return TorchGroup()
+
+
+def _mpi_rendezvous(
+    plan: LaunchPlan, store_timeout: timedelta
+) -> tuple[int, int, int, str, int, Any]:
+    """Rank, size and local rank from MPI; a TCPStore whose address rank 0 sent."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world_size = comm.Get_rank(), comm.Get_size()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank = node.Get_rank()
+    node.Free()
+    hosts = comm.allgather(socket.gethostname())
+    store = None
+    answer: tuple[str | None, int | None, str | None] = (None, None, None)
+    if rank == 0:
+        # One node: loopback always works. Several: rank 0's host name, which
+        # a cluster resolves for its peers.
+        addr = plan.master_addr or ("127.0.0.1" if len(set(hosts)) == 1 else hosts[0])
+        try:
+            store = dist.TCPStore(addr, plan.master_port or 0, world_size, True,
+                                  store_timeout, wait_for_workers=False)
+            answer = (addr, int(store.port), None)
+        except Exception as exc:  # every rank must hear of it, or they hang in bcast
+            answer = (None, None, f"{type(exc).__name__}: {exc}")
+    addr, port, error = comm.bcast(answer, root=0)
+    if error is not None:
+        raise RuntimeError(f"rank 0 could not open the torch rendezvous store: {error}")
+    assert addr is not None and port is not None
+    if store is None:
+        store = dist.TCPStore(addr, port, world_size, False, store_timeout)
+    return rank, world_size, local_rank, addr, port, store
+
+
+def _export_torchrun_env(
+    rank: int, world_size: int, local_rank: int, addr: str | None, port: int | None
+) -> None:
+    values = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": local_rank,
+              "MASTER_ADDR": addr, "MASTER_PORT": port}
+    for name, value in values.items():
+        if value is not None:
+            os.environ.setdefault(name, str(value))
+
+
+# -- a world of one ---------------------------------------------------------------
+
+
+def solo_group() -> Any:
+    """A :class:`backends.CollectiveGroup` whose world is this process alone.
+
+    Returns:
+        A group of rank 0 and world size 1.
+    """
+    return _SoloGroup()
+
+
+class _Done:
+    """The handle of a collective that completed when it was called."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
+
+
+def _copy(buf: Any) -> Any:
+    # torch tensors have clone(), arrays copy(); both give a new buffer.
+    clone = getattr(buf, "clone", None)
+    return clone() if clone is not None else buf.copy()
+
+
+class _SoloGroup:
+    """Every collective over a world of one: the result is the input.
+
+    Arguments are still checked (op names, roots, scatter chunks) so code that
+    runs here is not wrong on a larger world for those reasons.
+    """
+
+    rank = 0
+    world_size = 1
+    device = "cpu"
+
+    def __repr__(self) -> str:
+        return "SoloGroup(rank=0, world_size=1)"
+
+    def heartbeat(self, value: float) -> _Done:
+        return _Done(float(value))
+
+    def count(self, value: float) -> float:
+        return float(value)
+
+    def heartbeat_total(self, handle: _Done) -> float:
+        return float(handle.wait())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def _done(self, result: Any, async_op: bool) -> Any:
+        return _Done(result) if async_op else result
+
+    def _check_op(self, op: str) -> None:
+        if op not in backends.REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r}: use one of {backends.REDUCE_OPS}")
+
+    def _check_root(self, root: int, what: str) -> None:
+        if root != 0:
+            raise ValueError(f"{what}={root} is not a rank of this group (world size 1)")
+
+    def all_reduce(self, buf: Any, op: str = "sum", async_op: bool = False) -> Any:
+        self._check_op(op)
+        return self._done(buf, async_op)
+
+    def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
+        self._check_root(src, "src")
+        return self._done(buf, async_op)
+
+    def all_gather(self, buf: Any, async_op: bool = False) -> Any:
+        return self._done([_copy(buf)], async_op)
+
+    def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
+        self._check_op(op)
+        self._check_root(dst, "dst")
+        return self._done(buf, async_op)
+
+    def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
+        self._check_root(dst, "dst")
+        return self._done([_copy(buf)], async_op)
+
+    def scatter(self, buf: Any, src: int, chunks: Any = None, async_op: bool = False) -> Any:
+        self._check_root(src, "src")
+        if chunks is None or len(chunks) != 1:
+            raise ValueError("scatter on a world of one needs exactly one chunk")
+        buf[...] = chunks[0]
+        return self._done(buf, async_op)
+
+    def barrier(self) -> None:
+        return None
+
+
+def _solo_backend(group: _SoloGroup, device: Any) -> _SoloGroup:
+    return group
+
+
+backends.register(_SoloGroup, _solo_backend)
