@@ -1,0 +1,1117 @@
+"""The threads backend: ranks as threads of one process, and joinery's test harness.
+
+Theory of operation
+-------------------
+``spawn(fn, world_size)`` starts one daemon thread per rank; each runs
+``fn(group, *args)`` with its own :class:`ThreadGroup`. The groups of one spawn
+share a ``_World``: the rendezvous of their collectives and the record of how
+each rank ended.
+
+*Slots.* Every collective is world-wide, so call #k of every rank must be the
+same collective. A rank numbers its calls 1, 2, 3, ...; call #k lands in *slot*
+k. The caller snapshots its contribution (an async caller may reuse its buffer
+at once), files it in the slot with its *signature* ``(kind, op, shape, dtype,
+root)`` and its call site, and waits on a *gate* (a lock of its own, held
+shut), except the last rank to arrive: it removes the slot from the world,
+compares the signatures, computes the result once (a reduction, a stack of
+buffers, ...) and opens every gate. So a collective costs O(world size) work
+and exactly one wakeup per waiting rank, with no lock they all contend for. Each
+rank then copies its share of the result into its own buffer; for an async
+call that happens in ``wait()``. The join collectives (``heartbeat``,
+``count``) are 1-element float32 SUM all-reduces like any other, which is how
+an active rank's heartbeat matches a joined rank's count; ``all_gather_object``
+moves pickles, so objects cross ranks as they would cross processes.
+
+*The harness.* Every way a multi-rank program can hang becomes an error:
+
+- signatures differ in slot k: ``CollectiveMismatch`` with a per-rank table
+  (rank | kind | op | shape | dtype | root | call site) on every rank; a rank
+  that issued call #k async and did not wait gets it at its next collective;
+- a rank does not arrive within ``timeout`` seconds: the slot *expires* and
+  every rank waiting in it gets ``RankTimeout``, naming the missing ranks and
+  where each was last seen (a latecomer gets one too); a missing rank that
+  already returned from ``fn`` can never arrive, so then the error is
+  immediate;
+- a rank raises (or calls ``abort``): the world is *aborted*; waiting ranks
+  wake at once and every later collective raises :class:`SpawnAborted`.
+  ``spawn`` re-raises the first root-cause exception, noting its rank; an
+  error that only reports another rank's failure (``SpawnAborted``, the Join's
+  ``PeerFailure``/``PeerAborted``) is never the root cause.
+
+A call site is the first frame outside this module and outside ``join_core``
+(so a heartbeat points at the joinable that called ``notify_join_context``);
+it is captured as ``(file, line, function)`` with ``sys._getframe`` and only
+formatted when an error message needs it.
+
+Invariants: exactly one thread (the last arriver) completes a slot, and a
+completed slot never changes; an aborted world stays aborted; a rank's buffers
+are only written by that rank's thread.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import pickle
+import sys
+import threading
+import time
+from _thread import allocate_lock as _allocate_lock
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+
+from join_core import CollectiveMismatch, PeerAborted, PeerFailure, RankTimeout
+
+from . import REDUCE_OPS, register
+
+__all__ = ["ThreadGroup", "ThreadWork", "SpawnAborted", "spawn"]
+
+# After a rank fails, how long spawn() waits for the others before it raises
+# anyway: ranks in a collective are released at once, so a rank still running
+# after this is stuck in its own code.
+_FAILURE_GRACE = 1.0
+
+_Site: TypeAlias = "tuple[str, int, str]"  # (file, line, function)
+# (kind, op, shape, dtype, root); all ranks' must be equal in a slot.
+_Signature: TypeAlias = (
+    "tuple[str, str | None, tuple[int, ...] | None, np.dtype[Any] | None, int | None]"
+)
+_Deliver: TypeAlias = "Callable[[Any], Any]"
+
+_UFUNCS: dict[str, np.ufunc] = {
+    "sum": np.add,
+    "prod": np.multiply,
+    "min": np.minimum,
+    "max": np.maximum,
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
+}
+assert tuple(_UFUNCS) == REDUCE_OPS
+_BITWISE = ("band", "bor", "bxor")
+
+# Both join collectives; equal to the signature of a user's all_reduce of a
+# 1-element float32 buffer, which is what they are on every backend.
+_JOIN_SIGNATURE: _Signature = ("all_reduce", "sum", (1,), np.dtype(np.float32), None)
+_OBJECT_SIGNATURE: _Signature = ("all_gather_object", None, None, None, None)
+# SpawnAborted.exc_type when a rank called ThreadGroup.abort() (no exception yet).
+_GROUP_ABORT = "abort"
+
+
+class SpawnAborted(PeerFailure):
+    """Another rank of this ``spawn`` raised, so this rank's collective was abandoned.
+
+    Attributes:
+        rank: the rank that raised first (``-1`` if ``spawn`` itself gave up).
+        exc_type: the name of its exception type (``"abort"`` if that rank
+            called :meth:`ThreadGroup.abort`).
+        exc_message: the first line of its exception message (or the abort's
+            message).
+    """
+
+    def __init__(self, rank: int, exc_type: str, exc_message: str, where: str) -> None:
+        super().__init__(rank, exc_type, exc_message)
+        if rank < 0:
+            cause = exc_message
+        elif exc_type == _GROUP_ABORT:
+            cause = f"rank {rank} aborted the group: {exc_message}"
+        else:
+            cause = f"rank {rank} raised {exc_type}: {exc_message}"
+        # PeerFailure's message speaks of a Join context; this one is the harness's.
+        self.args = (f"{cause}; {where}",)
+
+
+class _Slot:
+    """Collective #index of every rank: what each filed, and the result."""
+
+    __slots__ = ("index", "entries", "payloads", "arrived", "gates", "opened", "expired",
+                 "done", "result", "mismatch", "error")
+
+    def __init__(self, index: int, size: int) -> None:
+        self.index = index
+        # per rank: (signature, label, call site), None until it arrives
+        self.entries: list[tuple[_Signature, str, _Site] | None] = [None] * size
+        self.payloads: list[Any] = [None] * size
+        self.arrived = 0
+        # One shut lock per waiting rank; opening releases each exactly once.
+        self.gates: list[Any] = []
+        self.opened = False
+        self.expired = False  # a waiting rank timed out; the slot never completes
+        self.done = False
+        self.result: Any = None
+        self.mismatch: str | None = None
+        self.error: BaseException | None = None
+
+
+class _World:
+    """The shared state of one spawn: pending slots, failures, finished ranks."""
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self.size = size
+        self.timeout = timeout
+        self.groups: list[ThreadGroup] = []
+        # The rendezvous. Held only to file an arrival or to read/record an
+        # abort, never while computing a result or waiting.
+        self.lock = threading.Lock()
+        self.slots: dict[int, _Slot] = {}
+        self.mismatch: str | None = None  # the first mismatch table
+        self.failure: tuple[int, str, str] | None = None  # (rank, type, message)
+        self.returned: dict[int, int] = {}  # rank -> collective calls it made
+        # How ranks ended, for spawn(); guarded by exits.
+        self.exits = threading.Condition(threading.Lock())
+        self.running = set(range(size))
+        self.failures: list[tuple[int, BaseException]] = []
+        self.first_exit_at: float | None = None
+        self.failed_at: float | None = None
+
+    # -- a rank's thread ---------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], group: ThreadGroup, args: tuple[Any, ...],
+            results: list[Any]) -> None:
+        rank = group.rank
+        try:
+            results[rank] = fn(group, *args)
+        except BaseException as exc:  # noqa: B036 - reported by spawn(), not lost
+            self.abort(rank, type(exc).__name__, _first_line(exc))
+            self.exit(rank, exc)
+        else:
+            self.rank_returned(rank, group._calls)
+            self.exit(rank, None)
+
+    def exit(self, rank: int, exc: BaseException | None) -> None:
+        with self.exits:
+            now = time.monotonic()
+            self.running.discard(rank)
+            if self.first_exit_at is None:
+                self.first_exit_at = now
+            if exc is not None:
+                self.failures.append((rank, exc))
+                if self.failed_at is None:
+                    self.failed_at = now
+            self.exits.notify_all()
+
+    def abort(self, rank: int, exc_type: str, message: str) -> None:
+        """Release every waiting rank and refuse every later collective."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = (rank, exc_type, message)
+            for slot in self.slots.values():
+                _open(slot)
+
+    def rank_returned(self, rank: int, calls: int) -> None:
+        """Release the ranks waiting in a slot that ``rank`` will never reach."""
+        with self.lock:
+            self.returned[rank] = calls
+            for index, slot in self.slots.items():
+                if index > calls:
+                    _open(slot)
+
+    # -- spawn()'s thread ----------------------------------------------------------
+
+    def wait_for_ranks(self) -> list[int]:
+        """Wait until every rank ended, or gave up; return the ranks still running.
+
+        Once one rank has ended, the others get ``timeout`` seconds more (they
+        can no longer complete a collective with it); once one has failed, they
+        get ``min(timeout, _FAILURE_GRACE)`` (collectives release them at once).
+        """
+        with self.exits:
+            while self.first_exit_at is None:
+                self.exits.wait()
+            while self.running:
+                deadline = self.first_exit_at + self.timeout
+                if self.failed_at is not None:
+                    deadline = min(deadline,
+                                   self.failed_at + min(self.timeout, _FAILURE_GRACE))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.exits.wait(left)
+            return sorted(self.running)
+
+    # -- collectives -----------------------------------------------------------------
+
+    def arrive(self, group: ThreadGroup, signature: _Signature, label: str,
+               site: _Site, payload: Any) -> tuple[_Slot, Any]:
+        """File ``group``'s next collective; complete the slot if it is the last.
+
+        Returns the slot and the caller's gate (``None`` for the last arriver).
+        """
+        rank = group.rank
+        index = group._calls + 1
+        group._calls = index
+        group._last = (index, label, site)
+        slot: _Slot | None = None
+        expired: _Slot | None = None
+        gate = None
+        with self.lock:
+            refused = (self.mismatch is not None or self.failure is not None
+                       or (bool(self.returned)
+                           and any(calls < index for calls in self.returned.values())))
+            if not refused:
+                slot = self.slots.get(index)
+                if slot is None:
+                    slot = self.slots[index] = _Slot(index, self.size)
+                slot.entries[rank] = (signature, label, site)
+                if slot.expired:  # the others already gave up waiting for this rank
+                    expired, slot = slot, None
+                else:
+                    slot.payloads[rank] = payload
+                    slot.arrived += 1
+                    if slot.arrived == self.size:
+                        # The table holds incomplete slots only, so an abort
+                        # cannot open this one while it is being completed.
+                        del self.slots[index]
+                    else:
+                        gate = _allocate_lock()
+                        gate.acquire()
+                        slot.gates.append(gate)
+        if slot is None:
+            raise self.refusal(rank, index, label, site, slot=expired, late=expired is not None)
+        if gate is None:
+            self.complete(slot)
+        return slot, gate
+
+    def complete(self, slot: _Slot) -> None:
+        """Check the signatures and compute the result (last arriver only)."""
+        entries = slot.entries
+        first = entries[0][0]  # type: ignore[index]
+        if any(entry[0] != first for entry in entries):  # type: ignore[index]
+            slot.mismatch = self.mismatch_table(slot)
+            with self.lock:
+                if self.mismatch is None:
+                    self.mismatch = slot.mismatch
+        else:
+            try:
+                slot.result = _COMPUTE[first[0]](slot.payloads, first)
+            except Exception as exc:  # pragma: no cover - inputs were validated
+                slot.error = exc
+        slot.payloads = []
+        slot.done = True
+        slot.opened = True
+        for gate in slot.gates:
+            gate.release()
+
+    def await_slot(self, rank: int, slot: _Slot, gate: Any) -> Any:
+        """Wait at ``gate`` for ``slot``; return its result or raise what stopped it."""
+        if gate is not None and not gate.acquire(True, self.timeout):
+            with self.lock:
+                completing = slot.arrived == self.size
+                if not completing and not slot.opened:
+                    # Give up on the slot for everyone in it: each waiting rank
+                    # gets the RankTimeout now, not a SpawnAborted later.
+                    slot.expired = True
+                    _open(slot)
+            if completing:  # everyone came just in time; the last one is computing
+                gate.acquire()
+        if slot.done:
+            if slot.mismatch is not None:
+                raise CollectiveMismatch(slot.mismatch)
+            if slot.error is not None:  # pragma: no cover - inputs were validated
+                raise RuntimeError(
+                    f"collective #{slot.index} failed to compute its result"
+                ) from slot.error
+            return slot.result
+        entry = slot.entries[rank]
+        assert entry is not None
+        _, label, site = entry
+        raise self.refusal(rank, slot.index, label, site, slot=slot)
+
+    # -- error messages ----------------------------------------------------------------
+
+    def refusal(self, rank: int, index: int, label: str, site: _Site,
+                slot: _Slot | None = None, late: bool = False) -> Exception:
+        """The error for a collective that cannot complete.
+
+        ``slot`` is given if the rank waited in it, or (``late``) if it arrived
+        after the others gave up on it.
+        """
+        with self.lock:
+            mismatch, failure = self.mismatch, self.failure
+            returned = dict(self.returned)
+        here = f"collective #{index} ({label}) at {_format_site(site)}"
+        if mismatch is not None:
+            return CollectiveMismatch(mismatch)
+        expired = slot is not None and slot.expired
+        if failure is not None and not expired:
+            verb = "was released from" if slot is not None else "cannot enter"
+            return SpawnAborted(*failure, where=f"rank {rank} {verb} {here}")
+        if late:
+            return RankTimeout(
+                f"rank {rank} reached {here} too late: the other ranks gave up "
+                f"waiting for it after the {self.timeout:g} s timeout"
+            )
+        if slot is None:
+            missing = [r for r, calls in returned.items() if calls < index]
+        else:
+            missing = [r for r, entry in enumerate(slot.entries) if entry is None]
+        gone = [r for r in missing if r in returned and returned[r] < index]
+        if gone:
+            headline = (
+                f"rank {rank} cannot complete {here}: {_ranks(gone)} returned from "
+                f"fn before making that call and will never arrive"
+            )
+        else:
+            headline = (
+                f"rank {rank} waited in {here}, but {_ranks(missing)} did not "
+                f"arrive within the {self.timeout:g} s timeout"
+            )
+        seen = [self.whereabouts(r, returned) for r in missing[:16]]
+        if len(missing) > 16:
+            seen.append(f"... and {len(missing) - 16} more")
+        return RankTimeout("\n  ".join([headline + "; last seen:", *seen]))
+
+    def whereabouts(self, rank: int, returned: dict[int, int]) -> str:
+        if rank in returned:
+            return f"rank {rank}: returned from fn after {returned[rank]} collective calls"
+        last = self.groups[rank]._last
+        if last is None:
+            return f"rank {rank}: has made no collective call"
+        index, label, site = last
+        pending = ", incomplete" if index in self.slots else ""
+        return (f"rank {rank}: last called collective #{index} ({label}{pending}) at "
+                f"{_format_site(site)}")
+
+    def mismatch_table(self, slot: _Slot) -> str:
+        header = ("rank", "kind", "op", "shape", "dtype", "root", "call site")
+        rows = []
+        signatures = []
+        for rank, entry in enumerate(slot.entries):
+            assert entry is not None
+            signature, label, site = entry
+            signatures.append(signature)
+            _, op, shape, dtype, root = signature
+            rows.append((str(rank), label, _cell(op), _cell(shape), _cell(dtype),
+                         _cell(root), _format_site(site)))
+        fields = [name for i, name in enumerate(header[1:6])
+                  if len({s[i] for s in signatures}) > 1]
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+        def line(cells: Sequence[str]) -> str:
+            return " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+        return "\n".join([
+            f"collective #{slot.index} differs across the {self.size} ranks "
+            f"(they disagree on {', '.join(fields)}):",
+            line(header),
+            "-+-".join("-" * w for w in widths),
+            *(line(row) for row in rows),
+        ])
+
+
+def _open(slot: _Slot) -> None:
+    """Wake the ranks waiting in an incomplete slot (hold the world's lock)."""
+    if not slot.opened:
+        slot.opened = True
+        for gate in slot.gates:
+            gate.release()
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks))}"
+
+
+def _first_line(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:  # a broken __str__ must not hide the failure
+        text = "<unprintable>"
+    first, _, rest = text.partition("\n")
+    return first + (" ..." if rest else "")
+
+
+def _call_site() -> _Site:
+    """The caller's (file, line, function): the first frame outside joinery's core."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module != __name__ and module != "join_core" and not module.startswith("join_core."):
+            code = frame.f_code
+            return (code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back  # type: ignore[assignment]
+    return ("<unknown>", 0, "?")
+
+
+def _format_site(site: _Site) -> str:
+    filename, lineno, function = site
+    try:
+        shown = os.path.relpath(filename)
+    except ValueError:  # another drive on Windows
+        shown = filename
+    if shown.startswith(os.pardir):
+        shown = filename
+    return f"{shown}:{lineno} in {function}"
+
+
+# -- buffers ----------------------------------------------------------------------
+
+
+def _torch_tensor_type() -> Any:
+    # A tensor can only exist if torch is imported, so never import it here.
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.Tensor
+
+
+def _as_array(buf: Any, what: str) -> tuple[np.ndarray, bool]:
+    """A NumPy view of ``buf``, and whether ``buf`` is a torch tensor."""
+    if isinstance(buf, np.ndarray):
+        return buf, False
+    tensor_type = _torch_tensor_type()
+    if tensor_type is not None and isinstance(buf, tensor_type):
+        if buf.device.type != "cpu":
+            raise TypeError(
+                f"{what}: the threads backend works on CPU tensors, got one on "
+                f"{buf.device}; move it with .cpu() first"
+            )
+        try:
+            return buf.detach().numpy(), True
+        except (TypeError, RuntimeError) as exc:  # bfloat16, sparse, ...
+            raise TypeError(
+                f"{what}: cannot use a tensor of dtype {buf.dtype} (layout "
+                f"{buf.layout}) as a NumPy array: {exc}"
+            ) from exc
+    raise TypeError(
+        f"{what}: buffers must be NumPy arrays or torch CPU tensors, got "
+        f"{type(buf).__module__}.{type(buf).__qualname__}"
+    )
+
+
+def _writable(arr: np.ndarray, what: str) -> None:
+    if not arr.flags.writeable:
+        raise ValueError(
+            f"{what}: the buffer is read-only, but the result is written into it "
+            "in place; pass a writable array"
+        )
+
+
+def _check_reduce_op(op: Any, dtype: np.dtype[Any], what: str) -> None:
+    if not isinstance(op, str) or op not in _UFUNCS:
+        raise ValueError(f"{what}: unknown reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+    kind = dtype.kind
+    if kind in "biu":
+        return  # bool: sum/max/bor are OR, prod/min/band are AND (as torch, MPI)
+    if kind in "fc":
+        if op in _BITWISE:
+            raise TypeError(
+                f"{what}: op {op!r} is bitwise and needs an integer or bool buffer, "
+                f"got dtype {dtype}"
+            )
+        if kind == "c" and op in ("min", "max"):
+            raise TypeError(f"{what}: op {op!r} needs ordered values; dtype {dtype} is complex")
+        return
+    raise TypeError(
+        f"{what}: cannot reduce a buffer of dtype {dtype}; use a bool, integer, "
+        "floating or complex dtype"
+    )
+
+
+def _write(buf: Any, value: np.ndarray, tensor: bool) -> None:
+    """Copy ``value`` into ``buf`` in place."""
+    if tensor:
+        torch = sys.modules["torch"]
+        # detach(): in place like torch.distributed, also on a leaf that requires grad.
+        buf.detach().copy_(torch.from_numpy(value))
+    else:
+        np.copyto(buf, value)
+
+
+def _new_buffers(parts: list[np.ndarray], tensor: bool) -> list[Any]:
+    """Fresh buffers of ``buf``'s kind holding ``parts`` (rows of one new array)."""
+    stacked = np.stack(parts)
+    if tensor:
+        return list(sys.modules["torch"].from_numpy(stacked).unbind(0))
+    return list(stacked)
+
+
+# -- results, computed once per slot by the last arriver ---------------------------
+
+
+def _reduced(payloads: list[Any], signature: _Signature) -> np.ndarray:
+    stacked = np.stack(payloads)
+    op = signature[1]
+    assert op is not None
+    return np.asarray(_UFUNCS[op].reduce(stacked, axis=0, dtype=stacked.dtype))
+
+
+def _from_root(payloads: list[Any], signature: _Signature) -> Any:
+    root = signature[4]
+    assert root is not None
+    return payloads[root]
+
+
+def _everyone(payloads: list[Any], signature: _Signature) -> list[Any]:
+    return payloads
+
+
+def _nothing(payloads: list[Any], signature: _Signature) -> None:
+    return None
+
+
+_COMPUTE: dict[str, Callable[[list[Any], _Signature], Any]] = {
+    "all_reduce": _reduced,
+    "reduce": _reduced,
+    "broadcast": _from_root,
+    "scatter": _from_root,
+    "all_gather": _everyone,
+    "gather": _everyone,
+    "barrier": _nothing,
+    "all_gather_object": _everyone,
+}
+
+
+def _first_float(result: np.ndarray) -> float:
+    return float(result[0])
+
+
+def _returns_none(result: Any) -> None:
+    return None
+
+
+def _unpickled(payloads: list[bytes]) -> list[Any]:
+    return [pickle.loads(payload) for payload in payloads]
+
+
+# -- the public classes --------------------------------------------------------------
+
+
+class ThreadWork:
+    """An async collective of a :class:`ThreadGroup` (``async_op=True``)."""
+
+    __slots__ = ("_world", "_rank", "_slot", "_gate", "_deliver", "_done", "_value")
+
+    def __init__(self, world: _World, rank: int, slot: _Slot, gate: Any,
+                 deliver: _Deliver) -> None:
+        self._world = world
+        self._rank = rank
+        self._slot = slot
+        self._gate = gate
+        self._deliver = deliver
+        self._done = False
+        self._value: Any = None
+
+    def wait(self) -> Any:
+        """Wait for every rank's contribution; write this rank's result in place.
+
+        Returns:
+            What the blocking call returns (the buffer, a list, a float, None).
+
+        Raises:
+            CollectiveMismatch: the ranks called different collectives here.
+            RankTimeout: a rank did not arrive within the spawn's timeout.
+            SpawnAborted: another rank raised.
+        """
+        if not self._done:
+            result = self._world.await_slot(self._rank, self._slot, self._gate)
+            self._value = self._deliver(result)
+            self._done = True
+        return self._value
+
+
+class ThreadGroup:
+    """One rank's handle on a :func:`spawn`: collectives over threads, and a join backend.
+
+    ``spawn`` makes one per rank and passes it to ``fn``; do not build one
+    yourself. Every collective is world-wide: all ranks call the same ones in
+    the same order with matching shapes, dtypes and roots (the harness checks).
+    Buffers are NumPy arrays or torch CPU tensors and are updated in place; a
+    caller's contribution is copied when it calls, so after ``async_op=True``
+    the buffer may be reused at once, and it holds the result once ``wait()``
+    returned. Reduce ops on bool buffers follow torch and MPI: ``sum``, ``max``,
+    ``bor`` are OR; ``prod``, ``min``, ``band`` are AND; ``bxor`` is XOR.
+
+    Attributes:
+        rank: this rank, ``0 <= rank < world_size``.
+        world_size: the number of ranks of the spawn.
+        device: ``"cpu"``.
+        collectives_issued: how many collectives this rank issued besides the
+            join backend's own (heartbeats, counts, object all-gathers).
+    """
+
+    def __init__(self, world: _World, rank: int) -> None:
+        self.rank = rank
+        self.world_size = world.size
+        self.device = "cpu"
+        self.collectives_issued = 0
+        self._world = world
+        self._calls = 0  # collective calls made so far
+        self._last: tuple[int, str, _Site] | None = None  # (index, label, site)
+
+    def __repr__(self) -> str:
+        return f"ThreadGroup(rank={self.rank}, world_size={self.world_size})"
+
+    def _start(self, label: str, signature: _Signature, payload: Any,
+               deliver: _Deliver, own: bool = True) -> ThreadWork:
+        if own:
+            self.collectives_issued += 1
+        slot, gate = self._world.arrive(self, signature, label, _call_site(), payload)
+        return ThreadWork(self._world, self.rank, slot, gate, deliver)
+
+    def _root(self, root: Any, name: str, what: str) -> int:
+        try:
+            value = operator.index(root)
+        except TypeError:
+            raise TypeError(
+                f"{what}: {name} must be an int rank, got {type(root).__qualname__}"
+            ) from None
+        if not 0 <= value < self.world_size:
+            raise ValueError(
+                f"{what}: {name}={value} is not a rank of this group (world size "
+                f"{self.world_size})"
+            )
+        return value
+
+    # -- join backend --------------------------------------------------------------
+
+    def heartbeat(self, value: float) -> ThreadWork:
+        """Start the 1-element float32 SUM all-reduce contributing ``value``.
+
+        Args:
+            value: this rank's contribution.
+
+        Returns:
+            A handle; ``wait()`` returns the sum over all ranks as a float.
+        """
+        payload = np.array([value], dtype=np.float32)
+        return self._start("all_reduce (heartbeat)", _JOIN_SIGNATURE, payload, _first_float,
+                           own=False)
+
+    def count(self, value: float) -> float:
+        """1-element float32 SUM all-reduce contributing ``value`` (blocking).
+
+        Args:
+            value: this rank's contribution.
+
+        Returns:
+            The sum over all ranks.
+
+        Raises:
+            CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
+        """
+        payload = np.array([value], dtype=np.float32)
+        work = self._start("all_reduce (count)", _JOIN_SIGNATURE, payload, _first_float,
+                           own=False)
+        return float(work.wait())
+
+    def heartbeat_total(self, handle: ThreadWork) -> float:
+        """The sum of a heartbeat this group sent (waits for it).
+
+        Args:
+            handle: what :meth:`heartbeat` returned.
+
+        Returns:
+            The sum over all ranks.
+
+        Raises:
+            CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
+        """
+        return float(handle.wait())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather one picklable object from every rank, on every rank (blocking).
+
+        The object is pickled when called and unpickled by each receiver, as on
+        the process backends, so each rank gets its own copies and an object
+        that would not cross a process boundary fails here too.
+
+        Args:
+            obj: this rank's object.
+
+        Returns:
+            Every rank's object, in rank order.
+
+        Raises:
+            pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be
+                pickled (raised before the collective).
+            CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
+        """
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        work = self._start("all_gather_object", _OBJECT_SIGNATURE, payload, _unpickled,
+                           own=False)
+        return list(work.wait())
+
+    def abort(self, message: str) -> None:
+        """Make the other ranks' pending and future collectives fail.
+
+        The Join calls this when a hook failed midway through a shadow round,
+        so peers would otherwise wait for collectives that never come. They
+        raise :class:`SpawnAborted` naming this rank and ``message``.
+
+        Args:
+            message: why.
+        """
+        self._world.abort(self.rank, _GROUP_ABORT, message)
+
+    # -- collectives ---------------------------------------------------------------
+
+    def all_reduce(self, buf: Any, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``buf`` over all ranks, in place; every rank gets the result.
+
+        Args:
+            buf: a NumPy array or torch CPU tensor.
+            op: one of :data:`backends.REDUCE_OPS`.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf``, or a :class:`ThreadWork` whose ``wait()`` returns it.
+
+        Raises:
+            TypeError: ``buf`` is not a usable buffer, or ``op`` is undefined
+                for its dtype (bitwise ops on floats, min/max on complex).
+            ValueError: unknown ``op``, or ``buf`` is read-only.
+            CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
+        """
+        arr, tensor = _as_array(buf, "all_reduce")
+        _writable(arr, "all_reduce")
+        _check_reduce_op(op, arr.dtype, "all_reduce")
+
+        def deliver(result: np.ndarray) -> Any:
+            _write(buf, result, tensor)
+            return buf
+
+        signature = ("all_reduce", op, arr.shape, arr.dtype, None)
+        work = self._start("all_reduce", signature, arr.copy(), deliver)
+        return work if async_op else work.wait()
+
+    def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
+        """Copy ``buf`` of rank ``src`` into ``buf`` of every rank.
+
+        Args:
+            buf: a NumPy array or torch CPU tensor, same shape and dtype everywhere.
+            src: the rank whose buffer is sent.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf``, or a :class:`ThreadWork` whose ``wait()`` returns it.
+
+        Raises:
+            TypeError: ``buf`` is not a usable buffer, or ``src`` is not an int.
+            ValueError: ``src`` is not a rank, or ``buf`` is read-only.
+            CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
+        """
+        arr, tensor = _as_array(buf, "broadcast")
+        src = self._root(src, "src", "broadcast")
+        signature = ("broadcast", None, arr.shape, arr.dtype, src)
+        if self.rank == src:
+            return self._finish(self._start("broadcast", signature, arr.copy(),
+                                            lambda result: buf), async_op)
+        _writable(arr, "broadcast")
+
+        def deliver(result: np.ndarray) -> Any:
+            _write(buf, result, tensor)
+            return buf
+
+        return self._finish(self._start("broadcast", signature, None, deliver), async_op)
+
+    def all_gather(self, buf: Any, async_op: bool = False) -> Any:
+        """Gather every rank's ``buf`` on every rank.
+
+        Args:
+            buf: a NumPy array or torch CPU tensor, same shape and dtype everywhere.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            A list of ``world_size`` new buffers of ``buf``'s kind in rank order
+            (rows of one fresh array), or a :class:`ThreadWork` whose ``wait()``
+            returns it.
+
+        Raises:
+            TypeError: ``buf`` is not a usable buffer.
+            CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
+        """
+        arr, tensor = _as_array(buf, "all_gather")
+        signature = ("all_gather", None, arr.shape, arr.dtype, None)
+        work = self._start("all_gather", signature, arr.copy(),
+                           lambda parts: _new_buffers(parts, tensor))
+        return self._finish(work, async_op)
+
+    def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``buf`` over all ranks into ``buf`` of rank ``dst``.
+
+        Other ranks' buffers are left as they were.
+
+        Args:
+            buf: a NumPy array or torch CPU tensor.
+            dst: the rank that receives the result.
+            op: one of :data:`backends.REDUCE_OPS`.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf``, or a :class:`ThreadWork` whose ``wait()`` returns it.
+
+        Raises:
+            TypeError: ``buf`` is not a usable buffer, ``dst`` is not an int,
+                or ``op`` is undefined for the dtype.
+            ValueError: unknown ``op``, ``dst`` is not a rank, or ``buf`` is
+                read-only on ``dst``.
+            CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
+        """
+        arr, tensor = _as_array(buf, "reduce")
+        dst = self._root(dst, "dst", "reduce")
+        _check_reduce_op(op, arr.dtype, "reduce")
+        signature = ("reduce", op, arr.shape, arr.dtype, dst)
+        if self.rank != dst:
+            return self._finish(self._start("reduce", signature, arr.copy(),
+                                            lambda result: buf), async_op)
+        _writable(arr, "reduce")
+
+        def deliver(result: np.ndarray) -> Any:
+            _write(buf, result, tensor)
+            return buf
+
+        return self._finish(self._start("reduce", signature, arr.copy(), deliver), async_op)
+
+    def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
+        """Gather every rank's ``buf`` on rank ``dst``.
+
+        Args:
+            buf: a NumPy array or torch CPU tensor, same shape and dtype everywhere.
+            dst: the rank that receives the list.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            On ``dst`` a list of ``world_size`` new buffers of ``buf``'s kind in
+            rank order, elsewhere ``None``; or a :class:`ThreadWork` whose
+            ``wait()`` returns that.
+
+        Raises:
+            TypeError: ``buf`` is not a usable buffer, or ``dst`` is not an int.
+            ValueError: ``dst`` is not a rank.
+            CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
+        """
+        arr, tensor = _as_array(buf, "gather")
+        dst = self._root(dst, "dst", "gather")
+        signature = ("gather", None, arr.shape, arr.dtype, dst)
+        if self.rank == dst:
+            deliver: _Deliver = lambda parts: _new_buffers(parts, tensor)  # noqa: E731
+        else:
+            deliver = _returns_none
+        return self._finish(self._start("gather", signature, arr.copy(), deliver), async_op)
+
+    def scatter(
+        self, buf: Any, src: int, chunks: Any = None, async_op: bool = False
+    ) -> Any:
+        """Fill every rank's ``buf`` with ``chunks[rank]`` of rank ``src``.
+
+        Args:
+            buf: a NumPy array or torch CPU tensor that receives, same shape and
+                dtype everywhere.
+            src: the rank that sends.
+            chunks: on ``src`` only: ``world_size`` buffers shaped like ``buf``,
+                or one buffer of shape ``(world_size, *buf.shape)``; ``None``
+                on the other ranks.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            ``buf``, or a :class:`ThreadWork` whose ``wait()`` returns it.
+
+        Raises:
+            TypeError: ``buf`` or a chunk is not a usable buffer, a chunk's
+                dtype differs from ``buf``'s, or ``src`` is not an int.
+            ValueError: ``src`` is not a rank, ``chunks`` is missing on ``src``,
+                given elsewhere, or of the wrong number or shape; or ``buf``
+                is read-only.
+            CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
+        """
+        arr, tensor = _as_array(buf, "scatter")
+        src = self._root(src, "src", "scatter")
+        _writable(arr, "scatter")
+        payload = None
+        if self.rank == src:
+            payload = self._scatter_source(arr, chunks)
+        elif chunks is not None:
+            raise ValueError(
+                f"scatter: only the source rank {src} passes chunks, but rank "
+                f"{self.rank} passed some; pass chunks=None here"
+            )
+        rank = self.rank
+
+        def deliver(stacked: np.ndarray) -> Any:
+            _write(buf, stacked[rank], tensor)
+            return buf
+
+        signature = ("scatter", None, arr.shape, arr.dtype, src)
+        return self._finish(self._start("scatter", signature, payload, deliver), async_op)
+
+    def barrier(self) -> None:
+        """Return once every rank has called ``barrier``.
+
+        Raises:
+            CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
+        """
+        signature: _Signature = ("barrier", None, None, None, None)
+        self._start("barrier", signature, None, _returns_none).wait()
+
+    # -- helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _finish(work: ThreadWork, async_op: bool) -> Any:
+        return work if async_op else work.wait()
+
+    def _scatter_source(self, arr: np.ndarray, chunks: Any) -> np.ndarray:
+        """Copy the source's chunks into one ``(world_size, *shape)`` array."""
+        shape = (self.world_size, *arr.shape)
+        if chunks is None:
+            raise ValueError(
+                f"scatter: rank {self.rank} is the source and must pass chunks "
+                f"(one buffer per rank, {self.world_size} in all)"
+            )
+        tensor_type = _torch_tensor_type()
+        if isinstance(chunks, np.ndarray) or (
+            tensor_type is not None and isinstance(chunks, tensor_type)
+        ):
+            stacked, _ = _as_array(chunks, "scatter chunks")
+            if stacked.shape != shape:
+                raise ValueError(
+                    f"scatter: chunks as one buffer must have shape {shape} "
+                    f"(world_size, *buf.shape), got {stacked.shape}"
+                )
+            parts = list(stacked)
+        else:
+            parts = [_as_array(chunk, f"scatter chunks[{i}]")[0]
+                     for i, chunk in enumerate(chunks)]
+            if len(parts) != self.world_size:
+                raise ValueError(
+                    f"scatter: needs {self.world_size} chunks (one per rank), got "
+                    f"{len(parts)}"
+                )
+            for i, part in enumerate(parts):
+                if part.shape != arr.shape:
+                    raise ValueError(
+                        f"scatter: chunks[{i}] has shape {part.shape}, but buf has "
+                        f"{arr.shape}; every chunk must match buf"
+                    )
+        for i, part in enumerate(parts):
+            if part.dtype != arr.dtype:
+                raise TypeError(
+                    f"scatter: chunks[{i}] has dtype {part.dtype}, but buf has "
+                    f"{arr.dtype}; every chunk must match buf"
+                )
+        return np.stack(parts)
+
+
+register(ThreadGroup, lambda group, device: group)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout: float = 30.0,
+) -> list[Any]:
+    """Run ``fn(group, *args)`` on ``world_size`` threads, one per rank.
+
+    Each rank gets its own :class:`ThreadGroup`. The threads are daemons, so a
+    rank stuck in its own code cannot keep the interpreter alive.
+
+    Args:
+        fn: the per-rank function; its first argument is the rank's group.
+        world_size: the number of ranks, at least 1.
+        args: more positional arguments for ``fn``, the same for every rank.
+        timeout: seconds a rank waits in a collective for the others before
+            ``RankTimeout``; also how long ``spawn`` waits for the remaining
+            ranks once one rank has returned.
+
+    Returns:
+        The ranks' return values, in rank order.
+
+    Raises:
+        BaseException: the first root-cause exception a rank raised (not one
+            that reports another rank's failure: ``SpawnAborted``,
+            ``PeerFailure``, ``PeerAborted``, or an error raised while handling
+            one), re-raised as the same object with a note naming the rank (on
+            Python 3.10, which has no notes, the rank is added to its message).
+        RankTimeout: no rank raised, but some did not return within
+            ``timeout`` seconds after another rank returned.
+        TypeError: ``fn`` is not callable.
+        ValueError: ``world_size`` < 1, or ``timeout`` is not positive.
+    """
+    if not callable(fn):
+        raise TypeError(f"spawn: fn must be callable, got {type(fn).__qualname__}")
+    size = operator.index(world_size)
+    if size < 1:
+        raise ValueError(f"spawn: world_size must be at least 1, got {size}")
+    timeout = float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"spawn: timeout must be a positive number of seconds, got {timeout}")
+    world = _World(size, timeout)
+    world.groups = [ThreadGroup(world, rank) for rank in range(size)]
+    results: list[Any] = [None] * size
+    arguments = tuple(args)
+    threads = [
+        threading.Thread(target=world.run, args=(fn, group, arguments, results),
+                         name=f"joinery-rank-{group.rank}", daemon=True)
+        for group in world.groups
+    ]
+    for thread in threads:
+        thread.start()
+    stuck: list[int] = list(range(size))
+    try:
+        stuck = world.wait_for_ranks()
+    finally:
+        if stuck:
+            # Release the stuck ranks at their next collective.
+            world.abort(-1, "", "spawn() stopped waiting for this rank")
+    with world.exits:
+        failures = list(world.failures)
+    if failures:
+        raise _root_cause(failures, stuck)
+    if stuck:
+        returned = sorted(set(range(size)) - set(stuck))
+        raise RankTimeout(
+            f"{_ranks(stuck)} did not return within {timeout:g} s after "
+            f"{_ranks(returned)} returned; last seen:\n  "
+            + "\n  ".join(world.whereabouts(rank, {}) for rank in stuck[:16])
+        )
+    return results
+
+
+def _root_cause(failures: list[tuple[int, BaseException]], stuck: list[int]) -> BaseException:
+    """The first failure not caused by another, annotated with its rank."""
+    rank, exc = next(
+        ((r, e) for r, e in failures if not _is_derived(e)), failures[0]
+    )
+    _add_note(exc, f"raised on rank {rank} (backends.threads.spawn)")
+    others: dict[str, list[int]] = {}
+    for other_rank, other in failures:
+        if other is not exc:
+            others.setdefault(type(other).__name__, []).append(other_rank)
+    if others:
+        _add_note(exc, "other ranks failed too: " + "; ".join(
+            f"{name} on {_ranks(sorted(ranks))}" for name, ranks in others.items()))
+    if stuck:
+        _add_note(exc, f"{_ranks(stuck)} still running when spawn() stopped waiting")
+    return exc
+
+
+def _is_derived(exc: BaseException) -> bool:
+    """Whether ``exc`` reports another rank's failure, or arose while handling one.
+
+    ``SpawnAborted`` (this harness) and ``PeerFailure``/``PeerAborted`` (the
+    Join's failure protocol) all point at a failure elsewhere.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (PeerFailure, PeerAborted)):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):  # Python 3.10: no notes
+        exc.args = (f"{exc.args[0]} [{note}]", *exc.args[1:])
+    else:
+        exc.args = (*exc.args, note)
