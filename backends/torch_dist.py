@@ -101,7 +101,8 @@ def _reduce_op(dtype: torch.dtype, op: str) -> Any:
     if dtype == torch.bool:
         return _LOGICAL[op]
     if dtype.is_floating_point or dtype.is_complex:
-        allowed = ("sum", "prod") if dtype.is_complex else tuple(_ARITHMETIC)
+        # Complex travels as pairs of reals, so only the sum is elementwise.
+        allowed = ("sum",) if dtype.is_complex else tuple(_ARITHMETIC)
         if op not in allowed:
             raise TypeError(
                 f"reduce op {op!r} is not defined for dtype {dtype}: use one of {allowed}"
@@ -354,7 +355,7 @@ class TorchGroup:
         staged = self._stage(buf)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _reduce_op(_dtype_of(buf), op)
-        work = self.process_group.allreduce([staged.tensor], opts)
+        work = self.process_group.allreduce([_wire(staged.tensor)], opts)
         return self._finish(work, async_op, staged, lambda: buf)
 
     def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
@@ -375,7 +376,7 @@ class TorchGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = self._root(src, "src")
         staged = self._stage(buf)
-        work = self.process_group.broadcast([staged.tensor], opts)
+        work = self.process_group.broadcast([_wire(staged.tensor)], opts)
         return self._finish(work, async_op, staged, lambda: buf)
 
     def all_gather(self, buf: Any, async_op: bool = False) -> Any:
@@ -394,7 +395,9 @@ class TorchGroup:
         """
         staged = self._stage(buf, receives=False)
         parts = [torch.empty_like(staged.tensor) for _ in range(self.world_size)]
-        work = self.process_group.allgather([parts], [staged.tensor], AllgatherOptions())
+        work = self.process_group.allgather(
+            [[_wire(p) for p in parts]], [_wire(staged.tensor)], AllgatherOptions()
+        )
         return self._finish(work, async_op, None, lambda: [_like(buf, p) for p in parts])
 
     def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
@@ -422,7 +425,7 @@ class TorchGroup:
         staged = self._stage(buf, receives=receives)
         # A backend may use a non-root rank's input as scratch space; send a copy.
         tensor = staged.tensor if receives or not staged.in_place else staged.tensor.clone()
-        work = self.process_group.reduce([tensor], opts)
+        work = self.process_group.reduce([_wire(tensor)], opts)
         return self._finish(work, async_op, staged if receives else None, lambda: buf)
 
     def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
@@ -445,10 +448,10 @@ class TorchGroup:
         opts.rootRank = self._root(dst, "dst")
         staged = self._stage(buf, receives=False)
         if self.rank != dst:
-            work = self.process_group.gather([], [staged.tensor], opts)
+            work = self.process_group.gather([], [_wire(staged.tensor)], opts)
             return self._finish(work, async_op, None, _nothing)
         parts = [torch.empty_like(staged.tensor) for _ in range(self.world_size)]
-        work = self.process_group.gather([parts], [staged.tensor], opts)
+        work = self.process_group.gather([[_wire(p) for p in parts]], [_wire(staged.tensor)], opts)
         return self._finish(work, async_op, None, lambda: [_like(buf, p) for p in parts])
 
     def scatter(
@@ -474,8 +477,12 @@ class TorchGroup:
         opts = dist.ScatterOptions()
         opts.rootRank = self._root(src, "src")
         staged = self._stage(buf)
-        sources = [self._scatter_sources(staged.tensor, chunks)] if self.rank == src else []
-        work = self.process_group.scatter([staged.tensor], sources, opts)
+        sources = (
+            [[_wire(c) for c in self._scatter_sources(staged.tensor, chunks)]]
+            if self.rank == src
+            else []
+        )
+        work = self.process_group.scatter([_wire(staged.tensor)], sources, opts)
         return self._finish(work, async_op, staged, lambda: buf)
 
     def barrier(self) -> None:
@@ -572,6 +579,12 @@ class TorchGroup:
             return _Pending(work, finish)
         work.wait()
         return finish()
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    # Complex numbers travel as pairs of reals (as in dist.all_reduce); a view,
+    # so results still land in the tensor.
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 def _dtype_of(buf: Any) -> torch.dtype:
