@@ -1,0 +1,102 @@
+"""The tutorial's programs under ``torchrun --nproc-per-node 2`` print the tutorial's lines.
+
+All four launches start at once (each is mostly waiting for torch to import)
+and are collected by one module fixture. ``--standalone`` makes torchrun's
+rendezvous store listen on a port the kernel picks, so concurrent launches (and
+other jobs on the machine) cannot clash over a port. The two ranks print
+concurrently, so a rank's line may be split by the other's; the test extracts
+the tutorial's sentences, compares them as a multiset, and requires that
+nothing else was printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch.distributed.run")
+
+ROOT = Path(__file__).resolve().parent.parent
+# The venv's torchrun script; `python -m torch.distributed.run` is the same program.
+_SCRIPT = Path(sys.executable).with_name("torchrun")
+TORCHRUN = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "torch.distributed.run"]
+LAUNCH_TIMEOUT = 100.0  # seconds, for all launches together
+
+DDP_LINES = [
+    "Rank 0 has exhausted all 5 of its inputs!",
+    "Rank 1 has exhausted all 6 of its inputs!",
+]
+COUNTER_LINES = [
+    "10 inputs processed before rank 0 joined!",
+    "11 inputs processed across all ranks!",
+    "11 inputs processed before rank 1 joined!",
+    "11 inputs processed across all ranks!",
+]
+EXPECTED = {
+    "ddp.py": DDP_LINES,
+    "ddp_zero.py": DDP_LINES,
+    "ddp_kwargs.py": DDP_LINES,
+    "counter.py": COUNTER_LINES,
+}
+SENTENCE = re.compile(
+    r"Rank \d+ has exhausted all \d+ of its inputs!"
+    r"|\d+ inputs processed before rank \d+ joined!"
+    r"|\d+ inputs processed across all ranks!"
+)
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ)
+    # A launcher's variables from an outer job would confuse torchrun's workers.
+    for key in list(env):
+        if key.startswith(("TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "SLURM_")) or key in {
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "JOINERY_BACKEND",
+        }:
+            del env[key]
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def launches() -> dict[str, subprocess.CompletedProcess[str]]:
+    programs = [name for name in EXPECTED if (ROOT / "examples" / name).exists()]
+    env = _environment()
+    running = {
+        name: subprocess.Popen(
+            [*TORCHRUN, "--standalone", "--nproc-per-node", "2",
+             str(ROOT / "examples" / name)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,  # so a hung launch can be killed with its workers
+        )
+        for name in programs
+    }
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    done = {}
+    for name, proc in running.items():
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            err += f"\n[test] killed after {LAUNCH_TIMEOUT} s"
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
+
+
+@pytest.mark.parametrize("program", list(EXPECTED))
+def test_prints_the_tutorial_lines(
+    launches: dict[str, subprocess.CompletedProcess[str]], program: str
+) -> None:
+    if program not in launches:
+        pytest.skip(f"examples/{program} does not exist yet")
+    run = launches[program]
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(SENTENCE.findall(run.stdout)) == sorted(EXPECTED[program]), run.stdout
+    assert SENTENCE.sub("", run.stdout).strip() == "", run.stdout

@@ -1,0 +1,719 @@
+"""Multi-rank scenarios for the torch tests, all run in one gloo process group.
+
+Theory of operation
+-------------------
+Starting a process and importing torch costs seconds, so ``tests/test_torch_dist.py``
+starts one process per rank once and each runs many scenarios in a row::
+
+    python tests/torch_scenarios.py RANK WORLD_SIZE STORE_FILE OUT_DIR NAME [NAME ...]
+
+Rendezvous is a ``FileStore`` (no port to pick, so no clash). Every scenario gets
+a fresh gloo subgroup over all ranks with a short timeout, so a scenario that
+deadlocks fails with gloo's timeout error, and the next scenario does not
+inherit its half-finished collectives. After each scenario a rank appends one
+JSON line to ``OUT_DIR/rank{RANK}.jsonl``: ``{"name", "ok", "result", "error"}``;
+the test reads them and asserts. Checks that compare ranks (identical
+parameters, who got which message) are done by the test, not here.
+
+Scenarios whose name starts with ``pre_init_`` run before
+``init_process_group``. Rank r of a tutorial-style scenario has ``5 + r``
+inputs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.algorithms.join as torch_join
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import join_core
+from backends.torch_dist import TorchGroup
+from join_core import Join
+
+SCENARIO_TIMEOUT = datetime.timedelta(seconds=20)
+
+
+class Ctx:
+    """One rank's view of a scenario."""
+
+    def __init__(self, rank: int, world: int, group: Any) -> None:
+        self.rank = rank
+        self.world = world
+        self.group = group
+
+
+SCENARIOS: dict[str, Callable[[Ctx], Any]] = {}
+
+
+def scenario(fn: Callable[[Ctx], Any]) -> Callable[[Ctx], Any]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def flat(module: nn.Module) -> list[float]:
+    """Every parameter and buffer of ``module``, flattened (to compare ranks)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return [float(v) for t in tensors for v in t.detach().reshape(-1).tolist()]
+
+
+def sequence(group: Any) -> int:
+    """How many collectives ``group`` has issued (DDP's C++ ones included)."""
+    return int(group._get_sequence_number_for_group())
+
+
+def error_of(exc: BaseException) -> dict[str, str]:
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+def batch(rank: int, i: int, shape: tuple[int, ...] = (3, 4)) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1000 * rank + i))
+
+
+class TorchCounter(torch_join.Joinable):
+    """The tutorial's Counter, a torch Joinable, on an explicit group."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        self.count = torch.zeros(1)
+        self.max_count = torch.zeros(1)
+
+    def __call__(self) -> None:
+        torch_join.Join.notify_join_context(self)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=self.group)
+        self.count += t
+
+    def join_hook(self, **kwargs: Any) -> torch_join.JoinHook:
+        return _TorchCounterHook(self, kwargs.get("sync_max_count", False))
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+    def find_common_rank(self, rank: int, to_consider: bool) -> int:
+        t = torch.tensor([rank if to_consider else -1])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+
+class _TorchCounterHook(torch_join.JoinHook):
+    def __init__(self, counter: Any, sync_max_count: bool) -> None:
+        self.counter = counter
+        self.sync_max_count = sync_max_count
+
+    def main_hook(self) -> None:
+        dist.all_reduce(torch.zeros(1), group=self.counter.group)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        if not self.sync_max_count:
+            return
+        counter = self.counter
+        rank = dist.get_rank(counter.group)
+        common = counter.find_common_rank(rank, is_last_joiner)
+        if rank == common:
+            counter.max_count = counter.count.detach().clone()
+        dist.broadcast(counter.max_count, src=dist.get_global_rank(counter.group, common),
+                       group=counter.group)
+
+
+class DualCounter(join_core.Joinable, torch_join.Joinable):
+    """A Counter that both torch's and joinery's Join can drive directly.
+
+    It notifies whichever Join entered it: torch's sets a torch ``_JoinConfig``.
+    """
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        self.count = torch.zeros(1)
+        self.max_count = torch.zeros(1)
+
+    def __call__(self) -> None:
+        if isinstance(self._join_config, torch_join._JoinConfig):
+            torch_join.Join.notify_join_context(self)
+        else:
+            Join.notify_join_context(self)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=self.group)
+        self.count += t
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        return _TorchCounterHook(self, kwargs.get("sync_max_count", False))
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+    find_common_rank = TorchCounter.find_common_rank
+
+
+class GroupCounter(join_core.Joinable):
+    """A joinery Joinable counting on a TorchGroup (the framework-agnostic API)."""
+
+    def __init__(self, group: TorchGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.count = np.zeros(1, dtype=np.float32)
+
+    def __call__(self) -> None:
+        Join.notify_join_context(self)
+        t = np.ones(1, dtype=np.float32)
+        self.group.all_reduce(t)
+        self.count += t
+
+    def join_hook(self, **kwargs: Any) -> join_core.JoinHook:
+        counter = self
+
+        class Hook(join_core.JoinHook):
+            def main_hook(self) -> None:
+                counter.group.all_reduce(np.zeros(1, dtype=np.float32))
+
+        return Hook()
+
+    @property
+    def join_device(self) -> Any:
+        return self.group.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
+def ddp(ctx: Ctx, module: nn.Module, **kwargs: Any) -> DDP:
+    torch.manual_seed(0)
+    return DDP(module, process_group=ctx.group, **kwargs)
+
+
+def counts(inputs: list[int], rank: int) -> tuple[int, int]:
+    """Expected (count before ``rank`` joined, total) of a Counter."""
+    return sum(min(n, inputs[rank]) for n in inputs), sum(inputs)
+
+
+# -- before init_process_group ---------------------------------------------------------
+
+
+@scenario
+def pre_init_uninitialised(ctx: Ctx) -> Any:
+    """A group taken as dist.group.WORLD before init is None: a clear error."""
+    out = {}
+    counter = TorchCounter(dist.group.WORLD)
+    try:
+        Join([counter])
+    except Exception as exc:
+        out["join"] = error_of(exc)
+    try:
+        TorchGroup()
+    except Exception as exc:
+        out["group"] = error_of(exc)
+    return out
+
+
+# -- the tutorial, and DDP's keyword arguments ------------------------------------------
+
+
+@scenario
+def ddp_tutorial(ctx: Ctx) -> Any:
+    model = ddp(ctx, nn.Linear(1, 1))
+    num_inputs = 0
+    with Join([model]):
+        for _ in range(5 + ctx.rank):
+            num_inputs += 1
+            model(torch.tensor([1.0])).sum().backward()
+    return {"inputs": num_inputs, "params": flat(model)}
+
+
+@scenario
+def ddp_divide(ctx: Ctx) -> Any:
+    """The gradient of w*x with x = rank + 1, per iteration, both divide modes.
+
+    Rank r has r + 1 inputs; after the Join every rank runs one more iteration,
+    which must divide by the world size again (no stale count of active ranks).
+    """
+    out = {}
+    for divide in (True, False):
+        model = ddp(ctx, nn.Linear(1, 1, bias=False))
+        with torch.no_grad():
+            model.module.weight.fill_(1.0)
+        x = torch.tensor([[ctx.rank + 1.0]])
+        grads = []
+        with Join([model], divide_by_initial_world_size=divide):
+            for _ in range(ctx.rank + 1):
+                model.zero_grad()
+                model(x).sum().backward()
+                grads.append(model.module.weight.grad.item())
+        model.zero_grad()
+        model(x).sum().backward()
+        out[str(divide)] = {
+            "grads": grads,
+            "after": model.module.weight.grad.item(),
+            "attribute": model._divide_by_initial_world_size,
+        }
+    return out
+
+
+def _zero_reference(ctx: Ctx, join_cls: Any, divide: bool) -> dict[str, Any]:
+    """DDP + ZeRO(Adam) with uneven inputs against one process applying the same
+    averaged gradients: active ranks' gradients summed, over the initial world
+    size (``divide``) or the number of active ranks; a joined rank adds zero."""
+    inputs = [2 + 2 * r for r in range(ctx.world)]
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    model = DDP(make(), process_group=ctx.group)
+    optim = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.Adam, process_group=ctx.group, lr=0.05
+    )
+    with join_cls([model, optim], divide_by_initial_world_size=divide):
+        for i in range(inputs[ctx.rank]):
+            optim.zero_grad()
+            model(batch(ctx.rank, i)).pow(2).sum().backward()
+            optim.step()
+
+    reference = make()
+    reference_optim = torch.optim.Adam(reference.parameters(), lr=0.05)
+    for i in range(max(inputs)):
+        active = [r for r in range(ctx.world) if i < inputs[r]]
+        total = [torch.zeros_like(p) for p in reference.parameters()]
+        for r in active:
+            reference.zero_grad()
+            reference(batch(r, i)).pow(2).sum().backward()
+            for t, p in zip(total, reference.parameters(), strict=True):
+                t += p.grad
+        for t, p in zip(total, reference.parameters(), strict=True):
+            p.grad = t / (ctx.world if divide else len(active))
+        reference_optim.step()
+    deviation = max(
+        (p - q).abs().max().item()
+        for p, q in zip(model.module.parameters(), reference.parameters(), strict=True)
+    )
+    return {"deviation": deviation, "params": flat(model.module)}
+
+
+@scenario
+def ddp_zero_reference(ctx: Ctx) -> Any:
+    return {
+        "joinery": _zero_reference(ctx, Join, divide=True),
+        "joinery_effective": _zero_reference(ctx, Join, divide=False),
+        # torch's own combination, for the record (not asserted by the tests).
+        "torch": _zero_reference(ctx, torch_join.Join, divide=True),
+    }
+
+
+@scenario
+def zero_alone(ctx: Ctx) -> Any:
+    """Join([zero]) with uneven inputs: torch's Join deadlocks here."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optim = ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.SGD, process_group=ctx.group, lr=0.1
+    )
+    steps = 0
+    with Join([optim]):
+        for i in range(2 + ctx.rank):
+            optim.zero_grad()
+            model(batch(ctx.rank, i)).sum().backward()
+            optim.step()
+            steps += 1
+    return {"steps": steps, "params": flat(model)}
+
+
+# -- throw mode, enable=False, leaving ------------------------------------------------
+
+
+@scenario
+def ddp_throw(ctx: Ctx) -> Any:
+    model = ddp(ctx, nn.Linear(1, 1))
+    iterations = 0
+    try:
+        with Join([model], throw_on_early_termination=True):
+            for _ in range(5 + ctx.rank):
+                model(torch.tensor([1.0])).sum().backward()
+                iterations += 1
+    except RuntimeError as exc:
+        return {"iterations": iterations, **error_of(exc)}
+    return {"iterations": iterations, "type": None}
+
+
+def _per_iteration(model: DDP, group: Any, x: torch.Tensor, n: int = 3) -> dict[str, int]:
+    """Collectives per forward/backward on ``group``, and Python all_reduce calls."""
+    calls = []
+    original = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        before = sequence(group)
+        for _ in range(n):
+            model(x).sum().backward()
+        return {"collectives": (sequence(group) - before) // n, "all_reduce_calls": len(calls)}
+    finally:
+        dist.all_reduce = original
+
+
+@scenario
+def ddp_after_exit(ctx: Ctx) -> Any:
+    """After the block, DDP must send nothing but its own gradient all-reduce."""
+    x = torch.ones(2, 3)
+    plain = ddp(ctx, nn.Linear(3, 2))
+    plain(x).sum().backward()  # warm up (bucket rebuild)
+    baseline = _per_iteration(plain, ctx.group, x)
+
+    ours = ddp(ctx, nn.Linear(3, 2))
+    with Join([ours]):
+        for _ in range(2 + ctx.rank):
+            ours(x).sum().backward()
+    after_ours = _per_iteration(ours, ctx.group, x)
+
+    theirs = ddp(ctx, nn.Linear(3, 2))
+    with torch_join.Join([theirs]):
+        for _ in range(2 + ctx.rank):
+            theirs(x).sum().backward()
+    after_torch = _per_iteration(theirs, ctx.group, x)
+    return {
+        "baseline": baseline,
+        "joinery": after_ours,
+        "torch": after_torch,
+        "config": list(ours._join_config),
+        "router_removed": "notify_join_context" in torch_join.Join.__dict__
+        and torch_join.Join.__dict__["notify_join_context"].__func__.__module__
+        == torch_join.__name__,
+    }
+
+
+@scenario
+def ddp_disabled(ctx: Ctx) -> Any:
+    """enable=False with even inputs: plain DDP, no join collectives."""
+    x = torch.ones(2, 3) * (ctx.rank + 1)
+    model = ddp(ctx, nn.Linear(3, 2))
+    model(x).sum().backward()
+    with Join([model], enable=False):
+        inside = _per_iteration(model, ctx.group, x)
+    model.zero_grad()
+    model(x).sum().backward()
+    plain = ddp(ctx, nn.Linear(3, 2))
+    plain(x).sum().backward()
+    return {
+        "inside": inside,
+        "baseline": _per_iteration(plain, ctx.group, x),
+        "grad": model.module.weight.grad.reshape(-1).tolist(),
+    }
+
+
+# -- DDP variants ---------------------------------------------------------------------
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 1)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.trunk(x)
+        return self.b(h) if use_b else self.a(h)
+
+
+@scenario
+def ddp_find_unused(ctx: Ctx) -> Any:
+    model = ddp(ctx, TwoHeads(), find_unused_parameters=True)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model]):
+        for i in range(3 + ctx.rank):
+            optim.zero_grad()
+            model(batch(ctx.rank, i), use_b=(i + ctx.rank) % 2 == 1).sum().backward()
+            optim.step()
+    return {"params": flat(model.module)}
+
+
+@scenario
+def ddp_buffers(ctx: Ctx) -> Any:
+    module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    model = ddp(ctx, module, broadcast_buffers=True)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model]):
+        for i in range(3 + ctx.rank):
+            optim.zero_grad()
+            model(batch(ctx.rank, i, (5, 4))).sum().backward()
+            optim.step()
+    return {"params": flat(model.module)}
+
+
+@scenario
+def ddp_nested(ctx: Ctx) -> Any:
+    model = ddp(ctx, nn.Linear(1, 1))
+    try:
+        with Join([model]):
+            with Join([model]):
+                pass
+    except Exception as exc:
+        return error_of(exc)
+    return None
+
+
+@scenario
+def mixed_joinables(ctx: Ctx) -> Any:
+    """A joinery Joinable (on a TorchGroup) and DDP in one Join, both orders."""
+    out = {}
+    group = TorchGroup(ctx.group)
+    for counter_first in (True, False):
+        model = ddp(ctx, nn.Linear(2, 1))
+        counter = GroupCounter(group)
+        joinables = [counter, model] if counter_first else [model, counter]
+        with Join(joinables):
+            for i in range(3 + ctx.rank):
+                if counter_first:
+                    counter()
+                model(batch(ctx.rank, i, (2, 2))).sum().backward()
+                if not counter_first:
+                    counter()
+        out[f"counter_first={counter_first}"] = {
+            "count": int(counter.count[0]),
+            "params": flat(model.module),
+        }
+    return out
+
+
+@scenario
+def peer_failure(ctx: Ctx) -> Any:
+    """Rank 1 raises between iterations; the others learn it from heartbeats."""
+    model = ddp(ctx, nn.Linear(2, 1))
+    iterations = 0
+    try:
+        with Join([model]):
+            for i in range(6):
+                if ctx.rank == 1 and i == 2:
+                    raise ValueError("bad batch on rank 1")
+                model(batch(ctx.rank, i, (2, 2))).sum().backward()
+                iterations += 1
+    except Exception as exc:
+        return {"iterations": iterations, **error_of(exc)}
+    return {"iterations": iterations, "type": None}
+
+
+# -- bad input --------------------------------------------------------------------------
+
+
+class NoInit(torch_join.Joinable):
+    """A torch Joinable whose constructor forgot Joinable.__init__."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def join_hook(self, **kwargs: Any) -> torch_join.JoinHook:
+        return torch_join.JoinHook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
+@scenario
+def bad_input(ctx: Ctx) -> Any:
+    out = {}
+    try:
+        Join([NoInit(ctx.group)])
+    except Exception as exc:
+        out["no_init"] = error_of(exc)
+    other = dist.new_group(backend="gloo", timeout=SCENARIO_TIMEOUT)
+    try:
+        Join([ddp(ctx, nn.Linear(1, 1)), TorchCounter(other)])
+    except Exception as exc:
+        out["two_groups"] = error_of(exc)
+    destroyed = dist.new_group(backend="gloo", timeout=SCENARIO_TIMEOUT)
+    dist.destroy_process_group(destroyed)
+    try:
+        Join([TorchCounter(destroyed)])
+    except Exception as exc:
+        out["destroyed"] = error_of(exc)
+    return out
+
+
+# -- interoperability with torch's Join ---------------------------------------------------
+
+
+def _interop_counter(ctx: Ctx, counter_cls: type, inputs: list[int]) -> dict[str, Any]:
+    counter = counter_cls(ctx.group)
+    join = (
+        torch_join.Join([counter], sync_max_count=True)
+        if ctx.rank == 0
+        else Join([counter], sync_max_count=True, check_agreement=False)
+    )
+    with join:
+        for _ in range(inputs[ctx.rank]):
+            counter()
+    expected = counts(inputs, ctx.rank)
+    return {
+        "count": int(counter.count.item()),
+        "max_count": int(counter.max_count.item()),
+        "expected": list(expected),
+    }
+
+
+@scenario
+def interop_counter(ctx: Ctx) -> Any:
+    """Rank 0 runs torch's Join, the others joinery's; both orders of skew."""
+    more_on_high = [5 + r for r in range(ctx.world)]
+    more_on_low = list(reversed(more_on_high))
+    return {
+        f"{cls.__name__}/{name}": _interop_counter(ctx, cls, inputs)
+        for cls in (TorchCounter, DualCounter)
+        for name, inputs in (("rank0_fewest", more_on_high), ("rank0_most", more_on_low))
+    }
+
+
+@scenario
+def interop_ddp(ctx: Ctx) -> Any:
+    out = {}
+    for name, n in (("rank0_fewest", 3 + ctx.rank), ("rank0_most", 3 + ctx.world - ctx.rank)):
+        model = ddp(ctx, nn.Linear(2, 1))
+        join = (
+            torch_join.Join([model])
+            if ctx.rank == 0
+            else Join([model], check_agreement=False)
+        )
+        with join:
+            for i in range(n):
+                model(batch(ctx.rank, i, (2, 2))).sum().backward()
+        out[name] = flat(model.module)
+    return out
+
+
+# -- TorchGroup's collectives --------------------------------------------------------------
+
+
+@scenario
+def torch_group_collectives(ctx: Ctx) -> Any:
+    g = TorchGroup(ctx.group)
+    r, w = ctx.rank, ctx.world
+    out: dict[str, Any] = {"rank": g.rank, "world_size": g.world_size}
+    t = torch.tensor([r + 1.0, 2.0])
+    out["sum_tensor"] = g.all_reduce(t).tolist()
+    for op in ("sum", "prod", "min", "max"):
+        a = np.array([r + 1.0], dtype=np.float64)
+        g.all_reduce(a, op)
+        out[f"{op}_numpy"] = a.tolist()
+    for op in ("band", "bor", "bxor"):
+        a = np.array([r + 1, 7], dtype=np.int32)
+        g.all_reduce(a, op)
+        out[f"{op}_int"] = a.tolist()
+    for op in ("sum", "band", "bxor"):
+        b = torch.tensor([r == 0, True, False])
+        g.all_reduce(b, op)
+        out[f"{op}_bool"] = b.tolist()
+    z = torch.tensor([1 + 2j, r * 1j])
+    g.all_reduce(z)
+    out["complex_sum"] = [[v.real, v.imag] for v in z.tolist()]
+    strided = torch.arange(6.0).reshape(2, 3).t() * (r + 1)
+    g.all_reduce(strided)
+    out["strided"] = strided.tolist()
+    handle = g.all_reduce(np.array([float(r)]), async_op=True)
+    out["async_all_reduce"] = handle.wait().tolist()
+    out["async_is_completed"] = handle.is_completed()
+    b = np.array([r, r], dtype=np.int64)
+    g.broadcast(b, src=w - 1)
+    out["broadcast"] = b.tolist()
+    out["all_gather"] = [x.tolist() for x in g.all_gather(torch.tensor([r, 10 * r]))]
+    out["all_gather_numpy_type"] = type(g.all_gather(np.zeros(1))[0]).__name__
+    gathered = g.gather(np.array([r * 1.5]), dst=1)
+    out["gather"] = None if gathered is None else [x.tolist() for x in gathered]
+    red = torch.tensor([float(r + 1)])
+    g.reduce(red, dst=0, op="max")
+    out["reduce"] = red.tolist()
+    recv = np.zeros(2, dtype=np.float32)
+    chunks = [np.full(2, k, dtype=np.float32) for k in range(w)] if r == 0 else None
+    g.scatter(recv, src=0, chunks=chunks)
+    out["scatter"] = recv.tolist()
+    recv_t = torch.zeros(2)
+    g.scatter(recv_t, src=w - 1, chunks=torch.arange(2.0 * w).reshape(w, 2) if r == w - 1 else None)
+    out["scatter_stacked"] = recv_t.tolist()
+    g.barrier()
+    out["objects"] = g.all_gather_object({"rank": r})
+    out["count"] = g.count(1.0 if r == 0 else 0.0)
+    beat = g.heartbeat(1.0)
+    out["heartbeat_total"] = g.heartbeat_total(beat)
+    errors = {}
+    for name, call in (
+        ("bad_op", lambda: g.all_reduce(np.zeros(1), "mean")),
+        ("bitwise_float", lambda: g.all_reduce(np.zeros(1), "bxor")),
+        ("bad_root", lambda: g.broadcast(np.zeros(1), src=w)),
+        ("bad_buffer", lambda: g.all_reduce([1.0])),
+    ):
+        try:
+            call()
+        except Exception as exc:
+            errors[name] = type(exc).__name__
+    out["errors"] = errors
+    out["equals_process_group"] = g == ctx.group and TorchGroup(ctx.group) == g
+    return out
+
+
+# -- the runner ----------------------------------------------------------------------------
+
+
+@contextmanager
+def recording(out: Path, name: str) -> Iterator[dict[str, Any]]:
+    record: dict[str, Any] = {"name": name, "ok": True}
+    try:
+        yield record
+    except BaseException as exc:
+        record["ok"] = False
+        record["error"] = "".join(traceback.format_exception(exc))
+    with out.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def main(argv: list[str]) -> None:
+    rank, world, store, out_dir, *names = argv
+    ctx = Ctx(int(rank), int(world), None)
+    out = Path(out_dir) / f"rank{rank}.jsonl"
+    for name in [n for n in names if n.startswith("pre_init_")]:
+        with recording(out, name) as record:
+            record["result"] = SCENARIOS[name](ctx)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=ctx.rank, world_size=ctx.world,
+        timeout=SCENARIO_TIMEOUT,
+    )
+    for name in [n for n in names if not n.startswith("pre_init_")]:
+        with recording(out, name) as record:
+            ctx.group = dist.new_group(backend="gloo", timeout=SCENARIO_TIMEOUT)
+            record["result"] = SCENARIOS[name](ctx)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
