@@ -207,9 +207,7 @@ class _HeartbeatHandle:
 
     def wait(self) -> float:
         """Complete the latest heartbeat; return its sum over all ranks."""
-        group = self._group
-        group._heartbeat_request.Wait()
-        return float(group._heartbeat_recv[0])
+        return self._group.heartbeat_total(self)
 
 
 class MPIGroup:
@@ -252,6 +250,11 @@ class MPIGroup:
         self._count_recv = np.zeros(1, dtype=np.float32)
         self._count_msgs = ([self._count_send, MPI.FLOAT], [self._count_recv, MPI.FLOAT])
         self._heartbeat_request: MPI.Request = MPI.REQUEST_NULL
+        # Whether _heartbeat_request may still be in flight: a Python flag is
+        # cheaper than MPI_Wait on a completed request, and the Join reads the
+        # previous heartbeat (heartbeat_total) right before sending the next.
+        self._heartbeat_pending = False
+        self._heartbeat_value = 0.0
         self._heartbeat_handle = _HeartbeatHandle(self)
         #: Collectives issued through this group's collective methods (not the
         #: join collectives). The Join shell compares it with its value at the
@@ -285,11 +288,14 @@ class MPIGroup:
         Returns:
             The group's heartbeat handle; ``wait()`` returns the sum.
         """
-        # The previous heartbeat's buffers are about to be reused.
-        self._heartbeat_request.Wait()
-        self._heartbeat_send[0] = value
+        if self._heartbeat_pending:
+            # The previous heartbeat's buffers are about to be reused.
+            self._heartbeat_request.Wait()
+        if value != self._heartbeat_value:  # nearly always ACTIVE: skip the store
+            self._heartbeat_send[0] = self._heartbeat_value = value
         send, recv = self._heartbeat_msgs
         self._heartbeat_request = self._iallreduce(send, recv, MPI.SUM)
+        self._heartbeat_pending = True
         return self._heartbeat_handle
 
     def count(self, value: float) -> float:
@@ -301,11 +307,13 @@ class MPIGroup:
         Returns:
             The sum over all ranks.
         """
-        self._heartbeat_request.Wait()
+        if self._heartbeat_pending:
+            self._heartbeat_request.Wait()
+            self._heartbeat_pending = False
         self._count_send[0] = value
         send, recv = self._count_msgs
         self._iallreduce(send, recv, MPI.SUM).Wait()
-        return float(self._count_recv[0])
+        return self._count_recv.item()  # a Python float
 
     def heartbeat_total(self, handle: Any) -> float:
         """The sum of the latest heartbeat (completing it first).
@@ -316,8 +324,10 @@ class MPIGroup:
         Returns:
             Its sum over all ranks.
         """
-        self._heartbeat_request.Wait()
-        return float(self._heartbeat_recv[0])
+        if self._heartbeat_pending:
+            self._heartbeat_request.Wait()
+            self._heartbeat_pending = False
+        return self._heartbeat_recv.item()  # a Python float
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every rank, on every rank.
