@@ -151,6 +151,8 @@ class _World:
     def __init__(self, size: int, timeout: float) -> None:
         self.size = size
         self.timeout = timeout
+        # What lock waits accept (math.inf would overflow them).
+        self.wait_limit = min(timeout, threading.TIMEOUT_MAX)
         self.groups: list[ThreadGroup] = []
         # The rendezvous. Held only to file an arrival or to read/record an
         # abort, never while computing a result or waiting.
@@ -228,7 +230,7 @@ class _World:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self.exits.wait(left)
+                self.exits.wait(min(left, self.wait_limit))
             return sorted(self.running)
 
     # -- collectives -----------------------------------------------------------------
@@ -296,7 +298,7 @@ class _World:
 
     def await_slot(self, rank: int, slot: _Slot, gate: Any) -> Any:
         """Wait at ``gate`` for ``slot``; return its result or raise what stopped it."""
-        if gate is not None and not gate.acquire(True, self.timeout):
+        if gate is not None and not gate.acquire(True, self.wait_limit):
             with self.lock:
                 completing = slot.arrived == self.size
                 if not completing and not slot.opened:
@@ -1017,7 +1019,7 @@ def spawn(
         args: more positional arguments for ``fn``, the same for every rank.
         timeout: seconds a rank waits in a collective for the others before
             ``RankTimeout``; also how long ``spawn`` waits for the remaining
-            ranks once one rank has returned.
+            ranks once one rank has returned (``math.inf``: no limit).
 
     Returns:
         The ranks' return values, in rank order.

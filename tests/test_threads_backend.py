@@ -8,6 +8,7 @@ pin the documented OR/AND/XOR meaning). Every multi-rank test passes a small
 from __future__ import annotations
 
 import functools
+import math
 import pickle
 import re
 import subprocess
@@ -437,11 +438,21 @@ def test_spawn_passes_args_and_returns_results_in_rank_order() -> None:
     assert spawn(rank_fn, 4, args=(100, 10), timeout=TIMEOUT) == [100, 110, 120, 130]
 
 
+def test_spawn_accepts_an_infinite_timeout() -> None:
+    def rank_fn(group: ThreadGroup) -> float:
+        if group.rank == 0:
+            time.sleep(0.05)  # rank 1 really waits
+        return group.count(1.0)
+
+    assert spawn(rank_fn, 2, timeout=math.inf) == [2.0, 2.0]
+
+
 def test_spawn_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="world_size must be at least 1"):
         spawn(lambda group: None, 0)
-    with pytest.raises(ValueError, match="timeout must be a positive"):
-        spawn(lambda group: None, 1, timeout=0)
+    for timeout in (0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="timeout must be a positive"):
+            spawn(lambda group: None, 1, timeout=timeout)
     with pytest.raises(TypeError, match="fn must be callable"):
         spawn("not a function", 1)  # type: ignore[arg-type]
 
