@@ -121,6 +121,11 @@ class SpawnAborted(PeerFailure):
             cause = f"rank {rank} raised {exc_type}: {exc_message}"
         # PeerFailure's message speaks of a Join context; this one is the harness's.
         self.args = (f"{cause}; {where}",)
+        self.where = where
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # args holds the message, not the constructor's arguments.
+        return (type(self), (self.rank, self.exc_type, self.exc_message, self.where))
 
 
 class _Slot:

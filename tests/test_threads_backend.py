@@ -883,6 +883,14 @@ def test_spawn_prefers_a_root_cause_even_if_recorded_later() -> None:
     ]
 
 
+def test_spawn_aborted_survives_pickling() -> None:
+    error = SpawnAborted(3, "ValueError", "boom", where="rank 1 was released")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is SpawnAborted
+    assert (copy.rank, copy.exc_type, copy.exc_message) == (3, "ValueError", "boom")
+    assert str(copy) == str(error) == "rank 3 raised ValueError: boom; rank 1 was released"
+
+
 def test_after_an_abort_later_collectives_are_refused() -> None:
     outcome: dict[int, str] = {}
 
