@@ -70,6 +70,10 @@ class PeerFailure(PeerError):
         self.exc_type = exc_type
         self.exc_message = exc_message
 
+    def __reduce__(self) -> tuple[type[PeerFailure], tuple[int, str, str]]:
+        # args holds only the message; pickle must rebuild from the fields.
+        return (type(self), (self.rank, self.exc_type, self.exc_message))
+
 
 class PeerAborted(PeerError):
     """Raised inside the loop when a heartbeat shows that another rank failed.

@@ -22,11 +22,16 @@ from typing import Any
 import attrs
 
 from . import _machine as m
-from ._errors import LocalProtocolError, PeerAborted
+from . import _watchdog
+from ._errors import LocalProtocolError, PeerAborted, RankTimeout
 
 __all__ = ["Join", "Joinable", "JoinHook", "format_reports"]
 
 _log = logging.getLogger("joinery")
+
+#: Default ``Join(timeout=...)``: long enough for any sane shadow round, short
+#: enough that a stuck job fails within minutes rather than at torch's 30.
+DEFAULT_TIMEOUT = 300.0
 
 
 class JoinHook:
@@ -141,6 +146,10 @@ class Join:
         check_agreement: on entry, check with one all-gather that all ranks pass
             the same number of joinables and flags on the same backend (turn it
             off to share a group with torch's own Join).
+        timeout: seconds a join collective or a round of hooks may make no
+            progress before this rank raises ``RankTimeout`` saying what it and
+            (where the backend can tell) its peers were doing, and aborts the
+            group where the backend can; ``None`` turns the watchdog off.
         **kwargs: forwarded to every joinable's ``join_hook``.
 
     Raises:
@@ -157,8 +166,11 @@ class Join:
         throw_on_early_termination: bool = False,
         *,
         check_agreement: bool = True,
+        timeout: float | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
         if isinstance(joinables, Joinable) or not isinstance(joinables, Iterable):
             raise TypeError(
                 f"Join expects a list of Joinables, got {type(joinables).__qualname__}: "
@@ -200,6 +212,10 @@ class Join:
         self._batch_notifies = False
         self._last_heartbeat: Any = None
         self._collectives_at_heartbeat: int | None = None
+        # The watchdog's view: what the rank is blocked in, and its verdict.
+        self._timeout = timeout
+        self._activity: m.Activity | None = None
+        self._stall: RankTimeout | None = None
         if self._enable:
             from backends import resolve
 
@@ -233,7 +249,13 @@ class Join:
                     "enabled Join; Joins over the same joinable cannot be nested"
                 )
         if self._enable:
-            self._feed(m.Entered(now=self._clock()))  # may raise AgreementError
+            if self._timeout is not None:
+                _watchdog.watch(self)
+            try:
+                self._feed(m.Entered(now=self._clock()))  # may raise AgreementError
+            except BaseException:
+                _watchdog.unwatch(self)
+                raise
         for index, joinable in enumerate(self._joinables):
             joinable._join_config = _JoinConfig(
                 enable=self._enable,
@@ -255,6 +277,8 @@ class Join:
         finally:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
+            if self._enable:
+                _watchdog.unwatch(self)
 
     def _leave(self, exc: BaseException | None) -> None:
         if exc is None:
@@ -381,15 +405,43 @@ class Join:
         self._batch_notifies = False
         try:
             return self._run(observation)
+        except Exception as error:
+            if self._stall is not None and error is not self._stall:
+                raise self._stall from error
+            raise
         finally:
+            self._activity = None
             assert self._state is not None
             self._batch_notifies = m.notify_is_batchable(self._state)
+
+    def _on_stall(self, message: str) -> None:
+        """Called by the watchdog thread, once, when this rank has stalled."""
+        peer_status = getattr(self._backend, "peer_status", None)
+        if peer_status is not None:
+            try:
+                lines = [f"  rank {r}: {text}" for r, text in sorted(peer_status().items())]
+            except Exception as error:  # diagnostics must not hide the stall
+                lines = [f"  (peer status unavailable: {error!r})"]
+            message += "\nwhat the ranks were last seen doing:\n" + "\n".join(lines)
+        else:
+            message += "\n(this backend cannot tell what the other ranks were doing)"
+        self._stall = RankTimeout(message)
+        _log.error("%s", message)
+        abort = getattr(self._backend, "abort", None)
+        if abort is not None:
+            abort(message)
 
     def _fold_batched_notifies(self) -> None:
         if self._batched_notifies:
             assert self._state is not None
             self._state = m.replay_notifies(self._state, self._batched_notifies)
             self._batched_notifies = 0
+
+    def _doing(self, what: str) -> None:
+        self._activity = m.Activity(what=what, since=self._clock())
+        post_status = getattr(self._backend, "post_status", None)
+        if post_status is not None:
+            post_status(what)
 
     def _run(self, observation: m.Observation) -> Any:
         assert self._state is not None
@@ -415,14 +467,24 @@ class Join:
                 if kind is m.SendHeartbeat:
                     handle = self._last_heartbeat = backend.heartbeat(command.value)
                 elif kind is m.CheckTermination:
+                    self._doing(f"the termination check after input {self._state.heartbeats}")
                     total = backend.count(command.value)
                     pending = m.TerminationChecked(total=total, now=self._clock())
                 elif kind is m.CountNonjoined:
+                    self._doing(
+                        f"counting non-joined ranks (shadow round {self._state.shadow_rounds})"
+                    )
                     total = backend.count(command.value)
                     pending = m.Counted(total=total, now=self._clock())
                 elif kind is m.SignalTermination:
+                    self._doing("signalling early termination")
                     backend.count(command.value)
                 elif kind is m.RunMainHooks or kind is m.RunPostHooks:
+                    self._doing(
+                        f"main hooks of shadow round {command.round}"
+                        if kind is m.RunMainHooks
+                        else "post hooks"
+                    )
                     try:
                         if kind is m.RunMainHooks:
                             for hook in self._hooks:
@@ -431,6 +493,8 @@ class Join:
                             for hook in self._hooks:
                                 hook.post_hook(command.is_last_joiner)
                     except Exception as error:
+                        if self._stall is not None:
+                            raise self._stall from error
                         hook_error = error
                         pending = m.HookFailed(
                             failure=_failure(error, backend.rank), now=self._clock()
@@ -438,11 +502,13 @@ class Join:
                     else:
                         pending = m.HooksDone(now=self._clock())
                 elif kind is m.CheckAgreement:
+                    self._doing("the agreement check at entry")
                     signatures = backend.all_gather_object(command.signature)
                     pending = m.AgreementChecked(
                         signatures=tuple(signatures), now=self._clock()
                     )
                 elif kind is m.ExchangeFailures:
+                    self._doing("exchanging failures")
                     failures = backend.all_gather_object(command.failure)
                     pending = m.FailuresExchanged(failures=tuple(failures), now=self._clock())
                 elif kind is m.AbortGroup:

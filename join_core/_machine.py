@@ -124,6 +124,8 @@ __all__ = [
     "report",
     "notify_is_batchable",
     "replay_notifies",
+    "Activity",
+    "stall_message",
     "TRANSITIONS",
     "SKEW_WARN_THRESHOLD",
     "ACTIVE_RANK_MESSAGE",
@@ -719,6 +721,34 @@ TRANSITIONS: dict[tuple[Phase, type], _Handler] = {
     (Phase.POST_HOOKS, HooksDone): _post_hooks_done,
     (Phase.POST_HOOKS, HookFailed): _hook_failed,
 }
+
+
+@attrs.frozen(kw_only=True)
+class Activity:
+    """What the shell is blocked in (a join collective or hooks), since when."""
+
+    what: str
+    since: float
+
+
+def stall_message(
+    state: JoinState, activity: Activity | None, now: float, timeout: float
+) -> str | None:
+    """Describe a stall if ``activity`` has made no progress for ``timeout`` s.
+
+    Pure: the watchdog passes the state snapshot and ``now`` in.
+
+    Returns:
+        The diagnostic (phase, round, progress so far), or ``None``.
+    """
+    if activity is None or now - activity.since < timeout:
+        return None
+    return (
+        f"rank {state.config.rank} made no progress for {now - activity.since:.1f} s "
+        f"(timeout {timeout:g} s) in phase {state.phase.name}, {activity.what}; "
+        f"it had processed {state.heartbeats} inputs and run {state.shadow_rounds} "
+        "shadow rounds"
+    )
 
 
 def notify_is_batchable(state: JoinState) -> bool:

@@ -365,3 +365,11 @@ def test_report_of_a_joined_rank() -> None:
     r = m.report(s)
     assert (r.rank, r.inputs, r.joined_at_round, r.shadow_rounds) == (3, 5, 5, 1)
     assert r.seconds_shadowing == 2.5 and not r.is_last_joiner and r.phase == "DONE"
+
+
+def test_peer_failure_pickles() -> None:
+    import pickle
+
+    error = pickle.loads(pickle.dumps(PeerFailure(1, "ValueError", "x")))
+    assert (error.rank, error.exc_type, error.exc_message) == (1, "ValueError", "x")
+    assert str(error) == "rank 1 failed inside the Join context with ValueError: x"

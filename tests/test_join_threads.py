@@ -1,0 +1,303 @@
+"""The Join shell on the threads backend: the scenarios of torch's own Join tests.
+
+``AllReducer`` all-reduces a 1 per iteration (a joined rank shadows it with a
+0), so after the loop its running total is known in closed form. Its post hook
+broadcasts a constant from a last joiner.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+from backends.threads import ThreadGroup, spawn
+from join_core import EarlyTermination, Join, Joinable, JoinHook, LocalProtocolError
+
+BEFORE, AFTER = 41.0, 42.0
+TIMEOUT = 20.0
+
+
+class AllReducerJoinHook(JoinHook):
+    def __init__(self, allreducer: AllReducer, num_allreduces: int) -> None:
+        self.allreducer = allreducer
+        self.num_allreduces = num_allreduces
+
+    def main_hook(self) -> None:
+        self.allreducer.events.append("main")
+        for _ in range(self.num_allreduces):
+            self.allreducer.group.all_reduce(np.zeros(1, dtype=np.float32))
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        group = self.allreducer.group
+        self.allreducer.events.append(("post", is_last_joiner))
+        candidate = np.array([group.rank if is_last_joiner else -1], dtype=np.int64)
+        group.all_reduce(candidate, op="max")
+        value = np.array([AFTER if group.rank == candidate[0] else BEFORE], np.float64)
+        group.broadcast(value, src=int(candidate[0]))
+        self.allreducer.post_value = float(value[0])
+
+
+class AllReducer(Joinable):
+    """Does ``num_allreduces`` all-reduces of a 1 per iteration."""
+
+    def __init__(self, group: ThreadGroup, name: str = "r", log: list | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.name = name
+        self.total = 0.0
+        self.post_value = BEFORE
+        self.events: list[Any] = [] if log is None else log
+        self.kwargs: dict[str, Any] | None = None
+
+    def __call__(self, num_allreduces: int = 1) -> Any:
+        handle = Join.notify_join_context(self)
+        for _ in range(num_allreduces):
+            t = np.ones(1, dtype=np.float32)
+            self.group.all_reduce(t)
+            self.total += float(t[0])
+        return handle
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        self.kwargs = kwargs
+        return AllReducerJoinHook(self, kwargs.get("num_allreduces", 1))
+
+    @property
+    def join_device(self) -> str:
+        return self.group.device
+
+    @property
+    def join_process_group(self) -> ThreadGroup:
+        return self.group
+
+
+def expected_total(inputs: list[int], rank: int, per_iteration: int = 1) -> float:
+    """Sum over the iterations rank took part in of the number of active ranks."""
+    return float(
+        per_iteration * sum(sum(1 for n in inputs if n > t) for t in range(inputs[rank]))
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("num_joinables", [1, 3])
+def test_uneven_inputs_main_and_post_hooks(world_size: int, num_joinables: int) -> None:
+    inputs = [5 + 2 * r for r in range(world_size)]
+
+    def rank_fn(group: ThreadGroup) -> dict[str, Any]:
+        log: list[Any] = []
+        joinables = [AllReducer(group, f"j{i}", log) for i in range(num_joinables)]
+        with Join(joinables) as join:
+            for _ in range(inputs[group.rank]):
+                for joinable in joinables:
+                    joinable()
+        return {
+            "totals": [j.total for j in joinables],
+            "post": [j.post_value for j in joinables],
+            "log": log,
+            "state": join.state,
+        }
+
+    results = spawn(rank_fn, world_size, timeout=TIMEOUT)
+    most = max(inputs)
+    for rank, result in enumerate(results):
+        assert result["totals"] == [expected_total(inputs, rank)] * num_joinables
+        # The post hooks broadcast the last joiner's value to everyone.
+        assert result["post"] == [AFTER] * num_joinables
+        rounds = most - inputs[rank]
+        # Main hooks run in the given order, once per shadow round; then the post hooks.
+        assert result["log"] == ["main"] * num_joinables * rounds + [
+            ("post", inputs[rank] == most)
+        ] * num_joinables
+        assert result["state"].shadow_rounds == rounds
+        assert result["state"].heartbeats == inputs[rank]
+
+
+def test_heartbeat_handle_only_for_first_joinable() -> None:
+    def rank_fn(group: ThreadGroup) -> list[bool]:
+        first, second = AllReducer(group), AllReducer(group)
+        with Join([first, second]):
+            handles = [first(), second()]
+            for handle in handles:
+                if handle is not None:
+                    handle.wait()
+        return [handle is not None for handle in handles]
+
+    assert spawn(rank_fn, 2, timeout=TIMEOUT) == [[True, False]] * 2
+
+
+@pytest.mark.parametrize("num_joinables", [1, 2])
+def test_enable_false_with_even_inputs_is_vacuous(num_joinables: int) -> None:
+    def rank_fn(group: ThreadGroup) -> tuple[list[float], list[Any], list[Any]]:
+        log: list[Any] = []
+        joinables = [AllReducer(group, log=log) for _ in range(num_joinables)]
+        with Join(joinables, enable=False) as join:
+            handles = [[j() for j in joinables] for _ in range(3)]
+        assert join.state is None
+        return [j.total for j in joinables], log, handles
+
+    for totals, log, handles in spawn(rank_fn, 2, timeout=TIMEOUT):
+        assert totals == [6.0] * num_joinables
+        assert log == []  # no hooks ran
+        assert all(h is None for row in handles for h in row)  # no heartbeat sent
+
+
+@pytest.mark.parametrize("num_joinables", [1, 3])
+def test_throw_on_early_termination(num_joinables: int) -> None:
+    world_size, fewest = 4, 2
+    inputs = [fewest if r == 1 else 6 for r in range(world_size)]
+
+    def rank_fn(group: ThreadGroup) -> str:
+        joinables = [AllReducer(group) for _ in range(num_joinables)]
+        with pytest.raises(RuntimeError) as caught:
+            with Join(joinables, throw_on_early_termination=True):
+                for _ in range(inputs[group.rank]):
+                    for joinable in joinables:
+                        joinable()
+        assert isinstance(caught.value, EarlyTermination)
+        return str(caught.value)
+
+    messages = spawn(rank_fn, world_size, timeout=TIMEOUT)
+    assert messages[1] == "Rank 1 exhausted all inputs."
+    for rank in (0, 2, 3):
+        assert messages[rank] == (
+            "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+        )
+
+
+def test_throw_mode_with_even_inputs_finishes_normally() -> None:
+    def rank_fn(group: ThreadGroup) -> float:
+        joinable = AllReducer(group)
+        with Join([joinable], throw_on_early_termination=True):
+            for _ in range(4):
+                joinable()
+        return joinable.post_value
+
+    assert spawn(rank_fn, 3, timeout=TIMEOUT) == [AFTER] * 3
+
+
+def test_kwargs_are_forwarded_to_every_join_hook() -> None:
+    def rank_fn(group: ThreadGroup) -> tuple[list[Any], list[float]]:
+        joinables = [AllReducer(group) for _ in range(2)]
+        with Join(joinables, num_allreduces=3, extra="x"):
+            for _ in range(2 + group.rank):
+                for joinable in joinables:
+                    joinable(num_allreduces=3)
+        return [j.kwargs for j in joinables], [j.total for j in joinables]
+
+    inputs = [2, 3]
+    for rank, (kwargs, totals) in enumerate(spawn(rank_fn, 2, timeout=TIMEOUT)):
+        assert kwargs == [{"num_allreduces": 3, "extra": "x"}] * 2
+        # The hooks shadowed three all-reduces per round, so nothing hung and
+        # the totals are three times the closed form.
+        assert totals == [expected_total(inputs, rank, per_iteration=3)] * 2
+
+
+def test_enter_returns_join_and_exit_resets_configs() -> None:
+    def rank_fn(group: ThreadGroup) -> None:
+        joinable = AllReducer(group)
+        join = Join([joinable])
+        with join as entered:
+            assert entered is join
+            assert joinable._join_config.enable and joinable._join_config.is_first_joinable
+            joinable()
+        assert not joinable._join_config.enable
+        assert Join.notify_join_context(joinable) is None  # vacuous again
+        # The same joinable can enter a new Join afterwards.
+        with Join([joinable]):
+            joinable()
+
+    spawn(rank_fn, 2, timeout=TIMEOUT)
+
+
+def test_configs_are_reset_even_when_the_loop_raises() -> None:
+    def rank_fn(group: ThreadGroup) -> bool:
+        joinable = AllReducer(group)
+        with pytest.raises(KeyError):
+            with Join([joinable]):
+                raise KeyError("boom")
+        return joinable._join_config.enable
+
+    assert spawn(rank_fn, 1, timeout=TIMEOUT) == [False]
+
+
+def test_skew_warning_after_1000_shadow_rounds_without_touching_filters() -> None:
+    filters_before = list(warnings.filters)
+
+    def rank_fn(group: ThreadGroup) -> None:
+        joinable = AllReducer(group)
+        with Join([joinable]):
+            for _ in range(0 if group.rank == 0 else 1002):
+                joinable()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spawn(rank_fn, 2, timeout=60.0)
+    skew = [w for w in caught if "uneven input skew" in str(w.message)]
+    assert len(skew) == 1  # once, from the joined rank 0 only
+    assert "rank 0 has at least 1000 fewer inputs" in str(skew[0].message)
+    assert warnings.filters == filters_before
+
+
+class _NoInit(Joinable):
+    def __init__(self, group: ThreadGroup) -> None:  # skips Joinable.__init__
+        self.group = group
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return JoinHook()
+
+    @property
+    def join_device(self) -> str:
+        return "cpu"
+
+    @property
+    def join_process_group(self) -> ThreadGroup:
+        return self.group
+
+
+def test_bad_input_errors() -> None:
+    with pytest.raises(ValueError, match="at least one joinable"):
+        Join([])
+
+    def rank_fn(group: ThreadGroup) -> None:
+        with pytest.raises(TypeError, match="expects Joinable objects"):
+            Join([object()])
+        no_init = _NoInit(group)
+        with pytest.raises(LocalProtocolError, match=r"call Joinable.__init__"):
+            Join.notify_join_context(no_init)
+        with pytest.raises(LocalProtocolError, match=r"call Joinable.__init__"):
+            with Join([no_init]):
+                pass
+        joinable = AllReducer(group)
+        with Join([joinable]):
+            with pytest.raises(LocalProtocolError, match="cannot be nested"):
+                with Join([joinable]):
+                    pass
+            joinable()
+
+    spawn(rank_fn, 2, timeout=TIMEOUT)
+
+
+def test_joinables_on_different_groups_are_rejected() -> None:
+    def rank_fn(group: ThreadGroup, other: ThreadGroup) -> None:
+        with pytest.raises(ValueError, match="multiple process groups"):
+            Join([AllReducer(group), AllReducer(other)])
+
+    def outer(group: ThreadGroup) -> None:
+        # A second, distinct group object: compare by identity/equality.
+        rank_fn(group, object())  # type: ignore[arg-type]
+
+    spawn(outer, 2, timeout=TIMEOUT)
+
+
+def test_hook_that_is_not_a_join_hook_is_rejected() -> None:
+    class BadHook(AllReducer):
+        def join_hook(self, **kwargs: Any) -> Any:
+            return "not a hook"
+
+    def rank_fn(group: ThreadGroup) -> None:
+        with pytest.raises(TypeError, match="not a JoinHook"):
+            Join([BadHook(group)])
+
+    spawn(rank_fn, 1, timeout=TIMEOUT)
