@@ -14,13 +14,36 @@ and it prints (in either order):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
-from ddp import NUM_INPUTS, setup, wrap
 from torch.distributed.optim import ZeroRedundancyOptimizer as ZeRO
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Adam
 
 from join_core import Join
+
+NUM_INPUTS = 5
+
+
+def setup() -> tuple[int, torch.device]:
+    """Join torchrun's process group; return this rank and its device."""
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available() and torch.cuda.device_count() > local_rank:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), device
+
+
+def wrap(module: torch.nn.Module, device: torch.device) -> DDP:
+    """``module`` on ``device`` inside DDP."""
+    module = module.to(device)
+    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def main() -> None:
