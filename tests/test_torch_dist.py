@@ -264,3 +264,4 @@ def test_torch_group_collectives(results: Any) -> None:
             "bad_buffer": "TypeError",
         }
         assert got["equals_process_group"] is True
+        assert got["protocols"] is True

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import backends
 import join_core
 from backends.torch_dist import TorchGroup
 from join_core import Join
@@ -679,6 +680,9 @@ def torch_group_collectives(ctx: Ctx) -> Any:
             errors[name] = type(exc).__name__
     out["errors"] = errors
     out["equals_process_group"] = g == ctx.group and TorchGroup(ctx.group) == g
+    out["protocols"] = isinstance(g, backends.CollectiveGroup) and isinstance(
+        g, backends.JoinBackend
+    )
     return out
 
 
