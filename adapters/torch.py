@@ -51,7 +51,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -98,13 +98,17 @@ def adapt(obj: Any) -> TorchJoinable:
             "torch.distributed.algorithms.join.Joinable.__init__(self) (e.g. "
             "super().__init__())"
         )
+    adapter = _adapters.get(id(obj))
+    if adapter is not None and adapter._obj() is obj:
+        return adapter
+    adapter = TorchJoinable(obj)
     try:
-        adapter = _adapters.get(obj)
-    except TypeError:  # unhashable or not weak-referenceable: no caching
-        return TorchJoinable(obj)
-    if adapter is None:
-        adapter = TorchJoinable(obj)
-        _adapters[obj] = adapter
+        # Keyed by identity (a torch Joinable may define __eq__), and dropped
+        # with the object: the adapter refers to it only weakly.
+        weakref.finalize(obj, _adapters.pop, id(obj), None)
+    except TypeError:  # not weak-referenceable: a fresh adapter every time
+        return adapter
+    _adapters[id(obj)] = adapter
     return adapter
 
 
@@ -118,13 +122,27 @@ class TorchJoinable(Joinable):
     def __init__(self, obj: Any) -> None:
         # Joinable.__init__ would assign _join_config, i.e. write a disabled
         # config onto ``obj``, which may be inside a torch Join right now.
-        self.obj = obj
+        try:
+            # Weak, so the adapter cache never keeps a model alive; while a
+            # Join runs, the torch hook it holds keeps the object alive.
+            self._obj: Callable[[], Any] = weakref.ref(obj)
+        except TypeError:
+            self._obj = lambda: obj
+        self.key = id(obj)  # how the router finds this adapter
         self._config = _DISABLED
         self._in_hook = False
         self._is_ddp = isinstance(obj, DistributedDataParallel)
 
     def __repr__(self) -> str:
         return f"TorchJoinable({type(self.obj).__qualname__})"
+
+    @property
+    def obj(self) -> Any:
+        """The torch Joinable this adapter stands for."""
+        obj = self._obj()
+        if obj is None:
+            raise LocalProtocolError("the torch Joinable behind this adapter was deleted")
+        return obj
 
     # -- the config the shell sets -------------------------------------------------
 
@@ -314,7 +332,7 @@ def _forget_join(ddp: DistributedDataParallel) -> None:
 
 # -- routing torch's notify_join_context ------------------------------------------
 
-_adapters: weakref.WeakKeyDictionary[Any, TorchJoinable] = weakref.WeakKeyDictionary()
+_adapters: dict[int, TorchJoinable] = {}  # id(torch object) -> its adapter
 # id(torch object) -> its active adapter (the adapter keeps the object alive).
 _routes: dict[int, TorchJoinable] = {}
 _routes_lock = threading.Lock()
@@ -339,12 +357,12 @@ def _route(adapter: TorchJoinable) -> None:
     with _routes_lock:
         if not _routes:
             torch_join.Join.notify_join_context = _router  # type: ignore[method-assign]
-        _routes[id(adapter.obj)] = adapter
+        _routes[adapter.key] = adapter
 
 
 def _unroute(adapter: TorchJoinable) -> None:
     with _routes_lock:
-        if _routes.get(id(adapter.obj)) is adapter:
-            del _routes[id(adapter.obj)]
+        if _routes.get(adapter.key) is adapter:
+            del _routes[adapter.key]
         if not _routes and torch_join.Join.__dict__.get("notify_join_context") is _router:
             torch_join.Join.notify_join_context = _torch_notify  # type: ignore[method-assign]
