@@ -5,6 +5,12 @@ all-reduce of a 1); a joined rank shadows that all-reduce with a 0. Once all
 ranks have joined, the ``sync_max_count`` post hook broadcasts the count of a
 last joiner, so every rank learns the total.
 
+Unlike the tutorial's Counter it *fuses* the join heartbeat into its own
+all-reduce (a second element), so an iteration costs one collective, not two:
+it sets ``join_fuses_heartbeat = True``, puts ``Join.fused_heartbeat(self)``
+into the extra element, and its hook's ``fused_shadow`` shadows that all-reduce
+and returns the heartbeat slot's sum.
+
 Run it three ways; each prints the tutorial's four lines (rank order varies):
 
     python examples/counter.py                          # 2 ranks as threads
@@ -44,9 +50,14 @@ class CounterJoinHook(JoinHook):
         self.counter = counter
         self.sync_max_count = sync_max_count
 
+    def fused_shadow(self, heartbeat: float) -> float:
+        """Shadow the counter's all-reduce: a zero, and ``heartbeat`` in the slot."""
+        t = np.array([0.0, heartbeat], dtype=np.float32)
+        self.counter.group.all_reduce(t)
+        return float(t[1])
+
     def main_hook(self) -> None:
-        """Shadow the counter's all-reduce with a zero."""
-        self.counter.group.all_reduce(np.zeros(1, dtype=np.float32))
+        """Nothing: the counter's only all-reduce was shadowed by fused_shadow."""
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Broadcast the count of a last joiner if ``sync_max_count``."""
@@ -62,6 +73,8 @@ class CounterJoinHook(JoinHook):
 class Counter(Joinable):
     """Counts the inputs processed by all ranks in the iterations it takes part in."""
 
+    join_fuses_heartbeat = True
+
     def __init__(self, group: Any) -> None:
         super().__init__()
         self.group = group
@@ -70,10 +83,11 @@ class Counter(Joinable):
 
     def __call__(self) -> None:
         """Count this iteration's inputs across all ranks."""
-        Join.notify_join_context(self)
-        t = np.ones(1, dtype=np.float32)
+        # [an input, the join heartbeat]: one all-reduce carries both.
+        t = np.array([1.0, Join.fused_heartbeat(self)], dtype=np.float32)
         self.group.all_reduce(t)
-        self.count += t
+        self.count += t[0]
+        Join.record_heartbeat_total(self, float(t[1]))  # learn of failed peers early
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """Return the hook; accepts ``sync_max_count`` (default ``False``)."""

@@ -53,6 +53,12 @@ class JoinHook:
             is_last_joiner: ``True`` if this rank was one of the last to join.
         """
 
+    # A joinable with ``join_fuses_heartbeat = True`` also gives its hook
+    #     fused_shadow(heartbeat: float) -> float
+    # which shadows the joinable's first collective of an iteration with
+    # ``heartbeat`` in the heartbeat slot and returns that slot's sum. Its
+    # main_hook then shadows only the rest of the iteration.
+
 
 @attrs.frozen(kw_only=True)
 class _JoinConfig:
@@ -74,7 +80,17 @@ class Joinable(abc.ABC):
     :attr:`join_process_group`, calls ``Joinable.__init__`` from its
     constructor (it installs a disabled join config) and calls
     :meth:`Join.notify_join_context` before its per-iteration collectives.
+
+    A joinable may instead carry the heartbeat inside its own first collective
+    of each iteration (a *fused heartbeat*, no extra collective): set
+    ``join_fuses_heartbeat = True``, add one element to that collective holding
+    :meth:`Join.fused_heartbeat`'s value (a float32-exact slot), optionally hand
+    the slot's sum to :meth:`Join.record_heartbeat_total`, and give the hook a
+    ``fused_shadow(heartbeat) -> float``.
     """
+
+    #: Opt in to the fused heartbeat (see the class docstring).
+    join_fuses_heartbeat: bool = False
 
     @abc.abstractmethod
     def __init__(self) -> None:
@@ -187,6 +203,12 @@ class Join:
                     f"{type(hook).__qualname__}, not a JoinHook: return an object "
                     "with main_hook() and post_hook(is_last_joiner)"
                 )
+            if _fuses(joinable) and not callable(getattr(hook, "fused_shadow", None)):
+                raise TypeError(
+                    f"{type(joinable).__qualname__} sets join_fuses_heartbeat but its "
+                    f"hook {type(hook).__qualname__} has no fused_shadow(heartbeat) -> "
+                    "float: add one that shadows the joinable's first collective"
+                )
         process_group = joinable_list[0].join_process_group
         for joinable in joinable_list[1:]:
             if joinable.join_process_group != process_group:
@@ -198,6 +220,12 @@ class Join:
                 )
         self._joinables = joinable_list
         self._hooks = hooks
+        # Hooks whose joinable fuses the heartbeat: each shadow round starts
+        # with their fused_shadow (for the first one, the count already did).
+        self._fused_hooks = [_fuses(j) for j in joinable_list]
+        self._fused = self._fused_hooks[0] and not throw_on_early_termination
+        self._first_shadowed = False
+        self._fused_total: float | None = None
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
         self._process_group = process_group
@@ -227,12 +255,14 @@ class Join:
                 ("joinables", len(joinable_list)),
                 ("throw_on_early_termination", self._throw_on_early_termination),
                 ("backend", type(backend).__name__),
+                ("fused_heartbeat", self._fused),
             )
             self._state = m.initial_state(
                 m.MachineConfig(
                     rank=backend.rank,
                     throw_on_early_termination=self._throw_on_early_termination,
                     signature=signature if check_agreement else None,
+                    fused_heartbeat=self._fused,
                 )
             )
 
@@ -337,6 +367,54 @@ class Join:
         if config.is_first_joinable and config.enable:
             return config.join._notify()
         return None
+
+    @staticmethod
+    def fused_heartbeat(joinable: Joinable) -> float:
+        """The heartbeat value a fused joinable puts into its collective's slot.
+
+        The fused counterpart of :meth:`notify_join_context`, called at the same
+        point: ``1.0`` for the first joinable of an enabled Join on a rank that
+        has not joined, else ``0.0``. (In throw mode, which cannot fuse, it sends
+        the classic heartbeat and check and returns ``0.0``.)
+
+        Args:
+            joinable: the joinable calling; it sets ``join_fuses_heartbeat``.
+
+        Returns:
+            The value for the heartbeat slot.
+
+        Raises:
+            LocalProtocolError: the constructor did not call ``Joinable.__init__``.
+            RuntimeError: throw mode, and some rank exhausted its inputs.
+            PeerAborted: another rank failed; let it leave the Join block.
+        """
+        config = getattr(joinable, "_join_config", None)
+        if config is None:
+            raise _missing_config(joinable)
+        if config.is_first_joinable and config.enable:
+            join = config.join
+            if join._fused and join._batch_notifies:
+                total = join._fused_total
+                if total is not None and m.tally_has_failure(total):
+                    join._feed(m.HeartbeatSeen(total=total, now=join._clock()))
+                join._batched_notifies += 1
+                join._collectives_at_heartbeat = getattr(
+                    join._backend, "collectives_issued", 0
+                )
+                return m.ACTIVE
+            join._notify()
+        return m.JOINED
+
+    @staticmethod
+    def record_heartbeat_total(joinable: Joinable, total: float) -> None:
+        """Hand the Join the sum of a fused heartbeat slot (optional).
+
+        With it, an active rank learns at its next :meth:`fused_heartbeat` that a
+        peer failed, instead of when it runs out of inputs.
+        """
+        config = joinable._join_config
+        if config.is_first_joinable and config.enable:
+            config.join._fused_total = total
 
     def _notify(self) -> Any:
         if self._batch_notifies:
@@ -474,7 +552,11 @@ class Join:
                     self._doing(
                         f"counting non-joined ranks (shadow round {self._state.shadow_rounds})"
                     )
-                    total = backend.count(command.value)
+                    if command.fused:
+                        total = self._hooks[0].fused_shadow(command.value)
+                        self._first_shadowed = True
+                    else:
+                        total = backend.count(command.value)
                     pending = m.Counted(total=total, now=self._clock())
                 elif kind is m.SignalTermination:
                     self._doing("signalling early termination")
@@ -487,8 +569,14 @@ class Join:
                     )
                     try:
                         if kind is m.RunMainHooks:
-                            for hook in self._hooks:
+                            slot = m.FAILED if self._state.failure else m.JOINED
+                            for index, hook in enumerate(self._hooks):
+                                if self._fused_hooks[index] and not (
+                                    index == 0 and self._first_shadowed
+                                ):
+                                    hook.fused_shadow(slot)
                                 hook.main_hook()
+                            self._first_shadowed = False
                         else:
                             for hook in self._hooks:
                                 hook.post_hook(command.is_last_joiner)
@@ -560,6 +648,10 @@ def _add_note(error: BaseException, note: str) -> None:
     add_note = getattr(error, "add_note", None)  # Python 3.11+
     if add_note is not None:
         add_note(note)
+
+
+def _fuses(joinable: Any) -> bool:
+    return bool(getattr(joinable, "join_fuses_heartbeat", False))
 
 
 def _looks_like_hook(hook: Any) -> bool:

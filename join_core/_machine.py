@@ -31,6 +31,14 @@ failure, no post hook runs: all ranks *exchange failures* (one all-gather of
 ``Failure`` values) and every rank raises ``PeerFailure`` naming the failing
 rank, except the failing ranks, which re-raise their own exception.
 
+A *fused* heartbeat (``MachineConfig.fused_heartbeat``) rides inside the first
+joinable's own first collective of each iteration (one extra element), so an
+active iteration costs no extra collective: ``Notified`` then commands nothing,
+and ``CountNonjoined(fused=True)`` is carried out by that joinable's shadow of
+the same collective. A count of zero stops the joined ranks before any other
+side effect of the round. Throw mode needs its separate check and so never
+fuses.
+
 On entry, ranks may first *check agreement*: one all-gather of each rank's
 ``signature`` (number of joinables, throw mode, backend); a difference raises
 ``AgreementError`` with a per-rank table on every rank instead of a later hang.
@@ -212,6 +220,11 @@ class MachineConfig:
     throw_on_early_termination: bool = False
     signature: tuple[tuple[str, Any], ...] | None = None
     skew_warn_threshold: int = SKEW_WARN_THRESHOLD
+    fused_heartbeat: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.fused_heartbeat and self.throw_on_early_termination:
+            raise ValueError("a fused heartbeat cannot carry throw mode's termination check")
 
 
 @attrs.frozen(kw_only=True)
@@ -415,9 +428,14 @@ class CheckTermination:
 
 @attrs.frozen(kw_only=True)
 class CountNonjoined:
-    """Blocking all-reduce shadowing the heartbeat; answer with ``Counted``."""
+    """Blocking all-reduce shadowing the heartbeat; answer with ``Counted``.
+
+    ``fused``: carry it out as the first joinable's shadow of its own first
+    collective (a fused heartbeat), not as a separate all-reduce.
+    """
 
     value: float = JOINED
+    fused: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -528,6 +546,9 @@ def _agreement_checked(s: JoinState, o: AgreementChecked) -> Transition:
 
 
 def _notify(s: JoinState, o: Notified) -> Transition:
+    if s.config.fused_heartbeat:
+        # The joinable's own collective carries ACTIVE; nothing to send.
+        return Transition(attrs.evolve(s, heartbeats=s.heartbeats + 1))
     if s.config.throw_on_early_termination:
         return _go(s, Phase.CHECKING, *_HEARTBEAT_AND_CHECK, heartbeats=s.heartbeats + 1)
     return Transition(attrs.evolve(s, heartbeats=s.heartbeats + 1), _HEARTBEAT)
@@ -567,11 +588,9 @@ def _loop_exited(s: JoinState, o: LoopExited) -> Transition:
                 failure=failure,
                 joined_at=o.now,
             )
-        return _go(
-            s, Phase.COUNTING, CountNonjoined(value=FAILED), failure=failure, joined_at=o.now
-        )
+        return _go(s, Phase.COUNTING, _count(s, FAILED), failure=failure, joined_at=o.now)
     if o.outcome is Outcome.NORMAL and s.phase is not Phase.CHECKING:
-        return _go(s, Phase.COUNTING, *_COUNT, joined_at=o.now)
+        return _go(s, Phase.COUNTING, _count(s, JOINED), joined_at=o.now)
     return _illegal(s, o)
 
 
@@ -594,10 +613,8 @@ def _aborting_loop_exited(s: JoinState, o: LoopExited) -> Transition:
         return _go(s, Phase.DONE, done_at=o.now)
     if o.outcome is Outcome.FAILED and o.failure is not None:
         failure = attrs.evolve(o.failure, rank=s.config.rank)
-        return _go(
-            s, Phase.COUNTING, CountNonjoined(value=FAILED), failure=failure, joined_at=o.now
-        )
-    return _go(s, Phase.COUNTING, *_COUNT, joined_at=o.now)
+        return _go(s, Phase.COUNTING, _count(s, FAILED), failure=failure, joined_at=o.now)
+    return _go(s, Phase.COUNTING, _count(s, JOINED), joined_at=o.now)
 
 
 def _counted(s: JoinState, o: Counted) -> Transition:
@@ -633,7 +650,7 @@ def _counted(s: JoinState, o: Counted) -> Transition:
 
 def _shadow_round_done(s: JoinState, o: HooksDone) -> Transition:
     rounds = s.shadow_rounds + 1
-    count = CountNonjoined(value=FAILED if s.failure else JOINED)
+    count = _count(s, FAILED if s.failure else JOINED)
     if rounds > s.config.skew_warn_threshold and not s.warned_skew:
         threshold = s.config.skew_warn_threshold
         warning = WarnSkew(
@@ -699,9 +716,12 @@ def _still_errored(s: JoinState, o: Any) -> Transition:
     return Transition(s, (Raise(error=s.error),))
 
 
+def _count(s: JoinState, value: float) -> CountNonjoined:
+    return CountNonjoined(value=value, fused=s.config.fused_heartbeat)
+
+
 _HEARTBEAT = (SendHeartbeat(),)
 _HEARTBEAT_AND_CHECK = (SendHeartbeat(), CheckTermination())
-_COUNT = (CountNonjoined(),)
 
 #: (phase, observation type) -> handler. A pair missing here is illegal.
 TRANSITIONS: dict[tuple[Phase, type], _Handler] = {
@@ -755,7 +775,8 @@ def notify_is_batchable(state: JoinState) -> bool:
     """Whether ``Notified`` now always yields the same transition.
 
     In ACTIVE without throw mode, ``Notified`` keeps the phase, adds one to
-    ``heartbeats`` and commands one ``SendHeartbeat(ACTIVE)``. The shell may then
+    ``heartbeats`` and commands one ``SendHeartbeat(ACTIVE)`` (nothing with a
+    fused heartbeat). The shell may then
     send heartbeats without stepping the machine (the per-iteration path must be
     cheap) and fold them in with :func:`replay_notifies` before its next
     observation; the result equals stepping ``Notified`` that many times.

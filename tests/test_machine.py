@@ -373,3 +373,25 @@ def test_peer_failure_pickles() -> None:
     error = pickle.loads(pickle.dumps(PeerFailure(1, "ValueError", "x")))
     assert (error.rank, error.exc_type, error.exc_message) == (1, "ValueError", "x")
     assert str(error) == "rank 1 failed inside the Join context with ValueError: x"
+
+
+# -- fused heartbeat -------------------------------------------------------------
+
+
+def test_fused_heartbeat_sends_nothing_and_counts_through_the_joinable() -> None:
+    config = m.MachineConfig(rank=0, fused_heartbeat=True)
+    s = m.step(m.initial_state(config), m.Entered()).state
+    t = m.step(s, m.Notified())
+    assert t.commands == () and t.state.heartbeats == 1
+    assert m.notify_is_batchable(t.state)
+    assert m.replay_notifies(s, 1) == t.state
+    t = m.step(t.state, m.LoopExited())
+    assert t.commands == (m.CountNonjoined(value=m.JOINED, fused=True),)
+    t = m.step(t.state, m.Counted(total=1.0))
+    t = m.step(t.state, m.HooksDone())
+    assert t.commands == (m.CountNonjoined(value=m.JOINED, fused=True),)
+
+
+def test_fused_heartbeat_cannot_carry_throw_mode() -> None:
+    with pytest.raises(ValueError, match="termination check"):
+        m.MachineConfig(rank=0, fused_heartbeat=True, throw_on_early_termination=True)

@@ -35,20 +35,25 @@ def rank_program(
     joinables: int,
     fail_at: int | None = None,
     fail_after_heartbeat: bool = False,
+    fused: bool = False,
 ) -> Program:
     """One rank: its loop over ``inputs`` items, then the machine's commands.
 
     With ``fail_at`` the loop body raises ``Boom`` in that iteration, before
-    its heartbeat or (``fail_after_heartbeat``) right after it.
+    its heartbeat or (``fail_after_heartbeat``) right after it. With ``fused``
+    joinable 0's all-reduce carries the heartbeat as a second element.
     """
-    config = m.MachineConfig(rank=rank, throw_on_early_termination=throw)
+    config = m.MachineConfig(
+        rank=rank, throw_on_early_termination=throw, fused_heartbeat=fused
+    )
+    first_shadowed = False
     state = m.step(m.initial_state(config), m.Entered()).state
     counts = [0.0] * joinables
     result: dict[str, Any] = {"error": None, "post_hooks": [], "main_rounds": 0}
     last_heartbeat: list[float] = []
 
     def run(observation: m.Observation) -> Generator[Collective, Any, None]:
-        nonlocal state
+        nonlocal state, first_shadowed
         pending: m.Observation | None = observation
         while pending is not None:
             transition = m.step(state, pending)
@@ -56,6 +61,10 @@ def rank_program(
             for command in transition.commands:
                 if isinstance(command, m.SendHeartbeat):
                     last_heartbeat[:] = [(yield ("join", command.value))]
+                elif isinstance(command, m.CountNonjoined) and command.fused:
+                    _, total = yield ("joinable0", (0.0, command.value))
+                    first_shadowed = True
+                    pending = m.Counted(total=total)
                 elif isinstance(command, (m.CheckTermination, m.CountNonjoined)):
                     total = yield ("join", command.value)
                     pending = (
@@ -67,7 +76,13 @@ def rank_program(
                     yield ("join", command.value)
                 elif isinstance(command, m.RunMainHooks):
                     for j in range(joinables):
+                        if fused and j == 0:
+                            if not first_shadowed:  # a completion round
+                                slot = m.FAILED if state.failure else m.JOINED
+                                yield ("joinable0", (0.0, slot))
+                            continue
                         yield (f"joinable{j}", 0.0)  # the shadow of its all-reduce
+                    first_shadowed = False
                     result["main_rounds"] += 1
                     pending = m.HooksDone()
                 elif isinstance(command, m.RunPostHooks):
@@ -94,7 +109,12 @@ def rank_program(
             if i == fail_at:
                 raise Boom(f"rank {rank} after heartbeat {i}")
             for j in range(joinables):
-                counts[j] += yield (f"joinable{j}", 1.0)
+                if fused and j == 0:
+                    payload, slot = yield ("joinable0", (1.0, m.ACTIVE))
+                    counts[0] += payload
+                    last_heartbeat[:] = [slot]
+                else:
+                    counts[j] += yield (f"joinable{j}", 1.0)
     except (EarlyTermination, PeerFailure) as error:
         result["error"] = error
         exit_observation = m.LoopExited(outcome=m.Outcome.FAILED, failure=_as_failure(error))
@@ -125,10 +145,11 @@ def run_lockstep(
     throw: bool,
     joinables: int,
     failures: dict[int, tuple[int, bool]] | None = None,
+    fused: bool = False,
 ) -> list[dict[str, Any]]:
     failures = failures or {}
     programs = [
-        rank_program(r, n, throw, joinables, *failures.get(r, (None, False)))
+        rank_program(r, n, throw, joinables, *failures.get(r, (None, False)), fused=fused)
         for r, n in enumerate(inputs)
     ]
     results: list[dict[str, Any] | None] = [None] * len(programs)
@@ -150,7 +171,12 @@ def run_lockstep(
         kinds = {request[0] for request in requests if request}
         assert len(kinds) == 1, f"ranks disagree at step {steps}: {requests}"
         values = [request[1] for request in requests if request]
-        answer = tuple(values) if kinds == {"exchange"} else sum(values)
+        if kinds == {"exchange"}:
+            answer: Any = tuple(values)
+        elif isinstance(values[0], tuple):  # a fused all-reduce: element-wise
+            answer = tuple(map(sum, zip(*values)))
+        else:
+            answer = sum(values)
         for rank in range(len(programs)):
             advance(rank, answer)
     return [result for result in results if result is not None]
@@ -162,9 +188,12 @@ worlds = st.integers(1, 64).flatmap(
 
 
 @settings(max_examples=150, deadline=None)
-@given(inputs=worlds, joinables=st.integers(0, 3))
-def test_all_ranks_finish_together_and_agree(inputs: list[int], joinables: int) -> None:
-    results = run_lockstep(inputs, throw=False, joinables=joinables)
+@given(inputs=worlds, joinables=st.integers(0, 3), fused=st.booleans())
+def test_all_ranks_finish_together_and_agree(
+    inputs: list[int], joinables: int, fused: bool
+) -> None:
+    fused = fused and joinables > 0  # the heartbeat needs a collective to ride in
+    results = run_lockstep(inputs, throw=False, joinables=joinables, fused=fused)
     most = max(inputs)
     for rank, (n, result) in enumerate(zip(inputs, results)):
         state = result["state"]
@@ -217,13 +246,16 @@ def worlds_with_failures(draw: Any) -> tuple[list[int], dict[int, tuple[int, boo
 
 
 @settings(max_examples=300, deadline=None)
-@given(world=worlds_with_failures(), joinables=st.integers(0, 3))
+@given(world=worlds_with_failures(), joinables=st.integers(0, 3), fused=st.booleans())
 def test_a_failure_reaches_every_rank_and_nobody_hangs(
-    world: tuple[list[int], dict[int, tuple[int, bool]]], joinables: int
+    world: tuple[list[int], dict[int, tuple[int, bool]]], joinables: int, fused: bool
 ) -> None:
     inputs, failures = world
+    fused = fused and joinables > 0
     # run_lockstep asserts that all ranks stay in step and finish together.
-    results = run_lockstep(inputs, throw=False, joinables=joinables, failures=failures)
+    results = run_lockstep(
+        inputs, throw=False, joinables=joinables, failures=failures, fused=fused
+    )
     eligible = {r: at for r, (at, _) in failures.items() if at < inputs[r]}
     # A rank stopped by an earlier failure never reaches its own failing
     # iteration, but the earliest failures always happen.
