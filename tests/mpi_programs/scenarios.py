@@ -7,9 +7,11 @@ every case in the same order and prints one line per case::
 
 (status "ok", "fail" or "skip")
 
-and ``JOINERY-DONE {...}`` at the end. ``tests/test_mpi_backend.py``
-parametrizes over :func:`case_names` and reads the lines; a case printed as
-it finishes means a hang still shows how far each rank got.
+and ``JOINERY-DONE {...}`` at the end. With ``--out DIR`` each rank writes its
+lines to ``DIR/rank-<r>.jsonl`` instead (launchers may interleave the ranks'
+standard output). ``tests/test_mpi_backend.py`` parametrizes over
+:func:`case_names` and reads the lines; a case written as it finishes means a
+hang still shows how far each rank got.
 
 Collective cases compare against NumPy: every rank derives every rank's input
 (:func:`rank_data`) so it computes the expected result locally. A combination
@@ -667,8 +669,17 @@ def main() -> None:
     from backends.mpi import MPIGroup
 
     group = MPIGroup()
-    only = set(sys.argv[1:])
+    args = sys.argv[1:]
+    out = None
+    if args[:1] == ["--out"]:
+        out = open(f"{args[1]}/rank-{group.rank}.jsonl", "w")  # noqa: SIM115
+        args = args[2:]
+    only = set(args)
     header = {"rank": group.rank, "size": group.world_size}
+
+    def emit(tag: str, line: dict[str, Any]) -> None:
+        print(f"{tag} {json.dumps(line)}", file=out, flush=True)
+
     for case, run in _cases(group):
         if only and case not in only:
             continue
@@ -681,10 +692,11 @@ def main() -> None:
             detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
         else:
             status, detail = "ok", ""
-        line = {**header, "case": case, "status": status, "detail": detail}
-        print("JOINERY-CASE " + json.dumps(line), flush=True)
+        emit("JOINERY-CASE", {**header, "case": case, "status": status, "detail": detail})
     group.barrier()
-    print("JOINERY-DONE " + json.dumps(header), flush=True)
+    emit("JOINERY-DONE", header)
+    if out is not None:
+        out.close()
 
 
 if __name__ == "__main__":
