@@ -118,7 +118,8 @@ def worker(group: Any) -> list[str]:
         f"{int(counter.count[0])} inputs processed before rank {group.rank} joined!",
         f"{int(counter.max_count[0])} inputs processed across all ranks!",
     ]
-    print("\n".join(lines), flush=True)
+    # One write per rank, so ranks' lines do not interleave mid-line.
+    print("\n".join(lines) + "\n", end="", flush=True)
     return lines
 
 

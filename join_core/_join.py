@@ -199,13 +199,13 @@ class Join:
         for joinable, hook in zip(joinable_list, hooks):
             if not isinstance(hook, JoinHook) and not _looks_like_hook(hook):
                 raise TypeError(
-                    f"{type(joinable).__qualname__}.join_hook() returned "
+                    f"{_name(joinable)}.join_hook() returned "
                     f"{type(hook).__qualname__}, not a JoinHook: return an object "
                     "with main_hook() and post_hook(is_last_joiner)"
                 )
             if _fuses(joinable) and not callable(getattr(hook, "fused_shadow", None)):
                 raise TypeError(
-                    f"{type(joinable).__qualname__} sets join_fuses_heartbeat but its "
+                    f"{_name(joinable)} sets join_fuses_heartbeat but its "
                     f"hook {type(hook).__qualname__} has no fused_shadow(heartbeat) -> "
                     "float: add one that shadows the joinable's first collective"
                 )
@@ -214,7 +214,7 @@ class Join:
             if joinable.join_process_group != process_group:
                 raise ValueError(
                     "Using join context manager with multiple process groups: "
-                    f"{type(joinable).__qualname__} uses a different "
+                    f"{_name(joinable)} uses a different "
                     "join_process_group from the first joinable; all joinables "
                     "of one Join must share one process group"
                 )
@@ -275,7 +275,7 @@ class Join:
                 raise _missing_config(joinable)
             if config.enable and config.join is not self:
                 raise LocalProtocolError(
-                    f"{type(joinable).__qualname__} is already inside another "
+                    f"{_name(joinable)} is already inside another "
                     "enabled Join; Joins over the same joinable cannot be nested"
                 )
         if self._enable:
@@ -320,11 +320,7 @@ class Join:
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
             self._feed(m.LoopExited(outcome=m.Outcome.INTERRUPTED, now=self._clock()))
             return
-        counter = getattr(self._backend, "collectives_issued", None)
-        iteration_open = (
-            self._collectives_at_heartbeat is not None
-            and counter == self._collectives_at_heartbeat
-        )
+        iteration_open = self._iteration_open()
         try:
             self._feed(
                 m.LoopExited(
@@ -337,6 +333,24 @@ class Join:
         except Exception as follow_up:
             # The rank's own exception is the one to report; keep the follow-up.
             _add_note(exc, f"joinery could not finish shadowing after it: {follow_up!r}")
+
+    def _iteration_open(self) -> bool:
+        """Whether peers still expect collectives of this rank's last iteration.
+
+        True when the rank raised right after its heartbeat went on the wire and
+        before any other collective: the separate heartbeat with no collective
+        since, or a fused heartbeat's own collective and nothing after it (then
+        the completion round skips that collective's shadow). Without the
+        backend's ``collectives_issued`` counter it cannot tell, and says no.
+        """
+        counter = getattr(self._backend, "collectives_issued", None)
+        mark = self._collectives_at_heartbeat
+        if counter is None or mark is None:
+            return False
+        if self._fused:
+            self._first_shadowed = counter == mark + 1
+            return self._first_shadowed
+        return bool(counter == mark)
 
     # -- the heartbeat ---------------------------------------------------------
 
@@ -650,6 +664,13 @@ def _add_note(error: BaseException, note: str) -> None:
         add_note(note)
 
 
+def _name(joinable: Any) -> str:
+    """The joinable's class, or its repr where it has one (adapters say what they wrap)."""
+    if type(joinable).__repr__ is object.__repr__:
+        return type(joinable).__qualname__
+    return repr(joinable)
+
+
 def _fuses(joinable: Any) -> bool:
     return bool(getattr(joinable, "join_fuses_heartbeat", False))
 
@@ -663,6 +684,6 @@ def _looks_like_hook(hook: Any) -> bool:
 
 def _missing_config(joinable: Any) -> LocalProtocolError:
     return LocalProtocolError(
-        f"{type(joinable).__qualname__} has no join config: its constructor must "
+        f"{_name(joinable)} has no join config: its constructor must "
         "call Joinable.__init__(self) (e.g. super().__init__())"
     )

@@ -363,7 +363,9 @@ class LoopExited:
 
     ``failure`` is set with ``Outcome.FAILED``; ``iteration_open`` means the
     rank raised after its heartbeat and before any other collective of that
-    iteration, so its peers still expect that iteration's collectives.
+    iteration, so its peers still expect that iteration's collectives. (With a
+    fused heartbeat, the heartbeat is the joinable's first collective: open
+    means that collective happened and nothing after it.)
     """
 
     outcome: Outcome = Outcome.NORMAL

@@ -72,17 +72,20 @@ def test_fused_counter_matches_classic_with_half_the_collectives(world_size: int
         assert fused[rank]["report"].is_last_joiner == (inputs[rank] == max(inputs))
 
 
-def test_fused_counter_failure_is_seen_at_the_next_iteration() -> None:
+@pytest.mark.parametrize("after_collective", [False, True])
+def test_fused_counter_failure_is_seen_at_the_next_iteration(after_collective: bool) -> None:
     def rank_fn(group: ThreadGroup) -> dict[str, Any]:
         counter = Counter(group)
         processed = 0
         try:
             with Join([counter]):
                 for i in range(50):
-                    if group.rank == 1 and i == 3:
+                    if group.rank == 1 and i == 3 and not after_collective:
                         raise KeyError("bad shard")
                     counter()
                     processed += 1
+                    if group.rank == 1 and i == 2 and after_collective:
+                        raise KeyError("bad shard")
         except (PeerFailure, KeyError) as error:
             return {"error": error, "processed": processed}
         return {"error": None, "processed": processed}
