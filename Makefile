@@ -17,10 +17,15 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: setup
+	@echo "== Counter, 2 ranks as threads (python examples/counter.py)"
 	$(PY) examples/counter.py
+	@echo "== DDP with Join, 2 ranks under torchrun (gloo on CPU)"
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/ddp.py
 
 test: setup
 	$(PY) -m pytest -q
+	@echo "== the MPI backend without torch (a second venv with only the mpi extra)"
+	bash .ci/notorch.sh
 
 lint: setup
 	$(VENV)/bin/ruff check join_core backends adapters examples tests
