@@ -360,55 +360,68 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
         kwargs["timeout"] = timeout
     store_timeout = timeout or _DEFAULT_STORE_TIMEOUT
 
+    where = _rendezvous(plan, store_timeout)
+    if where.store is None:
+        # torchrun's agent already serves the store at MASTER_PORT.
+        kwargs.update(init_method="env://", rank=where.rank, world_size=where.world_size)
+    else:
+        kwargs.update(store=where.store, rank=where.rank, world_size=where.world_size)
+    if dist_backend == "nccl":
+        torch.cuda.set_device(where.local_rank)
+    dist.init_process_group(**kwargs)
+    if plan.launcher in ("mpirun", "srun"):
+        _export_torchrun_env(where)
+    return TorchGroup()
+
+
+@attrs.frozen(kw_only=True)
+class _Rendezvous:
+    """Where this rank meets the others; ``store`` is ``None`` for ``env://``."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    addr: str | None = None
+    port: int | None = None
+    store: Any = None
+
+
+def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
+    """Carry out the plan's torch rendezvous (opening stores: not pure)."""
+    import torch.distributed as dist
+
     if plan.launcher == "mpirun" and _importable("mpi4py"):
-        rank, world_size, local_rank, addr, port, store = _mpi_rendezvous(
-            plan, store_timeout
-        )
-        kwargs.update(store=store, rank=rank, world_size=world_size)
-    elif plan.launcher == "mpirun" and (plan.master_addr is None or plan.master_port is None):
+        return _mpi_rendezvous(plan, store_timeout)
+    if plan.launcher == "mpirun" and (plan.master_addr is None or plan.master_port is None):
         raise ModuleNotFoundError(
             "init_torch under mpirun agrees on the rendezvous through MPI, but "
             "mpi4py is not installed: pip install 'joinery[mpi]', or set "
             "MASTER_ADDR and MASTER_PORT",
             name="mpi4py",
         )
-    elif plan.launcher is None:
-        rank, world_size, local_rank, addr, port = 0, 1, 0, None, None
-        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        rank, world_size, local_rank = plan.rank, plan.world_size, plan.local_rank or 0
-        addr, port = plan.master_addr, plan.master_port
-        missing = [
-            name
-            for name, value in (("rank", rank), ("world size", world_size),
-                                ("MASTER_ADDR", addr), ("MASTER_PORT", port))
-            if value is None
-        ]
-        if missing:
-            raise RuntimeError(
-                f"cannot initialise torch.distributed under {plan.launcher}: the "
-                f"environment does not give {', '.join(missing)}"
-            )
-        assert rank is not None and world_size is not None
-        if plan.launcher == "torchrun":
-            # torchrun's agent already serves the store at MASTER_PORT.
-            kwargs.update(init_method="env://", rank=rank, world_size=world_size)
-        else:
-            store = dist.TCPStore(str(addr), int(port), world_size, rank == 0,  # type: ignore[arg-type]
-                                  store_timeout, wait_for_workers=False)
-            kwargs.update(store=store, rank=rank, world_size=world_size)
-
-    if dist_backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(**kwargs)
-    if plan.launcher in ("mpirun", "srun"):
-        _export_torchrun_env(rank, world_size, local_rank, addr, port)
-    return TorchGroup()
+    if plan.launcher is None:
+        return _Rendezvous(rank=0, world_size=1, local_rank=0,
+                           store=dist.HashStore())  # type: ignore[attr-defined]
+    rank, world_size = plan.rank, plan.world_size
+    addr, port = plan.master_addr, plan.master_port
+    missing = [name for name, value in (("rank", rank), ("world size", world_size),
+                                        ("MASTER_ADDR", addr), ("MASTER_PORT", port))
+               if value is None]
+    if missing or rank is None or world_size is None or addr is None or port is None:
+        raise RuntimeError(
+            f"cannot initialise torch.distributed under {plan.launcher}: the "
+            f"environment does not give {', '.join(missing)}"
+        )
+    where = _Rendezvous(rank=rank, world_size=world_size, local_rank=plan.local_rank or 0,
+                        addr=addr, port=port)
+    if plan.launcher == "torchrun":
+        return where
+    store = dist.TCPStore(addr, port, world_size, rank == 0,  # type: ignore[attr-defined]
+                          store_timeout, wait_for_workers=False)
+    return attrs.evolve(where, store=store)
 
 
-def _mpi_rendezvous(
-    plan: LaunchPlan, store_timeout: timedelta
-) -> tuple[int, int, int, str, int, Any]:
+def _mpi_rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
     """Rank, size and local rank from MPI; a TCPStore whose address rank 0 sent."""
     import torch.distributed as dist
     from mpi4py import MPI
@@ -426,8 +439,10 @@ def _mpi_rendezvous(
         # a cluster resolves for its peers.
         addr = plan.master_addr or ("127.0.0.1" if len(set(hosts)) == 1 else hosts[0])
         try:
-            store = dist.TCPStore(addr, plan.master_port or 0, world_size, True,
-                                  store_timeout, wait_for_workers=False)
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                addr, plan.master_port or 0, world_size, True, store_timeout,
+                wait_for_workers=False,
+            )
             answer = (addr, int(store.port), None)
         except Exception as exc:  # every rank must hear of it, or they hang in bcast
             answer = (None, None, f"{type(exc).__name__}: {exc}")
@@ -436,15 +451,16 @@ def _mpi_rendezvous(
         raise RuntimeError(f"rank 0 could not open the torch rendezvous store: {error}")
     assert addr is not None and port is not None
     if store is None:
-        store = dist.TCPStore(addr, port, world_size, False, store_timeout)
-    return rank, world_size, local_rank, addr, port, store
+        store = dist.TCPStore(addr, port, world_size, False,  # type: ignore[attr-defined]
+                              store_timeout)
+    return _Rendezvous(rank=rank, world_size=world_size, local_rank=local_rank, addr=addr,
+                       port=port, store=store)
 
 
-def _export_torchrun_env(
-    rank: int, world_size: int, local_rank: int, addr: str | None, port: int | None
-) -> None:
-    values = {"RANK": rank, "WORLD_SIZE": world_size, "LOCAL_RANK": local_rank,
-              "MASTER_ADDR": addr, "MASTER_PORT": port}
+def _export_torchrun_env(where: _Rendezvous) -> None:
+    values = {"RANK": where.rank, "WORLD_SIZE": where.world_size,
+              "LOCAL_RANK": where.local_rank, "MASTER_ADDR": where.addr,
+              "MASTER_PORT": where.port}
     for name, value in values.items():
         if value is not None:
             os.environ.setdefault(name, str(value))

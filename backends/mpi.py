@@ -131,7 +131,7 @@ def _array(buf: Any, what: str = "buffer", writable: bool = True) -> np.ndarray:
                 "place, so pass t.contiguous() and copy the result back"
             )
         try:
-            arr = buf.detach().numpy()
+            arr: np.ndarray = buf.detach().numpy()
         except TypeError as exc:  # bfloat16 and other types NumPy lacks
             raise TypeError(
                 f"MPIGroup cannot send a tensor of dtype {buf.dtype}: supported "

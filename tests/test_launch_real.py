@@ -70,13 +70,6 @@ def test_init_torch_under_mpirun_runs_ddp() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_joinery_backend_torch_under_mpirun() -> None:
-    pytest.importorskip("torch")
-    result = run_mpi(SHOW, 2, env=child_env({"JOINERY_BACKEND": "torch"}), timeout=110)
-    assert _summary(_lines(result, 2)) == {("TorchGroup", 2, "mpirun", 3)}
-
-
-@pytest.mark.timeout(120)
 def test_torchrun_gives_a_torch_group() -> None:
     pytest.importorskip("torch")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
