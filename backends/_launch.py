@@ -46,6 +46,7 @@ import importlib.util
 import os
 import re
 import socket
+import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -54,7 +55,16 @@ import attrs
 
 import backends
 
-__all__ = ["BACKENDS", "LaunchPlan", "plan_launch", "init", "init_torch"]
+__all__ = [
+    "BACKENDS",
+    "LaunchPlan",
+    "plan_launch",
+    "init",
+    "init_torch",
+    "abort_on_unhandled_exception",
+    "first_host",
+    "solo_group",
+]
 
 #: The values ``JOINERY_BACKEND`` and ``backend=`` accept.
 BACKENDS = ("torch", "mpi", "threads")
@@ -299,6 +309,10 @@ def init(backend: str | None = None) -> Any:
             launcher's choice (so does the ``JOINERY_BACKEND`` variable; the
             argument wins). ``"threads"`` gives a world of one.
 
+    For the MPI backend it also makes an unhandled exception abort the MPI
+    job (see :func:`abort_on_unhandled_exception`), so one failing rank does
+    not leave the others hanging.
+
     Returns:
         A :class:`backends.CollectiveGroup`: a ``TorchGroup`` over the default
         process group (initialised if needed), an ``MPIGroup`` over
@@ -313,6 +327,7 @@ def init(backend: str | None = None) -> Any:
     if plan.backend == "mpi":
         from backends.mpi import MPIGroup
 
+        abort_on_unhandled_exception()
         return MPIGroup()
     if plan.backend == "torch":
         return _init_torch(plan, None, None)
@@ -361,6 +376,8 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
     store_timeout = timeout or _DEFAULT_STORE_TIMEOUT
 
     where = _rendezvous(plan, store_timeout)
+    if plan.launcher == "mpirun" and "mpi4py.MPI" in sys.modules:
+        abort_on_unhandled_exception()
     if where.store is None:
         # torchrun's agent already serves the store at MASTER_PORT.
         kwargs.update(init_method="env://", rank=where.rank, world_size=where.world_size)
@@ -455,6 +472,34 @@ def _mpi_rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
                               store_timeout)
     return _Rendezvous(rank=rank, world_size=world_size, local_rank=local_rank, addr=addr,
                        port=port, store=store)
+
+
+def abort_on_unhandled_exception() -> None:
+    """Make an unhandled exception end the whole MPI job, not just this rank.
+
+    Without it, a rank that dies of an exception leaves its peers waiting in
+    their next collective, and the job hangs (Open MPI 5 and MPICH both; the
+    dying rank's ``MPI_Finalize`` at exit waits as well). The hook prints the
+    traceback as usual, then calls ``MPI_Abort`` on ``COMM_WORLD``, which is
+    what ``python -m mpi4py script.py`` does. :func:`init` installs it for the
+    MPI backend and :func:`init_torch` under mpirun; installing it twice is
+    harmless, and a hook installed before is still called first.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "joinery_aborts_mpi", False):
+        return
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        previous(kind, value, tb)
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    excepthook.joinery_aborts_mpi = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
 
 
 def _export_torchrun_env(where: _Rendezvous) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -44,6 +45,16 @@ def test_mpirun_gives_an_mpi_group(ranks: int) -> None:
     lines = _lines(run_mpi(SHOW, ranks, timeout=50), ranks)
     total = ranks * (ranks + 1) // 2
     assert _summary(lines) == {("MPIGroup", ranks, "mpirun", total)}
+
+
+@pytest.mark.timeout(60)
+def test_an_unhandled_exception_ends_the_mpi_job() -> None:
+    start = time.monotonic()
+    result = run_mpi(SHOW, 2, "raise", timeout=50)
+    assert result.returncode != 0, explain(result)
+    assert "ValueError: injected failure on rank 1" in result.stderr, explain(result)
+    assert "JOINERY-INIT" not in result.stdout  # rank 0 never left its barrier
+    assert time.monotonic() - start < 40
 
 
 @pytest.mark.timeout(60)

@@ -1,13 +1,15 @@
 """Print what ``backends.init()`` (or ``init_torch()``) returned under a real launcher.
 
-    python show_init.py [init|init_torch|ddp]
+    python show_init.py [init|init_torch|ddp|raise]
 
 Each rank prints one ``JOINERY-INIT {...}`` line: the group's type, rank and
 world size, the detected launcher, the sum of an all-reduce of ``rank + 1``
 (proof that the group really connects the ranks) and the torchrun-style
 variables afterwards. ``ddp`` also trains a DistributedDataParallel model
 with uneven inputs under torch's own Join (torch.distributed initialised by
-``init_torch``), and reports whether the ranks' parameters agree.
+``init_torch``), and reports whether the ranks' parameters agree. ``raise``
+makes rank 1 die of an exception while the others wait in a collective: the
+job must end (init's excepthook aborts it) instead of hanging.
 """
 
 from __future__ import annotations
@@ -45,7 +47,11 @@ def ddp_parameters_agree(group: Any) -> bool:
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "init"
     launcher = backends.detect_launcher()
-    group = backends.init() if mode == "init" else backends.init_torch()
+    group = backends.init() if mode in ("init", "raise") else backends.init_torch()
+    if mode == "raise":
+        if group.rank == 1:
+            raise ValueError("injected failure on rank 1")
+        group.barrier()  # never completes: rank 1 is gone
     buf = np.array([group.rank + 1], dtype=np.int64)
     group.all_reduce(buf)
     line: dict[str, Any] = {
