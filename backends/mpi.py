@@ -12,7 +12,8 @@ new ``MPIGroup`` over it. ``backends`` imports this module by itself once
 *Every collective is nonblocking on the wire.* MPI does not match a blocking
 collective with a nonblocking one (MPI-3.1 section 5.12: "nonblocking
 collective operations do not match with blocking collective operations"); with
-Open MPI 5, one rank in ``Allreduce`` and another in ``Iallreduce`` hang. The
+Open MPI 5 and MPICH 5, one rank in ``Allreduce`` and another in ``Iallreduce``
+hang. The
 join protocol pairs an active rank's heartbeat (which must not block) with a
 joined rank's count (which must), so both are an ``Iallreduce``; the count
 waits at once. For the same reason the group's blocking calls are the
@@ -36,11 +37,19 @@ and returns its sum.
 it is; a torch CPU tensor through its ``tensor.numpy()`` view (torch is never
 imported here: tensors are recognised by the module of their type). Buffers
 must be contiguous, writable where they receive, and of a supported dtype; the
-MPI datatype and reduce op are looked up in tables built once, and a
-combination MPI cannot reduce (a bitwise op on floats, a bool sum, float16)
-raises a ``TypeError`` that says what would work. Bool buffers use MPI's
-logical ops with torch's meaning: ``sum``/``max``/``bor`` are OR,
-``prod``/``min``/``band`` are AND, ``bxor`` is XOR.
+MPI datatype and reduce op are looked up in tables built once. A dtype MPI has
+no type for (float16, bfloat16) or an op undefined for the dtype (a bitwise op
+on floats, min/max on complex) raises a ``TypeError`` that says what would
+work, on every rank before any communication, so the ranks stay in step. Bool
+buffers use MPI's logical ops with torch's meaning: ``sum``/``max``/``bor``
+are OR, ``prod``/``min``/``band`` are AND, ``bxor`` is XOR.
+
+*The Join's extras.* ``all_gather_object`` is mpi4py's pickle-based
+``allgather``; ``heartbeat_total`` reads the latest heartbeat's sum;
+``collectives_issued`` counts the group's own collectives (a raw communicator's
+backend has none, since the joinable's calls bypass it); ``abort`` is
+``MPI_Abort``, which ends the whole job: MPI cannot cancel a collective a peer
+waits in.
 
 Only MPI-3 calls are used (nonblocking collectives, ``MPI_IN_PLACE``,
 ``MPI_C_BOOL``), so Open MPI and MPICH both work.
@@ -136,6 +145,10 @@ def _array(buf: Any, what: str = "buffer", writable: bool = True) -> np.ndarray:
             raise TypeError(
                 f"MPIGroup cannot send a tensor of dtype {buf.dtype}: supported "
                 f"are {_supported_dtypes()}"
+            ) from exc
+        except RuntimeError as exc:  # a lazy conjugate/negative view, a sparse layout
+            raise TypeError(
+                f"MPIGroup cannot use the {what} tensor's memory in place: {exc}"
             ) from exc
     elif isinstance(buf, np.ndarray):
         arr = buf
