@@ -42,6 +42,7 @@ initialising, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import re
@@ -386,9 +387,19 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
     if dist_backend == "nccl":
         torch.cuda.set_device(where.local_rank)
     dist.init_process_group(**kwargs)
+    # We created the group, so we tear it down: a gloo group left to the
+    # interpreter's exit can abort the process (SIGABRT) on its worker thread.
+    atexit.register(_destroy_torch_group)
     if plan.launcher in ("mpirun", "srun"):
         _export_torchrun_env(where)
     return TorchGroup()
+
+
+def _destroy_torch_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @attrs.frozen(kw_only=True)

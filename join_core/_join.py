@@ -304,11 +304,21 @@ class Join:
         try:
             if self._enable:
                 self._leave(exc)
+                self._settle_last_heartbeat()
         finally:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
             if self._enable:
                 _watchdog.unwatch(self)
+
+    def _settle_last_heartbeat(self) -> None:
+        # Heartbeats are never waited on in the loop. Once the protocol has
+        # finished, every later join collective has completed, so the last one
+        # has too; waiting releases it (gloo aborts at interpreter exit when
+        # work nobody waited for is torn down).
+        handle, self._last_heartbeat = self._last_heartbeat, None
+        if handle is not None:
+            handle.wait()
 
     def _leave(self, exc: BaseException | None) -> None:
         if exc is None:
