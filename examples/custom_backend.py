@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -183,7 +184,19 @@ def main(world_size: int = 2, timeout: float = 60.0) -> list[str]:
     return [line for rank in sorted(reports) for line in reports[rank]]
 
 
+def _launched_rank() -> int:
+    """This process's rank if a launcher (torchrun, mpirun, srun) started it, else 0."""
+    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
 if __name__ == "__main__":
+    # This backend makes its own processes. Under a launcher every launched
+    # process would start a world of its own, so only the first one runs it.
+    if _launched_rank() != 0:
+        sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     for line in main(parser.parse_args().ranks):

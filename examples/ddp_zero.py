@@ -5,6 +5,7 @@ shadows DDP's gradient all-reduces and still steps (and broadcasts) its shard of
 the parameters. Run it with
 
     torchrun --nproc-per-node 2 examples/ddp_zero.py
+    mpirun -n 2 python examples/ddp_zero.py
 
 and it prints (in either order):
 
@@ -14,30 +15,27 @@ and it prints (in either order):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer as ZeRO
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Adam
 
+import backends
 from join_core import Join
 
 NUM_INPUTS = 5
 
 
 def setup() -> tuple[int, torch.device]:
-    """Join torchrun's process group; return this rank and its device."""
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available() and torch.cuda.device_count() > local_rank:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return dist.get_rank(), device
+    """Start torch.distributed under torchrun, mpirun or srun; return rank and device.
+
+    ``backends.init_torch`` picks gloo on the CPU, or nccl and ``cuda:LOCAL_RANK``
+    when there is a CUDA device per rank; under mpirun it takes rank and world
+    size from MPI.
+    """
+    group = backends.init_torch()
+    return group.rank, group.device
 
 
 def wrap(module: torch.nn.Module, device: torch.device) -> DDP:

@@ -1,7 +1,8 @@
-"""The tutorial's programs under ``torchrun --nproc-per-node 2`` print the tutorial's lines.
+"""Every example runs unchanged under ``torchrun --nproc-per-node 2`` and under
+``mpirun -n 2`` and prints the tutorial's lines.
 
-All four launches start at once (each is mostly waiting for torch to import)
-and are collected by one module fixture. ``--standalone`` makes torchrun's
+The launches of one launcher start at once (each is mostly waiting for torch to
+import) and are collected by one module fixture. ``--standalone`` makes torchrun's
 rendezvous store listen on a port the kernel picks, so concurrent launches (and
 other jobs on the machine) cannot clash over a port. The two ranks print
 concurrently, so a rank's line may be split by the other's; the test extracts
@@ -21,13 +22,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch.distributed.run")
+from mpi_support import mpirun
 
 ROOT = Path(__file__).resolve().parent.parent
 # The venv's torchrun script; `python -m torch.distributed.run` is the same program.
 _SCRIPT = Path(sys.executable).with_name("torchrun")
 TORCHRUN = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "torch.distributed.run"]
-LAUNCH_TIMEOUT = 100.0  # seconds, for all launches together
+LAUNCH_TIMEOUT = 150.0  # seconds, for all launches together
 
 DDP_LINES = [
     "Rank 0 has exhausted all 5 of its inputs!",
@@ -44,6 +45,11 @@ EXPECTED = {
     "ddp_zero.py": DDP_LINES,
     "ddp_kwargs.py": DDP_LINES,
     "counter.py": COUNTER_LINES,
+    "custom_backend.py": COUNTER_LINES,
+}
+LAUNCHERS = {
+    "torchrun": [*TORCHRUN, "--standalone", "--nproc-per-node", "2"],
+    "mpirun": [mpirun(), "-n", "2", sys.executable],
 }
 SENTENCE = re.compile(
     r"Rank \d+ has exhausted all \d+ of its inputs!"
@@ -64,18 +70,21 @@ def _environment() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def launches() -> dict[str, subprocess.CompletedProcess[str]]:
-    programs = [name for name in EXPECTED if (ROOT / "examples" / name).exists()]
+def test_every_example_is_covered() -> None:
+    assert sorted(EXPECTED) == sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+
+
+@pytest.fixture(scope="module", params=list(LAUNCHERS))
+def launches(request: pytest.FixtureRequest) -> dict[str, subprocess.CompletedProcess[str]]:
     env = _environment()
+    env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     running = {
         name: subprocess.Popen(
-            [*TORCHRUN, "--standalone", "--nproc-per-node", "2",
-             str(ROOT / "examples" / name)],
+            [*LAUNCHERS[request.param], str(ROOT / "examples" / name)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True,  # so a hung launch can be killed with its workers
         )
-        for name in programs
+        for name in EXPECTED
     }
     deadline = time.monotonic() + LAUNCH_TIMEOUT
     done = {}
@@ -90,12 +99,11 @@ def launches() -> dict[str, subprocess.CompletedProcess[str]]:
     return done
 
 
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
 @pytest.mark.parametrize("program", list(EXPECTED))
 def test_prints_the_tutorial_lines(
     launches: dict[str, subprocess.CompletedProcess[str]], program: str
 ) -> None:
-    if program not in launches:
-        pytest.skip(f"examples/{program} does not exist yet")
     run = launches[program]
     assert run.returncode == 0, run.stderr[-3000:]
     assert sorted(SENTENCE.findall(run.stdout)) == sorted(EXPECTED[program]), run.stdout
