@@ -172,6 +172,9 @@ class _World:
         self.failures: list[tuple[int, BaseException]] = []
         self.first_exit_at: float | None = None
         self.failed_at: float | None = None
+        # rank -> (what its Join last said it was doing, when); one dict item
+        # assignment per post, atomic under the GIL, so no lock.
+        self.statuses: dict[int, tuple[str, float]] = {}
 
     # -- a rank's thread ---------------------------------------------------------
 
@@ -744,6 +747,36 @@ class ThreadGroup:
                            own=False)
         return list(work.wait())
 
+    def post_status(self, what: str) -> None:
+        """Record what this rank's Join is doing (for :meth:`peer_status`).
+
+        Args:
+            what: e.g. ``"counting non-joined ranks (shadow round 3)"``.
+        """
+        self._world.statuses[self.rank] = (what, time.monotonic())
+
+    def peer_status(self) -> dict[int, str]:
+        """Where every rank of the spawn was last seen, for a stall diagnostic.
+
+        Returns:
+            rank -> its last collective call (index, kind, call site, whether
+            still incomplete) and what its Join last posted, how long ago.
+        """
+        world = self._world
+        now = time.monotonic()
+        with world.lock:
+            returned = dict(world.returned)
+            seen = {rank: world.whereabouts(rank, returned) for rank in range(world.size)}
+        out = {}
+        for rank, text in seen.items():
+            text = text.split(": ", 1)[1]  # whereabouts starts with "rank r: "
+            posted = world.statuses.get(rank)
+            if posted is not None:
+                what, since = posted
+                text += f"; its Join: {what} ({now - since:.1f} s ago)"
+            out[rank] = text
+        return out
+
     def abort(self, message: str) -> None:
         """Make the other ranks' pending and future collectives fail.
 
@@ -1004,7 +1037,18 @@ class ThreadGroup:
         return np.stack(parts)
 
 
-register(ThreadGroup, lambda group, device: group)
+def _backend_for_group(group: ThreadGroup, device: Any) -> ThreadGroup:
+    # The Join's collectives run on the CPU; refuse any other join_device.
+    if device is not None and str(device).partition(":")[0] != "cpu":
+        raise TypeError(
+            f"join_device {device!r} is not supported by the threads backend: its "
+            "collectives run on NumPy arrays and CPU tensors; return 'cpu' from "
+            "join_device"
+        )
+    return group
+
+
+register(ThreadGroup, _backend_for_group)
 
 
 def spawn(
