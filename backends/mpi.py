@@ -244,7 +244,13 @@ class MPIGroup:
     def __init__(self, comm: MPI.Comm | None = None) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
-        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+        if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
+            raise TypeError(
+                "MPIGroup needs an MPI intra-communicator, got MPI.COMM_NULL: the "
+                "communicator was freed (comm.Free()), or this rank is not a member "
+                "of it (comm.Split with MPI.UNDEFINED)"
+            )
+        if not isinstance(comm, MPI.Intracomm):
             raise TypeError(
                 f"MPIGroup needs an MPI intra-communicator, got {comm!r}"
             )
@@ -619,11 +625,23 @@ class _CommJoinBackend:
         self.abort = group.abort
 
 
+def _check_device(device: Any) -> None:
+    """The Join's collectives run on the CPU; refuse any other join_device."""
+    if device is not None and str(device).partition(":")[0] != "cpu":
+        raise TypeError(
+            f"join_device {device!r} is not supported by the MPI backend: its "
+            "collectives run on CPU buffers (joinery does not assume a CUDA-aware "
+            "MPI); return 'cpu' from join_device"
+        )
+
+
 def _backend_for_comm(comm: MPI.Comm, device: Any) -> _CommJoinBackend:
+    _check_device(device)
     return _CommJoinBackend(comm)
 
 
 def _backend_for_group(group: MPIGroup, device: Any) -> MPIGroup:
+    _check_device(device)
     return group
 
 
