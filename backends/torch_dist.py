@@ -40,8 +40,21 @@ failure and a failed peer is seen at the next count instead.
 *Failure handling extras.* ``collectives_issued`` is the group's own sequence
 number (which counts every collective on the group, DDP's from C++ included)
 minus the heartbeats and counts, so the Join knows whether a rank failed right
-after its heartbeat. ``abort`` aborts the ProcessGroup: peers blocked in a
-collective on it fail at once instead of at their timeout.
+after its heartbeat. ``post_status``/``peer_status`` and ``abort`` go
+through the default group's store, which every rank reaches without the
+(possibly stuck) process group: ``post_status`` only records what the Join is
+doing, and a daemon thread publishes it at most twice a second (so the
+per-round path pays no store round trip); ``peer_status`` reads every rank's
+entry for a stall diagnostic. ``abort`` posts the reason (first aborter wins)
+and calls ``ProcessGroup.abort()``. That is enough on nccl, but gloo's abort
+wakes nobody, neither this rank's pending collective nor its peers'. So on a
+CPU group every blocking wait of this class waits in slices of
+``_WAIT_SLICE`` seconds, and between slices (or when the collective fails,
+e.g. because the aborting process exited) it looks for an abort, posted by
+this rank or a peer: a wait then raises :class:`GroupAborted` naming the
+aborting rank and its reason. A collective that completes never pays for
+this; collectives issued by other code (DDP's, from C++) still wait for the
+group's own timeout or for the aborting process to exit.
 
 *Buffers.* Collectives take torch tensors and NumPy arrays. A contiguous tensor
 already on the group's device is used in place; anything else (a NumPy array, a
@@ -55,9 +68,14 @@ returns a handle whose ``wait()`` returns what the blocking call returns.
 
 from __future__ import annotations
 
+import datetime
 import io
+import json
 import os
 import pickle
+import threading
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,9 +85,38 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 import backends
-from join_core import LocalProtocolError
+from join_core import LocalProtocolError, PeerFailure
 
-__all__ = ["TorchGroup"]
+__all__ = ["TorchGroup", "GroupAborted"]
+
+#: Seconds a blocking wait on a CPU group waits before it looks for an abort.
+_WAIT_SLICE = 1.0
+#: Seconds a store access of the failure path may take (a dead store must not
+#: stall the watchdog that is trying to report a stall).
+_STORE_PATIENCE = 5.0
+#: How often the status thread publishes changed statuses.
+_STATUS_INTERVAL = 0.5
+
+
+class GroupAborted(PeerFailure):
+    """A rank aborted the process group, so this rank's collective was abandoned.
+
+    Raised by a :class:`TorchGroup` wait once a rank (this one or a peer)
+    called :meth:`TorchGroup.abort`, e.g. because a join hook raised or the
+    Join's watchdog found a stall.
+
+    Attributes:
+        rank: the rank that aborted first.
+        exc_type: ``"abort"``.
+        exc_message: its reason.
+    """
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(rank, "abort", reason)
+        self.args = (f"rank {rank} aborted the process group: {reason}",)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.rank, self.exc_message))
 
 _ARITHMETIC: dict[str, Any] = {
     "sum": dist.ReduceOp.SUM,
@@ -140,18 +187,20 @@ class _Staged:
 class _Pending:
     """A collective in flight; ``wait()`` returns what the blocking call returns."""
 
-    __slots__ = ("_work", "_finish", "_done", "_result")
+    __slots__ = ("_work", "_finish", "_done", "_result", "_wait")
 
-    def __init__(self, work: Any, finish: Callable[[], Any]) -> None:
+    def __init__(self, work: Any, finish: Callable[[], Any],
+                 wait: Callable[[Any], Any]) -> None:
         self._work = work
         self._finish = finish
         self._done = False
         self._result: Any = None
+        self._wait = wait
 
     def wait(self) -> Any:
         """Block until the collective completes; return its result."""
         if not self._done:
-            self._work.wait()
+            self._wait(self._work)
             self._result = self._finish()
             self._done = True
             self._finish = _nothing
@@ -189,7 +238,7 @@ class TorchGroup:
     def __init__(self, process_group: Any = None, device: Any = None) -> None:
         group = _live_group(process_group)
         self.process_group = group
-        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.device = _usable_device(device) if device is not None else _default_device(group)
         self.rank: int = group.rank()
         self.world_size: int = group.size()
         self._on_cuda = self.device.type == "cuda"
@@ -210,6 +259,15 @@ class TorchGroup:
             self._sequence()
         except (AttributeError, RuntimeError):
             self._sequence = None
+        # The failure path (module doc): the abort seen so far, the slice a CPU
+        # wait waits before looking for one, and the store for statuses.
+        self._abort: tuple[int, str] | None = None
+        self._slice = (
+            None if self._on_cuda else datetime.timedelta(seconds=_WAIT_SLICE)
+        )
+        self._store_prefix = f"joinery/{getattr(group, 'group_name', '')}/"
+        self._status: tuple[str, float] | None = None
+        self._status_posted: tuple[str, float] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -244,7 +302,7 @@ class TorchGroup:
         self._next_beat = 1 - index
         previous = self._beat_works[index]
         if previous is not None:
-            previous.wait()  # this buffer's last all-reduce (module doc)
+            self._wait(previous)  # this buffer's last all-reduce (module doc)
         buf = self._beats[index]
         buf.fill_(value)
         work = self._allreduce([buf], self._sum)
@@ -280,7 +338,7 @@ class TorchGroup:
             return 0.0
         for index in (1 - self._next_beat, self._next_beat):
             if self._beat_works[index] is handle:
-                handle.wait()
+                self._wait(handle)
                 return float(self._beats[index].item())
         return 0.0
 
@@ -297,7 +355,7 @@ class TorchGroup:
         buf.fill_(value)
         work = self._allreduce([buf], self._sum)
         self._join_collectives += 1
-        work.wait()
+        self._wait(work)
         return float(buf.item())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -313,12 +371,12 @@ class TorchGroup:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        self.process_group.allgather([sizes], [size], AllgatherOptions()).wait()
+        self._wait(self.process_group.allgather([sizes], [size], AllgatherOptions()))
         lengths = [int(s.item()) for s in sizes]
         padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
         padded[: data.numel()] = data
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self.process_group.allgather([parts], [padded], AllgatherOptions()).wait()
+        self._wait(self.process_group.allgather([parts], [padded], AllgatherOptions()))
         return [
             pickle.load(io.BytesIO(part[:length].cpu().numpy().tobytes()))
             for part, length in zip(parts, lengths, strict=True)
@@ -327,13 +385,98 @@ class TorchGroup:
     def abort(self, message: str) -> None:
         """Abort the process group so peers blocked in a collective fail too.
 
+        Posts ``message`` in the store for the peers (the first aborter's
+        reason wins), makes this rank's pending and later waits raise
+        :class:`GroupAborted`, and calls ``ProcessGroup.abort()`` (which on
+        nccl also fails the peers' collectives; see the module doc for gloo).
+
         Args:
-            message: why (torch's ``abort`` takes no message; it is unused).
+            message: why.
         """
+        reason = json.dumps({"rank": self.rank, "reason": message})
+        _bounded(lambda store: store.compare_set(self._store_prefix + "abort", "", reason))
+        if self._abort is None:
+            self._abort = (self.rank, message)
         try:
             self.process_group.abort()
         except (RuntimeError, NotImplementedError):
-            pass  # this backend cannot abort; peers fail at their timeout
+            pass  # gloo: peers learn of it from the store (module doc)
+
+    def post_status(self, what: str) -> None:
+        """Record what this rank's Join is doing, for its peers' stall diagnostics.
+
+        Costs no store round trip: a daemon thread publishes the latest status
+        at most every ``_STATUS_INTERVAL`` seconds (module doc).
+
+        Args:
+            what: e.g. ``"counting non-joined ranks (shadow round 3)"``.
+        """
+        self._status = (what, time.time())
+        if self not in _publishing:
+            _publish_statuses(self)
+
+    def peer_status(self) -> dict[int, str]:
+        """What every rank's Join last posted, and whether a rank aborted.
+
+        Returns:
+            rank -> its last posted status and how long ago (``"no status
+            posted"`` for a rank whose Join has posted none).
+
+        Raises:
+            TimeoutError: the store did not answer within ``_STORE_PATIENCE`` s.
+        """
+        keys = [f"{self._store_prefix}status/{rank}" for rank in range(self.world_size)]
+        abort_key = self._store_prefix + "abort"
+
+        def read(store: Any) -> tuple[list[bytes | None], bytes | None]:
+            values = [store.get(key) if store.check([key]) else None for key in keys]
+            aborted = store.get(abort_key) if store.check([abort_key]) else None
+            return values, aborted
+
+        found = _bounded(read)
+        if found is None:
+            raise TimeoutError(
+                f"the rendezvous store did not answer within {_STORE_PATIENCE:g} s"
+            )
+        values, aborted = found
+        now = time.time()
+        out = {}
+        for rank, value in enumerate(values):
+            if value is None:
+                out[rank] = "no status posted"
+                continue
+            posted = json.loads(value)
+            out[rank] = f"{posted['what']} ({max(0.0, now - posted['at']):.1f} s ago)"
+        if aborted:
+            first = json.loads(aborted)
+            reason = str(first["reason"]).partition("\n")[0]
+            out[first["rank"]] += f"; aborted the group: {reason}"
+        return out
+
+    def _wait(self, work: Any) -> Any:
+        """``work.wait()``, but on a CPU group give up once a rank aborted (module doc)."""
+        if self._abort is not None:
+            raise GroupAborted(*self._abort)
+        if self._slice is None:
+            return work.wait()
+        while True:
+            try:
+                return work.wait(self._slice)
+            except RuntimeError as exc:
+                aborted = self._abort or self._posted_abort()
+                if aborted is not None:
+                    self._abort = aborted
+                    raise GroupAborted(*aborted) from exc
+                if work.is_completed():
+                    raise  # a real failure, not the end of a slice
+
+    def _posted_abort(self) -> tuple[int, str] | None:
+        key = self._store_prefix + "abort"
+        value = _bounded(lambda store: store.get(key) if store.check([key]) else None)
+        if not value:
+            return None
+        posted = json.loads(value)
+        return int(posted["rank"]), str(posted["reason"])
 
     # -- collectives ---------------------------------------------------------------
 
@@ -490,7 +633,7 @@ class TorchGroup:
         # An all-reduce is a barrier on every backend (nccl's barrier() guesses a
         # device); reading the result blocks the host on CUDA too.
         self._barrier_buf.zero_()
-        self._allreduce([self._barrier_buf], self._sum).wait()
+        self._wait(self._allreduce([self._barrier_buf], self._sum))
         self._barrier_buf.item()
 
     # -- helpers -------------------------------------------------------------------
@@ -566,9 +709,8 @@ class TorchGroup:
             sources.append(tensor.contiguous())
         return sources
 
-    @staticmethod
     def _finish(
-        work: Any, async_op: bool, staged: _Staged | None, result: Callable[[], Any]
+        self, work: Any, async_op: bool, staged: _Staged | None, result: Callable[[], Any]
     ) -> Any:
         def finish() -> Any:
             if staged is not None:
@@ -576,8 +718,8 @@ class TorchGroup:
             return result()
 
         if async_op:
-            return _Pending(work, finish)
-        work.wait()
+            return _Pending(work, finish, self._wait)
+        self._wait(work)
         return finish()
 
 
@@ -608,6 +750,86 @@ def _like(buf: Any, tensor: torch.Tensor) -> Any:
     if isinstance(buf, torch.Tensor):
         return tensor.to(buf.device, buf.dtype)
     return tensor.cpu().numpy().astype(buf.dtype, copy=False)
+
+
+def _store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _bounded(action: Callable[[Any], Any]) -> Any:
+    """``action(store)`` in a helper thread, given up after ``_STORE_PATIENCE`` s.
+
+    The failure path must not hang on a store whose host died. Returns the
+    action's result, or ``None`` if it failed or took too long.
+    """
+    result: list[Any] = [None]
+
+    def run() -> None:
+        try:
+            result[0] = action(_store())
+        except Exception:  # noqa: BLE001 - no store, or it is gone: nothing known
+            result[0] = None
+
+    helper = threading.Thread(target=run, name="joinery-store", daemon=True)
+    helper.start()
+    helper.join(_STORE_PATIENCE)
+    return result[0]
+
+
+# Groups with a status to publish; the thread that publishes them.
+_publishing: weakref.WeakSet[TorchGroup] = weakref.WeakSet()
+_publisher: threading.Thread | None = None
+_publisher_lock = threading.Lock()
+
+
+def _publish_statuses(group: TorchGroup) -> None:
+    global _publisher
+    with _publisher_lock:
+        _publishing.add(group)
+        if _publisher is None or not _publisher.is_alive():
+            _publisher = threading.Thread(target=_publish_loop, name="joinery-status",
+                                          daemon=True)
+            _publisher.start()
+
+
+def _publish_loop() -> None:
+    while True:
+        time.sleep(_STATUS_INTERVAL)
+        with _publisher_lock:
+            groups = list(_publishing)
+        for group in groups:
+            status = group._status
+            if status is None or status is group._status_posted:
+                continue
+            what, at = status
+            try:
+                _store().set(f"{group._store_prefix}status/{group.rank}",
+                             json.dumps({"what": what, "at": at}))
+            except Exception:  # noqa: BLE001 - the store is gone; diagnostics only
+                continue
+            group._status_posted = status
+
+
+def _usable_device(device: Any) -> torch.device:
+    """``device`` as a torch.device this process can use, or a clear error."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise TypeError(
+            f"join_device {device!r} is not a torch device: {exc}"
+        ) from exc
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise TypeError(
+            f"join_device {device!r} is a CUDA device, but torch.cuda.is_available() "
+            "is False here: return torch.device('cpu') from join_device for a gloo "
+            "group"
+        )
+    if parsed.type not in ("cpu", "cuda"):
+        raise TypeError(
+            f"join_device {device!r} is not supported: joinery's torch backend runs "
+            "its collectives on the CPU (gloo) or on CUDA (nccl)"
+        )
+    return parsed
 
 
 def _backend_name(group: Any) -> str:
