@@ -1,0 +1,146 @@
+"""The fault matrix, the agreement check and bad input on the threads backend.
+
+The scenarios live in ``fault_scenarios.py`` (shared with the MPI and gloo
+runs); here each cell is one ``spawn``, so a cell that aborts its world cannot
+disturb the next one. Every spawn has a timeout, and every cell also asserts
+that each rank left the Join within a deadline far below it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import fault_scenarios as fs
+import pytest
+
+import backends
+from backends.threads import ThreadGroup, spawn
+from join_core import Join
+
+JOIN_TIMEOUT = 20.0  # the Join watchdog's timeout in the fault cells
+STALL_TIMEOUT = 0.5  # ... in the stall cells
+SPAWN_TIMEOUT = 30.0  # the harness's own timeout: the Join must win
+DEADLINE = 10.0  # seconds within which every rank must leave the Join
+
+CELLS = [
+    (case, world_size, failing_rank)
+    for case in ("before_heartbeat", "after_heartbeat", "main_hook", "post_hook", "stall")
+    for world_size in (2, 4)
+    for failing_rank in (0, world_size - 1)
+]
+
+
+def _run(case: str, world_size: int, failing_rank: int) -> dict[int, dict[str, Any]]:
+    results = spawn(fs.run_case, world_size,
+                    args=(case, failing_rank, world_size, JOIN_TIMEOUT, STALL_TIMEOUT),
+                    timeout=SPAWN_TIMEOUT)
+    return {r["rank"]: r for r in results}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("case", "world_size", "failing_rank"), CELLS)
+def test_fault_matrix(case: str, world_size: int, failing_rank: int) -> None:
+    results = _run(case, world_size, failing_rank)
+    if case == "stall":
+        problems = fs.check_stall(failing_rank, world_size, results, deadline=DEADLINE)
+    else:
+        problems = fs.check_case(case, failing_rank, world_size, results, deadline=DEADLINE)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(60)
+def test_hook_failures_reach_peers_as_the_harness_abort() -> None:
+    """(c) on threads: the failing rank's abort names it, its phase and exception."""
+    results = _run("main_hook", 4, 3)
+    for rank in (0, 1, 2):
+        error = results[rank]["error"]
+        assert error["type"] == "SpawnAborted"
+        assert error["message"].startswith(
+            "rank 3 aborted the group: rank 3 failed in a join hook (SHADOWING) with "
+            "InjectedFault: injected main_hook fault on rank 3"
+        ), error["message"]
+    # The failing rank's report names its own failure; nobody ran a post hook.
+    assert results[3]["report"]["failure"]["exc_type"] == "InjectedFault"
+    assert not any(r["post_hook_ran"] for r in results.values())
+
+
+@pytest.mark.timeout(60)
+def test_stall_diagnostic_names_phase_round_and_where_every_rank_was() -> None:
+    results = _run("stall", 3, 2)
+    timeouts = [r["error"] for r in results.values() if r["error"]["type"] == "RankTimeout"]
+    assert timeouts, results
+    text = timeouts[0]["message"]
+    assert "in phase COUNTING, counting non-joined ranks (shadow round 0)" in text
+    assert "it had processed 2 inputs" in text
+    assert "what the ranks were last seen doing:" in text
+    # The stalled rank's whereabouts: its last collective, in its loop body.
+    assert "rank 2: last called collective" in text and "in collective" in text
+    assert "its Join: counting non-joined ranks" in text  # a joined peer's posted status
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("variant", fs.AGREEMENT_VARIANTS)
+def test_agreement_check(variant: str, world_size: int) -> None:
+    results = spawn(fs.run_agreement, world_size, args=(variant,), timeout=SPAWN_TIMEOUT)
+    problems = fs.check_agreement(variant, world_size, {r["rank"]: r for r in results})
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(60)
+def test_agreement_error_table_on_every_rank() -> None:
+    results = spawn(fs.run_agreement, 3, args=("joinables",), timeout=SPAWN_TIMEOUT)
+    for result in results:
+        message = result["error"]["message"]
+        assert "rank | joinables | throw_on_early_termination | backend" in message
+        assert "     0 | 2 | False | 'ThreadGroup'" in message
+        assert "     2 | 1 | False | 'ThreadGroup'" in message
+        assert result["seconds"] < DEADLINE
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_bad_inputs_are_clear_errors_without_a_hang(world_size: int) -> None:
+    # Groups of a spawn whose ranks all returned: a destroyed backend.
+    dead = spawn(lambda group: group, world_size, timeout=SPAWN_TIMEOUT)
+
+    def rank_fn(group: ThreadGroup) -> dict[str, Any]:
+        return fs.run_bad_inputs(group, dead_group=dead[group.rank], device="cuda:0")
+
+    started = time.monotonic()
+    for result in spawn(rank_fn, world_size, timeout=SPAWN_TIMEOUT):
+        problems = fs.check_bad_inputs(result, world_size)
+        assert not problems, "\n".join(problems)
+        assert "returned from fn" in result["dead_group"]["message"]
+    assert time.monotonic() - started < DEADLINE
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_report_gathered_report_and_debug_log(world_size: int) -> None:
+    results = spawn(fs.run_report, world_size, timeout=SPAWN_TIMEOUT)
+    problems = fs.check_report(world_size, {r["rank"]: r for r in results})
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(60)
+def test_world_of_one_failure_and_solo_group() -> None:
+    """world_size == 1: a failure is the rank's own exception; backends.init()'s
+    world of one runs a Join with no peers at all."""
+    [result] = spawn(fs.run_case, 1, args=("before_heartbeat", 0, 1), timeout=SPAWN_TIMEOUT)
+    assert not fs.check_case("before_heartbeat", 0, 1, {0: result}, deadline=DEADLINE)
+    solo = backends.init("threads")
+    problems = fs.check_report(1, {0: fs.run_report(solo)})
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(60)
+def test_join_timeout_validation() -> None:
+    group = backends.init("threads")
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            Join([fs.Counter(group)], timeout=bad)
+    with Join([fs.Counter(group)], timeout=None) as join:  # watchdog off
+        pass
+    assert join.report is not None and join.report.phase == "DONE"
