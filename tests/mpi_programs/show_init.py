@@ -28,8 +28,12 @@ TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PO
 
 def ddp_parameters_agree(group: Any) -> bool:
     import torch
-    from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel
+
+    # joinery's Join: torch's leaves DDP's join config enabled and its last
+    # heartbeat unwaited, and a gloo thread that drops such work while the
+    # interpreter shuts down aborts the process (about one run in five).
+    from join_core import Join
 
     torch.manual_seed(group.rank)  # different initial weights: DDP must sync them
     model = DistributedDataParallel(torch.nn.Linear(3, 1))
@@ -68,9 +72,6 @@ def main() -> None:
     if type(group).__name__ == "TorchGroup":
         import torch.distributed as dist
 
-        # Let gloo finish the async work nobody waited for (the Join's last
-        # heartbeat): a gloo thread that drops a tensor while the interpreter
-        # shuts down aborts the process (seen once in ~10 runs without this).
         dist.barrier()
         dist.destroy_process_group()
 
