@@ -4,17 +4,17 @@ Importing this package imports the standard library and attrs only.
 """
 
 from ._errors import (
+    AgreementError,
     CollectiveMismatch,
     EarlyTermination,
     JoinError,
     LocalProtocolError,
-    PeerError,
     PeerAborted,
+    PeerError,
     PeerFailure,
     RankTimeout,
-    AgreementError,
 )
-from ._join import Join, JoinHook, Joinable, format_reports
+from ._join import Join, Joinable, JoinHook, format_reports
 from ._machine import JoinReport
 
 __all__ = [

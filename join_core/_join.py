@@ -53,11 +53,16 @@ class JoinHook:
             is_last_joiner: ``True`` if this rank was one of the last to join.
         """
 
-    # A joinable with ``join_fuses_heartbeat = True`` also gives its hook
-    #     fused_shadow(heartbeat: float) -> float
-    # which shadows the joinable's first collective of an iteration with
-    # ``heartbeat`` in the heartbeat slot and returns that slot's sum. Its
-    # main_hook then shadows only the rest of the iteration.
+    def fused_shadow(self, heartbeat: float) -> float:
+        """Shadow a fused joinable's first collective; return its heartbeat slot's sum.
+
+        Only for joinables with ``join_fuses_heartbeat = True``: put ``heartbeat``
+        in the heartbeat slot of the shadow. ``main_hook`` then shadows only the
+        rest of the iteration.
+        """
+        raise NotImplementedError(
+            f"{type(self).__qualname__} must implement fused_shadow(heartbeat) -> float"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -161,7 +166,9 @@ class Join:
             as one rank runs out of inputs, instead of shadowing.
         check_agreement: on entry, check with one all-gather that all ranks pass
             the same number of joinables and flags on the same backend (turn it
-            off to share a group with torch's own Join).
+            off to share a group with torch's own Join). A fused heartbeat
+            changes what goes on the wire, so it is used only with the check
+            on; without it the first joinable sends torch's heartbeat.
         timeout: seconds a join collective or a round of hooks may make no
             progress before this rank raises ``RankTimeout`` saying what it and
             (where the backend can tell) its peers were doing, and aborts the
@@ -186,7 +193,9 @@ class Join:
         **kwargs: Any,
     ) -> None:
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+            raise ValueError(
+                f"timeout must be a positive number of seconds or None, not {timeout!r}"
+            )
         if isinstance(joinables, Joinable) or not isinstance(joinables, Iterable):
             raise TypeError(
                 f"Join expects a list of Joinables, got {type(joinables).__qualname__}: "
@@ -196,14 +205,15 @@ class Join:
         if not joinable_list:
             raise ValueError("The join context manager requires at least one joinable")
         hooks = [joinable.join_hook(**kwargs) for joinable in joinable_list]
-        for joinable, hook in zip(joinable_list, hooks):
+        for joinable, hook in zip(joinable_list, hooks, strict=True):
             if not isinstance(hook, JoinHook) and not _looks_like_hook(hook):
                 raise TypeError(
                     f"{_name(joinable)}.join_hook() returned "
                     f"{type(hook).__qualname__}, not a JoinHook: return an object "
                     "with main_hook() and post_hook(is_last_joiner)"
                 )
-            if _fuses(joinable) and not callable(getattr(hook, "fused_shadow", None)):
+            shadow = getattr(type(hook), "fused_shadow", None)
+            if _fuses(joinable) and (shadow is None or shadow is JoinHook.fused_shadow):
                 raise TypeError(
                     f"{_name(joinable)} sets join_fuses_heartbeat but its "
                     f"hook {type(hook).__qualname__} has no fused_shadow(heartbeat) -> "
@@ -223,7 +233,10 @@ class Join:
         # Hooks whose joinable fuses the heartbeat: each shadow round starts
         # with their fused_shadow (for the first one, the count already did).
         self._fused_hooks = [_fuses(j) for j in joinable_list]
-        self._fused = self._fused_hooks[0] and not throw_on_early_termination
+        # Fused only where the agreement check proves every rank fuses: torch's
+        # Join (which a group shared with it needs, check_agreement=False)
+        # speaks only the classic heartbeat.
+        self._fused = self._fused_hooks[0] and not throw_on_early_termination and check_agreement
         self._first_shadowed = False
         self._fused_total: float | None = None
         self._enable = bool(enable)
@@ -437,7 +450,7 @@ class Join:
         peer failed, instead of when it runs out of inputs.
         """
         config = joinable._join_config
-        if config.is_first_joinable and config.enable:
+        if config.is_first_joinable and config.enable and config.join is not None:
             config.join._fused_total = total
 
     def _notify(self) -> Any:
@@ -545,6 +558,23 @@ class Join:
         if post_status is not None:
             post_status(what)
 
+    def _run_hooks(self, command: m.RunMainHooks | m.RunPostHooks) -> None:
+        if isinstance(command, m.RunPostHooks):
+            self._doing("post hooks")
+            for hook in self._hooks:
+                hook.post_hook(command.is_last_joiner)
+            return
+        self._doing(f"main hooks of shadow round {command.round}")
+        assert self._state is not None
+        slot = m.FAILED if self._state.failure else m.JOINED
+        for index, hook in enumerate(self._hooks):
+            # A fused joinable's first collective is shadowed by fused_shadow,
+            # unless this round's count already did it.
+            if self._fused_hooks[index] and not (index == 0 and self._first_shadowed):
+                hook.fused_shadow(slot)
+            hook.main_hook()
+        self._first_shadowed = False
+
     def _run(self, observation: m.Observation) -> Any:
         assert self._state is not None
         backend = self._backend
@@ -554,7 +584,7 @@ class Join:
         while pending is not None:
             before = self._state.phase
             transition = m.step(self._state, pending)
-            self._state = transition.state
+            self._state = state = transition.state
             if transition.state.phase is not before and _log.isEnabledFor(logging.DEBUG):
                 _log.debug(
                     "rank %s: %s -> %s on %s",
@@ -565,76 +595,62 @@ class Join:
                 )
             pending = None
             for command in transition.commands:
-                kind = type(command)
-                if kind is m.SendHeartbeat:
-                    handle = self._last_heartbeat = backend.heartbeat(command.value)
-                elif kind is m.CheckTermination:
-                    self._doing(f"the termination check after input {self._state.heartbeats}")
-                    total = backend.count(command.value)
-                    pending = m.TerminationChecked(total=total, now=self._clock())
-                elif kind is m.CountNonjoined:
-                    self._doing(
-                        f"counting non-joined ranks (shadow round {self._state.shadow_rounds})"
-                    )
-                    if command.fused:
-                        total = self._hooks[0].fused_shadow(command.value)
-                        self._first_shadowed = True
-                    else:
+                match command:
+                    case m.SendHeartbeat():
+                        handle = self._last_heartbeat = backend.heartbeat(command.value)
+                    case m.CheckTermination():
+                        self._doing(f"the termination check after input {state.heartbeats}")
                         total = backend.count(command.value)
-                    pending = m.Counted(total=total, now=self._clock())
-                elif kind is m.SignalTermination:
-                    self._doing("signalling early termination")
-                    backend.count(command.value)
-                elif kind is m.RunMainHooks or kind is m.RunPostHooks:
-                    self._doing(
-                        f"main hooks of shadow round {command.round}"
-                        if kind is m.RunMainHooks
-                        else "post hooks"
-                    )
-                    try:
-                        if kind is m.RunMainHooks:
-                            slot = m.FAILED if self._state.failure else m.JOINED
-                            for index, hook in enumerate(self._hooks):
-                                if self._fused_hooks[index] and not (
-                                    index == 0 and self._first_shadowed
-                                ):
-                                    hook.fused_shadow(slot)
-                                hook.main_hook()
-                            self._first_shadowed = False
-                        else:
-                            for hook in self._hooks:
-                                hook.post_hook(command.is_last_joiner)
-                    except Exception as error:
-                        if self._stall is not None:
-                            raise self._stall from error
-                        hook_error = error
-                        pending = m.HookFailed(
-                            failure=_failure(error, backend.rank), now=self._clock()
+                        pending = m.TerminationChecked(total=total, now=self._clock())
+                    case m.CountNonjoined():
+                        self._doing(
+                            f"counting non-joined ranks (shadow round {state.shadow_rounds})"
                         )
-                    else:
-                        pending = m.HooksDone(now=self._clock())
-                elif kind is m.CheckAgreement:
-                    self._doing("the agreement check at entry")
-                    signatures = backend.all_gather_object(command.signature)
-                    pending = m.AgreementChecked(
-                        signatures=tuple(signatures), now=self._clock()
-                    )
-                elif kind is m.ExchangeFailures:
-                    self._doing("exchanging failures")
-                    failures = backend.all_gather_object(command.failure)
-                    pending = m.FailuresExchanged(failures=tuple(failures), now=self._clock())
-                elif kind is m.AbortGroup:
-                    abort = getattr(backend, "abort", None)
-                    if abort is not None:
-                        abort(command.message)
-                    assert hook_error is not None
-                    raise hook_error
-                elif kind is m.WarnSkew:
-                    warnings.warn(command.message, UserWarning, stacklevel=4)
-                elif kind is m.Raise:
-                    raise command.error
-                else:  # pragma: no cover - a new command without a handler
-                    raise AssertionError(f"unhandled command {command!r}")
+                        if command.fused:
+                            total = self._hooks[0].fused_shadow(command.value)
+                            self._first_shadowed = True
+                        else:
+                            total = backend.count(command.value)
+                        pending = m.Counted(total=total, now=self._clock())
+                    case m.SignalTermination():
+                        self._doing("signalling early termination")
+                        backend.count(command.value)
+                    case m.RunMainHooks() | m.RunPostHooks():
+                        try:
+                            self._run_hooks(command)
+                        except Exception as error:
+                            if self._stall is not None:
+                                raise self._stall from error
+                            hook_error = error
+                            pending = m.HookFailed(
+                                failure=_failure(error, backend.rank), now=self._clock()
+                            )
+                        else:
+                            pending = m.HooksDone(now=self._clock())
+                    case m.CheckAgreement():
+                        self._doing("the agreement check at entry")
+                        signatures = backend.all_gather_object(command.signature)
+                        pending = m.AgreementChecked(
+                            signatures=tuple(signatures), now=self._clock()
+                        )
+                    case m.ExchangeFailures():
+                        self._doing("exchanging failures")
+                        failures = backend.all_gather_object(command.failure)
+                        pending = m.FailuresExchanged(
+                            failures=tuple(failures), now=self._clock()
+                        )
+                    case m.AbortGroup():
+                        abort = getattr(backend, "abort", None)
+                        if abort is not None:
+                            abort(command.message)
+                        assert hook_error is not None
+                        raise hook_error
+                    case m.WarnSkew():
+                        warnings.warn(command.message, UserWarning, stacklevel=4)
+                    case m.Raise():
+                        raise command.error
+                    case _:  # pragma: no cover - a new command without a handler
+                        raise AssertionError(f"unhandled command {command!r}")
         return handle
 
 
@@ -676,7 +692,7 @@ def _add_note(error: BaseException, note: str) -> None:
 
 def _name(joinable: Any) -> str:
     """The joinable's class, or its repr where it has one (adapters say what they wrap)."""
-    if type(joinable).__repr__ is object.__repr__:
+    if getattr(type(joinable), "__repr__", None) is object.__repr__:
         return type(joinable).__qualname__
     return repr(joinable)
 

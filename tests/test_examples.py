@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from mpi_support import mpirun
 
 ROOT = Path(__file__).resolve().parent.parent

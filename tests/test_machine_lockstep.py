@@ -177,7 +177,7 @@ def run_lockstep(
         if kinds == {"exchange"}:
             answer: Any = tuple(values)
         elif isinstance(values[0], tuple):  # a fused all-reduce: element-wise
-            answer = tuple(map(sum, zip(*values)))
+            answer = tuple(map(sum, zip(*values, strict=True)))
         else:
             answer = sum(values)
         for rank in range(len(programs)):
@@ -198,7 +198,7 @@ def test_all_ranks_finish_together_and_agree(
     fused = fused and joinables > 0  # the heartbeat needs a collective to ride in
     results = run_lockstep(inputs, throw=False, joinables=joinables, fused=fused)
     most = max(inputs)
-    for rank, (n, result) in enumerate(zip(inputs, results)):
+    for rank, (n, result) in enumerate(zip(inputs, results, strict=True)):
         state = result["state"]
         assert state.phase is m.Phase.DONE and result["error"] is None
         assert state.heartbeats == n
@@ -219,7 +219,7 @@ def test_throw_mode_raises_on_every_rank(inputs: list[int], joinables: int) -> N
     if fewest == max(inputs):
         assert all(r["error"] is None and r["post_hooks"] == [True] for r in results)
         return
-    for rank, (n, result) in enumerate(zip(inputs, results)):
+    for rank, (n, result) in enumerate(zip(inputs, results, strict=True)):
         assert result["post_hooks"] == []
         if n == fewest:
             assert str(result["error"]) == f"Rank {rank} exhausted all inputs."
