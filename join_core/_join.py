@@ -398,12 +398,8 @@ class Join:
             RuntimeError: throw mode, and some rank exhausted its inputs.
             PeerAborted: another rank failed; let it leave the Join block.
         """
-        config = getattr(joinable, "_join_config", None)
-        if config is None:
-            raise _missing_config(joinable)
-        if config.is_first_joinable and config.enable:
-            return config.join._notify()
-        return None
+        join = _heartbeat_owner(joinable)
+        return None if join is None else join._notify()
 
     @staticmethod
     def fused_heartbeat(joinable: Joinable) -> float:
@@ -425,11 +421,8 @@ class Join:
             RuntimeError: throw mode, and some rank exhausted its inputs.
             PeerAborted: another rank failed; let it leave the Join block.
         """
-        config = getattr(joinable, "_join_config", None)
-        if config is None:
-            raise _missing_config(joinable)
-        if config.is_first_joinable and config.enable:
-            join = config.join
+        join = _heartbeat_owner(joinable)
+        if join is not None:
             if join._fused and join._batch_notifies:
                 total = join._fused_total
                 if total is not None and m.tally_has_failure(total):
@@ -706,6 +699,17 @@ def _looks_like_hook(hook: Any) -> bool:
     return callable(getattr(hook, "main_hook", None)) and callable(
         getattr(hook, "post_hook", None)
     )
+
+
+def _heartbeat_owner(joinable: Any) -> Join | None:
+    """The enabled Join whose heartbeat ``joinable`` sends (it is the first), or None."""
+    config = getattr(joinable, "_join_config", None)
+    if config is None:
+        raise _missing_config(joinable)
+    if config.is_first_joinable and config.enable:
+        join: Join = config.join
+        return join
+    return None
 
 
 def _missing_config(joinable: Any) -> LocalProtocolError:
