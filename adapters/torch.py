@@ -28,6 +28,23 @@ the first adapter is entered and removed when the last one leaves. DDP gets the
 heartbeat's ``Work`` back, exactly as from torch, and hands it to its reducer,
 so ``divide_by_initial_world_size=False`` divides by the number of active ranks.
 
+*DDP carries the heartbeat in its gradient-sync check.* With join enabled,
+torch's DDP sends two 1-element all-reduces per forward besides its gradients:
+the heartbeat, and ``_check_global_requires_backward_grad_sync`` (whether this
+rank syncs gradients this iteration, so a joined rank knows whether to shadow
+the backward pass; under ``no_sync()`` it does not). When DDP is the first
+joinable and the Join fuses heartbeats (it does unless throw mode or
+``check_agreement=False``, which a group shared with torch's Join needs),
+both travel in one 2-element all-reduce ``[heartbeat, requires sync]`` sent
+from the routed notify: the adapter is a fused joinable whose ``fused_shadow``
+is the joined rank's half of it (the count of non-joined ranks and the sync
+flag at once), and DDP's own check is replaced, while the Join lasts, by one
+that sends nothing and answers from that all-reduce. So DDP pays one small
+asynchronous collective per iteration instead of two, and nothing changes for
+``no_sync()``. The reducer gets that all-reduce's ``Work``; with
+``divide_by_initial_world_size=False`` it reads the number of active ranks from
+the work's result, so it gets a work over the heartbeat element alone.
+
 *Shadow rounds are not heartbeats.* ZeroRedundancyOptimizer's main hook is a
 plain ``step()``, which notifies. In torch's Join, with the optimizer first,
 that joined rank's heartbeat contributes 1 to the count and the ranks deadlock.
@@ -64,6 +81,8 @@ from join_core._join import _DISABLED
 
 __all__ = ["adapt", "TorchJoinable"]
 
+_c10d: Any = torch._C._distributed_c10d
+_SUM: Any = dist.ReduceOp.SUM
 _TorchJoinConfig = torch_join._JoinConfig
 _TORCH_DISABLED = _TorchJoinConfig(
     enable=False, throw_on_early_termination=False, is_first_joinable=False
@@ -132,6 +151,10 @@ class TorchJoinable(Joinable):
         self._config = _DISABLED
         self._in_hook = False
         self._is_ddp = isinstance(obj, DistributedDataParallel)
+        # A DDP may carry the heartbeat (module doc); the Join reads this flag.
+        self.join_fuses_heartbeat = self._is_ddp
+        self._fused: _FusedCheck | None = None
+        self._divide_by_initial_world_size = True  # DDP's join_hook default
 
     def __repr__(self) -> str:
         return f"TorchJoinable({type(self.obj).__qualname__})"
@@ -162,11 +185,17 @@ class TorchJoinable(Joinable):
                 is_first_joinable=False,  # joinery sends the heartbeat (module doc)
             )
             if not was_active:
+                if (self._is_ddp and config.is_first_joinable
+                        and getattr(config.join, "_fused", False)):
+                    self._fused = _FusedCheck(self.obj, self._divide_by_initial_world_size)
                 _route(self)
             return
         self.obj._join_config = _TORCH_DISABLED
         if was_active:
             _unroute(self)
+            if self._fused is not None:
+                self._fused.close()
+                self._fused = None
             if self._is_ddp:
                 _forget_join(self.obj)
 
@@ -180,6 +209,9 @@ class TorchJoinable(Joinable):
                 DDP's ``divide_by_initial_world_size``).
         """
         hook = self.obj.join_hook(**kwargs)
+        self._divide_by_initial_world_size = bool(
+            kwargs.get("divide_by_initial_world_size", True)
+        )
         if not (callable(getattr(hook, "main_hook", None))
                 and callable(getattr(hook, "post_hook", None))):
             raise TypeError(
@@ -211,6 +243,9 @@ class TorchJoinable(Joinable):
         """What torch's ``notify_join_context(self.obj)`` does inside our Join."""
         if self._in_hook:
             return None  # a shadow round's own notify (ZeRO's step), not an input
+        fused = self._fused
+        if fused is not None:
+            return fused.notify(self)
         handle = Join.notify_join_context(self)
         if self._is_ddp and not isinstance(handle, dist.Work):
             return None  # DDP's reducer accepts nothing but a torch Work
@@ -250,6 +285,18 @@ _fresh_grads: dict[int, torch.Tensor] = {}
 class _DDPShadow(_Shadow):
     """DDP's hook, but its shadow all-reduce writes the averaged gradient to .grad."""
 
+    def fused_shadow(self, heartbeat: float) -> float:
+        """The joined rank's half of ``[heartbeat, requires sync]`` (module doc).
+
+        Without a fused heartbeat (DDP not first, throw mode, or
+        ``check_agreement=False``) DDP's own check runs in the main hook as in
+        torch, and this sends nothing.
+        """
+        fused = self.adapter._fused
+        if fused is None:
+            return 0.0
+        return fused.shadow(heartbeat)
+
     def main_hook(self) -> None:
         ddp = self.adapter.obj
         # torch's main hook calls ddp._match_all_reduce_for_bwd_pass() when the
@@ -280,6 +327,109 @@ class _DDPShadow(_Shadow):
                     else:
                         param.grad.copy_(grad)
                     _fresh_grads[id(param)] = param
+
+
+class _FusedCheck:
+    """One DDP's heartbeat fused with its gradient-sync check (module doc).
+
+    Active rank, per forward: ``notify`` sends ``[heartbeat, requires sync]``
+    asynchronously; DDP's ``_check_global_requires_backward_grad_sync`` is
+    replaced by :meth:`check`, which sends nothing. Joined rank, per shadow
+    round: the Join's count is :meth:`shadow` (``[heartbeat slot, 0]``), and the
+    main hook's check answers whether the active ranks sync gradients in this
+    round. A rank that failed right after its own fused all-reduce runs one
+    main hook without a count first; its check then reads that all-reduce.
+
+    The buffers alternate, and each send first waits for the all-reduce that
+    last used its buffer, which finished long ago (every rank has since passed
+    a later collective of the group).
+    """
+
+    def __init__(self, ddp: Any, divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        device = torch.device(ddp.join_device)
+        self.on_cpu = device.type == "cpu"
+        self.allreduce = ddp.process_group.allreduce
+        self.opts = dist.AllreduceOptions()
+        self.opts.reduceOp = _SUM
+        self.buffers = [torch.zeros(2, dtype=torch.float32, device=device) for _ in range(3)]
+        # NumPy views of the CPU buffers: element writes and reads without torch's
+        # indexing machinery (on CUDA, values go through a small host tensor).
+        self.views: list[Any] = [b.numpy() if self.on_cpu else None for b in self.buffers]
+        self.works: list[Any] = [None, None]
+        self.current = 1  # the buffer of the latest send
+        # divide_by_initial_world_size=False: the reducer reads the number of
+        # active ranks from the work's first result with .item(), so it needs a
+        # work over the heartbeat element alone.
+        self.per_element = not divide_by_initial_world_size
+        self.sync = True  # the latest round's answer (joined rank)
+        self.own_latest: int | None = None  # a send of ours not yet read (joined rank)
+        ddp._check_global_requires_backward_grad_sync = self.check
+
+    def close(self) -> None:
+        """Give DDP its own check back; release completed work."""
+        self.ddp.__dict__.pop("_check_global_requires_backward_grad_sync", None)
+        for work in self.works:
+            if work is not None and work.is_completed():
+                work.wait()
+        self.works = [None, None]
+
+    def notify(self, adapter: TorchJoinable) -> Any:
+        """An active rank's forward: send ``[heartbeat, requires sync]``."""
+        index = 1 - self.current
+        latest = self.works[self.current]
+        if latest is not None and self.on_cpu:
+            # Long complete: a peer's failure shows in its heartbeat slot.
+            latest.wait()
+            Join.record_heartbeat_total(adapter, float(self.views[self.current][0]))
+        previous = self.works[index]
+        if previous is not None:
+            previous.wait()  # this buffer's last all-reduce
+        heartbeat = Join.fused_heartbeat(adapter)  # may raise PeerAborted
+        sync = 1.0 if self.ddp.require_backward_grad_sync else 0.0
+        buf = self.buffers[index]
+        view = self.views[index]
+        if view is not None:
+            view[0] = heartbeat
+            view[1] = sync
+        else:
+            buf.copy_(torch.tensor([heartbeat, sync], dtype=torch.float32))
+        work = self.allreduce([buf], self.opts)
+        self.works[index] = work
+        self.current = index
+        self.own_latest = index
+        if self.per_element:
+            slot = buf[:1]
+            future = work.get_future().then(lambda _: [slot])
+            return _c10d._create_work_from_future(future)
+        return work
+
+    def shadow(self, heartbeat: float) -> float:
+        """A joined rank's count: ``[heartbeat, 0]``; return the heartbeat sum."""
+        buf = self.buffers[2]
+        view = self.views[2]
+        if view is not None:
+            view[0] = heartbeat
+            view[1] = 0.0
+        else:
+            buf.copy_(torch.tensor([heartbeat, 0.0], dtype=torch.float32))
+        self.allreduce([buf], self.opts).wait()
+        total, sync = buf.tolist()
+        self.sync = sync != 0
+        self.own_latest = None
+        return float(total)
+
+    def check(self, is_joined_rank: bool) -> bool | None:
+        """DDP's ``_check_global_requires_backward_grad_sync``, already sent."""
+        if not is_joined_rank:
+            return None  # the sync flag went out with the heartbeat
+        if self.own_latest is not None:
+            # A completion round: the round of this rank's own last send.
+            work = self.works[self.own_latest]
+            work.wait()
+            self.sync = self.buffers[self.own_latest].tolist()[1] != 0
+            self.own_latest = None
+        return self.sync
 
 
 class _ZeROShadow(_Shadow):

@@ -156,6 +156,18 @@ def test_ddp_sends_no_join_collectives_after_the_block(results: Any) -> None:
         assert rank["torch"]["collectives"] > rank["baseline"]["collectives"]
 
 
+def test_ddp_no_sync_with_uneven_inputs(results: Any) -> None:
+    """Gradient accumulation: joined ranks shadow only the syncing rounds."""
+    ranks = outcome(results, "ddp_no_sync")
+    assert_identical([r["joinery"]["params"] for r in ranks])
+    for rank in ranks:
+        assert rank["joinery"]["params"] == pytest.approx(rank["torch"]["params"])
+    # The heartbeat rides in DDP's gradient-sync check: one collective fewer
+    # per round (7 rounds), less the two all-gathers of joinery's agreement check.
+    for rank in ranks:
+        assert rank["torch"]["collectives"] - rank["joinery"]["collectives"] == 7 - 2
+
+
 def test_ddp_find_unused_parameters(results: Any) -> None:
     assert_identical([r["params"] for r in outcome(results, "ddp_find_unused")])
 
@@ -180,6 +192,15 @@ def test_a_failing_rank_is_reported_to_its_peers(results: Any) -> None:
     for rank in (ranks[0], ranks[2]):
         assert rank["type"] == "PeerFailure"
         assert "rank 1" in rank["message"] and "bad batch on rank 1" in rank["message"]
+
+
+def test_a_rank_failing_inside_ddp_forward_is_reported_to_its_peers(results: Any) -> None:
+    ranks = outcome(results, "peer_failure_in_forward")
+    assert ranks[1]["type"] == "ValueError"
+    assert ranks[1]["iterations"] == 2
+    for rank in (ranks[0], ranks[2]):
+        assert rank["type"] == "PeerFailure"
+        assert "bad forward on rank 1" in rank["message"]
 
 
 # -- bad input ----------------------------------------------------------------------------

@@ -430,6 +430,33 @@ def ddp_disabled(ctx: Ctx) -> Any:
     }
 
 
+@scenario
+def ddp_no_sync(ctx: Ctx) -> Any:
+    """Gradient accumulation (``no_sync()`` on every other input) with uneven inputs.
+
+    A joined rank must shadow the backward pass exactly in the rounds in which
+    the active ranks sync; joinery learns that from its fused heartbeat, torch
+    from its separate check. Both must end with the same model, and joinery
+    must send one collective per iteration fewer than torch.
+    """
+    out: dict[str, Any] = {}
+    for name, join_cls in (("joinery", Join), ("torch", torch_join.Join)):
+        model = ddp(ctx, nn.Linear(2, 1))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = sequence(ctx.group)
+        with join_cls([model]):
+            for i in range(3 + 2 * ctx.rank):
+                if i % 2 == 0:
+                    with model.no_sync():
+                        model(batch(ctx.rank, i, (2, 2))).sum().backward()
+                else:
+                    model(batch(ctx.rank, i, (2, 2))).sum().backward()
+                    optim.step()
+                    optim.zero_grad()
+        out[name] = {"params": flat(model.module), "collectives": sequence(ctx.group) - before}
+    return out
+
+
 # -- DDP variants ---------------------------------------------------------------------
 
 
@@ -515,6 +542,41 @@ def peer_failure(ctx: Ctx) -> Any:
             for i in range(6):
                 if ctx.rank == 1 and i == 2:
                     raise ValueError("bad batch on rank 1")
+                model(batch(ctx.rank, i, (2, 2))).sum().backward()
+                iterations += 1
+    except Exception as exc:
+        return {"iterations": iterations, **error_of(exc)}
+    return {"iterations": iterations, "type": None}
+
+
+class FailingForward(nn.Module):
+    """A Linear whose forward raises on one rank at one input (after DDP's heartbeat)."""
+
+    def __init__(self, rank: int, fail_at: tuple[int, int]) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+        self.rank = rank
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if (self.rank, self.calls) == self.fail_at:
+            raise ValueError(f"bad forward on rank {self.rank}")
+        return self.linear(x)
+
+
+@scenario
+def peer_failure_in_forward(ctx: Ctx) -> Any:
+    """Rank 1 raises inside DDP's forward, right after the iteration's heartbeat:
+    it shadows the rest of that iteration first (with the sync flag of its own
+    heartbeat), then every rank learns of the failure."""
+    torch.manual_seed(0)
+    model = DDP(FailingForward(ctx.rank, (1, 3)), process_group=ctx.group)
+    iterations = 0
+    try:
+        with Join([model]):
+            for i in range(6):
                 model(batch(ctx.rank, i, (2, 2))).sum().backward()
                 iterations += 1
     except Exception as exc:
