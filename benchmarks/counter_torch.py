@@ -1,0 +1,199 @@
+"""The tutorial's Counter on gloo: no Join, torch's Join, joinery's Join.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/counter_torch.py [iterations [repeats]]
+
+Every variant runs the same loop: one ``dist.all_reduce`` per iteration on a
+preallocated CPU tensor (written through a NumPy view, so no variant pays for
+tensor allocation or indexing). Variants:
+
+- ``no Join``: the tutorial Counter (a 1-element all-reduce, and a
+  ``notify_join_context`` that is a no-op outside a Join);
+- ``torch Join``: that Counter inside ``torch.distributed.algorithms.join.Join``
+  (its notify sends torch's heartbeat, a second all-reduce);
+- ``joinery classic``: the same Counter inside joinery's Join (torch-compatible
+  heartbeat, a second all-reduce);
+- ``joinery fused``: the Counter of ``examples/counter.py``, whose all-reduce
+  has a second element carrying the heartbeat (one collective per iteration).
+
+The *drain* variants give rank 0 no inputs at all, so it shadows every
+iteration of the others; their time is the whole ``with`` block on each rank
+(the slowest decides) per iteration of the ranks that have inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import _bench
+import torch
+import torch.distributed as dist
+import torch.distributed.algorithms.join as torch_join
+
+import join_core
+from join_core import Join
+
+
+class TutorialCounter(join_core.Joinable, torch_join.Joinable):
+    """The tutorial's Counter; ``notify`` is torch's or joinery's notify_join_context."""
+
+    def __init__(self, group: Any, notify: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.group = group
+        self.notify = notify
+        self.buf = torch.zeros(1)
+        self.arr = self.buf.numpy()
+        self.count = 0.0
+
+    def __call__(self) -> None:
+        self.notify(self)
+        arr = self.arr
+        arr[0] = 1.0
+        dist.all_reduce(self.buf, group=self.group)
+        self.count += arr[0]
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        counter = self
+
+        class Hook(torch_join.JoinHook):
+            def main_hook(self) -> None:
+                counter.arr[0] = 0.0
+                dist.all_reduce(counter.buf, group=counter.group)
+
+        return Hook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
+class FusedCounter(join_core.Joinable):
+    """The Counter of examples/counter.py: the heartbeat rides in a second element."""
+
+    join_fuses_heartbeat = True
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        self.buf = torch.zeros(2)
+        self.arr = self.buf.numpy()
+        self.count = 0.0
+
+    def __call__(self) -> None:
+        arr = self.arr
+        arr[0] = 1.0
+        arr[1] = Join.fused_heartbeat(self)
+        dist.all_reduce(self.buf, group=self.group)
+        self.count += arr[0]
+        Join.record_heartbeat_total(self, arr[1].item())
+
+    def join_hook(self, **kwargs: Any) -> join_core.JoinHook:
+        counter = self
+
+        class Hook(join_core.JoinHook):
+            def fused_shadow(self, heartbeat: float) -> float:
+                arr = counter.arr
+                arr[0] = 0.0
+                arr[1] = heartbeat
+                dist.all_reduce(counter.buf, group=counter.group)
+                return float(arr[1])
+
+        return Hook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
+def main() -> None:
+    iterations = _bench.int_arg(1, 2000)
+    repeats = _bench.int_arg(2, 15)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    clock = torch.zeros(1, dtype=torch.float64)
+
+    def slowest(seconds: float) -> float:
+        clock[0] = seconds
+        dist.all_reduce(clock, op=dist.ReduceOp.MAX)
+        return float(clock[0])
+
+    def barrier() -> None:
+        dist.barrier()
+
+    plain = TutorialCounter(group, Join.notify_join_context)
+
+    def no_join(n: int) -> None:
+        for _ in range(n):
+            plain()
+
+    def inside(make_join: Callable[[Any], Any], counter: Any, drain: bool = False
+               ) -> Callable[[int], float]:
+        def loop(n: int) -> float:
+            mine = 0 if drain and rank == 0 else n
+            start = time.perf_counter()
+            with make_join(counter):
+                inner = time.perf_counter()
+                for _ in range(mine):
+                    counter()
+                inner = time.perf_counter() - inner
+            # Steady state: the loop inside the block; drain: the whole block.
+            return time.perf_counter() - start if drain else inner
+        return loop
+
+    def torch_join_of(counter: Any) -> Any:
+        return torch_join.Join([counter])
+
+    def joinery_join_of(counter: Any) -> Any:
+        return Join([counter])
+
+    def torch_counter() -> TutorialCounter:
+        return TutorialCounter(group, torch_join.Join.notify_join_context)
+
+    def joinery_counter() -> TutorialCounter:
+        return TutorialCounter(group, Join.notify_join_context)
+
+    variants: dict[str, Callable[[int], float | None]] = {
+        "no Join": no_join,
+        "torch Join": inside(torch_join_of, torch_counter()),
+        "joinery classic": inside(joinery_join_of, joinery_counter()),
+        "joinery fused": inside(joinery_join_of, FusedCounter(group)),
+    }
+    times = _bench.timed(variants, iterations, repeats, slowest, barrier)
+    info = {"ranks": world, "iterations": iterations, "repeats": repeats}
+    if rank == 0:
+        _bench.report("Counter, gloo", times, [
+            ("joinery fused", "no Join", 1.05),
+            ("joinery classic", "torch Join", 1.0),
+            ("torch Join", "no Join", None),
+            ("joinery classic", "no Join", None),
+        ], info)
+
+    drains: dict[str, Callable[[int], float | None]] = {
+        "no Join (all ranks active)": no_join,
+        "drain: torch Join": inside(torch_join_of, torch_counter(), True),
+        "drain: joinery classic": inside(joinery_join_of, joinery_counter(), True),
+        "drain: joinery fused": inside(joinery_join_of, FusedCounter(group), True),
+    }
+    times = _bench.timed(drains, iterations, repeats, slowest, barrier)
+    if rank == 0:
+        _bench.report("Counter drain (rank 0 has no inputs), gloo", times, [
+            ("drain: joinery classic", "drain: torch Join", 1.0),
+            ("drain: joinery fused", "drain: torch Join", None),
+            ("drain: torch Join", "no Join (all ranks active)", None),
+        ], info)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""A small DDP MLP on gloo: no Join, torch's Join, joinery's Join.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/ddp.py [iterations [repeats]]
+    mpirun -n 2 python benchmarks/ddp.py [iterations [repeats]]
+
+The model is an MLP 64-256-1 (ReLU) in ``DistributedDataParallel`` on the CPU,
+trained with SGD on a fixed batch of 32; an iteration is forward, MSE loss,
+backward and the optimizer step. Under mpirun, torch.distributed (gloo) is
+initialised by ``backends.init_torch()``. Variants, each with its own model:
+
+- ``no Join``: plain DDP;
+- ``torch Join``: inside ``torch.distributed.algorithms.join.Join`` (a
+  heartbeat and a gradient-sync check per iteration);
+- ``joinery Join``: inside joinery's Join (the heartbeat rides in DDP's
+  gradient-sync check: one small collective per iteration);
+- ``joinery, torch-compatible``: ``Join([ddp], check_agreement=False)``, the
+  wire format of torch's Join (a heartbeat and a check), as joinery sent it
+  before the fused check.
+
+The *drain* variants give rank 0 no inputs, so it shadows every iteration of
+the others; their time is the whole ``with`` block per iteration of the ranks
+that have inputs (the slowest rank decides).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import _bench
+import torch
+import torch.distributed as dist
+import torch.distributed.algorithms.join as torch_join
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import backends
+from join_core import Join
+
+
+def model() -> tuple[DDP, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+    ddp = DDP(module)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3)
+
+
+def main() -> None:
+    iterations = _bench.int_arg(1, 300)
+    repeats = _bench.int_arg(2, 15)
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # the drain's input-skew warning, by design
+    launcher = backends.detect_launcher() or "?"
+    backends.init_torch("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(32, 64, generator=generator)
+    y = torch.randn(32, 1, generator=generator)
+    clock = torch.zeros(1, dtype=torch.float64)
+
+    def slowest(seconds: float) -> float:
+        clock[0] = seconds
+        dist.all_reduce(clock, op=dist.ReduceOp.MAX)
+        return float(clock[0])
+
+    def train(ddp: DDP, opt: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+
+    def plain() -> Callable[[int], None]:
+        ddp, opt = model()
+        return lambda n: train(ddp, opt, n)
+
+    def inside(make_join: Callable[[DDP], Any], drain: bool = False) -> Callable[[int], float]:
+        ddp, opt = model()
+
+        def loop(n: int) -> float:
+            mine = 0 if drain and rank == 0 else n
+            start = time.perf_counter()
+            with make_join(ddp):
+                inner = time.perf_counter()
+                train(ddp, opt, mine)
+                inner = time.perf_counter() - inner
+            return time.perf_counter() - start if drain else inner
+        return loop
+
+    def torch_join_of(ddp: DDP) -> Any:
+        return torch_join.Join([ddp])
+
+    def joinery_join_of(ddp: DDP) -> Any:
+        return Join([ddp])
+
+    def compatible_join_of(ddp: DDP) -> Any:
+        return Join([ddp], check_agreement=False)
+
+    info = {"ranks": world, "launcher": launcher, "iterations": iterations,
+            "repeats": repeats}
+    times = _bench.timed({
+        "no Join": plain(),
+        "torch Join": inside(torch_join_of),
+        "joinery Join": inside(joinery_join_of),
+        "joinery, torch-compatible": inside(compatible_join_of),
+    }, iterations, repeats, slowest, dist.barrier)
+    if rank == 0:
+        _bench.report(f"DDP MLP 64-256-1, batch 32, gloo ({launcher})", times, [
+            ("joinery Join", "no Join", 1.15),
+            ("torch Join", "no Join", None),
+            ("joinery Join", "torch Join", None),
+            ("joinery, torch-compatible", "no Join", None),
+            ("joinery, torch-compatible", "torch Join", 1.0),
+        ], info)
+    times = _bench.timed({
+        "no Join (all ranks active)": plain(),
+        "drain: torch Join": inside(torch_join_of, True),
+        "drain: joinery Join": inside(joinery_join_of, True),
+        "drain: joinery, torch-compatible": inside(compatible_join_of, True),
+    }, iterations, repeats, slowest, dist.barrier)
+    if rank == 0:
+        _bench.report(f"DDP drain (rank 0 has no inputs), gloo ({launcher})", times, [
+            ("drain: joinery Join", "drain: torch Join", None),
+            ("drain: joinery, torch-compatible", "drain: torch Join", None),
+            ("drain: torch Join", "no Join (all ranks active)", None),
+        ], info)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
