@@ -317,21 +317,29 @@ class Join:
         try:
             if self._enable:
                 self._leave(exc)
-                self._settle_last_heartbeat()
+                self._settle_last_heartbeat(exc)
         finally:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
             if self._enable:
                 _watchdog.unwatch(self)
 
-    def _settle_last_heartbeat(self) -> None:
+    def _settle_last_heartbeat(self, exc: BaseException | None) -> None:
         # Heartbeats are never waited on in the loop. Once the protocol has
         # finished, every later join collective has completed, so the last one
         # has too; waiting releases it (gloo aborts at interpreter exit when
-        # work nobody waited for is torn down).
+        # work nobody waited for is torn down). After a failure the group may
+        # be broken and the wait fail: that must not replace the exception
+        # leaving the block (the rank's own, which its peers were told about).
         handle, self._last_heartbeat = self._last_heartbeat, None
-        if handle is not None:
+        if handle is None:
+            return
+        try:
             handle.wait()
+        except Exception as error:
+            if exc is None:
+                raise
+            _add_note(exc, f"joinery could not settle the last heartbeat after it: {error!r}")
 
     def _leave(self, exc: BaseException | None) -> None:
         if exc is None:
