@@ -373,6 +373,17 @@ def check_stall(
                 or r["error"] is not None and any("RankTimeout" in c for c in r["error"]["chain"])]
     if not timeouts:
         problems.append("no rank raised RankTimeout")
+    # The others learn of the abort that the first timed-out rank caused: an
+    # error derived from PeerFailure naming a rank that timed out.
+    timed_out = {r["rank"] for r in timeouts}
+    for rank, result in sorted(results.items()):
+        error = result["error"]
+        if error is None or rank in timed_out:
+            continue
+        peer = error.get("peer")
+        if peer is None or peer["rank"] == failing_rank:
+            problems.append(f"rank {rank} raised {error['type']}: {error['message']} "
+                            "(not a PeerFailure naming a rank that timed out)")
     for result in timeouts:
         text = result["error"]["message"]
         for needle in ("COUNTING", "shadow round", "made no progress"):

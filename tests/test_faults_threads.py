@@ -8,11 +8,13 @@ that each rank left the Join within a deadline far below it.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import fault_scenarios as fs
 import pytest
+from fault_support import record_cell, summarize
 
 import backends
 from backends.threads import ThreadGroup, spawn
@@ -47,6 +49,7 @@ def test_fault_matrix(case: str, world_size: int, failing_rank: int) -> None:
     else:
         problems = fs.check_case(case, failing_rank, world_size, results, deadline=DEADLINE)
     assert not problems, "\n".join(problems)
+    record_cell("threads", case, world_size, failing_rank, summarize(results, failing_rank))
 
 
 @pytest.mark.timeout(60)
@@ -144,3 +147,32 @@ def test_join_timeout_validation() -> None:
     with Join([fs.Counter(group)], timeout=None) as join:  # watchdog off
         pass
     assert join.report is not None and join.report.phase == "DONE"
+
+
+@pytest.mark.timeout(60)
+def test_a_broken_last_heartbeat_does_not_replace_the_ranks_own_exception() -> None:
+    """Rank 0 raises right after a heartbeat that rank 1 never matches (rank 1
+    aborts the group): leaving the block must re-raise rank 0's own exception,
+    not the heartbeat's failure, which only becomes a note."""
+    sent, aborted = threading.Event(), threading.Event()
+
+    def rank_fn(group: ThreadGroup) -> BaseException | None:
+        counter = fs.Counter(group)
+        try:
+            with Join([counter], timeout=JOIN_TIMEOUT):
+                if group.rank == 0:
+                    counter.heartbeat()  # still pending when rank 0 raises
+                    sent.set()
+                    aborted.wait(DEADLINE)
+                    raise fs.InjectedFault("rank 0's own failure")
+                sent.wait(DEADLINE)
+                group.abort("rank 1 gave up")
+                aborted.set()
+                raise KeyError("rank 1")
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        return None
+
+    own, _ = spawn(rank_fn, 2, timeout=SPAWN_TIMEOUT)
+    assert isinstance(own, fs.InjectedFault), repr(own)
+    assert any("could not settle the last heartbeat" in note for note in own.__notes__)

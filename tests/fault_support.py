@@ -1,0 +1,131 @@
+"""Starting ``tests/fault_runner.py`` launches from the fault-matrix tests.
+
+A :class:`Launch` is one command (an ``mpirun``, a ``torchrun``, a ``--fork``
+runner) with its own output directory and a hard timeout. :func:`run_all`
+runs a list of them, a few at a time (most of a launch is start-up or waiting,
+so two at a time roughly halves the wall time on two cores), kills the process
+group of a launch that overruns, and records exit code, output and duration.
+:func:`read_results` collects the per-rank JSON lines the runner wrote. This
+module imports neither torch nor mpi4py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RUNNER = Path(__file__).with_name("fault_runner.py")
+
+
+@dataclass
+class Launch:
+    """One launcher invocation and, once run, how it ended."""
+
+    name: str
+    command: list[str]
+    out: Path
+    timeout: float
+    env: dict[str, str] | None = None
+    returncode: int | None = None
+    output: str = ""
+    seconds: float = 0.0
+    timed_out: bool = False
+    results: dict[tuple[str, str], dict[int, dict[str, Any]]] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+
+    def explain(self, limit: int = 4000) -> str:
+        return (f"{self.name}: {' '.join(self.command)}\nexit {self.returncode}, "
+                f"{self.seconds:.1f} s{' (TIMED OUT)' if self.timed_out else ''}\n"
+                f"--- output (tail) ---\n{self.output[-limit:]}")
+
+
+def _run(launch: Launch) -> Launch:
+    launch.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        launch.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        errors="replace", env=launch.env, start_new_session=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        launch.output, _ = proc.communicate(timeout=launch.timeout)
+    except subprocess.TimeoutExpired:
+        launch.timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        launch.output, _ = proc.communicate()
+    launch.returncode = proc.returncode
+    launch.seconds = time.monotonic() - started
+    launch.results, launch.done = read_results(launch.out)
+    return launch
+
+
+def run_all(launches: Sequence[Launch], parallel: int = 2) -> dict[str, Launch]:
+    """Run every launch (``parallel`` at a time); return them by name."""
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        finished = list(pool.map(_run, launches))
+    return {launch.name: launch for launch in finished}
+
+
+def read_results(
+    out: Path,
+) -> tuple[dict[tuple[str, str], dict[int, dict[str, Any]]], set[int]]:
+    """``(kind, arg) -> rank -> result`` from the runner's per-rank files, and
+    the ranks that finished every cell."""
+    results: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    done: set[int] = set()
+    for path in sorted(out.glob("launch*-rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            if record["kind"] == "done":
+                done.add(record["rank"])
+                continue
+            key = (record["kind"], str(record.get("arg") or ""))
+            results.setdefault(key, {})[record["rank"]] = record["result"]
+    return results, done
+
+
+def runner_args(out: Path, cells: str, *extra: str) -> list[str]:
+    return [str(RUNNER), "--out", str(out), *extra, cells]
+
+
+def python() -> str:
+    return sys.executable
+
+
+def summarize(results: dict[int, dict[str, Any]], failing: int) -> str:
+    """One cell's per-rank outcome in a few words, for docs/reliability.md."""
+    peers: dict[str, int] = {}
+    for rank, result in sorted(results.items()):
+        if rank == failing:
+            continue
+        error = result["error"]
+        name = "no error" if error is None else error["type"]
+        if error is not None and "peer" in error:
+            name += f"(rank {error['peer']['rank']})"
+        peers[name] = peers.get(name, 0) + 1
+    own = results.get(failing, {}).get("error")
+    slowest = max((r["seconds"] for r in results.values()), default=0.0)
+    parts = [f"rank {failing}: {own['type'] if own else 'no error'}"]
+    parts += [f"{count}x {name}" for name, count in peers.items()]
+    return "; ".join(parts) + f"; all out in {slowest:.2f} s"
+
+
+def record_cell(backend: str, case: str, world_size: int, failing: int, outcome: str) -> None:
+    """Append a passed cell to ``$JOINERY_FAULT_MATRIX`` (a JSON-lines file), if set."""
+    path = os.environ.get("JOINERY_FAULT_MATRIX")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"backend": backend, "case": case, "world_size": world_size,
+                                "failing": failing, "outcome": outcome}) + "\n")

@@ -1,0 +1,147 @@
+"""The fault matrix under a real ``mpirun`` (world sizes 1, 2 and 4).
+
+One launch per world size runs every cell that leaves the communicator usable
+(faults before and after the heartbeat, first and last rank; the agreement
+check; bad input; the report). A hook failure, a stall and a SIGKILL end the
+MPI job by design (``MPIGroup.abort`` is ``MPI_Abort``; ``mpirun`` aborts a
+job whose process was killed), so each of those cells has a launch of its
+own, and the test asserts on how the launch ended: non-zero, well within its
+timeout, with output naming the failing rank. torch is never imported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import fault_scenarios as fs
+import pytest
+from fault_support import Launch, python, record_cell, run_all, runner_args, summarize
+from mpi_support import child_env, is_open_mpi, mpirun
+
+pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py: pip install 'joinery[mpi]'")
+
+WORLD_SIZES = (2, 4)
+LAUNCH_TIMEOUT = 90.0  # hard limit per launch
+DEADLINE = 45.0  # every launch (and every rank in it) must end within this
+BATCH = ",".join([
+    "before_heartbeat:0", "before_heartbeat:last", "after_heartbeat:0", "after_heartbeat:last",
+    *(f"agreement:{variant}" for variant in fs.AGREEMENT_VARIANTS), "bad_inputs", "report",
+])
+ALONE = ("main_hook", "post_hook", "stall", "kill")  # one launch per cell
+PHASE = {"main_hook": "SHADOWING", "post_hook": "POST_HOOKS"}
+
+
+def _command(ranks: int, out: Path, cells: str) -> list[str]:
+    command = [mpirun(), "-n", str(ranks)]
+    if ranks > (os.cpu_count() or 1) and is_open_mpi():
+        command.append("--oversubscribe")
+    return command + [python(), *runner_args(out, cells, "--stall-timeout", "1")]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launch]:
+    root = tmp_path_factory.mktemp("faults_mpi")
+    todo = []
+
+    def add(name: str, ranks: int, cells: str) -> None:
+        out = root / name.replace(":", "_")
+        todo.append(Launch(name, _command(ranks, out, cells), out, LAUNCH_TIMEOUT,
+                           env=child_env()))
+
+    for world_size in WORLD_SIZES:
+        add(f"batch/{world_size}", world_size, BATCH)
+        for case in ALONE:
+            for failing in (0, world_size - 1):
+                add(f"{case}/{world_size}/{failing}", world_size, f"{case}:{failing}")
+    add("batch/1", 1, "before_heartbeat:0,bad_inputs,report")
+    return run_all(todo)
+
+
+def _batch(launches: dict[str, Launch], world_size: int) -> Launch:
+    launch = launches[f"batch/{world_size}"]
+    assert launch.returncode == 0 and launch.done == set(range(world_size)), launch.explain()
+    assert launch.seconds < DEADLINE, launch.explain()
+    return launch
+
+
+CELLS = [
+    (case, world_size, failing)
+    for case in ("before_heartbeat", "after_heartbeat", *ALONE)
+    for world_size in WORLD_SIZES
+    for failing in (0, world_size - 1)
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("case", "world_size", "failing"), CELLS)
+def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
+                      failing: int) -> None:
+    if case in fs.SURVIVABLE:
+        launch = _batch(launches, world_size)
+        results = launch.results[(case, str(failing))]
+        problems = fs.check_case(case, failing, world_size, results, deadline=DEADLINE)
+        assert not problems, "\n".join(problems)
+        record_cell("mpi", case, world_size, failing, summarize(results, failing))
+        return
+    launch = launches[f"{case}/{world_size}/{failing}"]
+    assert not launch.timed_out and launch.seconds < DEADLINE, launch.explain()
+    assert launch.returncode != 0, launch.explain()
+    assert not launch.done, launch.explain()  # no rank went on as if nothing happened
+    output = launch.output
+    if case in PHASE:
+        said = (f"joinery: rank {failing} aborts the MPI job: rank {failing} failed in a "
+                f"join hook ({PHASE[case]}) with InjectedFault: injected {case} fault on "
+                f"rank {failing}")
+        assert said in output, launch.explain()
+    elif case == "stall":
+        aborted = re.findall(r"joinery: rank (\d+) aborts the MPI job: rank \1 made no "
+                             r"progress for [\d.]+ s \(timeout 1 s\) in phase COUNTING", output)
+        assert aborted and str(failing) not in aborted, launch.explain()
+    else:  # kill: mpirun's own report names the killed rank
+        if is_open_mpi():
+            assert re.search(rf"process rank {failing} with PID \d+ on node \S+ exited on\s+"
+                             r"signal 9", output), launch.explain()
+        else:
+            assert "KILLED BY SIGNAL: 9" in output, launch.explain()
+    what = {"main_hook": "MPI_Abort by the failing rank", "post_hook":
+            "MPI_Abort by the failing rank", "stall": "MPI_Abort by a joined rank's watchdog",
+            "kill": "mpirun names the killed rank"}[case]
+    record_cell("mpi", case, world_size, failing,
+                f"job ends: exit {launch.returncode} after {launch.seconds:.1f} s; {what}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("variant", fs.AGREEMENT_VARIANTS)
+def test_agreement_check(launches: dict[str, Launch], variant: str, world_size: int) -> None:
+    results = _batch(launches, world_size).results[("agreement", variant)]
+    problems = fs.check_agreement(variant, world_size, results)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [1, *WORLD_SIZES])
+def test_bad_inputs(launches: dict[str, Launch], world_size: int) -> None:
+    results = _batch(launches, world_size).results[("bad_inputs", "")]
+    assert sorted(results) == list(range(world_size))
+    for result in results.values():
+        problems = fs.check_bad_inputs(result, world_size)
+        assert not problems, "\n".join(problems)
+        assert "MPI.COMM_NULL: the communicator was freed" in result["dead_group"]["message"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [1, *WORLD_SIZES])
+def test_report(launches: dict[str, Launch], world_size: int) -> None:
+    results = _batch(launches, world_size).results[("report", "")]
+    problems = fs.check_report(world_size, results)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(600)
+def test_world_of_one(launches: dict[str, Launch]) -> None:
+    results = _batch(launches, 1).results[("before_heartbeat", "0")]
+    problems = fs.check_case("before_heartbeat", 0, 1, results, deadline=DEADLINE)
+    assert not problems, "\n".join(problems)
