@@ -35,15 +35,20 @@ rank syncs gradients this iteration, so a joined rank knows whether to shadow
 the backward pass; under ``no_sync()`` it does not). When DDP is the first
 joinable and the Join fuses heartbeats (it does unless throw mode or
 ``check_agreement=False``, which a group shared with torch's Join needs),
-both travel in one 2-element all-reduce ``[heartbeat, requires sync]`` sent
-from the routed notify: the adapter is a fused joinable whose ``fused_shadow``
-is the joined rank's half of it (the count of non-joined ranks and the sync
-flag at once), and DDP's own check is replaced, while the Join lasts, by one
-that sends nothing and answers from that all-reduce. So DDP pays one small
-asynchronous collective per iteration instead of two, and nothing changes for
+both travel in one 1-element float64 all-reduce sent from the routed notify:
+a rank contributes its heartbeat value plus ``2**24`` if it syncs gradients.
+Heartbeat sums stay below ``2**24`` (at most 4095 active and 4095 failed
+ranks, see ``join_core``), and float64 adds integers exactly far beyond that,
+so the sum splits into the heartbeat sum and the number of syncing ranks (a
+1-element all-reduce: gloo's ring needs more steps for two elements than for
+one). The adapter is a fused joinable whose ``fused_shadow`` is the joined
+rank's half of it (the count of non-joined ranks and the sync flag at once),
+and DDP's own check is replaced, while the Join lasts, by one that sends
+nothing and answers from that all-reduce. So DDP pays one small asynchronous
+collective per iteration instead of two, and nothing changes for
 ``no_sync()``. The reducer gets that all-reduce's ``Work``; with
 ``divide_by_initial_world_size=False`` it reads the number of active ranks from
-the work's result, so it gets a work over the heartbeat element alone.
+the work's result, so it gets a work whose result is the heartbeat sum alone.
 
 *Shadow rounds are not heartbeats.* ZeroRedundancyOptimizer's main hook is a
 plain ``step()``, which notifies. In torch's Join, with the optimizer first,
@@ -83,6 +88,8 @@ __all__ = ["adapt", "TorchJoinable"]
 
 _c10d: Any = torch._C._distributed_c10d
 _SUM: Any = dist.ReduceOp.SUM
+# A rank's weight in the fused DDP check when it syncs gradients (module doc).
+_SYNCS = float(2**24)
 _TorchJoinConfig = torch_join._JoinConfig
 _TORCH_DISABLED = _TorchJoinConfig(
     enable=False, throw_on_early_termination=False, is_first_joinable=False
@@ -332,12 +339,12 @@ class _DDPShadow(_Shadow):
 class _FusedCheck:
     """One DDP's heartbeat fused with its gradient-sync check (module doc).
 
-    Active rank, per forward: ``notify`` sends ``[heartbeat, requires sync]``
+    Active rank, per forward: ``notify`` sends ``heartbeat + 2**24 * syncs``
     asynchronously; DDP's ``_check_global_requires_backward_grad_sync`` is
     replaced by :meth:`check`, which sends nothing. Joined rank, per shadow
-    round: the Join's count is :meth:`shadow` (``[heartbeat slot, 0]``), and the
-    main hook's check answers whether the active ranks sync gradients in this
-    round. A rank that failed right after its own fused all-reduce runs one
+    round: the Join's count is :meth:`shadow` (contributing the heartbeat
+    value alone), and the main hook's check answers whether the active ranks
+    sync gradients in this round. A rank that failed right after its own fused all-reduce runs one
     main hook without a count first; its check then reads that all-reduce.
 
     The buffers alternate, and each send first waits for the all-reduce that
@@ -352,16 +359,15 @@ class _FusedCheck:
         self.allreduce = ddp.process_group.allreduce
         self.opts = dist.AllreduceOptions()
         self.opts.reduceOp = _SUM
-        self.buffers = [torch.zeros(2, dtype=torch.float32, device=device) for _ in range(3)]
+        self.buffers = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(3)]
         # NumPy views of the CPU buffers: element writes and reads without torch's
-        # indexing machinery (on CUDA, values go through a small host tensor).
+        # indexing machinery (on CUDA, values go through fill_ and item()).
         self.views: list[Any] = [b.numpy() if self.on_cpu else None for b in self.buffers]
         self.works: list[Any] = [None, None]
         self.current = 1  # the buffer of the latest send
         # divide_by_initial_world_size=False: the reducer reads the number of
-        # active ranks from the work's first result with .item(), so it needs a
-        # work over the heartbeat element alone.
-        self.per_element = not divide_by_initial_world_size
+        # active ranks from the work's result, so it needs the heartbeat sum alone.
+        self.count_only = not divide_by_initial_world_size
         self.sync = True  # the latest round's answer (joined rank)
         self.own_latest: int | None = None  # a send of ours not yet read (joined rank)
         ddp._check_global_requires_backward_grad_sync = self.check
@@ -375,49 +381,51 @@ class _FusedCheck:
         self.works = [None, None]
 
     def notify(self, adapter: TorchJoinable) -> Any:
-        """An active rank's forward: send ``[heartbeat, requires sync]``."""
+        """An active rank's forward: send ``heartbeat + 2**24 * syncs``."""
         index = 1 - self.current
         latest = self.works[self.current]
         if latest is not None and self.on_cpu:
-            # Long complete: a peer's failure shows in its heartbeat slot.
+            # Long complete: a peer's failure shows in the heartbeat sum.
             latest.wait()
-            Join.record_heartbeat_total(adapter, float(self.views[self.current][0]))
+            Join.record_heartbeat_total(adapter, float(self.views[self.current][0]) % _SYNCS)
         previous = self.works[index]
         if previous is not None:
             previous.wait()  # this buffer's last all-reduce
-        heartbeat = Join.fused_heartbeat(adapter)  # may raise PeerAborted
-        sync = 1.0 if self.ddp.require_backward_grad_sync else 0.0
+        value = Join.fused_heartbeat(adapter)  # may raise PeerAborted
+        if self.ddp.require_backward_grad_sync:
+            value += _SYNCS
         buf = self.buffers[index]
         view = self.views[index]
         if view is not None:
-            view[0] = heartbeat
-            view[1] = sync
+            view[0] = value
         else:
-            buf.copy_(torch.tensor([heartbeat, sync], dtype=torch.float32))
+            buf.fill_(value)
         work = self.allreduce([buf], self.opts)
         self.works[index] = work
         self.current = index
         self.own_latest = index
-        if self.per_element:
-            slot = buf[:1]
-            future = work.get_future().then(lambda _: [slot])
+        if self.count_only:
+            future = work.get_future().then(lambda _: [buf % _SYNCS])
             return _c10d._create_work_from_future(future)
         return work
 
     def shadow(self, heartbeat: float) -> float:
-        """A joined rank's count: ``[heartbeat, 0]``; return the heartbeat sum."""
+        """A joined rank's count (it does not sync); return the heartbeat sum."""
         buf = self.buffers[2]
         view = self.views[2]
         if view is not None:
             view[0] = heartbeat
-            view[1] = 0.0
         else:
-            buf.copy_(torch.tensor([heartbeat, 0.0], dtype=torch.float32))
+            buf.fill_(heartbeat)
         self.allreduce([buf], self.opts).wait()
-        total, sync = buf.tolist()
-        self.sync = sync != 0
+        return self._read(2)
+
+    def _read(self, index: int) -> float:
+        """Split a completed sum: remember the sync flag, return the heartbeat sum."""
+        total = self.buffers[index].item()
+        self.sync = total >= _SYNCS
         self.own_latest = None
-        return float(total)
+        return float(total % _SYNCS)
 
     def check(self, is_joined_rank: bool) -> bool | None:
         """DDP's ``_check_global_requires_backward_grad_sync``, already sent."""
@@ -425,10 +433,8 @@ class _FusedCheck:
             return None  # the sync flag went out with the heartbeat
         if self.own_latest is not None:
             # A completion round: the round of this rank's own last send.
-            work = self.works[self.own_latest]
-            work.wait()
-            self.sync = self.buffers[self.own_latest].tolist()[1] != 0
-            self.own_latest = None
+            self.works[self.own_latest].wait()
+            self._read(self.own_latest)
         return self.sync
 
 
