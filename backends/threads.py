@@ -14,10 +14,17 @@ at once), files it in the slot with its *signature* ``(kind, op, shape, dtype,
 root)`` and its call site, and waits on a *gate* (a lock of its own, held
 shut), except the last rank to arrive: it removes the slot from the world,
 compares the signatures, computes the result once (a reduction, a stack of
-buffers, ...) and opens every gate. So a collective costs O(world size) work
-and exactly one wakeup per waiting rank, with no lock they all contend for. Each
-rank then copies its share of the result into its own buffer; for an async
-call that happens in ``wait()``. The join collectives (``heartbeat``,
+buffers, ...) and opens the gates. So a collective costs O(world size) work
+and exactly one wakeup per waiting rank, with no lock they all contend for.
+The gates of ranks blocked in a blocking call open one after another, in
+order of arrival: the last arriver opens the first, and each rank it wakes
+opens the next before going on: 64 threads woken at once would only queue for
+the GIL, with futile wakeups and context switches; in a relay a rank is woken
+when the one before it runs (measured: 64 ranks x 1000 Counter iterations
+2.5x faster). An async caller's gate opens at once,
+since it may not be waiting yet and must not hold up the relay. Each rank
+then copies its share of the result into its own buffer; for an async call
+that happens in ``wait()``. The join collectives (``heartbeat``,
 ``count``) are 1-element float32 SUM all-reduces like any other, which is how
 an active rank's heartbeat matches a joined rank's count; ``all_gather_object``
 moves pickles, so objects cross ranks as they would cross processes.
@@ -131,8 +138,8 @@ class SpawnAborted(PeerFailure):
 class _Slot:
     """Collective #index of every rank: what each filed, and the result."""
 
-    __slots__ = ("index", "entries", "payloads", "arrived", "gates", "opened", "expired",
-                 "done", "result", "mismatch", "error")
+    __slots__ = ("index", "entries", "payloads", "arrived", "gates", "relay", "opened",
+                 "expired", "done", "result", "mismatch", "error")
 
     def __init__(self, index: int, size: int) -> None:
         self.index = index
@@ -141,7 +148,10 @@ class _Slot:
         self.payloads: list[Any] = [None] * size
         self.arrived = 0
         # One shut lock per waiting rank; opening releases each exactly once.
+        # ``gates``: async callers', opened together; ``relay``: blocking
+        # callers', opened one by one (module doc).
         self.gates: list[Any] = []
+        self.relay: list[Any] = []
         self.opened = False
         self.expired = False  # a waiting rank timed out; the slot never completes
         self.done = False
@@ -244,10 +254,13 @@ class _World:
     # -- collectives -----------------------------------------------------------------
 
     def arrive(self, group: ThreadGroup, signature: _Signature, label: str,
-               site: _Site, payload: Any) -> tuple[_Slot, Any]:
+               site: _Site, payload: Any, blocking: bool = False
+               ) -> tuple[_Slot, Any, int]:
         """File ``group``'s next collective; complete the slot if it is the last.
 
-        Returns the slot and the caller's gate (``None`` for the last arriver).
+        ``blocking``: the caller waits at once (its gate joins the relay).
+        Returns the slot, the caller's gate (``None`` for the last arriver) and
+        the gate's place in the relay (``-1``: not in it).
         """
         rank = group.rank
         index = group._calls + 1
@@ -256,6 +269,7 @@ class _World:
         slot: _Slot | None = None
         expired: _Slot | None = None
         gate = None
+        place = -1
         with self.lock:
             refused = (self.mismatch is not None or self.failure is not None
                        or (bool(self.returned)
@@ -277,12 +291,16 @@ class _World:
                     else:
                         gate = _allocate_lock()
                         gate.acquire()
-                        slot.gates.append(gate)
+                        if blocking:
+                            place = len(slot.relay)
+                            slot.relay.append(gate)
+                        else:
+                            slot.gates.append(gate)
         if slot is None:
             raise self.refusal(rank, index, label, site, slot=expired, late=expired is not None)
         if gate is None:
             self.complete(slot)
-        return slot, gate
+        return slot, gate, place
 
     def complete(self, slot: _Slot) -> None:
         """Check the signatures and compute the result (last arriver only)."""
@@ -303,9 +321,13 @@ class _World:
         slot.opened = True
         for gate in slot.gates:
             gate.release()
+        _pass_relay(slot, -1)
 
-    def await_slot(self, rank: int, slot: _Slot, gate: Any) -> Any:
-        """Wait at ``gate`` for ``slot``; return its result or raise what stopped it."""
+    def await_slot(self, rank: int, slot: _Slot, gate: Any, place: int = -1) -> Any:
+        """Wait at ``gate`` for ``slot``; return its result or raise what stopped it.
+
+        ``place``: the gate's place in the slot's relay (``-1``: not in it).
+        """
         if gate is not None and not gate.acquire(True, self.wait_limit):
             with self.lock:
                 completing = slot.arrived == self.size
@@ -317,6 +339,8 @@ class _World:
             if completing:  # everyone came just in time; the last one is computing
                 gate.acquire()
         if slot.done:
+            if place >= 0:
+                _pass_relay(slot, place)
             if slot.mismatch is not None:
                 raise CollectiveMismatch(slot.mismatch)
             if slot.error is not None:  # pragma: no cover - inputs were validated
@@ -417,6 +441,19 @@ def _open(slot: _Slot) -> None:
         slot.opened = True
         for gate in slot.gates:
             gate.release()
+        for gate in slot.relay:
+            gate.release()
+
+
+def _pass_relay(slot: _Slot, place: int) -> None:
+    """Open the relay gate after ``place`` of a completed slot, if any (module doc).
+
+    The last arriver starts the relay (``place=-1``), and the rank at each
+    place, once woken, opens the next: the gates open in order, each once.
+    """
+    following = place + 1
+    if following < len(slot.relay):
+        slot.relay[following].release()
 
 
 def _cell(value: Any) -> str:
@@ -595,14 +632,15 @@ def _unpickled(payloads: list[bytes]) -> list[Any]:
 class ThreadWork:
     """An async collective of a :class:`ThreadGroup` (``async_op=True``)."""
 
-    __slots__ = ("_world", "_rank", "_slot", "_gate", "_deliver", "_done", "_value")
+    __slots__ = ("_world", "_rank", "_slot", "_gate", "_place", "_deliver", "_done", "_value")
 
-    def __init__(self, world: _World, rank: int, slot: _Slot, gate: Any,
+    def __init__(self, world: _World, rank: int, slot: _Slot, gate: Any, place: int,
                  deliver: _Deliver) -> None:
         self._world = world
         self._rank = rank
         self._slot = slot
         self._gate = gate
+        self._place = place
         self._deliver = deliver
         self._done = False
         self._value: Any = None
@@ -619,7 +657,7 @@ class ThreadWork:
             SpawnAborted: another rank raised.
         """
         if not self._done:
-            result = self._world.await_slot(self._rank, self._slot, self._gate)
+            result = self._world.await_slot(self._rank, self._slot, self._gate, self._place)
             self._value = self._deliver(result)
             self._done = True
         return self._value
@@ -658,11 +696,13 @@ class ThreadGroup:
         return f"ThreadGroup(rank={self.rank}, world_size={self.world_size})"
 
     def _start(self, label: str, signature: _Signature, payload: Any,
-               deliver: _Deliver, own: bool = True) -> ThreadWork:
+               deliver: _Deliver, own: bool = True, blocking: bool = True) -> ThreadWork:
+        """File a collective; ``blocking``: the caller waits for it at once."""
         if own:
             self.collectives_issued += 1
-        slot, gate = self._world.arrive(self, signature, label, _call_site(), payload)
-        return ThreadWork(self._world, self.rank, slot, gate, deliver)
+        slot, gate, place = self._world.arrive(self, signature, label, _call_site(), payload,
+                                               blocking)
+        return ThreadWork(self._world, self.rank, slot, gate, place, deliver)
 
     def _root(self, root: Any, name: str, what: str) -> int:
         try:
@@ -691,7 +731,7 @@ class ThreadGroup:
         """
         payload = np.array([value], dtype=np.float32)
         return self._start("all_reduce (heartbeat)", _JOIN_SIGNATURE, payload, _first_float,
-                           own=False)
+                           own=False, blocking=False)
 
     def count(self, value: float) -> float:
         """1-element float32 SUM all-reduce contributing ``value`` (blocking).
@@ -817,7 +857,7 @@ class ThreadGroup:
             return buf
 
         signature = ("all_reduce", op, arr.shape, arr.dtype, None)
-        work = self._start("all_reduce", signature, arr.copy(), deliver)
+        work = self._start("all_reduce", signature, arr.copy(), deliver, blocking=not async_op)
         return work if async_op else work.wait()
 
     def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
@@ -841,14 +881,16 @@ class ThreadGroup:
         signature = ("broadcast", None, arr.shape, arr.dtype, src)
         if self.rank == src:
             return self._finish(self._start("broadcast", signature, arr.copy(),
-                                            lambda result: buf), async_op)
+                                            lambda result: buf, blocking=not async_op),
+                                async_op)
         _writable(arr, "broadcast")
 
         def deliver(result: np.ndarray) -> Any:
             _write(buf, result, tensor)
             return buf
 
-        return self._finish(self._start("broadcast", signature, None, deliver), async_op)
+        return self._finish(self._start("broadcast", signature, None, deliver,
+                                        blocking=not async_op), async_op)
 
     def all_gather(self, buf: Any, async_op: bool = False) -> Any:
         """Gather every rank's ``buf`` on every rank.
@@ -869,7 +911,7 @@ class ThreadGroup:
         arr, tensor = _as_array(buf, "all_gather")
         signature = ("all_gather", None, arr.shape, arr.dtype, None)
         work = self._start("all_gather", signature, arr.copy(),
-                           lambda parts: _new_buffers(parts, tensor))
+                           lambda parts: _new_buffers(parts, tensor), blocking=not async_op)
         return self._finish(work, async_op)
 
     def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
@@ -899,14 +941,16 @@ class ThreadGroup:
         signature = ("reduce", op, arr.shape, arr.dtype, dst)
         if self.rank != dst:
             return self._finish(self._start("reduce", signature, arr.copy(),
-                                            lambda result: buf), async_op)
+                                            lambda result: buf, blocking=not async_op),
+                                async_op)
         _writable(arr, "reduce")
 
         def deliver(result: np.ndarray) -> Any:
             _write(buf, result, tensor)
             return buf
 
-        return self._finish(self._start("reduce", signature, arr.copy(), deliver), async_op)
+        return self._finish(self._start("reduce", signature, arr.copy(), deliver,
+                                        blocking=not async_op), async_op)
 
     def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
         """Gather every rank's ``buf`` on rank ``dst``.
@@ -933,7 +977,8 @@ class ThreadGroup:
             deliver: _Deliver = lambda parts: _new_buffers(parts, tensor)  # noqa: E731
         else:
             deliver = _returns_none
-        return self._finish(self._start("gather", signature, arr.copy(), deliver), async_op)
+        return self._finish(self._start("gather", signature, arr.copy(), deliver,
+                                        blocking=not async_op), async_op)
 
     def scatter(
         self, buf: Any, src: int, chunks: Any = None, async_op: bool = False
@@ -978,7 +1023,8 @@ class ThreadGroup:
             return buf
 
         signature = ("scatter", None, arr.shape, arr.dtype, src)
-        return self._finish(self._start("scatter", signature, payload, deliver), async_op)
+        return self._finish(self._start("scatter", signature, payload, deliver,
+                                        blocking=not async_op), async_op)
 
     def barrier(self) -> None:
         """Return once every rank has called ``barrier``.
