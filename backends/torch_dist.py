@@ -247,6 +247,9 @@ class TorchGroup:
         self._sum = dist.AllreduceOptions()
         self._sum.reduceOp = _ARITHMETIC["sum"]
         self._beats = (self._scalar(), self._scalar())
+        # On the CPU, NumPy views write and read the heartbeats' one element
+        # without torch's dispatch (fill_ and item() cost ~1.5 us per beat).
+        self._beat_views = None if self._on_cuda else tuple(b.numpy() for b in self._beats)
         self._beat_works: list[Any] = [None, None]
         self._next_beat = 0
         self._tally = self._scalar()
@@ -304,7 +307,11 @@ class TorchGroup:
         if previous is not None:
             self._wait(previous)  # this buffer's last all-reduce (module doc)
         buf = self._beats[index]
-        buf.fill_(value)
+        views = self._beat_views
+        if views is not None:
+            views[index][0] = value
+        else:
+            buf.fill_(value)
         work = self._allreduce([buf], self._sum)
         self._join_collectives += 1
         self._beat_works[index] = work
@@ -334,12 +341,13 @@ class TorchGroup:
             reading it would synchronise the device every iteration, or when the
             heartbeat's buffer has been reused since.
         """
-        if self._on_cuda:
+        views = self._beat_views
+        if views is None:  # CUDA
             return 0.0
         for index in (1 - self._next_beat, self._next_beat):
             if self._beat_works[index] is handle:
                 self._wait(handle)
-                return float(self._beats[index].item())
+                return float(views[index].item(0))
         return 0.0
 
     def count(self, value: float) -> float:

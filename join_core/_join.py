@@ -29,6 +29,10 @@ __all__ = ["Join", "Joinable", "JoinHook", "format_reports"]
 
 _log = logging.getLogger("joinery")
 
+# A heartbeat or count sum at least this large includes a failed rank
+# (m.tally_has_failure, inlined on the per-iteration path).
+_FAILURE_TALLY = m.FAILED - 0.5
+
 #: Default ``Join(timeout=...)``: long enough for any sane shadow round, short
 #: enough that a stuck job fails within minutes rather than at torch's 30.
 DEFAULT_TIMEOUT = 300.0
@@ -253,6 +257,7 @@ class Join:
         self._batch_notifies = False
         self._last_heartbeat: Any = None
         self._collectives_at_heartbeat: int | None = None
+        self._counts_collectives = False
         # The watchdog's view: what the rank is blocked in, and its verdict.
         self._timeout = timeout
         self._activity: m.Activity | None = None
@@ -264,6 +269,9 @@ class Join:
             self._backend = backend
             self._heartbeat = backend.heartbeat
             self._heartbeat_total = getattr(backend, "heartbeat_total", None)
+            # Read per heartbeat only where it exists (getattr's default costs
+            # a caught AttributeError on every call).
+            self._counts_collectives = hasattr(backend, "collectives_issued")
             signature = (
                 ("joinables", len(joinable_list)),
                 ("throw_on_early_termination", self._throw_on_early_termination),
@@ -433,12 +441,11 @@ class Join:
         if join is not None:
             if join._fused and join._batch_notifies:
                 total = join._fused_total
-                if total is not None and m.tally_has_failure(total):
+                if total is not None and total >= _FAILURE_TALLY:
                     join._feed(m.HeartbeatSeen(total=total, now=join._clock()))
                 join._batched_notifies += 1
-                join._collectives_at_heartbeat = getattr(
-                    join._backend, "collectives_issued", 0
-                )
+                if join._counts_collectives:
+                    join._collectives_at_heartbeat = join._backend.collectives_issued
                 return m.ACTIVE
             join._notify()
         return m.JOINED
@@ -462,7 +469,7 @@ class Join:
             previous = self._last_heartbeat
             if previous is not None and self._heartbeat_total is not None:
                 total = self._heartbeat_total(previous)
-                if m.tally_has_failure(total):
+                if total >= _FAILURE_TALLY:
                     return self._feed(m.HeartbeatSeen(total=total, now=self._clock()))
             self._batched_notifies += 1
             handle = self._last_heartbeat = self._heartbeat(m.ACTIVE)
@@ -470,7 +477,8 @@ class Join:
             handle = self._feed(m.Notified(now=self._clock()))
         # A failure before the backend issues another collective leaves this
         # iteration open for the peers (see _leave).
-        self._collectives_at_heartbeat = getattr(self._backend, "collectives_issued", 0)
+        if self._counts_collectives:
+            self._collectives_at_heartbeat = self._backend.collectives_issued
         return handle
 
     # -- observability -----------------------------------------------------------
