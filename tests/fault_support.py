@@ -60,12 +60,42 @@ def _run(launch: Launch) -> Launch:
         launch.output, _ = proc.communicate(timeout=launch.timeout)
     except subprocess.TimeoutExpired:
         launch.timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
+        _end_session(proc)
         launch.output, _ = proc.communicate()
     launch.returncode = proc.returncode
     launch.seconds = time.monotonic() - started
     launch.results, launch.done = read_results(launch.out)
     return launch
+
+
+def _end_session(proc: subprocess.Popen[str]) -> None:
+    """Stop an overrunning launch and everything it started.
+
+    The launch leads a session of its own (``start_new_session``). Its process
+    group is not enough: Open MPI's prterun puts every rank in a process group
+    of its own (same session), so killing the group would leave spinning
+    ranks behind. So: SIGTERM the launcher (it cleans up its ranks), then
+    SIGKILL whatever is still in the session.
+    """
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Field 6 is the session id; the command (field 2) may hold spaces.
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) > 3 and int(fields[3]) == proc.pid:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def run_all(launches: Sequence[Launch], parallel: int = 2) -> dict[str, Launch]:

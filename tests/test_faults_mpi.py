@@ -23,7 +23,7 @@ from mpi_support import child_env, is_open_mpi, mpirun
 pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py: pip install 'joinery[mpi]'")
 
 WORLD_SIZES = (2, 4)
-LAUNCH_TIMEOUT = 90.0  # hard limit per launch
+LAUNCH_TIMEOUT = 120.0  # hard limit per launch
 DEADLINE = 45.0  # every launch (and every rank in it) must end within this
 BATCH = ",".join([
     "before_heartbeat:0", "before_heartbeat:last", "after_heartbeat:0", "after_heartbeat:last",
@@ -103,8 +103,9 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
         if is_open_mpi():
             assert re.search(rf"process rank {failing} with PID \d+ on node \S+ exited on\s+"
                              r"signal 9", output), launch.explain()
-        else:
-            assert "KILLED BY SIGNAL: 9" in output, launch.explain()
+        else:  # MPICH's Hydra names the killed process's PID, not its rank
+            assert re.search(r"KILLED BY SIGNAL: 9|Killed \(signal 9\)", output), (
+                launch.explain())
     what = {"main_hook": "MPI_Abort by the failing rank", "post_hook":
             "MPI_Abort by the failing rank", "stall": "MPI_Abort by a joined rank's watchdog",
             "kill": "mpirun names the killed rank"}[case]
