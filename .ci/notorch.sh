@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The MPI backend without torch: a second venv with only the `mpi` and `test`
-# extras (plus an MPI wheel for mpirun) runs the MPI, launcher and
-# custom-backend tests. torch-specific cases skip there, and only there.
+# extras (plus an MPI wheel for mpirun) runs the MPI, launcher, custom-backend
+# and MPI fault-matrix tests. torch-specific cases skip there, and only there.
 #
 #   .ci/notorch.sh [pytest args...]                  # Open MPI (.venv-notorch)
 #   MPI_WHEEL=mpich .ci/notorch.sh [pytest args...]  # MPICH (.venv-notorch-mpich)
@@ -31,4 +31,4 @@ fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_mpi_backend.py tests/test_launch.py tests/test_launch_real.py \
-    tests/test_custom_backend.py "$@"
+    tests/test_custom_backend.py tests/test_faults_mpi.py "$@"
