@@ -11,7 +11,11 @@ preallocated float32 array (the framework-agnostic API of
 - ``joinery classic``: that Counter inside joinery's Join (a separate
   heartbeat ``Iallreduce`` per iteration);
 - ``joinery fused``: the Counter of ``examples/counter.py``, whose all-reduce
-  has a second element carrying the heartbeat (one collective per iteration).
+  has a second element carrying the heartbeat (one collective per iteration);
+- ``no Join, 2 elements``: that 2-element all-reduce without any Join;
+- ``joinery fused, 1 element``: a fused Counter whose only element is the
+  heartbeat slot (an active rank's input counts 1, as its heartbeat does; see
+  ``counter_torch.py``).
 
 torch's Join cannot run on MPI, so it has no variant here. The *drain*
 variants give rank 0 no inputs, as in ``counter_torch.py``.
@@ -20,6 +24,7 @@ variants give rank 0 no inputs, as in ``counter_torch.py``.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -81,7 +86,7 @@ class FusedCounter(TutorialCounter):
         arr[1] = Join.fused_heartbeat(self)
         self.group.all_reduce(arr)
         self.count += arr[0]
-        Join.record_heartbeat_total(self, arr[1].item())
+        Join.record_heartbeat_total(self, arr.item(1))
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         counter = self
@@ -92,7 +97,32 @@ class FusedCounter(TutorialCounter):
                 arr[0] = 0.0
                 arr[1] = heartbeat
                 counter.group.all_reduce(arr)
-                return float(arr[1])
+                return arr.item(1)
+
+        return Hook()
+
+
+class SlotCounter(TutorialCounter):
+    """A fused Counter whose one element is also the heartbeat slot."""
+
+    join_fuses_heartbeat = True
+
+    def __call__(self) -> None:
+        arr = self.arr
+        Join.fused_heartbeat(self)  # 1.0 inside the Join: the same as the input's 1
+        arr[0] = 1.0
+        self.group.all_reduce(arr)
+        self.count += arr[0]
+        Join.record_heartbeat_total(self, arr.item(0))
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        counter = self
+
+        class Hook(JoinHook):
+            def fused_shadow(self, heartbeat: float) -> float:
+                counter.arr[0] = heartbeat  # a joined rank's 0: no input
+                counter.group.all_reduce(counter.arr)
+                return counter.arr.item(0)
 
         return Hook()
 
@@ -100,6 +130,7 @@ class FusedCounter(TutorialCounter):
 def main() -> None:
     iterations = _bench.int_arg(1, 20000)
     repeats = _bench.int_arg(2, 15)
+    warnings.simplefilter("ignore")  # the drain's input-skew warning, by design
     comm = MPI.COMM_WORLD
     group = MPIGroup(comm)
     rank = comm.rank
@@ -108,10 +139,19 @@ def main() -> None:
         return float(comm.allreduce(seconds, op=MPI.MAX))
 
     plain = TutorialCounter(group)
+    pair = np.zeros(2, dtype=np.float32)
 
     def no_join(n: int) -> None:
         for _ in range(n):
             plain()
+
+    def no_join_pair(n: int) -> None:
+        count = 0.0
+        for _ in range(n):
+            pair[0] = 1.0
+            pair[1] = 0.0
+            group.all_reduce(pair)
+            count += pair[0]
 
     def inside(counter: TutorialCounter, drain: bool = False) -> Callable[[int], float]:
         def loop(n: int) -> float:
@@ -131,16 +171,21 @@ def main() -> None:
         "no Join": no_join,
         "joinery classic": inside(TutorialCounter(group)),
         "joinery fused": inside(FusedCounter(group)),
+        "no Join, 2 elements": no_join_pair,
+        "joinery fused, 1 element": inside(SlotCounter(group)),
     }, iterations, repeats, slowest, comm.Barrier)
     if rank == 0:
         _bench.report("Counter, MPI", times, [
             ("joinery fused", "no Join", 1.2),
+            ("joinery fused, 1 element", "no Join", 1.2),
+            ("joinery fused", "no Join, 2 elements", None),
             ("joinery classic", "no Join", None),
         ], info)
     times = _bench.timed({
         "no Join (all ranks active)": no_join,
         "drain: joinery classic": inside(TutorialCounter(group), True),
         "drain: joinery fused": inside(FusedCounter(group), True),
+        "drain: joinery fused, 1 element": inside(SlotCounter(group), True),
     }, iterations, repeats, slowest, comm.Barrier)
     if rank == 0:
         _bench.report("Counter drain (rank 0 has no inputs), MPI", times, [

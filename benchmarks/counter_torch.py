@@ -13,7 +13,14 @@ tensor allocation or indexing). Variants:
 - ``joinery classic``: the same Counter inside joinery's Join (torch-compatible
   heartbeat, a second all-reduce);
 - ``joinery fused``: the Counter of ``examples/counter.py``, whose all-reduce
-  has a second element carrying the heartbeat (one collective per iteration).
+  has a second element carrying the heartbeat (one collective per iteration);
+- ``no Join, 2 elements``: that 2-element all-reduce without any Join (what
+  the extra element costs on the wire, joinery aside: gloo's ring all-reduce
+  takes more steps for two elements than for one);
+- ``joinery fused, 1 element``: a fused Counter whose only element is the
+  heartbeat slot: an active rank contributes 1 (an input, and "I am active"),
+  a joined rank 0, so the count of inputs *is* the heartbeat sum and the
+  collective is exactly the tutorial's.
 
 The *drain* variants give rank 0 no inputs at all, so it shadows every
 iteration of the others; their time is the whole ``with`` block on each rank
@@ -23,6 +30,7 @@ iteration of the others; their time is the whole ``with`` block on each rank
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +80,51 @@ class TutorialCounter(join_core.Joinable, torch_join.Joinable):
         return self.group
 
 
+class SlotCounter(join_core.Joinable):
+    """A fused Counter whose one element is also the heartbeat slot.
+
+    Its all-reduce sums 1 per rank that processed an input: exactly what the
+    heartbeat slot must hold (1.0 per active rank, 0.0 per joined rank), so
+    the Join reads the count of non-joined ranks from it directly.
+    """
+
+    join_fuses_heartbeat = True
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        self.buf = torch.zeros(1)
+        self.arr = self.buf.numpy()
+        self.count = 0.0
+
+    def __call__(self) -> None:
+        arr = self.arr
+        Join.fused_heartbeat(self)  # 1.0 inside the Join: the same as the input's 1
+        arr[0] = 1.0
+        dist.all_reduce(self.buf, group=self.group)
+        self.count += arr[0]
+        Join.record_heartbeat_total(self, arr.item(0))
+
+    def join_hook(self, **kwargs: Any) -> join_core.JoinHook:
+        counter = self
+
+        class Hook(join_core.JoinHook):
+            def fused_shadow(self, heartbeat: float) -> float:
+                counter.arr[0] = heartbeat  # a joined rank's 0: no input
+                dist.all_reduce(counter.buf, group=counter.group)
+                return counter.arr.item(0)
+
+        return Hook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
 class FusedCounter(join_core.Joinable):
     """The Counter of examples/counter.py: the heartbeat rides in a second element."""
 
@@ -90,7 +143,7 @@ class FusedCounter(join_core.Joinable):
         arr[1] = Join.fused_heartbeat(self)
         dist.all_reduce(self.buf, group=self.group)
         self.count += arr[0]
-        Join.record_heartbeat_total(self, arr[1].item())
+        Join.record_heartbeat_total(self, arr.item(1))
 
     def join_hook(self, **kwargs: Any) -> join_core.JoinHook:
         counter = self
@@ -101,7 +154,7 @@ class FusedCounter(join_core.Joinable):
                 arr[0] = 0.0
                 arr[1] = heartbeat
                 dist.all_reduce(counter.buf, group=counter.group)
-                return float(arr[1])
+                return arr.item(1)
 
         return Hook()
 
@@ -118,6 +171,7 @@ def main() -> None:
     iterations = _bench.int_arg(1, 2000)
     repeats = _bench.int_arg(2, 15)
     torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # the drain's input-skew warning, by design
     dist.init_process_group("gloo")
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -132,10 +186,20 @@ def main() -> None:
         dist.barrier()
 
     plain = TutorialCounter(group, Join.notify_join_context)
+    pair = torch.zeros(2)
+    pair_view = pair.numpy()
 
     def no_join(n: int) -> None:
         for _ in range(n):
             plain()
+
+    def no_join_pair(n: int) -> None:
+        count = 0.0
+        for _ in range(n):
+            pair_view[0] = 1.0
+            pair_view[1] = 0.0
+            dist.all_reduce(pair, group=group)
+            count += pair_view[0]
 
     def inside(make_join: Callable[[Any], Any], counter: Any, drain: bool = False
                ) -> Callable[[int], float]:
@@ -168,13 +232,18 @@ def main() -> None:
         "torch Join": inside(torch_join_of, torch_counter()),
         "joinery classic": inside(joinery_join_of, joinery_counter()),
         "joinery fused": inside(joinery_join_of, FusedCounter(group)),
+        "no Join, 2 elements": no_join_pair,
+        "joinery fused, 1 element": inside(joinery_join_of, SlotCounter(group)),
     }
     times = _bench.timed(variants, iterations, repeats, slowest, barrier)
     info = {"ranks": world, "iterations": iterations, "repeats": repeats}
     if rank == 0:
         _bench.report("Counter, gloo", times, [
             ("joinery fused", "no Join", 1.05),
+            ("joinery fused, 1 element", "no Join", 1.05),
             ("joinery classic", "torch Join", 1.0),
+            ("joinery fused", "no Join, 2 elements", None),
+            ("no Join, 2 elements", "no Join", None),
             ("torch Join", "no Join", None),
             ("joinery classic", "no Join", None),
         ], info)
@@ -184,6 +253,7 @@ def main() -> None:
         "drain: torch Join": inside(torch_join_of, torch_counter(), True),
         "drain: joinery classic": inside(joinery_join_of, joinery_counter(), True),
         "drain: joinery fused": inside(joinery_join_of, FusedCounter(group), True),
+        "drain: joinery fused, 1 element": inside(joinery_join_of, SlotCounter(group), True),
     }
     times = _bench.timed(drains, iterations, repeats, slowest, barrier)
     if rank == 0:

@@ -33,7 +33,8 @@ SECTIONS = [
     "### threads, 4 ranks x 20 iterations",
 ]
 VARIANTS = ["| no Join |", "| torch Join |", "| joinery classic |", "| joinery fused |",
-            "| joinery Join |", "| joinery, torch-compatible |", "| drain: joinery fused |"]
+            "| no Join, 2 elements |", "| joinery fused, 1 element |", "| joinery Join |",
+            "| joinery, torch-compatible |", "| drain: joinery fused |"]
 
 
 def test_every_benchmark_runs_and_reports(tmp_path: Path) -> None:
