@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import logging
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -28,6 +29,10 @@ from ._errors import LocalProtocolError, PeerAborted, RankTimeout
 __all__ = ["Join", "Joinable", "JoinHook", "format_reports"]
 
 _log = logging.getLogger("joinery")
+
+# How many enabled Joins this thread is inside (a rank is a thread on the
+# threads backend, so this is per thread).
+_active = threading.local()
 
 # A heartbeat or count sum at least this large includes a failed rank
 # (m.tally_has_failure, inlined on the per-iteration path).
@@ -314,6 +319,8 @@ class Join:
                 is_first_joinable=index == 0,
                 join=self,
             )
+        if self._enable:
+            _active.joins = getattr(_active, "joins", 0) + 1
         return self
 
     def __exit__(
@@ -330,6 +337,7 @@ class Join:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
             if self._enable:
+                _active.joins -= 1
                 _watchdog.unwatch(self)
 
     def _settle_last_heartbeat(self, exc: BaseException | None) -> None:
@@ -725,6 +733,15 @@ def _heartbeat_owner(joinable: Any) -> Join | None:
     if config.is_first_joinable and config.enable:
         join: Join = config.join
         return join
+    if config.join is None and getattr(_active, "joins", 0):
+        # Outside any Join the call does nothing (as in torch). Inside one that
+        # does not include this joinable, nobody would shadow its collectives
+        # once a rank joins: a hang later, so an error now.
+        raise LocalProtocolError(
+            f"{_name(joinable)} called notify_join_context inside a `with Join(...)` "
+            "block that does not include it: pass it to Join([...]) with the other "
+            "joinables so that joined ranks shadow its collectives"
+        )
     return None
 
 

@@ -301,3 +301,16 @@ def test_hook_that_is_not_a_join_hook_is_rejected() -> None:
             Join([BadHook(group)])
 
     spawn(rank_fn, 1, timeout=TIMEOUT)
+
+
+def test_notify_outside_any_join_does_nothing_but_inside_a_foreign_join_is_an_error() -> None:
+    def rank_fn(group: ThreadGroup) -> None:
+        member, stranger = AllReducer(group), AllReducer(group)
+        assert stranger() is None  # outside any Join: vacuous, as in torch
+        with Join([member]):
+            member()
+            with pytest.raises(LocalProtocolError, match="does not include it"):
+                stranger()
+        assert stranger() is None  # and vacuous again afterwards
+
+    spawn(rank_fn, 2, timeout=TIMEOUT)
