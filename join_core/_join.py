@@ -733,7 +733,7 @@ def _heartbeat_owner(joinable: Any) -> Join | None:
     if config.is_first_joinable and config.enable:
         join: Join = config.join
         return join
-    if config.join is None and getattr(_active, "joins", 0):
+    if config.join is None and getattr(_active, "joins", 0) > 0:
         # Outside any Join the call does nothing (as in torch). Inside one that
         # does not include this joinable, nobody would shadow its collectives
         # once a rank joins: a hang later, so an error now.
