@@ -67,6 +67,7 @@ def test_mpirun_with_threads_override_gives_worlds_of_one() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.needs_torch
 def test_init_torch_under_mpirun_runs_ddp() -> None:
     pytest.importorskip("torch")
     # init_torch: rank and size from MPI, the rendezvous broadcast over MPI.
@@ -81,6 +82,7 @@ def test_init_torch_under_mpirun_runs_ddp() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.needs_torch
 def test_torchrun_gives_a_torch_group() -> None:
     pytest.importorskip("torch")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -100,6 +102,7 @@ def _free(port: int) -> bool:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.needs_torch
 def test_srun_without_mpi_initialises_torch_from_slurm_variables() -> None:
     pytest.importorskip("torch")
     # Two processes with the variables srun gives its tasks; no MASTER_* set,
