@@ -64,9 +64,9 @@ def timed(
     return times
 
 
-def paired_ratio(times: dict[str, list[float]], top: str, bottom: str) -> float:
-    """Median over repeats of ``top / bottom`` (same repeat round)."""
-    return statistics.median(a / b for a, b in zip(times[top], times[bottom], strict=True))
+def paired_ratios(times: dict[str, list[float]], top: str, bottom: str) -> list[float]:
+    """``top / bottom`` of every repeat round."""
+    return [a / b for a, b in zip(times[top], times[bottom], strict=True)]
 
 
 def report(
@@ -83,12 +83,12 @@ def report(
         lines.append(f"  {name:{width}}  {median:9.1f} us/iter   (IQR {q1:.1f}-{q3:.1f})")
     records: list[dict[str, Any]] = []
     for top, bottom, target in ratios:
-        ratio = paired_ratio(times, top, bottom)
+        low, ratio, high = _quartiles(paired_ratios(times, top, bottom))
         verdict = "" if target is None else ("  ok" if ratio <= target else "  MISSED")
         goal = "" if target is None else f"  (target <= {target:g})"
-        lines.append(f"  {top} / {bottom}: {ratio:.3f}{goal}{verdict}")
+        lines.append(f"  {top} / {bottom}: {ratio:.3f} (IQR {low:.2f}-{high:.2f}){goal}{verdict}")
         records.append({"kind": "ratio", "bench": bench, "top": top, "bottom": bottom,
-                        "ratio": ratio, "target": target})
+                        "ratio": ratio, "q1": low, "q3": high, "target": target})
     print("\n".join(lines), flush=True)
     out = os.environ.get("JOINERY_BENCH_OUT")
     if out:
