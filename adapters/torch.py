@@ -194,7 +194,11 @@ class TorchJoinable(Joinable):
             if not was_active:
                 if (self._is_ddp and config.is_first_joinable
                         and getattr(config.join, "_fused", False)):
-                    self._fused = _FusedCheck(self.obj, self._divide_by_initial_world_size)
+                    # The Join's backend (a TorchGroup) waits so that a peer's
+                    # abort ends a blocked shadow, as it ends the Join's counts.
+                    backend = getattr(config.join, "_backend", None)
+                    self._fused = _FusedCheck(self.obj, self._divide_by_initial_world_size,
+                                              getattr(backend, "_wait", None))
                 _route(self)
             return
         self.obj._join_config = _TORCH_DISABLED
@@ -352,8 +356,10 @@ class _FusedCheck:
     a later collective of the group).
     """
 
-    def __init__(self, ddp: Any, divide_by_initial_world_size: bool) -> None:
+    def __init__(self, ddp: Any, divide_by_initial_world_size: bool,
+                 wait: Callable[[Any], Any] | None = None) -> None:
         self.ddp = ddp
+        self.wait: Callable[[Any], Any] = wait or _plain_wait
         device = torch.device(ddp.join_device)
         self.on_cpu = device.type == "cpu"
         self.allreduce = ddp.process_group.allreduce
@@ -417,7 +423,7 @@ class _FusedCheck:
             view[0] = heartbeat
         else:
             buf.fill_(heartbeat)
-        self.allreduce([buf], self.opts).wait()
+        self.wait(self.allreduce([buf], self.opts))
         return self._read(2)
 
     def _read(self, index: int) -> float:
@@ -433,9 +439,13 @@ class _FusedCheck:
             return None  # the sync flag went out with the heartbeat
         if self.own_latest is not None:
             # A completion round: the round of this rank's own last send.
-            self.works[self.own_latest].wait()
+            self.wait(self.works[self.own_latest])
             self._read(self.own_latest)
         return self.sync
+
+
+def _plain_wait(work: Any) -> Any:
+    return work.wait()
 
 
 class _ZeROShadow(_Shadow):
