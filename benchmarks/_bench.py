@@ -103,11 +103,13 @@ def report(
 
 
 def record_value(bench: str, name: str, value: float, unit: str,
-                 target: float | None = None, info: dict[str, Any] | None = None) -> None:
-    """Print and record one measured value (not a ratio of variants)."""
+                 target: float | None = None, info: dict[str, Any] | None = None,
+                 quiet: bool = False) -> None:
+    """Print (unless ``quiet``) and record one measured value (not a ratio)."""
     verdict = "" if target is None else ("  ok" if value <= target else "  MISSED")
     goal = "" if target is None else f"  (target <= {target:g} {unit})"
-    print(f"== {bench}: {name} {value:.3g} {unit}{goal}{verdict}", flush=True)
+    if not quiet:
+        print(f"== {bench}: {name} {value:.3g} {unit}{goal}{verdict}", flush=True)
     out = os.environ.get("JOINERY_BENCH_OUT")
     if out:
         with open(out, "a") as f:

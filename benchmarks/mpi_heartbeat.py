@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _bench
 import numpy as np
 from mpi4py import MPI
 
@@ -110,6 +111,13 @@ def main() -> None:
         base = results["raw Iallreduce"]
         for name, micros in results.items():
             print(f"  {name:22} {micros:7.2f} us/iteration  ({micros - base:+.2f} vs raw)")
+        # For benchmarks/run.py (a no-op unless JOINERY_BENCH_OUT is set).
+        bench = f"MPI heartbeat, {comm.size} rank{'s' if comm.size > 1 else ''}"
+        for name, micros in results.items():
+            _bench.record_value(bench, name, micros, "us", quiet=True)
+        _bench.record_value(bench, "notify_join_context - MPIGroup.heartbeat",
+                            results["notify_join_context"] - results["MPIGroup.heartbeat"],
+                            "us", quiet=True)
 
 
 if __name__ == "__main__":

@@ -61,11 +61,16 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
     if quick:
         counter, counter_mpi, ddp, threads, step = ["30", "2"], ["200", "2"], ["4", "2"], \
             ["4", "20", "1"], ["2000"]
+        heartbeat = ["200"]
     else:
         counter, counter_mpi, ddp, threads, step = ["500", "15"], ["10000", "15"], \
             ["100", "15"], ["64", "1000", "3"], ["200000"]
+        heartbeat = ["50000"]
     return [
         ("core step", [PY, str(b / "core_step.py"), *step], 120),
+        # One rank: joinery's own CPU cost per heartbeat on MPI (item 3).
+        ("MPI heartbeat", [*_mpirun(), "-n", "1", PY, str(b / "mpi_heartbeat.py"), *heartbeat],
+         120),
         ("Counter, gloo (torchrun)", [*torchrun, str(b / "counter_torch.py"), *counter], 400),
         ("Counter, MPI", [*mpirun, PY, str(b / "counter_mpi.py"), *counter_mpi], 400),
         ("DDP, gloo (torchrun)", [*torchrun, str(b / "ddp.py"), *ddp], 400),

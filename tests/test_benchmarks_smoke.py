@@ -31,6 +31,7 @@ SECTIONS = [
     "### DDP MLP 64-256-1, batch 32, gloo (torchrun)",
     "### DDP drain (rank 0 has no inputs), gloo (torchrun)",
     "### threads, 4 ranks x 20 iterations",
+    "### MPI heartbeat, 1 rank",
 ]
 VARIANTS = ["| no Join |", "| torch Join |", "| joinery classic |", "| joinery fused |",
             "| no Join, 2 elements |", "| joinery fused, 1 element |", "| joinery Join |",
@@ -39,7 +40,7 @@ VARIANTS = ["| no Join |", "| torch Join |", "| joinery classic |", "| joinery f
 
 def test_every_benchmark_runs_and_reports(tmp_path: Path) -> None:
     output = tmp_path / "RESULTS.md"
-    only = ["core step", "Counter", "DDP, gloo (torchrun)", "threads"]
+    only = ["core step", "MPI heartbeat", "Counter", "DDP, gloo (torchrun)", "threads"]
     command = [sys.executable, str(RUN), "--quick", "--output", str(output)]
     for name in only:
         command += ["--only", name]
