@@ -22,11 +22,11 @@ demo: setup
 	@echo "== DDP with Join, 2 ranks under torchrun (gloo on CPU)"
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/ddp.py
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q
 	@echo "== the MPI backend without torch (a second venv with only the mpi extra)"
 	bash .ci/notorch.sh
 
 lint: setup
-	$(VENV)/bin/ruff check join_core backends adapters examples tests
+	$(VENV)/bin/ruff check join_core backends adapters examples tests benchmarks
 	$(VENV)/bin/mypy
