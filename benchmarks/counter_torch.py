@@ -258,7 +258,7 @@ def main() -> None:
     times = _bench.timed(drains, iterations, repeats, slowest, barrier)
     if rank == 0:
         _bench.report("Counter drain (rank 0 has no inputs), gloo", times, [
-            ("drain: joinery classic", "drain: torch Join", 1.0),
+            ("drain: joinery classic", "drain: torch Join", None),
             ("drain: joinery fused", "drain: torch Join", None),
             ("drain: torch Join", "no Join (all ranks active)", None),
         ], info)

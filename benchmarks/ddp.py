@@ -111,7 +111,7 @@ def main() -> None:
             ("torch Join", "no Join", None),
             ("joinery Join", "torch Join", None),
             ("joinery, torch-compatible", "no Join", None),
-            ("joinery, torch-compatible", "torch Join", 1.0),
+            ("joinery, torch-compatible", "torch Join", None),
         ], info)
     times = _bench.timed({
         "no Join (all ranks active)": plain(),

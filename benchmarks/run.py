@@ -64,7 +64,7 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
         heartbeat = ["200"]
     else:
         counter, counter_mpi, ddp, threads, step = ["500", "15"], ["10000", "15"], \
-            ["100", "15"], ["64", "1000", "3"], ["200000"]
+            ["100", "15"], ["64", "1000", "3"], ["50000"]
         heartbeat = ["50000"]
     return [
         ("core step", [PY, str(b / "core_step.py"), *step], 120),
