@@ -53,9 +53,10 @@ class TutorialCounter(join_core.Joinable, torch_join.Joinable):
         self.buf = torch.zeros(1)
         self.arr = self.buf.numpy()
         self.count = 0.0
+        self.heartbeat: Any = None  # torch's Join never waits for its heartbeats
 
     def __call__(self) -> None:
-        self.notify(self)
+        self.heartbeat = self.notify(self)
         arr = self.arr
         arr[0] = 1.0
         dist.all_reduce(self.buf, group=self.group)
@@ -211,8 +212,14 @@ def main() -> None:
                 for _ in range(mine):
                     counter()
                 inner = time.perf_counter() - inner
+            elapsed = time.perf_counter() - start
+            heartbeat, counter.heartbeat = getattr(counter, "heartbeat", None), None
+            if heartbeat is not None:
+                # gloo may abort at exit when work nobody waited for is torn
+                # down; it completed long ago (the Join's count came after it).
+                heartbeat.wait()
             # Steady state: the loop inside the block; drain: the whole block.
-            return time.perf_counter() - start if drain else inner
+            return elapsed if drain else inner
         return loop
 
     def torch_join_of(counter: Any) -> Any:
@@ -262,6 +269,7 @@ def main() -> None:
             ("drain: joinery fused", "drain: torch Join", None),
             ("drain: torch Join", "no Join (all ranks active)", None),
         ], info)
+    dist.barrier()  # every rank's collectives have completed before teardown
     dist.destroy_process_group()
 
 
