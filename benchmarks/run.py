@@ -63,8 +63,8 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
             ["4", "20", "1"], ["2000"]
         heartbeat = ["200"]
     else:
-        counter, counter_mpi, ddp, threads, step = ["500", "15"], ["10000", "15"], \
-            ["100", "15"], ["64", "1000", "3"], ["50000"]
+        counter, counter_mpi, ddp, threads, step = ["400", "21"], ["10000", "15"], \
+            ["100", "21"], ["64", "1000", "3"], ["50000"]
         heartbeat = ["50000"]
     return [
         ("core step", [PY, str(b / "core_step.py"), *step], 120),
