@@ -1,12 +1,13 @@
 """Run every benchmark and write ``benchmarks/RESULTS.md``.
 
-    python benchmarks/run.py            # a few minutes; writes benchmarks/RESULTS.md
+    python benchmarks/run.py            # ~6 minutes on 2 cores; writes benchmarks/RESULTS.md
     python benchmarks/run.py --quick --output /tmp/R.md   # tiny counts (smoke test)
 
 Each benchmark runs as its own program (under ``torchrun`` or ``mpirun`` where
 it needs several processes), with a timeout, one after the other so they do not
-compete for the CPU (``--quick`` runs them all at once: its numbers mean
-nothing). They report through a JSON-lines file (``JOINERY_BENCH_OUT``); this
+compete for the CPU, each once the machine's load average has dropped (or
+after ``--quiet-wait`` seconds; ``--quick`` runs them all at once and its
+numbers mean nothing). They report through a JSON-lines file (``JOINERY_BENCH_OUT``); this
 script turns the records into Markdown tables: per-iteration medians, the
 ratios against their targets, the machine and versions, and the load average
 around each run (a busy machine makes every number noisier). The hand-written
@@ -107,6 +108,18 @@ def run_job(name: str, command: list[str], timeout: float, env: dict[str, str]
             "load_before": os.getloadavg()[0]}
 
 
+def wait_for_quiet(load: float, patience: float) -> float:
+    """Wait until the 1-minute load average is below ``load``; return the seconds waited.
+
+    Other jobs on a shared machine make every number noisier; gives up after
+    ``patience`` seconds (the load is reported with the results either way).
+    """
+    start = time.monotonic()
+    while os.getloadavg()[0] >= load and time.monotonic() - start < patience:
+        time.sleep(5)
+    return time.monotonic() - start
+
+
 def finish(job: dict[str, Any]) -> dict[str, Any]:
     proc = job["proc"]
     left = job["timeout"] - (time.monotonic() - job["started"])
@@ -129,6 +142,11 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--only", action="append", default=[],
                         help="run only benchmarks whose name contains this (repeatable)")
+    parser.add_argument("--quiet-load", type=float, default=1.0,
+                        help="before each benchmark, wait until the 1-minute load average "
+                             "is below this (default 1.0)...")
+    parser.add_argument("--quiet-wait", type=float, default=180.0,
+                        help="...but at most this many seconds (default 180; 0: never wait)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "records.jsonl"
@@ -143,8 +161,11 @@ def main() -> None:
         else:
             runs = []
             for job in selected:
-                print(f"-- {job[0]} (load {os.getloadavg()[0]:.2f})", flush=True)
+                waited = wait_for_quiet(args.quiet_load, args.quiet_wait)
+                print(f"-- {job[0]} (load {os.getloadavg()[0]:.2f}, waited {waited:.0f} s)",
+                      flush=True)
                 result = finish(run_job(*job, env))
+                result["waited"] = waited
                 print(result["output"], end="", flush=True)
                 runs.append(result)
         records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
@@ -219,12 +240,13 @@ def render(records: list[dict[str, Any]], runs: list[dict[str, Any]],
             lines += [f"| {r['name']} | {r['value']:.3g} {r['unit']} | {_target(r)} |"
                       for r in values]
             lines.append("")
-    lines += ["## Runs", "", "Load average (1 min) before and after each benchmark; the "
-              "machine has 2 cores, so a load above 2 means other work competed with it.", "",
-              "| benchmark | status | seconds | load before | load after |",
-              "|---|---|---:|---:|---:|"]
-    lines += [f"| {r['name']} | {r['status']} | {r['seconds']:.0f} | {r['load_before']:.2f} | "
-              f"{r['load_after']:.2f} |" for r in runs]
+    lines += ["## Runs", "", f"Load average (1 min) before and after each benchmark, and how "
+              f"long run.py waited for it to drop first; the machine has {os.cpu_count()} "
+              "cores, so a load above that means other work competed with the benchmark.", "",
+              "| benchmark | status | seconds | waited s | load before | load after |",
+              "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['name']} | {r['status']} | {r['seconds']:.0f} | {r.get('waited', 0):.0f} | "
+              f"{r['load_before']:.2f} | {r['load_after']:.2f} |" for r in runs]
     lines.append("")
     notes = HERE / "notes.md"
     if notes.exists():
