@@ -17,31 +17,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from ddp import NUM_INPUTS, setup, wrap  # the tutorial's setup, shared
 from torch.distributed.optim import ZeroRedundancyOptimizer as ZeRO
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Adam
 
-import backends
 from join_core import Join
-
-NUM_INPUTS = 5
-
-
-def setup() -> tuple[int, torch.device]:
-    """Start torch.distributed under torchrun, mpirun or srun; return rank and device.
-
-    ``backends.init_torch`` picks gloo on the CPU, or nccl and ``cuda:LOCAL_RANK``
-    when there is a CUDA device per rank; under mpirun it takes rank and world
-    size from MPI.
-    """
-    group = backends.init_torch()
-    return group.rank, group.device
-
-
-def wrap(module: torch.nn.Module, device: torch.device) -> DDP:
-    """``module`` on ``device`` inside DDP."""
-    module = module.to(device)
-    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def main() -> None:
