@@ -254,6 +254,7 @@ class Join:
         self._device = joinable_list[0].join_device
         self._clock: Callable[[], float] = time.monotonic
         self._backend: Any = None
+        self._post_status: Callable[[str], None] | None = None
         self._state: m.JoinState | None = None
         # The per-iteration fast path (see _notify): heartbeats sent but not yet
         # folded into the state, the previous heartbeat's handle, and the
@@ -274,6 +275,7 @@ class Join:
             self._backend = backend
             self._heartbeat = backend.heartbeat
             self._heartbeat_total = getattr(backend, "heartbeat_total", None)
+            self._post_status = getattr(backend, "post_status", None)
             # Read per heartbeat only where it exists (getattr's default costs
             # a caught AttributeError on every call).
             self._counts_collectives = hasattr(backend, "collectives_issued")
@@ -312,6 +314,8 @@ class Join:
             except BaseException:
                 _watchdog.unwatch(self)
                 raise
+            # Not an activity: the loop body may take as long as it likes.
+            self._post("active: in its loop body")
         for index, joinable in enumerate(self._joinables):
             joinable._join_config = _JoinConfig(
                 enable=self._enable,
@@ -339,6 +343,7 @@ class Join:
             if self._enable:
                 _active.joins -= 1
                 _watchdog.unwatch(self)
+                self._post("left the Join")
 
     def _settle_last_heartbeat(self, exc: BaseException | None) -> None:
         # Heartbeats are never waited on in the loop. Once the protocol has
@@ -570,10 +575,14 @@ class Join:
             self._batched_notifies = 0
 
     def _doing(self, what: str) -> None:
+        """Record what the rank is now blocked in, for the watchdog and the peers."""
         self._activity = m.Activity(what=what, since=self._clock())
-        post_status = getattr(self._backend, "post_status", None)
-        if post_status is not None:
-            post_status(what)
+        self._post(what)
+
+    def _post(self, what: str) -> None:
+        """Tell the peers' stall diagnostics what this rank is doing (if the backend can)."""
+        if self._post_status is not None:
+            self._post_status(what)
 
     def _run_hooks(self, command: m.RunMainHooks | m.RunPostHooks) -> None:
         if isinstance(command, m.RunPostHooks):

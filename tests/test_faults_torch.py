@@ -143,7 +143,7 @@ def test_stall_diagnostic_reads_peers_from_the_store(launches: dict[str, Launch]
     assert timeouts, results
     text = timeouts[0]["message"]
     assert "what the ranks were last seen doing:" in text
-    assert "  rank 0: the agreement check at entry (" in text  # the staller's last status
+    assert "  rank 0: active: in its loop body (" in text  # the staller's last status
     assert f"  rank {world_size - 1}: counting non-joined ranks (shadow round 0) (" in text
 
 

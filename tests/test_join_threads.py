@@ -211,6 +211,28 @@ def test_enter_returns_join_and_exit_resets_configs() -> None:
     spawn(rank_fn, 2, timeout=TIMEOUT)
 
 
+def test_posted_statuses_follow_the_join_from_entry_to_exit() -> None:
+    # What a peer's stall diagnostic reads of this rank (Join._post).
+    def rank_fn(group: ThreadGroup) -> list[str]:
+        posted: list[str] = []
+        post = group.post_status
+        group.post_status = lambda what: (posted.append(what), post(what))  # type: ignore[method-assign]
+        joinable = AllReducer(group)
+        with Join([joinable]):
+            for _ in range(1 + group.rank):
+                joinable()
+        return posted
+
+    joined_first, joined_last = spawn(rank_fn, 2, timeout=TIMEOUT)
+    entry = ["the agreement check at entry", "active: in its loop body"]
+    assert joined_first == [*entry, "counting non-joined ranks (shadow round 0)",
+                            "main hooks of shadow round 0",
+                            "counting non-joined ranks (shadow round 1)", "post hooks",
+                            "left the Join"]
+    assert joined_last == [*entry, "counting non-joined ranks (shadow round 0)", "post hooks",
+                           "left the Join"]
+
+
 def test_configs_are_reset_even_when_the_loop_raises() -> None:
     def rank_fn(group: ThreadGroup) -> bool:
         joinable = AllReducer(group)
