@@ -26,6 +26,11 @@ Optional, each making the Join better where a backend can offer it:
                             collectives, so the failing rank can match them
 ``abort(message)``          make peers' pending and future collectives fail
                             (used when a hook raised and the shadow is broken)
+``post_status(what)``       remember what this rank's Join is doing (called on
+                            entry, per join collective and on exit: keep it
+                            cheap)
+``peer_status()``           rank -> its last posted status, read out of band by
+                            the watchdog thread for a stall diagnostic
 ==========================  ===================================================
 
 The registry maps a joinable's ``join_process_group`` (plus ``join_device``) to

@@ -51,13 +51,38 @@ backend has none, since the joinable's calls bypass it); ``abort`` is
 ``MPI_Abort``, which ends the whole job: MPI cannot cancel a collective a peer
 waits in.
 
+*The status board* (``post_status``/``peer_status``, for the watchdog's stall
+diagnostic) must be read while the ranks are blocked in a join collective, so
+it works out of band, on point-to-point messages between threads.
+``post_status`` only stores the text and the time in a dict (no MPI call, so
+the per-round path stays cheap), keyed by communicator; the first post on a
+communicator starts the process's *listener*, a daemon thread that every
+``_STATUS_POLL`` seconds probes each such communicator for a status query and
+answers it with the latest post and its age. ``peer_status``, called on the
+stalled rank's watchdog thread, sends every peer a query and waits up to
+``_STATUS_PATIENCE`` seconds for the answers; a peer that does not answer is
+reported as such (dead, stuck without releasing the GIL, or not yet in a Join).
+Queries and answers travel on the communicator itself, with the two highest
+tags (``MPI_TAG_UB`` and one below) and matched probes, so no collective is
+needed to set the board up (a ``Dup`` would need every rank at the same point)
+and the listener never receives a message of yours; only a receive of yours
+with ``MPI.ANY_TAG`` running during a stall could take a query, and that peer
+is then reported as not answering. All this needs ``MPI_THREAD_MULTIPLE``
+(mpi4py's default); at a lower thread level there is no listener and
+``peer_status`` says why. The listener stops before MPI is finalized (at
+interpreter exit, or at an explicit ``MPI.Finalize()``).
+
 Only MPI-3 calls are used (nonblocking collectives, ``MPI_IN_PLACE``,
 ``MPI_C_BOOL``), so Open MPI and MPICH both work.
 """
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -223,6 +248,99 @@ class _HeartbeatHandle:
         return self._group.heartbeat_total(self)
 
 
+# -- the status board (module doc) -------------------------------------------------
+
+#: Seconds between the listener's probes for status queries.
+_STATUS_POLL = 0.1
+#: Seconds ``peer_status`` waits for the peers' answers.
+_STATUS_PATIENCE = 2.0
+
+# communicator key (its Fortran handle) -> (what, time.monotonic() when posted)
+_statuses: dict[int, tuple[str, float]] = {}
+# communicator key -> the communicator, for every one with a post: the
+# listener answers queries on these.
+_board_comms: dict[int, MPI.Comm] = {}
+_board_lock = threading.Lock()
+_listener: threading.Thread | None = None
+_listener_stop = threading.Event()
+_query_ids = itertools.count()
+_unsent: list[MPI.Request] = []  # queries to peers that never received them
+
+
+def _board_tags() -> tuple[int, int]:
+    """The (query, answer) tags: the two highest the MPI library allows."""
+    tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    assert isinstance(tag_ub, int)  # a predefined attribute: always set
+    return tag_ub, tag_ub - 1
+
+
+def _thread_level_problem() -> str | None:
+    """Why the board cannot work in this process, or ``None`` if it can."""
+    level = MPI.Query_thread()
+    if level == MPI.THREAD_MULTIPLE:
+        return None
+    names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
+             "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+    return (
+        f"MPI was initialized with {names.get(level, level)}, and the status board's "
+        "listener thread needs MPI_THREAD_MULTIPLE (mpi4py's default; set "
+        "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI)"
+    )
+
+
+def _open_board(comm: MPI.Comm, key: int) -> None:
+    """Answer status queries on ``comm`` from now on (starts the listener once)."""
+    global _listener
+    with _board_lock:
+        _board_comms[key] = comm
+        if _listener is not None or _thread_level_problem() is not None:
+            return
+        _listener = threading.Thread(target=_listen, name="joinery-mpi-status", daemon=True)
+        _listener.start()
+        atexit.register(_close_board)
+        # MPI_Finalize deletes COMM_SELF's attributes first: stop there too.
+        keyval = MPI.Comm.Create_keyval(delete_fn=lambda *_: _close_board())
+        MPI.COMM_SELF.Set_attr(keyval, True)
+
+
+def _close_board() -> None:
+    """Stop the listener (before MPI is finalized: it must not call MPI after)."""
+    _listener_stop.set()
+    listener = _listener
+    if listener is not None and listener is not threading.current_thread():
+        listener.join(timeout=5 * _STATUS_POLL + 1.0)
+
+
+def _listen() -> None:
+    """The listener thread: answer every status query, every ``_STATUS_POLL`` s."""
+    query_tag, answer_tag = _board_tags()
+    status = MPI.Status()
+    sends: list[MPI.Request] = []
+    while not _listener_stop.wait(_STATUS_POLL):
+        if MPI.Is_finalized():
+            return
+        for key, comm in list(_board_comms.items()):
+            if comm == MPI.COMM_NULL:  # freed since its post
+                _board_comms.pop(key, None)
+                continue
+            try:
+                while (message := comm.improbe(MPI.ANY_SOURCE, query_tag, status)) is not None:
+                    query = message.recv()
+                    sends.append(comm.isend((query, _status_text(key)), status.Get_source(),
+                                            answer_tag))
+            except MPI.Exception:  # the communicator broke: stop answering on it
+                _board_comms.pop(key, None)
+        sends = [send for send in sends if not send.Test()]
+
+
+def _status_text(key: int) -> str:
+    posted = _statuses.get(key)
+    if posted is None:
+        return "no status posted"
+    what, at = posted
+    return f"{what} ({max(0.0, time.monotonic() - at):.1f} s ago)"
+
+
 class MPIGroup:
     """joinery's collectives over an mpi4py communicator.
 
@@ -279,6 +397,7 @@ class MPIGroup:
         #: join collectives). The Join shell compares it with its value at the
         #: last heartbeat to tell whether a failing rank left an iteration open.
         self.collectives_issued = 0
+        self._board_key: int = comm.py2f()
 
     def __repr__(self) -> str:
         return f"MPIGroup(rank={self.rank}, world_size={self.world_size})"
@@ -372,6 +491,65 @@ class MPIGroup:
         sys.stderr.write(f"joinery: rank {self.rank} aborts the MPI job: {message}\n")
         sys.stderr.flush()
         self.comm.Abort(1)
+
+    def post_status(self, what: str) -> None:
+        """Record what this rank's Join is doing, for its peers' stall diagnostics.
+
+        No MPI call: the text waits in a dict for the listener thread to send
+        it to a peer that asks (module doc). The first post on a communicator
+        starts answering on it.
+
+        Args:
+            what: e.g. ``"counting non-joined ranks (shadow round 3)"``.
+        """
+        key = self._board_key
+        if key not in _board_comms:
+            _open_board(self.comm, key)
+        _statuses[key] = (what, time.monotonic())
+
+    def peer_status(self) -> dict[int, str]:
+        """What every rank's Join last posted, asked of the ranks themselves.
+
+        Sends each peer a status query and waits up to ``_STATUS_PATIENCE``
+        seconds for the answers (module doc). Meant for the watchdog thread
+        while this rank's own thread is blocked in a join collective.
+
+        Returns:
+            rank -> its last posted status and how long ago, or why it did not
+            answer.
+
+        Raises:
+            RuntimeError: MPI runs below ``MPI_THREAD_MULTIPLE``, so no rank
+                has a listener to answer.
+        """
+        problem = _thread_level_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+        comm, rank = self.comm, self.rank
+        query_tag, answer_tag = _board_tags()
+        query = (rank, next(_query_ids))
+        out = {rank: _status_text(self._board_key)}
+        waiting = set(range(self.world_size)) - {rank}
+        sends = [comm.isend(query, peer, query_tag) for peer in sorted(waiting)]
+        status = MPI.Status()
+        deadline = time.monotonic() + _STATUS_PATIENCE
+        while waiting and time.monotonic() < deadline:
+            message = comm.improbe(MPI.ANY_SOURCE, answer_tag, status)
+            if message is None:
+                time.sleep(0.005)
+                continue
+            answered, text = message.recv()
+            peer = status.Get_source()
+            if answered == query and peer in waiting:  # not a late answer to an old query
+                out[peer] = text
+                waiting.discard(peer)
+        for peer in waiting:
+            out[peer] = (
+                f"no answer within {_STATUS_PATIENCE:g} s: dead, stuck without "
+                "releasing the GIL, or never in a Join on this communicator"
+            )
+        _unsent.extend(send for send in sends if not send.Test())  # a dead peer's
+        return dict(sorted(out.items()))
 
     # -- collectives ---------------------------------------------------------------
 
@@ -612,7 +790,8 @@ class _CommJoinBackend:
     """
 
     __slots__ = ("group", "rank", "world_size", "heartbeat", "count",
-                 "heartbeat_total", "all_gather_object", "abort")
+                 "heartbeat_total", "all_gather_object", "abort", "post_status",
+                 "peer_status")
 
     def __init__(self, comm: MPI.Comm) -> None:
         group = self.group = MPIGroup(comm)
@@ -623,6 +802,8 @@ class _CommJoinBackend:
         self.heartbeat_total = group.heartbeat_total
         self.all_gather_object = group.all_gather_object
         self.abort = group.abort
+        self.post_status = group.post_status
+        self.peer_status = group.peer_status
 
 
 def _check_device(device: Any) -> None:

@@ -99,6 +99,14 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
         aborted = re.findall(r"joinery: rank (\d+) aborts the MPI job: rank \1 made no "
                              r"progress for [\d.]+ s \(timeout 1 s\) in phase COUNTING", output)
         assert aborted and str(failing) not in aborted, launch.explain()
+        # ... and says where every rank was: the peers' listener threads
+        # answered while their ranks blocked in the count or slept in the loop.
+        assert "what the ranks were last seen doing:" in output, launch.explain()
+        for rank in range(world_size):
+            doing = ("active: in its loop body" if rank == failing
+                     else "counting non-joined ranks (shadow round 0)")
+            assert re.search(rf"^  rank {rank}: {re.escape(doing)} \(\d+\.\d s ago\)$",
+                             output, re.MULTILINE), launch.explain()
     else:  # kill: mpirun's own report names the killed rank
         if is_open_mpi():
             assert re.search(rf"process rank {failing} with PID \d+ on node \S+ exited on\s+"
@@ -107,7 +115,9 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
             assert re.search(r"KILLED BY SIGNAL: 9|Killed \(signal 9\)", output), (
                 launch.explain())
     what = {"main_hook": "MPI_Abort by the failing rank", "post_hook":
-            "MPI_Abort by the failing rank", "stall": "MPI_Abort by a joined rank's watchdog",
+            "MPI_Abort by the failing rank",
+            "stall": ("a joined rank's watchdog: RankTimeout with every rank's status, "
+                      "then MPI_Abort"),
             "kill": "mpirun names the killed rank"}[case]
     record_cell("mpi", case, world_size, failing,
                 f"job ends: exit {launch.returncode} after {launch.seconds:.1f} s; {what}")

@@ -104,3 +104,33 @@ def test_every_case_is_collected() -> None:
         | {f"join/{name}" for name in scenarios.JOIN_CASES}
     )
     assert collected == set(scenarios.case_names())
+
+
+EDGES = PROGRAMS / "status_board_edges.py"
+
+
+@pytest.mark.timeout(120)
+def test_status_board_below_thread_multiple_says_why() -> None:
+    result = run_mpi(EDGES, 2, "funneled", timeout=90.0)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, explain(result)  # rank 0's watchdog aborted the job
+    needs = "the status board's listener thread needs MPI_THREAD_MULTIPLE"
+    refusals = tagged(result.stdout, "JOINERY-EDGE")
+    assert sorted(line["rank"] for line in refusals) == [0, 1], explain(result)
+    assert all(needs in line["refused"] for line in refusals), refusals
+    assert not any("left" in line for line in refusals), refusals
+    assert "joinery: rank 0 aborts the MPI job: rank 0 made no progress" in output, (
+        explain(result))
+    assert f"(peer status unavailable: RuntimeError(\"MPI was initialized with " \
+           f"MPI_THREAD_FUNNELED, and {needs}" in output, explain(result)
+
+
+@pytest.mark.timeout(120)
+def test_status_board_listener_stops_at_an_explicit_finalize() -> None:
+    result = run_mpi(EDGES, 2, "finalize", timeout=90.0)
+    assert result.returncode == 0, explain(result)
+    lines = sorted(tagged(result.stdout, "JOINERY-EDGE"), key=lambda line: line["rank"])
+    assert [line["rank"] for line in lines] == [0, 1], explain(result)
+    for line in lines:
+        assert line["finalized"] and not line["listening"], line
+        assert [text.partition(" (")[0] for text in line["seen"].values()] == ["posted"] * 2

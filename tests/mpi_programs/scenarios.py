@@ -353,12 +353,56 @@ def _group_equality(group: Any) -> None:
     assert group != MPIGroup(MPI.COMM_SELF) and group != MPI.COMM_SELF
 
 
+def _status_board(group: Any) -> None:
+    """peer_status asks the peers' listener threads, also while they block in a collective."""
+    import re
+
+    from backends import mpi
+
+    rank, size = group.rank, group.world_size
+    comm = group.comm.Dup()  # a communicator nobody has posted on yet
+    try:
+        sub = mpi.MPIGroup(comm)
+        if rank == 0:  # the peers have not posted here: they cannot answer
+            seen = sub.peer_status()
+            assert seen[0] == "no status posted", seen
+            for peer in range(1, size):
+                assert seen[peer].startswith("no answer within 2 s: dead, stuck"), seen
+        sub.barrier()
+        sub.post_status(f"status of rank {rank}")
+        sub.barrier()
+        # Rank 0 asks while the peers wait for it in a collective.
+        if rank == 0:
+            seen = sub.peer_status()
+            sub.count(0.0)
+            assert sorted(seen) == list(range(size)), seen
+            for peer, text in seen.items():
+                assert re.fullmatch(rf"status of rank {peer} \(\d+\.\d s ago\)", text), seen
+        else:
+            sub.count(0.0)
+        # Every rank asks at once (late answers to rank 0's first query are
+        # told apart from the answers to these).
+        sub.post_status(f"posted again by rank {rank}")
+        seen = sub.peer_status()
+        assert [text.partition(" (")[0] for text in seen.values()] == [
+            f"posted again by rank {peer}" for peer in range(size)], seen
+        sub.barrier()
+    finally:
+        comm.Free()
+    # The listener drops the freed communicator and answers on the others.
+    group.post_status("after the freed one")
+    seen = group.peer_status()
+    assert all(text.startswith("after the freed one (") for text in seen.values()), seen
+    group.barrier()
+
+
 BUFFER_CASES: dict[str, Callable[[Any], None]] = {
     "torch-in-place": _torch_in_place,
     "numpy-in-place": _numpy_in_place,
     "rejects-bad-buffers": _rejects_bad_buffers,
     "object-and-join-collectives": _object_and_join_collectives,
     "group-equality": _group_equality,
+    "status-board": _status_board,
 }
 
 
