@@ -73,7 +73,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -136,6 +136,38 @@ def adapt(obj: Any) -> TorchJoinable:
         return adapter
     _adapters[id(obj)] = adapter
     return adapter
+
+
+def check_order(joinables: Sequence[Joinable]) -> None:
+    """Refuse a ZeroRedundancyOptimizer listed before a DDP model it steps.
+
+    A joined rank shadows the joinables' collectives in list order, and in
+    every iteration DDP's gradient all-reduce (in the backward pass) comes
+    before the optimizer's step, so ``Join([optim, model])`` would issue the
+    shadow collectives in the wrong order (torch's Join mismatches the same way,
+    silently).
+
+    Args:
+        joinables: a Join's joinables, adapters included.
+
+    Raises:
+        ValueError: a ZeRO adapter comes before a DDP adapter.
+    """
+    zero: TorchJoinable | None = None
+    for index, joinable in enumerate(joinables):
+        if not isinstance(joinable, TorchJoinable):
+            continue
+        if zero is None and _is_zero(joinable.obj):
+            zero = joinable
+            zero_index = index
+        elif zero is not None and joinable._is_ddp:
+            raise ValueError(
+                f"Join lists the ZeroRedundancyOptimizer (joinable {zero_index}) before "
+                f"the DistributedDataParallel model (joinable {index}): list the model "
+                "first, Join([model, optimizer]). A joined rank shadows the joinables' "
+                "collectives in list order, and in each iteration DDP's gradient "
+                "all-reduce comes before the optimizer step"
+            )
 
 
 class TorchJoinable(Joinable):

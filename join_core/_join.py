@@ -213,6 +213,9 @@ class Join:
         joinable_list = [_as_joinable(j) for j in joinables]
         if not joinable_list:
             raise ValueError("The join context manager requires at least one joinable")
+        torch_adapters = sys.modules.get("adapters.torch")
+        if torch_adapters is not None:  # loaded once a torch joinable was adapted
+            torch_adapters.check_order(joinable_list)
         hooks = [joinable.join_hook(**kwargs) for joinable in joinable_list]
         for joinable, hook in zip(joinable_list, hooks, strict=True):
             if not isinstance(hook, JoinHook) and not _looks_like_hook(hook):

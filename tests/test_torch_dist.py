@@ -212,6 +212,11 @@ def test_bad_input_is_a_clear_error(results: Any) -> None:
         assert "Joinable.__init__" in rank["no_init"]["message"]
         assert rank["two_groups"]["type"] == "ValueError"
         assert "multiple process groups" in rank["two_groups"]["message"]
+        assert rank["zero_before_ddp"]["type"] == "ValueError"
+        assert rank["zero_before_ddp"]["message"].startswith(
+            "Join lists the ZeroRedundancyOptimizer (joinable 0) before the "
+            "DistributedDataParallel model (joinable 1): list the model first, "
+            "Join([model, optimizer])")
         assert rank["destroyed"]["type"] == "LocalProtocolError"
         assert "not a live group" in rank["destroyed"]["message"]
 

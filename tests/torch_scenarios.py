@@ -617,6 +617,17 @@ def bad_input(ctx: Ctx) -> Any:
         Join([ddp(ctx, nn.Linear(1, 1)), TorchCounter(other)])
     except Exception as exc:
         out["two_groups"] = error_of(exc)
+    model = ddp(ctx, nn.Linear(2, 2))
+    optim = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD,
+                                    process_group=ctx.group, lr=0.1)
+    try:
+        Join([optim, model])
+    except Exception as exc:
+        out["zero_before_ddp"] = error_of(exc)
+    with Join([model, optim]):  # the right order
+        optim.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        optim.step()
     destroyed = dist.new_group(backend="gloo", timeout=SCENARIO_TIMEOUT)
     dist.destroy_process_group(destroyed)
     try:
