@@ -264,6 +264,10 @@ class Join:
         # backend's collective counter when that heartbeat went out.
         self._batched_notifies = 0
         self._batch_notifies = False
+        # The drain's fast path (see _shadow_batch): the state its rounds
+        # started from, and the plain steps (counts, rounds of hooks) since.
+        self._batch_base: m.JoinState | None = None
+        self._batch_steps = 0
         self._last_heartbeat: Any = None
         self._collectives_at_heartbeat: int | None = None
         self._counts_collectives = False
@@ -577,10 +581,11 @@ class Join:
             self._state = m.replay_notifies(self._state, self._batched_notifies)
             self._batched_notifies = 0
 
-    def _doing(self, what: str) -> None:
-        """Record what the rank is now blocked in, for the watchdog and the peers."""
+    def _doing(self, what: str, status: str | None = None) -> None:
+        """Record what the rank is now blocked in, for the watchdog and (or
+        ``status``, if given) for the peers."""
         self._activity = m.Activity(what=what, since=self._clock())
-        self._post(what)
+        self._post(what if status is None else status)
 
     def _post(self, what: str) -> None:
         """Tell the peers' stall diagnostics what this rank is doing (if the backend can)."""
@@ -593,8 +598,8 @@ class Join:
             for hook in self._hooks:
                 hook.post_hook(command.is_last_joiner)
             return
-        self._doing(f"main hooks of shadow round {command.round}")
         assert self._state is not None
+        self._doing(m.shadow_activity(self._state))
         slot = m.FAILED if self._state.failure else m.JOINED
         for index, hook in enumerate(self._hooks):
             # A fused joinable's first collective is shadowed by fused_shadow,
@@ -603,6 +608,66 @@ class Join:
                 hook.fused_shadow(slot)
             hook.main_hook()
         self._first_shadowed = False
+
+    def _shadow_batch(
+        self, command: m.CountNonjoined, limit: int
+    ) -> tuple[m.Observation, Exception | None]:
+        """The drain's fast path: run plain shadow rounds without stepping the machine.
+
+        Each round is the count and then every main hook, exactly as the
+        machine would command them (``m.shadow_rounds_batchable``), at a
+        fraction of the Python: no step, no observation or activity per round.
+        The rounds end at the first count that is not plain (the machine takes
+        it from there), once ``limit`` rounds ran (the skew warning's round),
+        or when a hook raises; then they are folded into the state with
+        ``m.replay_shadow_steps``. The watchdog reads the progress from
+        ``_batch_base`` and ``_batch_steps`` (``_watchdog``).
+
+        Returns:
+            The observation for the machine (the count that was not plain, or
+            ``HookFailed``) and the hook's exception, if one raised.
+        """
+        base = self._state
+        assert base is not None
+        self._doing(
+            m.shadow_activity(base),
+            f"shadowing from shadow round {base.shadow_rounds} on (counting non-joined "
+            "ranks, then main hooks, round after round)",
+        )
+        self._batch_steps = 0
+        self._batch_base = base
+        value, fused = command.value, command.fused
+        count = self._hooks[0].fused_shadow if fused else self._backend.count
+        # Which hooks shadow a fused first collective themselves (the first
+        # one's is the count when the heartbeat is fused).
+        hooks = [
+            (hook, fuses and not (index == 0 and fused))
+            for index, (hook, fuses) in enumerate(zip(self._hooks, self._fused_hooks, strict=True))
+        ]
+        rounds = 0
+        try:
+            while True:
+                total = count(value)
+                if rounds == limit or not m.count_is_plain(total):
+                    self._first_shadowed = fused
+                    return m.Counted(total=total, now=self._clock()), None
+                self._batch_steps += 1
+                try:
+                    for hook, shadows_fused in hooks:
+                        if shadows_fused:
+                            hook.fused_shadow(m.JOINED)
+                        hook.main_hook()
+                except Exception as error:
+                    if self._stall is not None:
+                        raise self._stall from error
+                    failure = _failure(error, self._backend.rank)
+                    return m.HookFailed(failure=failure, now=self._clock()), error
+                rounds += 1
+                self._batch_steps += 1
+        finally:
+            self._state = m.replay_shadow_steps(base, self._batch_steps)
+            self._batch_base = None
+            self._batch_steps = 0
 
     def _run(self, observation: m.Observation) -> Any:
         assert self._state is not None
@@ -632,9 +697,12 @@ class Join:
                         total = backend.count(command.value)
                         pending = m.TerminationChecked(total=total, now=self._clock())
                     case m.CountNonjoined():
-                        self._doing(
-                            f"counting non-joined ranks (shadow round {state.shadow_rounds})"
-                        )
+                        # Batched unless each phase change is to be logged.
+                        limit = m.shadow_rounds_batchable(state)
+                        if limit and not _log.isEnabledFor(logging.DEBUG):
+                            pending, hook_error = self._shadow_batch(command, limit)
+                            continue
+                        self._doing(m.shadow_activity(state))
                         if command.fused:
                             total = self._hooks[0].fused_shadow(command.value)
                             self._first_shadowed = True

@@ -78,6 +78,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -132,6 +133,10 @@ __all__ = [
     "report",
     "notify_is_batchable",
     "replay_notifies",
+    "shadow_rounds_batchable",
+    "count_is_plain",
+    "replay_shadow_steps",
+    "shadow_activity",
     "Activity",
     "stall_message",
     "TRANSITIONS",
@@ -810,6 +815,70 @@ def replay_notifies(state: JoinState, count: int) -> JoinState:
     """The state after ``count`` batchable ``Notified`` observations."""
     assert notify_is_batchable(state), state.phase
     return _evolve(state, heartbeats=state.heartbeats + count)
+
+
+def shadow_rounds_batchable(state: JoinState) -> int:
+    """How many plain shadow rounds the shell may run without stepping the machine.
+
+    A joined rank's drain is a loop of rounds: in COUNTING it counts
+    (``CountNonjoined``), and a *plain* count (:func:`count_is_plain`: some
+    rank active, none failed) moves it to SHADOWING with ``RunMainHooks(round)``;
+    ``HooksDone`` brings it back to COUNTING with the same ``CountNonjoined``
+    and one more shadow round. With no failure of its own or seen and without
+    throw mode, those two transitions are always the same, so the shell may run
+    the rounds itself and fold them in with :func:`replay_shadow_steps`, until
+    a count is not plain or the skew warning falls due.
+
+    Returns:
+        0 if not batchable (another phase, a failure, throw mode); else how
+        many rounds may complete before the skew warning's round.
+    """
+    if (
+        state.phase is not Phase.COUNTING
+        or state.failure is not None
+        or state.failure_seen
+        or state.config.throw_on_early_termination
+    ):
+        return 0
+    if state.warned_skew:
+        return sys.maxsize
+    return max(0, state.config.skew_warn_threshold - state.shadow_rounds)
+
+
+def count_is_plain(total: float) -> bool:
+    """Whether a count's sum shows some rank active and none failed (cheap check).
+
+    The same as ``decode_tally(total)`` giving ``active > 0`` and ``failed == 0``
+    for every sum the join collectives can produce.
+    """
+    return 0.5 <= total < FAILED - 0.5
+
+
+def replay_shadow_steps(state: JoinState, steps: int) -> JoinState:
+    """The state after ``steps`` plain drain observations from a batchable state.
+
+    The observations alternate, starting with a plain ``Counted`` and then
+    ``HooksDone``; an odd ``steps`` ends in SHADOWING (the last round's main
+    hooks running). The result equals stepping them one by one (tested), as
+    long as ``steps // 2`` is within :func:`shadow_rounds_batchable`.
+    """
+    if steps == 0:
+        return state
+    assert shadow_rounds_batchable(state) >= steps // 2, (state.phase, steps)
+    rounds, in_hooks = divmod(steps, 2)
+    return _evolve(
+        state,
+        phase=Phase.SHADOWING if in_hooks else Phase.COUNTING,
+        shadow_rounds=state.shadow_rounds + rounds,
+        is_last_joiner=False,
+    )
+
+
+def shadow_activity(state: JoinState) -> str:
+    """What a draining rank is blocked in, for the watchdog and the peers."""
+    if state.phase is Phase.SHADOWING:
+        return f"main hooks of shadow round {state.shadow_rounds}"
+    return f"counting non-joined ranks (shadow round {state.shadow_rounds})"
 
 
 def step(state: JoinState, observation: Observation) -> Transition:

@@ -104,7 +104,8 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
         assert "what the ranks were last seen doing:" in output, launch.explain()
         for rank in range(world_size):
             doing = ("active: in its loop body" if rank == failing
-                     else "counting non-joined ranks (shadow round 0)")
+                     else "shadowing from shadow round 0 on (counting non-joined ranks, then "
+                          "main hooks, round after round)")
             assert re.search(rf"^  rank {rank}: {re.escape(doing)} \(\d+\.\d s ago\)$",
                              output, re.MULTILINE), launch.explain()
     else:  # kill: mpirun's own report names the killed rank

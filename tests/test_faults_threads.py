@@ -79,7 +79,7 @@ def test_stall_diagnostic_names_phase_round_and_where_every_rank_was() -> None:
     assert "what the ranks were last seen doing:" in text
     # The stalled rank's whereabouts: its last collective, in its loop body.
     assert "rank 2: last called collective" in text and "in collective" in text
-    assert "its Join: counting non-joined ranks" in text  # a joined peer's posted status
+    assert "its Join: shadowing from shadow round 0 on" in text  # a joined peer's status
 
 
 @pytest.mark.timeout(60)

@@ -144,7 +144,7 @@ def test_stall_diagnostic_reads_peers_from_the_store(launches: dict[str, Launch]
     text = timeouts[0]["message"]
     assert "what the ranks were last seen doing:" in text
     assert "  rank 0: active: in its loop body (" in text  # the staller's last status
-    assert f"  rank {world_size - 1}: counting non-joined ranks (shadow round 0) (" in text
+    assert f"  rank {world_size - 1}: shadowing from shadow round 0 on (" in text
 
 
 @pytest.mark.timeout(600)

@@ -7,6 +7,8 @@ broadcasts a constant from a last joiner.
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 from typing import Any
 
@@ -14,7 +16,15 @@ import numpy as np
 import pytest
 
 from backends.threads import ThreadGroup, spawn
-from join_core import EarlyTermination, Join, Joinable, JoinHook, LocalProtocolError
+from join_core import (
+    EarlyTermination,
+    Join,
+    Joinable,
+    JoinHook,
+    JoinReport,
+    LocalProtocolError,
+    RankTimeout,
+)
 
 BEFORE, AFTER = 41.0, 42.0
 TIMEOUT = 20.0
@@ -225,12 +235,79 @@ def test_posted_statuses_follow_the_join_from_entry_to_exit() -> None:
 
     joined_first, joined_last = spawn(rank_fn, 2, timeout=TIMEOUT)
     entry = ["the agreement check at entry", "active: in its loop body"]
-    assert joined_first == [*entry, "counting non-joined ranks (shadow round 0)",
-                            "main hooks of shadow round 0",
-                            "counting non-joined ranks (shadow round 1)", "post hooks",
-                            "left the Join"]
-    assert joined_last == [*entry, "counting non-joined ranks (shadow round 0)", "post hooks",
-                           "left the Join"]
+    drain = ("shadowing from shadow round 0 on (counting non-joined ranks, then main hooks, "
+             "round after round)")  # one post for the whole batch of rounds
+    assert joined_first == [*entry, drain, "post hooks", "left the Join"]
+    assert joined_last == [*entry, drain, "post hooks", "left the Join"]
+
+
+class SlowHook(AllReducerJoinHook):
+    """Sleeps in its main hook of shadow round ``stall_round``."""
+
+    def __init__(self, allreducer: AllReducer, stall_round: int | None) -> None:
+        super().__init__(allreducer, 1)
+        self.stall_round = stall_round
+        self.rounds = 0
+
+    def main_hook(self) -> None:
+        if self.rounds == self.stall_round:
+            time.sleep(2.0)
+        self.rounds += 1
+        super().main_hook()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stalls_in", ["count", "hook"])
+def test_watchdog_names_the_round_a_batched_drain_stalls_in(stalls_in: str) -> None:
+    # Rank 0 has no inputs: it drains (batched shadow rounds, no per-round
+    # activity) while rank 1 runs 5 iterations, then rank 1 stalls in its
+    # loop (rank 0 blocks in the count of round 5), or rank 0's main hook
+    # stalls in round 3.
+    def rank_fn(group: ThreadGroup) -> BaseException | None:
+        joinable = AllReducer(group)
+        hook_round = 3 if stalls_in == "hook" and group.rank == 0 else None
+        joinable.join_hook = lambda **kwargs: SlowHook(joinable, hook_round)  # type: ignore[method-assign]
+        try:
+            with Join([joinable], timeout=0.5):
+                for _ in range(5 if group.rank == 1 else 0):
+                    joinable()
+                if stalls_in == "count" and group.rank == 1:
+                    time.sleep(2.0)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            return exc
+        return None
+
+    drained, _ = spawn(rank_fn, 2, timeout=TIMEOUT)
+    assert isinstance(drained, RankTimeout), drained
+    text = str(drained)
+    if stalls_in == "count":
+        assert ("in phase COUNTING, counting non-joined ranks (shadow round 5); it had "
+                "processed 0 inputs and run 5 shadow rounds") in text, text
+    else:
+        assert ("in phase SHADOWING, main hooks of shadow round 3; it had processed 0 "
+                "inputs and run 3 shadow rounds") in text, text
+
+
+@pytest.mark.timeout(60)
+def test_debug_logging_logs_every_shadow_round_phase_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The drain is batched (no machine step per round) unless DEBUG is on.
+    def rank_fn(group: ThreadGroup) -> JoinReport:
+        joinable = AllReducer(group)
+        with Join([joinable]) as join:
+            for _ in range(4 if group.rank == 1 else 0):
+                joinable()
+        return join.report
+
+    with caplog.at_level(logging.DEBUG, logger="joinery"):
+        reports = spawn(rank_fn, 2, timeout=TIMEOUT)
+    rank0 = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank 0:")]
+    assert rank0.count("rank 0: COUNTING -> SHADOWING on Counted") == 4, rank0
+    assert rank0.count("rank 0: SHADOWING -> COUNTING on HooksDone") == 4, rank0
+    caplog.clear()
+    assert [r.shadow_rounds for r in spawn(rank_fn, 2, timeout=TIMEOUT)] == [4, 0]
+    assert [r.shadow_rounds for r in reports] == [4, 0]
 
 
 def test_configs_are_reset_even_when_the_loop_raises() -> None:

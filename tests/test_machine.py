@@ -8,6 +8,8 @@ import sys
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from join_core import (
     AgreementError,
@@ -266,6 +268,64 @@ def test_replaying_batched_notifies_equals_stepping() -> None:
     assert not any(
         m.notify_is_batchable(state(phase)) for phase in m.Phase if phase is not m.Phase.ACTIVE
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rounds=st.integers(0, 12),
+    threshold=st.integers(0, 12),
+    warned=st.booleans(),
+    fused=st.booleans(),
+    joined_last=st.booleans(),
+    data=st.data(),
+)
+def test_replaying_plain_shadow_steps_equals_stepping(
+    rounds: int, threshold: int, warned: bool, fused: bool, joined_last: bool,
+    data: st.DataObject,
+) -> None:
+    config = m.MachineConfig(rank=1, skew_warn_threshold=threshold, fused_heartbeat=fused)
+    base = attrs.evolve(m.initial_state(config), phase=m.Phase.COUNTING, shadow_rounds=rounds,
+                        warned_skew=warned, is_last_joiner=joined_last, heartbeats=4)
+    limit = m.shadow_rounds_batchable(base)
+    assert limit == (sys.maxsize if warned else max(0, threshold - rounds))
+    steps = data.draw(st.integers(0, 2 * min(limit, 8) + (1 if limit else 0)))
+    count = m.CountNonjoined(value=m.JOINED, fused=fused)
+    stepped = base
+    for index in range(steps):
+        if index % 2 == 0:
+            total = float(data.draw(st.integers(1, 64)))
+            assert m.count_is_plain(total)
+            t = m.step(stepped, m.Counted(total=total, now=float(index)))
+            assert t.commands == (m.RunMainHooks(round=stepped.shadow_rounds),)
+        else:
+            t = m.step(stepped, m.HooksDone(now=float(index)))
+            assert t.commands == (count,)  # no skew warning inside the batch
+        stepped = t.state
+        assert m.shadow_activity(stepped) == (
+            f"main hooks of shadow round {stepped.shadow_rounds}" if index % 2 == 0
+            else f"counting non-joined ranks (shadow round {stepped.shadow_rounds})")
+    assert m.replay_shadow_steps(base, steps) == stepped
+
+
+def test_count_is_plain_agrees_with_decode_tally() -> None:
+    for active in range(0, 70):
+        for failed in range(0, 3):
+            total = float(active + failed * m.FAILED)
+            assert m.count_is_plain(total) == (active > 0 and failed == 0), total
+
+
+def test_shadow_rounds_are_not_batchable_around_failures_throw_mode_and_other_phases() -> None:
+    failure = m.Failure(rank=3, exc_type="ValueError", message="x")
+    assert m.shadow_rounds_batchable(state(m.Phase.COUNTING)) == m.SKEW_WARN_THRESHOLD
+    assert m.shadow_rounds_batchable(state(m.Phase.COUNTING, failure=failure)) == 0
+    assert m.shadow_rounds_batchable(state(m.Phase.COUNTING, failure_seen=True)) == 0
+    assert m.shadow_rounds_batchable(state(m.Phase.COUNTING, throw=True)) == 0
+    assert not any(m.shadow_rounds_batchable(state(phase))
+                   for phase in m.Phase if phase is not m.Phase.COUNTING)
+    # At the threshold the next round warns, so it is the machine's to run.
+    at = state(m.Phase.COUNTING, shadow_rounds=m.SKEW_WARN_THRESHOLD)
+    assert m.shadow_rounds_batchable(at) == 0
+    assert m.shadow_rounds_batchable(attrs.evolve(at, warned_skew=True)) == sys.maxsize
 
 
 # -- failures --------------------------------------------------------------------
