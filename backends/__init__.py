@@ -1,4 +1,4 @@
-"""Collective backends for joinery, and the registry that picks one.
+"""Collective backends for joinkit, and the registry that picks one.
 
 A *join backend* is the small object the Join shell talks to: it knows its
 ``rank`` and ``world_size`` and offers the two join collectives, both a
@@ -33,12 +33,15 @@ Optional, each making the Join better where a backend can offer it:
                             the watchdog thread for a stall diagnostic
 ==========================  ===================================================
 
-The registry maps a joinable's ``join_process_group`` (plus ``join_device``) to
-such a backend. Backends that ship with joinery register themselves when their
-module is imported; the module for a library is imported only once that library
-is already loaded, so resolving never imports torch or mpi4py by itself.
-Third parties register in code with :func:`register`, or through the entry
-point group ``joinery.backends``: each entry point names a callable
+The registry, which the core owns (``joinkit._ports``; :func:`register` and
+:func:`resolve` here are the same functions), maps a joinable's
+``join_process_group`` (plus ``join_device``) to such a backend. Backends that
+ship with joinkit register themselves when their module is imported; the
+registry reaches them through this package's entry point
+(:func:`resolve_builtin`), which imports the module for a library only once
+that library is already loaded, so resolving never imports torch or mpi4py by
+itself. Third parties register in code with :func:`register`, or through the
+entry point group ``joinkit.backends``: each entry point names a callable
 ``resolver(process_group, device) -> JoinBackend | None`` that returns ``None``
 for groups it does not handle.
 
@@ -46,7 +49,7 @@ Every backend module also offers a *group*: the framework-agnostic collectives
 (:class:`CollectiveGroup`) on NumPy arrays and torch CPU tensors. A group is its
 own join backend, so ``join_process_group`` may simply return the group.
 
-This module imports only the standard library.
+This module imports only the standard library and joinkit's core.
 """
 
 from __future__ import annotations
@@ -54,9 +57,17 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Callable, Mapping
-from importlib.metadata import entry_points
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
+
+from joinkit._ports import (
+    BACKEND_ENTRY_POINTS,
+    Handle,
+    JoinBackend,
+    find_registered,
+    register,
+    resolve,
+)
 
 __all__ = [
     "Handle",
@@ -67,38 +78,12 @@ __all__ = [
     "register",
     "resolve",
     "ENTRY_POINT_GROUP",
+    "resolve_builtin",
     "init",
     "init_torch",
 ]
 
-ENTRY_POINT_GROUP = "joinery.backends"
-
-
-@runtime_checkable
-class Handle(Protocol):
-    """An in-flight collective."""
-
-    def wait(self) -> Any: ...
-
-
-@runtime_checkable
-class JoinBackend(Protocol):
-    """What the Join shell needs from a collective library."""
-
-    rank: int
-    world_size: int
-
-    def heartbeat(self, value: float) -> Handle:
-        """Start a 1-element SUM all-reduce contributing ``value``."""
-        ...
-
-    def count(self, value: float) -> float:
-        """1-element SUM all-reduce contributing ``value``; return the sum."""
-        ...
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order (blocking)."""
-        ...
+ENTRY_POINT_GROUP = BACKEND_ENTRY_POINTS
 
 
 REDUCE_OPS = ("sum", "prod", "min", "max", "band", "bor", "bxor")
@@ -193,90 +178,33 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
-Factory = Callable[[Any, Any], JoinBackend]
-Resolver = Callable[[Any, Any], "JoinBackend | None"]
-
-# (matcher, factory): matcher is a type (isinstance) or a predicate.
-_registered: list[tuple[type | Callable[[Any], bool], Factory]] = []
 # library module that must already be loaded -> our module that registers itself
 _BUILTIN = {
-    "torch.distributed": "backends.torch_dist",
-    "mpi4py.MPI": "backends.mpi",
+    "torch.distributed": "joinkit.backends.torch_dist",
+    "mpi4py.MPI": "joinkit.backends.mpi",
 }
-_entry_point_resolvers: list[Resolver] | None = None
 
 
-def register(kind: type | Callable[[Any], bool], factory: Factory) -> None:
-    """Teach the registry a new kind of process group.
+def resolve_builtin(process_group: Any, device: Any) -> JoinBackend | None:
+    """The ``joinkit.backends`` entry point of joinkit's own backends.
 
-    Args:
-        kind: a type (groups that are instances of it match) or a predicate
-            ``kind(process_group) -> bool``.
-        factory: ``factory(process_group, device) -> JoinBackend``.
-
-    Later registrations win over earlier ones, so a third party can override
-    a built-in backend for its own subclass.
+    Imports the backend module of each library that is already loaded (torch,
+    mpi4py); the module registers its kinds of group in code, and the registry
+    is asked again. Nothing is imported for a library nobody loaded.
     """
-    _registered.insert(0, (kind, factory))
-
-
-def _matches(kind: type | Callable[[Any], bool], group: Any) -> bool:
-    if isinstance(kind, type):
-        return isinstance(group, kind)
-    return bool(kind(group))
-
-
-def _load_builtins() -> None:
+    loaded = False
     for library, module in _BUILTIN.items():
         if library in sys.modules and module not in sys.modules:
             importlib.import_module(module)
-
-
-def _load_entry_points() -> list[Resolver]:
-    global _entry_point_resolvers
-    if _entry_point_resolvers is None:
-        _entry_point_resolvers = [
-            ep.load() for ep in entry_points(group=ENTRY_POINT_GROUP)
-        ]
-    return _entry_point_resolvers
+            loaded = True
+    return find_registered(process_group, device) if loaded else None
 
 
 def __getattr__(name: str) -> Any:
-    # init/init_torch live in _launch (which imports attrs); load it on first
-    # use so importing backends stays standard-library only.
+    # init/init_torch live in _launch, which imports this package: load it on
+    # first use.
     if name in ("init", "init_torch"):
         from . import _launch
 
         return getattr(_launch, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def resolve(process_group: Any, device: Any = None) -> JoinBackend:
-    """Return the join backend for a joinable's process group and device.
-
-    Args:
-        process_group: the joinable's ``join_process_group``.
-        device: the joinable's ``join_device``.
-
-    Returns:
-        A :class:`JoinBackend`.
-
-    Raises:
-        TypeError: no registered backend handles this kind of process group.
-    """
-    _load_builtins()
-    for kind, factory in _registered:
-        if _matches(kind, process_group):
-            return factory(process_group, device)
-    for resolver in _load_entry_points():
-        backend = resolver(process_group, device)
-        if backend is not None:
-            return backend
-    raise TypeError(
-        f"joinery has no backend for a join_process_group of type "
-        f"{type(process_group).__module__}.{type(process_group).__qualname__}. "
-        "Use a torch.distributed ProcessGroup, an mpi4py communicator or a "
-        "backends.threads group, or register a backend for this type with "
-        "backends.register(kind, factory) or the 'joinery.backends' entry point "
-        "group."
-    )

@@ -16,7 +16,7 @@ connects me to my peers, and who are they? It does so in two steps.
    it in a ``TorchGroup``, or return a world of one.
 
 The backend is, first match wins: the ``backend=`` argument, the
-``JOINERY_BACKEND`` environment variable (``torch``, ``mpi``, ``threads``), or
+``JOINKIT_BACKEND`` environment variable (``torch``, ``mpi``, ``threads``), or
 the launcher's natural choice::
 
     torchrun          -> torch (env:// rendezvous, set up by torchrun)
@@ -54,7 +54,7 @@ from typing import Any
 
 import attrs
 
-import backends
+from joinkit import backends
 
 __all__ = [
     "BACKENDS",
@@ -67,10 +67,10 @@ __all__ = [
     "solo_group",
 ]
 
-#: The values ``JOINERY_BACKEND`` and ``backend=`` accept.
+#: The values ``JOINKIT_BACKEND`` and ``backend=`` accept.
 BACKENDS = ("torch", "mpi", "threads")
 
-ENV_VAR = "JOINERY_BACKEND"
+ENV_VAR = "JOINKIT_BACKEND"
 
 # backend -> (module that must be importable, pip extra)
 _LIBRARIES = {"torch": ("torch", "torch"), "mpi": ("mpi4py", "mpi")}
@@ -94,7 +94,7 @@ class LaunchPlan:
     Attributes:
         launcher: what :func:`backends.detect_launcher` found (``None``: nothing).
         backend: one of :data:`BACKENDS`.
-        chosen_by: ``"argument"``, ``"JOINERY_BACKEND"`` or ``"launcher"``.
+        chosen_by: ``"argument"``, ``"JOINKIT_BACKEND"`` or ``"launcher"``.
         rank, world_size, local_rank: from the environment when it tells them
             (``None`` otherwise; MPI then knows them).
         master_addr, master_port: the torch rendezvous, when the environment
@@ -148,7 +148,7 @@ def plan_launch(
         if choice not in BACKENDS:
             where = f"{ENV_VAR}={requested!r}" if chosen_by == ENV_VAR else f"backend={requested!r}"
             raise ValueError(
-                f"{where} is not a joinery backend: use one of {', '.join(BACKENDS)}"
+                f"{where} is not a joinkit backend: use one of {', '.join(BACKENDS)}"
             )
     else:
         chosen_by = "launcher"
@@ -182,21 +182,21 @@ def _require_library(
     module, extra = _LIBRARIES[choice]
     if available(module):
         return
-    install = f"pip install 'joinery[{extra}]'"
+    install = f"pip install 'joinkit[{extra}]'"
     if chosen_by == ENV_VAR:
         message = f"{ENV_VAR}={choice} but {module} is not installed: {install}"
     elif chosen_by == "argument":
         message = f"backend={choice!r} but {module} is not installed: {install}"
     else:
         message = (
-            f"this process was launched by {launcher}, which joinery runs on "
+            f"this process was launched by {launcher}, which joinkit runs on "
             f"{module}, but {module} is not installed: {install}, or choose "
             f"another backend with {ENV_VAR}"
         )
         if launcher == "srun":
             message = (
                 "this process was launched by srun, and neither mpi4py nor torch "
-                "is installed: pip install 'joinery[mpi]' or 'joinery[torch]'"
+                "is installed: pip install 'joinkit[mpi]' or 'joinkit[torch]'"
             )
     raise ModuleNotFoundError(message, name=module)
 
@@ -307,7 +307,7 @@ def init(backend: str | None = None) -> Any:
 
     Args:
         backend: ``"torch"``, ``"mpi"`` or ``"threads"`` to override the
-            launcher's choice (so does the ``JOINERY_BACKEND`` variable; the
+            launcher's choice (so does the ``JOINKIT_BACKEND`` variable; the
             argument wins). ``"threads"`` gives a world of one.
 
     For the MPI backend it also makes an unhandled exception abort the MPI
@@ -326,7 +326,7 @@ def init(backend: str | None = None) -> Any:
     """
     plan = plan_launch(os.environ, backend)
     if plan.backend == "mpi":
-        from backends.mpi import MPIGroup
+        from joinkit.backends.mpi import MPIGroup
 
         abort_on_unhandled_exception()
         return MPIGroup()
@@ -365,7 +365,7 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
     import torch
     import torch.distributed as dist
 
-    from backends.torch_dist import TorchGroup
+    from joinkit.backends.torch_dist import TorchGroup
 
     if dist.is_initialized():
         return TorchGroup()
@@ -423,7 +423,7 @@ def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
     if plan.launcher == "mpirun" and (plan.master_addr is None or plan.master_port is None):
         raise ModuleNotFoundError(
             "init_torch under mpirun agrees on the rendezvous through MPI, but "
-            "mpi4py is not installed: pip install 'joinery[mpi]', or set "
+            "mpi4py is not installed: pip install 'joinkit[mpi]', or set "
             "MASTER_ADDR and MASTER_PORT",
             name="mpi4py",
         )
@@ -497,7 +497,7 @@ def abort_on_unhandled_exception() -> None:
     harmless, and a hook installed before is still called first.
     """
     previous = sys.excepthook
-    if getattr(previous, "joinery_aborts_mpi", False):
+    if getattr(previous, "joinkit_aborts_mpi", False):
         return
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
@@ -509,7 +509,7 @@ def abort_on_unhandled_exception() -> None:
             sys.stderr.flush()
             MPI.COMM_WORLD.Abort(1)
 
-    excepthook.joinery_aborts_mpi = True  # type: ignore[attr-defined]
+    excepthook.joinkit_aborts_mpi = True  # type: ignore[attr-defined]
     sys.excepthook = excepthook
 
 

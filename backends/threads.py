@@ -1,4 +1,4 @@
-"""The threads backend: ranks as threads of one process, and joinery's test harness.
+"""The threads backend: ranks as threads of one process, and joinkit's test harness.
 
 Theory of operation
 -------------------
@@ -69,7 +69,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from join_core import CollectiveMismatch, PeerAborted, PeerFailure, RankTimeout
+from joinkit import CollectiveMismatch, PeerAborted, PeerFailure, RankTimeout
 
 from . import REDUCE_OPS, register
 
@@ -476,11 +476,12 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _call_site() -> _Site:
-    """The caller's (file, line, function): the first frame outside joinery's core."""
+    """The caller's (file, line, function): the first frame outside joinkit's core."""
     frame = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if module != __name__ and module != "join_core" and not module.startswith("join_core."):
+        # Skip this module and the core's (joinkit, joinkit._join, ...).
+        if module != __name__ and module != "joinkit" and not module.startswith("joinkit._"):
             code = frame.f_code
             return (code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back  # type: ignore[assignment]
@@ -1144,7 +1145,7 @@ def spawn(
     arguments = tuple(args)
     threads = [
         threading.Thread(target=world.run, args=(fn, group, arguments, results),
-                         name=f"joinery-rank-{group.rank}", daemon=True)
+                         name=f"joinkit-rank-{group.rank}", daemon=True)
         for group in world.groups
     ]
     for thread in threads:

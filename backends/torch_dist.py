@@ -1,4 +1,4 @@
-"""The torch.distributed backend: joinery's collectives over a torch ProcessGroup.
+"""The torch.distributed backend: joinkit's collectives over a torch ProcessGroup.
 
 Theory of operation
 -------------------
@@ -18,8 +18,8 @@ loaded.
 ``torch.distributed.algorithms.join.Join.notify_join_context`` sends: a
 1-element float32 SUM all-reduce on the joinable's device, issued with
 ``async_op`` so the active rank does not wait for it; a count is the same
-all-reduce, blocking. So a torch rank and a joinery rank can share one group
-(pass ``check_agreement=False`` to joinery's Join: torch does no agreement
+all-reduce, blocking. So a torch rank and a joinkit rank can share one group
+(pass ``check_agreement=False`` to joinkit's Join: torch does no agreement
 check). The heartbeat returns the raw ``torch.distributed.Work``: DDP hands it
 to its reducer, which with ``divide_by_initial_world_size=False`` reads the
 number of active ranks from it.
@@ -84,8 +84,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-import backends
-from join_core import LocalProtocolError, PeerFailure
+from joinkit import LocalProtocolError, PeerFailure, backends
 
 __all__ = ["TorchGroup", "GroupAborted"]
 
@@ -216,7 +215,7 @@ def _nothing() -> None:
 
 
 class TorchGroup:
-    """joinery's collectives over a torch.distributed ProcessGroup.
+    """joinkit's collectives over a torch.distributed ProcessGroup.
 
     Every method is collective: all ranks of the group call it in the same
     order with matching arguments (same shapes and dtypes, same root). Ranks
@@ -268,7 +267,7 @@ class TorchGroup:
         self._slice = (
             None if self._on_cuda else datetime.timedelta(seconds=_WAIT_SLICE)
         )
-        self._store_prefix = f"joinery/{getattr(group, 'group_name', '')}/"
+        self._store_prefix = f"joinkit/{getattr(group, 'group_name', '')}/"
         self._status: tuple[str, float] | None = None
         self._status_posted: tuple[str, float] | None = None
 
@@ -279,7 +278,7 @@ class TorchGroup:
         )
 
     # A TorchGroup stands for its ProcessGroup: DDP (whose join_process_group is
-    # the raw group) and a joinery joinable holding a TorchGroup over the same
+    # the raw group) and a joinkit joinable holding a TorchGroup over the same
     # group may share one Join, which compares the groups with ``!=``.
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TorchGroup):
@@ -305,7 +304,7 @@ class TorchGroup:
         self._next_beat = 1 - index
         previous = self._beat_works[index]
         if previous is not None:
-            self._wait(previous)  # this buffer's last all-reduce (module doc)
+            self.wait(previous)  # this buffer's last all-reduce (module doc)
         buf = self._beats[index]
         views = self._beat_views
         if views is not None:
@@ -346,7 +345,7 @@ class TorchGroup:
             return 0.0
         for index in (1 - self._next_beat, self._next_beat):
             if self._beat_works[index] is handle:
-                self._wait(handle)
+                self.wait(handle)
                 return float(views[index].item(0))
         return 0.0
 
@@ -363,7 +362,7 @@ class TorchGroup:
         buf.fill_(value)
         work = self._allreduce([buf], self._sum)
         self._join_collectives += 1
-        self._wait(work)
+        self.wait(work)
         return float(buf.item())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -379,12 +378,12 @@ class TorchGroup:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        self._wait(self.process_group.allgather([sizes], [size], AllgatherOptions()))
+        self.wait(self.process_group.allgather([sizes], [size], AllgatherOptions()))
         lengths = [int(s.item()) for s in sizes]
         padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
         padded[: data.numel()] = data
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self._wait(self.process_group.allgather([parts], [padded], AllgatherOptions()))
+        self.wait(self.process_group.allgather([parts], [padded], AllgatherOptions()))
         return [
             pickle.load(io.BytesIO(part[:length].cpu().numpy().tobytes()))
             for part, length in zip(parts, lengths, strict=True)
@@ -461,8 +460,15 @@ class TorchGroup:
             out[first["rank"]] += f"; aborted the group: {reason}"
         return out
 
-    def _wait(self, work: Any) -> Any:
-        """``work.wait()``, but on a CPU group give up once a rank aborted (module doc)."""
+    def wait(self, work: Any) -> Any:
+        """``work.wait()``, but on a CPU group give up once a rank aborted (module doc).
+
+        The join backend's optional ``wait``: adapters wait on the framework
+        work they issue through it, so a peer's abort ends their waits too.
+
+        Raises:
+            GroupAborted: a rank aborted the group.
+        """
         if self._abort is not None:
             raise GroupAborted(*self._abort)
         if self._slice is None:
@@ -641,13 +647,13 @@ class TorchGroup:
         # An all-reduce is a barrier on every backend (nccl's barrier() guesses a
         # device); reading the result blocks the host on CUDA too.
         self._barrier_buf.zero_()
-        self._wait(self._allreduce([self._barrier_buf], self._sum))
+        self.wait(self._allreduce([self._barrier_buf], self._sum))
         self._barrier_buf.item()
 
     # -- helpers -------------------------------------------------------------------
 
     def _scalar(self) -> torch.Tensor:
-        # float32 on the wire, like torch's Join (and every joinery backend).
+        # float32 on the wire, like torch's Join (and every joinkit backend).
         return torch.zeros(1, dtype=torch.float32, device=self.device)
 
     def _root(self, root: int, what: str) -> int:
@@ -726,8 +732,8 @@ class TorchGroup:
             return result()
 
         if async_op:
-            return _Pending(work, finish, self._wait)
-        self._wait(work)
+            return _Pending(work, finish, self.wait)
+        self.wait(work)
         return finish()
 
 
@@ -778,7 +784,7 @@ def _bounded(action: Callable[[Any], Any]) -> Any:
         except Exception:  # noqa: BLE001 - no store, or it is gone: nothing known
             result[0] = None
 
-    helper = threading.Thread(target=run, name="joinery-store", daemon=True)
+    helper = threading.Thread(target=run, name="joinkit-store", daemon=True)
     helper.start()
     helper.join(_STORE_PATIENCE)
     return result[0]
@@ -795,7 +801,7 @@ def _publish_statuses(group: TorchGroup) -> None:
     with _publisher_lock:
         _publishing.add(group)
         if _publisher is None or not _publisher.is_alive():
-            _publisher = threading.Thread(target=_publish_loop, name="joinery-status",
+            _publisher = threading.Thread(target=_publish_loop, name="joinkit-status",
                                           daemon=True)
             _publisher.start()
 
@@ -834,7 +840,7 @@ def _usable_device(device: Any) -> torch.device:
         )
     if parsed.type not in ("cpu", "cuda"):
         raise TypeError(
-            f"join_device {device!r} is not supported: joinery's torch backend runs "
+            f"join_device {device!r} is not supported: joinkit's torch backend runs "
             "its collectives on the CPU (gloo) or on CUDA (nccl)"
         )
     return parsed

@@ -1,14 +1,14 @@
 """What every benchmark script shares: interleaved timing, medians, JSON out.
 
 A script measures several *variants* of one loop (no Join, torch's Join,
-joinery's Join, ...) and prints them side by side. Variants take turns within
+joinkit's Join, ...) and prints them side by side. Variants take turns within
 every repeat, in a rotating order, so a noisy moment on a shared machine hits
 them alike; a repeat's time is the slowest rank's (as in training); the
 reported figure is the median over repeats, after warm-up runs that are not
 recorded. A ratio between two variants is the median of their per-repeat
 ratios (paired, so slow drift of the machine's load cancels out).
 
-Results go to standard output as a table and, when ``JOINERY_BENCH_OUT`` names
+Results go to standard output as a table and, when ``JOINKIT_BENCH_OUT`` names
 a file, as JSON lines that ``benchmarks/run.py`` turns into RESULTS.md.
 """
 
@@ -75,7 +75,7 @@ def report(
     ratios: Sequence[Ratio],
     info: dict[str, Any] | None = None,
 ) -> None:
-    """Print the variants and ratios; append them to ``JOINERY_BENCH_OUT``."""
+    """Print the variants and ratios; append them to ``JOINKIT_BENCH_OUT``."""
     lines = [f"== {bench}" + (f"  ({_info(info)})" if info else "")]
     width = max(len(name) for name in times)
     for name, values in times.items():
@@ -90,7 +90,7 @@ def report(
         records.append({"kind": "ratio", "bench": bench, "top": top, "bottom": bottom,
                         "ratio": ratio, "q1": low, "q3": high, "target": target})
     print("\n".join(lines), flush=True)
-    out = os.environ.get("JOINERY_BENCH_OUT")
+    out = os.environ.get("JOINKIT_BENCH_OUT")
     if out:
         with open(out, "a") as f:
             for name, values in times.items():
@@ -110,7 +110,7 @@ def record_value(bench: str, name: str, value: float, unit: str,
     goal = "" if target is None else f"  (target <= {target:g} {unit})"
     if not quiet:
         print(f"== {bench}: {name} {value:.3g} {unit}{goal}{verdict}", flush=True)
-    out = os.environ.get("JOINERY_BENCH_OUT")
+    out = os.environ.get("JOINKIT_BENCH_OUT")
     if out:
         with open(out, "a") as f:
             f.write(json.dumps({"kind": "value", "bench": bench, "name": name, "value": value,

@@ -7,7 +7,7 @@
 - ``step(ACTIVE, HeartbeatSeen)``: the (rare) transition on a heartbeat sum;
 - ``notify_join_context``: the shell's whole per-iteration path (fast path,
   machine not stepped) over a backend whose collectives do nothing, i.e.
-  joinery's own Python cost per iteration;
+  joinkit's own Python cost per iteration;
 - ``fused_heartbeat + record_heartbeat_total``: the same for a fused joinable;
 - ``notify, enable=False``: a disabled Join (the floor).
 
@@ -21,9 +21,8 @@ from typing import Any
 
 import _bench
 
-import backends
-from join_core import Join, Joinable, JoinHook
-from join_core import _machine as m
+from joinkit import Join, Joinable, JoinHook, backends
+from joinkit import _machine as m
 
 TARGET_STEP_US = 2.0
 

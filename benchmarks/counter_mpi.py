@@ -1,4 +1,4 @@
-"""The tutorial's Counter on MPI: no Join, joinery's classic and fused heartbeats.
+"""The tutorial's Counter on MPI: no Join, joinkit's classic and fused heartbeats.
 
     mpirun -n 2 python benchmarks/counter_mpi.py [iterations [repeats]]
 
@@ -8,12 +8,12 @@ preallocated float32 array (the framework-agnostic API of
 
 - ``no Join``: the tutorial Counter (a 1-element all-reduce, and a
   ``notify_join_context`` that is a no-op outside a Join);
-- ``joinery classic``: that Counter inside joinery's Join (a separate
+- ``joinkit classic``: that Counter inside joinkit's Join (a separate
   heartbeat ``Iallreduce`` per iteration);
-- ``joinery fused``: the Counter of ``examples/counter.py``, whose all-reduce
+- ``joinkit fused``: the Counter of ``examples/counter.py``, whose all-reduce
   has a second element carrying the heartbeat (one collective per iteration);
 - ``no Join, 2 elements``: that 2-element all-reduce without any Join;
-- ``joinery fused, 1 element``: a fused Counter whose only element is the
+- ``joinkit fused, 1 element``: a fused Counter whose only element is the
   heartbeat slot (an active rank's input counts 1, as its heartbeat does; see
   ``counter_torch.py``).
 
@@ -32,8 +32,8 @@ import _bench
 import numpy as np
 from mpi4py import MPI
 
-from backends.mpi import MPIGroup
-from join_core import Join, Joinable, JoinHook
+from joinkit import Join, Joinable, JoinHook
+from joinkit.backends.mpi import MPIGroup
 
 
 class TutorialCounter(Joinable):
@@ -169,28 +169,28 @@ def main() -> None:
             "library": MPI.Get_library_version().split(",")[0].strip()}
     times = _bench.timed({
         "no Join": no_join,
-        "joinery classic": inside(TutorialCounter(group)),
-        "joinery fused": inside(FusedCounter(group)),
+        "joinkit classic": inside(TutorialCounter(group)),
+        "joinkit fused": inside(FusedCounter(group)),
         "no Join, 2 elements": no_join_pair,
-        "joinery fused, 1 element": inside(SlotCounter(group)),
+        "joinkit fused, 1 element": inside(SlotCounter(group)),
     }, iterations, repeats, slowest, comm.Barrier)
     if rank == 0:
         _bench.report("Counter, MPI", times, [
-            ("joinery fused", "no Join", 1.2),
-            ("joinery fused, 1 element", "no Join", 1.2),
-            ("joinery fused", "no Join, 2 elements", None),
-            ("joinery classic", "no Join", None),
+            ("joinkit fused", "no Join", 1.2),
+            ("joinkit fused, 1 element", "no Join", 1.2),
+            ("joinkit fused", "no Join, 2 elements", None),
+            ("joinkit classic", "no Join", None),
         ], info)
     times = _bench.timed({
         "no Join (all ranks active)": no_join,
-        "drain: joinery classic": inside(TutorialCounter(group), True),
-        "drain: joinery fused": inside(FusedCounter(group), True),
-        "drain: joinery fused, 1 element": inside(SlotCounter(group), True),
+        "drain: joinkit classic": inside(TutorialCounter(group), True),
+        "drain: joinkit fused": inside(FusedCounter(group), True),
+        "drain: joinkit fused, 1 element": inside(SlotCounter(group), True),
     }, iterations, repeats, slowest, comm.Barrier)
     if rank == 0:
         _bench.report("Counter drain (rank 0 has no inputs), MPI", times, [
-            ("drain: joinery classic", "no Join (all ranks active)", None),
-            ("drain: joinery fused", "no Join (all ranks active)", None),
+            ("drain: joinkit classic", "no Join (all ranks active)", None),
+            ("drain: joinkit fused", "no Join (all ranks active)", None),
         ], info)
 
 

@@ -1,4 +1,4 @@
-"""The tutorial's Counter on gloo: no Join, torch's Join, joinery's Join.
+"""The tutorial's Counter on gloo: no Join, torch's Join, joinkit's Join.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/counter_torch.py [iterations [repeats]]
 
@@ -10,14 +10,14 @@ tensor allocation or indexing). Variants:
   ``notify_join_context`` that is a no-op outside a Join);
 - ``torch Join``: that Counter inside ``torch.distributed.algorithms.join.Join``
   (its notify sends torch's heartbeat, a second all-reduce);
-- ``joinery classic``: the same Counter inside joinery's Join (torch-compatible
+- ``joinkit classic``: the same Counter inside joinkit's Join (torch-compatible
   heartbeat, a second all-reduce);
-- ``joinery fused``: the Counter of ``examples/counter.py``, whose all-reduce
+- ``joinkit fused``: the Counter of ``examples/counter.py``, whose all-reduce
   has a second element carrying the heartbeat (one collective per iteration);
 - ``no Join, 2 elements``: that 2-element all-reduce without any Join (what
-  the extra element costs on the wire, joinery aside: gloo's ring all-reduce
+  the extra element costs on the wire, joinkit aside: gloo's ring all-reduce
   takes more steps for two elements than for one);
-- ``joinery fused, 1 element``: a fused Counter whose only element is the
+- ``joinkit fused, 1 element``: a fused Counter whose only element is the
   heartbeat slot: an active rank contributes 1 (an input, and "I am active"),
   a joined rank 0, so the count of inputs *is* the heartbeat sum and the
   collective is exactly the tutorial's.
@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.algorithms.join as torch_join
 
-import join_core
-from join_core import Join
+import joinkit
+from joinkit import Join
 
 
-class TutorialCounter(join_core.Joinable, torch_join.Joinable):
-    """The tutorial's Counter; ``notify`` is torch's or joinery's notify_join_context."""
+class TutorialCounter(joinkit.Joinable, torch_join.Joinable):
+    """The tutorial's Counter; ``notify`` is torch's or joinkit's notify_join_context."""
 
     def __init__(self, group: Any, notify: Callable[[Any], Any]) -> None:
         super().__init__()
@@ -81,7 +81,7 @@ class TutorialCounter(join_core.Joinable, torch_join.Joinable):
         return self.group
 
 
-class SlotCounter(join_core.Joinable):
+class SlotCounter(joinkit.Joinable):
     """A fused Counter whose one element is also the heartbeat slot.
 
     Its all-reduce sums 1 per rank that processed an input: exactly what the
@@ -106,10 +106,10 @@ class SlotCounter(join_core.Joinable):
         self.count += arr[0]
         Join.record_heartbeat_total(self, arr.item(0))
 
-    def join_hook(self, **kwargs: Any) -> join_core.JoinHook:
+    def join_hook(self, **kwargs: Any) -> joinkit.JoinHook:
         counter = self
 
-        class Hook(join_core.JoinHook):
+        class Hook(joinkit.JoinHook):
             def fused_shadow(self, heartbeat: float) -> float:
                 counter.arr[0] = heartbeat  # a joined rank's 0: no input
                 dist.all_reduce(counter.buf, group=counter.group)
@@ -126,7 +126,7 @@ class SlotCounter(join_core.Joinable):
         return self.group
 
 
-class FusedCounter(join_core.Joinable):
+class FusedCounter(joinkit.Joinable):
     """The Counter of examples/counter.py: the heartbeat rides in a second element."""
 
     join_fuses_heartbeat = True
@@ -146,10 +146,10 @@ class FusedCounter(join_core.Joinable):
         self.count += arr[0]
         Join.record_heartbeat_total(self, arr.item(1))
 
-    def join_hook(self, **kwargs: Any) -> join_core.JoinHook:
+    def join_hook(self, **kwargs: Any) -> joinkit.JoinHook:
         counter = self
 
-        class Hook(join_core.JoinHook):
+        class Hook(joinkit.JoinHook):
             def fused_shadow(self, heartbeat: float) -> float:
                 arr = counter.arr
                 arr[0] = 0.0
@@ -225,48 +225,48 @@ def main() -> None:
     def torch_join_of(counter: Any) -> Any:
         return torch_join.Join([counter])
 
-    def joinery_join_of(counter: Any) -> Any:
+    def joinkit_join_of(counter: Any) -> Any:
         return Join([counter])
 
     def torch_counter() -> TutorialCounter:
         return TutorialCounter(group, torch_join.Join.notify_join_context)
 
-    def joinery_counter() -> TutorialCounter:
+    def joinkit_counter() -> TutorialCounter:
         return TutorialCounter(group, Join.notify_join_context)
 
     variants: dict[str, Callable[[int], float | None]] = {
         "no Join": no_join,
         "torch Join": inside(torch_join_of, torch_counter()),
-        "joinery classic": inside(joinery_join_of, joinery_counter()),
-        "joinery fused": inside(joinery_join_of, FusedCounter(group)),
+        "joinkit classic": inside(joinkit_join_of, joinkit_counter()),
+        "joinkit fused": inside(joinkit_join_of, FusedCounter(group)),
         "no Join, 2 elements": no_join_pair,
-        "joinery fused, 1 element": inside(joinery_join_of, SlotCounter(group)),
+        "joinkit fused, 1 element": inside(joinkit_join_of, SlotCounter(group)),
     }
     times = _bench.timed(variants, iterations, repeats, slowest, barrier)
     info = {"ranks": world, "iterations": iterations, "repeats": repeats}
     if rank == 0:
         _bench.report("Counter, gloo", times, [
-            ("joinery fused", "no Join", 1.05),
-            ("joinery fused, 1 element", "no Join", 1.05),
-            ("joinery classic", "torch Join", 1.0),
-            ("joinery fused", "no Join, 2 elements", None),
+            ("joinkit fused", "no Join", 1.05),
+            ("joinkit fused, 1 element", "no Join", 1.05),
+            ("joinkit classic", "torch Join", 1.0),
+            ("joinkit fused", "no Join, 2 elements", None),
             ("no Join, 2 elements", "no Join", None),
             ("torch Join", "no Join", None),
-            ("joinery classic", "no Join", None),
+            ("joinkit classic", "no Join", None),
         ], info)
 
     drains: dict[str, Callable[[int], float | None]] = {
         "no Join (all ranks active)": no_join,
         "drain: torch Join": inside(torch_join_of, torch_counter(), True),
-        "drain: joinery classic": inside(joinery_join_of, joinery_counter(), True),
-        "drain: joinery fused": inside(joinery_join_of, FusedCounter(group), True),
-        "drain: joinery fused, 1 element": inside(joinery_join_of, SlotCounter(group), True),
+        "drain: joinkit classic": inside(joinkit_join_of, joinkit_counter(), True),
+        "drain: joinkit fused": inside(joinkit_join_of, FusedCounter(group), True),
+        "drain: joinkit fused, 1 element": inside(joinkit_join_of, SlotCounter(group), True),
     }
     times = _bench.timed(drains, iterations, repeats, slowest, barrier)
     if rank == 0:
         _bench.report("Counter drain (rank 0 has no inputs), gloo", times, [
-            ("drain: joinery classic", "drain: torch Join", None),
-            ("drain: joinery fused", "drain: torch Join", None),
+            ("drain: joinkit classic", "drain: torch Join", None),
+            ("drain: joinkit fused", "drain: torch Join", None),
             ("drain: torch Join", "no Join (all ranks active)", None),
         ], info)
     dist.barrier()  # every rank's collectives have completed before teardown

@@ -1,4 +1,4 @@
-"""A small DDP MLP on gloo: no Join, torch's Join, joinery's Join.
+"""A small DDP MLP on gloo: no Join, torch's Join, joinkit's Join.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/ddp.py [iterations [repeats]]
     mpirun -n 2 python benchmarks/ddp.py [iterations [repeats]]
@@ -11,10 +11,10 @@ initialised by ``backends.init_torch()``. Variants, each with its own model:
 - ``no Join``: plain DDP;
 - ``torch Join``: inside ``torch.distributed.algorithms.join.Join`` (a
   heartbeat and a gradient-sync check per iteration);
-- ``joinery Join``: inside joinery's Join (the heartbeat rides in DDP's
+- ``joinkit Join``: inside joinkit's Join (the heartbeat rides in DDP's
   gradient-sync check: one small collective per iteration);
-- ``joinery, torch-compatible``: ``Join([ddp], check_agreement=False)``, the
-  wire format of torch's Join (a heartbeat and a check), as joinery sent it
+- ``joinkit, torch-compatible``: ``Join([ddp], check_agreement=False)``, the
+  wire format of torch's Join (a heartbeat and a check), as joinkit sent it
   before the fused check.
 
 The *drain* variants give rank 0 no inputs, so it shadows every iteration of
@@ -36,8 +36,7 @@ import torch.distributed.algorithms.join as torch_join
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import backends
-from join_core import Join
+from joinkit import Join, backends
 
 
 def model() -> tuple[DDP, torch.optim.Optimizer]:
@@ -91,7 +90,7 @@ def main() -> None:
     def torch_join_of(ddp: DDP) -> Any:
         return torch_join.Join([ddp])
 
-    def joinery_join_of(ddp: DDP) -> Any:
+    def joinkit_join_of(ddp: DDP) -> Any:
         return Join([ddp])
 
     def compatible_join_of(ddp: DDP) -> Any:
@@ -102,27 +101,27 @@ def main() -> None:
     times = _bench.timed({
         "no Join": plain(),
         "torch Join": inside(torch_join_of),
-        "joinery Join": inside(joinery_join_of),
-        "joinery, torch-compatible": inside(compatible_join_of),
+        "joinkit Join": inside(joinkit_join_of),
+        "joinkit, torch-compatible": inside(compatible_join_of),
     }, iterations, repeats, slowest, dist.barrier)
     if rank == 0:
         _bench.report(f"DDP MLP 64-256-1, batch 32, gloo ({launcher})", times, [
-            ("joinery Join", "no Join", 1.15),
+            ("joinkit Join", "no Join", 1.15),
             ("torch Join", "no Join", None),
-            ("joinery Join", "torch Join", None),
-            ("joinery, torch-compatible", "no Join", None),
-            ("joinery, torch-compatible", "torch Join", None),
+            ("joinkit Join", "torch Join", None),
+            ("joinkit, torch-compatible", "no Join", None),
+            ("joinkit, torch-compatible", "torch Join", None),
         ], info)
     times = _bench.timed({
         "no Join (all ranks active)": plain(),
         "drain: torch Join": inside(torch_join_of, True),
-        "drain: joinery Join": inside(joinery_join_of, True),
-        "drain: joinery, torch-compatible": inside(compatible_join_of, True),
+        "drain: joinkit Join": inside(joinkit_join_of, True),
+        "drain: joinkit, torch-compatible": inside(compatible_join_of, True),
     }, iterations, repeats, slowest, dist.barrier)
     if rank == 0:
         _bench.report(f"DDP drain (rank 0 has no inputs), gloo ({launcher})", times, [
-            ("drain: joinery Join", "drain: torch Join", None),
-            ("drain: joinery, torch-compatible", "drain: torch Join", None),
+            ("drain: joinkit Join", "drain: torch Join", None),
+            ("drain: joinkit, torch-compatible", "drain: torch Join", None),
             ("drain: torch Join", "no Join (all ranks active)", None),
         ], info)
     dist.barrier()

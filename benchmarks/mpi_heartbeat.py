@@ -1,4 +1,4 @@
-"""Per-iteration cost of joinery's heartbeat on MPI versus a raw ``Iallreduce``.
+"""Per-iteration cost of joinkit's heartbeat on MPI versus a raw ``Iallreduce``.
 
     mpirun -n 2 python benchmarks/mpi_heartbeat.py [iterations]
 
@@ -16,7 +16,7 @@ active (the common case), in four variants:
 Rank 0 prints microseconds per iteration (best of several repeats). The loop
 has no other communication, so with several ranks the numbers include the
 heartbeat's latency (each iteration waits for the previous heartbeat) and are
-noisy on a loaded machine; ``-n 1`` isolates joinery's own CPU cost.
+noisy on a loaded machine; ``-n 1`` isolates joinkit's own CPU cost.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import _bench
 import numpy as np
 from mpi4py import MPI
 
-from backends.mpi import MPIGroup
-from join_core import Join, Joinable, JoinHook
+from joinkit import Join, Joinable, JoinHook
+from joinkit.backends.mpi import MPIGroup
 
 
 class Beat(Joinable):
@@ -111,7 +111,7 @@ def main() -> None:
         base = results["raw Iallreduce"]
         for name, micros in results.items():
             print(f"  {name:22} {micros:7.2f} us/iteration  ({micros - base:+.2f} vs raw)")
-        # For benchmarks/run.py (a no-op unless JOINERY_BENCH_OUT is set).
+        # For benchmarks/run.py (a no-op unless JOINKIT_BENCH_OUT is set).
         bench = f"MPI heartbeat, {comm.size} rank{'s' if comm.size > 1 else ''}"
         for name, micros in results.items():
             _bench.record_value(bench, name, micros, "us", quiet=True)

@@ -7,7 +7,7 @@ Each benchmark runs as its own program (under ``torchrun`` or ``mpirun`` where
 it needs several processes), with a timeout, one after the other so they do not
 compete for the CPU, each once the machine's load average has dropped (or
 after ``--quiet-wait`` seconds; ``--quick`` runs them all at once and its
-numbers mean nothing). They report through a JSON-lines file (``JOINERY_BENCH_OUT``); this
+numbers mean nothing). They report through a JSON-lines file (``JOINKIT_BENCH_OUT``); this
 script turns the records into Markdown tables: per-iteration medians, the
 ratios against their targets, the machine and versions, and the load average
 around each run (a busy machine makes every number noisier). The hand-written
@@ -69,7 +69,7 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
         heartbeat = ["50000"]
     return [
         ("core step", [PY, str(b / "core_step.py"), *step], 120),
-        # One rank: joinery's own CPU cost per heartbeat on MPI (item 3).
+        # One rank: joinkit's own CPU cost per heartbeat on MPI (item 3).
         ("MPI heartbeat", [*_mpirun(), "-n", "1", PY, str(b / "mpi_heartbeat.py"), *heartbeat],
          120),
         ("Counter, gloo (torchrun)", [*torchrun, str(b / "counter_torch.py"), *counter], 400),
@@ -85,16 +85,15 @@ def child_env(out: Path) -> dict[str, str]:
         key: value for key, value in os.environ.items()
         # An outer launcher's variables would confuse torchrun's and mpirun's children.
         if not key.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "SLURM_", "TORCHELASTIC_",
-                               "JOINERY_"))
+                               "JOINKIT_"))
         and key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     env.update(
         OMP_NUM_THREADS="1",
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         PYTHONWARNINGS="ignore",
-        JOINERY_BENCH_OUT=str(out),
+        JOINKIT_BENCH_OUT=str(out),
     )
     return env
 
@@ -185,7 +184,7 @@ def main() -> None:
 def render(records: list[dict[str, Any]], runs: list[dict[str, Any]],
            started: datetime.datetime, quick: bool) -> str:
     lines = [
-        "# joinery benchmark results",
+        "# joinkit benchmark results",
         "",
         f"Written by `python benchmarks/run.py{' --quick' if quick else ''}` on "
         f"{started:%Y-%m-%d %H:%M %Z}" + (f" at commit `{_commit()}`" if _commit() else "")

@@ -6,9 +6,9 @@ Each rank is a thread of this process (``backends.threads.spawn``); rank r has
 ``iterations`` inputs. Variants, taking turns:
 
 - ``no Join``: the tutorial's loop of one 1-element all-reduce per iteration;
-- ``joinery fused``: the Counter of ``examples/counter.py`` inside a Join (its
+- ``joinkit fused``: the Counter of ``examples/counter.py`` inside a Join (its
   all-reduce carries the heartbeat);
-- ``joinery classic``: the tutorial Counter inside a Join (a separate
+- ``joinkit classic``: the tutorial Counter inside a Join (a separate
   heartbeat per iteration).
 
 The figure is the wall time of the whole ``spawn`` (threads started, Join
@@ -27,8 +27,8 @@ from typing import Any
 import _bench
 import numpy as np
 
-from backends.threads import spawn
-from join_core import Join, Joinable, JoinHook
+from joinkit import Join, Joinable, JoinHook
+from joinkit.backends.threads import spawn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from counter import Counter  # noqa: E402  (examples/ is not a package)
@@ -37,7 +37,7 @@ TARGET_SECONDS = 10.0
 
 
 class TutorialCounter(Joinable):
-    """The tutorial's Counter (classic heartbeat) over any joinery group."""
+    """The tutorial's Counter (classic heartbeat) over any joinkit group."""
 
     def __init__(self, group: Any) -> None:
         super().__init__()
@@ -97,7 +97,7 @@ def main() -> None:
     ranks = _bench.int_arg(1, 64)
     iterations = _bench.int_arg(2, 1000)
     repeats = _bench.int_arg(3, 3)
-    variants = {"no Join": no_join, "joinery fused": fused, "joinery classic": classic}
+    variants = {"no Join": no_join, "joinkit fused": fused, "joinkit classic": classic}
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(repeats):
         names = list(variants)
@@ -111,7 +111,7 @@ def main() -> None:
                 raise AssertionError(f"{name}: counts {set(counts)}, expected {expected}")
     info = {"ranks": ranks, "iterations": iterations, "repeats": repeats}
     for name, values in seconds.items():
-        target = TARGET_SECONDS if name == "joinery fused" else None
+        target = TARGET_SECONDS if name == "joinkit fused" else None
         _bench.record_value(f"threads, {ranks} ranks x {iterations} iterations",
                             name, statistics.median(values), "s", target, info)
 

@@ -1,4 +1,4 @@
-"""The Join tutorial's Counter, written once against joinery's collectives.
+"""The Join tutorial's Counter, written once against joinkit's collectives.
 
 Each rank counts, per iteration, how many ranks processed an input (one
 all-reduce of a 1); a joined rank shadows that all-reduce with a 0. Once all
@@ -31,8 +31,7 @@ from typing import Any
 
 import numpy as np
 
-import backends
-from join_core import Join, Joinable, JoinHook
+from joinkit import Join, Joinable, JoinHook, backends
 
 NUM_INPUTS = 5
 WORLD_SIZE = 2  # when no launcher started us, run this many ranks as threads
@@ -125,7 +124,7 @@ def worker(group: Any) -> list[str]:
 
 def main() -> None:
     if backends.detect_launcher() is None:
-        from backends.threads import spawn
+        from joinkit.backends.threads import spawn
 
         spawn(worker, WORLD_SIZE)
     else:

@@ -1,4 +1,4 @@
-"""Plug a collective library joinery does not ship into Join: ranks as processes
+"""Plug a collective library joinkit does not ship into Join: ranks as processes
 talking over ``multiprocessing`` pipes.
 
 Run it: ``python examples/custom_backend.py`` starts 2 processes (``--ranks N``
@@ -34,14 +34,14 @@ Registering. In code, before the first Join::
 ``kind`` may be a type (instances match, subclasses too) or a predicate, and the
 factory turns a joinable's ``join_process_group`` (and ``join_device``) into
 the join backend; here the group is its own backend. A package that ships a
-backend can instead declare an entry point in the ``joinery.backends`` group,
+backend can instead declare an entry point in the ``joinkit.backends`` group,
 so it is found without any import by the user::
 
-    # pyproject.toml of the package "joinery-pipes"
-    [project.entry-points."joinery.backends"]
-    pipes = "joinery_pipes:resolve"
+    # pyproject.toml of the package "joinkit-pipes"
+    [project.entry-points."joinkit.backends"]
+    pipes = "joinkit_pipes:resolve"
 
-    # joinery_pipes/__init__.py
+    # joinkit_pipes/__init__.py
     def resolve(process_group, device):
         # Return a join backend for groups this package handles, else None.
         return process_group if isinstance(process_group, PipeGroup) else None
@@ -63,12 +63,12 @@ from typing import Any
 
 import numpy as np
 
-import backends
+from joinkit import backends
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from counter import NUM_INPUTS, Counter  # noqa: E402  (the tutorial's joinable)
 
-from join_core import Join  # noqa: E402
+from joinkit import Join  # noqa: E402
 
 _REDUCE: dict[str, Callable[..., Any]] = {
     "sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,

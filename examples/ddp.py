@@ -1,4 +1,4 @@
-"""The Join tutorial's DistributedDataParallel example, on joinery's Join.
+"""The Join tutorial's DistributedDataParallel example, on joinkit's Join.
 
 Rank r has 5 + r inputs; inside ``Join([model])`` the rank that runs out first
 shadows DDP's collectives until the other finishes. Run it with
@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import backends
-from join_core import Join
+from joinkit import Join, backends
 
 NUM_INPUTS = 5
 

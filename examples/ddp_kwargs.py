@@ -1,4 +1,4 @@
-"""The Join tutorial's keyword-argument example, on joinery's Join.
+"""The Join tutorial's keyword-argument example, on joinkit's Join.
 
 Keyword arguments of ``Join`` go to every joinable's ``join_hook``; here
 ``divide_by_initial_world_size=False`` makes DDP divide gradients by the number
@@ -21,7 +21,7 @@ from ddp import NUM_INPUTS, setup, wrap  # the tutorial's setup, shared
 from torch.distributed.optim import ZeroRedundancyOptimizer as ZeRO
 from torch.optim import Adam
 
-from join_core import Join
+from joinkit import Join
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The Join tutorial's DDP + ZeroRedundancyOptimizer example, on joinery's Join.
+"""The Join tutorial's DDP + ZeroRedundancyOptimizer example, on joinkit's Join.
 
 Both the model and the sharded optimizer go into one ``Join``: a joined rank
 shadows DDP's gradient all-reduces and still steps (and broadcasts) its shard of
@@ -21,7 +21,7 @@ from ddp import NUM_INPUTS, setup, wrap  # the tutorial's setup, shared
 from torch.distributed.optim import ZeroRedundancyOptimizer as ZeRO
 from torch.optim import Adam
 
-from join_core import Join
+from joinkit import Join
 
 
 def main() -> None:

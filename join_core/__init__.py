@@ -1,6 +1,10 @@
-"""joinery's core: a pure join state machine and the torch-compatible shell.
+"""joinkit: a framework-agnostic Join for data-parallel training with uneven inputs.
 
-Importing this package imports the standard library and attrs only.
+This package is the core (the folder ``join_core/`` in the repository): a pure
+join state machine, the torch-compatible shell (``Join``, ``Joinable``,
+``JoinHook``) and the ports that backends (``joinkit.backends``) and adapters
+(``joinkit.adapters``) plug into. Importing it imports the standard library and
+attrs only.
 """
 
 from ._errors import (
@@ -14,14 +18,19 @@ from ._errors import (
     PeerFailure,
     RankTimeout,
 )
-from ._join import Join, Joinable, JoinHook, format_reports
+from ._join import Join, Joinable, JoinConfig, JoinHook, format_reports
 from ._machine import JoinReport
+from ._ports import Adapter, JoinBackend, register_adapter
 
 __all__ = [
     "Join",
     "Joinable",
     "JoinHook",
+    "JoinConfig",
     "JoinReport",
+    "JoinBackend",
+    "Adapter",
+    "register_adapter",
     "format_reports",
     "JoinError",
     "LocalProtocolError",

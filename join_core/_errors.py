@@ -1,6 +1,6 @@
-"""The errors joinery raises, split by who is at fault.
+"""The errors joinkit raises, split by who is at fault.
 
-``LocalProtocolError`` means this rank used joinery wrongly (bad arguments, a
+``LocalProtocolError`` means this rank used joinkit wrongly (bad arguments, a
 notify outside any Join, an observation the state machine cannot accept).
 ``PeerError`` means the trouble came from another rank: collectives that
 disagree, a rank that never arrives, a rank that failed. Every class derives
@@ -24,7 +24,7 @@ __all__ = [
 
 
 class JoinError(RuntimeError):
-    """Base class of every error joinery raises on purpose."""
+    """Base class of every error joinkit raises on purpose."""
 
 
 class LocalProtocolError(JoinError):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import sys
 import threading
 import time
 import warnings
@@ -23,12 +22,12 @@ from typing import Any
 import attrs
 
 from . import _machine as m
-from . import _watchdog
+from . import _ports, _watchdog
 from ._errors import LocalProtocolError, PeerAborted, RankTimeout
 
-__all__ = ["Join", "Joinable", "JoinHook", "format_reports"]
+__all__ = ["Join", "Joinable", "JoinHook", "JoinConfig", "format_reports"]
 
-_log = logging.getLogger("joinery")
+_log = logging.getLogger("joinkit")
 
 # How many enabled Joins this thread is inside (a rank is a thread on the
 # threads backend, so this is per thread).
@@ -75,8 +74,22 @@ class JoinHook:
 
 
 @attrs.frozen(kw_only=True)
-class _JoinConfig:
-    """What a joinable reads to know whether (and how) it is inside a Join."""
+class JoinConfig:
+    """What a joinable reads (``joinable._join_config``) to know whether and how
+    it is inside a Join.
+
+    The Join sets one on each of its joinables on entry and the disabled one,
+    ``JoinConfig()``, on exit; ``Joinable.__init__`` installs the disabled one.
+    An adapter (a joinable standing for a framework object) may intercept the
+    assignment to mirror it onto the object it wraps.
+
+    Attributes:
+        enable: whether the joinable is inside an enabled Join.
+        throw_on_early_termination: the Join's throw mode.
+        is_first_joinable: whether it is the Join's first joinable (the one
+            whose notify sends the heartbeat).
+        join: the Join it is inside, or ``None``.
+    """
 
     enable: bool = False
     throw_on_early_termination: bool = False
@@ -84,7 +97,7 @@ class _JoinConfig:
     join: Join | None = None
 
 
-_DISABLED = _JoinConfig()
+_DISABLED = JoinConfig()
 
 
 class Joinable(abc.ABC):
@@ -132,25 +145,19 @@ class Joinable(abc.ABC):
 
 
 def _as_joinable(obj: Any) -> Joinable:
-    """Return ``obj`` if it is a joinery Joinable, else its adapter."""
+    """Return ``obj`` if it is a joinkit Joinable, else its adapter."""
     if isinstance(obj, Joinable):
         return obj
     # Framework objects (torch's DDP, ZeRO, any torch Joinable) are bridged by
-    # adapters; imported here so join_core itself stays free of torch.
-    if _is_torch_joinable(obj):
-        from adapters.torch import adapt
-
-        return adapt(obj)
+    # the adapters registered with the core's adapter port.
+    adapted = _ports.adapt(obj)
+    if adapted is not None:
+        return adapted
     raise TypeError(
         f"Join expects Joinable objects, got {type(obj).__qualname__}: subclass "
-        "join_core.Joinable (or torch.distributed.algorithms.join.Joinable) and "
+        "joinkit.Joinable (or torch.distributed.algorithms.join.Joinable) and "
         "implement join_hook, join_device and join_process_group"
     )
-
-
-def _is_torch_joinable(obj: Any) -> bool:
-    join_module = sys.modules.get("torch.distributed.algorithms.join")
-    return join_module is not None and isinstance(obj, join_module.Joinable)
 
 
 class Join:
@@ -164,7 +171,7 @@ class Join:
     If the loop body raises on one rank, that rank keeps shadowing too, its
     peers learn of the failure through the join collectives, and every rank
     leaves the block with an error: the failing rank with its own exception,
-    the others with :class:`~join_core.PeerFailure` naming it.
+    the others with :class:`~joinkit.PeerFailure` naming it.
 
     Args:
         joinables: the participating joinables; their hooks run in this order
@@ -213,9 +220,7 @@ class Join:
         joinable_list = [_as_joinable(j) for j in joinables]
         if not joinable_list:
             raise ValueError("The join context manager requires at least one joinable")
-        torch_adapters = sys.modules.get("adapters.torch")
-        if torch_adapters is not None:  # loaded once a torch joinable was adapted
-            torch_adapters.check_order(joinable_list)
+        _ports.check_joinables(joinable_list)
         hooks = [joinable.join_hook(**kwargs) for joinable in joinable_list]
         for joinable, hook in zip(joinable_list, hooks, strict=True):
             if not isinstance(hook, JoinHook) and not _looks_like_hook(hook):
@@ -276,9 +281,7 @@ class Join:
         self._activity: m.Activity | None = None
         self._stall: RankTimeout | None = None
         if self._enable:
-            from backends import resolve
-
-            backend = resolve(process_group, self._device)
+            backend = _ports.resolve(process_group, self._device)
             self._backend = backend
             self._heartbeat = backend.heartbeat
             self._heartbeat_total = getattr(backend, "heartbeat_total", None)
@@ -324,7 +327,7 @@ class Join:
             # Not an activity: the loop body may take as long as it likes.
             self._post("active: in its loop body")
         for index, joinable in enumerate(self._joinables):
-            joinable._join_config = _JoinConfig(
+            joinable._join_config = JoinConfig(
                 enable=self._enable,
                 throw_on_early_termination=self._throw_on_early_termination,
                 is_first_joinable=index == 0,
@@ -367,7 +370,7 @@ class Join:
         except Exception as error:
             if exc is None:
                 raise
-            _add_note(exc, f"joinery could not settle the last heartbeat after it: {error!r}")
+            _add_note(exc, f"joinkit could not settle the last heartbeat after it: {error!r}")
 
     def _leave(self, exc: BaseException | None) -> None:
         if exc is None:
@@ -391,7 +394,7 @@ class Join:
             )
         except Exception as follow_up:
             # The rank's own exception is the one to report; keep the follow-up.
-            _add_note(exc, f"joinery could not finish shadowing after it: {follow_up!r}")
+            _add_note(exc, f"joinkit could not finish shadowing after it: {follow_up!r}")
 
     def _iteration_open(self) -> bool:
         """Whether peers still expect collectives of this rank's last iteration.
@@ -434,7 +437,10 @@ class Join:
             RuntimeError: throw mode, and some rank exhausted its inputs.
             PeerAborted: another rank failed; let it leave the Join block.
         """
-        join = _heartbeat_owner(joinable)
+        try:
+            join = _heartbeat_owner(joinable)
+        except _ForeignConfig:
+            return _notify_foreign(joinable)
         return None if join is None else join._notify()
 
     @staticmethod
@@ -457,7 +463,10 @@ class Join:
             RuntimeError: throw mode, and some rank exhausted its inputs.
             PeerAborted: another rank failed; let it leave the Join block.
         """
-        join = _heartbeat_owner(joinable)
+        try:
+            join = _heartbeat_owner(joinable)
+        except _ForeignConfig:
+            raise _foreign_error(joinable, "fused_heartbeat") from None
         if join is not None:
             if join._fused and join._batch_notifies:
                 total = join._fused_total
@@ -504,6 +513,25 @@ class Join:
     # -- observability -----------------------------------------------------------
 
     @property
+    def backend(self) -> Any:
+        """The join backend this Join talks to (``None`` when not enabled).
+
+        The object the backend registry resolved for the joinables' process
+        group; adapters use it to wait on framework work the way a peer's
+        abort can end (its optional ``wait(work)``).
+        """
+        return self._backend
+
+    @property
+    def fuses_heartbeat(self) -> bool:
+        """Whether the first joinable carries the heartbeat in its own collective.
+
+        True when it sets ``join_fuses_heartbeat``, the Join is not in throw
+        mode and the agreement check is on (so every rank is known to fuse).
+        """
+        return self._fused
+
+    @property
     def rank(self) -> int:
         """This rank in the Join's process group (``enable=True`` only)."""
         return int(self._backend.rank)
@@ -531,7 +559,7 @@ class Join:
 
         Returns:
             The reports in rank order on ``dst``, ``None`` elsewhere. Render them
-            with :func:`join_core.format_reports`.
+            with :func:`joinkit.format_reports`.
         """
         if self._backend is None:
             raise LocalProtocolError("gather_report needs an enabled Join (enable=True)")
@@ -810,9 +838,10 @@ def _heartbeat_owner(joinable: Any) -> Join | None:
     config = getattr(joinable, "_join_config", None)
     if config is None:
         raise _missing_config(joinable)
+    if config.__class__ is not JoinConfig:
+        raise _ForeignConfig
     if config.is_first_joinable and config.enable:
-        join: Join = config.join
-        return join
+        return config.join
     if config.join is None and getattr(_active, "joins", 0) > 0:
         # Outside any Join the call does nothing (as in torch). Inside one that
         # does not include this joinable, nobody would shadow its collectives
@@ -823,6 +852,34 @@ def _heartbeat_owner(joinable: Any) -> Join | None:
             "joinables so that joined ranks shadow its collectives"
         )
     return None
+
+
+class _ForeignConfig(Exception):
+    """The joinable carries another framework's join config (see _notify_foreign)."""
+
+
+def _notify_foreign(obj: Any) -> Any:
+    """``Join.notify_join_context`` called with a framework's own joinable.
+
+    A torch Joinable written for torch's Join calls ``Join.notify_join_context``
+    with itself; after a one-import switch that is joinkit's. Its adapter knows
+    what torch's notify means for it, so the call goes there.
+    """
+    adapted = _ports.adapt(obj)
+    if adapted is None:
+        raise _foreign_error(obj, "notify_join_context")
+    notify = getattr(adapted, "notify", None)
+    if callable(notify):
+        return notify()
+    return Join.notify_join_context(adapted)
+
+
+def _foreign_error(obj: Any, method: str) -> LocalProtocolError:
+    return LocalProtocolError(
+        f"Join.{method} got {type(obj).__qualname__}, whose join config is not "
+        "joinkit's and which no adapter handles: subclass joinkit.Joinable, or "
+        "register an adapter for its framework (joinkit.register_adapter)"
+    )
 
 
 def _missing_config(joinable: Any) -> LocalProtocolError:

@@ -12,7 +12,7 @@ shadows the collectives of one training iteration (a *shadow round*). When the
 count is zero every rank has joined; each runs the post hooks, passing
 ``is_last_joiner`` (true when its very first count was already zero, i.e. it
 was among the ranks with the most inputs). This is torch's protocol, value for
-value, so joinery ranks and torch ranks can share one process group.
+value, so joinkit ranks and torch ranks can share one process group.
 
 With ``throw_on_early_termination`` an active rank follows its heartbeat with a
 *termination check* (a blocking all-reduce to which it contributes 0); a joined

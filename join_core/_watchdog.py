@@ -46,7 +46,7 @@ def watch(join: Join) -> None:
         _watched.add(join)
         _interval = min(_interval, max(0.01, join._timeout / 4))  # type: ignore[operator]
         if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_run, name="joinery-watchdog", daemon=True)
+            _thread = threading.Thread(target=_run, name="joinkit-watchdog", daemon=True)
             _thread.start()
         _wakeup.notify()
 

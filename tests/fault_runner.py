@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import fault_scenarios as fs  # noqa: E402
 
@@ -102,7 +101,7 @@ def dead_group_for(group: Any) -> Any:
 
 
 def under_launcher(args: argparse.Namespace) -> None:
-    import backends
+    from joinkit import backends
 
     group = backends.init()
     cells = parse_cells(args.cells[0], group.world_size)
@@ -120,7 +119,7 @@ def fork_child(rank: int, world_size: int, store: str, cells: list[tuple[str, st
 
     import torch.distributed as dist
 
-    from backends.torch_dist import TorchGroup
+    from joinkit.backends.torch_dist import TorchGroup
 
     pre_init = None
     if any(k == "bad_inputs" for k, _ in cells):

@@ -6,9 +6,9 @@ Every scenario is a function of a :class:`backends.CollectiveGroup` (threads,
 MPI, torch) that runs one rank's part and returns a JSON-able dict of what the
 rank saw. The threads tests call them under ``backends.threads.spawn``; the
 MPI and torch runners (``tests/fault_runner.py``) call them in real processes
-and print one ``JOINERY-FAULT {...}`` line per rank and case; the pytest files
+and print one ``JOINKIT-FAULT {...}`` line per rank and case; the pytest files
 turn the dicts into assertions with :func:`check_case`, so the expectations
-are written once too. This module imports numpy and joinery only.
+are written once too. This module imports numpy and joinkit only.
 
 The joinable is a :class:`Counter`: per iteration it sends the Join's
 heartbeat, then all-reduces a 1 (a joined rank's main hook shadows it with a
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from join_core import (
+from joinkit import (
     AgreementError,
     Join,
     Joinable,
@@ -69,7 +69,7 @@ FAIL_AT = 2  # the iteration at which (a), (b) and (e) strike
 STALL_FACTOR = 3.0  # the stalling rank sleeps this many Join timeouts
 AGREEMENT_VARIANTS = ("joinables", "throw", "joinables_unchecked_ok")
 
-TAG = "JOINERY-FAULT"
+TAG = "JOINKIT-FAULT"
 
 
 class InjectedFault(Exception):
@@ -599,7 +599,7 @@ def run_report(group: Any) -> dict[str, Any]:
         def emit(self, record: logging.LogRecord) -> None:
             records.append(record.getMessage())
 
-    logger = logging.getLogger("joinery")
+    logger = logging.getLogger("joinkit")
     handler = Capture(level=logging.DEBUG)
     old_level = logger.level
     logger.addHandler(handler)

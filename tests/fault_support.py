@@ -153,8 +153,8 @@ def summarize(results: dict[int, dict[str, Any]], failing: int) -> str:
 
 
 def record_cell(backend: str, case: str, world_size: int, failing: int, outcome: str) -> None:
-    """Append a passed cell to ``$JOINERY_FAULT_MATRIX`` (a JSON-lines file), if set."""
-    path = os.environ.get("JOINERY_FAULT_MATRIX")
+    """Append a passed cell to ``$JOINKIT_FAULT_MATRIX`` (a JSON-lines file), if set."""
+    path = os.environ.get("JOINKIT_FAULT_MATRIX")
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"backend": backend, "case": case, "world_size": world_size,

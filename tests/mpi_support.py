@@ -47,13 +47,12 @@ def child_env(extra: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -
         key: value
         for key, value in os.environ.items()
         # A test may itself run under a launcher; the child must see only its own.
-        if not key.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "SLURM_", "JOINERY_"))
+        if not key.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "SLURM_", "JOINKIT_"))
         and key not in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                         "MASTER_ADDR", "MASTER_PORT", *drop)
     }
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(extra or {})
     return env
 

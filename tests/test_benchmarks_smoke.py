@@ -33,9 +33,9 @@ SECTIONS = [
     "### threads, 4 ranks x 20 iterations",
     "### MPI heartbeat, 1 rank",
 ]
-VARIANTS = ["| no Join |", "| torch Join |", "| joinery classic |", "| joinery fused |",
-            "| no Join, 2 elements |", "| joinery fused, 1 element |", "| joinery Join |",
-            "| joinery, torch-compatible |", "| drain: joinery fused |"]
+VARIANTS = ["| no Join |", "| torch Join |", "| joinkit classic |", "| joinkit fused |",
+            "| no Join, 2 elements |", "| joinkit fused, 1 element |", "| joinkit Join |",
+            "| joinkit, torch-compatible |", "| drain: joinkit fused |"]
 
 
 def test_every_benchmark_runs_and_reports(tmp_path: Path) -> None:

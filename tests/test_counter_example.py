@@ -37,7 +37,7 @@ def test_counter_worker_on_four_threads() -> None:
         import counter
     finally:
         sys.path.pop(0)
-    from backends.threads import spawn
+    from joinkit.backends.threads import spawn
 
     lines = spawn(counter.worker, 4, timeout=20.0)
     # Rank r has 5 + r inputs: 4 ranks x 5 + 3 + 2 + 1 = 26 inputs in all.

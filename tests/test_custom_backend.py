@@ -1,4 +1,4 @@
-"""examples/custom_backend.py: a backend joinery does not ship, plugged in
+"""examples/custom_backend.py: a backend joinkit does not ship, plugged in
 through ``backends.register``, runs the tutorial's Counter in real processes."""
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def _environment() -> dict[str, str]:
     # A launcher's variables from an outer job would confuse torchrun's workers.
     for key in list(env):
         if key.startswith(("TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "SLURM_")) or key in {
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "JOINERY_BACKEND",
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "JOINKIT_BACKEND",
         }:
             del env[key]
     env["OMP_NUM_THREADS"] = "1"

@@ -20,7 +20,7 @@ import pytest
 from fault_support import Launch, python, record_cell, run_all, runner_args, summarize
 from mpi_support import child_env, is_open_mpi, mpirun
 
-pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py: pip install 'joinery[mpi]'")
+pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py: pip install 'joinkit[mpi]'")
 
 WORLD_SIZES = (2, 4)
 LAUNCH_TIMEOUT = 120.0  # hard limit per launch
@@ -91,12 +91,12 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
     assert not launch.done, launch.explain()  # no rank went on as if nothing happened
     output = launch.output
     if case in PHASE:
-        said = (f"joinery: rank {failing} aborts the MPI job: rank {failing} failed in a "
+        said = (f"joinkit: rank {failing} aborts the MPI job: rank {failing} failed in a "
                 f"join hook ({PHASE[case]}) with InjectedFault: injected {case} fault on "
                 f"rank {failing}")
         assert said in output, launch.explain()
     elif case == "stall":
-        aborted = re.findall(r"joinery: rank (\d+) aborts the MPI job: rank \1 made no "
+        aborted = re.findall(r"joinkit: rank (\d+) aborts the MPI job: rank \1 made no "
                              r"progress for [\d.]+ s \(timeout 1 s\) in phase COUNTING", output)
         assert aborted and str(failing) not in aborted, launch.explain()
         # ... and says where every rank was: the peers' listener threads

@@ -16,9 +16,8 @@ import fault_scenarios as fs
 import pytest
 from fault_support import record_cell, summarize
 
-import backends
-from backends.threads import ThreadGroup, spawn
-from join_core import Join
+from joinkit import Join, backends
+from joinkit.backends.threads import ThreadGroup, spawn
 
 JOIN_TIMEOUT = 20.0  # the Join watchdog's timeout in the fault cells
 STALL_TIMEOUT = 0.5  # ... in the stall cells

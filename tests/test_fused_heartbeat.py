@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from backends.threads import ThreadGroup, spawn
-from join_core import EarlyTermination, Join, PeerFailure
+from joinkit import EarlyTermination, Join, PeerFailure
+from joinkit.backends.threads import ThreadGroup, spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from counter import Counter, CounterJoinHook  # noqa: E402

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from backends.threads import ThreadGroup, spawn
-from join_core import (
+from joinkit import (
     EarlyTermination,
     Join,
     Joinable,
@@ -25,6 +24,7 @@ from join_core import (
     LocalProtocolError,
     RankTimeout,
 )
+from joinkit.backends.threads import ThreadGroup, spawn
 
 BEFORE, AFTER = 41.0, 42.0
 TIMEOUT = 20.0
@@ -300,7 +300,7 @@ def test_debug_logging_logs_every_shadow_round_phase_change(
                 joinable()
         return join.report
 
-    with caplog.at_level(logging.DEBUG, logger="joinery"):
+    with caplog.at_level(logging.DEBUG, logger="joinkit"):
         reports = spawn(rank_fn, 2, timeout=TIMEOUT)
     rank0 = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank 0:")]
     assert rank0.count("rank 0: COUNTING -> SHADOWING on Counted") == 4, rank0
@@ -413,3 +413,16 @@ def test_notify_outside_any_join_does_nothing_but_inside_a_foreign_join_is_an_er
         assert stranger() is None  # and vacuous again afterwards
 
     spawn(rank_fn, 2, timeout=TIMEOUT)
+
+
+def test_notify_with_a_foreign_joinable_no_adapter_handles_is_a_clear_error() -> None:
+    class ForeignConfig:  # another framework's config type (e.g. a namedtuple)
+        enable, is_first_joinable = True, True
+
+    class Foreign:
+        _join_config = ForeignConfig()
+
+    with pytest.raises(LocalProtocolError, match="no adapter handles.*register_adapter"):
+        Join.notify_join_context(Foreign())
+    with pytest.raises(LocalProtocolError, match="no adapter handles"):
+        Join.fused_heartbeat(Foreign())  # type: ignore[arg-type]

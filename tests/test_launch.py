@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends
-from backends._launch import LaunchPlan, first_host, plan_launch, solo_group
+from joinkit import backends
+from joinkit.backends._launch import LaunchPlan, first_host, plan_launch, solo_group
 
 TORCHRUN = {
     "TORCHELASTIC_RUN_ID": "none", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
@@ -52,7 +52,7 @@ def have(*modules: str) -> Callable[[str], bool]:
 
 
 EVERYTHING = have("torch", "mpi4py")
-LAUNCHER_PREFIXES = ("OMPI_COMM_WORLD", "PMI", "MPI_LOCAL", "MV2_", "SLURM_", "JOINERY_")
+LAUNCHER_PREFIXES = ("OMPI_COMM_WORLD", "PMI", "MPI_LOCAL", "MV2_", "SLURM_", "JOINKIT_")
 TORCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -162,26 +162,26 @@ def test_no_launcher_torch_plan_is_a_world_of_one() -> None:
 def test_override_by_env_var_and_argument(
     env: dict[str, str], launcher: str | None, backend: str
 ) -> None:
-    by_env = plan_launch({**env, "JOINERY_BACKEND": backend}, available=EVERYTHING)
+    by_env = plan_launch({**env, "JOINKIT_BACKEND": backend}, available=EVERYTHING)
     assert (by_env.launcher, by_env.backend, by_env.chosen_by) == (
-        launcher, backend, "JOINERY_BACKEND")
+        launcher, backend, "JOINKIT_BACKEND")
     # The argument wins over the variable; both are case- and space-tolerant.
     other = next(b for b in ("torch", "mpi", "threads") if b != backend)
-    by_arg = plan_launch({**env, "JOINERY_BACKEND": other}, f" {backend.upper()} ",
+    by_arg = plan_launch({**env, "JOINKIT_BACKEND": other}, f" {backend.upper()} ",
                          available=EVERYTHING)
     assert (by_arg.backend, by_arg.chosen_by) == (backend, "argument")
 
 
 def test_empty_env_var_means_unset() -> None:
-    assert plan_launch({**OPEN_MPI, "JOINERY_BACKEND": " "}, available=EVERYTHING).backend \
+    assert plan_launch({**OPEN_MPI, "JOINKIT_BACKEND": " "}, available=EVERYTHING).backend \
         == "mpi"
 
 
 def test_unknown_backend_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"JOINERY_BACKEND='nccl' is not a joinery backend: "
+    with pytest.raises(ValueError, match=r"JOINKIT_BACKEND='nccl' is not a joinkit backend: "
                                          r"use one of torch, mpi, threads"):
-        plan_launch({"JOINERY_BACKEND": "nccl"}, available=EVERYTHING)
-    with pytest.raises(ValueError, match=r"backend='gloo' is not a joinery backend"):
+        plan_launch({"JOINKIT_BACKEND": "nccl"}, available=EVERYTHING)
+    with pytest.raises(ValueError, match=r"backend='gloo' is not a joinkit backend"):
         plan_launch({}, "gloo", available=EVERYTHING)
 
 
@@ -191,22 +191,22 @@ def test_unknown_backend_is_a_clear_error() -> None:
 def test_missing_library_says_what_to_install(backend: str, module: str, extra: str) -> None:
     nothing = have()
     with pytest.raises(ModuleNotFoundError) as caught:
-        plan_launch({"JOINERY_BACKEND": backend}, available=nothing)
+        plan_launch({"JOINKIT_BACKEND": backend}, available=nothing)
     assert str(caught.value) == (
-        f"JOINERY_BACKEND={backend} but {module} is not installed: "
-        f"pip install 'joinery[{extra}]'"
+        f"JOINKIT_BACKEND={backend} but {module} is not installed: "
+        f"pip install 'joinkit[{extra}]'"
     )
     assert caught.value.name == module
     with pytest.raises(ModuleNotFoundError, match=rf"backend='{backend}' but {module} is not "
-                                                 rf"installed: pip install 'joinery\[{extra}\]'"):
+                                                 rf"installed: pip install 'joinkit\[{extra}\]'"):
         plan_launch({}, backend, available=nothing)
 
 
 def test_missing_library_of_the_launchers_choice() -> None:
     with pytest.raises(ModuleNotFoundError, match=r"launched by mpirun.*mpi4py is not "
-                                                 r"installed.*joinery\[mpi\]"):
+                                                 r"installed.*joinkit\[mpi\]"):
         plan_launch(OPEN_MPI, available=have("torch"))
-    with pytest.raises(ModuleNotFoundError, match=r"launched by torchrun.*joinery\[torch\]"):
+    with pytest.raises(ModuleNotFoundError, match=r"launched by torchrun.*joinkit\[torch\]"):
         plan_launch(TORCHRUN, available=have("mpi4py"))
     with pytest.raises(ModuleNotFoundError, match=r"srun, and neither mpi4py nor torch"):
         plan_launch(SRUN, available=have())
@@ -247,7 +247,7 @@ def test_init_without_launcher_is_a_world_of_one(monkeypatch: pytest.MonkeyPatch
     assert (group.rank, group.world_size) == (0, 1)
     assert isinstance(group, backends.CollectiveGroup)
     assert backends.resolve(group) is group
-    monkeypatch.setenv("JOINERY_BACKEND", "threads")
+    monkeypatch.setenv("JOINKIT_BACKEND", "threads")
     assert backends.init().world_size == 1
 
 
@@ -278,7 +278,7 @@ def test_solo_group_collectives() -> None:
 
 
 def test_solo_group_runs_a_join() -> None:
-    from join_core import Join
+    from joinkit import Join
 
     examples = str(Path(__file__).resolve().parents[1] / "examples")
     sys.path.insert(0, examples)

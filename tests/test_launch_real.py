@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 from mpi_support import PROGRAMS, ROOT, child_env, explain, run_mpi, tagged
 
-from backends._launch import _slurm_port
+from joinkit.backends._launch import _slurm_port
 
 SHOW = PROGRAMS / "show_init.py"
 
 
 def _lines(result: subprocess.CompletedProcess[str], ranks: int) -> list[dict[str, Any]]:
     assert result.returncode == 0, explain(result)
-    lines = sorted(tagged(result.stdout, "JOINERY-INIT"), key=lambda line: line["rank"])
+    lines = sorted(tagged(result.stdout, "JOINKIT-INIT"), key=lambda line: line["rank"])
     assert [line["rank"] for line in lines] == list(range(ranks)), explain(result)
     return lines
 
@@ -53,14 +53,14 @@ def test_an_unhandled_exception_ends_the_mpi_job() -> None:
     result = run_mpi(SHOW, 2, "raise", timeout=50)
     assert result.returncode != 0, explain(result)
     assert "ValueError: injected failure on rank 1" in result.stderr, explain(result)
-    assert "JOINERY-INIT" not in result.stdout  # rank 0 never left its barrier
+    assert "JOINKIT-INIT" not in result.stdout  # rank 0 never left its barrier
     assert time.monotonic() - start < 40
 
 
 @pytest.mark.timeout(60)
 def test_mpirun_with_threads_override_gives_worlds_of_one() -> None:
-    result = run_mpi(SHOW, 2, env=child_env({"JOINERY_BACKEND": "threads"}), timeout=50)
-    lines = tagged(result.stdout, "JOINERY-INIT")
+    result = run_mpi(SHOW, 2, env=child_env({"JOINKIT_BACKEND": "threads"}), timeout=50)
+    lines = tagged(result.stdout, "JOINKIT-INIT")
     assert result.returncode == 0, explain(result)
     assert [(line["type"], line["rank"], line["world_size"]) for line in lines] == [
         ("_SoloGroup", 0, 1)] * 2
@@ -115,7 +115,7 @@ def test_srun_without_mpi_initialises_torch_from_slurm_variables() -> None:
             "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
             "SLURM_STEP_NODELIST": "localhost", "SLURM_LAUNCH_NODE_IPADDR": "10.255.255.1",
             # mpi4py is installed here, so srun's natural choice would be MPI.
-            "JOINERY_BACKEND": "torch",
+            "JOINKIT_BACKEND": "torch",
         })
         procs.append(subprocess.Popen([sys.executable, str(SHOW)], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT))
@@ -131,7 +131,7 @@ def test_srun_without_mpi_initialises_torch_from_slurm_variables() -> None:
     lines = []
     for result in results:
         assert result.returncode == 0, explain(result)
-        lines += tagged(result.stdout, "JOINERY-INIT")
+        lines += tagged(result.stdout, "JOINKIT-INIT")
     assert _summary(lines) == {("TorchGroup", 2, "srun", 3)}
     assert {line["env"]["MASTER_ADDR"] for line in lines} == {"localhost"}
     assert {line["env"]["MASTER_PORT"] for line in lines} == {str(_slurm_port(str(job), "0"))}

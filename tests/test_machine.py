@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from join_core import (
+from joinkit import (
     AgreementError,
     EarlyTermination,
     LocalProtocolError,
@@ -19,7 +19,7 @@ from join_core import (
     PeerError,
     PeerFailure,
 )
-from join_core import _machine as m
+from joinkit import _machine as m
 
 FAILURE = m.Failure(rank=9, exc_type="ValueError", message="bad batch")
 SIGNATURE = (("joinables", 1),)
@@ -247,7 +247,7 @@ def test_values_are_frozen() -> None:
 
 def test_importing_the_core_imports_no_framework() -> None:
     code = (
-        "import sys, join_core, join_core._machine;"
+        "import sys, join_core, joinkit._machine;"
         "bad = {'torch', 'numpy', 'mpi4py'} & set(sys.modules);"
         "assert not bad, bad"
     )

@@ -17,8 +17,8 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from join_core import EarlyTermination, PeerAborted, PeerError, PeerFailure
-from join_core import _machine as m
+from joinkit import EarlyTermination, PeerAborted, PeerError, PeerFailure
+from joinkit import _machine as m
 
 Collective = tuple[str, float]
 Program = Generator[Collective, float, dict[str, Any]]

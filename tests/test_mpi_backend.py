@@ -24,7 +24,7 @@ import scenarios  # noqa: E402  (pure at import: no mpi4py, no torch)
 
 sys.path.pop(0)
 
-pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py: pip install 'joinery[mpi]'")
+pytest.importorskip("mpi4py", reason="the MPI backend needs mpi4py: pip install 'joinkit[mpi]'")
 
 WORLD_SIZES = (2, 4)
 TIMEOUT = {2: 90.0, 4: 150.0}
@@ -49,9 +49,9 @@ def _results(world_size: int) -> tuple[dict[str, list[dict[str, Any]]], str]:
                 problem = f"timed out after {exc.timeout} s\n{exc.stderr!r:.3000}"
             written = "".join(path.read_text() for path in sorted(Path(out).iterdir()))
         by_case: dict[str, list[dict[str, Any]]] = {}
-        for line in tagged(written, "JOINERY-CASE"):
+        for line in tagged(written, "JOINKIT-CASE"):
             by_case.setdefault(line["case"], []).append(line)
-        done = tagged(written, "JOINERY-DONE")
+        done = tagged(written, "JOINKIT-DONE")
         if len(done) != world_size and not problem:
             problem = explain(result)
         _runs[world_size] = (result, by_case, problem)
@@ -115,11 +115,11 @@ def test_status_board_below_thread_multiple_says_why() -> None:
     output = result.stdout + result.stderr
     assert result.returncode != 0, explain(result)  # rank 0's watchdog aborted the job
     needs = "the status board's listener thread needs MPI_THREAD_MULTIPLE"
-    refusals = tagged(result.stdout, "JOINERY-EDGE")
+    refusals = tagged(result.stdout, "JOINKIT-EDGE")
     assert sorted(line["rank"] for line in refusals) == [0, 1], explain(result)
     assert all(needs in line["refused"] for line in refusals), refusals
     assert not any("left" in line for line in refusals), refusals
-    assert "joinery: rank 0 aborts the MPI job: rank 0 made no progress" in output, (
+    assert "joinkit: rank 0 aborts the MPI job: rank 0 made no progress" in output, (
         explain(result))
     assert f"(peer status unavailable: RuntimeError(\"MPI was initialized with " \
            f"MPI_THREAD_FUNNELED, and {needs}" in output, explain(result)
@@ -129,7 +129,7 @@ def test_status_board_below_thread_multiple_says_why() -> None:
 def test_status_board_listener_stops_at_an_explicit_finalize() -> None:
     result = run_mpi(EDGES, 2, "finalize", timeout=90.0)
     assert result.returncode == 0, explain(result)
-    lines = sorted(tagged(result.stdout, "JOINERY-EDGE"), key=lambda line: line["rank"])
+    lines = sorted(tagged(result.stdout, "JOINKIT-EDGE"), key=lambda line: line["rank"])
     assert [line["rank"] for line in lines] == [0, 1], explain(result)
     for line in lines:
         assert line["finalized"] and not line["listening"], line

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import backends
+from joinkit import _ports, backends
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ class GroupB(GroupA):
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> None:
     # Each test starts from the registry as it is and leaves it unchanged.
-    monkeypatch.setattr(backends, "_registered", list(backends._registered))
+    monkeypatch.setattr(_ports, "_registered", list(_ports._registered))
 
 
 @pytest.mark.usefixtures("registry")
@@ -62,11 +62,11 @@ def test_unknown_group_says_how_to_register() -> None:
         backends.resolve(object())
     message = str(caught.value)
     assert "builtins.object" in message
-    assert "backends.register" in message and "joinery.backends" in message
+    assert "backends.register" in message and "joinkit.backends" in message
 
 
 def run_python(code: str, extra_path: Path | None = None) -> str:
-    env_path = [str(ROOT)] + ([str(extra_path)] if extra_path else [])
+    env_path = [str(extra_path)] if extra_path else []
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
@@ -90,11 +90,11 @@ def test_entry_point_group_resolves_a_third_party_backend(tmp_path: Path) -> Non
             """
         )
     )
-    dist_info = tmp_path / "joinery_pipes-0.1.dist-info"
+    dist_info = tmp_path / "joinkit_pipes-0.1.dist-info"
     dist_info.mkdir()
-    metadata = "Metadata-Version: 2.1\nName: joinery-pipes\nVersion: 0.1\n"
+    metadata = "Metadata-Version: 2.1\nName: joinkit-pipes\nVersion: 0.1\n"
     (dist_info / "METADATA").write_text(metadata)
-    entry_points = "[joinery.backends]\npipes = pipes_backend:resolve\n"
+    entry_points = "[joinkit.backends]\npipes = pipes_backend:resolve\n"
     (dist_info / "entry_points.txt").write_text(entry_points)
     out = run_python(
         """
@@ -115,8 +115,8 @@ def test_resolving_never_imports_a_framework_by_itself() -> None:
     out = run_python(
         """
         import sys
-        import backends
-        from backends.threads import spawn
+        from joinkit import backends
+        from joinkit.backends.threads import spawn
         spawn(lambda group: backends.resolve(group), 2)
         print(sorted({"torch", "mpi4py"} & set(sys.modules)))
         """

@@ -22,9 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-import backends
-from backends.threads import SpawnAborted, ThreadGroup, ThreadWork, _root_cause, spawn
-from join_core import (
+from joinkit import (
     CollectiveMismatch,
     Join,
     Joinable,
@@ -32,7 +30,9 @@ from join_core import (
     PeerError,
     PeerFailure,
     RankTimeout,
+    backends,
 )
+from joinkit.backends.threads import SpawnAborted, ThreadGroup, ThreadWork, _root_cause, spawn
 
 TIMEOUT = 10.0
 WORLD_SIZES = [1, 2, 4]
@@ -427,7 +427,7 @@ def test_group_attributes_protocols_and_registry() -> None:
         return group.rank, group.world_size, group.device, thread.name
 
     results = spawn(rank_fn, 3, timeout=TIMEOUT)
-    assert results == [(r, 3, "cpu", f"joinery-rank-{r}") for r in range(3)]
+    assert results == [(r, 3, "cpu", f"joinkit-rank-{r}") for r in range(3)]
 
 
 def test_spawn_passes_args_and_returns_results_in_rank_order() -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from backends.threads import spawn
-from join_core import Join
+from joinkit import Join
+from joinkit.backends.threads import spawn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from counter import Counter  # noqa: E402  (examples/ is not a package)

@@ -1,4 +1,4 @@
-"""joinery's Join over real torch.distributed gloo groups, with torch's DDP and ZeRO.
+"""joinkit's Join over real torch.distributed gloo groups, with torch's DDP and ZeRO.
 
 One module fixture starts ``WORLD`` processes once; each runs every scenario of
 ``tests/torch_scenarios.py`` in order (see its docstring) and the tests below
@@ -97,6 +97,17 @@ def test_ddp_tutorial_loop(results: Any) -> None:
     assert_identical([r["params"] for r in ranks])
 
 
+def test_a_torch_joinable_calling_joinkits_notify_is_routed(results: Any) -> None:
+    ranks = outcome(results, "torch_joinable_notifies_joinkits_join")
+    # Rank r has 5 + r inputs; each all-reduce of ones sums the active ranks.
+    active = [sum(5 + r > i for r in range(WORLD)) for i in range(5 + WORLD - 1)]
+    counts = [sum(active[: 5 + rank]) for rank in range(WORLD)]
+    assert ranks == [
+        {"outside": None, "count": counts[rank], "max_count": counts[-1], "inputs": 5 + rank}
+        for rank in range(WORLD)
+    ]
+
+
 def test_join_kwargs_reach_ddp_and_divide_by_active_ranks(results: Any) -> None:
     """divide_by_initial_world_size, per iteration: rank r has r + 1 inputs and
     gradient r + 1, so iteration i averages ranks i..W-1 over W or over W - i."""
@@ -117,7 +128,7 @@ def test_join_kwargs_reach_ddp_and_divide_by_active_ranks(results: Any) -> None:
 
 def test_ddp_zero_matches_a_single_process_reference(results: Any) -> None:
     ranks = outcome(results, "ddp_zero_reference")
-    for key in ("joinery", "joinery_effective"):
+    for key in ("joinkit", "joinkit_effective"):
         assert_identical([r[key]["params"] for r in ranks])
         assert max(r[key]["deviation"] for r in ranks) < 1e-5
     # torch's own combination steps a joined rank's shard with stale gradients;
@@ -149,7 +160,7 @@ def test_enable_false_sends_no_join_collectives(results: Any) -> None:
 
 def test_ddp_sends_no_join_collectives_after_the_block(results: Any) -> None:
     for rank in outcome(results, "ddp_after_exit"):
-        assert rank["joinery"] == rank["baseline"]  # DDP's own bucket all-reduce only
+        assert rank["joinkit"] == rank["baseline"]  # DDP's own bucket all-reduce only
         assert rank["config"] == [False, False, False]
         assert rank["router_removed"]
         # torch's Join leaves DDP paying a heartbeat and a grad-sync check.
@@ -159,13 +170,13 @@ def test_ddp_sends_no_join_collectives_after_the_block(results: Any) -> None:
 def test_ddp_no_sync_with_uneven_inputs(results: Any) -> None:
     """Gradient accumulation: joined ranks shadow only the syncing rounds."""
     ranks = outcome(results, "ddp_no_sync")
-    assert_identical([r["joinery"]["params"] for r in ranks])
+    assert_identical([r["joinkit"]["params"] for r in ranks])
     for rank in ranks:
-        assert rank["joinery"]["params"] == pytest.approx(rank["torch"]["params"])
+        assert rank["joinkit"]["params"] == pytest.approx(rank["torch"]["params"])
     # The heartbeat rides in DDP's gradient-sync check: one collective fewer
-    # per round (7 rounds), less the two all-gathers of joinery's agreement check.
+    # per round (7 rounds), less the two all-gathers of joinkit's agreement check.
     for rank in ranks:
-        assert rank["torch"]["collectives"] - rank["joinery"]["collectives"] == 7 - 2
+        assert rank["torch"]["collectives"] - rank["joinkit"]["collectives"] == 7 - 2
 
 
 def test_ddp_find_unused_parameters(results: Any) -> None:
@@ -176,7 +187,7 @@ def test_ddp_with_batchnorm_buffers(results: Any) -> None:
     assert_identical([r["params"] for r in outcome(results, "ddp_buffers")])
 
 
-def test_mixed_with_a_joinery_joinable_in_either_order(results: Any) -> None:
+def test_mixed_with_a_joinkit_joinable_in_either_order(results: Any) -> None:
     ranks = outcome(results, "mixed_joinables")
     inputs = [3 + rank for rank in range(WORLD)]
     for key in ("counter_first=True", "counter_first=False"):
@@ -237,15 +248,15 @@ def test_nested_join_over_one_ddp_is_refused(results: Any) -> None:
 # -- interoperability with torch's Join ------------------------------------------------------
 
 
-def test_torch_join_and_joinery_join_share_a_group(results: Any) -> None:
-    """Rank 0 runs torch's Join, the others joinery's; either side may have more inputs."""
+def test_torch_join_and_joinkit_join_share_a_group(results: Any) -> None:
+    """Rank 0 runs torch's Join, the others joinkit's; either side may have more inputs."""
     for rank in outcome(results, "interop_counter"):
         assert len(rank) == 4
         for case in rank.values():
             assert [case["count"], case["max_count"]] == case["expected"]
 
 
-def test_torch_join_and_joinery_join_share_a_ddp(results: Any) -> None:
+def test_torch_join_and_joinkit_join_share_a_ddp(results: Any) -> None:
     ranks = outcome(results, "interop_ddp")
     for key in ("rank0_fewest", "rank0_most"):
         assert_identical([r[key] for r in ranks])

@@ -39,10 +39,9 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import backends
-import join_core
-from backends.torch_dist import TorchGroup
-from join_core import Join
+import joinkit
+from joinkit import Join, backends
+from joinkit.backends.torch_dist import TorchGroup
 
 SCENARIO_TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -138,8 +137,8 @@ class _TorchCounterHook(torch_join.JoinHook):
                        group=counter.group)
 
 
-class DualCounter(join_core.Joinable, torch_join.Joinable):
-    """A Counter that both torch's and joinery's Join can drive directly.
+class DualCounter(joinkit.Joinable, torch_join.Joinable):
+    """A Counter that both torch's and joinkit's Join can drive directly.
 
     It notifies whichever Join entered it: torch's sets a torch ``_JoinConfig``.
     """
@@ -173,8 +172,8 @@ class DualCounter(join_core.Joinable, torch_join.Joinable):
     find_common_rank = TorchCounter.find_common_rank
 
 
-class GroupCounter(join_core.Joinable):
-    """A joinery Joinable counting on a TorchGroup (the framework-agnostic API)."""
+class GroupCounter(joinkit.Joinable):
+    """A joinkit Joinable counting on a TorchGroup (the framework-agnostic API)."""
 
     def __init__(self, group: TorchGroup) -> None:
         super().__init__()
@@ -187,10 +186,10 @@ class GroupCounter(join_core.Joinable):
         self.group.all_reduce(t)
         self.count += t
 
-    def join_hook(self, **kwargs: Any) -> join_core.JoinHook:
+    def join_hook(self, **kwargs: Any) -> joinkit.JoinHook:
         counter = self
 
-        class Hook(join_core.JoinHook):
+        class Hook(joinkit.JoinHook):
             def main_hook(self) -> None:
                 counter.group.all_reduce(np.zeros(1, dtype=np.float32))
 
@@ -235,6 +234,32 @@ def pre_init_uninitialised(ctx: Ctx) -> Any:
 
 
 # -- the tutorial, and DDP's keyword arguments ------------------------------------------
+
+
+class SwitchedCounter(TorchCounter):
+    """A torch Joinable whose code switched one import: it notifies joinkit's Join."""
+
+    def __call__(self) -> None:
+        Join.notify_join_context(self)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=self.group)
+        self.count += t
+
+
+@scenario
+def torch_joinable_notifies_joinkits_join(ctx: Ctx) -> Any:
+    """``joinkit.Join.notify_join_context(torch_joinable)`` goes to its adapter."""
+    counter = SwitchedCounter(ctx.group)
+    outside = Join.notify_join_context(counter)  # outside any Join: nothing, as in torch
+    with Join([counter], sync_max_count=True) as join:
+        for _ in range(5 + ctx.rank):
+            counter()
+    return {
+        "outside": outside,
+        "count": int(counter.count.item()),
+        "max_count": int(counter.max_count.item()),
+        "inputs": join.report.inputs if join.report else None,
+    }
 
 
 @scenario
@@ -320,8 +345,8 @@ def _zero_reference(ctx: Ctx, join_cls: Any, divide: bool) -> dict[str, Any]:
 @scenario
 def ddp_zero_reference(ctx: Ctx) -> Any:
     return {
-        "joinery": _zero_reference(ctx, Join, divide=True),
-        "joinery_effective": _zero_reference(ctx, Join, divide=False),
+        "joinkit": _zero_reference(ctx, Join, divide=True),
+        "joinkit_effective": _zero_reference(ctx, Join, divide=False),
         # torch's own combination, for the record (not asserted by the tests).
         "torch": _zero_reference(ctx, torch_join.Join, divide=True),
     }
@@ -402,7 +427,7 @@ def ddp_after_exit(ctx: Ctx) -> Any:
     after_torch = _per_iteration(theirs, ctx.group, x)
     return {
         "baseline": baseline,
-        "joinery": after_ours,
+        "joinkit": after_ours,
         "torch": after_torch,
         "config": list(ours._join_config),
         "router_removed": "notify_join_context" in torch_join.Join.__dict__
@@ -435,12 +460,12 @@ def ddp_no_sync(ctx: Ctx) -> Any:
     """Gradient accumulation (``no_sync()`` on every other input) with uneven inputs.
 
     A joined rank must shadow the backward pass exactly in the rounds in which
-    the active ranks sync; joinery learns that from its fused heartbeat, torch
-    from its separate check. Both must end with the same model, and joinery
+    the active ranks sync; joinkit learns that from its fused heartbeat, torch
+    from its separate check. Both must end with the same model, and joinkit
     must send one collective per iteration fewer than torch.
     """
     out: dict[str, Any] = {}
-    for name, join_cls in (("joinery", Join), ("torch", torch_join.Join)):
+    for name, join_cls in (("joinkit", Join), ("torch", torch_join.Join)):
         model = ddp(ctx, nn.Linear(2, 1))
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         before = sequence(ctx.group)
@@ -511,7 +536,7 @@ def ddp_nested(ctx: Ctx) -> Any:
 
 @scenario
 def mixed_joinables(ctx: Ctx) -> Any:
-    """A joinery Joinable (on a TorchGroup) and DDP in one Join, both orders."""
+    """A joinkit Joinable (on a TorchGroup) and DDP in one Join, both orders."""
     out = {}
     group = TorchGroup(ctx.group)
     for counter_first in (True, False):
@@ -660,7 +685,7 @@ def _interop_counter(ctx: Ctx, counter_cls: type, inputs: list[int]) -> dict[str
 
 @scenario
 def interop_counter(ctx: Ctx) -> Any:
-    """Rank 0 runs torch's Join, the others joinery's; both orders of skew."""
+    """Rank 0 runs torch's Join, the others joinkit's; both orders of skew."""
     more_on_high = [5 + r for r in range(ctx.world)]
     more_on_low = list(reversed(more_on_high))
     return {

@@ -3,11 +3,11 @@
 Run as ``mpirun -n N python tests/mpi_programs/scenarios.py``. Each rank runs
 every case in the same order and prints one line per case::
 
-    JOINERY-CASE {"rank": 0, "size": 2, "case": "...", "status": "ok", "detail": ""}
+    JOINKIT-CASE {"rank": 0, "size": 2, "case": "...", "status": "ok", "detail": ""}
 
 (status "ok", "fail" or "skip")
 
-and ``JOINERY-DONE {...}`` at the end. With ``--out DIR`` each rank writes its
+and ``JOINKIT-DONE {...}`` at the end. With ``--out DIR`` each rank writes its
 lines to ``DIR/rank-<r>.jsonl`` instead (launchers may interleave the ranks'
 standard output). ``tests/test_mpi_backend.py`` parametrizes over
 :func:`case_names` and reads the lines; a case written as it finishes means a
@@ -346,7 +346,7 @@ def _object_and_join_collectives(group: Any) -> None:
 def _group_equality(group: Any) -> None:
     from mpi4py import MPI
 
-    from backends.mpi import MPIGroup
+    from joinkit.backends.mpi import MPIGroup
 
     assert group == MPIGroup(group.comm) and group == group.comm
     assert hash(group) == hash(MPIGroup(group.comm))
@@ -357,7 +357,7 @@ def _status_board(group: Any) -> None:
     """peer_status asks the peers' listener threads, also while they block in a collective."""
     import re
 
-    from backends import mpi
+    from joinkit.backends import mpi
 
     rank, size = group.rank, group.world_size
     comm = group.comm.Dup()  # a communicator nobody has posted on yet
@@ -412,7 +412,7 @@ BEFORE, AFTER = 41.0, 42.0
 
 
 def _join_classes() -> tuple[type, type]:
-    from join_core import Join, Joinable, JoinHook
+    from joinkit import Join, Joinable, JoinHook
 
     class AllReducerJoinHook(JoinHook):
         def __init__(self, allreducer: Any, num_allreduces: int) -> None:
@@ -499,7 +499,7 @@ def expected_total(inputs: list[int], rank: int, per_iteration: int = 1) -> floa
 
 
 def _uneven(group: Any, num_joinables: int, raw: bool) -> None:
-    from join_core import Join
+    from joinkit import Join
 
     AllReducer, _ = _join_classes()
     size, rank = group.world_size, group.rank
@@ -524,7 +524,7 @@ def _uneven(group: Any, num_joinables: int, raw: bool) -> None:
 
 
 def _heartbeat_handle_only_for_first(group: Any) -> None:
-    from join_core import Join
+    from joinkit import Join
 
     AllReducer, _ = _join_classes()
     first, second = AllReducer(group), AllReducer(group)
@@ -537,7 +537,7 @@ def _heartbeat_handle_only_for_first(group: Any) -> None:
 
 
 def _enable_false(group: Any, num_joinables: int) -> None:
-    from join_core import Join
+    from joinkit import Join
 
     AllReducer, _ = _join_classes()
     log: list[Any] = []
@@ -551,7 +551,7 @@ def _enable_false(group: Any, num_joinables: int) -> None:
 
 
 def _throw(group: Any, num_joinables: int) -> None:
-    from join_core import EarlyTermination, Join
+    from joinkit import EarlyTermination, Join
 
     AllReducer, _ = _join_classes()
     fewest = 2
@@ -576,7 +576,7 @@ def _throw(group: Any, num_joinables: int) -> None:
 
 
 def _throw_even(group: Any) -> None:
-    from join_core import Join
+    from joinkit import Join
 
     AllReducer, _ = _join_classes()
     joinable = AllReducer(group)
@@ -588,7 +588,7 @@ def _throw_even(group: Any) -> None:
 
 
 def _kwargs(group: Any) -> None:
-    from join_core import Join
+    from joinkit import Join
 
     AllReducer, _ = _join_classes()
     joinables = [AllReducer(group) for _ in range(2)]
@@ -604,8 +604,8 @@ def _kwargs(group: Any) -> None:
 
 def _sub_communicator(group: Any) -> None:
     """A Join over half the world (comm.Split) while the other half runs its own."""
-    from backends.mpi import MPIGroup
-    from join_core import Join
+    from joinkit import Join
+    from joinkit.backends.mpi import MPIGroup
 
     AllReducer, _ = _join_classes()
     comm = group.comm.Split(color=group.rank % 2, key=group.rank)
@@ -623,7 +623,7 @@ def _sub_communicator(group: Any) -> None:
 
 def _mixed_group_and_comm(group: Any) -> None:
     """A joinable on the MPIGroup and one on its raw communicator share one Join."""
-    from join_core import Join
+    from joinkit import Join
 
     AllReducer, _ = _join_classes()
     inputs = [2 + r for r in range(group.world_size)]
@@ -643,7 +643,7 @@ def _counter_tutorial(group: Any) -> None:
         import counter
     finally:
         sys.path.pop(0)
-    from join_core import Join
+    from joinkit import Join
 
     c = counter.Counter(group)
     inputs = [counter.NUM_INPUTS + r for r in range(group.world_size)]
@@ -655,7 +655,7 @@ def _counter_tutorial(group: Any) -> None:
 
 
 def _skew_warning(group: Any) -> None:
-    from join_core import Join
+    from joinkit import Join
 
     AllReducer, _ = _join_classes()
     joinable = AllReducer(group)
@@ -710,7 +710,7 @@ def _cases(group: Any) -> Iterator[tuple[str, Callable[[], None]]]:
 
 
 def main() -> None:
-    from backends.mpi import MPIGroup
+    from joinkit.backends.mpi import MPIGroup
 
     group = MPIGroup()
     args = sys.argv[1:]
@@ -736,9 +736,9 @@ def main() -> None:
             detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
         else:
             status, detail = "ok", ""
-        emit("JOINERY-CASE", {**header, "case": case, "status": status, "detail": detail})
+        emit("JOINKIT-CASE", {**header, "case": case, "status": status, "detail": detail})
     group.barrier()
-    emit("JOINERY-DONE", header)
+    emit("JOINKIT-DONE", header)
     if out is not None:
         out.close()
 

@@ -2,7 +2,7 @@
 
     python show_init.py [init|init_torch|ddp|raise]
 
-Each rank prints one ``JOINERY-INIT {...}`` line: the group's type, rank and
+Each rank prints one ``JOINKIT-INIT {...}`` line: the group's type, rank and
 world size, the detected launcher, the sum of an all-reduce of ``rank + 1``
 (proof that the group really connects the ranks) and the torchrun-style
 variables afterwards. ``ddp`` also trains a DistributedDataParallel model
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-import backends
+from joinkit import backends
 
 TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -30,10 +30,10 @@ def ddp_parameters_agree(group: Any) -> bool:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    # joinery's Join: torch's leaves DDP's join config enabled and its last
+    # joinkit's Join: torch's leaves DDP's join config enabled and its last
     # heartbeat unwaited, and a gloo thread that drops such work while the
     # interpreter shuts down aborts the process (about one run in five).
-    from join_core import Join
+    from joinkit import Join
 
     torch.manual_seed(group.rank)  # different initial weights: DDP must sync them
     model = DistributedDataParallel(torch.nn.Linear(3, 1))
@@ -68,7 +68,7 @@ def main() -> None:
     }
     if mode == "ddp":
         line["ddp_agree"] = ddp_parameters_agree(group)
-    print("JOINERY-INIT " + json.dumps(line), flush=True)
+    print("JOINKIT-INIT " + json.dumps(line), flush=True)
     if type(group).__name__ == "TorchGroup":
         import torch.distributed as dist
 

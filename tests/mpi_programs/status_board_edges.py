@@ -9,7 +9,7 @@ stalls; rank 0's watchdog times out and aborts the job).
 ``finalize``: the program calls ``MPI.Finalize()`` itself after a post; the
 listener thread must stop first, so the job ends cleanly.
 
-Each rank prints ``JOINERY-EDGE {...}`` lines.
+Each rank prints ``JOINKIT-EDGE {...}`` lines.
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ if EDGE == "funneled":
 
 from mpi4py import MPI  # noqa: E402
 
-from backends.mpi import MPIGroup  # noqa: E402
+from joinkit.backends.mpi import MPIGroup  # noqa: E402
 
 RANK = MPI.COMM_WORLD.Get_rank()
 
 
 def emit(**line: object) -> None:
-    print("JOINERY-EDGE " + json.dumps({"rank": RANK, **line}), flush=True)
+    print("JOINKIT-EDGE " + json.dumps({"rank": RANK, **line}), flush=True)
 
 
 def funneled() -> None:
-    from join_core import Join
+    from joinkit import Join
 
     group = MPIGroup()
     group.post_status("posted")
@@ -45,7 +45,7 @@ def funneled() -> None:
     except RuntimeError as exc:
         emit(refused=str(exc))
 
-    from join_core import Joinable, JoinHook
+    from joinkit import Joinable, JoinHook
 
     class Idle(Joinable):
         """A joinable with no collectives of its own."""
@@ -78,7 +78,7 @@ def finalize() -> None:
     group.post_status("posted")
     seen = group.peer_status()
     group.barrier()
-    from backends import mpi
+    from joinkit.backends import mpi
 
     assert mpi._listener is not None and mpi._listener.is_alive()
     MPI.Finalize()

@@ -1,0 +1,235 @@
+"""The ports the core owns: the join backend protocol and the two registries.
+
+Theory of operation
+-------------------
+The shell (``Join``) needs two things from outside the core, and the core
+defines both as ports that plug-ins fill, so that every import arrow points
+into the core and none out of it:
+
+- a *join backend* for the joinables' process group (:class:`JoinBackend`),
+  found by :func:`resolve` in the *backend registry*;
+- a *framework adapter* for objects that are not joinkit ``Joinable`` but stand
+  for one (torch's DDP and ZeroRedundancyOptimizer), found by :func:`adapt` in
+  the *adapter registry*; an adapter may also check the whole joinable list of
+  a Join (``Join([zero, ddp])`` is refused that way).
+
+Both registries are filled two ways. In code: :func:`register` and
+:func:`register_adapter`, later registrations first. And through entry points,
+read once, after every in-code registration: the group ``joinkit.backends``
+names resolvers ``resolver(process_group, device) -> JoinBackend | None``, and
+the group ``joinkit.adapters`` names :class:`Adapter` values. joinkit's own
+backends and adapters come in through those same groups (declared in its
+``pyproject.toml``); each entry loads only a small module that imports the
+heavy one (torch, mpi4py) once that library is already in use, so resolving
+never imports a framework by itself.
+
+Standard library and attrs only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import attrs
+
+if TYPE_CHECKING:
+    from ._join import Joinable
+
+__all__ = [
+    "Handle",
+    "JoinBackend",
+    "Adapter",
+    "BACKEND_ENTRY_POINTS",
+    "ADAPTER_ENTRY_POINTS",
+    "register",
+    "resolve",
+    "find_registered",
+    "register_adapter",
+    "adapt",
+    "check_joinables",
+]
+
+BACKEND_ENTRY_POINTS = "joinkit.backends"
+ADAPTER_ENTRY_POINTS = "joinkit.adapters"
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """An in-flight collective."""
+
+    def wait(self) -> Any: ...
+
+
+@runtime_checkable
+class JoinBackend(Protocol):
+    """What the Join shell needs from a collective library.
+
+    The required members are below; the optional ones (``heartbeat_total``,
+    ``collectives_issued``, ``abort``, ``post_status``, ``peer_status``,
+    ``wait``) are described in ``joinkit.backends`` and the README's "Writing a
+    backend".
+    """
+
+    rank: int
+    world_size: int
+
+    def heartbeat(self, value: float) -> Handle:
+        """Start a 1-element SUM all-reduce contributing ``value``."""
+        ...
+
+    def count(self, value: float) -> float:
+        """1-element SUM all-reduce contributing ``value``; return the sum."""
+        ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (blocking)."""
+        ...
+
+
+Factory = Callable[[Any, Any], JoinBackend]
+Resolver = Callable[[Any, Any], "JoinBackend | None"]
+Kind = type | Callable[[Any], bool]
+
+
+@attrs.frozen(kw_only=True)
+class Adapter:
+    """A bridge from one framework's objects to joinkit Joinables.
+
+    Attributes:
+        name: what the adapter bridges (for messages), e.g. ``"torch"``.
+        matches: ``matches(obj) -> bool``: whether ``obj`` is one of the
+            framework's joinables. It must not import the framework: an object
+            of a framework that is not imported cannot exist.
+        adapt: ``adapt(obj) -> Joinable``: the joinkit Joinable standing for it.
+        check: ``check(joinables)``, optional: inspects a Join's whole list of
+            joinables (adapted ones included) and raises ``ValueError`` for a
+            combination the framework cannot shadow correctly.
+    """
+
+    name: str
+    matches: Callable[[Any], bool]
+    adapt: Callable[[Any], Joinable]
+    check: Callable[[Sequence[Joinable]], None] | None = None
+
+
+# (matcher, factory), newest first: matcher is a type (isinstance) or a predicate.
+_registered: list[tuple[Kind, Factory]] = []
+_adapters: list[Adapter] = []
+_entry_point_resolvers: list[Resolver] | None = None
+_entry_point_adapters: list[Adapter] | None = None
+
+
+def register(kind: Kind, factory: Factory) -> None:
+    """Teach the backend registry a new kind of process group.
+
+    Args:
+        kind: a type (groups that are instances of it match) or a predicate
+            ``kind(process_group) -> bool``.
+        factory: ``factory(process_group, device) -> JoinBackend``.
+
+    Later registrations win over earlier ones, so a third party can override a
+    built-in backend for its own subclass.
+    """
+    _registered.insert(0, (kind, factory))
+
+
+def find_registered(process_group: Any, device: Any = None) -> JoinBackend | None:
+    """The backend from in-code registrations only, or ``None``.
+
+    For entry-point resolvers that import a module which registers itself.
+    """
+    for kind, factory in _registered:
+        if isinstance(kind, type):
+            if isinstance(process_group, kind):
+                return factory(process_group, device)
+        elif kind(process_group):
+            return factory(process_group, device)
+    return None
+
+
+def resolve(process_group: Any, device: Any = None) -> JoinBackend:
+    """Return the join backend for a joinable's process group and device.
+
+    In-code registrations first (newest first), then the entry points of the
+    ``joinkit.backends`` group in their installed order.
+
+    Args:
+        process_group: the joinable's ``join_process_group``.
+        device: the joinable's ``join_device``.
+
+    Returns:
+        A :class:`JoinBackend`.
+
+    Raises:
+        TypeError: no registered backend handles this kind of process group.
+    """
+    backend = find_registered(process_group, device)
+    if backend is not None:
+        return backend
+    for resolver in _backend_entry_points():
+        backend = resolver(process_group, device)
+        if backend is not None:
+            return backend
+    kind = type(process_group)
+    raise TypeError(
+        f"joinkit has no backend for a join_process_group of type "
+        f"{kind.__module__}.{kind.__qualname__}. Use a torch.distributed "
+        "ProcessGroup, an mpi4py communicator or a joinkit.backends.threads group, "
+        "or register a backend for this type with "
+        "joinkit.backends.register(kind, factory) or the 'joinkit.backends' entry "
+        "point group."
+    )
+
+
+def register_adapter(adapter: Adapter) -> None:
+    """Teach the adapter registry a framework's joinables (newest first).
+
+    Args:
+        adapter: the :class:`Adapter`.
+    """
+    _adapters.insert(0, adapter)
+
+
+def adapt(obj: Any) -> Joinable | None:
+    """The Joinable an adapter gives for ``obj``, or ``None`` if none matches."""
+    for adapter in _all_adapters():
+        if adapter.matches(obj):
+            return adapter.adapt(obj)
+    return None
+
+
+def check_joinables(joinables: Sequence[Joinable]) -> None:
+    """Run every adapter's check over a Join's joinables.
+
+    Raises:
+        ValueError: an adapter refuses the combination (its message says why).
+    """
+    for adapter in _all_adapters():
+        if adapter.check is not None:
+            adapter.check(joinables)
+
+
+def _all_adapters() -> Iterable[Adapter]:
+    global _entry_point_adapters
+    yield from _adapters
+    if _entry_point_adapters is None:
+        loaded = [ep.load() for ep in entry_points(group=ADAPTER_ENTRY_POINTS)]
+        for value in loaded:
+            if not isinstance(value, Adapter):
+                raise TypeError(
+                    f"the {ADAPTER_ENTRY_POINTS!r} entry point gave {value!r}, not a "
+                    "joinkit Adapter"
+                )
+        _entry_point_adapters = loaded
+    yield from _entry_point_adapters
+
+
+def _backend_entry_points() -> list[Resolver]:
+    global _entry_point_resolvers
+    if _entry_point_resolvers is None:
+        _entry_point_resolvers = [
+            ep.load() for ep in entry_points(group=BACKEND_ENTRY_POINTS)
+        ]
+    return _entry_point_resolvers
