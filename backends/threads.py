@@ -25,15 +25,29 @@ when the one before it runs (measured: 64 ranks x 1000 Counter iterations
 since it may not be waiting yet and must not hold up the relay. Each rank
 then copies its share of the result into its own buffer; for an async call
 that happens in ``wait()``. The join collectives (``heartbeat``,
-``count``) are 1-element float32 SUM all-reduces like any other, which is how
-an active rank's heartbeat matches a joined rank's count; ``all_gather_object``
-moves pickles, so objects cross ranks as they would cross processes.
+``count``) are 1-element float32 SUM all-reduces, as on every backend, which
+is how an active rank's heartbeat matches a joined rank's count;
+``all_gather_object`` moves pickles, so objects cross ranks as they would
+cross processes.
+
+*Who issued it.* The last element of a signature is its *origin*: ``"join"``
+for the join backend's own collectives (``heartbeat``, ``count``,
+``all_gather_object``), ``"user"`` for the group's collective methods, which
+joinables and their hooks call (a fused heartbeat rides in one of these, and
+a fused shadow is one: user matches user). On a real wire a joined rank's
+count and an active rank's own 1-element float32 SUM would pair up silently;
+here they differ in origin, so a ``main_hook`` that forgets to shadow a
+collective is a ``CollectiveMismatch`` at the joined rank's next count, not a
+run that returns plausible totals.
 
 *The harness.* Every way a multi-rank program can hang becomes an error:
 
 - signatures differ in slot k: ``CollectiveMismatch`` with a per-rank table
-  (rank | kind | op | shape | dtype | root | call site) on every rank; a rank
-  that issued call #k async and did not wait gets it at its next collective;
+  (rank | kind | op | shape | dtype | root | call site) on every rank (a join
+  collective's kind says which: ``all_reduce (count)``), and when the origins
+  differ a note saying which ranks ran the Join's collective and which their
+  own; a rank that issued call #k async and did not wait gets it at its next
+  collective;
 - a rank does not arrive within ``timeout`` seconds: the slot *expires* and
   every rank waiting in it gets ``RankTimeout``, naming the missing ranks and
   where each was last seen (a latecomer gets one too); a missing rank that
@@ -61,6 +75,7 @@ import operator
 import os
 import pickle
 import sys
+import textwrap
 import threading
 import time
 from _thread import allocate_lock as _allocate_lock
@@ -81,10 +96,14 @@ __all__ = ["ThreadGroup", "ThreadWork", "SpawnAborted", "spawn"]
 _FAILURE_GRACE = 1.0
 
 _Site: TypeAlias = "tuple[str, int, str]"  # (file, line, function)
-# (kind, op, shape, dtype, root); all ranks' must be equal in a slot.
+# (kind, op, shape, dtype, root, origin); all ranks' must be equal in a slot.
+# origin: "join" (the join backend's collectives) or "user" (module doc).
 _Signature: TypeAlias = (
-    "tuple[str, str | None, tuple[int, ...] | None, np.dtype[Any] | None, int | None]"
+    "tuple[str, str | None, tuple[int, ...] | None, np.dtype[Any] | None, int | None, str]"
 )
+# What each signature element is called in a mismatch's headline.
+_FIELDS = ("kind", "op", "shape", "dtype", "root", "join vs user")
+_JOIN, _USER = "join", "user"
 _Deliver: TypeAlias = "Callable[[Any], Any]"
 
 _UFUNCS: dict[str, np.ufunc] = {
@@ -99,10 +118,10 @@ _UFUNCS: dict[str, np.ufunc] = {
 assert tuple(_UFUNCS) == REDUCE_OPS
 _BITWISE = ("band", "bor", "bxor")
 
-# Both join collectives; equal to the signature of a user's all_reduce of a
-# 1-element float32 buffer, which is what they are on every backend.
-_JOIN_SIGNATURE: _Signature = ("all_reduce", "sum", (1,), np.dtype(np.float32), None)
-_OBJECT_SIGNATURE: _Signature = ("all_gather_object", None, None, None, None)
+# Both join collectives: a 1-element float32 SUM all-reduce, as on every
+# backend, but of origin "join", so only another join collective matches it.
+_JOIN_SIGNATURE: _Signature = ("all_reduce", "sum", (1,), np.dtype(np.float32), None, _JOIN)
+_OBJECT_SIGNATURE: _Signature = ("all_gather_object", None, None, None, None, _JOIN)
 # SpawnAborted.exc_type when a rank called ThreadGroup.abort() (no exception yet).
 _GROUP_ABORT = "abort"
 
@@ -416,23 +435,35 @@ class _World:
             assert entry is not None
             signature, label, site = entry
             signatures.append(signature)
-            _, op, shape, dtype, root = signature
+            _, op, shape, dtype, root, _ = signature
             rows.append((str(rank), label, _cell(op), _cell(shape), _cell(dtype),
                          _cell(root), _format_site(site)))
-        fields = [name for i, name in enumerate(header[1:6])
+        fields = [name for i, name in enumerate(_FIELDS)
                   if len({s[i] for s in signatures}) > 1]
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
         def line(cells: Sequence[str]) -> str:
             return " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
-        return "\n".join([
+        table = [
             f"collective #{slot.index} differs across the {self.size} ranks "
             f"(they disagree on {', '.join(fields)}):",
             line(header),
             "-+-".join("-" * w for w in widths),
             *(line(row) for row in rows),
-        ])
+        ]
+        join = [rank for rank, s in enumerate(signatures) if s[5] == _JOIN]
+        if join and len(join) < self.size:
+            user = [rank for rank, s in enumerate(signatures) if s[5] != _JOIN]
+            table.append(textwrap.fill(
+                f"{_ranks(join)} ran a collective of the Join (its heartbeat, count or "
+                f"object exchange) where {_ranks(user)} ran one of their own, and a join "
+                "collective only ever matches a join collective. Usually a joined "
+                "rank's JoinHook.main_hook (or fused_shadow) does not shadow every "
+                "collective of an active rank's iteration: see the call sites above.",
+                width=88,
+            ))
+        return "\n".join(table)
 
 
 def _open(slot: _Slot) -> None:
@@ -857,7 +888,7 @@ class ThreadGroup:
             _write(buf, result, tensor)
             return buf
 
-        signature = ("all_reduce", op, arr.shape, arr.dtype, None)
+        signature = ("all_reduce", op, arr.shape, arr.dtype, None, _USER)
         work = self._start("all_reduce", signature, arr.copy(), deliver, blocking=not async_op)
         return work if async_op else work.wait()
 
@@ -879,7 +910,7 @@ class ThreadGroup:
         """
         arr, tensor = _as_array(buf, "broadcast")
         src = self._root(src, "src", "broadcast")
-        signature = ("broadcast", None, arr.shape, arr.dtype, src)
+        signature = ("broadcast", None, arr.shape, arr.dtype, src, _USER)
         if self.rank == src:
             return self._finish(self._start("broadcast", signature, arr.copy(),
                                             lambda result: buf, blocking=not async_op),
@@ -910,7 +941,7 @@ class ThreadGroup:
             CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
         """
         arr, tensor = _as_array(buf, "all_gather")
-        signature = ("all_gather", None, arr.shape, arr.dtype, None)
+        signature = ("all_gather", None, arr.shape, arr.dtype, None, _USER)
         work = self._start("all_gather", signature, arr.copy(),
                            lambda parts: _new_buffers(parts, tensor), blocking=not async_op)
         return self._finish(work, async_op)
@@ -939,7 +970,7 @@ class ThreadGroup:
         arr, tensor = _as_array(buf, "reduce")
         dst = self._root(dst, "dst", "reduce")
         _check_reduce_op(op, arr.dtype, "reduce")
-        signature = ("reduce", op, arr.shape, arr.dtype, dst)
+        signature = ("reduce", op, arr.shape, arr.dtype, dst, _USER)
         if self.rank != dst:
             return self._finish(self._start("reduce", signature, arr.copy(),
                                             lambda result: buf, blocking=not async_op),
@@ -973,7 +1004,7 @@ class ThreadGroup:
         """
         arr, tensor = _as_array(buf, "gather")
         dst = self._root(dst, "dst", "gather")
-        signature = ("gather", None, arr.shape, arr.dtype, dst)
+        signature = ("gather", None, arr.shape, arr.dtype, dst, _USER)
         if self.rank == dst:
             deliver: _Deliver = lambda parts: _new_buffers(parts, tensor)  # noqa: E731
         else:
@@ -1023,7 +1054,7 @@ class ThreadGroup:
             _write(buf, stacked[rank], tensor)
             return buf
 
-        signature = ("scatter", None, arr.shape, arr.dtype, src)
+        signature = ("scatter", None, arr.shape, arr.dtype, src, _USER)
         return self._finish(self._start("scatter", signature, payload, deliver,
                                         blocking=not async_op), async_op)
 
@@ -1033,7 +1064,7 @@ class ThreadGroup:
         Raises:
             CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
         """
-        signature: _Signature = ("barrier", None, None, None, None)
+        signature: _Signature = ("barrier", None, None, None, None, _USER)
         self._start("barrier", signature, None, _returns_none).wait()
 
     # -- helpers -------------------------------------------------------------------

@@ -473,10 +473,11 @@ def test_importing_the_backend_does_not_import_torch() -> None:
 class _Counter(Joinable):
     """The tutorial's counter: one all-reduce of a 1 per input."""
 
-    def __init__(self, group: ThreadGroup) -> None:
+    def __init__(self, group: ThreadGroup, forgetful: bool = False) -> None:
         super().__init__()
         self.group = group
         self.count = 0.0
+        self.forgetful = forgetful  # its hook does not shadow the all-reduce
 
     def __call__(self) -> None:
         Join.notify_join_context(self)
@@ -489,7 +490,8 @@ class _Counter(Joinable):
 
         class Shadow(JoinHook):
             def main_hook(self) -> None:
-                counter.group.all_reduce(np.zeros(1, dtype=np.float32))
+                if not counter.forgetful:
+                    counter.group.all_reduce(np.zeros(1, dtype=np.float32))
 
         return Shadow()
 
@@ -710,6 +712,154 @@ def test_heartbeat_mismatch_names_the_notifying_code_not_join_core() -> None:
     assert heartbeat_rows[0].startswith("0 ")
     assert f"{THIS_FILE}:{notify_line} in __call__" in heartbeat_rows[0]
     assert "_join.py" not in message
+
+
+# -- the harness: join collectives match only join collectives ----------------------
+
+
+def _count_vs_all_reduce(group: ThreadGroup, sites: list[int]) -> None:
+    if group.rank == 0:
+        sites.append(lineno() + 1)
+        group.count(0.0)
+    else:
+        sites.append(lineno() + 1)
+        group.all_reduce(np.ones(1, dtype=np.float32))
+
+
+def _heartbeat_vs_all_reduce(group: ThreadGroup, sites: list[int]) -> None:
+    if group.rank == 0:
+        sites.append(lineno() + 1)
+        group.heartbeat(1.0).wait()
+    else:
+        sites.append(lineno() + 1)
+        group.all_reduce(np.zeros(1, dtype=np.float32), async_op=True).wait()
+
+
+@pytest.mark.parametrize(
+    ("scenario", "join_kind"),
+    [(_count_vs_all_reduce, "all_reduce (count)"),
+     (_heartbeat_vs_all_reduce, "all_reduce (heartbeat)")],
+)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_join_collective_never_matches_a_user_collective(
+    scenario: Any, join_kind: str, world_size: int
+) -> None:
+    # Both are a 1-element float32 SUM all-reduce: on a wire they would pair.
+    def rank_fn(group: ThreadGroup) -> tuple[str, int]:
+        sites: list[int] = []
+        with pytest.raises(CollectiveMismatch) as caught:
+            scenario(group, sites)
+        return str(caught.value), sites[0]
+
+    results = spawn(rank_fn, world_size, timeout=TIMEOUT)
+    message = results[0][0]
+    assert all(text == message for text, _ in results)
+    lines = message.splitlines()
+    assert lines[0] == (
+        f"collective #1 differs across the {world_size} ranks (they disagree on join vs user):"
+    )
+    rows = [[c.strip() for c in row.split("|")] for row in lines[3:3 + world_size]]
+    assert [row[1] for row in rows] == [join_kind] + ["all_reduce"] * (world_size - 1)
+    assert all(row[2:6] == ["sum", "(1,)", "float32", "-"] for row in rows)
+    for row, (_, site_line) in zip(rows, results, strict=True):  # both call sites
+        assert row[-1].split(" in ")[0].endswith(f"{THIS_FILE}:{site_line}")
+    note = " ".join(lines[3 + world_size:])
+    others = "rank 1" if world_size == 2 else "ranks 1, 2"
+    assert note.startswith(f"rank 0 ran a collective of the Join (its heartbeat, count or "
+                           f"object exchange) where {others} ran one of their own")
+    assert "JoinHook.main_hook" in note
+
+
+def test_join_collectives_match_each_other_and_user_collectives_each_other() -> None:
+    def rank_fn(group: ThreadGroup) -> tuple[float, float]:
+        # heartbeat (active) with count (joined): the Join's own pairing
+        joined = group.heartbeat(1.0).wait() if group.rank else group.count(0.0)
+        t = np.full(1, group.rank, dtype=np.float32)
+        if group.rank == 1:  # blocking or not: both user collectives
+            group.all_reduce(t, async_op=True).wait()
+        else:
+            group.all_reduce(t)
+        return joined, float(t[0])
+
+    assert spawn(rank_fn, 3, timeout=TIMEOUT) == [(2.0, 3.0)] * 3
+
+
+def _counts(world_size: int) -> list[float]:
+    """What each rank's Counter holds when rank r has 5 + r inputs."""
+    # Each iteration counts the ranks still active in it.
+    active = [sum(1 for r in range(world_size) if 5 + r > i) for i in range(5 + world_size)]
+    return [float(sum(active[:5 + r])) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_hook_that_forgets_to_shadow_is_a_mismatch(world_size: int) -> None:
+    # Rank r has 5 + r inputs. Rank 0 joins first; its count pairs with the
+    # others' heartbeat (#12, after the agreement check and 5 x 2 collectives),
+    # its hook issues nothing, so its next count (#13) meets their all-reduce.
+    with_line = lineno() + 5
+    all_reduce_line = _Counter.__call__.__code__.co_firstlineno + 3
+
+    def rank_fn(group: ThreadGroup) -> float:
+        counter = _Counter(group, forgetful=True)
+        with Join([counter]):
+            for _ in range(5 + group.rank):
+                counter()
+        return counter.count
+
+    start = time.monotonic()
+    with pytest.raises(CollectiveMismatch) as caught:
+        spawn(rank_fn, world_size, timeout=TIMEOUT)
+    assert time.monotonic() - start < TIMEOUT / 2  # reported, not timed out
+    lines = str(caught.value).splitlines()
+    assert lines[0] == (
+        f"collective #13 differs across the {world_size} ranks (they disagree on join vs user):"
+    )
+    rows = [[c.strip() for c in row.split("|")] for row in lines[3:3 + world_size]]
+    # The joined rank's count at its `with` (the Join's exit), the active
+    # ranks' all-reduce in Counter.__call__.
+    assert rows[0][1] == "all_reduce (count)"
+    assert rows[0][-1].endswith(f"{THIS_FILE}:{with_line} in rank_fn")
+    for row in rows[1:]:
+        assert row[1] == "all_reduce"
+        assert row[-1].endswith(f"{THIS_FILE}:{all_reduce_line} in __call__")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_hook_that_shadows_passes(world_size: int) -> None:
+    def rank_fn(group: ThreadGroup) -> float:
+        counter = _Counter(group)
+        with Join([counter]):
+            for _ in range(5 + group.rank):
+                counter()
+        return counter.count
+
+    assert spawn(rank_fn, world_size, timeout=TIMEOUT) == _counts(world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_fused_shadow_is_a_user_collective_matching_the_active_ranks_own(
+    world_size: int
+) -> None:
+    # examples/counter.py fuses the heartbeat into its own all-reduce: there the
+    # joined rank's count *is* its hook's fused_shadow, a user collective that
+    # matches the active ranks' fused all-reduce. No join collective pairs with
+    # a user one, so the run passes.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        import counter
+    finally:
+        sys.path.pop(0)
+
+    def rank_fn(group: ThreadGroup) -> tuple[float, float]:
+        c = counter.Counter(group)
+        with Join([c], sync_max_count=True):
+            for _ in range(counter.NUM_INPUTS + group.rank):
+                c()
+        return float(c.count[0]), float(c.max_count[0])
+
+    total = float(sum(5 + r for r in range(world_size)))
+    assert spawn(rank_fn, world_size, timeout=TIMEOUT) == [
+        (count, total) for count in _counts(world_size)]
 
 
 # -- the harness: missing ranks --------------------------------------------------------
