@@ -457,7 +457,8 @@ class _World:
             user = [rank for rank, s in enumerate(signatures) if s[5] != _JOIN]
             table.append(textwrap.fill(
                 f"{_ranks(join)} ran a collective of the Join (its heartbeat, count or "
-                f"object exchange) where {_ranks(user)} ran one of their own, and a join "
+                f"object exchange) where {_ranks(user)} ran "
+                f"{'one of its own' if len(user) == 1 else 'their own'}, and a join "
                 "collective only ever matches a join collective. Usually a joined "
                 "rank's JoinHook.main_hook (or fused_shadow) does not shadow every "
                 "collective of an active rank's iteration: see the call sites above.",

@@ -764,9 +764,9 @@ def test_a_join_collective_never_matches_a_user_collective(
     for row, (_, site_line) in zip(rows, results, strict=True):  # both call sites
         assert row[-1].split(" in ")[0].endswith(f"{THIS_FILE}:{site_line}")
     note = " ".join(lines[3 + world_size:])
-    others = "rank 1" if world_size == 2 else "ranks 1, 2"
+    others = "rank 1 ran one of its own" if world_size == 2 else "ranks 1, 2 ran their own"
     assert note.startswith(f"rank 0 ran a collective of the Join (its heartbeat, count or "
-                           f"object exchange) where {others} ran one of their own")
+                           f"object exchange) where {others}, and a join collective")
     assert "JoinHook.main_hook" in note
 
 
