@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 :func:`init` answers one question per process: which collective library
-connects me to my peers, and who are they? It does so in two steps.
+connects me to my peers, and who are they? It does so in three steps.
 
 1. :func:`plan_launch` is pure: from an environment mapping, the requested
    backend and a way to ask whether a library is importable, it returns a
@@ -14,6 +14,19 @@ connects me to my peers, and who are they? It does so in two steps.
 2. :func:`init` and :func:`init_torch` carry the plan out: build an
    ``MPIGroup`` over ``COMM_WORLD``, initialise ``torch.distributed`` and wrap
    it in a ``TorchGroup``, or return a world of one.
+3. :func:`verify_world` (pure) compares the size of the world that was built
+   with the number of processes the launcher says it started
+   (``LaunchPlan.launched_size``: ``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS``,
+   ``WORLD_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE``,
+   ``MV2_COMM_WORLD_SIZE``). They disagree when a library cannot see the
+   launcher: mpi4py under ``srun --mpi=none`` or under torchrun, or under
+   another MPI's mpirun, is an MPI *singleton* on every process, and each
+   process would train alone and exit 0. One disagreement has a remedy that
+   is certainly right, and is taken unless the user forced the backend:
+   under srun, MPI's world of one is replaced by torch.distributed built from
+   the Slurm variables. Every other one is a ``RuntimeError`` naming both
+   sizes and the fix (``_WORLD_FIXES``). ``threads`` is a world of one by
+   request and is not compared.
 
 The backend is, first match wins: the ``backend=`` argument, the
 ``JOINKIT_BACKEND`` environment variable (``torch``, ``mpi``, ``threads``), or
@@ -26,7 +39,8 @@ the launcher's natural choice::
     nothing           -> threads: a world of one in this process
 
 A requested backend whose library is missing is an ``ImportError`` that says
-what to install; nothing is silently swapped for something else.
+what to install; nothing is silently swapped for something else (the srun
+fallback above is announced with a ``RuntimeWarning`` on task 0).
 
 torch under mpirun: MPI already knows rank and world size, so
 :func:`init_torch` takes them from ``COMM_WORLD``; rank 0 opens torch's
@@ -48,6 +62,7 @@ import os
 import re
 import socket
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -60,6 +75,7 @@ __all__ = [
     "BACKENDS",
     "LaunchPlan",
     "plan_launch",
+    "verify_world",
     "init",
     "init_torch",
     "abort_on_unhandled_exception",
@@ -78,6 +94,14 @@ _LIBRARIES = {"torch": ("torch", "torch"), "mpi": ("mpi4py", "mpi")}
 # Rank / size / local rank variables of MPI launchers, in lookup order.
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK")
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+# Where each launcher says how many processes it started, in lookup order
+# (a PMIx-only launcher exports no size: nothing to compare with).
+_LAUNCHED_SIZE_VARS: dict[str | None, tuple[str, ...]] = {
+    "torchrun": ("WORLD_SIZE",),
+    "mpirun": _MPI_SIZE_VARS,
+    "srun": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+    None: (),
+}
 _MPI_LOCAL_RANK_VARS = (
     "OMPI_COMM_WORLD_LOCAL_RANK",
     "MPI_LOCALRANKID",
@@ -94,11 +118,18 @@ class LaunchPlan:
     Attributes:
         launcher: what :func:`backends.detect_launcher` found (``None``: nothing).
         backend: one of :data:`BACKENDS`.
-        chosen_by: ``"argument"``, ``"JOINKIT_BACKEND"`` or ``"launcher"``.
+        chosen_by: ``"argument"``, ``"JOINKIT_BACKEND"``, ``"launcher"``,
+            ``"init_torch"`` (:func:`init_torch`'s plan), or ``"fallback"``
+            (the launcher's choice built a world that disagreed with the
+            launcher, and this plan replaces it; see :func:`verify_world`).
         rank, world_size, local_rank: from the environment when it tells them
             (``None`` otherwise; MPI then knows them).
         master_addr, master_port: the torch rendezvous, when the environment
             fixes it.
+        launched_size: how many processes the launcher says it started
+            (``None``: it does not say), whatever the backend; the world
+            that is built must have this size.
+        launched_size_from: the variable that said so, e.g. ``"SLURM_NTASKS"``.
     """
 
     launcher: str | None
@@ -109,6 +140,8 @@ class LaunchPlan:
     local_rank: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    launched_size: int | None = None
+    launched_size_from: str | None = None
 
 
 def _importable(module: str) -> bool:
@@ -160,6 +193,10 @@ def plan_launch(
         fields = _torch_world(env, launcher)
     elif choice == "mpi" and launcher == "mpirun":
         fields = _mpi_world(env)
+    for name in _LAUNCHED_SIZE_VARS[launcher]:
+        if name in env:
+            fields.update(launched_size=_int(env, name), launched_size_from=name)
+            break
     return LaunchPlan(launcher=launcher, backend=choice, chosen_by=chosen_by, **fields)
 
 
@@ -299,6 +336,103 @@ def first_host(nodelist: str) -> str:
     return _BRACKET.sub(lambda m: m.group(1).split(",")[0].split("-")[0], first)
 
 
+# -- the world that was built against the launcher's -----------------------------
+
+_SINGLETONS = "so every process is an MPI singleton"
+_OTHER_MPI = (
+    "the MPI library mpi4py uses is not the one whose launcher started this "
+    f"process, {_SINGLETONS}. Launch with the mpiexec of mpi4py's MPI (python -c "
+    "'import mpi4py; print(mpi4py.get_config())' names it), or install an mpi4py "
+    "built against this launcher's MPI"
+)
+# (launcher, backend) -> the fix an error names when the world that was built
+# disagrees with the launcher's count. A pair not listed disagrees only when
+# torch.distributed was initialised beforehand with another world.
+_WORLD_FIXES: dict[tuple[str | None, str], str] = {
+    ("srun", "mpi"): (
+        "MPI is not wired to Slurm (srun --mpi=none, or an MPI built without "
+        f"Slurm's PMI support), {_SINGLETONS}. Run srun --mpi=pmix (or "
+        "--mpi=pmi2; srun --mpi=list shows what your Slurm offers), or build the "
+        f"world with torch.distributed from the Slurm variables: {ENV_VAR}=torch"
+    ),
+    ("torchrun", "mpi"): (
+        f"torchrun starts no MPI job, {_SINGLETONS}. Unset {ENV_VAR} (torchrun's "
+        "backend is torch), or launch with mpirun"
+    ),
+    ("mpirun", "mpi"): _OTHER_MPI,
+    ("mpirun", "torch"): (
+        f"under mpirun torch's rendezvous takes rank and size from MPI, but "
+        f"{_OTHER_MPI}; or set MASTER_ADDR and MASTER_PORT, and it takes them "
+        "from the launcher's variables instead"
+    ),
+}
+_TORCH_INITIALISED_BEFORE = (
+    "torch.distributed was initialised before, with another world: initialise it "
+    "for the launcher's world, or leave it to backends.init()/init_torch()"
+)
+# (launcher, backend the launcher chose) -> the backend that matches the
+# launcher when the choice built a world of one.
+_FALLBACKS: dict[tuple[str | None, str], str] = {("srun", "mpi"): "torch"}
+
+
+def verify_world(
+    plan: LaunchPlan,
+    size: int,
+    built: str,
+    environ: Mapping[str, str] | None = None,
+    available: Callable[[str], bool] = _importable,
+) -> LaunchPlan | None:
+    """Compare the world that was built with the launcher's count (pure).
+
+    Under srun, when joinkit chose MPI and MPI built a world of one while
+    Slurm started more tasks, the answer is the plan that builds the world
+    with torch.distributed from the Slurm variables instead. A backend the
+    user forced is never replaced.
+
+    Args:
+        plan: the plan that was carried out.
+        size: the world size of what it built.
+        built: what it built, for the message (``"MPI's COMM_WORLD"``).
+        environ: the environment a fallback plan is read from; ``None`` means
+            ``os.environ``.
+        available: ``available(module)`` tells whether a library is importable.
+
+    Returns:
+        ``None`` when the sizes agree, the launcher gives no count, or the
+        backend is ``threads`` (a world of one by request); else the plan to
+        carry out instead.
+
+    Raises:
+        RuntimeError: the sizes disagree and nothing else matches; the message
+            names both sizes, the variable that gave the launcher's, and the fix.
+    """
+    expected = plan.launched_size
+    if plan.backend == "threads" or expected is None or size == expected:
+        return None
+    key = (plan.launcher, plan.backend)
+    fallback = _FALLBACKS.get(key)
+    fallback_installed = fallback is not None and available(_LIBRARIES[fallback][0])
+    if fallback is not None and fallback_installed and plan.chosen_by == "launcher" \
+            and size == 1:
+        env = os.environ if environ is None else environ
+        return attrs.evolve(plan_launch(env, fallback, available), chosen_by="fallback")
+    forced = {ENV_VAR: f"{ENV_VAR}={plan.backend}: ",
+              "argument": f"backend={plan.backend!r}: "}.get(plan.chosen_by, "")
+    fix = _WORLD_FIXES.get(key, _TORCH_INITIALISED_BEFORE)
+    if fallback is not None and not fallback_installed:
+        module, extra = _LIBRARIES[fallback]
+        fix += f" ({module} is not installed: pip install 'joinkit[{extra}]')"
+    ranks = "rank" if size == 1 else "ranks"
+    if plan.launcher == "srun":
+        processes = "task" if expected == 1 else "tasks"
+    else:
+        processes = "process" if expected == 1 else "processes"
+    raise RuntimeError(
+        f"{forced}{built} has {size} {ranks}, but {plan.launcher} started {expected} "
+        f"{processes} ({plan.launched_size_from}={expected}): {fix}."
+    )
+
+
 # -- carrying the plan out ------------------------------------------------------
 
 
@@ -314,6 +448,12 @@ def init(backend: str | None = None) -> Any:
     job (see :func:`abort_on_unhandled_exception`), so one failing rank does
     not leave the others hanging.
 
+    The world that is built must have as many ranks as the launcher started
+    processes (see :func:`verify_world`). Under srun, if joinkit chose MPI
+    and MPI sees a world of one (no PMI: ``srun --mpi=none``), the world is
+    built with torch.distributed from the Slurm variables instead, with a
+    ``RuntimeWarning`` on task 0.
+
     Returns:
         A :class:`backends.CollectiveGroup`: a ``TorchGroup`` over the default
         process group (initialised if needed), an ``MPIGroup`` over
@@ -322,14 +462,31 @@ def init(backend: str | None = None) -> Any:
     Raises:
         ValueError: unknown backend name.
         ModuleNotFoundError: the backend's library is not installed.
-        RuntimeError: the torch rendezvous failed.
+        RuntimeError: the torch rendezvous failed, or the world that was built
+            disagrees with the launcher (the message names both sizes and the
+            fix).
     """
     plan = plan_launch(os.environ, backend)
     if plan.backend == "mpi":
         from joinkit.backends.mpi import MPIGroup
 
-        abort_on_unhandled_exception()
-        return MPIGroup()
+        group = MPIGroup()
+        fallback = verify_world(plan, group.world_size, "MPI's COMM_WORLD")
+        if fallback is None:
+            abort_on_unhandled_exception()
+            return group
+        if fallback.rank == 0:
+            warnings.warn(
+                f"{plan.launcher} started {plan.launched_size} tasks "
+                f"({plan.launched_size_from}={plan.launched_size}), but MPI's "
+                "COMM_WORLD has 1 rank: MPI is not wired to Slurm (srun "
+                "--mpi=none?). joinkit builds the world with torch.distributed "
+                "from the Slurm variables instead. srun --mpi=pmix (or pmi2) gives "
+                f"MPI; {ENV_VAR}=torch chooses torch without this warning.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        plan = fallback
     if plan.backend == "torch":
         return _init_torch(plan, None, None)
     return solo_group()
@@ -356,9 +513,14 @@ def init_torch(
     Raises:
         ModuleNotFoundError: torch (or, under mpirun without
             ``MASTER_ADDR``/``MASTER_PORT``, mpi4py) is not installed.
-        RuntimeError: the rendezvous failed.
+        RuntimeError: the rendezvous failed, or the world disagrees with the
+            launcher (under mpirun: MPI sees another world size than the
+            launcher's variables, and ``MASTER_ADDR``/``MASTER_PORT`` are not
+            set; or torch.distributed was initialised before with another
+            world).
     """
-    return _init_torch(plan_launch(os.environ, "torch"), dist_backend, timeout)
+    plan = attrs.evolve(plan_launch(os.environ, "torch"), chosen_by="init_torch")
+    return _init_torch(plan, dist_backend, timeout)
 
 
 def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta | None) -> Any:
@@ -368,7 +530,9 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
     from joinkit.backends.torch_dist import TorchGroup
 
     if dist.is_initialized():
-        return TorchGroup()
+        group = TorchGroup()
+        verify_world(plan, group.world_size, "torch.distributed's default group")
+        return group
     if dist_backend is None:
         dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
     kwargs: dict[str, Any] = {"backend": dist_backend}
@@ -419,7 +583,15 @@ def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
     import torch.distributed as dist
 
     if plan.launcher == "mpirun" and _importable("mpi4py"):
-        return _mpi_rendezvous(plan, store_timeout)
+        from mpi4py import MPI
+
+        size = MPI.COMM_WORLD.Get_size()
+        if size == (plan.launched_size or size):
+            return _mpi_rendezvous(plan, store_timeout)
+        if plan.master_addr is None or plan.master_port is None or plan.rank is None:
+            verify_world(plan, size, "MPI's COMM_WORLD")  # raises: no fallback
+        # Else MPI cannot see this launcher, but its variables and
+        # MASTER_ADDR/MASTER_PORT give the whole rendezvous (below).
     if plan.launcher == "mpirun" and (plan.master_addr is None or plan.master_port is None):
         raise ModuleNotFoundError(
             "init_torch under mpirun agrees on the rendezvous through MPI, but "

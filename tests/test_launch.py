@@ -12,11 +12,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
 from joinkit import backends
-from joinkit.backends._launch import LaunchPlan, first_host, plan_launch, solo_group
+from joinkit.backends._launch import (
+    LaunchPlan,
+    first_host,
+    plan_launch,
+    solo_group,
+    verify_world,
+)
 
 TORCHRUN = {
     "TORCHELASTIC_RUN_ID": "none", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
@@ -106,7 +113,8 @@ def test_natural_backend_of_each_launcher(
 def test_torchrun_plan_reads_its_variables() -> None:
     assert plan_launch(TORCHRUN, available=EVERYTHING) == LaunchPlan(
         launcher="torchrun", backend="torch", chosen_by="launcher", rank=1, world_size=4,
-        local_rank=1, master_addr="10.0.0.5", master_port=29500,
+        local_rank=1, master_addr="10.0.0.5", master_port=29500, launched_size=4,
+        launched_size_from="WORLD_SIZE",
     )
 
 
@@ -217,6 +225,152 @@ def test_missing_library_of_the_launchers_choice() -> None:
 def test_malformed_variables() -> None:
     with pytest.raises(ValueError, match=r"SLURM_PROCID='x' is not an integer"):
         plan_launch({**SRUN, "SLURM_PROCID": "x"}, available=have("torch"))
+
+
+# -- the world that was built against the launcher's count ---------------------------
+
+STEP_OF_ONE = {**SRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1"}
+
+
+@pytest.mark.parametrize(
+    ("env", "size", "variable"),
+    [
+        ({}, None, None),
+        (TORCHRUN, 4, "WORLD_SIZE"),
+        (OPEN_MPI, 4, "OMPI_COMM_WORLD_SIZE"),
+        (HYDRA, 4, "PMI_SIZE"),
+        (MVAPICH, 2, "MV2_COMM_WORLD_SIZE"),
+        (PMIX_ONLY, None, None),  # PMIx exports no size
+        (SRUN, 8, "SLURM_STEP_NUM_TASKS"),
+        ({k: v for k, v in SRUN.items() if k != "SLURM_STEP_NUM_TASKS"}, 8, "SLURM_NTASKS"),
+        ({**SRUN, "SLURM_NTASKS": "16"}, 8, "SLURM_STEP_NUM_TASKS"),  # a step of the job
+        (SBATCH_SCRIPT, None, None),  # the batch script is one process
+        # Nested launchers: the innermost one's count.
+        ({**SRUN, **TORCHRUN}, 4, "WORLD_SIZE"),
+        ({**SBATCH_SCRIPT, **HYDRA}, 4, "PMI_SIZE"),
+        ({**SRUN, "PMI_SIZE": "8", "PMI_RANK": "5"}, 8, "SLURM_STEP_NUM_TASKS"),
+    ],
+    ids=lambda value: "" if isinstance(value, dict) else str(value),
+)
+@pytest.mark.parametrize("backend", [None, "torch", "mpi", "threads"])
+def test_launched_size_whatever_the_backend(
+    env: dict[str, str], size: int | None, variable: str | None, backend: str | None
+) -> None:
+    plan = plan_launch(env, backend, available=EVERYTHING)
+    assert (plan.launched_size, plan.launched_size_from) == (size, variable)
+
+
+def test_launched_size_must_be_an_integer() -> None:
+    with pytest.raises(ValueError, match=r"WORLD_SIZE='two' is not an integer"):
+        plan_launch({**TORCHRUN, "WORLD_SIZE": "two"}, "mpi", available=EVERYTHING)
+
+
+@pytest.mark.parametrize(
+    ("env", "backend", "size"),
+    [
+        ({}, None, 1),
+        ({}, "torch", 1),
+        (SRUN, None, 8),  # srun --mpi=pmix: MPI sees every task
+        (STEP_OF_ONE, None, 1),  # srun -n 1: a singleton is right
+        (TORCHRUN, None, 4),
+        (OPEN_MPI, None, 4),
+        (HYDRA, "torch", 4),
+        (PMIX_ONLY, None, 1),  # nothing to compare with
+        # threads is a world of one by request, under any launcher
+        (SRUN, "threads", 1),
+        (TORCHRUN, "threads", 1),
+        (OPEN_MPI, "threads", 1),
+    ],
+    ids=lambda value: "" if isinstance(value, dict) else str(value),
+)
+def test_a_world_that_matches_the_launcher_passes(
+    env: dict[str, str], backend: str | None, size: int
+) -> None:
+    plan = plan_launch(env, backend, available=EVERYTHING)
+    assert verify_world(plan, size, "the world", env, available=EVERYTHING) is None
+
+
+def test_under_srun_an_mpi_world_of_one_falls_back_to_torch_from_slurm() -> None:
+    # srun --mpi=none with mpi4py installed: MPI is a singleton on every task.
+    plan = plan_launch(SRUN, available=EVERYTHING)
+    assert (plan.backend, plan.chosen_by) == ("mpi", "launcher")
+    fallback = verify_world(plan, 1, "MPI's COMM_WORLD", SRUN, available=EVERYTHING)
+    assert fallback == attrs.evolve(plan_launch(SRUN, "torch", available=EVERYTHING),
+                                    chosen_by="fallback")
+    assert fallback is not None
+    assert (fallback.backend, fallback.rank, fallback.world_size, fallback.local_rank) == (
+        "torch", 5, 8, 1)
+    assert (fallback.master_addr, fallback.launched_size) == ("gpu07", 8)
+    # The fallback's own world is checked like any other.
+    assert verify_world(fallback, 8, "torch", SRUN, available=EVERYTHING) is None
+
+
+def _srun_mpi_fix() -> str:
+    return (r"MPI is not wired to Slurm \(srun --mpi=none, or an MPI built without Slurm's "
+            r"PMI support\), so every process is an MPI singleton\. Run srun --mpi=pmix \(or "
+            r"--mpi=pmi2; srun --mpi=list shows what your Slurm offers\), or build the world "
+            r"with torch\.distributed from the Slurm variables: JOINKIT_BACKEND=torch")
+
+
+_OTHER_MPI = (r"the MPI library mpi4py uses is not the one whose launcher started this "
+              r"process, so every process is an MPI singleton\. Launch with the mpiexec of "
+              r"mpi4py's MPI")
+
+
+@pytest.mark.parametrize(
+    ("env", "backend", "available", "size", "message"),
+    [
+        # srun, but the user forced MPI: never swapped.
+        ({**SRUN, "JOINKIT_BACKEND": "mpi"}, None, EVERYTHING, 1,
+         r"^JOINKIT_BACKEND=mpi: MPI's COMM_WORLD has 1 rank, but srun started 8 tasks "
+         r"\(SLURM_STEP_NUM_TASKS=8\): " + _srun_mpi_fix() + r"\.$"),
+        (SRUN, "mpi", EVERYTHING, 1,
+         r"^backend='mpi': MPI's COMM_WORLD has 1 rank, but srun started 8 tasks"),
+        # joinkit chose MPI, but torch is not there to fall back to
+        (SRUN, None, have("mpi4py"), 1,
+         r"^MPI's COMM_WORLD has 1 rank, but srun started 8 tasks \(SLURM_STEP_NUM_TASKS=8\): "
+         + _srun_mpi_fix() + r" \(torch is not installed: pip install 'joinkit\[torch\]'\)\.$"),
+        # more than one rank but not all: not a missing PMI, so no guess
+        (SRUN, None, EVERYTHING, 4,
+         r"^MPI's COMM_WORLD has 4 ranks, but srun started 8 tasks \(SLURM_STEP_NUM_TASKS=8\)"),
+        ({k: v for k, v in SRUN.items() if k != "SLURM_STEP_NUM_TASKS"}, "mpi", EVERYTHING, 1,
+         r"but srun started 8 tasks \(SLURM_NTASKS=8\)"),
+        # JOINKIT_BACKEND=mpi under torchrun
+        ({**TORCHRUN, "JOINKIT_BACKEND": "mpi"}, None, EVERYTHING, 1,
+         r"^JOINKIT_BACKEND=mpi: MPI's COMM_WORLD has 1 rank, but torchrun started 4 "
+         r"processes \(WORLD_SIZE=4\): torchrun starts no MPI job, so every process is an "
+         r"MPI singleton\. Unset JOINKIT_BACKEND \(torchrun's backend is torch\), or launch "
+         r"with mpirun\.$"),
+        # another MPI's launcher: Open MPI's, MPICH's/Intel's Hydra, MVAPICH's
+        (OPEN_MPI, None, EVERYTHING, 1,
+         r"^MPI's COMM_WORLD has 1 rank, but mpirun started 4 processes "
+         r"\(OMPI_COMM_WORLD_SIZE=4\): " + _OTHER_MPI),
+        (HYDRA, None, EVERYTHING, 1, r"started 4 processes \(PMI_SIZE=4\): " + _OTHER_MPI),
+        (MVAPICH, None, EVERYTHING, 1,
+         r"started 2 processes \(MV2_COMM_WORLD_SIZE=2\): " + _OTHER_MPI),
+        (HYDRA, "torch", EVERYTHING, 1,
+         r"^backend='torch': MPI's COMM_WORLD has 1 rank, but mpirun started 4 processes "
+         r"\(PMI_SIZE=4\): under mpirun torch's rendezvous takes rank and size from MPI, "
+         r"but the MPI library .* or set MASTER_ADDR and MASTER_PORT, and it takes "
+         r"them from the launcher's variables instead\.$"),
+        # torch.distributed initialised beforehand with another world
+        (TORCHRUN, None, EVERYTHING, 1,
+         r"^torch\.distributed's default group has 1 rank, but torchrun started 4 processes "
+         r"\(WORLD_SIZE=4\): torch\.distributed was initialised before, with another world"),
+        (STEP_OF_ONE, "torch", EVERYTHING, 2,
+         r"has 2 ranks, but srun started 1 task \(SLURM_STEP_NUM_TASKS=1\)"),
+    ],
+    ids=lambda value: "" if isinstance(value, (dict, str)) or callable(value) else str(value),
+)
+def test_a_world_that_disagrees_with_the_launcher_names_both_sizes_and_the_fix(
+    env: dict[str, str], backend: str | None, available: Callable[[str], bool], size: int,
+    message: str,
+) -> None:
+    plan = plan_launch(env, backend, available=available)
+    built = "MPI's COMM_WORLD" if plan.backend == "mpi" or plan.launcher == "mpirun" \
+        else "torch.distributed's default group"
+    with pytest.raises(RuntimeError, match=message):
+        verify_world(plan, size, built, env, available=available)
 
 
 @pytest.mark.parametrize(
