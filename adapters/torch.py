@@ -38,7 +38,7 @@ joinable and the Join fuses heartbeats (it does unless throw mode or
 both travel in one 1-element float64 all-reduce sent from the routed notify:
 a rank contributes its heartbeat value plus ``2**24`` if it syncs gradients.
 Heartbeat sums stay below ``2**24`` (at most 4095 active and 4095 failed
-ranks, see ``join_core``), and float64 adds integers exactly far beyond that,
+ranks, see ``joinkit._machine``), and float64 adds integers exactly far beyond that,
 so the sum splits into the heartbeat sum and the number of syncing ranks (a
 1-element all-reduce: gloo's ring needs more steps for two elements than for
 one). The adapter is a fused joinable whose ``fused_shadow`` is the joined
