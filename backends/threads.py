@@ -59,10 +59,10 @@ run that returns plausible totals.
   error that only reports another rank's failure (``SpawnAborted``, the Join's
   ``PeerFailure``/``PeerAborted``) is never the root cause.
 
-A call site is the first frame outside this module and outside the core (``joinkit``, ``joinkit._*``)
-(so a heartbeat points at the joinable that called ``notify_join_context``);
-it is captured as ``(file, line, function)`` with ``sys._getframe`` and only
-formatted when an error message needs it.
+A call site is the first frame outside this module and outside the core
+(``joinkit``, ``joinkit._*``), so a heartbeat points at the joinable that
+called ``notify_join_context``; it is captured as ``(file, line, function)``
+with ``sys._getframe`` and only formatted when an error message needs it.
 
 Invariants: exactly one thread (the last arriver) completes a slot, and a
 completed slot never changes; an aborted world stays aborted; a rank's buffers
