@@ -18,9 +18,10 @@ from ._errors import (
     PeerFailure,
     RankTimeout,
 )
-from ._join import Join, Joinable, JoinConfig, JoinHook, format_reports
+from ._join import Join, Joinable, JoinConfig, JoinHook
 from ._machine import JoinReport
 from ._ports import Adapter, JoinBackend, register_adapter
+from ._reports import format_reports, write_chart
 
 __all__ = [
     "Join",
@@ -32,6 +33,7 @@ __all__ = [
     "Adapter",
     "register_adapter",
     "format_reports",
+    "write_chart",
     "JoinError",
     "LocalProtocolError",
     "PeerError",

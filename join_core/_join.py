@@ -25,7 +25,7 @@ from . import _machine as m
 from . import _ports, _watchdog
 from ._errors import LocalProtocolError, PeerAborted, RankTimeout
 
-__all__ = ["Join", "Joinable", "JoinHook", "JoinConfig", "format_reports"]
+__all__ = ["Join", "Joinable", "JoinHook", "JoinConfig"]
 
 _log = logging.getLogger("joinkit")
 
@@ -560,9 +560,20 @@ class Join:
         Returns:
             The reports in rank order on ``dst``, ``None`` elsewhere. Render them
             with :func:`joinkit.format_reports`.
+
+        Raises:
+            LocalProtocolError: the Join is not enabled.
+            ValueError: ``dst`` is not a rank of the group (checked on every
+                rank before anything is sent, so all ranks raise together).
         """
         if self._backend is None:
             raise LocalProtocolError("gather_report needs an enabled Join (enable=True)")
+        world = self._backend.world_size
+        if type(dst) is not int or not 0 <= dst < world:  # bool and "0" are not ranks
+            raise ValueError(
+                f"gather_report(dst={dst!r}): dst must be a rank of the Join's group, "
+                f"an int from 0 to {world - 1}"
+            )
         reports = self._backend.all_gather_object(self.report)
         return list(reports) if self._backend.rank == dst else None
 
@@ -777,32 +788,6 @@ class Join:
                     case _:  # pragma: no cover - a new command without a handler
                         raise AssertionError(f"unhandled command {command!r}")
         return handle
-
-
-def format_reports(reports: Iterable[m.JoinReport]) -> str:
-    """Render join reports as a small table, with the input skew on top.
-
-    Args:
-        reports: one report per rank (from :meth:`Join.gather_report`).
-
-    Returns:
-        A multi-line string.
-    """
-    rows = list(reports)
-    inputs = [r.inputs for r in rows]
-    lines = [
-        f"join report: {len(rows)} ranks, inputs min {min(inputs, default=0)} / "
-        f"max {max(inputs, default=0)} (skew {max(inputs, default=0) - min(inputs, default=0)})",
-        "rank | inputs | joined at | shadow rounds | shadowing s | last joiner | failure",
-    ]
-    for r in rows:
-        failure = f"{r.failure.exc_type}: {r.failure.message}" if r.failure else "-"
-        joined = "-" if r.joined_at_round is None else str(r.joined_at_round)
-        lines.append(
-            f"{r.rank:>4} | {r.inputs:>6} | {joined:>9} | {r.shadow_rounds:>13} | "
-            f"{r.seconds_shadowing:>11.3f} | {str(r.is_last_joiner):>11} | {failure}"
-        )
-    return "\n".join(lines)
 
 
 def _failure(error: BaseException, rank: int) -> m.Failure:

