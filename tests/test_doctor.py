@@ -93,8 +93,9 @@ def test_single_process() -> None:
                                                "backend threads (no launcher)"]
     assert done.stdout.rstrip().endswith("no problems found")
     if not HAVE_TORCH:  # the no-torch job: worth a note, not a problem
-        assert "torch not installed (pip install 'joinkit[torch]'" in " ".join(
-            _section(done.stdout, "torch"))
+        assert _section(done.stdout, "torch") == [
+            "torch note: not installed (pip install 'joinkit[torch]' for torch.distributed)"
+        ]
 
 
 @pytest.mark.needs_torch
