@@ -131,6 +131,8 @@ class FSDPJoinable(Joinable):
         self._source: _replay.InputSource | None = None
         self._check: _StepCheck | None = None
         self._handles: list[Any] = []
+        self._groups: list[Any] = []  # FSDP's parameter groups, while in a Join
+        self._checked_root = False
         self._saved: list[tuple[Any, float | None, bool]] = []
         self._replaying = False
         self._first_round = True
@@ -180,13 +182,15 @@ class FSDPJoinable(Joinable):
         self._window_open = False
         self.shadow_synced = False
         self._divisor = None
+        self._groups = _param_groups(model)  # made by fully_shard; read per iteration
+        self._checked_root = False
         # Before FSDP's own pre-forward (it prepends too, at fully_shard time).
         self._handles = [model.register_forward_pre_hook(
             self._pre_forward, prepend=True, with_kwargs=True)]
         if not self._divide_by_initial_world_size:
             self._handles.append(model.register_forward_hook(self._post_forward))
             self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms)
-                           for g in _param_groups(model)]
+                           for g in self._groups]
             for group, _, _ in self._saved:
                 group.force_sum_reduction_for_comms = True  # gloo has no PREMUL_SUM
 
@@ -194,6 +198,7 @@ class FSDPJoinable(Joinable):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._groups = []
         for group, factor, force_sum in self._saved:
             group.gradient_divide_factor = factor
             group.force_sum_reduction_for_comms = force_sum
@@ -252,16 +257,17 @@ class FSDPJoinable(Joinable):
     def _pre_forward(self, module: Any, args: Any, kwargs: Any) -> None:
         if self._replaying:
             return None
-        state = module._get_fsdp_state()
-        if state._is_root is False:
-            raise LocalProtocolError(
-                f"{type(module).__qualname__} is not the root fully_shard module; pass the "
-                "module the training loop calls to Join"
-            )
         assert self._source is not None and self._check is not None
+        if not self._checked_root:
+            if module._get_fsdp_state()._is_root is False:
+                raise LocalProtocolError(
+                    f"{type(module).__qualname__} is not the root fully_shard module; pass "
+                    "the module the training loop calls to Join"
+                )
+            self._checked_root = True
         if self._source.needs_record:
             self._source.record(tuple(args), dict(kwargs), self.join_device.type)
-        self._check.send(self, _flags(module))
+        self._check.send(self, _flags(self._groups))
         return None
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -292,7 +298,7 @@ class FSDPJoinable(Joinable):
         if not self._divide_by_initial_world_size:
             self._set_divisor(active)
         backward = bool(flags & GRAD)
-        groups = _param_groups(model)
+        groups = self._groups
         saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
         for group in groups:
             group.reduce_grads = bool(flags & SYNC)
@@ -450,9 +456,8 @@ def _param_groups(model: nn.Module) -> list[Any]:
     return [group for state in _states(model) for group in state._fsdp_param_groups]
 
 
-def _flags(model: nn.Module) -> int:
+def _flags(groups: list[Any]) -> int:
     """This rank's flags for the step check (module doc)."""
-    groups = _param_groups(model)
     reduce = {g.reduce_grads for g in groups}
     all_reduce = {g.all_reduce_grads for g in groups}
     if len(reduce) > 1 or len(all_reduce) > 1:
