@@ -212,6 +212,38 @@ def fsdp_reference(ctx: Ctx) -> Any:
     return out
 
 
+def hsdp_mesh(ctx: Ctx) -> DeviceMesh:
+    """(replicate, shard) = (2, world / 2): a world of 4 is 2 x 2, a world of 2 is 2 x 1."""
+    shard_size = ctx.world // 2
+    layout = torch.arange(ctx.world).reshape(2, shard_size)
+    groups = {}
+    for dim, lines in ((0, layout.t().tolist()), (1, layout.tolist())):
+        for line in lines:  # every rank creates every subgroup, in the same order
+            group = dist.new_group(line, backend="gloo", timeout=SCENARIO_TIMEOUT)
+            if ctx.rank in line:
+                groups[dim] = group
+    return DeviceMesh.from_group([groups[0], groups[1]], "cpu", mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
+
+
+@scenario
+def hsdp_reference(ctx: Ctx) -> Any:
+    """HSDP (reduce-scatter within a shard group, all-reduce across replicas),
+    with a set_requires_gradient_sync window, against the reference."""
+    out = {}
+    for name, window, table in (("plain", 1, UNEVEN), ("accumulate", 2, {2: [2, 6],
+                                                                           4: [4, 0, 6, 2]})):
+        n = counts(ctx, table)
+        model = net()
+        mesh = hsdp_mesh(ctx)
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = adamw(model.parameters())
+        train(model, optimizer, n[ctx.rank], ctx.rank, window=window)
+        out[name] = deviation(model, reference(n, adamw, window=window))
+    return out
+
+
 @scenario
 def fsdp_divide_by_active(ctx: Ctx) -> Any:
     """divide_by_initial_world_size=False: each step divides by the ranks still active;

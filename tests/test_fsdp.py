@@ -115,6 +115,13 @@ def test_fsdp_equals_the_reference(results: Results) -> None:
         assert max(r[config]["shadow_rounds"] for r in ranks) > 0
 
 
+def test_hsdp_equals_the_reference(results: Results) -> None:
+    """A 2-D (replicate, shard) mesh: reduce-scatter and all-reduce, with a
+    gradient-accumulation window too."""
+    for rank in outcome(results, "hsdp_reference"):
+        assert within(rank["plain"]) and within(rank["accumulate"]), rank
+
+
 def test_fsdp_divide_by_the_active_ranks(results: Results) -> None:
     for rank in outcome(results, "fsdp_divide_by_active"):
         assert within(rank["deviation"])
