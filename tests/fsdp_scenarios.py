@@ -613,12 +613,22 @@ def _sync_bn_reference(n: list[int], world: int, window: int, device: Any) -> BN
 
 
 def _sync_bn_run(ctx: Ctx, norm: nn.Module, n: list[int], window: int, device: Any,
-                 **join_kwargs: Any) -> dict[str, Any]:
+                 zero: bool = False, **join_kwargs: Any) -> dict[str, Any]:
+    """Without ``zero`` the optimizer stays out of the Join (DDP's post hook
+    syncs the final model); with it, a ZeroRedundancyOptimizer(SGD) is in the
+    Join and joined ranks step their shard with the replay's gradients. (SGD:
+    the bias before the norm has a zero gradient up to rounding, which Adam
+    would blow up to a full step of either sign.)"""
     module = bn_net(norm).to(device)
     model = DDP(module, process_group=ctx.group,
                 device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = sgd(model.parameters())
-    with Join([model], **join_kwargs):
+    optimizer: Any = sgd(model.parameters())
+    joinables: list[Any] = [model]
+    if zero:
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD,
+                                            process_group=ctx.group, lr=0.1)
+        joinables.append(optimizer)
+    with Join(joinables, **join_kwargs):
         for i in range(n[ctx.rank]):
             x, y = data(ctx.rank, i, rows=2 + ctx.rank)
             syncs = i % window == window - 1
@@ -655,6 +665,7 @@ def ddp_sync_batch_norm(ctx: Ctx) -> Any:
         "plain": _sync_bn_run(ctx, CPUSyncBatchNorm(6, ctx.group), n, 1, cpu),
         "no_sync": _sync_bn_run(ctx, CPUSyncBatchNorm(6, ctx.group),
                                 {2: [2, 4], 4: [2, 4, 0, 4]}[ctx.world], 2, cpu),
+        "zero": _sync_bn_run(ctx, CPUSyncBatchNorm(6, ctx.group), n, 1, cpu, zero=True),
         # The control: a joined rank replaying a non-empty batch pollutes the
         # statistics (the zero loss cancels its gradients, not its statistics).
         "nonempty_shadow": _sync_bn_run(ctx, CPUSyncBatchNorm(6, ctx.group), n, 1, cpu,
