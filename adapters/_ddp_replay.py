@@ -36,8 +36,8 @@ every iteration must run backward (under ``no_sync()`` too).
 
 *The input.* A forward pre-hook on the DDP module records (and publishes) the
 rank's first input of the Join (``_replay.InputSource``). It is installed when
-the hook is built and removes itself at the first forward after the Join, or
-in the post hook.
+the hook is built and removed, with the published spec, by the post hook, or
+at the first forward after a Join that ended without post hooks (a failure).
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ class DDPReplayShadow(torch_adapter._DDPShadow):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        self.source.close()
 
     def main_hook(self) -> None:
         self.adapter._in_hook = True

@@ -225,6 +225,7 @@ class InputSource:
         self.key = f"joinkit/shadow_input/{name}/{serial}"
         self.given = None if shadow_input is None else _as_call(shadow_input)
         self.spec: InputSpec | None = None
+        self.published = False
 
     @property
     def needs_record(self) -> bool:
@@ -247,6 +248,24 @@ class InputSource:
                 "Join(..., shadow_input=...)"
             ) from error
         store.set(self.key, payload)
+        self.published = True
+
+    def close(self) -> None:
+        """Delete the published spec once the Join is over.
+
+        Safe once this rank has left the Join: a rank reads the key before its
+        first replay, whose collectives every active rank must match before
+        it can finish its loop.
+        """
+        if not self.published:
+            return
+        self.published = False
+        store = _store()
+        try:
+            if store is not None:
+                store.delete_key(self.key)
+        except (RuntimeError, NotImplementedError):
+            pass  # a store without deletion keeps one small key
 
     def inputs(self, device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         """Arguments for one replay, and the autocast it runs under (or ``None``)."""

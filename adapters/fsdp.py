@@ -206,7 +206,9 @@ class FSDPJoinable(Joinable):
         if self._check is not None:
             self._check.close()
             self._check = None
-        self._source = None
+        if self._source is not None:
+            self._source.close()
+            self._source = None
 
     # -- Joinable ------------------------------------------------------------------
 
