@@ -11,7 +11,9 @@ are; this module gives each a joinable whose shadow does that object's part:
 - a plain ``torch.optim.Optimizer`` (:class:`OptimizerJoinable`): after a
   round in which a model's shadow *synced* gradients (it left the active
   ranks' reduced gradient in this rank's ``.grad``), ``optimizer.step()``, or
-  ``scaler.step(optimizer)`` when a GradScaler is in the Join;
+  ``scaler.step(optimizer)`` when a GradScaler is in the Join, or the Join's
+  ``shadow_step`` callable (the loop's own step code, e.g. gradient clipping,
+  whose norm all-reduce a joined rank must match, then the step);
 - a ``torch.amp.GradScaler`` (:class:`ScalerJoinable`): ``scaler.update()``
   after a round in which its optimizers stepped. ``scaler.step`` unscales
   this rank's gradient shard; with DTensor gradients torch all-reduces the
@@ -128,6 +130,7 @@ class OptimizerJoinable(_StepJoinable):
         super().__init__(obj)
         self.models: list[Any] = []
         self.scaler: ScalerJoinable | None = None
+        self.step_fn: Callable[[], Any] | None = None  # Join(..., shadow_step=...)
         #: Whether this round's shadow stepped (or a GradScaler skipped the step).
         self.round_stepped = False
 
@@ -137,6 +140,19 @@ class OptimizerJoinable(_StepJoinable):
             yield from group["params"]
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The optimizer's shadow.
+
+        Args:
+            **kwargs: the Join's keyword arguments; ``shadow_step``, a callable,
+                replaces ``optimizer.step()`` (or ``scaler.step(optimizer)``) on
+                a joined rank: pass the loop's own step code when it does more
+                than step, e.g. ``clip_grad_norm_`` (whose norm all-reduce the
+                joined rank must match) then ``optimizer.step()``.
+        """
+        step_fn = kwargs.get("shadow_step")
+        if step_fn is not None and not callable(step_fn):
+            raise TypeError(f"shadow_step must be callable, not {type(step_fn).__qualname__}")
+        self.step_fn = step_fn
         return _OptimizerShadow(self)
 
     def shadow_step(self) -> None:
@@ -145,14 +161,16 @@ class OptimizerJoinable(_StepJoinable):
         if not self.round_stepped:
             return
         optimizer = self.obj
-        if self.scaler is None:
+        if self.scaler is not None:
+            # A rank that never ran the loop has no scale yet; scale() creates it.
+            device = next(iter(self.stepped_parameters())).device
+            self.scaler.obj.scale(torch.zeros((), device=device))
+        if self.step_fn is not None:
+            self.step_fn()
+        elif self.scaler is not None:
+            self.scaler.obj.step(optimizer)
+        else:
             optimizer.step()
-            return
-        scaler = self.scaler.obj
-        # A rank that never ran the loop has no scale yet; scale() creates it.
-        device = next(iter(self.stepped_parameters())).device
-        scaler.scale(torch.zeros((), device=device))
-        scaler.step(optimizer)
 
 
 class _OptimizerShadow(JoinHook):

@@ -372,6 +372,35 @@ def fsdp_scheduler(ctx: Ctx) -> Any:
     }
 
 
+@scenario
+def fsdp_clip_grad_norm(ctx: Ctx) -> Any:
+    """Gradient clipping (a norm all-reduce over the shards) through shadow_step:
+    joined ranks clip their shards with the active ranks' global norm."""
+    n = counts(ctx, UNEVEN_B)
+    model = shard(net(), ctx.group)
+    optimizer = sgd(model.parameters())
+    norms = []
+
+    def step() -> None:
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        optimizer.step()
+
+    with Join([model, optimizer], shadow_step=step):
+        for i in range(n[ctx.rank]):
+            x, y = data(ctx.rank, i)
+            mse_loss(model(x), y).backward()
+            step()
+            optimizer.zero_grad()
+
+    class Clipped(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            torch.nn.utils.clip_grad_norm_(self.param_groups[0]["params"], 0.05)
+            return super().step(closure)
+
+    ref = reference(n, lambda p: Clipped(p, lr=0.1))
+    return {"deviation": deviation(model, ref), "clipped": max(norms) > 0.05}
+
+
 class TwoHeads(nn.Module):
     """``c`` sees a detached input, so an overflow in its loss term stays in its own
     gradients, and only in the rows of the output that term uses."""

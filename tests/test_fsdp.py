@@ -182,6 +182,12 @@ def test_fsdp_lr_scheduler(results: Results) -> None:
         assert rank["lr"] == pytest.approx(rank["expected_lr"])
 
 
+def test_fsdp_gradient_clipping_through_shadow_step(results: Results) -> None:
+    for rank in outcome(results, "fsdp_clip_grad_norm"):
+        assert within(rank["deviation"])
+        assert rank["clipped"]  # the norm exceeded the limit: clipping mattered
+
+
 def test_fsdp_grad_scaler_agrees_on_inf(results: Results) -> None:
     ranks = outcome(results, "fsdp_grad_scaler")
     for rank in ranks:
