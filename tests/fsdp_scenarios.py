@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from sync_bn import CPUSyncBatchNorm
@@ -45,7 +46,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.functional import mse_loss
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import joinkit
 from joinkit import Join
+from joinkit.backends.torch_dist import TorchGroup
 
 SCENARIO_TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -311,6 +314,58 @@ def fsdp_unfused(ctx: Ctx) -> Any:
     optimizer = sgd(model.parameters())
     train(model, optimizer, n[ctx.rank], ctx.rank, check_agreement=False)
     return {"deviation": deviation(model, reference(n, sgd))}
+
+
+class Counter(joinkit.Joinable):
+    """A joinkit joinable counting active ranks with an all-reduce per iteration."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = TorchGroup(group)
+        self.count = 0.0
+
+    def __call__(self) -> None:
+        Join.notify_join_context(self)
+        t = np.ones(1, dtype=np.float32)
+        self.group.all_reduce(t)
+        self.count += float(t[0])
+
+    def join_hook(self, **kwargs: Any) -> joinkit.JoinHook:
+        group = self.group
+
+        class Hook(joinkit.JoinHook):
+            def main_hook(self) -> None:
+                group.all_reduce(np.zeros(1, dtype=np.float32))
+
+        return Hook()
+
+    @property
+    def join_device(self) -> Any:
+        return self.group.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
+@scenario
+def fsdp_not_first(ctx: Ctx) -> Any:
+    """Join([counter, model, optimizer]): the counter sends the heartbeat; the
+    model's step check still tells joined ranks what each round does."""
+    n = counts(ctx, UNEVEN)
+    model = shard(net(), ctx.group)
+    optimizer = sgd(model.parameters())
+    counter = Counter(ctx.group)
+    with Join([counter, model, optimizer]):
+        for i in range(n[ctx.rank]):
+            counter()
+            x, y = data(ctx.rank, i)
+            mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    expected = sum(min(c, n[ctx.rank]) for c in n)
+    return {"deviation": deviation(model, reference(n, sgd)),
+            "count": counter.count, "expected_count": expected}
 
 
 @scenario

@@ -142,6 +142,12 @@ def test_fsdp_without_a_fused_heartbeat(results: Results) -> None:
     assert all(within(r["deviation"]) for r in outcome(results, "fsdp_unfused"))
 
 
+def test_fsdp_model_that_is_not_the_first_joinable(results: Results) -> None:
+    for rank in outcome(results, "fsdp_not_first"):
+        assert within(rank["deviation"])
+        assert rank["count"] == rank["expected_count"]
+
+
 def test_fsdp_evaluation_loop(results: Results) -> None:
     ranks = outcome(results, "fsdp_eval")
     assert all(r["change"] == 0.0 for r in ranks)
