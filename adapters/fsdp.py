@@ -521,5 +521,5 @@ def check(joinables: Iterable[Joinable]) -> None:
                 "without the optimizer that steps its parameters: a joined rank would not "
                 "step its shards. Pass it: Join([model, optimizer])",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,
             )

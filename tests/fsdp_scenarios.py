@@ -750,6 +750,9 @@ def ddp_sync_batch_norm(ctx: Ctx) -> Any:
         "no_sync": _sync_bn_run(ctx, CPUSyncBatchNorm(6, ctx.group),
                                 {2: [2, 4], 4: [2, 4, 0, 4]}[ctx.world], 2, cpu),
         "zero": _sync_bn_run(ctx, CPUSyncBatchNorm(6, ctx.group), n, 1, cpu, zero=True),
+        # DDP's own gradient-sync check instead of the fused one.
+        "unfused": _sync_bn_run(ctx, CPUSyncBatchNorm(6, ctx.group), n, 1, cpu,
+                                check_agreement=False),
         # The control: a joined rank replaying a non-empty batch pollutes the
         # statistics (the zero loss cancels its gradients, not its statistics).
         "nonempty_shadow": _sync_bn_run(ctx, CPUSyncBatchNorm(6, ctx.group), n, 1, cpu,

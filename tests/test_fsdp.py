@@ -228,7 +228,7 @@ def test_misuse_is_refused_with_a_clear_error(results: Results) -> None:
 
 def test_ddp_sync_batch_norm_equals_the_union_batch_reference(results: Results) -> None:
     for rank in outcome(results, "ddp_sync_batch_norm"):
-        for key in ("plain", "no_sync", "zero"):
+        for key in ("plain", "no_sync", "zero", "unfused"):
             assert within(rank[key]["params"]) and within(rank[key]["buffers"]), (key, rank)
         # The control: replaying a non-empty batch would pollute the statistics.
         assert rank["nonempty_shadow"]["buffers"] > 1e-3
