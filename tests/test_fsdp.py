@@ -22,10 +22,12 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.needs_torch
-
 WORKER = Path(__file__).with_name("fsdp_scenarios.py")
-LAUNCH_TIMEOUT = 150.0
+LAUNCH_TIMEOUT = 150.0  # seconds, for all ranks of one world together
+
+# The first test of a world size starts its ranks (the module fixture): the
+# default per-test timeout (pyproject.toml) is shorter than the launch's own.
+pytestmark = [pytest.mark.needs_torch, pytest.mark.timeout(LAUNCH_TIMEOUT + 60)]
 TOLERANCE = 1e-5
 ACTIVE_MESSAGE = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
 
