@@ -1,10 +1,17 @@
 """Bridges from framework objects to joinkit's Join.
 
-``joinkit.adapters.torch`` drives torch's own Joinables (DDP,
-ZeroRedundancyOptimizer, any ``torch.distributed.algorithms.join.Joinable``).
-The core finds it through the ``joinkit.adapters`` entry point :data:`TORCH`,
-which imports the adapter module only for an object that is a torch Joinable,
-so importing joinkit never imports torch.
+Three adapters, each found by the core through the ``joinkit.adapters`` entry
+point group (``pyproject.toml``); each imports its module only for an object
+of a framework the program already imported, so importing joinkit never
+imports torch:
+
+- :data:`TORCH`: torch's own Joinables (DDP, ZeroRedundancyOptimizer, any
+  ``torch.distributed.algorithms.join.Joinable``), ``joinkit.adapters.torch``;
+- :data:`FSDP`: root ``torch.distributed.fsdp.fully_shard`` modules,
+  ``joinkit.adapters.fsdp``;
+- :data:`OPTIM`: plain ``torch.optim`` optimizers, LR schedulers and
+  ``torch.amp.GradScaler`` (the rest of a training step on a joined rank),
+  ``joinkit.adapters.optim``.
 """
 
 from __future__ import annotations
@@ -15,10 +22,19 @@ from typing import Any
 
 from joinkit import Adapter, Joinable
 
-__all__ = ["TORCH"]
+__all__ = ["TORCH", "FSDP", "OPTIM"]
 
 _TORCH_JOIN = "torch.distributed.algorithms.join"
 _TORCH_ADAPTER = "joinkit.adapters.torch"
+_FSDP = "torch.distributed.fsdp"
+_FSDP_ADAPTER = "joinkit.adapters.fsdp"
+_OPTIM_ADAPTER = "joinkit.adapters.optim"
+# module -> class: the objects OPTIM stands for.
+_STEP_CLASSES = (
+    ("torch.optim.optimizer", "Optimizer"),
+    ("torch.optim.lr_scheduler", "LRScheduler"),
+    ("torch.amp.grad_scaler", "GradScaler"),
+)
 
 
 def _is_torch_joinable(obj: Any) -> bool:
@@ -38,5 +54,52 @@ def _check_torch(joinables: Sequence[Joinable]) -> None:
         adapter_module.check_order(joinables)
 
 
+def _is_fsdp_module(obj: Any) -> bool:
+    fsdp = sys.modules.get(_FSDP)
+    module_class = getattr(fsdp, "FSDPModule", None)
+    return module_class is not None and isinstance(obj, module_class)
+
+
+def _adapt_fsdp(obj: Any) -> Joinable:
+    from . import fsdp
+
+    return fsdp.adapt(obj)
+
+
+def _check_fsdp(joinables: Sequence[Joinable]) -> None:
+    adapter_module = sys.modules.get(_FSDP_ADAPTER)
+    if adapter_module is not None:
+        adapter_module.check(joinables)
+
+
+def _is_step_object(obj: Any) -> bool:
+    if _is_torch_joinable(obj):  # ZeroRedundancyOptimizer is TORCH's
+        return False
+    for module_name, class_name in _STEP_CLASSES:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is not None and isinstance(obj, cls):
+            return True
+    return False
+
+
+def _adapt_step(obj: Any) -> Joinable:
+    from . import optim
+
+    return optim.adapt(obj)
+
+
+def _check_step(joinables: Sequence[Joinable]) -> None:
+    adapter_module = sys.modules.get(_OPTIM_ADAPTER)
+    if adapter_module is not None:
+        adapter_module.check(joinables)
+
+
 #: torch's Joinables, through ``joinkit.adapters.torch`` (the entry point).
 TORCH = Adapter(name="torch", matches=_is_torch_joinable, adapt=_adapt_torch, check=_check_torch)
+
+#: Root FSDP2 modules, through ``joinkit.adapters.fsdp``.
+FSDP = Adapter(name="fsdp", matches=_is_fsdp_module, adapt=_adapt_fsdp, check=_check_fsdp)
+
+#: Optimizers, LR schedulers and GradScalers, through ``joinkit.adapters.optim``.
+OPTIM = Adapter(name="torch.optim", matches=_is_step_object, adapt=_adapt_step,
+                check=_check_step)

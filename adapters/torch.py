@@ -259,7 +259,10 @@ class TorchJoinable(Joinable):
                 f"{type(hook).__qualname__}, not a JoinHook"
             )
         if self._is_ddp:
-            return _DDPShadow(self, hook)
+            # A model with collectives in forward is shadowed by replaying it.
+            from ._ddp_replay import replay_shadow
+
+            return replay_shadow(self, hook, kwargs) or _DDPShadow(self, hook)
         if _is_zero(self.obj):
             return _ZeROShadow(self, hook)
         return _Shadow(self, hook)

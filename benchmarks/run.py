@@ -62,11 +62,11 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
     if quick:
         counter, counter_mpi, ddp, threads, step = ["30", "2"], ["200", "2"], ["4", "2"], \
             ["4", "20", "1"], ["2000"]
-        heartbeat = ["200"]
+        heartbeat, fsdp = ["200"], ["3", "2"]
     else:
         counter, counter_mpi, ddp, threads, step = ["400", "21"], ["10000", "15"], \
             ["100", "21"], ["64", "1000", "3"], ["50000"]
-        heartbeat = ["50000"]
+        heartbeat, fsdp = ["50000"], ["60", "21"]
     return [
         ("core step", [PY, str(b / "core_step.py"), *step], 120),
         # One rank: joinkit's own CPU cost per heartbeat on MPI (item 3).
@@ -76,6 +76,7 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
         ("Counter, MPI", [*mpirun, PY, str(b / "counter_mpi.py"), *counter_mpi], 400),
         ("DDP, gloo (torchrun)", [*torchrun, str(b / "ddp.py"), *ddp], 400),
         ("DDP, gloo (mpirun)", [*mpirun, PY, str(b / "ddp.py"), *ddp], 400),
+        ("FSDP2, gloo (torchrun)", [*torchrun, str(b / "fsdp.py"), *fsdp], 600),
         ("threads", [PY, str(b / "threads_scale.py"), *threads], 400),
     ]
 

@@ -31,16 +31,20 @@ SECTIONS = [
     "### DDP MLP 64-256-1, batch 32, gloo (torchrun)",
     "### DDP drain (rank 0 has no inputs), gloo (torchrun)",
     "### threads, 4 ranks x 20 iterations",
+    "### FSDP2 MLP 128-512-512-1, batch 32, gloo (torchrun)",
+    "### FSDP2 drain (rank 0 has no inputs), gloo (torchrun)",
     "### MPI heartbeat, 1 rank",
 ]
 VARIANTS = ["| no Join |", "| torch Join |", "| joinkit classic |", "| joinkit fused |",
             "| no Join, 2 elements |", "| joinkit fused, 1 element |", "| joinkit Join |",
-            "| joinkit, torch-compatible |", "| drain: joinkit fused |"]
+            "| joinkit, torch-compatible |", "| drain: joinkit fused |", "| FSDP alone |",
+            "| drain: joinkit Join |"]
 
 
 def test_every_benchmark_runs_and_reports(tmp_path: Path) -> None:
     output = tmp_path / "RESULTS.md"
-    only = ["core step", "MPI heartbeat", "Counter", "DDP, gloo (torchrun)", "threads"]
+    only = ["core step", "MPI heartbeat", "Counter", "DDP, gloo (torchrun)", "threads",
+            "FSDP2"]
     command = [sys.executable, str(RUN), "--quick", "--output", str(output)]
     for name in only:
         command += ["--only", name]

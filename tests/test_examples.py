@@ -43,6 +43,7 @@ EXPECTED = {
     "ddp.py": DDP_LINES,
     "ddp_zero.py": DDP_LINES,
     "ddp_kwargs.py": DDP_LINES,
+    "fsdp.py": DDP_LINES,
     "counter.py": COUNTER_LINES,
     "custom_backend.py": COUNTER_LINES,
 }

@@ -1,0 +1,525 @@
+"""Drive FSDP2 models (``torch.distributed.fsdp.fully_shard``) with joinkit's Join.
+
+Theory of operation
+-------------------
+``Join([model, optimizer])`` with ``model`` the root ``fully_shard`` module
+(any nesting) gets an :class:`FSDPJoinable` for the model from this module and
+an ``adapters.optim`` joinable for the optimizer; the user's loop is unchanged.
+
+*Active rank, per iteration.* While the Join lasts, a forward pre-hook on the
+root (run before FSDP's own, so before any all-gather) sends one asynchronous
+1-element float64 SUM all-reduce on the model's process group, the *step
+check*. A rank contributes ``slot + 2**24 * (1 + 4096 * flags)`` where
+``slot`` is :meth:`Join.fused_heartbeat`'s value (the heartbeat rides here
+when the model is the Join's first joinable; otherwise the slot is 0 and the
+first joinable sends it) and ``flags`` says what the rest of this iteration
+does: bit 0, FSDP reduces gradients (``set_requires_gradient_sync``); bit 1,
+HSDP all-reduces them (``set_requires_all_reduce``); bit 2, gradients are
+enabled, so a backward follows. Heartbeat sums stay below ``2**24``
+(``join_core``), so the sum splits exactly into the heartbeat sum, the number
+of active ranks ``A`` and ``F = A * flags`` (ranks that disagree on the flags
+give an ``F`` that ``A`` does not divide: an ``AgreementError``). The joinable
+is a fused joinable, so in every Join mode the shell pairs this all-reduce with
+the joined ranks' :meth:`_FSDPShadow.fused_shadow`; in throw mode or with
+``check_agreement=False`` the shell sends the classic heartbeat first.
+
+*Joined rank, per shadow round.* ``fused_shadow`` is the joined rank's half of
+the step check (it contributes only its heartbeat value) and learns ``A`` and
+the flags; ``main_hook`` then *replays* the iteration (``adapters._replay``):
+the model's own forward on an empty batch and backward from a zero loss, with
+gradient sync set as the active ranks set it. That issues FSDP's exact
+collective sequence (all-gathers in forward, prefetched all-gathers in
+backward, reduce-scatters, HSDP all-reduces) with zero contributions, and
+leaves in this rank's sharded ``.grad`` the reduced gradient of the active
+ranks, which the optimizer's shadow then steps with (``adapters.optim``).
+
+*Gradient windows.* A joined rank starts every accumulation window with no
+gradients: before its first shadow round (dropping any partial window it had
+accumulated, as DDP's shadow does: only ranks active at a step contribute to
+it) and after every round that synced. So with ``set_requires_gradient_sync``
+accumulation the joined rank's shard is stepped with the active ranks'
+accumulated window, and it steps only in rounds that sync.
+
+*Divisor.* FSDP divides reduced gradients by the data-parallel world size; a
+joined rank contributes zero, so the default is DDP's
+``divide_by_initial_world_size=True``. With ``Join(...,
+divide_by_initial_world_size=False)`` every rank sets FSDP's gradient divide
+factor to ``A`` before each backward (active ranks wait for the step check in
+a forward post-hook; joined ranks know ``A`` from their shadow), with sum
+reductions (gloo has no pre-multiplied sum), and the settings are restored on
+exit.
+
+*Failures.* A rank whose loop raised shadows like a joined rank. If it raised
+right after its step check (before FSDP issued anything), the shell runs one
+completion round first, which reads the flags from that rank's own send;
+before its first replay a rank whose FSDP state is mid-iteration calls
+``reset_iter_state()``. A rank that failed in the middle of FSDP's collectives
+leaves them unmatched, as with DDP: the watchdog reports the stall.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from joinkit import AgreementError, Join, Joinable, JoinConfig, JoinHook, LocalProtocolError
+
+from . import _replay
+
+__all__ = ["adapt", "check", "FSDPJoinable"]
+
+_c10d: Any = torch._C._distributed_c10d
+_SUM: Any = dist.ReduceOp.SUM
+# Step check encoding (module doc).
+_SLOT = float(2**24)
+_RANKS = 4096
+SYNC, ALL_REDUCE, GRAD = 1, 2, 4
+
+
+def adapt(model: Any) -> FSDPJoinable:
+    """Return the joinkit Joinable that stands for a root ``fully_shard`` module.
+
+    The same model always gets the same adapter, so the shell notices a model
+    entered in two nested Joins.
+
+    Args:
+        model: an ``FSDPModule``.
+
+    Raises:
+        TypeError: ``model`` is not an ``FSDPModule``.
+    """
+    if not isinstance(model, FSDPModule):
+        raise TypeError(
+            f"joinkit.adapters.fsdp.adapt expects a fully_shard module, got "
+            f"{type(model).__qualname__}"
+        )
+    adapter = _adapters.get(id(model))
+    if adapter is not None and adapter._model() is model:
+        return adapter
+    adapter = FSDPJoinable(model)
+    weakref.finalize(model, _adapters.pop, id(model), None)
+    _adapters[id(model)] = adapter
+    return adapter
+
+
+_adapters: dict[int, FSDPJoinable] = {}
+
+
+class FSDPJoinable(Joinable):
+    """A joinkit Joinable standing for one root FSDP2 module (see the module doc).
+
+    Args:
+        model: the root ``fully_shard`` module (the one the loop calls).
+    """
+
+    # Its step check is the iteration's first collective (module doc).
+    join_fuses_heartbeat = True
+
+    def __init__(self, model: Any) -> None:
+        # Not Joinable.__init__: _join_config is a property here.
+        self._model: Callable[[], Any] = weakref.ref(model)
+        self._config = JoinConfig()
+        self._group: Any = None
+        self._divide_by_initial_world_size = True
+        self._source: _replay.InputSource | None = None
+        self._check: _StepCheck | None = None
+        self._handles: list[Any] = []
+        self._groups: list[Any] = []  # FSDP's parameter groups, while in a Join
+        self._checked_root = False
+        self._saved: list[tuple[Any, float | None, bool]] = []
+        self._replaying = False
+        self._first_round = True
+        self._window_open = False
+        self._divisor: int | None = None
+        #: Whether this rank's latest shadow round synced gradients: the
+        #: optimizer's shadow steps after such a round (``adapters.optim``).
+        self.shadow_synced = False
+
+    def __repr__(self) -> str:
+        return f"FSDPJoinable({type(self.model).__qualname__})"
+
+    @property
+    def model(self) -> Any:
+        """The FSDP module this adapter stands for."""
+        model = self._model()
+        if model is None:
+            raise LocalProtocolError("the FSDP module behind this adapter was deleted")
+        return model
+
+    def shadow_parameters(self) -> Iterable[torch.Tensor]:
+        """The parameters whose ``.grad`` a shadow round fills (``adapters.optim``)."""
+        params: Iterable[torch.Tensor] = self.model.parameters()
+        return params
+
+    # -- the config the shell sets -------------------------------------------------
+
+    @property
+    def _join_config(self) -> Any:
+        return self._config
+
+    @_join_config.setter
+    def _join_config(self, config: Any) -> None:
+        was_active = self._config.enable and self._config.join is not None
+        active = config.enable and config.join is not None
+        self._config = config
+        if active and not was_active:
+            self._enter(config.join)
+        elif was_active and not active:
+            self._leave()
+
+    def _enter(self, join: Join) -> None:
+        model = self.model
+        self._check = _StepCheck(self.join_process_group, self.join_device,
+                                 getattr(join.backend, "wait", None))
+        self._first_round = True
+        self._window_open = False
+        self.shadow_synced = False
+        self._divisor = None
+        self._groups = _param_groups(model)  # made by fully_shard; read per iteration
+        self._checked_root = False
+        # Before FSDP's own pre-forward (it prepends too, at fully_shard time).
+        self._handles = [model.register_forward_pre_hook(
+            self._pre_forward, prepend=True, with_kwargs=True)]
+        if not self._divide_by_initial_world_size:
+            self._handles.append(model.register_forward_hook(self._post_forward))
+            self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms)
+                           for g in self._groups]
+            for group, _, _ in self._saved:
+                group.force_sum_reduction_for_comms = True  # gloo has no PREMUL_SUM
+
+    def _leave(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._groups = []
+        for group, factor, force_sum in self._saved:
+            group.gradient_divide_factor = factor
+            group.force_sum_reduction_for_comms = force_sum
+        self._saved = []
+        if self._check is not None:
+            self._check.close()
+            self._check = None
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+
+    # -- Joinable ------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The shadow of one iteration (module doc).
+
+        Args:
+            **kwargs: the Join's keyword arguments: ``divide_by_initial_world_size``
+                (default ``True``) and ``shadow_input`` (``adapters._replay``).
+        """
+        self._divide_by_initial_world_size = bool(
+            kwargs.get("divide_by_initial_world_size", True))
+        self._source = _replay.InputSource(self.join_process_group,
+                                           kwargs.get(_replay.SHADOW_INPUT))
+        return _FSDPShadow(self)
+
+    @property
+    def join_device(self) -> Any:
+        return self.model._get_fsdp_state()._device
+
+    @property
+    def join_process_group(self) -> Any:
+        if self._group is None:
+            # FSDP's own mesh info: a DTensor parameter's device_mesh may be an
+            # equal mesh of an earlier group (DTensor caches specs by value).
+            info = self._mesh_info()
+            mesh = info.mesh
+            if mesh.ndim == 1:
+                self._group = info.shard_process_group
+            elif mesh.size() == dist.get_world_size():
+                # HSDP over the whole world: the Join's collectives need every rank.
+                self._group = dist.distributed_c10d._get_default_group()
+            else:
+                self._group = mesh._flatten().get_group()
+        return self._group
+
+    def _mesh_info(self) -> Any:
+        groups = _param_groups(self.model)
+        if not groups:
+            raise LocalProtocolError(
+                f"{type(self.model).__qualname__} has no sharded parameters: pass the root "
+                "fully_shard module to Join"
+            )
+        return groups[0].mesh_info
+
+    # -- an active rank's iteration ------------------------------------------------
+
+    def _pre_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        if self._replaying:
+            return None
+        assert self._source is not None and self._check is not None
+        if not self._checked_root:
+            if module._get_fsdp_state()._is_root is False:
+                raise LocalProtocolError(
+                    f"{type(module).__qualname__} is not the root fully_shard module; pass "
+                    "the module the training loop calls to Join"
+                )
+            self._checked_root = True
+        if self._source.needs_record:
+            self._source.record(tuple(args), dict(kwargs), self.join_device.type)
+        self._check.send(self, _flags(self._groups))
+        return None
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._replaying:
+            return None
+        assert self._check is not None
+        self._set_divisor(self._check.active_count())
+        return None
+
+    def _set_divisor(self, active: int) -> None:
+        if active != self._divisor and active > 0:
+            for group, _, _ in self._saved:
+                group.gradient_divide_factor = float(active)
+            self._divisor = active
+
+    # -- a joined rank's shadow round ----------------------------------------------
+
+    def _shadow_round(self) -> None:
+        assert self._check is not None and self._source is not None
+        active, flags = self._check.round()
+        model = self.model
+        if self._first_round:
+            self._first_round = False
+            _reset_if_mid_iteration(model)
+        if not self._window_open:
+            _drop_gradients(model)
+            self._window_open = True
+        if not self._divide_by_initial_world_size:
+            self._set_divisor(active)
+        backward = bool(flags & GRAD)
+        groups = self._groups
+        saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
+        for group in groups:
+            group.reduce_grads = bool(flags & SYNC)
+            group.all_reduce_grads = bool(flags & ALL_REDUCE)
+        args, kwargs, autocast = self._source.inputs(self.join_device)
+        self._replaying = True
+        try:
+            _replay.replay(model, args, kwargs, backward=backward, autocast=autocast)
+        finally:
+            self._replaying = False
+            for group, reduce_grads, all_reduce_grads in saved:
+                group.reduce_grads = reduce_grads
+                group.all_reduce_grads = all_reduce_grads
+        self.shadow_synced = backward and bool(flags & SYNC)
+        if self.shadow_synced:
+            self._window_open = False  # the optimizer steps; the next window starts empty
+
+
+class _FSDPShadow(JoinHook):
+    """A joined rank's shadow of one FSDP iteration (module doc)."""
+
+    def __init__(self, adapter: FSDPJoinable) -> None:
+        self.adapter = adapter
+
+    def fused_shadow(self, heartbeat: float) -> float:
+        """The joined rank's half of the step check; returns the heartbeat sum."""
+        check = self.adapter._check
+        assert check is not None
+        return check.shadow(heartbeat)
+
+    def main_hook(self) -> None:
+        self.adapter._shadow_round()
+
+
+# -- the step check ---------------------------------------------------------------------
+
+
+class _StepCheck:
+    """The per-iteration step check all-reduce (module doc).
+
+    Active rank: :meth:`send` starts it asynchronously (two buffers alternate;
+    each send first waits for the all-reduce that last used its buffer, long
+    finished). Joined rank: :meth:`shadow` is the blocking counterpart, and
+    :meth:`round` gives the round's active count and flags (from this rank's
+    own last send in a completion round).
+    """
+
+    def __init__(self, group: Any, device: torch.device,
+                 wait: Callable[[Any], Any] | None = None) -> None:
+        self.allreduce = group.allreduce
+        self.opts = dist.AllreduceOptions()
+        self.opts.reduceOp = _SUM
+        self.wait: Callable[[Any], Any] = wait or _plain_wait
+        self.on_cpu = device.type == "cpu"
+        self.buffers = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(3)]
+        self.views: list[Any] = [b.numpy() if self.on_cpu else None for b in self.buffers]
+        self.works: list[Any] = [None, None]
+        self.current = 1
+        self.own_latest: int | None = None
+        self.latest: tuple[int, int] | None = None  # (active ranks, flags) just read
+
+    def close(self) -> None:
+        for work in self.works:
+            if work is not None and work.is_completed():
+                work.wait()
+        self.works = [None, None]
+
+    def send(self, adapter: FSDPJoinable, flags: int) -> None:
+        """An active rank's step check: heartbeat slot, one active rank, its flags."""
+        index = 1 - self.current
+        latest = self.works[self.current]
+        if latest is not None and self.on_cpu:
+            latest.wait()  # long complete; a failed peer shows in the slot's sum
+            Join.record_heartbeat_total(adapter, float(self.views[self.current][0]) % _SLOT)
+        previous = self.works[index]
+        if previous is not None:
+            previous.wait()
+        value = Join.fused_heartbeat(adapter) + _SLOT * (1 + _RANKS * flags)  # may raise
+        self._fill(index, value)
+        self.works[index] = self.allreduce([self.buffers[index]], self.opts)
+        self.current = index
+        self.own_latest = index
+
+    def active_count(self) -> int:
+        """An active rank: the number of active ranks in its latest step check."""
+        work = self.works[self.current]
+        self.wait(work)
+        return self._decode(self._value(self.current))[1]
+
+    def shadow(self, heartbeat: float) -> float:
+        """A joined rank's step check; returns the heartbeat slot's sum."""
+        self._fill(2, heartbeat)
+        self.wait(self.allreduce([self.buffers[2]], self.opts))
+        return self._read(2)
+
+    def round(self) -> tuple[int, int]:
+        """(active ranks, flags) of the round being shadowed."""
+        if self.own_latest is not None:
+            # A completion round: the step check was this rank's own last send.
+            self.wait(self.works[self.own_latest])
+            self._read(self.own_latest)
+        assert self.latest is not None
+        return self.latest
+
+    def _fill(self, index: int, value: float) -> None:
+        view = self.views[index]
+        if view is not None:
+            view[0] = value
+        else:
+            self.buffers[index].fill_(value)
+
+    def _value(self, index: int) -> float:
+        view = self.views[index]
+        return float(view[0]) if view is not None else float(self.buffers[index].item())
+
+    def _read(self, index: int) -> float:
+        slot, active, flags = self._decode(self._value(index))
+        self.latest = (active, flags)
+        self.own_latest = None
+        return slot
+
+    @staticmethod
+    def _decode(total: float) -> tuple[float, int, int]:
+        slot = total % _SLOT
+        ranks = int(round((total - slot) / _SLOT))
+        active, summed = ranks % _RANKS, ranks // _RANKS
+        if active and summed % active:
+            raise AgreementError(
+                "the active ranks of an FSDP model in a Join disagree on what this "
+                "iteration does (gradient sync, HSDP all-reduce or grad mode): set "
+                "set_requires_gradient_sync / set_requires_all_reduce / torch.no_grad "
+                "the same way on every rank"
+            )
+        return slot, active, summed // active if active else 0
+
+
+def _plain_wait(work: Any) -> Any:
+    return work.wait()
+
+
+# -- FSDP's state (private attributes of torch's fully_shard, read in one place) ---------
+
+
+def _states(model: nn.Module) -> list[Any]:
+    seen: list[Any] = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            if all(state is not s for s in seen):
+                seen.append(state)
+    return seen
+
+
+def _param_groups(model: nn.Module) -> list[Any]:
+    return [group for state in _states(model) for group in state._fsdp_param_groups]
+
+
+def _flags(groups: list[Any]) -> int:
+    """This rank's flags for the step check (module doc)."""
+    reduce = {g.reduce_grads for g in groups}
+    all_reduce = {g.all_reduce_grads for g in groups}
+    if len(reduce) > 1 or len(all_reduce) > 1:
+        raise LocalProtocolError(
+            "inside a Join, an FSDP model's gradient sync must be the same for all its "
+            "fully_shard units: call set_requires_gradient_sync(...) on the root "
+            "(recurse=True, the default)"
+        )
+    flags = GRAD if torch.is_grad_enabled() else 0
+    if reduce != {False}:
+        flags |= SYNC
+    if all_reduce != {False}:
+        flags |= ALL_REDUCE
+    return flags
+
+
+def _drop_gradients(model: nn.Module) -> None:
+    """Start a gradient window: no sharded, unsharded or accumulated gradients."""
+    for param in model.parameters():
+        param.grad = None
+    for group in _param_groups(model):
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+
+
+def _reset_if_mid_iteration(model: Any) -> None:
+    """``reset_iter_state()`` when the loop body left FSDP inside an iteration."""
+    idle = "IDLE"
+    states = _states(model)
+    if any(state._training_state.name != idle for state in states) or any(
+        group._training_state.name != idle
+        for state in states for group in state._fsdp_param_groups
+    ):
+        model.reset_iter_state()
+
+
+def check(joinables: Iterable[Joinable]) -> None:
+    """Warn about an FSDP model in training whose optimizer is not in the Join.
+
+    Every rank owns shards of an FSDP model, so a joined rank must step its own:
+    without the optimizer in the Join, its shards would stop at the value they
+    had when it joined (fine for evaluation, where the model is not training).
+    """
+    listed = list(joinables)
+    stepped: set[int] = set()
+    for joinable in listed:
+        parameters = getattr(joinable, "stepped_parameters", None)
+        if callable(parameters):
+            stepped.update(id(param) for param in parameters())
+    for joinable in listed:
+        if not isinstance(joinable, FSDPJoinable) or not joinable.model.training:
+            continue
+        if any(p.requires_grad and id(p) not in stepped for p in joinable.model.parameters()):
+            warnings.warn(
+                f"Join got the training fully_shard model {type(joinable.model).__qualname__} "
+                "without the optimizer that steps its parameters: a joined rank would not "
+                "step its shards. Pass it: Join([model, optimizer])",
+                UserWarning,
+                stacklevel=5,
+            )

@@ -1,0 +1,257 @@
+"""FSDP2, replayed DDP models and the rest of a training step under joinkit's Join,
+on real gloo groups, against single-process references.
+
+One module fixture per world size (2 and 4) starts the ranks once; each runs
+every scenario of ``tests/fsdp_scenarios.py`` (see its docstring) and the tests
+assert on what each rank recorded. Every scenario runs on a fresh gloo group
+with a 30 s timeout, and the whole launch has a hard deadline, so a mismatch
+fails instead of hanging the suite. Tolerance for "equals the reference":
+1e-5 on every parameter (and buffer) of every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORKER = Path(__file__).with_name("fsdp_scenarios.py")
+LAUNCH_TIMEOUT = 150.0  # seconds, for all ranks of one world together
+
+# The first test of a world size starts its ranks (the module fixture): the
+# default per-test timeout (pyproject.toml) is shorter than the launch's own.
+pytestmark = [pytest.mark.needs_torch, pytest.mark.timeout(LAUNCH_TIMEOUT + 60)]
+TOLERANCE = 1e-5
+ACTIVE_MESSAGE = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+
+Results = dict[str, list[dict[str, Any]]]
+
+
+def _scenario_names() -> list[str]:
+    # Parse, not import: importing the worker would import torch in this process.
+    lines = WORKER.read_text().splitlines()
+    return [
+        line.split("def ", 1)[1].split("(", 1)[0]
+        for previous, line in zip(lines, lines[1:], strict=False)
+        if previous.strip() == "@scenario"
+    ]
+
+
+def launch(out: Path, world: int, names: list[str], *extra: str) -> Results:
+    """Run ``names`` on ``world`` rank processes; scenario name -> one record per rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(world), str(out / "store"), str(out),
+             *extra, *names],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    logs = []
+    for proc in procs:
+        try:
+            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            log += f"\n[test] killed after {LAUNCH_TIMEOUT} s"
+        logs.append(log)
+    records: Results = {}
+    for rank in range(world):
+        path = out / f"rank{rank}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            record = json.loads(line)
+            records.setdefault(record["name"], []).append(record)
+    records["_logs"] = [{"log": log} for log in logs]
+    records["_world"] = [{"world": world}]
+    return records
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Results:
+    names = [n for n in _scenario_names() if not n.startswith("nccl_")]
+    return launch(tmp_path_factory.mktemp(f"fsdp{request.param}"), request.param, names)
+
+
+def outcome(results: Results, name: str) -> list[Any]:
+    """Each rank's result of scenario ``name``; fails with the ranks' errors.
+
+    Also checks that every rank issued the same number of collectives on the
+    scenario's group (a shadow that missed or added one would differ).
+    """
+    world = results["_world"][0]["world"]
+    records = results.get(name, [])
+    if len(records) != world:
+        logs = "\n".join(r["log"][-2000:] for r in results["_logs"])
+        pytest.fail(f"scenario {name} did not finish on every rank:\n{logs}")
+    errors = [r["error"] for r in records if not r["ok"]]
+    assert not errors, "\n".join(errors)
+    assert len({r["collectives"] for r in records}) == 1, [r["collectives"] for r in records]
+    return [r["result"] for r in records]
+
+
+def within(value: float) -> bool:
+    return value <= TOLERANCE
+
+
+# -- FSDP2 ------------------------------------------------------------------------------
+
+
+def test_fsdp_equals_the_reference(results: Results) -> None:
+    """SGD and AdamW, nested and flat units, reshard_after_forward True and False,
+    uneven counts including a rank with no inputs."""
+    ranks = outcome(results, "fsdp_reference")
+    for config in ranks[0]:
+        assert all(within(r[config]["deviation"]) for r in ranks), (config, ranks)
+        # Somebody shadowed: the counts are uneven.
+        assert max(r[config]["shadow_rounds"] for r in ranks) > 0
+
+
+def test_hsdp_equals_the_reference(results: Results) -> None:
+    """A 2-D (replicate, shard) mesh: reduce-scatter and all-reduce, with a
+    gradient-accumulation window too."""
+    for rank in outcome(results, "hsdp_reference"):
+        assert within(rank["plain"]) and within(rank["accumulate"]), rank
+
+
+def test_fsdp_divide_by_the_active_ranks(results: Results) -> None:
+    for rank in outcome(results, "fsdp_divide_by_active"):
+        assert within(rank["deviation"])
+        assert within(rank["after"])  # back to FSDP's own averaging after the Join
+
+
+def test_fsdp_gradient_accumulation(results: Results) -> None:
+    for rank in outcome(results, "fsdp_accumulate"):
+        assert within(rank["aligned"]) and within(rank["mid-window"]), rank
+
+
+def test_fsdp_shadow_input(results: Results) -> None:
+    for rank in outcome(results, "fsdp_shadow_input"):
+        assert within(rank["empty"]) and within(rank["zeros"]), rank
+
+
+def test_fsdp_without_a_fused_heartbeat(results: Results) -> None:
+    assert all(within(r["deviation"]) for r in outcome(results, "fsdp_unfused"))
+
+
+def test_fsdp_model_that_is_not_the_first_joinable(results: Results) -> None:
+    for rank in outcome(results, "fsdp_not_first"):
+        assert within(rank["deviation"])
+        assert rank["count"] == rank["expected_count"]
+
+
+def test_fsdp_evaluation_loop(results: Results) -> None:
+    ranks = outcome(results, "fsdp_eval")
+    assert all(r["change"] == 0.0 for r in ranks)
+    assert sum(r["outputs"] for r in ranks) > 0
+
+
+def test_fsdp_sends_no_join_collectives_after_the_block(results: Results) -> None:
+    for rank in outcome(results, "fsdp_after_exit"):
+        assert rank["after"] == rank["alone"]
+
+
+def test_fsdp_throw_mode_raises_torchs_messages(results: Results) -> None:
+    ranks = outcome(results, "fsdp_throw")
+    assert ranks[0]["message"] == "Rank 0 exhausted all inputs."
+    assert all(r["message"] == ACTIVE_MESSAGE for r in ranks[1:])
+    assert all(r["type"] == "EarlyTermination" for r in ranks)
+    assert [r["iterations"] for r in ranks] == [2] * len(ranks)
+
+
+@pytest.mark.parametrize("name", ["fsdp_peer_failure", "fsdp_peer_failure_in_forward"])
+def test_fsdp_failure_propagation(results: Results, name: str) -> None:
+    """Rank 1 raises (between iterations, or in the root's forward right after the
+    step check): it leaves with its own error, every other rank with PeerFailure."""
+    ranks = outcome(results, name)
+    assert ranks[1]["type"] == "ValueError"
+    for rank, result in enumerate(ranks):
+        if rank != 1:
+            assert result["type"] == "PeerFailure", result
+            assert "rank 1 failed" in result["message"]
+
+
+# -- the rest of a training step --------------------------------------------------------
+
+
+def test_fsdp_lr_scheduler(results: Results) -> None:
+    for rank in outcome(results, "fsdp_scheduler"):
+        assert within(rank["deviation"])
+        assert rank["lr"] == pytest.approx(rank["expected_lr"])
+
+
+def test_fsdp_gradient_clipping_through_shadow_step(results: Results) -> None:
+    for rank in outcome(results, "fsdp_clip_grad_norm"):
+        assert within(rank["deviation"])
+        assert rank["clipped"]  # the norm exceeded the limit: clipping mattered
+
+
+def test_fsdp_grad_scaler_agrees_on_inf(results: Results) -> None:
+    ranks = outcome(results, "fsdp_grad_scaler")
+    for rank in ranks:
+        assert within(rank["deviation"])
+        assert rank["scale"] == rank["reference_scales"][-1]
+        # A rank's own steps follow the reference's scales, the overflow included.
+        assert rank["scales"] == rank["reference_scales"][: len(rank["scales"])]
+    scales = ranks[0]["reference_scales"]
+    assert scales[3] == scales[2] / 2  # the overflow at step 3 halved the scale
+
+
+def test_ddp_zero_lr_scheduler(results: Results) -> None:
+    for rank in outcome(results, "ddp_zero_scheduler"):
+        assert within(rank["deviation"])
+
+
+def test_misuse_is_refused_with_a_clear_error(results: Results) -> None:
+    rank = outcome(results, "misuse")[0]
+    assert "List the model first" in rank["optimizer_before_model"]
+    assert "Pass the model too" in rank["optimizer_alone"]
+    assert "leave the optimizer out of Join" in rank["ddp_optimizer"]
+    assert "without its optimizer" in rank["scheduler_alone"]
+    assert "before its optimizer" in rank["scheduler_first"]
+    assert "no optimizer listed before it" in rank["scaler_alone"]
+    assert "ZeroRedundancyOptimizer" in rank["scaler_zero"]
+    assert "ReduceLROnPlateau" in rank["plateau"]
+    assert len(rank["warning"]) == 1 and "Join([model, optimizer])" in rank["warning"][0]
+
+
+# -- models with collectives in forward -------------------------------------------------
+
+
+def test_ddp_sync_batch_norm_equals_the_union_batch_reference(results: Results) -> None:
+    for rank in outcome(results, "ddp_sync_batch_norm"):
+        for key in ("plain", "no_sync", "zero", "unfused"):
+            assert within(rank[key]["params"]) and within(rank[key]["buffers"]), (key, rank)
+        # The control: replaying a non-empty batch would pollute the statistics.
+        assert rank["nonempty_shadow"]["buffers"] > 1e-3
+
+
+def test_real_sync_batch_norm_on_cuda(results: Results) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch.nn.SyncBatchNorm runs on CUDA only")
+    for rank in outcome(results, "cuda_sync_batch_norm"):
+        assert within(rank["plain"]["params"]) and within(rank["plain"]["buffers"]), rank
+
+
+def test_fsdp_over_nccl(tmp_path: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("nccl needs CUDA")
+    world = min(2, torch.cuda.device_count())
+    names = [n for n in _scenario_names() if n.startswith("nccl_")]
+    records = launch(tmp_path, world, names, "--nccl")
+    for rank in outcome(records, "nccl_fsdp_reference"):
+        assert within(rank["deviation"]), rank
