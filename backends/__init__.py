@@ -81,6 +81,7 @@ __all__ = [
     "resolve_builtin",
     "init",
     "init_torch",
+    "gloo_interface",
 ]
 
 ENTRY_POINT_GROUP = BACKEND_ENTRY_POINTS
@@ -207,4 +208,8 @@ def __getattr__(name: str) -> Any:
         from . import _launch
 
         return getattr(_launch, name)
+    if name == "gloo_interface":
+        from . import _network
+
+        return _network.gloo_interface
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
