@@ -46,9 +46,18 @@ torch under mpirun: MPI already knows rank and world size, so
 :func:`init_torch` takes them from ``COMM_WORLD``; rank 0 opens torch's
 ``TCPStore`` on a port the kernel picks (no race between choosing a free port
 and binding it) and broadcasts ``(address, port)`` over MPI; the other ranks
-connect to it. Under Slurm without MPI there is nobody to ask, so the address
+connect to it. The address is one the other nodes can reach
+(``_network.rendezvous_address``: ``MASTER_ADDR``, loopback on one node, else
+the address gloo binds or the default route's, not the host name, which
+another node may not resolve), and every rank checks that it connects within
+``JOINKIT_RENDEZVOUS_TIMEOUT`` (30 s) before torch retries for minutes: if one
+cannot, every rank raises an error naming the address and why it was chosen.
+Under Slurm without MPI there is nobody to ask, so the address
 is the first host of the step (where task 0 runs) and the port is derived from
-the job and step ids, unless ``MASTER_ADDR``/``MASTER_PORT`` are set. After
+the job and step ids, unless ``MASTER_ADDR``/``MASTER_PORT`` are set; a first
+host that does not resolve is an error after that timeout too. Before gloo
+starts on a world that spans nodes, a ``RuntimeWarning`` says so if gloo would
+bind loopback (``_network.gloo_interface``). After
 initialising, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` are exported when absent, so scripts written for torchrun (a
 ``LOCAL_RANK`` lookup for the device) run unchanged under mpirun and srun.
@@ -62,6 +71,7 @@ import os
 import re
 import socket
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -70,6 +80,15 @@ from typing import Any
 import attrs
 
 from joinkit import backends
+from joinkit.backends._network import (
+    DEFAULT_RENDEZVOUS_TIMEOUT,
+    HostFacts,
+    gloo_interface,
+    host_facts,
+    probe_tcp,
+    rendezvous_address,
+    world_spans_nodes,
+)
 
 __all__ = [
     "BACKENDS",
@@ -87,6 +106,7 @@ __all__ = [
 BACKENDS = ("torch", "mpi", "threads")
 
 ENV_VAR = "JOINKIT_BACKEND"
+RENDEZVOUS_TIMEOUT_VAR = "JOINKIT_RENDEZVOUS_TIMEOUT"
 
 # backend -> (module that must be importable, pip extra)
 _LIBRARIES = {"torch": ("torch", "torch"), "mpi": ("mpi4py", "mpi")}
@@ -130,6 +150,9 @@ class LaunchPlan:
             (``None``: it does not say), whatever the backend; the world
             that is built must have this size.
         launched_size_from: the variable that said so, e.g. ``"SLURM_NTASKS"``.
+        rendezvous_timeout: seconds a rank tries to reach (under srun: to
+            resolve) the torch rendezvous address before it raises an error
+            naming it; ``JOINKIT_RENDEZVOUS_TIMEOUT``, default 30.
     """
 
     launcher: str | None
@@ -142,6 +165,7 @@ class LaunchPlan:
     master_port: int | None = None
     launched_size: int | None = None
     launched_size_from: str | None = None
+    rendezvous_timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT
 
 
 def _importable(module: str) -> bool:
@@ -197,6 +221,8 @@ def plan_launch(
         if name in env:
             fields.update(launched_size=_int(env, name), launched_size_from=name)
             break
+    if env.get(RENDEZVOUS_TIMEOUT_VAR, "").strip():
+        fields["rendezvous_timeout"] = _seconds(env, RENDEZVOUS_TIMEOUT_VAR)
     return LaunchPlan(launcher=launcher, backend=choice, chosen_by=chosen_by, **fields)
 
 
@@ -243,6 +269,16 @@ def _int(env: Mapping[str, str], name: str) -> int:
         return int(env[name])
     except ValueError:
         raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def _seconds(env: Mapping[str, str], name: str) -> float:
+    try:
+        value = float(env[name])
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}={env[name]!r} is not a number of seconds greater than 0")
+    return value
 
 
 def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
@@ -498,9 +534,15 @@ def init_torch(
     """Initialise ``torch.distributed`` from any launcher; return the world group.
 
     Under torchrun this is ``env://``; under mpirun rank and world size come
-    from MPI and rank 0 broadcasts the rendezvous address over MPI; under
-    srun they come from the Slurm variables; without a launcher the world is
-    this one process. Already initialised: just wrap the default group.
+    from MPI and rank 0 broadcasts the rendezvous address over MPI (an
+    address the other nodes reach: ``MASTER_ADDR``, else the address gloo
+    binds or the default route's); under srun they come from the Slurm
+    variables; without a launcher the world is this one process. Already
+    initialised: just wrap the default group.
+
+    With gloo on a world that spans nodes, a ``RuntimeWarning`` comes first
+    when gloo would bind a loopback address, which no other node can reach
+    (see :func:`joinkit.backends.gloo_interface`; set ``GLOO_SOCKET_IFNAME``).
 
     Args:
         dist_backend: torch's backend name; default ``"nccl"`` when CUDA is
@@ -513,10 +555,13 @@ def init_torch(
     Raises:
         ModuleNotFoundError: torch (or, under mpirun without
             ``MASTER_ADDR``/``MASTER_PORT``, mpi4py) is not installed.
-        RuntimeError: the rendezvous failed, or the world disagrees with the
-            launcher (under mpirun: MPI sees another world size than the
-            launcher's variables, and ``MASTER_ADDR``/``MASTER_PORT`` are not
-            set; or torch.distributed was initialised before with another
+        RuntimeError: the rendezvous failed (under mpirun: a rank cannot
+            connect to rank 0's store within ``JOINKIT_RENDEZVOUS_TIMEOUT``
+            seconds, default 30; under srun: the address does not resolve
+            within it; the message names the address), or the world disagrees
+            with the launcher (under mpirun: MPI sees another world size than
+            the launcher's variables, and ``MASTER_ADDR``/``MASTER_PORT`` are
+            not set; or torch.distributed was initialised before with another
             world).
     """
     plan = attrs.evolve(plan_launch(os.environ, "torch"), chosen_by="init_torch")
@@ -540,9 +585,11 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
         kwargs["timeout"] = timeout
     store_timeout = timeout or _DEFAULT_STORE_TIMEOUT
 
-    where = _rendezvous(plan, store_timeout)
-    if plan.launcher == "mpirun" and "mpi4py.MPI" in sys.modules:
+    if plan.launcher == "mpirun" and _importable("mpi4py"):
+        # Before the rendezvous: a rank that fails there must end the job,
+        # not leave the others waiting for it.
         abort_on_unhandled_exception()
+    where = _rendezvous(plan, store_timeout)
     if where.store is None:
         # torchrun's agent already serves the store at MASTER_PORT.
         kwargs.update(init_method="env://", rank=where.rank, world_size=where.world_size)
@@ -550,6 +597,8 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
         kwargs.update(store=where.store, rank=where.rank, world_size=where.world_size)
     if dist_backend == "nccl":
         torch.cuda.set_device(where.local_rank)
+    if dist_backend == "gloo":
+        _warn_if_gloo_cannot_reach_other_nodes(where.spans_nodes)
     dist.init_process_group(**kwargs)
     # We created the group, so we tear it down: a gloo group left to the
     # interpreter's exit can abort the process (SIGABRT) on its worker thread.
@@ -557,6 +606,17 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
     if plan.launcher in ("mpirun", "srun"):
         _export_torchrun_env(where)
     return TorchGroup()
+
+
+def _warn_if_gloo_cannot_reach_other_nodes(spans_nodes: bool | None) -> None:
+    """Warn before gloo binds loopback in a world that spans nodes (it then hangs)."""
+    if spans_nodes is None:
+        spans_nodes = world_spans_nodes(os.environ)
+    if not spans_nodes:
+        return  # one node: loopback is fine, and nothing to look up
+    found = gloo_interface(os.environ, spans_nodes=True)
+    if found.warning is not None:
+        warnings.warn(found.warning, RuntimeWarning, stacklevel=4)
 
 
 def _destroy_torch_group() -> None:
@@ -568,7 +628,12 @@ def _destroy_torch_group() -> None:
 
 @attrs.frozen(kw_only=True)
 class _Rendezvous:
-    """Where this rank meets the others; ``store`` is ``None`` for ``env://``."""
+    """Where this rank meets the others; ``store`` is ``None`` for ``env://``.
+
+    ``spans_nodes``: whether the ranks run on more than one node, when the
+    rendezvous learnt it (under mpirun: the ranks' host names); ``None``: ask
+    the launcher's variables.
+    """
 
     rank: int
     world_size: int
@@ -576,6 +641,7 @@ class _Rendezvous:
     addr: str | None = None
     port: int | None = None
     store: Any = None
+    spans_nodes: bool | None = None
 
 
 def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
@@ -616,13 +682,54 @@ def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
                         addr=addr, port=port)
     if plan.launcher == "torchrun":
         return where
+    if rank != 0:
+        # Rank 0 may still be starting, so a refused connection is no error yet
+        # (the store's timeout covers it); but a name that does not resolve
+        # would be retried with a warning every few seconds until then.
+        _require_resolvable(addr, port, plan)
     store = dist.TCPStore(addr, port, world_size, rank == 0,  # type: ignore[attr-defined]
                           store_timeout, wait_for_workers=False)
     return attrs.evolve(where, store=store)
 
 
+def _require_resolvable(addr: str, port: int, plan: LaunchPlan) -> None:
+    deadline = time.monotonic() + plan.rendezvous_timeout
+    while True:
+        try:
+            socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+            return
+        except OSError as exc:
+            error = exc
+        if time.monotonic() + 1 >= deadline:
+            break
+        time.sleep(1)
+    source = "MASTER_ADDR" if "MASTER_ADDR" in os.environ else (
+        "the step's first node (SLURM_STEP_NODELIST)" if plan.launcher == "srun"
+        else "the launcher")
+    raise RuntimeError(
+        f"cannot initialise torch.distributed under {plan.launcher}: the rendezvous "
+        f"address {addr!r} (from {source}) does not resolve on {socket.gethostname()} "
+        f"after {plan.rendezvous_timeout:g} s ({error}). Set MASTER_ADDR to an address "
+        f"of the node of rank 0 that every node resolves ({RENDEZVOUS_TIMEOUT_VAR} "
+        "sets how long to try)."
+    )
+
+
+# rendezvous_address needs no facts when MASTER_ADDR is set or all ranks share a node.
+_NO_FACTS = HostFacts(hostname="")
+
+
 def _mpi_rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
-    """Rank, size and local rank from MPI; a TCPStore whose address rank 0 sent."""
+    """Rank, size and local rank from MPI; a TCPStore whose address rank 0 sent.
+
+    Rank 0 opens the store (it listens on every interface) and broadcasts an
+    address the others can reach (:func:`rendezvous_address`: ``MASTER_ADDR``,
+    loopback on one node, else the address gloo binds or the default route's);
+    every other rank first checks that it can connect there within
+    ``plan.rendezvous_timeout``. If one cannot, every rank raises the same
+    error, naming the address, why it was chosen and what failed, instead of
+    retrying until the store's timeout.
+    """
     import torch.distributed as dist
     from mpi4py import MPI
 
@@ -632,29 +739,66 @@ def _mpi_rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
     local_rank = node.Get_rank()
     node.Free()
     hosts = comm.allgather(socket.gethostname())
+    one_node = len(set(hosts)) == 1
     store = None
-    answer: tuple[str | None, int | None, str | None] = (None, None, None)
+    answer: tuple[str | None, int | None, str, bool, str | None] = (None, None, "", False, None)
     if rank == 0:
-        # One node: loopback always works. Several: rank 0's host name, which
-        # a cluster resolves for its peers.
-        addr = plan.master_addr or ("127.0.0.1" if len(set(hosts)) == 1 else hosts[0])
         try:
+            chosen = rendezvous_address(
+                plan.master_addr, one_node,
+                host_facts() if not (plan.master_addr or one_node) else _NO_FACTS,
+            )
+            # The store listens on every interface whatever its host argument,
+            # which only says where rank 0's own client connects: loopback
+            # always works for that, even where MASTER_ADDR is a name that
+            # resolves for the others only.
             store = dist.TCPStore(  # type: ignore[attr-defined]
-                addr, plan.master_port or 0, world_size, True, store_timeout,
+                "127.0.0.1", plan.master_port or 0, world_size, True, store_timeout,
                 wait_for_workers=False,
             )
-            answer = (addr, int(store.port), None)
+            answer = (chosen.address, int(store.port), chosen.chosen_because,
+                      chosen.from_master_addr, None)
         except Exception as exc:  # every rank must hear of it, or they hang in bcast
-            answer = (None, None, f"{type(exc).__name__}: {exc}")
-    addr, port, error = comm.bcast(answer, root=0)
+            answer = (None, None, "", False, f"{type(exc).__name__}: {exc}")
+    addr, port, because, from_master_addr, error = comm.bcast(answer, root=0)
     if error is not None:
         raise RuntimeError(f"rank 0 could not open the torch rendezvous store: {error}")
     assert addr is not None and port is not None
+    failure = None if rank == 0 else probe_tcp(addr, port, plan.rendezvous_timeout)
+    failures = comm.allgather(failure)
+    if any(failures):
+        raise RuntimeError(_unreachable(addr, port, because, from_master_addr, hosts,
+                                        failures, plan.rendezvous_timeout))
     if store is None:
         store = dist.TCPStore(addr, port, world_size, False,  # type: ignore[attr-defined]
                               store_timeout)
     return _Rendezvous(rank=rank, world_size=world_size, local_rank=local_rank, addr=addr,
-                       port=port, store=store)
+                       port=port, store=store, spans_nodes=not one_node)
+
+
+def _unreachable(addr: str, port: int, because: str, from_master_addr: bool,
+                 hosts: list[str], failures: list[str | None], timeout: float) -> str:
+    """The error every rank raises when some rank cannot reach rank 0's store."""
+    failed = [rank for rank, failure in enumerate(failures) if failure]
+    first = failed[0]
+    who = f"rank {first} (on {hosts[first]})"
+    if len(failed) > 1:
+        others = ", ".join(str(rank) for rank in failed[1:])
+        who += f" and {len(failed) - 1} more (rank{'s' if len(failed) > 2 else ''} {others})"
+    if from_master_addr:
+        fix = (f"Set MASTER_ADDR to an address of {hosts[0]} that every node reaches, or "
+               "unset it (rank 0 then offers the address gloo binds, or its default "
+               "route's)")
+    else:
+        fix = (f"Set MASTER_ADDR to an address of {hosts[0]} that every node reaches, or "
+               "GLOO_SOCKET_IFNAME to the interface on the network between the nodes "
+               "(rank 0 then offers its address)")
+    return (
+        f"init_torch under mpirun: {who} cannot reach the rendezvous store of rank 0 "
+        f"(on {hosts[0]}) at {addr}:{port} within {timeout:g} s: {failures[first]}. "
+        f"Rank 0 chose {addr!r} because {because}. {fix}; "
+        f"{RENDEZVOUS_TIMEOUT_VAR}=<seconds> gives a slow network longer."
+    )
 
 
 def abort_on_unhandled_exception() -> None:

@@ -16,6 +16,7 @@ import attrs
 import pytest
 
 from joinkit import backends
+from joinkit.backends import _launch
 from joinkit.backends._network import (
     GlooInterface,
     HostFacts,
@@ -256,3 +257,50 @@ def test_probe_tcp_names_an_unresolvable_name(monkeypatch: pytest.MonkeyPatch) -
         "the name 'node1' does not resolve here ([Errno -3] Temporary failure in name "
         "resolution)")
 
+
+# -- what init_torch does with them -------------------------------------------------------
+
+
+def test_rendezvous_timeout_comes_from_the_environment() -> None:
+    mpirun = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}
+    assert _launch.plan_launch(mpirun, "torch").rendezvous_timeout == 30.0
+    plan = _launch.plan_launch({**mpirun, "JOINKIT_RENDEZVOUS_TIMEOUT": "2.5"}, "torch")
+    assert plan.rendezvous_timeout == 2.5
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        with pytest.raises(ValueError, match=rf"^JOINKIT_RENDEZVOUS_TIMEOUT='{bad}' is not a "
+                                             r"number of seconds greater than 0$"):
+            _launch.plan_launch({**mpirun, "JOINKIT_RENDEZVOUS_TIMEOUT": bad}, "torch")
+
+
+def test_the_unreachable_error_names_the_address_the_reason_and_the_fix() -> None:
+    message = _launch._unreachable(
+        "10.1.0.7", 4242, "it is the address of the default route's interface eth0", False,
+        ["node1", "node2", "node3", "node4"],
+        [None, "the connection was refused", None, "no connection"], 30.0)
+    assert message == (
+        "init_torch under mpirun: rank 1 (on node2) and 1 more (rank 3) cannot reach the "
+        "rendezvous store of rank 0 (on node1) at 10.1.0.7:4242 within 30 s: the connection "
+        "was refused. Rank 0 chose '10.1.0.7' because it is the address of the default "
+        "route's interface eth0. Set MASTER_ADDR to an address of node1 that every node "
+        "reaches, or GLOO_SOCKET_IFNAME to the interface on the network between the nodes "
+        "(rank 0 then offers its address); JOINKIT_RENDEZVOUS_TIMEOUT=<seconds> gives a "
+        "slow network longer.")
+    message = _launch._unreachable("node1", 4242, "MASTER_ADDR is set", True,
+                                   ["node1", "node2"], [None, "x"], 5.0)
+    assert "or unset it (rank 0 then offers the address gloo binds" in message
+
+
+def test_srun_names_a_first_node_that_does_not_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", fail)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    plan = _launch.LaunchPlan(launcher="srun", backend="torch", chosen_by="launcher",
+                              rendezvous_timeout=0.5)
+    with pytest.raises(RuntimeError, match=(
+            r"^cannot initialise torch.distributed under srun: the rendezvous address "
+            r"'gpu07' \(from the step's first node \(SLURM_STEP_NODELIST\)\) does not "
+            r"resolve on .* after 0.5 s \(\[Errno -2\] Name or service not known\)\. Set "
+            r"MASTER_ADDR to an address of the node of rank 0 that every node resolves")):
+        _launch._require_resolvable("gpu07", 29500, plan)
