@@ -1,0 +1,228 @@
+"""Two network namespaces joined by a veth pair: two hosts on one machine.
+
+Each *node* is a network namespace with its own loopback and one end of a
+veth pair (``jk0``, the only other interface, also its default route), and
+every command run on it gets its own host name and hosts file (``unshare
+--uts --mount``, then a bind mount over ``/etc/hosts``). Addresses exist only
+inside the namespaces, and nothing routes out of them: the nodes reach each
+other and nothing else (name lookups go to a resolver on the node's own
+loopback, where none listens, so they fail at once instead of timing out).
+
+Two hosts files, chosen per command:
+
+``isolated``
+    what a Debian/Ubuntu workstation has: the node's own name maps to
+    ``127.0.1.1``, the other node's name does not resolve.
+``cluster``
+    what a cluster's DNS gives: both names resolve to the nodes' addresses.
+
+Open MPI reaches the other node through an rsh agent (``--mca
+plm_ssh_agent``): a script that runs its command line on the named node,
+with the hosts file named by ``TWO_NODES_HOSTS`` in its environment.
+
+Cleanup kills every process in either namespace (``ip netns pids``), then
+deletes the namespaces (which deletes the veth pair). A namespace left by a
+test run that was killed is named after its dead pid and swept by the next.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NODES = ("node1", "node2")
+ADDRESSES = {"node1": "10.77.0.1", "node2": "10.77.0.2"}
+IFNAME = "jk0"
+HOSTS = {
+    "isolated": {node: f"127.0.0.1 localhost\n127.0.1.1 {node}\n" for node in NODES},
+    "cluster": {
+        node: "127.0.0.1 localhost\n" + "".join(f"{ADDRESSES[n]} {n}\n" for n in NODES)
+        for node in NODES
+    },
+}
+PREFIX = "jkn"  # namespaces: jkn<pid>-node1, jkn<pid>-node2
+_STALE = re.compile(rf"^{PREFIX}(\d+)-node[12]$")
+
+# Runs "$@" on a node: sh -c WRAP wrap HOSTS_FILE RESOLV_CONF NODE COMMAND...
+_WRAP = ('mount --bind "$1" /etc/hosts && mount --bind "$2" /etc/resolv.conf && '
+         'hostname "$3" && shift 3 && exec "$@"')
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=60,
+                          check=check)
+
+
+def unavailable() -> str | None:
+    """Why two nodes cannot be made here, or ``None`` when they can."""
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces are Linux only (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)"
+    for tool in ("ip", "unshare", "mount", "hostname"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed (ip: apt-get install iproute2)"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    try:
+        with tempfile.NamedTemporaryFile("w", suffix="-hosts") as hosts:
+            hosts.write("127.0.0.1 localhost\n")
+            hosts.flush()
+            entered = subprocess.run(
+                ["ip", "netns", "exec", probe, "unshare", "--uts", "--mount", "sh", "-c",
+                 'mount --bind "$1" /etc/hosts && hostname probe', "probe", hosts.name],
+                capture_output=True, text=True, timeout=60)
+    finally:
+        _ip("netns", "del", probe, check=False)
+    if entered.returncode != 0:
+        return ("a node's own host name and hosts file (unshare --uts --mount, mount "
+                f"--bind) cannot be made: {entered.stderr.strip()}")
+    return None
+
+
+def _kill_namespace_processes(namespace: str) -> None:
+    for _ in range(10):
+        listed = _ip("netns", "pids", namespace, check=False)
+        pids = [int(pid) for pid in listed.stdout.split()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+
+
+def _delete(namespace: str) -> None:
+    _kill_namespace_processes(namespace)
+    _ip("netns", "del", namespace, check=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces of test runs whose process is gone; return their names."""
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    swept = []
+    for line in listed:
+        name = line.split(" ")[0]
+        match = _STALE.match(name)
+        if match and not _alive(int(match.group(1))):
+            _delete(name)
+            swept.append(name)
+    return swept
+
+
+class TwoNodes:
+    """Two nodes (network namespaces) for the length of a ``with`` block."""
+
+    def __init__(self) -> None:
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self.namespaces = {node: f"{self.tag}-{node}" for node in NODES}
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
+        self.agent = self.dir / "rsh-agent"
+        self.resolv = self.dir / "resolv.conf"
+        self._procs: list[subprocess.Popen[str]] = []
+
+    def __enter__(self) -> TwoNodes:
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _make(self) -> None:
+        sweep_stale()
+        ends = {"node1": f"{self.tag}a", "node2": f"{self.tag}b"}
+        for namespace in self.namespaces.values():
+            _ip("netns", "add", namespace)
+            _ip("-n", namespace, "link", "set", "lo", "up")
+        _ip("link", "add", ends["node1"], "type", "veth", "peer", "name", ends["node2"])
+        for node, namespace in self.namespaces.items():
+            _ip("link", "set", ends[node], "netns", namespace)
+            _ip("-n", namespace, "link", "set", ends[node], "name", IFNAME)
+            _ip("-n", namespace, "addr", "add", f"{ADDRESSES[node]}/24", "dev", IFNAME)
+            _ip("-n", namespace, "link", "set", IFNAME, "up")
+            _ip("-n", namespace, "route", "add", "default", "dev", IFNAME)
+        for variant, files in HOSTS.items():
+            for node, text in files.items():
+                self.hosts_file(variant, node).write_text(text)
+        self.resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        self._write_agent()
+
+    def hosts_file(self, variant: str, node: str) -> Path:
+        return self.dir / f"hosts-{variant}-{node}"
+
+    def _write_agent(self) -> None:
+        cases = "\n".join(f"    {node}) ns={self.namespaces[node]} ;;" for node in NODES)
+        self.agent.write_text(f"""#!/bin/sh
+# rsh agent for Open MPI: rsh-agent NODE COMMAND-LINE... runs the command line
+# (a shell command, as ssh would run it) on NODE, with the hosts file named by
+# TWO_NODES_HOSTS (isolated or cluster).
+node=$1; shift
+case "$node" in
+{cases}
+    *) echo "rsh-agent: no node $node" >&2; exit 255 ;;
+esac
+hosts={self.dir}/hosts-${{TWO_NODES_HOSTS:-isolated}}-$node
+exec ip netns exec "$ns" unshare --uts --mount sh -c '{_WRAP}' wrap \\
+    "$hosts" {self.resolv} "$node" sh -c "$*"
+""")
+        self.agent.chmod(0o755)
+
+    def command(self, node: str, argv: list[str], hosts: str = "isolated") -> list[str]:
+        """The command line that runs ``argv`` on ``node`` with the given hosts file."""
+        return ["ip", "netns", "exec", self.namespaces[node], "unshare", "--uts", "--mount",
+                "sh", "-c", _WRAP, "wrap", str(self.hosts_file(hosts, node)), str(self.resolv),
+                node, *argv]
+
+    def popen(self, node: str, argv: list[str], env: dict[str, str], cwd: Path,
+              hosts: str = "isolated") -> subprocess.Popen[str]:
+        """Start ``argv`` on ``node`` (its own session, output captured)."""
+        env = {**env, "TWO_NODES_HOSTS": hosts}
+        proc = subprocess.Popen(self.command(node, argv, hosts), env=env, cwd=cwd, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        self._procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        """Kill every process started here, delete the namespaces and files."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for namespace in self.namespaces.values():
+            _delete(namespace)
+        for end in ("a", "b"):  # only if _make stopped before moving them
+            _ip("link", "del", f"{self.tag}{end}", check=False)
+        for proc in self._procs:
+            try:
+                proc.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
