@@ -8,7 +8,9 @@ One rank per node, on the nodes' own network (a veth pair, ``10.77.0.1`` and
   and Ubuntu install it, and does not resolve on the other), with
   ``GLOO_SOCKET_IFNAME``; and with the c10d rendezvous on *cluster* hosts
   (both names resolve everywhere) and nothing else set: ``counter.py`` and
-  ``ddp.py``, which must print the tutorial's lines;
+  ``ddp.py``, which must print the tutorial's lines; and c10d on isolated
+  hosts with the README's recipe (the endpoint's address, ``is_host``,
+  ``--local-addr``);
 - mpirun across both nodes (an rsh agent enters the other namespace):
   ``counter.py`` over MPI, and ``counter.py`` and ``ddp.py`` through
   ``init_torch()`` on isolated hosts, whose rendezvous address must be one the
@@ -117,6 +119,20 @@ def _torchrun_c10d(script: str) -> list[Task]:
             for node in NODES]
 
 
+def _torchrun_c10d_by_address(script: str) -> list[Task]:
+    # Isolated hosts: node1's name maps to 127.0.1.1 there and does not resolve
+    # on node2. torchrun then needs the endpoint as an address, is_host on the
+    # node that has it, and --local-addr (else rank 0 offers its FQDN, 'node1').
+    port = "29521"
+    return [Task(node, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                        "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"{ADDRESSES['node1']}:{port}",
+                        "--rdzv-id", f"job{port}", "--local-addr", ADDRESSES[node],
+                        *(["--rdzv-conf", "is_host=1"] if node == "node1" else []), script],
+                 env={"GLOO_SOCKET_IFNAME": IFNAME})
+            for node in NODES]
+
+
 def _mpirun(nodes: TwoNodes, script: str, **env: str) -> list[Task]:
     # Open MPI forwards only what -x names to the other node's ranks (our agent
     # happens to pass its whole environment; ssh would not).
@@ -158,6 +174,7 @@ def _launches(nodes: TwoNodes) -> dict[str, list[Task]]:
         "torchrun-static/ddp": _torchrun_static(DDP),
         "torchrun-c10d/counter": _torchrun_c10d(COUNTER),
         "torchrun-c10d/ddp": _torchrun_c10d(DDP),
+        "torchrun-c10d-by-address/counter": _torchrun_c10d_by_address(COUNTER),
         "mpirun/counter-mpi": _mpirun(nodes, COUNTER),
         "mpirun/counter-init_torch": _mpirun(nodes, COUNTER, JOINKIT_BACKEND="torch",
                                              GLOO_SOCKET_IFNAME=IFNAME),
@@ -274,8 +291,9 @@ def _assert_tutorial_lines(run: Ran, script: str) -> None:
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
-@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
-@pytest.mark.parametrize("script", [COUNTER, DDP], ids=["counter", "ddp"])
+@pytest.mark.parametrize("rendezvous,script", [
+    ("static", COUNTER), ("static", DDP), ("c10d", COUNTER), ("c10d", DDP),
+    ("c10d-by-address", COUNTER)])
 def test_torchrun_across_two_nodes(ran: dict[str, Ran], rendezvous: str, script: str) -> None:
     name = "counter" if script == COUNTER else "ddp"
     _assert_tutorial_lines(ran[f"torchrun-{rendezvous}/{name}"], script)
