@@ -36,6 +36,7 @@ import attrs
 from joinkit import backends
 
 from . import _launch
+from ._network import gloo_interface
 
 __all__ = ["Finding", "collect", "render", "add_command", "GATHER_TIMEOUT"]
 
@@ -96,7 +97,7 @@ def collect(environ: Mapping[str, str] | None = None) -> list[Finding]:
                            level="ok" if version else "note"))
     out.append(Finding(section="host", name="hostname", value=socket.gethostname()))
     out += _launch_findings(env)
-    out += _torch_findings()
+    out += _torch_findings(env)
     out += _mpi_findings()
     return out
 
@@ -134,7 +135,7 @@ def _launch_findings(env: Mapping[str, str]) -> list[Finding]:
     return out
 
 
-def _torch_findings() -> list[Finding]:
+def _torch_findings(env: Mapping[str, str]) -> list[Finding]:
     if not _importable("torch"):
         return [Finding(section="torch", name="torch", value="not installed "
                         "(pip install 'joinkit[torch]' for torch.distributed)", level="note")]
@@ -156,7 +157,20 @@ def _torch_findings() -> list[Finding]:
                 value="available" if dist.is_nccl_available() else "not available",
                 level="ok" if dist.is_nccl_available() or not cuda else "note"),
         Finding(section="torch", name="cuda devices", value=str(cuda)),
+        *([_gloo_interface_finding(env)] if dist.is_gloo_available() else []),
     ]
+
+
+def _gloo_interface_finding(env: Mapping[str, str]) -> Finding:
+    # Which address gloo binds here: loopback on a world that spans nodes (a
+    # Debian host name maps to 127.0.1.1), or a GLOO_SOCKET_IFNAME that names
+    # no interface, is a run that cannot connect.
+    found = gloo_interface(env)
+    value = str(found).removeprefix("gloo binds ")
+    if found.warning is not None:
+        return Finding(section="torch", name="gloo interface", value=found.warning,
+                       level="problem")
+    return Finding(section="torch", name="gloo interface", value=value)
 
 
 _THREAD_LEVELS = {

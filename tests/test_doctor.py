@@ -133,3 +133,21 @@ def test_a_world_that_cannot_be_built_is_a_problem_on_every_rank() -> None:
     assert done.stdout.count("joinkit doctor: this process only (no world was built)") == 2
     assert done.stdout.count("PROBLEM: RuntimeError: JOINKIT_BACKEND=mpi: MPI's "
                              "COMM_WORLD has 1 rank, but torchrun started 2 processes") == 2
+
+
+@pytest.mark.needs_torch
+def test_collect_says_which_interface_gloo_binds() -> None:
+    def gloo(env: dict[str, str]) -> Finding:
+        return {(f.section, f.name): f for f in collect(env)}[("torch", "gloo interface")]
+
+    assert gloo({"GLOO_SOCKET_IFNAME": "lo"}) == Finding(
+        section="torch", name="gloo interface", value="127.0.0.1 (lo): GLOO_SOCKET_IFNAME=lo")
+    # Loopback on a world that spans nodes (torchrun: 2 of 4 ranks on this node).
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0",
+                "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"}
+    spanning = gloo(torchrun)
+    assert spanning.level == "problem"
+    assert spanning.value.startswith("gloo binds 127.0.0.1 (lo): GLOO_SOCKET_IFNAME=lo; but "
+                                     "the world spans several nodes")
+    missing = gloo({"GLOO_SOCKET_IFNAME": "nosuch0"})
+    assert missing.level == "problem" and "Unable to find address for: nosuch0" in missing.value

@@ -22,7 +22,9 @@ One rank per node, on the nodes' own network (a veth pair, ``10.77.0.1`` and
 - an srun step's Slurm variables on each node: ``init()`` must build a torch
   world of 2 across the nodes (MPI cannot see Slurm here, so this is the
   fallback from an MPI world of one);
-- ``backends.gloo_interface()`` on each node, which must agree with the above.
+- ``backends.gloo_interface()`` on each node, which must agree with the above,
+  and ``python -m joinkit doctor`` under mpirun, which must report gloo on
+  loopback as a problem on both ranks before any run.
 
 All launches start at once (most of their time is torch's import on a busy
 machine) and are collected by one module fixture, each with its own result,
@@ -133,13 +135,13 @@ def _torchrun_c10d_by_address(script: str) -> list[Task]:
             for node in NODES]
 
 
-def _mpirun(nodes: TwoNodes, script: str, **env: str) -> list[Task]:
+def _mpirun(nodes: TwoNodes, *argv: str, **env: str) -> list[Task]:
     # Open MPI forwards only what -x names to the other node's ranks (our agent
     # happens to pass its whole environment; ssh would not).
     forward = [arg for name in env for arg in ("-x", name)]
     return [Task("node1", [mpirun(), "--host", "node1:1,node2:1", "-n", "2",
                            "--mca", "plm_ssh_agent", str(nodes.agent), *forward,
-                           sys.executable, script], env=env)]
+                           sys.executable, *argv], env=env)]
 
 
 def _srun_step(script: str, *args: str) -> list[Task]:
@@ -183,6 +185,7 @@ def _launches(nodes: TwoNodes) -> dict[str, list[Task]]:
         "mpirun/ddp-unresolvable-master": _mpirun(
             nodes, DDP, GLOO_SOCKET_IFNAME=IFNAME, MASTER_ADDR="node1",
             JOINKIT_RENDEZVOUS_TIMEOUT=RENDEZVOUS_TIMEOUT),
+        "mpirun/doctor": _mpirun(nodes, "-m", "joinkit", "doctor"),
         "srun/show_init": _srun_step(SHOW, "init"),
         "gloo_interface": _gloo_reports(),
     }
@@ -318,6 +321,19 @@ def test_gloo_on_loopback_is_warned_before_it_fails(ran: dict[str, Ran]) -> None
         assert (f"Set GLOO_SOCKET_IFNAME={IFNAME} (the interface of this machine's default "
                 f"route, {address})" in run.stderr), run.explain()
     assert run.seconds < PROMPT, run.explain()
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+def test_the_doctor_finds_gloo_on_loopback_before_a_run(ran: dict[str, Ran]) -> None:
+    run = ran["mpirun/doctor"]
+    assert run.returncodes == [1], run.explain()
+    assert run.stdout.count("joinkit doctor: 2 ranks") == 1, run.explain()
+    assert re.search(r"gloo interface +PROBLEM: ", run.stdout), run.explain()
+    for rank, node in enumerate(NODES):  # one line per node: the values differ
+        assert re.search(
+            rf"PROBLEM: gloo binds 127\.0\.1\.1 \(lo\): the host name "
+            rf"'{node}' resolves to 127\.0\.1\.1; but the world spans several nodes.*"
+            rf"Set GLOO_SOCKET_IFNAME={IFNAME} .*\[ranks {rank}\]", run.stdout), run.explain()
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
