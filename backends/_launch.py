@@ -765,8 +765,9 @@ def _mpi_rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
         raise RuntimeError(f"rank 0 could not open the torch rendezvous store: {error}")
     assert addr is not None and port is not None
     failure = None if rank == 0 else probe_tcp(addr, port, plan.rendezvous_timeout)
-    failures = comm.allgather(failure)
-    if any(failures):
+    # A flag first (O(log W)); the reasons travel only when some rank failed.
+    if comm.allreduce(failure is not None, op=MPI.LOR):
+        failures = comm.allgather(failure)
         raise RuntimeError(_unreachable(addr, port, because, from_master_addr, hosts,
                                         failures, plan.rendezvous_timeout))
     if store is None:
