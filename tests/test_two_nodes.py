@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -218,8 +219,14 @@ def ran(nodes: TwoNodes) -> dict[str, Ran]:
         try:
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, err = proc.communicate()
+            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                out, err = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                # A process outside the group holds the pipes: past the deadline
+                # every launch is over, so end everything on the nodes.
+                nodes.kill_all()
+                out, err = proc.communicate()
             err += f"\n[test] killed after {LAUNCH_TIMEOUT:.0f} s"
         with lock:
             outputs.setdefault(name, []).append(

@@ -208,14 +208,20 @@ exec ip netns exec "$ns" unshare --uts --mount sh -c '{_WRAP}' wrap \\
         self._procs.append(proc)
         return proc
 
-    def close(self) -> None:
-        """Kill every process started here, delete the namespaces and files."""
+    def kill_all(self) -> None:
+        """Kill every process started here and every process in the namespaces."""
         for proc in self._procs:
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        for namespace in self.namespaces.values():
+            _kill_namespace_processes(namespace)
+
+    def close(self) -> None:
+        """Kill every process started here, delete the namespaces and files."""
+        self.kill_all()
         for namespace in self.namespaces.values():
             _delete(namespace)
         for end in ("a", "b"):  # only if _make stopped before moving them
