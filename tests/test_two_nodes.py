@@ -46,7 +46,7 @@ from typing import Any
 
 import pytest
 from mpi_support import PROGRAMS, ROOT, child_env, mpirun, tagged
-from two_nodes import ADDRESSES, IFNAME, NODES, TwoNodes, unavailable
+from two_nodes import ADDRESSES, IFNAME, NODES, PREFIX, TwoNodes, sweep_stale, unavailable
 
 from joinkit.backends._launch import _slurm_port
 from joinkit.backends._network import host_facts
@@ -292,6 +292,22 @@ def test_the_nodes_are_two_hosts(nodes: TwoNodes, hosts: str) -> None:
             {"hostname": "node2", "node1": None, "node2": "127.0.1.1", "outside": False}]
     else:
         assert reports == [{"hostname": node, **ADDRESSES, "outside": None} for node in NODES]
+
+
+@pytest.mark.timeout(120)
+def test_namespaces_left_by_a_killed_run_are_swept(nodes: TwoNodes) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{PREFIX}{dead.pid}-node1"
+    subprocess.run(["ip", "netns", "add", stale], check=True, timeout=60)
+    try:
+        assert stale in sweep_stale()
+        assert nodes.namespaces["node1"] not in sweep_stale()  # this run's are alive
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True, timeout=60)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                            timeout=60).stdout
+    assert stale not in listed and nodes.namespaces["node1"] in listed
 
 
 def _assert_tutorial_lines(run: Ran, script: str) -> None:
