@@ -27,26 +27,36 @@ One rank per node, on the nodes' own network (a veth pair, ``10.77.0.1`` and
   loopback as a problem on both ranks before any run.
 
 All launches start at once (most of their time is torch's import on a busy
-machine) and are collected by one module fixture, each with its own result,
-so one failing launch fails only its own test. Skipped only where network
-namespaces cannot be made (the reason is printed).
+machine) and are collected by one module fixture (``TwoNodes.run_all``), each
+with its own result, so one failing launch fails only its own test; when a
+process of a launch fails, the launch's other processes are killed after
+``GRACE`` seconds instead of waiting for the 300 s limit. A launch that
+printed every line and then died of gloo's known crash at interpreter exit
+(issue 12 part 2, fixed elsewhere) is reported as an expected failure (XFAIL,
+with the reason), not hidden. Skipped only where network namespaces cannot be
+made (the reason is printed).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from mpi_support import PROGRAMS, ROOT, child_env, mpirun, tagged
-from two_nodes import ADDRESSES, IFNAME, NODES, PREFIX, TwoNodes, sweep_stale, unavailable
+from two_nodes import (
+    ADDRESSES,
+    IFNAME,
+    NODES,
+    PREFIX,
+    Ran,
+    Task,
+    TwoNodes,
+    sweep_stale,
+    unavailable,
+)
 
 from joinkit.backends._launch import _slurm_port
 from joinkit.backends._network import host_facts
@@ -56,6 +66,14 @@ pytestmark = pytest.mark.needs_torch
 LAUNCH_TIMEOUT = 300.0  # seconds, for all launches together (a loaded 2-core machine)
 PROMPT = 150.0  # a failure "ends promptly": well below the 300 s it used to hang for
 RENDEZVOUS_TIMEOUT = "10"  # JOINKIT_RENDEZVOUS_TIMEOUT of the unresolvable-address case
+# Once a process of a launch failed, its other processes get this long before
+# they are killed (as srun --kill-on-bad-exit would): torchrun's agent on the
+# other node would otherwise wait out its 300 s exit barrier.
+GRACE = 30.0
+# gloo's crash at interpreter exit (issue 12, part 2: a worker thread still
+# joinable when the process ends, SIGABRT), which another change fixes. A run
+# that printed every line and then died of it is an expected failure here.
+EXIT_ABORT = "terminate called without an active exception"
 
 COUNTER = str(ROOT / "examples" / "counter.py")
 DDP = str(ROOT / "examples" / "ddp.py")
@@ -78,30 +96,6 @@ GLOO_REPORT = (
     "print('GLOO ' + json.dumps({'interface': g.interface, 'address': g.address, "
     "'loopback': g.loopback, 'warning': g.warning, 'text': str(g)}))"
 )
-
-
-@dataclass
-class Task:
-    """One process of a launch: ``argv`` on ``node`` with a hosts file and variables."""
-
-    node: str
-    argv: list[str]
-    hosts: str = "isolated"
-    env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Ran:
-    """What the processes of one launch did."""
-
-    returncodes: list[int | None]
-    stdout: str
-    stderr: str
-    seconds: float  # from the start of all launches to the end of its last process
-
-    def explain(self, limit: int = 4000) -> str:
-        return (f"exit codes {self.returncodes} after {self.seconds:.0f} s\n--- stdout ---\n"
-                f"{self.stdout[-limit:]}\n--- stderr (tail) ---\n{self.stderr[-limit:]}")
 
 
 def _torchrun_static(script: str) -> list[Task]:
@@ -209,48 +203,10 @@ def nodes() -> Any:
 
 @pytest.fixture(scope="module")
 def ran(nodes: TwoNodes) -> dict[str, Ran]:
-    base = _environment()
-    start = time.monotonic()
-    deadline = start + LAUNCH_TIMEOUT
-    outputs: dict[str, list[tuple[int | None, str, str, float]]] = {}
-    lock = threading.Lock()
-
-    def collect(name: str, proc: subprocess.Popen[str]) -> None:
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            try:
-                out, err = proc.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                # A process outside the group holds the pipes: past the deadline
-                # every launch is over, so end everything on the nodes.
-                nodes.kill_all()
-                out, err = proc.communicate()
-            err += f"\n[test] killed after {LAUNCH_TIMEOUT:.0f} s"
-        with lock:
-            outputs.setdefault(name, []).append(
-                (proc.returncode, out, err, time.monotonic() - start))
-
-    threads = []
-    launches = _launches(nodes)
-    for name, tasks in launches.items():
-        for task in tasks:
-            proc = nodes.popen(task.node, task.argv, {**base, **task.env}, ROOT, task.hosts)
-            threads.append(threading.Thread(target=collect, args=(name, proc), daemon=True))
-            threads[-1].start()
-    for thread in threads:
-        thread.join()
-    for name, done in sorted(outputs.items()):  # shown with -s, or for a failing test
-        print(f"{name}: exit codes {[code for code, *_ in done]}, "
-              f"{max(seconds for *_, seconds in done):.0f} s")
-    return {
-        name: Ran(returncodes=[code for code, _, _, _ in done],
-                  stdout="".join(out for _, out, _, _ in done),
-                  stderr="".join(err for _, _, err, _ in done),
-                  seconds=max(seconds for _, _, _, seconds in done))
-        for name, done in outputs.items()
-    }
+    done = nodes.run_all(_launches(nodes), _environment(), ROOT, LAUNCH_TIMEOUT, GRACE)
+    for name, run in sorted(done.items()):  # shown with -s, or for a failing test
+        print(f"{name}: exit codes {run.returncodes}, {run.seconds:.0f} s")
+    return done
 
 
 NODE_REPORT = """
@@ -310,9 +266,42 @@ def test_namespaces_left_by_a_killed_run_are_swept(nodes: TwoNodes) -> None:
     assert stale not in listed and nodes.namespaces["node1"] in listed
 
 
+@pytest.mark.timeout(120)
+def test_a_failed_process_ends_its_launch_and_no_other(nodes: TwoNodes) -> None:
+    launches = {
+        "fails": [Task("node1", ["sh", "-c", "echo started; exit 3"]),
+                  Task("node2", ["sleep", "600"])],
+        "slow but fine": [Task("node1", ["sh", "-c", "sleep 3; echo done"]),
+                          Task("node2", ["sh", "-c", "echo done"])],
+    }
+    done = nodes.run_all(launches, _environment(), ROOT, timeout=90, grace=1)
+    assert sorted(done["fails"].returncodes, key=str) == [-9, 3], done["fails"].explain()
+    assert ("[two nodes] killed 1 s after another process of this launch failed"
+            in done["fails"].stderr)
+    assert done["fails"].seconds < 60
+    assert done["slow but fine"].returncodes == [0, 0]
+    assert done["slow but fine"].stdout == "done\ndone\n"
+
+
+def test_a_run_that_printed_everything_then_died_at_exit_is_an_expected_failure() -> None:
+    crashed = Ran(returncodes=[0, 1], stdout="\n".join(DDP_LINES) + "\n",
+                  stderr=f"{EXIT_ABORT}\nexitcode  : -6 (SIGABRT)", seconds=1.0)
+    with pytest.raises(pytest.xfail.Exception, match="issue 12 part 2"):
+        _assert_tutorial_lines(crashed, DDP)
+    for run in (Ran(returncodes=[0, 1], stdout=DDP_LINES[0], stderr=EXIT_ABORT, seconds=1.0),
+                Ran(returncodes=[0, 1], stdout="\n".join(DDP_LINES), stderr="", seconds=1.0)):
+        with pytest.raises(AssertionError):  # a line missing, or another failure
+            _assert_tutorial_lines(run, DDP)
+
+
 def _assert_tutorial_lines(run: Ran, script: str) -> None:
-    assert run.returncodes and all(code == 0 for code in run.returncodes), run.explain()
-    assert sorted(SENTENCE.findall(run.stdout)) == sorted(EXPECTED[script]), run.explain()
+    printed = sorted(SENTENCE.findall(run.stdout)) == sorted(EXPECTED[script])
+    succeeded = bool(run.returncodes) and all(code == 0 for code in run.returncodes)
+    if printed and not succeeded and EXIT_ABORT in run.stderr:
+        pytest.xfail(f"every line printed, then a process died at exit ({EXIT_ABORT!r}, "
+                     "SIGABRT): gloo's exit crash, issue 12 part 2")
+    assert succeeded, run.explain()
+    assert printed, run.explain()
     assert SENTENCE.sub("", run.stdout).strip() == "", run.explain()
 
 

@@ -20,6 +20,9 @@ Open MPI reaches the other node through an rsh agent (``--mca
 plm_ssh_agent``): a script that runs its command line on the named node,
 with the hosts file named by ``TWO_NODES_HOSTS`` in its environment.
 
+``TwoNodes.run_all`` starts launches (each a list of :class:`Task`, one
+process per node) at once and returns a :class:`Ran` for each.
+
 Cleanup kills every process in either namespace (``ip netns pids``), then
 deletes the namespaces (which deletes the veth pair). A namespace left by a
 test run that was killed is named after its dead pid and swept by the next.
@@ -34,7 +37,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 NODES = ("node1", "node2")
@@ -131,6 +136,30 @@ def sweep_stale() -> list[str]:
     return swept
 
 
+@dataclass
+class Task:
+    """One process of a launch: ``argv`` on ``node`` with a hosts file and variables."""
+
+    node: str
+    argv: list[str]
+    hosts: str = "isolated"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Ran:
+    """What the processes of one launch did."""
+
+    returncodes: list[int | None]
+    stdout: str
+    stderr: str
+    seconds: float  # from the start of all launches to the end of its last process
+
+    def explain(self, limit: int = 4000) -> str:
+        return (f"exit codes {self.returncodes} after {self.seconds:.0f} s\n--- stdout ---\n"
+                f"{self.stdout[-limit:]}\n--- stderr (tail) ---\n{self.stderr[-limit:]}")
+
+
 class TwoNodes:
     """Two nodes (network namespaces) for the length of a ``with`` block."""
 
@@ -207,6 +236,79 @@ exec ip netns exec "$ns" unshare --uts --mount sh -c '{_WRAP}' wrap \\
                                 start_new_session=True)
         self._procs.append(proc)
         return proc
+
+    def run_all(self, launches: dict[str, list[Task]], env: dict[str, str], cwd: Path,
+                timeout: float, grace: float) -> dict[str, Ran]:
+        """Start every launch's tasks at once; wait for all; return each launch's result.
+
+        Args:
+            launches: name -> the processes of that launch.
+            env: the environment of every task (a task's own variables on top).
+            cwd: where the tasks run.
+            timeout: seconds for all launches together; a process still running
+                then is killed (and, if its pipes stay open, everything on the nodes).
+            grace: once a process of a launch failed, seconds its other
+                processes get before they are killed (as ``srun
+                --kill-on-bad-exit`` would do).
+        """
+        start = time.monotonic()
+        deadline = start + timeout
+        outputs: dict[str, list[tuple[int | None, str, str, float]]] = {}
+        lock = threading.Lock()
+        cut_short: set[int] = set()  # pids killed because another process of the launch failed
+
+        def reap(procs: list[subprocess.Popen[str]]) -> None:
+            while any(proc.poll() is None for proc in procs):
+                if any(proc.poll() not in (None, 0) for proc in procs):
+                    end = time.monotonic() + grace
+                    while time.monotonic() < end and any(p.poll() is None for p in procs):
+                        time.sleep(0.5)
+                    for proc in procs:
+                        if proc.poll() is None:
+                            cut_short.add(proc.pid)
+                            os.killpg(proc.pid, signal.SIGKILL)
+                    return
+                time.sleep(0.5)
+
+        def collect(name: str, proc: subprocess.Popen[str]) -> None:
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                try:
+                    out, err = proc.communicate(timeout=15)
+                except subprocess.TimeoutExpired:
+                    # A process outside the group holds the pipes: past the deadline
+                    # every launch is over, so end everything on the nodes.
+                    self.kill_all()
+                    out, err = proc.communicate()
+                err += f"\n[two nodes] killed after {timeout:.0f} s"
+            if proc.pid in cut_short:
+                err += f"\n[two nodes] killed {grace:.0f} s after another process of this " \
+                       "launch failed"
+            with lock:
+                outputs.setdefault(name, []).append(
+                    (proc.returncode, out, err, time.monotonic() - start))
+
+        threads = []
+        for name, tasks in launches.items():
+            procs = []
+            for task in tasks:
+                proc = self.popen(task.node, task.argv, {**env, **task.env}, cwd, task.hosts)
+                procs.append(proc)
+                threads.append(threading.Thread(target=collect, args=(name, proc), daemon=True))
+                threads[-1].start()
+            if len(procs) > 1:
+                threading.Thread(target=reap, args=(procs,), daemon=True).start()
+        for thread in threads:
+            thread.join()
+        return {
+            name: Ran(returncodes=[code for code, _, _, _ in done],
+                      stdout="".join(out for _, out, _, _ in done),
+                      stderr="".join(err for _, _, err, _ in done),
+                      seconds=max(seconds for _, _, _, seconds in done))
+            for name, done in outputs.items()
+        }
 
     def kill_all(self) -> None:
         """Kill every process started here and every process in the namespaces."""
