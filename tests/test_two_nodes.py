@@ -294,12 +294,19 @@ def test_a_run_that_printed_everything_then_died_at_exit_is_an_expected_failure(
             _assert_tutorial_lines(run, DDP)
 
 
-def _assert_tutorial_lines(run: Ran, script: str) -> None:
-    printed = sorted(SENTENCE.findall(run.stdout)) == sorted(EXPECTED[script])
+def _xfail_if_it_died_at_exit(run: Ran, printed: bool) -> bool:
+    """XFAIL a run that printed everything, then died of gloo's exit crash; else
+    return whether every process succeeded."""
     succeeded = bool(run.returncodes) and all(code == 0 for code in run.returncodes)
     if printed and not succeeded and EXIT_ABORT in run.stderr:
         pytest.xfail(f"every line printed, then a process died at exit ({EXIT_ABORT!r}, "
                      "SIGABRT): gloo's exit crash, issue 12 part 2")
+    return succeeded
+
+
+def _assert_tutorial_lines(run: Ran, script: str) -> None:
+    printed = sorted(SENTENCE.findall(run.stdout)) == sorted(EXPECTED[script])
+    succeeded = _xfail_if_it_died_at_exit(run, printed)
     assert succeeded, run.explain()
     assert printed, run.explain()
     assert SENTENCE.sub("", run.stdout).strip() == "", run.explain()
@@ -364,8 +371,8 @@ def test_an_unresolvable_rendezvous_address_is_a_prompt_error(ran: dict[str, Ran
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
 def test_srun_variables_build_one_world_across_two_nodes(ran: dict[str, Ran]) -> None:
     run = ran["srun/show_init"]
-    assert run.returncodes == [0, 0], run.explain()
     lines = sorted(tagged(run.stdout, "JOINKIT-INIT"), key=lambda line: line["rank"])
+    assert _xfail_if_it_died_at_exit(run, len(lines) == 2), run.explain()
     assert [(line["rank"], line["type"], line["world_size"], line["launcher"], line["sum"])
             for line in lines] == [(0, "TorchGroup", 2, "srun", 3),
                                    (1, "TorchGroup", 2, "srun", 3)], run.explain()
