@@ -283,12 +283,21 @@ class TorchJoinable(Joinable):
     # -- the heartbeat -------------------------------------------------------------
 
     def notify(self) -> Any:
-        """What torch's ``notify_join_context(self.obj)`` does inside our Join.
+        """What torch's ``notify_join_context(self.obj)`` does, wherever the object is.
 
-        Called by the router that replaces torch's static method, and by
-        joinkit's ``Join.notify_join_context(obj)`` when code written for
-        torch's Join passes the torch object itself.
+        Inside a joinkit Join that holds the object, the heartbeat goes through
+        that Join (the module doc); anywhere else this is torch's own notify,
+        which inside torch's Join notifies that Join and outside any Join does
+        nothing. Called by the router that replaces torch's static method, and
+        by joinkit's ``Join.notify_join_context(obj)`` when code written for
+        torch's Join passes the torch object itself (as DDP's forward does once
+        ``torch.nn.parallel.distributed.Join`` is joinkit's).
+
+        Returns:
+            The heartbeat's work (or handle) if this object sends it, else ``None``.
         """
+        if _routes.get(self.key) is not self:
+            return _torch_notify.__func__(self.obj)
         if self._in_hook:
             return None  # a shadow round's own notify (ZeRO's step), not an input
         fused = self._fused

@@ -256,6 +256,17 @@ def test_torch_join_and_joinkit_join_share_a_group(results: Any) -> None:
             assert [case["count"], case["max_count"]] == case["expected"]
 
 
+def test_a_torch_joinable_may_notify_joinkits_join(results: Any) -> None:
+    for rank in outcome(results, "torch_joinable_notifies_joinkit_join"):
+        assert rank["joinkit"] == rank["expected"]
+        assert rank["torch"] == rank["expected"]
+        assert rank["outside"] is None
+        assert rank["foreign"]["type"] == "LocalProtocolError"
+        assert "not joinkit's" in rank["foreign"]["message"]
+        assert rank["fused"]["type"] == "LocalProtocolError"
+        assert "Join.fused_heartbeat got JoinkitNamedCounter" in rank["fused"]["message"]
+
+
 def test_torch_join_and_joinkit_join_share_a_ddp(results: Any) -> None:
     ranks = outcome(results, "interop_ddp")
     for key in ("rank0_fewest", "rank0_most"):

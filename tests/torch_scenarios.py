@@ -695,6 +695,45 @@ def interop_counter(ctx: Ctx) -> Any:
     }
 
 
+class JoinkitNamedCounter(TorchCounter):
+    """A torch Joinable that notifies through joinkit's ``Join`` by torch's name
+    (as DDP does once ``torch.nn.parallel.distributed.Join`` is joinkit's)."""
+
+    def __call__(self) -> None:
+        Join.notify_join_context(self)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=self.group)
+        self.count += t
+
+
+@scenario
+def torch_joinable_notifies_joinkit_join(ctx: Ctx) -> Any:
+    """joinkit's Join.notify_join_context(torch joinable): routed to the Join
+    that holds it, joinkit's or torch's; outside any Join it does nothing."""
+    inputs = [3 + rank for rank in range(ctx.world)]
+    out: dict[str, Any] = {"expected": list(counts(inputs, ctx.rank))}
+    for name, join_cls in (("joinkit", Join), ("torch", torch_join.Join)):
+        counter = JoinkitNamedCounter(ctx.group)
+        with join_cls([counter], sync_max_count=True):
+            for _ in range(inputs[ctx.rank]):
+                counter()
+        out[name] = [int(counter.count.item()), int(counter.max_count.item())]
+    out["outside"] = Join.notify_join_context(JoinkitNamedCounter(ctx.group))
+
+    class Foreign:
+        _join_config = torch_join._JoinConfig(False, False, False)
+
+    try:
+        Join.notify_join_context(Foreign())
+    except Exception as exc:
+        out["foreign"] = error_of(exc)
+    try:
+        Join.fused_heartbeat(JoinkitNamedCounter(ctx.group))
+    except Exception as exc:
+        out["fused"] = error_of(exc)
+    return out
+
+
 @scenario
 def interop_ddp(ctx: Ctx) -> Any:
     out = {}
