@@ -59,13 +59,18 @@ The adapter marks the time its own hooks run and drops a notify made then.
 match the active ranks' backward pass, and throws the result away; ZeRO's main
 hook then steps the joined rank's shard with whatever ``.grad`` it still holds
 from its last real iteration, so torch's DDP + ZeRO ends with a shard updated
-by stale gradients. Here DDP's shadow all-reduce keeps its result, which is the
-active ranks' averaged gradient (the joined rank contributed zero), and writes
-it into the joined rank's ``.grad``; ZeRO's shadow step zeroes any gradient no
-such all-reduce refreshed in that round. Every rank's shard then sees the
-gradient a single process would apply. On exit DDP's reducer also forgets the
-last heartbeat's ``Work``: left in place, a later backward outside the Join
-would divide by that stale count of active ranks.
+by stale gradients. Here, when a ZeroRedundancyOptimizer is in the same Join,
+DDP's shadow all-reduce keeps its result, the active ranks' averaged gradient
+(the joined rank contributed zero), beside the parameters; ZeRO's shadow step
+in that round puts it into ``.grad`` (zero where no all-reduce produced one)
+for the step only, and then gives every parameter back its own ``.grad``.
+Every rank's shard sees the gradient a single process would apply, and no
+rank's ``.grad`` is ever touched by a shadow round: after the Join it is what
+the user's last backward (or ``zero_grad``) left, exactly as after torch's
+Join, so nothing leaks into the next iteration or epoch. DDP alone runs
+torch's hook unchanged. On exit DDP's reducer also forgets the last
+heartbeat's ``Work``: left in place, a later backward outside the Join would
+divide by that stale count of active ranks.
 """
 
 from __future__ import annotations
@@ -189,6 +194,7 @@ class TorchJoinable(Joinable):
         self._config = JoinConfig()
         self._in_hook = False
         self._is_ddp = isinstance(obj, DistributedDataParallel)
+        self._is_zero = _is_zero(obj)
         # A DDP may carry the heartbeat (module doc); the Join reads this flag.
         self.join_fuses_heartbeat = self._is_ddp
         self._fused: _FusedCheck | None = None
@@ -237,7 +243,7 @@ class TorchJoinable(Joinable):
                 self._fused.close()
                 self._fused = None
             if self._is_ddp:
-                _forget_join(self.obj)
+                _forget_join(self)
 
     # -- Joinable ------------------------------------------------------------------
 
@@ -334,13 +340,15 @@ class _Shadow(JoinHook):
             self.adapter._in_hook = False
 
 
-# Parameters whose .grad a DDP shadow round just refreshed with the averaged
-# gradient, by id; a ZeRO shadow step consumes the marks of its parameters.
-_fresh_grads: dict[int, torch.Tensor] = {}
+# The averaged gradients of a DDP's latest shadow round, by adapter key: per
+# bucket, its parameters and their gradients (views of the all-reduce's
+# result). Kept only when a ZeroRedundancyOptimizer shares the Join; its shadow
+# step in the same round steps with them. Nothing else ever sees them.
+_averaged: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
 
 
 class _DDPShadow(_Shadow):
-    """DDP's hook, but its shadow all-reduce writes the averaged gradient to .grad."""
+    """DDP's hook; with a ZeRO in the Join, its shadow all-reduce keeps the average."""
 
     def fused_shadow(self, heartbeat: float) -> float:
         """The joined rank's half of ``[heartbeat, requires sync]`` (module doc).
@@ -355,35 +363,38 @@ class _DDPShadow(_Shadow):
         return fused.shadow(heartbeat)
 
     def main_hook(self) -> None:
-        ddp = self.adapter.obj
+        adapter = self.adapter
+        # This round's average, if the active ranks sync gradients in it.
+        _averaged.pop(adapter.key, None)
+        if not _steps_shards_with(adapter):
+            # DDP alone: torch's hook as it is. The joined rank's .grad stays
+            # what its last backward left, as in torch's Join.
+            super().main_hook()
+            return
+        ddp = adapter.obj
         # torch's main hook calls ddp._match_all_reduce_for_bwd_pass() when the
         # active ranks sync gradients this round; an instance attribute puts our
         # variant in its place for this call only.
-        ddp._match_all_reduce_for_bwd_pass = self._match_all_reduce_keeping_grads
+        ddp._match_all_reduce_for_bwd_pass = self._match_all_reduce_keeping_average
         try:
             super().main_hook()
         finally:
             del ddp._match_all_reduce_for_bwd_pass
 
-    def _match_all_reduce_keeping_grads(self) -> None:
-        ddp = self.adapter.obj
-        reducer = ddp.reducer
+    def _match_all_reduce_keeping_average(self) -> None:
+        reducer = self.adapter.obj.reducer
         # Same collectives, same order as torch's _match_all_reduce_for_bwd_pass:
         # one comm-hook all-reduce per bucket, zeros in the reducer's layout.
         buckets = reducer._get_zeros_like_grad_buckets()
         futures = [reducer._run_comm_hook(bucket) for bucket in buckets]
-        with torch.no_grad():
-            for bucket, future in zip(buckets, futures, strict=True):
-                result = future.wait()
-                if isinstance(result, (list, tuple)):
-                    result = result[0]
-                bucket.set_buffer(result)
-                for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                    if param.grad is None:
-                        param.grad = grad.detach().clone()
-                    else:
-                        param.grad.copy_(grad)
-                    _fresh_grads[id(param)] = param
+        averaged = []
+        for bucket, future in zip(buckets, futures, strict=True):
+            result = future.wait()
+            if isinstance(result, (list, tuple)):
+                result = result[0]
+            bucket.set_buffer(result)  # gradients() are views of the buffer
+            averaged.append((bucket.parameters(), bucket.gradients()))
+        _averaged[self.adapter.key] = averaged
 
 
 class _FusedCheck:
@@ -495,21 +506,37 @@ def _plain_wait(work: Any) -> Any:
 
 
 class _ZeROShadow(_Shadow):
-    """ZeRO's hook (one step), with gradients no shadow all-reduce refreshed zeroed."""
+    """ZeRO's hook (one step) with this round's averaged gradients (module doc).
+
+    For the step only, each parameter's ``.grad`` is the average a DDP shadow
+    all-reduce of this round produced, or zero where none did (a joined rank
+    has no gradient of its own: it contributes zero, as it does to DDP's
+    average); a parameter without a gradient keeps none. Afterwards every
+    parameter gets back the very ``.grad`` it had, so nothing of the shadow
+    step reaches the user's next iteration.
+    """
 
     def main_hook(self) -> None:
-        params = list(_parameters(self.adapter.obj))
-        with torch.no_grad():
-            for param in params:
-                if param.grad is not None and id(param) not in _fresh_grads:
-                    # A joined rank has no gradient of its own this round: it
-                    # contributes zero, as it does to DDP's average.
-                    param.grad.zero_()
+        average: dict[int, torch.Tensor] = {}
+        for buckets in _averaged.values():
+            for params, grads in buckets:
+                for param, averaged in zip(params, grads, strict=True):
+                    average[id(param)] = averaged
+        saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         try:
+            for param in _parameters(self.adapter.obj):
+                own = param.grad
+                grad: torch.Tensor | None = average.get(id(param))
+                if grad is None:
+                    if own is None:
+                        continue
+                    grad = torch.zeros_like(own)
+                saved.append((param, own))
+                param.grad = grad
             super().main_hook()
         finally:
-            for param in params:
-                _fresh_grads.pop(id(param), None)
+            for param, own in saved:
+                param.grad = own
 
 
 def _parameters(optimizer: Any) -> Iterable[torch.Tensor]:
@@ -525,11 +552,19 @@ def _is_zero(obj: Any) -> bool:
 _completed_work: Any = None
 
 
-def _forget_join(ddp: DistributedDataParallel) -> None:
-    """Undo what a Join leaves in a DDP's reducer and in the gradient marks."""
+def _steps_shards_with(adapter: TorchJoinable) -> bool:
+    """Whether a ZeroRedundancyOptimizer is in the same (active) Join as ``adapter``."""
+    join = adapter._config.join
+    return any(
+        other._is_zero and other._config.join is join for other in list(_routes.values())
+    )
+
+
+def _forget_join(adapter: TorchJoinable) -> None:
+    """Undo what a Join leaves in a DDP's reducer; drop its kept average."""
     global _completed_work
-    for param in ddp.parameters():
-        _fresh_grads.pop(id(param), None)
+    _averaged.pop(adapter.key, None)
+    ddp = adapter.obj
     reducer = getattr(ddp, "reducer", None)
     if reducer is None:
         return

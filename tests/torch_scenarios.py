@@ -22,6 +22,7 @@ inputs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import sys
@@ -350,6 +351,198 @@ def ddp_zero_reference(ctx: Ctx) -> Any:
         # torch's own combination, for the record (not asserted by the tests).
         "torch": _zero_reference(ctx, torch_join.Join, divide=True),
     }
+
+
+# -- gradients after the Join, over epochs (issue 10) -----------------------------------
+
+EPOCHS = 3
+
+
+def epoch_inputs(world: int, epoch: int) -> list[int]:
+    """Inputs per rank in ``epoch``: 2..world+1, a different rank shortest each epoch."""
+    return [2 + (rank + epoch) % world for rank in range(world)]
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.05),
+}
+
+
+def zero_optimizer(params: Any, name: str, group: Any) -> ZeroRedundancyOptimizer:
+    cls, kwargs = {
+        "sgd": (torch.optim.SGD, {"lr": 0.1}),
+        "sgd_momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+        "adamw": (torch.optim.AdamW, {"lr": 0.05}),
+    }[name]
+    return ZeroRedundancyOptimizer(params, cls, process_group=group, **kwargs)
+
+
+def grads_of(module: nn.Module) -> list[list[float] | None]:
+    return [None if p.grad is None else p.grad.reshape(-1).tolist() for p in module.parameters()]
+
+
+def train_epochs(
+    ctx: Ctx, join_cls: Any, optimizer: str, order: str, accumulate: int, zero: bool
+) -> dict[str, Any]:
+    """``EPOCHS`` epochs, one Join each, of the loop::
+
+        for i, x in enumerate(inputs):
+            if order == "first" and i % accumulate == 0: optim.zero_grad()
+            with model.no_sync() unless i % accumulate == accumulate - 1:
+                loss(model(x)).backward()
+            if i % accumulate == accumulate - 1:
+                optim.step()
+                if order == "last": optim.zero_grad()
+
+    Returns the parameters after every epoch and every parameter's ``.grad``
+    right after each Join.
+    """
+    model = DDP(small_model(), process_group=ctx.group)
+    optim = (
+        zero_optimizer(model.parameters(), optimizer, ctx.group)
+        if zero else OPTIMIZERS[optimizer](model.parameters())
+    )
+    joinables = [model, optim] if zero else [model]
+    grads, params = [], []
+    for epoch in range(EPOCHS):
+        with join_cls(joinables):
+            for i in range(epoch_inputs(ctx.world, epoch)[ctx.rank]):
+                syncs = i % accumulate == accumulate - 1
+                if order == "first" and i % accumulate == 0:
+                    optim.zero_grad()
+                with (contextlib.nullcontext() if syncs else model.no_sync()):
+                    model(batch(ctx.rank, 100 * epoch + i)).pow(2).sum().backward()
+                if syncs:
+                    optim.step()
+                    if order == "last":
+                        optim.zero_grad()
+        grads.append(grads_of(model.module))
+        params.append(flat(model.module))
+    return {"grads": grads, "params": params}
+
+
+def simulate_ddp_epochs(
+    world: int, optimizer: str, order: str, accumulate: int
+) -> dict[str, Any]:
+    """The same epochs in one process: ``world`` replicas, each with its own
+    optimizer, exactly as DDP with a Join runs them. In a syncing iteration
+    the active replicas' gradients are summed and divided by the world size (a
+    joined replica adds zero and keeps its own ``.grad``); joined replicas do
+    not step; at the end of each Join every replica takes the parameters of
+    the highest-ranked last joiner (DDP's post hook).
+
+    Returns, per rank, what ``train_epochs`` returns.
+    """
+    replicas = [small_model() for _ in range(world)]
+    optims = [OPTIMIZERS[optimizer](m.parameters()) for m in replicas]
+    grads: list[list[Any]] = [[] for _ in range(world)]
+    params: list[list[Any]] = [[] for _ in range(world)]
+    for epoch in range(EPOCHS):
+        inputs = epoch_inputs(world, epoch)
+        for i in range(max(inputs)):
+            active = [r for r in range(world) if i < inputs[r]]
+            syncs = i % accumulate == accumulate - 1
+            for r in active:
+                if order == "first" and i % accumulate == 0:
+                    optims[r].zero_grad()
+                replicas[r](batch(r, 100 * epoch + i)).pow(2).sum().backward()
+            if not syncs:
+                continue
+            for tensors in zip(*(replicas[r].parameters() for r in active), strict=True):
+                average = sum(p.grad for p in tensors) / world
+                for p in tensors:
+                    p.grad.copy_(average)
+            for r in active:
+                optims[r].step()
+                if order == "last":
+                    optims[r].zero_grad()
+        source = max(r for r in range(world) if inputs[r] == max(inputs))
+        with torch.no_grad():
+            for replica in replicas:
+                for p, q in zip(replica.parameters(), replicas[source].parameters(), strict=True):
+                    p.copy_(q)
+        for r in range(world):
+            grads[r].append(grads_of(replicas[r]))
+            params[r].append(flat(replicas[r]))
+    return {"per_rank": [{"grads": grads[r], "params": params[r]} for r in range(world)]}
+
+
+def simulate_zero_epochs(world: int, optimizer: str, order: str) -> dict[str, Any]:
+    """DDP + ZeRO, in one process: every iteration applies the active ranks'
+    gradients summed over the world size (a joined rank adds zero) to one model
+    with one optimizer, since every shard is stepped every round by its owner.
+    Each rank's ``.grad`` after a Join is what its own last iteration left: the
+    average of that iteration, or nothing after ``zero_grad``."""
+    model = small_model()
+    optim = OPTIMIZERS[optimizer](model.parameters())
+    grads: list[list[Any]] = [[] for _ in range(world)]
+    params = []
+    for epoch in range(EPOCHS):
+        inputs = epoch_inputs(world, epoch)
+        last_average: dict[int, list[Any]] = {}
+        for i in range(max(inputs)):
+            active = [r for r in range(world) if i < inputs[r]]
+            total = [torch.zeros_like(p) for p in model.parameters()]
+            for r in active:
+                model.zero_grad()
+                model(batch(r, 100 * epoch + i)).pow(2).sum().backward()
+                for t, p in zip(total, model.parameters(), strict=True):
+                    t += p.grad
+            for t, p in zip(total, model.parameters(), strict=True):
+                p.grad = t / world
+            for r in active:
+                last_average[r] = grads_of(model)
+            optim.step()
+        params.append(flat(model))
+        for r in range(world):
+            grads[r].append(last_average[r] if order == "first" else [None] * len(total))
+    return {"per_rank": [{"grads": grads[r], "params": params} for r in range(world)]}
+
+
+DDP_EPOCH_CASES = [
+    (optimizer, order, accumulate)
+    for optimizer in OPTIMIZERS
+    for order in ("first", "last")
+    for accumulate in (1, 2)
+]
+
+
+@scenario
+def ddp_epochs(ctx: Ctx) -> Any:
+    """DDP alone over epochs: joinkit's Join, torch's, and the simulation."""
+    out = {}
+    for optimizer, order, accumulate in DDP_EPOCH_CASES:
+        out[f"{optimizer}/{order}/accumulate={accumulate}"] = {
+            "joinkit": train_epochs(ctx, Join, optimizer, order, accumulate, zero=False),
+            "torch": train_epochs(ctx, torch_join.Join, optimizer, order, accumulate, zero=False),
+            "reference": simulate_ddp_epochs(ctx.world, optimizer, order, accumulate)[
+                "per_rank"][ctx.rank],
+        }
+    return out
+
+
+@scenario
+def ddp_zero_epochs(ctx: Ctx) -> Any:
+    """DDP + ZeRO over epochs: joinkit's Join against the single-process
+    reference (torch's, known to step joined shards with stale gradients, is
+    recorded for the record only)."""
+    out = {}
+    for optimizer in OPTIMIZERS:
+        for order in ("first", "last"):
+            out[f"{optimizer}/{order}"] = {
+                "joinkit": train_epochs(ctx, Join, optimizer, order, 1, zero=True),
+                "torch": train_epochs(ctx, torch_join.Join, optimizer, order, 1, zero=True),
+                "reference": simulate_zero_epochs(ctx.world, optimizer, order)[
+                    "per_rank"][ctx.rank],
+            }
+    return out
 
 
 @scenario
