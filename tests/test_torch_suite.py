@@ -1,0 +1,182 @@
+"""torch's own DDP join tests, run with torch's Join and with joinkit's, on CPU/gloo.
+
+``tests/torch_suite_runner.py`` (see its docstring for the shims) runs the
+tests of torch's ``distributed_test.py`` and ``ddp_under_dist_autograd_test.py``
+that use ``DistributedDataParallel.join()``. Each (mode, suite, world size) is
+one launch of one process per rank that runs all its tests in a row; the tests
+below assert on what every rank recorded. ``torch`` is the baseline;
+``joinkit`` makes ``torch.nn.parallel.distributed.Join`` joinkit's ``Join``,
+so ``DDP.join()`` builds it and DDP's forward notifies it, as for a user who
+switches DDP over; each rank records which Join classes its tests entered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+RUNNER = Path(__file__).with_name("torch_suite_runner.py")
+LAUNCH_TIMEOUT = 420.0  # one launch, all its tests (about a minute here)
+pytestmark = [pytest.mark.needs_torch, pytest.mark.timeout(LAUNCH_TIMEOUT + 60)]
+
+MODES = ("torch", "joinkit")
+DDP_TESTS = (
+    "test_ddp_uneven_inputs",
+    "test_ddp_join_model_equivalence",
+    "test_ddp_grad_div_uneven_inputs",
+    "test_ddp_uneven_input_join_disable",
+    "test_ddp_uneven_input_exception",
+    "test_ddp_uneven_inputs_stop_iteration_sync_bn",
+    "test_ddp_join_respects_forward_sync_buffers_false",
+    # DdpComparisonTest (RPC + dist autograd), on the same ranks.
+    "test_ddp_comparison",
+    "test_ddp_comparison_uneven_inputs",
+)
+# The harness's own check of its SyncBatchNorm stand-in (not one of torch's tests).
+SHIM_CHECK = "check_sync_batch_norm_stand_in"
+RPC_TESTS = ("test_backward_ddp_outside_uneven_inputs",)
+# (suite, world size) -> the tests of that launch. The RPC suite's world is its
+# trainers (the DDP world) plus a remote worker and a master; its 16 examples
+# must split evenly among the trainers, so 2 and its native 4 (not 3).
+LAUNCHES = {
+    ("ddp", 2): (SHIM_CHECK, *DDP_TESTS),
+    ("ddp", 3): (SHIM_CHECK, *DDP_TESTS),
+    ("rpc", 4): RPC_TESTS,
+    ("rpc", 6): RPC_TESTS,
+}
+# Tests in which some rank runs out of inputs first, so joined ranks shadow.
+UNEVEN = {
+    "test_ddp_uneven_inputs",
+    "test_ddp_join_model_equivalence",
+    "test_ddp_grad_div_uneven_inputs",
+    "test_ddp_join_respects_forward_sync_buffers_false",
+    "test_ddp_comparison_uneven_inputs",
+    "test_backward_ddp_outside_uneven_inputs",
+}
+JOIN_CLASS = {
+    "torch": "torch.distributed.algorithms.join.Join",
+    "joinkit": "joinkit._join.Join",
+}
+
+_launched: dict[tuple[str, str, int], dict[str, Any]] = {}
+
+
+def launch(mode: str, suite: str, world: int, out: Path) -> dict[str, Any]:
+    """Run one launch (once per session); return its records and logs."""
+    key = (mode, suite, world)
+    if key in _launched:
+        return _launched[key]
+    out.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RUNNER), mode, suite, str(rank), str(world),
+             str(out / "store"), str(out), *LAUNCHES[suite, world]],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
+        for rank in range(world)
+    ]
+    deadline = start + LAUNCH_TIMEOUT
+    logs = []
+    for proc in procs:
+        try:
+            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            log += f"\n[test] killed after {LAUNCH_TIMEOUT} s"
+        logs.append(log)
+    records: list[dict[str, dict[str, Any]]] = []
+    for rank in range(world):
+        path = out / f"rank{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        records.append({r["test"]: r for r in map(json.loads, lines)})
+    result = {"records": records, "logs": logs, "seconds": time.monotonic() - start}
+    _launched[key] = result
+    print(f"\n[torch suite] {mode} {suite} world {world}: {result['seconds']:.1f} s")
+    return result
+
+
+def _cases() -> list[Any]:
+    return [
+        pytest.param(mode, suite, world, test, id=f"{mode}-{suite}{world}-{test}")
+        for mode in MODES
+        for (suite, world), tests in LAUNCHES.items()
+        for test in tests
+        if test != SHIM_CHECK
+    ]
+
+
+def _records(
+    tmp_path_factory: pytest.TempPathFactory, mode: str, suite: str, world: int, test: str
+) -> list[dict[str, Any]]:
+    """Every rank's record of ``test``; fails with the logs if a rank has none."""
+    out = tmp_path_factory.getbasetemp() / f"torch_suite_{mode}_{suite}{world}"
+    result = launch(mode, suite, world, out)
+    missing = [rank for rank, r in enumerate(result["records"]) if test not in r]
+    if missing:
+        logs = "\n".join(f"--- rank {rank}\n{log[-3000:]}" for rank, log in
+                         enumerate(result["logs"]))
+        pytest.fail(f"{test} did not finish on ranks {missing}:\n{logs}")
+    return [r[test] for r in result["records"]]
+
+
+def expected_sub_cases(world: int) -> int:
+    """test_ddp_uneven_inputs: 7 models (no torchvision here) × 3 variants
+    (plain, no_sync, throw) × 6 iteration mappings per number of early joiners
+    (one; and two where the world has more than two ranks)."""
+    return 7 * 3 * 6 * (1 if world == 2 else 2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_sync_batch_norm_stand_in_is_batch_norm_over_the_world(
+    tmp_path_factory: pytest.TempPathFactory, world: int
+) -> None:
+    records = _records(tmp_path_factory, "torch", "ddp", world, SHIM_CHECK)
+    failures = [f"--- rank {rank}\n{r['error']}" for rank, r in enumerate(records) if not r["ok"]]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(("mode", "suite", "world", "test"), _cases())
+def test_torch_ddp_join_test(
+    tmp_path_factory: pytest.TempPathFactory, mode: str, suite: str, world: int, test: str
+) -> None:
+    records = _records(tmp_path_factory, mode, suite, world, test)
+    failures = [
+        f"--- rank {rank}\n{r['error']}" for rank, r in enumerate(records) if not r["ok"]
+    ]
+    assert not failures, f"{test} ({mode} Join, world {world}) failed:\n" + "\n".join(failures)
+    if test == "test_ddp_uneven_inputs":
+        assert [r["subcases"] for r in records] == [expected_sub_cases(world)] * world
+
+
+@pytest.mark.parametrize(("mode", "suite", "world", "test"), _cases())
+def test_the_join_of_the_mode_ran_in_every_rank(
+    tmp_path_factory: pytest.TempPathFactory, mode: str, suite: str, world: int, test: str
+) -> None:
+    """Every rank that trains entered only the mode's Join class, through DDP.join()."""
+    records = _records(tmp_path_factory, mode, suite, world, test)
+    trainers = records[: world - 2] if suite == "rpc" else records
+    for rank, record in enumerate(trainers):
+        assert record["entered"] == [mode], (rank, record)
+        assert record["enters"] >= 1, (rank, record)
+        assert record["join_class"] == JOIN_CLASS[mode], (rank, record)
+    for record in records[len(trainers):]:  # the RPC suite's remote worker and master
+        assert record["enters"] == 0
+    shadowed = sum(r["shadow_rounds"] for r in records)
+    if mode == "joinkit" and test in UNEVEN:
+        assert shadowed > 0  # joined ranks shadowed through joinkit's machine
+    if mode == "torch":
+        assert shadowed == 0
