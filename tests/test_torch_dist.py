@@ -167,7 +167,7 @@ def test_ddp_over_epochs_leaves_every_grad_as_torchs_join(results: Any) -> None:
 def test_ddp_zero_over_epochs_matches_the_reference(results: Any) -> None:
     """DDP + ZeRO: the shadow step uses the average but never leaves it in .grad."""
     ranks = outcome(results, "ddp_zero_epochs")
-    assert len(ranks[0]) == 6  # 3 optimizers x 2 loop orders
+    assert len(ranks[0]) == 7  # 3 optimizers x 2 loop orders, and gradient_as_bucket_view
     for case in ranks[0]:
         assert_identical([r[case]["joinkit"]["params"] for r in ranks])
         for rank, got in enumerate(ranks):

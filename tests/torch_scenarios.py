@@ -389,7 +389,8 @@ def grads_of(module: nn.Module) -> list[list[float] | None]:
 
 
 def train_epochs(
-    ctx: Ctx, join_cls: Any, optimizer: str, order: str, accumulate: int, zero: bool
+    ctx: Ctx, join_cls: Any, optimizer: str, order: str, accumulate: int, zero: bool,
+    **ddp_kwargs: Any,
 ) -> dict[str, Any]:
     """``EPOCHS`` epochs, one Join each, of the loop::
 
@@ -404,7 +405,7 @@ def train_epochs(
     Returns the parameters after every epoch and every parameter's ``.grad``
     right after each Join.
     """
-    model = DDP(small_model(), process_group=ctx.group)
+    model = DDP(small_model(), process_group=ctx.group, **ddp_kwargs)
     optim = (
         zero_optimizer(model.parameters(), optimizer, ctx.group)
         if zero else OPTIMIZERS[optimizer](model.parameters())
@@ -542,6 +543,13 @@ def ddp_zero_epochs(ctx: Ctx) -> Any:
                 "reference": simulate_zero_epochs(ctx.world, optimizer, order)[
                     "per_rank"][ctx.rank],
             }
+    # .grad a view into DDP's buckets: the shadow step's swap must give the
+    # reducer back its views.
+    out["adamw/last/gradient_as_bucket_view"] = {
+        "joinkit": train_epochs(ctx, Join, "adamw", "last", 1, zero=True,
+                                gradient_as_bucket_view=True),
+        "reference": simulate_zero_epochs(ctx.world, "adamw", "last")["per_rank"][ctx.rank],
+    }
     return out
 
 
