@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 import traceback
 from typing import Any
@@ -583,6 +584,27 @@ def check_bad_inputs(result: dict[str, Any], world_size: int,
 # -- world size one, and the report -------------------------------------------------------------
 
 
+# Ranks that are threads of one process share the "joinkit" logger: the first
+# to start turns DEBUG on and the last to finish restores the level (each rank
+# saving and restoring it raced: a rank could save a peer's DEBUG and leave it
+# on, which turns off the batched drain in every later test of the process).
+_debug_lock = threading.Lock()
+_debug_ranks = 0
+_debug_saved_level = logging.NOTSET
+
+
+def _debug_logging(delta: int) -> None:
+    global _debug_ranks, _debug_saved_level
+    logger = logging.getLogger("joinkit")
+    with _debug_lock:
+        if delta > 0 and _debug_ranks == 0:
+            _debug_saved_level = logger.level
+            logger.setLevel(logging.DEBUG)
+        _debug_ranks += delta
+        if delta < 0 and _debug_ranks == 0:
+            logger.setLevel(_debug_saved_level)
+
+
 def run_report(group: Any) -> dict[str, Any]:
     """Uneven inputs without faults; the report, gathered report and DEBUG log."""
     records: list[str] = []
@@ -593,9 +615,8 @@ def run_report(group: Any) -> dict[str, Any]:
 
     logger = logging.getLogger("joinkit")
     handler = Capture(level=logging.DEBUG)
-    old_level = logger.level
     logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
+    _debug_logging(+1)
     counter = Counter(group)
     try:
         with Join([counter], timeout=20.0) as join:
@@ -604,7 +625,7 @@ def run_report(group: Any) -> dict[str, Any]:
         gathered = join.gather_report()
     finally:
         logger.removeHandler(handler)
-        logger.setLevel(old_level)
+        _debug_logging(-1)
     return {
         "rank": group.rank,
         "report": _report(join),
