@@ -25,8 +25,12 @@ active rank's do, with three changes that make the joined rank a joined rank:
 
 Before the replay the joined rank's gradients are zeroed (a stale ``.grad``
 would otherwise enter the bucket sums); after it, ``.grad`` holds the active
-ranks' averaged gradient, as after joinkit's usual DDP shadow, and is marked
-fresh for a ZeroRedundancyOptimizer's shadow step.
+ranks' averaged gradient. When a ZeroRedundancyOptimizer is in the Join that
+average is kept for its shadow step, as joinkit's usual DDP shadow keeps it
+(``adapters.torch``); then every parameter gets back the ``.grad`` it had
+before the round, object and value (the value too: with
+``gradient_as_bucket_view`` the replay wrote into the user's own gradient), so
+after the Join ``.grad`` is what the user's last backward left.
 
 *When.* Enabled by ``Join(..., replay=True)``, or automatically when the DDP
 module contains a module with collectives in forward (``SyncBatchNorm``, or
@@ -109,12 +113,32 @@ class DDPReplayShadow(torch_adapter._DDPShadow):
 
     def _replay(self) -> None:
         ddp = self.adapter.obj
+        torch_adapter._averaged.pop(self.adapter.key, None)  # this round's, if it syncs
         args, kwargs, autocast = self.source.inputs(torch.device(ddp.join_device))
         params = [p for p in ddp.parameters() if p.requires_grad]
+        # Each parameter's own gradient, given back after the round (module doc).
+        own = [(p, p.grad, None if p.grad is None else p.grad.detach().clone())
+               for p in params]
         with torch.no_grad():
             for param in params:
                 if param.grad is not None:
                     param.grad.zero_()
+        try:
+            synced = self._replay_zero_loss(ddp, args, kwargs, autocast)
+            if synced and torch_adapter._steps_shards_with(self.adapter):
+                with_grad = [p for p in params if p.grad is not None]
+                torch_adapter._averaged[self.adapter.key] = [
+                    (with_grad, [p.grad.detach().clone() for p in with_grad])
+                ]
+        finally:
+            with torch.no_grad():
+                for param, grad, value in own:
+                    if grad is not None:
+                        grad.copy_(value)
+                    param.grad = grad
+
+    def _replay_zero_loss(self, ddp: Any, args: Any, kwargs: Any, autocast: Any) -> bool:
+        """The replay itself; whether the active ranks synced gradients in it."""
         check = ddp._check_global_requires_backward_grad_sync  # the fused one, if fused
         find_common_rank = ddp._find_common_rank
         synced = [False]
@@ -143,7 +167,4 @@ class DDPReplayShadow(torch_adapter._DDPShadow):
                 else:
                     del ddp.__dict__[name]
             ddp.require_backward_grad_sync = requires_sync
-        if synced[0]:
-            for param in params:
-                if param.grad is not None:
-                    torch_adapter._fresh_grads[id(param)] = param
+        return synced[0]

@@ -154,7 +154,8 @@ def test_ddp_over_epochs_leaves_every_grad_as_torchs_join(results: Any) -> None:
     are exactly torch's Join's, on every rank, and both match a single-process
     simulation of the replicas (optimizer states and all)."""
     ranks = outcome(results, "ddp_epochs")
-    assert len(ranks[0]) == 12  # 3 optimizers x 2 loop orders x (plain, no_sync)
+    # 3 optimizers x 2 loop orders x (plain, no_sync), and two with the replay
+    assert len(ranks[0]) == 14
     for case in ranks[0]:
         for rank, got in enumerate(ranks):
             run = got[case]
@@ -167,7 +168,8 @@ def test_ddp_over_epochs_leaves_every_grad_as_torchs_join(results: Any) -> None:
 def test_ddp_zero_over_epochs_matches_the_reference(results: Any) -> None:
     """DDP + ZeRO: the shadow step uses the average but never leaves it in .grad."""
     ranks = outcome(results, "ddp_zero_epochs")
-    assert len(ranks[0]) == 7  # 3 optimizers x 2 loop orders, and gradient_as_bucket_view
+    # 3 optimizers x 2 loop orders, gradient_as_bucket_view, the replay (with and without)
+    assert len(ranks[0]) == 9
     for case in ranks[0]:
         assert_identical([r[case]["joinkit"]["params"] for r in ranks])
         for rank, got in enumerate(ranks):

@@ -390,7 +390,7 @@ def grads_of(module: nn.Module) -> list[list[float] | None]:
 
 def train_epochs(
     ctx: Ctx, join_cls: Any, optimizer: str, order: str, accumulate: int, zero: bool,
-    **ddp_kwargs: Any,
+    join_kwargs: dict[str, Any] | None = None, **ddp_kwargs: Any,
 ) -> dict[str, Any]:
     """``EPOCHS`` epochs, one Join each, of the loop::
 
@@ -401,6 +401,9 @@ def train_epochs(
             if i % accumulate == accumulate - 1:
                 optim.step()
                 if order == "last": optim.zero_grad()
+
+    ``join_kwargs`` go to joinkit's Join only (e.g. ``replay=True``: the
+    joined rank shadows by replaying the iteration through DDP).
 
     Returns the parameters after every epoch and every parameter's ``.grad``
     right after each Join.
@@ -413,7 +416,7 @@ def train_epochs(
     joinables = [model, optim] if zero else [model]
     grads, params = [], []
     for epoch in range(EPOCHS):
-        with join_cls(joinables):
+        with join_cls(joinables, **(join_kwargs if join_cls is Join else {}) or {}):
             for i in range(epoch_inputs(ctx.world, epoch)[ctx.rank]):
                 syncs = i % accumulate == accumulate - 1
                 if order == "first" and i % accumulate == 0:
@@ -515,13 +518,22 @@ DDP_EPOCH_CASES = [
 ]
 
 
+# The joined rank replays the iteration through DDP (adapters._ddp_replay)
+# instead of running torch's hook: it must leave .grad as torch's Join does too.
+DDP_EPOCH_REPLAY_CASES = [("sgd_momentum", "last", 2), ("adamw", "first", 1)]
+
+
 @scenario
 def ddp_epochs(ctx: Ctx) -> Any:
     """DDP alone over epochs: joinkit's Join, torch's, and the simulation."""
     out = {}
-    for optimizer, order, accumulate in DDP_EPOCH_CASES:
-        out[f"{optimizer}/{order}/accumulate={accumulate}"] = {
-            "joinkit": train_epochs(ctx, Join, optimizer, order, accumulate, zero=False),
+    cases = [(*case, False) for case in DDP_EPOCH_CASES]
+    cases += [(*case, True) for case in DDP_EPOCH_REPLAY_CASES]
+    for optimizer, order, accumulate, replay in cases:
+        name = f"{optimizer}/{order}/accumulate={accumulate}" + ("/replay" if replay else "")
+        out[name] = {
+            "joinkit": train_epochs(ctx, Join, optimizer, order, accumulate, zero=False,
+                                    join_kwargs={"replay": True} if replay else None),
             "torch": train_epochs(ctx, torch_join.Join, optimizer, order, accumulate, zero=False),
             "reference": simulate_ddp_epochs(ctx.world, optimizer, order, accumulate)[
                 "per_rank"][ctx.rank],
@@ -550,6 +562,17 @@ def ddp_zero_epochs(ctx: Ctx) -> Any:
                                 gradient_as_bucket_view=True),
         "reference": simulate_zero_epochs(ctx.world, "adamw", "last")["per_rank"][ctx.rank],
     }
+    # The joined rank replays the iteration through DDP: the replay's average
+    # reaches ZeRO's shadow step, and .grad comes back as it was (also as a
+    # bucket view, which the replay writes into).
+    for bucket_view in (False, True):
+        out[f"sgd_momentum/last/replay/gradient_as_bucket_view={bucket_view}"] = {
+            "joinkit": train_epochs(ctx, Join, "sgd_momentum", "last", 1, zero=True,
+                                    join_kwargs={"replay": True},
+                                    gradient_as_bucket_view=bucket_view),
+            "reference": simulate_zero_epochs(ctx.world, "sgd_momentum", "last")[
+                "per_rank"][ctx.rank],
+        }
     return out
 
 
