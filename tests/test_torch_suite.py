@@ -38,19 +38,22 @@ DDP_TESTS = (
     "test_ddp_uneven_input_exception",
     "test_ddp_uneven_inputs_stop_iteration_sync_bn",
     "test_ddp_join_respects_forward_sync_buffers_false",
-    # DdpComparisonTest (RPC + dist autograd), on the same ranks.
-    "test_ddp_comparison",
-    "test_ddp_comparison_uneven_inputs",
 )
+# ddp_under_dist_autograd_test.py's uneven-input tests (RPC + dist autograd).
+# Each RPC test gets processes of its own, as in torch's harness (the runner's
+# docstring says why).
+RPC_COMPARISON_TESTS = ("test_ddp_comparison_uneven_inputs",)
 # The harness's own check of its SyncBatchNorm stand-in (not one of torch's tests).
 SHIM_CHECK = "check_sync_batch_norm_stand_in"
 RPC_TESTS = ("test_backward_ddp_outside_uneven_inputs",)
-# (suite, world size) -> the tests of that launch. The RPC suite's world is its
+# (suite, world size) -> the tests of that launch. The rpc suite's world is its
 # trainers (the DDP world) plus a remote worker and a master; its 16 examples
 # must split evenly among the trainers, so 2 and its native 4 (not 3).
 LAUNCHES = {
     ("ddp", 2): (SHIM_CHECK, *DDP_TESTS),
     ("ddp", 3): (SHIM_CHECK, *DDP_TESTS),
+    ("rpc_comparison", 2): RPC_COMPARISON_TESTS,
+    ("rpc_comparison", 3): RPC_COMPARISON_TESTS,
     ("rpc", 4): RPC_TESTS,
     ("rpc", 6): RPC_TESTS,
 }

@@ -13,9 +13,13 @@ unchanged, twice in this one harness: ``MODE=torch`` (baseline) and
 
     python tests/torch_suite_runner.py MODE SUITE RANK WORLD STORE OUT_DIR TEST [TEST ...]
 
-``SUITE`` is ``ddp`` (``_DistTestBase``'s and ``DdpComparisonTest``'s tests,
-on ``WORLD`` ranks) or ``rpc`` (``DdpUnderDistAutogradTest``'s, with
-``WORLD - 2`` trainers); the tests run in the order given.
+``SUITE`` is ``ddp`` (``_DistTestBase``'s tests on ``WORLD`` ranks),
+``rpc_comparison`` (``DdpComparisonTest``'s, ``WORLD`` trainers) or ``rpc``
+(``DdpUnderDistAutogradTest``'s, ``WORLD - 2`` trainers); the tests run in the
+order given. An RPC test gets processes of its own, as in torch's harness: the
+TensorPipe agent does not reliably start again in a process that ran RPC (or
+the gloo tests) before (one launch in about five hung at shutdown, in both
+modes).
 
 *The shims* (the same in both modes; each is the smallest that lets the test
 run on CPU):
@@ -355,15 +359,16 @@ def main() -> None:
     rank, world = int(RANK), int(WORLD)
     if SUITE == "ddp":
         dist_case = dist_test_case()
-        comparison = rpc_test_case("DdpComparisonTest", world, world)
         for index, name in enumerate(TESTS):
             if name == "check_sync_batch_norm_stand_in":
                 run(name, lambda: check_sync_batch_norm_stand_in(rank, world))
-            elif hasattr(comparison, name):
-                run(name, lambda name=name: run_rpc_test(comparison, name, rank))
             else:
                 run(name, lambda name=name, index=index: run_dist_test(
                     dist_case, name, index, rank, world))
+    elif SUITE == "rpc_comparison":
+        comparison = rpc_test_case("DdpComparisonTest", world, world)
+        for name in TESTS:
+            run(name, lambda name=name: run_rpc_test(comparison, name, rank))
     elif SUITE == "rpc":
         autograd = rpc_test_case("DdpUnderDistAutogradTest", world - 2, world)
         for name in TESTS:
