@@ -528,6 +528,177 @@ def fsdp_grad_scaler(ctx: Ctx) -> Any:
             "scales": scales, "reference_scales": ref_scales}
 
 
+# -- gradients after the Join, over epochs (issue 10 part 1) --------------------------------
+
+# Inputs per rank in each of three epochs, one Join each; 0 included. Window 1:
+# any counts; window 2 "aligned": every count a whole number of windows;
+# window 2 "mid-window": some ranks run out in the middle of a window.
+EPOCH_TABLES: dict[str, list[dict[int, list[int]]]] = {
+    "window1": [{2: [0, 3], 4: [3, 0, 1, 4]}, {2: [4, 2], 4: [2, 5, 0, 3]},
+                {2: [3, 1], 4: [1, 2, 4, 0]}],
+    "window2-aligned": [{2: [0, 4], 4: [4, 0, 2, 6]}, {2: [4, 2], 4: [2, 6, 0, 4]},
+                        {2: [2, 6], 4: [6, 2, 4, 0]}],
+    "window2-mid-window": [{2: [3, 0], 4: [3, 0, 5, 2]}, {2: [1, 4], 4: [4, 3, 1, 0]},
+                           {2: [4, 5], 4: [0, 5, 3, 4]}],
+}
+
+
+def _gamma_lr(optimizer: Any) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+
+
+def grad_state(model: nn.Module) -> list[tuple[Any, torch.Tensor | None]]:
+    """Every gradient this rank holds, as (object, value): each sharded parameter's
+    ``.grad`` (a DTensor: its local shard), then FSDP's gradient accumulation
+    (unsharded gradients kept between ``set_requires_gradient_sync(False)``
+    backwards)."""
+    from joinkit.adapters.fsdp import _param_groups
+
+    tensors: list[Any] = [p.grad for p in model.parameters()]
+    for group in _param_groups(model):
+        for fsdp_param in group.fsdp_params:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            tensors.append(None if unsharded is None else unsharded.grad)
+            tensors.append(fsdp_param.unsharded_accumulated_grad)
+    return [(t, None if t is None else
+             (t.to_local() if isinstance(t, DTensor) else t).detach().clone())
+            for t in tensors]
+
+
+def grad_change(before: list[Any], after: list[Any]) -> dict[str, Any]:
+    """Whether every gradient is the same object, and the largest change of a value
+    (``inf`` where one side has a gradient and the other none)."""
+    same = all(a is b for (a, _), (b, _) in zip(before, after, strict=True))
+    change = 0.0
+    for (_, a), (_, b) in zip(before, after, strict=True):
+        if (a is None) != (b is None):
+            change = float("inf")
+        elif a is not None and b is not None:
+            change = max(change, float((a - b).abs().max()) if a.numel() else 0.0)
+    return {"same_objects": same, "change": change}
+
+
+def reference_epochs(world: int, tables: list[dict[int, list[int]]], window: int,
+                     make_optimizer: Callable[[Any], torch.optim.Optimizer],
+                     make_scheduler: Callable[[Any], Any] | None = None) -> list[nn.Module]:
+    """One process, epoch after epoch: per window, the gradient of the ranks that
+    complete it, over the world size, as ``reference`` does. A rank that runs out
+    in the middle of a window keeps its partial window (FSDP accumulates it in
+    unsharded gradients, which the Join gives back and ``optimizer.zero_grad()``
+    does not clear): it enters that rank's next syncing backward, in a later
+    epoch. Returns a copy of the model after each epoch."""
+    import copy
+
+    ref = net()
+    params = list(ref.parameters())
+    optimizer = make_optimizer(params)
+    scheduler = make_scheduler(optimizer) if make_scheduler else None
+    pending: list[list[torch.Tensor] | None] = [None] * world
+    after = []
+    for epoch, table in enumerate(tables):
+        n = table[world]
+
+        def grads(r: int, first: int, last: int, epoch: int = epoch) -> list[torch.Tensor]:
+            total = sum(mse_loss(ref(data(r, 100 * epoch + i)[0]), data(r, 100 * epoch + i)[1])
+                        for i in range(first, last))
+            return list(torch.autograd.grad(total / window / world, params))
+
+        for start in range(0, max(n), window):
+            sync = start + window - 1
+            for r in range(world):
+                if start < n[r] <= sync:  # runs out inside this window
+                    partial = grads(r, start, n[r])
+                    old = pending[r]
+                    pending[r] = partial if old is None else [
+                        a + b for a, b in zip(old, partial, strict=True)]
+            contributors = [r for r in range(world) if n[r] > sync]
+            if not contributors:
+                continue
+            total = [torch.zeros_like(p) for p in params]
+            for r in contributors:
+                own = grads(r, start, sync + 1)
+                if pending[r] is not None:
+                    own = [a + b for a, b in zip(own, pending[r], strict=True)]
+                    pending[r] = None
+                total = [t + g for t, g in zip(total, own, strict=True)]
+            for p, g in zip(params, total, strict=True):
+                p.grad = g
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+        after.append(copy.deepcopy(ref))
+    return after
+
+
+def train_epochs(ctx: Ctx, tables: list[dict[int, list[int]]], window: int, order: str,
+                 make_optimizer: Callable[[Any], torch.optim.Optimizer],
+                 step_objects: bool = False) -> dict[str, Any]:
+    """Three epochs, one Join each, of::
+
+        for i, (x, y) in enumerate(shard):
+            if order == "first" and i % window == 0: optimizer.zero_grad()
+            model.set_requires_gradient_sync(i % window == window - 1)  # window > 1
+            (loss(model(x), y) / window).backward()
+            if i % window == window - 1:
+                optimizer.step()            # with step_objects: scaler, scheduler
+                if order == "last": optimizer.zero_grad()
+
+    Returns, per epoch, every rank's deviation from ``reference_epochs`` and how
+    this rank's gradients after the Join differ from those it held when it left
+    its loop (``grad_change``)."""
+    model = shard(net(), ctx.group)
+    optimizer = make_optimizer(model.parameters())
+    scaler = torch.amp.GradScaler("cpu") if step_objects else None
+    scheduler = _gamma_lr(optimizer) if step_objects else None
+    joinables = [model, optimizer] + ([scaler, scheduler] if step_objects else [])
+    out: dict[str, Any] = {"deviation": [], "grads": [], "shadow_rounds": []}
+    references = reference_epochs(ctx.world, tables, window, make_optimizer,
+                                  _gamma_lr if step_objects else None)
+    for epoch, table in enumerate(tables):
+        with Join(joinables) as join:
+            for i in range(table[ctx.world][ctx.rank]):
+                syncs = i % window == window - 1
+                if order == "first" and i % window == 0:
+                    optimizer.zero_grad()
+                if window > 1:
+                    model.set_requires_gradient_sync(syncs)
+                x, y = data(ctx.rank, 100 * epoch + i)
+                loss = mse_loss(model(x), y) / window
+                (scaler.scale(loss) if scaler else loss).backward()
+                if syncs:
+                    if scaler is not None and scheduler is not None:
+                        scaler.step(optimizer)
+                        scaler.update()
+                        scheduler.step()
+                    else:
+                        optimizer.step()
+                    if order == "last":
+                        optimizer.zero_grad()
+            left = grad_state(model)
+        out["grads"].append(grad_change(left, grad_state(model)))
+        out["shadow_rounds"].append(join.report.shadow_rounds if join.report else 0)
+        out["deviation"].append(deviation(model, references[epoch]))
+    return out
+
+
+@scenario
+def fsdp_epochs(ctx: Ctx) -> Any:
+    """Three epochs, one Join each: SGD and AdamW, zero_grad first and last, windows
+    of 1 and 2 (aligned and mid-window); and AdamW with a GradScaler and an LR
+    scheduler in the Join. Every rank equals the reference after every epoch, and
+    the Join leaves every rank's gradients as its loop left them."""
+    out = {}
+    for table_name, tables in EPOCH_TABLES.items():
+        window = 1 if table_name == "window1" else 2
+        for optimizer_name, make_optimizer in (("sgd", sgd), ("adamw", adamw)):
+            for order in ("first", "last"):
+                out[f"{optimizer_name}/{order}/{table_name}"] = train_epochs(
+                    ctx, tables, window, order, make_optimizer)
+    out["adamw/last/window1/scaler+scheduler"] = train_epochs(
+        ctx, EPOCH_TABLES["window1"], 1, "last", adamw, step_objects=True)
+    return out
+
+
 # -- throw mode, failures, misuse ------------------------------------------------------------
 
 
