@@ -33,12 +33,27 @@ backward, reduce-scatters, HSDP all-reduces) with zero contributions, and
 leaves in this rank's sharded ``.grad`` the reduced gradient of the active
 ranks, which the optimizer's shadow then steps with (``adapters.optim``).
 
+*Gradients on a joined rank.* A shadow round's gradients exist only for the
+shadow step. Before its first shadow round the joined rank takes its own
+gradients out of the model (each sharded ``.grad``, and FSDP's unsharded
+accumulation of a ``set_requires_gradient_sync(False)`` window it ran out
+in), and when the Join ends it drops the last round's gradients and gives its
+own back, the very objects its loop left: so after the Join every ``.grad``
+is what the user's last backward or ``zero_grad`` left (as with DDP,
+``adapters.torch``), and nothing of a shadow round reaches the next epoch (in
+a ``backward, step, zero_grad`` loop FSDP would accumulate it into the next
+backward's gradient). A partial window given back enters this rank's next
+syncing backward, as it would without the Join (``optimizer.zero_grad()``
+does not clear FSDP's accumulation); in the Join's own steps only the ranks
+active at a step contribute, as with DDP. HSDP's partial reduction
+(``set_requires_all_reduce(False)``) is not this rank's own: it already holds
+its shard group's sum, so the shadow continues it as the active ranks do.
+
 *Gradient windows.* A joined rank starts every accumulation window with no
-gradients: before its first shadow round (dropping any partial window it had
-accumulated, as DDP's shadow does: only ranks active at a step contribute to
-it) and after every round that synced. So with ``set_requires_gradient_sync``
-accumulation the joined rank's shard is stepped with the active ranks'
-accumulated window, and it steps only in rounds that sync.
+gradients: at its first shadow round (above) and after every round that
+synced. So with ``set_requires_gradient_sync`` accumulation the joined rank's
+shard is stepped with the active ranks' accumulated window, and it steps only
+in rounds that sync.
 
 *Divisor.* FSDP divides reduced gradients by the data-parallel world size; a
 joined rank contributes zero, so the default is DDP's
@@ -137,6 +152,8 @@ class FSDPJoinable(Joinable):
         self._replaying = False
         self._first_round = True
         self._window_open = False
+        # This rank's own gradients while it shadows (module doc).
+        self._own_gradients: list[tuple[Any, str, Any]] | None = None
         self._divisor: int | None = None
         #: Whether this rank's latest shadow round synced gradients: the
         #: optimizer's shadow steps after such a round (``adapters.optim``).
@@ -180,6 +197,7 @@ class FSDPJoinable(Joinable):
                                  getattr(join.backend, "wait", None))
         self._first_round = True
         self._window_open = False
+        self._own_gradients = None
         self.shadow_synced = False
         self._divisor = None
         self._groups = _param_groups(model)  # made by fully_shard; read per iteration
@@ -195,6 +213,12 @@ class FSDPJoinable(Joinable):
                 group.force_sum_reduction_for_comms = True  # gloo has no PREMUL_SUM
 
     def _leave(self) -> None:
+        if self._own_gradients is not None:
+            # After the hooks of every round: the shadow's gradients go, the
+            # rank's own come back (module doc).
+            _take_gradients(self.model)
+            _give_back(self._own_gradients)
+            self._own_gradients = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -294,8 +318,10 @@ class FSDPJoinable(Joinable):
         if self._first_round:
             self._first_round = False
             _reset_if_mid_iteration(model)
+            self._own_gradients = _take_gradients(model)  # given back by _leave
+            self._window_open = True
         if not self._window_open:
-            _drop_gradients(model)
+            _take_gradients(model)  # the previous window's, already stepped
             self._window_open = True
         if not self._divide_by_initial_world_size:
             self._set_divisor(active)
@@ -476,16 +502,33 @@ def _flags(groups: list[Any]) -> int:
     return flags
 
 
-def _drop_gradients(model: nn.Module) -> None:
-    """Start a gradient window: no sharded, unsharded or accumulated gradients."""
+def _take_gradients(model: nn.Module) -> list[tuple[Any, str, Any]]:
+    """Take every gradient out of ``model``: sharded, unsharded and accumulated.
+
+    Returns:
+        ``(owner, attribute, value)`` for each, for :func:`_give_back`; the
+        model is left with none, so the next backward starts a window.
+    """
+    taken: list[tuple[Any, str, Any]] = []
     for param in model.parameters():
+        taken.append((param, "grad", param.grad))
         param.grad = None
     for group in _param_groups(model):
         for fsdp_param in group.fsdp_params:
+            taken.append((fsdp_param, "unsharded_accumulated_grad",
+                          fsdp_param.unsharded_accumulated_grad))
             fsdp_param.unsharded_accumulated_grad = None
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
+                taken.append((unsharded, "grad", unsharded.grad))
                 unsharded.grad = None
+    return taken
+
+
+def _give_back(taken: list[tuple[Any, str, Any]]) -> None:
+    """Put gradients taken by :func:`_take_gradients` back where they were."""
+    for owner, attribute, value in taken:
+        setattr(owner, attribute, value)
 
 
 def _reset_if_mid_iteration(model: Any) -> None:

@@ -182,8 +182,6 @@ def test_fsdp_failure_propagation(results: Results, name: str) -> None:
 
 
 
-@pytest.mark.xfail(strict=True, reason="a joined rank leaves the Join holding the last "
-                   "shadow round's gradient, and its partial window is dropped")
 def test_fsdp_over_epochs_leaves_every_grad_as_the_loop_left_it(results: Results) -> None:
     """Three epochs, one Join each (SGD, AdamW; zero_grad first and last; windows
     of 1 and 2, aligned and mid-window; a GradScaler and an LR scheduler): after
