@@ -22,7 +22,18 @@ from typing import Any
 
 from joinkit import Adapter, Joinable
 
-__all__ = ["TORCH", "FSDP", "OPTIM"]
+__all__ = ["TORCH", "FSDP", "OPTIM", "UnsupportedTorchError"]
+
+
+class UnsupportedTorchError(RuntimeError):
+    """This torch lacks or changed an internal that an adapter relies on.
+
+    Raised when an adapter adapts an object (so when ``Join`` is built), once
+    per kind of object and process; the message names the torch version, each
+    member that changed and the torch versions this joinkit supports
+    (``joinkit.adapters._torch_private``).
+    """
+
 
 _TORCH_JOIN = "torch.distributed.algorithms.join"
 _TORCH_ADAPTER = "joinkit.adapters.torch"
@@ -43,6 +54,9 @@ def _is_torch_joinable(obj: Any) -> bool:
 
 
 def _adapt_torch(obj: Any) -> Joinable:
+    from . import _torch_private
+
+    _torch_private.check(obj)  # before the adapter's module reads torch internals
     from . import torch as torch_adapter
 
     return torch_adapter.adapt(obj)
@@ -61,6 +75,9 @@ def _is_fsdp_module(obj: Any) -> bool:
 
 
 def _adapt_fsdp(obj: Any) -> Joinable:
+    from . import _torch_private
+
+    _torch_private.check(obj)
     from . import fsdp
 
     return fsdp.adapt(obj)

@@ -86,11 +86,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from joinkit import AgreementError, Join, Joinable, JoinConfig, JoinHook, LocalProtocolError
 
-from . import _replay
+from . import _replay, _torch_private
 
 __all__ = ["adapt", "check", "FSDPJoinable"]
 
-_c10d: Any = torch._C._distributed_c10d
 _SUM: Any = dist.ReduceOp.SUM
 # Step check encoding (module doc).
 _SLOT = float(2**24)
@@ -109,12 +108,15 @@ def adapt(model: Any) -> FSDPJoinable:
 
     Raises:
         TypeError: ``model`` is not an ``FSDPModule``.
+        UnsupportedTorchError: this torch lacks or changed an FSDP internal the
+            adapter relies on (``adapters._torch_private``).
     """
     if not isinstance(model, FSDPModule):
         raise TypeError(
             f"joinkit.adapters.fsdp.adapt expects a fully_shard module, got "
             f"{type(model).__qualname__}"
         )
+    _torch_private.check(model)  # once per process
     adapter = _adapters.get(id(model))
     if adapter is not None and adapter._model() is model:
         return adapter
@@ -467,7 +469,8 @@ def _plain_wait(work: Any) -> Any:
     return work.wait()
 
 
-# -- FSDP's state (private attributes of torch's fully_shard, read in one place) ---------
+# -- FSDP's state (private attributes of torch's fully_shard, read in one place; each
+# -- is listed and checked at adapt time in adapters._torch_private) ---------------------
 
 
 def _states(model: nn.Module) -> list[Any]:

@@ -71,6 +71,12 @@ Join, so nothing leaks into the next iteration or epoch. DDP alone runs
 torch's hook unchanged. On exit DDP's reducer also forgets the last
 heartbeat's ``Work``: left in place, a later backward outside the Join would
 divide by that stale count of active ranks.
+
+*torch's internals.* Most of the above uses members torch does not promise to
+keep (DDP's join-hook methods, reducer methods, ``_JoinConfig``...). Each is
+listed in ``adapters._torch_private``, and :func:`adapt` checks them once per
+process before the first object of a kind is adapted, so a torch that renamed
+one fails loudly instead of training on stale gradients.
 """
 
 from __future__ import annotations
@@ -87,6 +93,8 @@ import torch.distributed.algorithms.join as torch_join
 from torch.nn.parallel import DistributedDataParallel
 
 from joinkit import Join, Joinable, JoinConfig, JoinHook, LocalProtocolError
+
+from . import _torch_private
 
 __all__ = ["adapt", "TorchJoinable"]
 
@@ -115,6 +123,8 @@ def adapt(obj: Any) -> TorchJoinable:
 
     Raises:
         TypeError: ``obj`` is not a torch Joinable.
+        UnsupportedTorchError: this torch lacks or changed an internal the
+            adapter relies on (``adapters._torch_private``).
         LocalProtocolError: ``obj``'s constructor did not call
             ``Joinable.__init__`` (it has no ``_join_config``).
     """
@@ -122,6 +132,7 @@ def adapt(obj: Any) -> TorchJoinable:
         raise TypeError(
             f"joinkit.adapters.torch.adapt expects a torch Joinable, got {type(obj).__qualname__}"
         )
+    _torch_private.check(obj)  # once per kind of object and process
     if not hasattr(obj, "_join_config"):
         raise LocalProtocolError(
             f"{type(obj).__qualname__} has no join config: its constructor must call "

@@ -821,6 +821,84 @@ def misuse(ctx: Ctx) -> Any:
     return out
 
 
+# -- the torch internals the adapters rely on (issue 11 part 5) -------------------------------
+
+
+@contextmanager
+def _patched(owner: Any, name: str, value: Any = None) -> Iterator[None]:
+    """Replace ``owner.name`` for the block (``None``: delete it), as a torch upgrade might."""
+    saved = owner.__dict__[name]
+    if value is None:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+@scenario
+def torch_guard(ctx: Ctx) -> Any:
+    """For each adapter, one torch internal it relies on is deleted or changed:
+    Join(...) raises UnsupportedTorchError naming the member and torch's version.
+    With torch as it is, the same Joins are built; and once a kind of object
+    passed, the check does not run again in this process."""
+    from torch.distributed.algorithms import join as torch_join
+    from torch.distributed.device_mesh import DeviceMesh as Mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.optim import zero_redundancy_optimizer as zero_module
+    from torch.nn.parallel import distributed as ddp_module
+
+    from joinkit.adapters import UnsupportedTorchError, _torch_private
+
+    model = shard(net(), ctx.group)
+    optimizer = sgd(model.parameters())
+    ddp = DDP(nn.Linear(2, 2), process_group=ctx.group)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD,
+                                   process_group=ctx.group, lr=0.1)
+
+    def renamed_ddp_hook(self: Any) -> None:  # calls a renamed method
+        self.ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
+        self.ddp._match_all_reduce_for_bwd_pass_impl()
+
+    def renamed_zero_hook(self: Any) -> None:
+        self.zero._step_impl()
+
+    def flatten(self: Any, mesh_dim_name: str, backend_override: Any) -> Any:
+        raise AssertionError("not called")
+
+    cases: dict[str, tuple[Callable[[], Any], list[Any]]] = {
+        "ddp_deleted": (lambda: _patched(DDP, "_match_all_reduce_for_bwd_pass"), [ddp]),
+        "ddp_hook_renamed": (lambda: _patched(ddp_module._DDPJoinHook, "main_hook",
+                                              renamed_ddp_hook), [ddp]),
+        "join_config_deleted": (lambda: _patched(torch_join, "_JoinConfig"), [ddp]),
+        "zero_moved": (lambda: _patched(zero_module, "ZeroRedundancyOptimizer"), [ddp, zero]),
+        "zero_hook_renamed": (lambda: _patched(zero_module._ZeROJoinHook, "main_hook",
+                                               renamed_zero_hook), [ddp, zero]),
+        "fsdp_deleted": (lambda: _patched(FSDPModule, "_get_fsdp_state"), [model, optimizer]),
+        "fsdp_signature": (lambda: _patched(Mesh, "_flatten", flatten), [model, optimizer]),
+    }
+    out: dict[str, Any] = {"torch": torch.__version__}
+    for name, (patch, joinables) in cases.items():
+        _torch_private._checked.clear()
+        with patch():
+            try:
+                Join(joinables)
+            except UnsupportedTorchError as exc:
+                out[name] = str(exc)
+            else:
+                out[name] = None
+    _torch_private._checked.clear()
+    for joinables in ([ddp, zero], [model, optimizer]):
+        Join(joinables)  # this torch as it is: no error
+    with _patched(DDP, "_match_all_reduce_for_bwd_pass"), _patched(FSDPModule, "reset_iter_state"):
+        Join([ddp, zero])  # checked once per process: not again
+        Join([model, optimizer])
+    out["cached"] = True
+    return out
+
+
 # -- models with collectives in forward: DDP + SyncBatchNorm ----------------------------------
 
 

@@ -241,6 +241,38 @@ def test_misuse_is_refused_with_a_clear_error(results: Results) -> None:
     assert len(rank["warning"]) == 1 and "Join([model, optimizer])" in rank["warning"][0]
 
 
+
+# -- the torch internals the adapters rely on --------------------------------------------
+
+
+@pytest.mark.parametrize(("case", "member"), [
+    ("ddp_deleted", "DistributedDataParallel._match_all_reduce_for_bwd_pass is missing"),
+    ("ddp_hook_renamed", "_DDPJoinHook.main_hook no longer calls _match_all_reduce_for_bwd_pass"),
+    ("join_config_deleted", "torch.distributed.algorithms.join._JoinConfig is missing"),
+    ("zero_moved", "zero_redundancy_optimizer.ZeroRedundancyOptimizer is missing"),
+    ("zero_hook_renamed", "_ZeROJoinHook.main_hook no longer calls step"),
+    ("fsdp_deleted", "FSDPModule._get_fsdp_state is missing"),
+    ("fsdp_signature", "DeviceMesh._flatten has the parameters (self, mesh_dim_name, "
+                       "backend_override), joinkit expects (self)"),
+])
+def test_a_changed_torch_internal_is_refused_by_name(results: Results, case: str,
+                                                     member: str) -> None:
+    """DDP, ZeRO and FSDP2 with one torch internal deleted or changed (as a torch
+    upgrade might): Join(...) raises UnsupportedTorchError on every rank, naming
+    the member, this torch's version and the torch versions joinkit supports."""
+    for rank in outcome(results, "torch_guard"):
+        message = rank[case]
+        assert message is not None, case
+        assert member in message
+        assert f"this process runs torch {rank['torch']}" in message
+        assert "joinkit 0.1.0 supports torch >=2.13,<2.14" in message
+
+
+def test_the_torch_internals_are_checked_once_per_process(results: Results) -> None:
+    """With torch as it is the same Joins build; after that, a member deleted
+    goes unnoticed by later Joins of the same kinds: the check ran once."""
+    assert all(rank["cached"] for rank in outcome(results, "torch_guard"))
+
 # -- models with collectives in forward -------------------------------------------------
 
 

@@ -1,0 +1,432 @@
+"""The torch internals joinkit's adapters rely on, and the check that they are there.
+
+Theory of operation
+-------------------
+To shadow DDP, ZeroRedundancyOptimizer and FSDP2 correctly, the adapters use
+members of torch that torch does not promise to keep: DDP's join-hook methods,
+which ``adapters.torch`` and ``adapters._ddp_replay`` replace on the object for
+the length of a call; reducer methods; FSDP2's state and parameter groups;
+torch's own ``_JoinConfig``. A torch release may rename or change any of them,
+and some changes would be *silent*: DDP's join hook calling a renamed
+``_match_all_reduce_for_bwd_pass`` would skip joinkit's replacement, and
+ZeroRedundancyOptimizer would step a joined rank's shard with a stale
+gradient again; an attribute FSDP renamed would be set by joinkit and read by
+nobody.
+
+So every such member is listed here, in :data:`GROUPS`, with what joinkit
+needs of it: that it exists; for a function, the parameters joinkit calls it
+with (``inspect.signature`` names; for torch's C++ bindings, their number);
+for an instance attribute, that the class's own code still names it; for a
+method joinkit replaces on the object, that the torch code which should call
+the replacement still calls it by that name. :func:`check` runs when an
+adapter adapts an object, once per group of members and process, and raises
+:class:`joinkit.adapters.UnsupportedTorchError` naming this torch version,
+every member that changed, and the torch versions this joinkit supports.
+Nothing is checked per iteration.
+
+The ``[torch]`` extra in ``pyproject.toml`` pins the same range as
+:data:`SUPPORTED_TORCH` (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import inspect
+import sys
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+
+from . import UnsupportedTorchError
+
+__all__ = ["SUPPORTED_TORCH", "TESTED_TORCH", "Member", "Need", "GROUPS", "check", "problems"]
+
+#: The torch versions this joinkit release supports (a pip specifier), and the
+#: one its tests ran on. ``pyproject.toml``'s ``[torch]`` extra says the same.
+SUPPORTED_TORCH = ">=2.13,<2.14"
+TESTED_TORCH = "2.13.0"
+
+
+class Need(enum.Enum):
+    """What joinkit needs of a member."""
+
+    #: A function or method, called with :attr:`Member.params`.
+    CALLABLE = "callable"
+    #: An attribute of instances: the class's own code (or its class body) names it.
+    ATTRIBUTE = "attribute"
+    #: A namedtuple class with exactly the fields :attr:`Member.params`.
+    FIELDS = "fields"
+    #: A ``staticmethod`` in the class body (joinkit takes it out and puts it back).
+    STATICMETHOD = "staticmethod"
+    #: Anything that exists: a module's class, an enum member.
+    EXISTS = "exists"
+
+
+@attrs.frozen(kw_only=True)
+class Member:
+    """One torch member an adapter relies on.
+
+    Attributes:
+        module: the torch module that defines it.
+        name: its qualified name in the module (``Class.method``).
+        need: what joinkit needs of it.
+        params: for :attr:`Need.CALLABLE`, the leading parameter names joinkit
+            calls it with (any further parameter must have a default); for
+            :attr:`Need.FIELDS`, the fields.
+        called_by: torch functions (``module:Qualified.name``) that must still
+            call this member by its name: joinkit replaces it on the object.
+        why: what joinkit does with it (for the error message).
+    """
+
+    module: str
+    name: str
+    need: Need
+    params: tuple[str, ...] = ()
+    called_by: tuple[str, ...] = ()
+    why: str
+
+    @property
+    def path(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+_DDP = "torch.nn.parallel.distributed"
+_C10D = "torch._C._distributed_c10d"
+_DIST = "torch.distributed.distributed_c10d"
+_JOIN = "torch.distributed.algorithms.join"
+_ZERO = "torch.distributed.optim.zero_redundancy_optimizer"
+_FSDP = "torch.distributed.fsdp._fully_shard"
+_DDP_HOOK = f"{_DDP}:_DDPJoinHook.main_hook"
+_DDP_FORWARD = f"{_DDP}:DistributedDataParallel._pre_forward"
+
+
+def _m(module: str, name: str, need: Need, why: str, params: Sequence[str] = (),
+       called_by: Sequence[str] = ()) -> Member:
+    return Member(module=module, name=name, need=need, params=tuple(params),
+                  called_by=tuple(called_by), why=why)
+
+
+_CALL, _ATTR = Need.CALLABLE, Need.ATTRIBUTE
+
+#: Members every torch Joinable's adapter relies on (``adapters.torch``).
+JOIN_MEMBERS = (
+    _m(_JOIN, "_JoinConfig", Need.FIELDS,
+       "the adapter writes torch's join config onto the object",
+       ("enable", "throw_on_early_termination", "is_first_joinable")),
+    _m(_JOIN, "Joinable._join_config", _ATTR,
+       "the config torch's joinables read, set by Joinable.__init__"),
+    _m(_JOIN, "Join.notify_join_context", Need.STATICMETHOD,
+       "replaced by a router while a joinkit Join holds torch joinables"),
+    _m(_DIST, "_get_default_group", _CALL,
+       "the group of a joinable built before init_process_group"),
+    _m(_ZERO, "ZeroRedundancyOptimizer", Need.EXISTS,
+       "where the adapters look for ZeRO: a ZeRO not found there would step "
+       "joined ranks' shards with stale gradients"),
+)
+
+#: Members the DDP adapter relies on (``adapters.torch``, ``adapters._ddp_replay``).
+DDP_MEMBERS = (
+    _m(_DDP, "DistributedDataParallel._match_all_reduce_for_bwd_pass", _CALL,
+       "replaced on a joined rank to keep the averaged gradient for "
+       "ZeroRedundancyOptimizer's shadow step", ("self",), called_by=(_DDP_HOOK,)),
+    _m(_DDP, "DistributedDataParallel._check_global_requires_backward_grad_sync", _CALL,
+       "replaced while the Join lasts by the check fused with the heartbeat",
+       ("self", "is_joined_rank"), called_by=(_DDP_HOOK, _DDP_FORWARD)),
+    _m(_DDP, "DistributedDataParallel._find_common_rank", _CALL,
+       "replaced in a replay so that a joined rank never sources the buffers",
+       ("self", "input_rank", "rank_cond"),
+       called_by=(f"{_DDP}:DistributedDataParallel._sync_buffers",
+                  f"{_DDP}:DistributedDataParallel._check_and_sync_module_buffers")),
+    _m(_DDP, "DistributedDataParallel._join_config", _ATTR,
+       "DDP's forward reads the join config the adapter writes"),
+    _m(_DDP, "DistributedDataParallel.reducer", _ATTR, "the reducer's buckets"),
+    _m(_DDP, "DistributedDataParallel.process_group", _ATTR, "the group of the fused check"),
+    _m(_DDP, "DistributedDataParallel.require_backward_grad_sync", _ATTR,
+       "whether this iteration syncs gradients (no_sync)"),
+    _m(_DDP, "DistributedDataParallel.device_type", _ATTR, "the replay's device type"),
+    _m(_C10D, "Reducer._get_zeros_like_grad_buckets", _CALL,
+       "a joined rank's zero buckets, in the reducer's order", ("self",)),
+    _m(_C10D, "Reducer._run_comm_hook", _CALL,
+       "a joined rank's bucket all-reduce", ("self", "bucket")),
+    _m(_C10D, "Reducer._set_forward_pass_work_handle", _CALL,
+       "the reducer forgets the Join's last heartbeat on exit",
+       ("self", "work", "divide_by_initial_world_size"), called_by=(_DDP_FORWARD,)),
+    _m(_C10D, "_create_work_from_future", _CALL,
+       "a Work for the reducer from a future", ("future",)),
+)
+
+#: Members the ZeroRedundancyOptimizer adapter relies on (``adapters.torch``).
+ZERO_MEMBERS = (
+    _m(_ZERO, "ZeroRedundancyOptimizer.step", _CALL,
+       "ZeRO's join hook steps with the .grad the adapter puts in place",
+       ("self",), called_by=(f"{_ZERO}:_ZeROJoinHook.main_hook",)),
+)
+
+#: Members of torch that a replay relies on (``adapters._replay``: FSDP2, DDP).
+REPLAY_MEMBERS = (
+    _m("torch.utils._pytree", "tree_map", _CALL, "input specs", ("func", "tree")),
+    _m("torch.utils._pytree", "tree_leaves", _CALL, "the zero loss", ("tree",)),
+    _m(_DIST, "_get_default_store", _CALL, "where input specs are published"),
+    _m("torch.nn.modules.module", "Module._buffers", _ATTR,
+       "buffers saved and restored around a replay"),
+)
+
+_STATE = f"{_FSDP}._fsdp_state"
+_GROUP = f"{_FSDP}._fsdp_param_group"
+_PARAM = f"{_FSDP}._fsdp_param"
+_COMMON = f"{_FSDP}._fsdp_common"
+
+#: Members the FSDP2 adapter relies on (``adapters.fsdp``).
+FSDP_MEMBERS = (
+    _m(f"{_FSDP}._fully_shard", "FSDPModule._get_fsdp_state", _CALL,
+       "each unit's FSDP state", ("self",)),
+    _m(f"{_FSDP}._fully_shard", "FSDPModule.reset_iter_state", _CALL,
+       "a rank that failed mid-iteration resets FSDP before its replay", ("self",)),
+    _m(_STATE, "FSDPState._device", _ATTR, "the model's device"),
+    _m(_STATE, "FSDPState._is_root", _ATTR, "Join refuses a non-root module"),
+    _m(_STATE, "FSDPState._fsdp_param_groups", _ATTR, "the units' parameter groups"),
+    _m(_STATE, "FSDPState._training_state", _ATTR, "whether FSDP is mid-iteration"),
+    _m(_GROUP, "FSDPParamGroup.reduce_grads", _ATTR,
+       "gradient sync (set_requires_gradient_sync), read and set for a replay"),
+    _m(_GROUP, "FSDPParamGroup.all_reduce_grads", _ATTR,
+       "HSDP's all-reduce (set_requires_all_reduce), read and set for a replay"),
+    _m(_GROUP, "FSDPParamGroup.gradient_divide_factor", _ATTR,
+       "divide_by_initial_world_size=False"),
+    _m(_GROUP, "FSDPParamGroup.force_sum_reduction_for_comms", _ATTR,
+       "divide_by_initial_world_size=False (sum reductions)"),
+    _m(_GROUP, "FSDPParamGroup.mesh_info", _ATTR, "the Join's process group"),
+    _m(_GROUP, "FSDPParamGroup.fsdp_params", _ATTR, "gradients given back after the Join"),
+    _m(_GROUP, "FSDPParamGroup._training_state", _ATTR, "whether FSDP is mid-iteration"),
+    _m(_PARAM, "FSDPParam.unsharded_accumulated_grad", _ATTR,
+       "FSDP's gradient accumulation, taken and given back"),
+    _m(_PARAM, "FSDPParam._unsharded_param", _ATTR,
+       "FSDP's gradient accumulation, taken and given back"),
+    _m(_COMMON, "FSDPMeshInfo.mesh", _ATTR, "the Join's process group"),
+    _m(_COMMON, "FSDPMeshInfo.shard_process_group", _ATTR, "the Join's process group"),
+    _m(_COMMON, "TrainingState.IDLE", Need.EXISTS, "whether FSDP is mid-iteration"),
+    _m("torch.distributed.device_mesh", "DeviceMesh._flatten", _CALL,
+       "the Join's group for an HSDP mesh over part of the world", ("self",)),
+    _m(_DIST, "_get_default_group", _CALL, "the Join's group for HSDP over the world"),
+)
+
+#: Every group of members, by the adapter that relies on it; :func:`check`
+#: decides which groups an object needs.
+GROUPS: dict[str, tuple[Member, ...]] = {
+    "torch Joinable": JOIN_MEMBERS,
+    "DistributedDataParallel": DDP_MEMBERS,
+    "ZeroRedundancyOptimizer": ZERO_MEMBERS,
+    "replay": REPLAY_MEMBERS,
+    "FSDP2": FSDP_MEMBERS,
+}
+
+# The groups that passed in this process: each is checked once.
+_checked: set[str] = set()
+
+
+def check(obj: Any) -> None:
+    """Check the torch members that adapting ``obj`` relies on; once per group and process.
+
+    Args:
+        obj: an object an adapter is about to adapt (a torch Joinable, a
+            ``fully_shard`` module).
+
+    Raises:
+        UnsupportedTorchError: a member is missing or changed; the message names
+            this torch version, each such member, and the torch versions this
+            joinkit supports.
+    """
+    groups = [name for name in _groups_for(obj) if name not in _checked]
+    if not groups:
+        return
+    found = [(name, problem) for name in groups for problem in problems(GROUPS[name])]
+    if found:
+        raise UnsupportedTorchError(_message(found))
+    _checked.update(groups)
+
+
+def _groups_for(obj: Any) -> list[str]:
+    def is_instance(module: str, name: str) -> bool:
+        cls = getattr(sys.modules.get(module), name, None)
+        return isinstance(cls, type) and isinstance(obj, cls)
+
+    if is_instance("torch.distributed.fsdp", "FSDPModule"):
+        return ["FSDP2", "replay"]
+    groups = ["torch Joinable"]
+    if is_instance(_DDP, "DistributedDataParallel"):
+        groups += ["DistributedDataParallel", "replay"]
+    elif is_instance("torch.distributed.optim", "ZeroRedundancyOptimizer"):
+        groups.append("ZeroRedundancyOptimizer")
+    return groups
+
+
+def problems(members: Sequence[Member]) -> list[str]:
+    """What is wrong with ``members`` in this torch, one line each (none: all fine)."""
+    return [problem for member in members for problem in _member_problems(member)]
+
+
+def _member_problems(member: Member) -> Iterator[str]:
+    try:
+        owner, value = _resolve(member.module, member.name,
+                                instance_attribute=member.need is Need.ATTRIBUTE)
+    except LookupError as error:
+        yield f"{member.path} is missing ({error}); joinkit uses it: {member.why}"
+        return
+    leaf = member.name.rsplit(".", 1)[-1]
+    if member.need is Need.CALLABLE:
+        if not callable(value):
+            yield f"{member.path} is not callable; joinkit calls it: {member.why}"
+        else:
+            mismatch = _params_mismatch(value, member.params)
+            if mismatch:
+                yield f"{member.path} {mismatch}; joinkit calls it: {member.why}"
+    elif member.need is Need.FIELDS:
+        fields = tuple(getattr(value, "_fields", ()))
+        if fields != member.params:
+            yield (f"{member.path} has the fields {fields}, joinkit builds it with "
+                   f"{member.params}; joinkit uses it: {member.why}")
+    elif member.need is Need.STATICMETHOD:
+        if not isinstance(vars(owner).get(leaf), staticmethod):
+            yield f"{member.path} is not a staticmethod; joinkit uses it: {member.why}"
+    for caller in member.called_by:
+        module, _, qualname = caller.partition(":")
+        try:
+            _, function = _resolve(module, qualname)
+        except LookupError:
+            yield (f"{module}.{qualname}, which should call {member.path}, is missing; "
+                   f"joinkit relies on that call: {member.why}")
+            continue
+        if leaf not in _names_in(function):
+            yield (f"{module}.{qualname} no longer calls {leaf}; joinkit relies on that "
+                   f"call ({member.why}) and would go wrong silently without it")
+
+
+_MISSING = object()
+
+
+def _resolve(module_name: str, qualname: str, *,
+             instance_attribute: bool = False) -> tuple[Any, Any]:
+    """(owner, member) for ``module_name`` + ``qualname``. With
+    ``instance_attribute``, a name the owner class's code uses resolves to a
+    marker. Raises LookupError when missing."""
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise LookupError(f"no module {module_name}") from error
+    *path, leaf = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part, _MISSING)
+        if owner is _MISSING:
+            raise LookupError(f"no {part} in {module_name}")
+    value = getattr(owner, leaf, _MISSING)
+    if (value is _MISSING and instance_attribute and isinstance(owner, type)
+            and leaf in _class_names(owner)):
+        return owner, _MISSING  # an instance attribute the class's code names
+    if value is _MISSING:
+        raise LookupError(f"{owner.__name__} has no {leaf}")
+    return owner, value
+
+
+def _class_names(cls: type) -> set[str]:
+    """Every name the code and class bodies of ``cls`` and its bases mention."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        names.update(vars(klass))
+        names.update(getattr(klass, "__annotations__", {}))
+        for value in vars(klass).values():
+            function = value.fget if isinstance(value, property) else value
+            function = getattr(function, "__func__", function)
+            if isinstance(function, types.FunctionType):
+                names.update(_names_in(function))
+    return names
+
+
+def _names_in(function: Any) -> set[str]:
+    """The names a function's code (with nested code: comprehensions, lambdas) uses."""
+    function = inspect.unwrap(getattr(function, "__func__", function))
+    code = getattr(function, "__code__", None)
+    names: set[str] = set()
+    stack = [code] if code is not None else []
+    while stack:
+        current = stack.pop()
+        names.update(current.co_names)
+        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    return names
+
+
+def _params_mismatch(function: Any, expected: tuple[str, ...]) -> str | None:
+    """Why ``function`` cannot be called with ``expected`` parameters, or ``None``."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        # A C++ binding: its docstring's first line is its signature, with
+        # positional names arg0, arg1...; only their number means anything.
+        found = _binding_params(function)
+        if found is None or len(found) == len(expected):
+            return None
+        return (f"takes {len(found)} parameters ({', '.join(found)}), joinkit passes "
+                f"{len(expected)} ({', '.join(expected)})")
+    params = list(signature.parameters.values())
+    names = tuple(p.name for p in params[: len(expected)])
+    rest = params[len(expected):]
+    required = [p.name for p in rest
+                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if names == expected and not required:
+        return None
+    return f"has the parameters ({', '.join(p.name for p in params)}), joinkit expects " \
+           f"({', '.join(expected)})"
+
+
+def _binding_params(function: Any) -> list[str] | None:
+    doc = (getattr(function, "__doc__", None) or "").strip().splitlines()
+    if not doc or "(" not in doc[0]:
+        return None
+    line = doc[0]
+    depth, start, params = 0, line.index("(") + 1, []
+    current = ""
+    for char in line[start:]:
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            if depth == 0:
+                break
+            depth -= 1
+        if char == "," and depth == 0:
+            params.append(current)
+            current = ""
+        else:
+            current += char
+    if current.strip():
+        params.append(current)
+    return [p.split(":", 1)[0].strip() for p in params]
+
+
+def _message(found: list[tuple[str, str]]) -> str:
+    torch_version = _version("torch")
+    joinkit_version = _version("joinkit")
+    adapters = ", ".join(dict.fromkeys(group for group, _ in found))
+    lines = "\n".join(f"  - {problem}" for _, problem in found)
+    short = ".".join(torch_version.split("+")[0].split(".")[:2])
+    return (
+        f"joinkit {joinkit_version} supports torch {SUPPORTED_TORCH} (tested with "
+        f"{TESTED_TORCH}), but this process runs torch {torch_version}, in which "
+        f"internals that joinkit's adapters ({adapters}) rely on changed:\n{lines}\n"
+        "Going on could silently train on wrong gradients or mismatch collectives, so "
+        f"joinkit stops here. Install a supported torch (pip install 'torch{SUPPORTED_TORCH}'), "
+        f"or a joinkit release that supports torch {short}."
+    )
+
+
+def _version(distribution: str) -> str:
+    if distribution == "torch" and "torch" in sys.modules:
+        return str(sys.modules["torch"].__version__)
+    try:
+        from importlib.metadata import version
+
+        return version(distribution)
+    except Exception:
+        return "(unknown version)"
