@@ -580,13 +580,14 @@ def grad_change(before: list[Any], after: list[Any]) -> dict[str, Any]:
 
 def reference_epochs(world: int, tables: list[dict[int, list[int]]], window: int,
                      make_optimizer: Callable[[Any], torch.optim.Optimizer],
-                     make_scheduler: Callable[[Any], Any] | None = None) -> list[nn.Module]:
+                     make_scheduler: Callable[[Any], Any] | None = None,
+                     ) -> list[tuple[nn.Module, float]]:
     """One process, epoch after epoch: per window, the gradient of the ranks that
     complete it, over the world size, as ``reference`` does. A rank that runs out
     in the middle of a window keeps its partial window (FSDP accumulates it in
     unsharded gradients, which the Join gives back and ``optimizer.zero_grad()``
     does not clear): it enters that rank's next syncing backward, in a later
-    epoch. Returns a copy of the model after each epoch."""
+    epoch. Returns, after each epoch, a copy of the model and the learning rate."""
     import copy
 
     ref = net()
@@ -626,7 +627,7 @@ def reference_epochs(world: int, tables: list[dict[int, list[int]]], window: int
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-        after.append(copy.deepcopy(ref))
+        after.append((copy.deepcopy(ref), optimizer.param_groups[0]["lr"]))
     return after
 
 
@@ -643,15 +644,17 @@ def train_epochs(ctx: Ctx, tables: list[dict[int, list[int]]], window: int, orde
                 optimizer.step()            # with step_objects: scaler, scheduler
                 if order == "last": optimizer.zero_grad()
 
-    Returns, per epoch, every rank's deviation from ``reference_epochs`` and how
+    Returns, per epoch, every rank's deviation from ``reference_epochs``, how
     this rank's gradients after the Join differ from those it held when it left
-    its loop (``grad_change``)."""
+    its loop (``grad_change``), its learning rate and the reference's, and its
+    GradScaler's scale."""
     model = shard(net(), ctx.group)
     optimizer = make_optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu") if step_objects else None
     scheduler = _gamma_lr(optimizer) if step_objects else None
     joinables = [model, optimizer] + ([scaler, scheduler] if step_objects else [])
-    out: dict[str, Any] = {"deviation": [], "grads": [], "shadow_rounds": []}
+    out: dict[str, Any] = {"deviation": [], "grads": [], "shadow_rounds": [], "lr": [],
+                           "reference_lr": [], "scale": []}
     references = reference_epochs(ctx.world, tables, window, make_optimizer,
                                   _gamma_lr if step_objects else None)
     for epoch, table in enumerate(tables):
@@ -677,7 +680,11 @@ def train_epochs(ctx: Ctx, tables: list[dict[int, list[int]]], window: int, orde
             left = grad_state(model)
         out["grads"].append(grad_change(left, grad_state(model)))
         out["shadow_rounds"].append(join.report.shadow_rounds if join.report else 0)
-        out["deviation"].append(deviation(model, references[epoch]))
+        ref, ref_lr = references[epoch]
+        out["deviation"].append(deviation(model, ref))
+        out["lr"].append(optimizer.param_groups[0]["lr"])
+        out["reference_lr"].append(ref_lr)
+        out["scale"].append(scaler.get_scale() if scaler else None)
     return out
 
 

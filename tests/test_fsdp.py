@@ -196,6 +196,13 @@ def test_fsdp_over_epochs_leaves_every_grad_as_the_loop_left_it(results: Results
                 assert grads == {"same_objects": True, "change": 0.0}, (config, rank, epoch)
         # Somebody shadowed in every epoch: the counts are uneven.
         assert all(sum(r[config]["shadow_rounds"][e] for r in ranks) > 0 for e in range(3))
+    # The optimizer's, scheduler's and scaler's shadows: every rank's learning rate
+    # follows the reference's epoch after epoch, and the scale is the same everywhere.
+    scaled = [r["adamw/last/window1/scaler+scheduler"] for r in ranks]
+    for result in scaled:
+        assert result["lr"] == pytest.approx(result["reference_lr"], rel=1e-12)
+        assert result["scale"] == scaled[0]["scale"] == [2.0**16] * 3
+    assert scaled[0]["reference_lr"][-1] < scaled[0]["reference_lr"][0] < 0.02
 
 # -- the rest of a training step --------------------------------------------------------
 
