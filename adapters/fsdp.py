@@ -42,10 +42,12 @@ own back, the very objects its loop left: so after the Join every ``.grad``
 is what the user's last backward or ``zero_grad`` left (as with DDP,
 ``adapters.torch``), and nothing of a shadow round reaches the next epoch (in
 a ``backward, step, zero_grad`` loop FSDP would accumulate it into the next
-backward's gradient). A partial window given back enters this rank's next
-syncing backward, as it would without the Join (``optimizer.zero_grad()``
-does not clear FSDP's accumulation); in the Join's own steps only the ranks
-active at a step contribute, as with DDP. HSDP's partial reduction
+backward's gradient). Meanwhile the rank holds both its own gradients and a
+round's: one more set of gradient shards (and a partial window's unsharded
+gradients, if it ran out mid-window). A partial window given back enters
+this rank's next syncing backward, as it would without the Join
+(``optimizer.zero_grad()`` does not clear FSDP's accumulation); in the Join's
+own steps only the ranks active at a step contribute, as with DDP. HSDP's partial reduction
 (``set_requires_all_reduce(False)``) is not this rank's own: it already holds
 its shard group's sum, so the shadow continues it as the active ranks do.
 
@@ -215,12 +217,13 @@ class FSDPJoinable(Joinable):
                 group.force_sum_reduction_for_comms = True  # gloo has no PREMUL_SUM
 
     def _leave(self) -> None:
-        if self._own_gradients is not None:
+        model = self._model()
+        if self._own_gradients is not None and model is not None:
             # After the hooks of every round: the shadow's gradients go, the
             # rank's own come back (module doc).
-            _take_gradients(self.model)
+            _take_gradients(model)
             _give_back(self._own_gradients)
-            self._own_gradients = None
+        self._own_gradients = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
