@@ -56,6 +56,26 @@ aborting rank and its reason. A collective that completes never pays for
 this; collectives issued by other code (DDP's, from C++) still wait for the
 group's own timeout or for the aborting process to exit.
 
+*Leaving the interpreter.* gloo runs every collective on a worker thread of
+the process group, and that thread holds the collective's ``Work`` (and through
+it the tensors) a moment after the collective completes. If Python has let go
+of a tensor by then, torch hands the tensor's Python object to C++, and the
+worker thread, dropping the last reference, must take the GIL to free it; once
+the interpreter is finalizing, taking the GIL ends the thread, which inside a
+C++ destructor means ``std::terminate``: "terminate called without an active
+exception", SIGABRT, after a job that succeeded. So this class keeps a Python
+reference to every tensor it hands to torch until torch holds none
+(``Tensor._use_count() == 1``): its one-element buffers live as long as the
+group, staged tensors in ``_held``. An exit guard (``atexit``, so before
+finalization) settles the rest: it stops the status thread and the store
+helpers, keeps every tensor still held alive through exit, and waits (the GIL
+released) until gloo's worker threads are idle, which also settles collectives
+that others issued in this process (torch's own Join, the caller's ``dist``
+calls). If a collective is still pending (a frozen peer never joined it), or
+a worker stays busy, it keeps every process group alive through exit as well,
+so that no group destructor joins a blocked thread. The torch launcher
+(``backends.init``/``init_torch``) runs the guard before it destroys the group.
+
 *Buffers.* Collectives take torch tensors and NumPy arrays. A contiguous tensor
 already on the group's device is used in place; anything else (a NumPy array, a
 CPU tensor on an nccl group, a non-contiguous tensor) is copied to a staging
@@ -68,6 +88,9 @@ returns a handle whose ``wait()`` returns what the blocking call returns.
 
 from __future__ import annotations
 
+import atexit
+import collections
+import ctypes
 import datetime
 import io
 import json
@@ -86,7 +109,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from joinkit import LocalProtocolError, PeerFailure, backends
 
-__all__ = ["TorchGroup", "GroupAborted"]
+__all__ = ["TorchGroup", "GroupAborted", "settle_at_exit"]
 
 #: Seconds a blocking wait on a CPU group waits before it looks for an abort.
 _WAIT_SLICE = 1.0
@@ -95,6 +118,9 @@ _WAIT_SLICE = 1.0
 _STORE_PATIENCE = 5.0
 #: How often the status thread publishes changed statuses.
 _STATUS_INTERVAL = 0.5
+#: Seconds the exit guard waits for the background threads to stop and gloo's
+#: worker threads to finish their collectives (module doc).
+_EXIT_PATIENCE = 5.0
 
 
 class GroupAborted(PeerFailure):
@@ -253,6 +279,9 @@ class TorchGroup:
         self._next_beat = 0
         self._tally = self._scalar()
         self._barrier_buf = self._scalar()
+        # The latest count's and barrier's work, for the exit guard (module doc).
+        self._count_work: Any = None
+        self._barrier_work: Any = None
         # collectives_issued: the group's sequence number counts every
         # collective on it (DDP's from C++ too); ours are subtracted.
         self._join_collectives = 0
@@ -270,6 +299,7 @@ class TorchGroup:
         self._store_prefix = f"joinkit/{getattr(group, 'group_name', '')}/"
         self._status: tuple[str, float] | None = None
         self._status_posted: tuple[str, float] | None = None
+        _groups.add(self)
 
     def __repr__(self) -> str:
         return (
@@ -360,7 +390,7 @@ class TorchGroup:
         """
         buf = self._tally
         buf.fill_(value)
-        work = self._allreduce([buf], self._sum)
+        work = self._count_work = self._allreduce([buf], self._sum)
         self._join_collectives += 1
         self.wait(work)
         return float(buf.item())
@@ -378,12 +408,14 @@ class TorchGroup:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        self.wait(self.process_group.allgather([sizes], [size], AllgatherOptions()))
+        self.wait(_hold(self.process_group.allgather([sizes], [size], AllgatherOptions()),
+                        size, *sizes))
         lengths = [int(s.item()) for s in sizes]
         padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
         padded[: data.numel()] = data
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self.wait(self.process_group.allgather([parts], [padded], AllgatherOptions()))
+        self.wait(_hold(self.process_group.allgather([parts], [padded], AllgatherOptions()),
+                        padded, *parts))
         return [
             pickle.load(io.BytesIO(part[:length].cpu().numpy().tobytes()))
             for part, length in zip(parts, lengths, strict=True)
@@ -512,7 +544,8 @@ class TorchGroup:
         staged = self._stage(buf)
         opts = dist.AllreduceOptions()
         opts.reduceOp = _reduce_op(_dtype_of(buf), op)
-        work = self.process_group.allreduce([_wire(staged.tensor)], opts)
+        wire = _wire(staged.tensor)
+        work = _hold(self.process_group.allreduce([wire], opts), wire)
         return self._finish(work, async_op, staged, lambda: buf)
 
     def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
@@ -533,7 +566,8 @@ class TorchGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = self._root(src, "src")
         staged = self._stage(buf)
-        work = self.process_group.broadcast([_wire(staged.tensor)], opts)
+        wire = _wire(staged.tensor)
+        work = _hold(self.process_group.broadcast([wire], opts), wire)
         return self._finish(work, async_op, staged, lambda: buf)
 
     def all_gather(self, buf: Any, async_op: bool = False) -> Any:
@@ -552,9 +586,9 @@ class TorchGroup:
         """
         staged = self._stage(buf, receives=False)
         parts = [torch.empty_like(staged.tensor) for _ in range(self.world_size)]
-        work = self.process_group.allgather(
-            [[_wire(p) for p in parts]], [_wire(staged.tensor)], AllgatherOptions()
-        )
+        outputs, wire = [_wire(p) for p in parts], _wire(staged.tensor)
+        work = _hold(self.process_group.allgather([outputs], [wire], AllgatherOptions()),
+                     wire, *outputs)
         return self._finish(work, async_op, None, lambda: [_like(buf, p) for p in parts])
 
     def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
@@ -582,7 +616,8 @@ class TorchGroup:
         staged = self._stage(buf, receives=receives)
         # A backend may use a non-root rank's input as scratch space; send a copy.
         tensor = staged.tensor if receives or not staged.in_place else staged.tensor.clone()
-        work = self.process_group.reduce([_wire(tensor)], opts)
+        wire = _wire(tensor)
+        work = _hold(self.process_group.reduce([wire], opts), wire)
         return self._finish(work, async_op, staged if receives else None, lambda: buf)
 
     def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
@@ -604,11 +639,13 @@ class TorchGroup:
         opts = dist.GatherOptions()
         opts.rootRank = self._root(dst, "dst")
         staged = self._stage(buf, receives=False)
+        wire = _wire(staged.tensor)
         if self.rank != dst:
-            work = self.process_group.gather([], [_wire(staged.tensor)], opts)
+            work = _hold(self.process_group.gather([], [wire], opts), wire)
             return self._finish(work, async_op, None, _nothing)
         parts = [torch.empty_like(staged.tensor) for _ in range(self.world_size)]
-        work = self.process_group.gather([[_wire(p) for p in parts]], [_wire(staged.tensor)], opts)
+        outputs = [_wire(p) for p in parts]
+        work = _hold(self.process_group.gather([outputs], [wire], opts), wire, *outputs)
         return self._finish(work, async_op, None, lambda: [_like(buf, p) for p in parts])
 
     def scatter(
@@ -635,11 +672,13 @@ class TorchGroup:
         opts.rootRank = self._root(src, "src")
         staged = self._stage(buf)
         sources = (
-            [[_wire(c) for c in self._scatter_sources(staged.tensor, chunks)]]
+            [_wire(c) for c in self._scatter_sources(staged.tensor, chunks)]
             if self.rank == src
             else []
         )
-        work = self.process_group.scatter([_wire(staged.tensor)], sources, opts)
+        wire = _wire(staged.tensor)
+        work = _hold(self.process_group.scatter([wire], [sources] if sources else [], opts),
+                     wire, *sources)
         return self._finish(work, async_op, staged, lambda: buf)
 
     def barrier(self) -> None:
@@ -647,7 +686,8 @@ class TorchGroup:
         # An all-reduce is a barrier on every backend (nccl's barrier() guesses a
         # device); reading the result blocks the host on CUDA too.
         self._barrier_buf.zero_()
-        self.wait(self._allreduce([self._barrier_buf], self._sum))
+        work = self._barrier_work = self._allreduce([self._barrier_buf], self._sum)
+        self.wait(work)
         self._barrier_buf.item()
 
     # -- helpers -------------------------------------------------------------------
@@ -774,7 +814,8 @@ def _bounded(action: Callable[[Any], Any]) -> Any:
     """``action(store)`` in a helper thread, given up after ``_STORE_PATIENCE`` s.
 
     The failure path must not hang on a store whose host died. Returns the
-    action's result, or ``None`` if it failed or took too long.
+    action's result, or ``None`` if it failed or took too long (or the process
+    is exiting: module doc).
     """
     result: list[Any] = [None]
 
@@ -783,23 +824,34 @@ def _bounded(action: Callable[[Any], Any]) -> Any:
             result[0] = action(_store())
         except Exception:  # noqa: BLE001 - no store, or it is gone: nothing known
             result[0] = None
+        finally:
+            _helpers.discard(helper)
 
     helper = threading.Thread(target=run, name="joinkit-store", daemon=True)
-    helper.start()
+    with _threads_lock:
+        if _exiting.is_set():
+            return None
+        _helpers.add(helper)
+        helper.start()
     helper.join(_STORE_PATIENCE)
     return result[0]
 
 
-# Groups with a status to publish; the thread that publishes them.
+# Groups with a status to publish; the thread that publishes them; the store
+# helpers still running; set once the exit guard stops them all (module doc).
 _publishing: weakref.WeakSet[TorchGroup] = weakref.WeakSet()
 _publisher: threading.Thread | None = None
-_publisher_lock = threading.Lock()
+_helpers: set[threading.Thread] = set()
+_threads_lock = threading.Lock()
+_exiting = threading.Event()
 
 
 def _publish_statuses(group: TorchGroup) -> None:
     global _publisher
-    with _publisher_lock:
+    with _threads_lock:
         _publishing.add(group)
+        if _exiting.is_set():
+            return
         if _publisher is None or not _publisher.is_alive():
             _publisher = threading.Thread(target=_publish_loop, name="joinkit-status",
                                           daemon=True)
@@ -807,9 +859,8 @@ def _publish_statuses(group: TorchGroup) -> None:
 
 
 def _publish_loop() -> None:
-    while True:
-        time.sleep(_STATUS_INTERVAL)
-        with _publisher_lock:
+    while not _exiting.wait(_STATUS_INTERVAL):
+        with _threads_lock:
             groups = list(_publishing)
         for group in groups:
             status = group._status
@@ -822,6 +873,186 @@ def _publish_loop() -> None:
             except Exception:  # noqa: BLE001 - the store is gone; diagnostics only
                 continue
             group._status_posted = status
+
+
+# -- leaving the interpreter (module doc) ----------------------------------------
+
+# Every TorchGroup of the process; the staged tensors of collectives in flight,
+# as [work or None, *tensors], oldest first; the length at which _hold next
+# looks at every entry (not just the oldest).
+_groups: weakref.WeakSet[TorchGroup] = weakref.WeakSet()
+_held: collections.deque[list[Any]] = collections.deque()
+_held_lock = threading.Lock()
+_prune_at = 64
+# What the exit guard keeps alive through finalization (one reference that
+# nothing releases: finalization frees none of it), and its verdict.
+_kept: list[Any] = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_kept))
+_settled: bool | None = None
+_use_count: Callable[[torch.Tensor], int] | None = getattr(torch.Tensor, "_use_count", None)
+
+
+def _hold(work: Any, *tensors: torch.Tensor) -> Any:
+    """Keep ``tensors`` referenced until torch lets go of them; return ``work``.
+
+    Called with every collective's tensors right after it is issued. The
+    oldest entries are dropped as torch lets go of them (usually one entry
+    per call: the previous collective's), and all of them once the list grows
+    (async work waited out of order), so little outlives its collective.
+    """
+    global _prune_at
+    with _held_lock:
+        while _held and _let_go(_held[0]):
+            _held.popleft()
+        _held.append([work, *tensors])
+        if len(_held) >= _prune_at:
+            kept = [entry for entry in _held if not _let_go(entry)]
+            _held.clear()
+            _held.extend(kept)
+            _prune_at = max(64, 2 * len(_held))
+    return work
+
+
+def _let_go(entry: list[Any]) -> bool:
+    """Whether torch holds none of the entry's tensors any more.
+
+    Drops the entry's handle on its work once the work completed: the worker
+    thread may still hold its own reference for a moment, and the tensors stay
+    referenced here until it has let go too.
+    """
+    work = entry[0]
+    if work is not None:
+        if not work.is_completed():
+            return False
+        entry[0] = None
+    if _use_count is None:  # an older torch: completion is all we can know
+        return True
+    return all(_use_count(tensor) == 1 for tensor in entry[1:])
+
+
+def _group_entries(group: TorchGroup) -> list[list[Any]]:
+    """The group's one-element buffers with their latest works, taken from it."""
+    entries = [
+        [group._beat_works[0], group._beats[0]],
+        [group._beat_works[1], group._beats[1]],
+        [group._count_work, group._tally],
+        [group._barrier_work, group._barrier_buf],
+    ]
+    group._beat_works = [None, None]
+    group._count_work = group._barrier_work = None
+    return entries
+
+
+# The futex system call's number, where /proc/self/task/*/syscall can be read.
+_FUTEX = {"x86_64": "202", "aarch64": "98"}.get(os.uname().machine)
+
+
+def _runloops_idle() -> bool | None:
+    """Whether every gloo worker thread of this process waits for work.
+
+    An idle worker (``ProcessGroupGloo::runLoop``) waits on its group's
+    condition variable with no timeout, holding no work; one inside a
+    collective waits with the group's timeout, and one finishing a collective
+    is running or waits (with a timeout) for the GIL. Linux only: ``None``
+    where ``/proc`` cannot tell.
+    """
+    if _FUTEX is None:
+        return None
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    seen = False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().strip() != "pt_gloo_runloop":
+                    continue
+            with open(f"/proc/self/task/{task}/syscall") as f:
+                call = f.read().split()  # number, six arguments, stack, pc
+        except OSError:
+            continue  # the thread ended, or the kernel will not say
+        seen = True
+        # futex(uaddr, op, val, timeout=NULL, ...)
+        if len(call) < 5 or call[0] != _FUTEX or call[4] != "0x0":
+            return False
+    return True if seen else None
+
+
+def settle_at_exit(patience: float = _EXIT_PATIENCE) -> bool:
+    """Leave nothing for gloo's worker threads to free once Python finalizes.
+
+    Registered with ``atexit`` when this module is imported (module doc):
+    stops the status thread and the store helpers, keeps the tensors of every
+    ``TorchGroup`` collective still held alive through exit (so no worker
+    thread ever frees them), and waits up to ``patience`` seconds, the GIL
+    released, until gloo's worker threads are idle, which settles collectives
+    that other code issued too. Later calls return the first call's answer.
+
+    Args:
+        patience: seconds to wait in all.
+
+    Returns:
+        ``True`` if everything settled; ``False`` if a collective was still
+        pending (a peer never joined it) or a worker thread stayed busy: then
+        every process group is kept alive through exit too, so that no group
+        destructor joins a blocked worker thread.
+    """
+    global _settled
+    if _settled is not None:
+        return _settled
+    deadline = time.monotonic() + patience
+    with _threads_lock:
+        _exiting.set()
+        threads = [t for t in (_publisher, *_helpers) if t is not None]
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _held_lock:
+        entries = list(_held)
+        _held.clear()
+    groups = list(_groups)
+    for group in groups:
+        entries += _group_entries(group)
+    _keep_through_exit(entries)
+    # A collective of ours still pending keeps a worker thread blocked for
+    # good (its peer never joined it): nothing to wait for.
+    settled = all(entry[0] is None or entry[0].is_completed() for entry in entries)
+    idle_polls = 0
+    while settled:
+        idle = _runloops_idle()
+        if idle is None:  # cannot tell: a moment for a worker finishing a collective
+            time.sleep(0.05)
+            break
+        # Three idle looks in a row: a worker woken for queued work shows up.
+        idle_polls = idle_polls + 1 if idle else 0
+        if idle_polls >= 3:
+            break
+        if time.monotonic() >= deadline:
+            settled = False
+            break
+        time.sleep(0.005)
+    if not settled:
+        _keep_through_exit([group.process_group for group in groups])
+        try:
+            _keep_through_exit(list(dist.distributed_c10d._world.pg_map))
+        except AttributeError:
+            pass
+    _settled = settled
+    return settled
+
+
+def _keep_through_exit(objects: list[Any]) -> None:
+    """Make ``objects`` outlive the interpreter.
+
+    They go into ``_kept``, which finalization never frees: a worker thread
+    that lets go of a collective late finds its tensors still owned by
+    Python, and no group destructor joins a worker thread blocked in a
+    collective.
+    """
+    _kept.extend(objects)
+
+
+atexit.register(settle_at_exit)
 
 
 def _usable_device(device: Any) -> torch.device:
