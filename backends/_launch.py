@@ -600,8 +600,8 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
     if dist_backend == "gloo":
         _warn_if_gloo_cannot_reach_other_nodes(where.spans_nodes)
     dist.init_process_group(**kwargs)
-    # We created the group, so we tear it down: a gloo group left to the
-    # interpreter's exit can abort the process (SIGABRT) on its worker thread.
+    # We created the group, so we tear it down at exit, once the torch
+    # backend's exit guard has settled its collectives (torch_dist's module doc).
     atexit.register(_destroy_torch_group)
     if plan.launcher in ("mpirun", "srun"):
         _export_torchrun_env(where)
@@ -622,7 +622,12 @@ def _warn_if_gloo_cannot_reach_other_nodes(spans_nodes: bool | None) -> None:
 def _destroy_torch_group() -> None:
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    from joinkit.backends.torch_dist import settle_at_exit
+
+    # Destroying the group while a gloo worker thread still holds a finished
+    # collective can deadlock or abort the process; with a collective still
+    # pending (a frozen peer) the guard keeps the group alive instead.
+    if settle_at_exit() and dist.is_initialized():
         dist.destroy_process_group()
 
 
