@@ -345,8 +345,8 @@ class Join:
     ) -> None:
         try:
             if self._enable:
-                self._leave(exc)
-                self._settle_last_heartbeat(exc)
+                finished = self._leave(exc)
+                self._settle_last_heartbeat(exc, finished)
         finally:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
@@ -355,33 +355,46 @@ class Join:
                 _watchdog.unwatch(self)
                 self._post("left the Join")
 
-    def _settle_last_heartbeat(self, exc: BaseException | None) -> None:
+    def _settle_last_heartbeat(self, exc: BaseException | None, finished: bool) -> None:
         # Heartbeats are never waited on in the loop. Once the protocol has
         # finished, every later join collective has completed, so the last one
-        # has too; waiting releases it (gloo aborts at interpreter exit when
-        # work nobody waited for is torn down). After a failure the group may
-        # be broken and the wait fail: that must not replace the exception
-        # leaving the block (the rank's own, which its peers were told about).
+        # has too, and waiting returns at once and lets go of it. If the
+        # protocol did not finish (a peer aborted the group, or froze), the
+        # heartbeat may never complete: it stays with the backend, whose own
+        # exit handling owns it (a torch group's exit guard). The wait goes
+        # through the backend's (a torch group's gives up once a rank aborted);
+        # a failure of it must not replace the exception leaving the block (the
+        # rank's own, which its peers were told about).
         handle, self._last_heartbeat = self._last_heartbeat, None
-        if handle is None:
+        if handle is None or not finished:
             return
+        wait = getattr(self._backend, "wait", None)
         try:
-            handle.wait()
+            if wait is not None:
+                wait(handle)
+            else:
+                handle.wait()
         except Exception as error:
             if exc is None:
                 raise
             _add_note(exc, f"joinkit could not settle the last heartbeat after it: {error!r}")
 
-    def _leave(self, exc: BaseException | None) -> None:
+    def _leave(self, exc: BaseException | None) -> bool:
+        """Run the protocol to its end; return whether it got there.
+
+        Only after a failure in the loop body can it end early (the follow-up
+        becomes a note on the rank's own exception); otherwise the machine's
+        error propagates.
+        """
         if exc is None:
             self._feed(m.LoopExited(now=self._clock()))
-            return
+            return True
         if isinstance(exc, PeerAborted):
             self._feed(m.LoopExited(outcome=m.Outcome.ABORTED, now=self._clock()))
-            return
+            return True
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
             self._feed(m.LoopExited(outcome=m.Outcome.INTERRUPTED, now=self._clock()))
-            return
+            return True
         iteration_open = self._iteration_open()
         try:
             self._feed(
@@ -395,6 +408,8 @@ class Join:
         except Exception as follow_up:
             # The rank's own exception is the one to report; keep the follow-up.
             _add_note(exc, f"joinkit could not finish shadowing after it: {follow_up!r}")
+            return False
+        return True
 
     def _iteration_open(self) -> bool:
         """Whether peers still expect collectives of this rank's last iteration.
