@@ -10,19 +10,16 @@ process imports torch (and joinkit's torch backend) once and forks the ranks
 of every run::
 
     python tests/exit_runner.py CASE RUNS OUT_DIR [--timeout S] [--deadline S]
-    mpirun -n 2 python tests/exit_runner.py mpirun RUNS OUT_DIR
 
-writes ``OUT_DIR/runs.jsonl`` (under ``mpirun``: ``runs-rank{R}.jsonl`` per
-rank), one line per run with every rank's exit status (a negative number is
-the signal that ended it), whether its stderr says ``terminate called``, its
-last stderr and stdout lines, and its seconds. A rank still alive
-``--deadline`` seconds into its run is killed and recorded as ``"hung"``;
-the next run starts regardless, so one bad run shows as one.
-Under ``mpirun`` each MPI rank forks its own rank of every run, which
-initialises MPI afresh (Open MPI lets a new process take the rank once the
-previous one finalized; not once one died without finalizing, so there the
-loop stops at the first run that aborted or hung). Every child writes to its
-own files in ``OUT_DIR``.
+writes ``OUT_DIR/runs.jsonl``, one line per run with every rank's exit
+status (a negative number is the signal that ended it), whether its stderr
+says ``terminate called``, its last stderr and stdout lines, and its seconds.
+A rank still alive ``--deadline`` seconds into its run is killed and recorded
+as ``"hung"``; the next run starts regardless, so one bad run shows as one.
+Every child writes to its own files in ``OUT_DIR``. The ``mpirun`` case
+starts a real ``mpirun -n 2`` per run instead (its one record, ``"job"``, is
+the job's exit status and output): forked children can re-initialise MPI as
+their parent's rank on Open MPI, but after a few runs ``MPI_Init`` hung.
 
 The cases (``CASES``; rank ``r`` has ``5 + r`` inputs unless said otherwise):
 
@@ -40,9 +37,10 @@ The cases (``CASES``; rank ``r`` has ``5 + r`` inputs unless said otherwise):
                    ``Join(timeout=--timeout)``:
                    ranks 0, 2 and 3 exit 1 with a Python error (RankTimeout,
                    GroupAborted); rank 1 is killed once they are out.
-``mpirun``         under ``mpirun -n 2``: ``GROUP = backends.init_torch()``
-                   (rank and rendezvous from MPI), still referenced at exit:
-                   both exit 0 (needs mpi4py).
+``mpirun``         ``mpirun -n 2`` of this file with ``--mpi-rank``:
+                   ``GROUP = backends.init_torch()`` (rank and rendezvous from
+                   MPI), still referenced at exit: the job exits 0 (needs
+                   mpi4py).
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -217,7 +216,8 @@ def rank_frozen(rank: int, world_size: int, store: str, args: argparse.Namespace
             counter()
 
 
-def rank_mpirun(rank: int, world_size: int, store: str, args: argparse.Namespace) -> None:
+def mpi_rank() -> None:
+    """One rank of the ``mpirun`` case, started by ``mpirun`` (``--mpi-rank``)."""
     global GROUP
     from joinkit import backends
 
@@ -231,7 +231,7 @@ def rank_mpirun(rank: int, world_size: int, store: str, args: argparse.Namespace
 
 
 RANK_PROGRAMS = {"failure": rank_failure, "mixed-throw": rank_mixed, "mixed-multi": rank_mixed,
-                 "module-group": rank_module_group, "frozen": rank_frozen, "mpirun": rank_mpirun}
+                 "module-group": rank_module_group, "frozen": rank_frozen}
 
 
 # -- the parent -------------------------------------------------------------------------
@@ -281,7 +281,7 @@ def _tail(path: Path, lines: int = 6) -> str:
 
 def forked_run(args: argparse.Namespace, run: int, out: Path,
                ranks: list[int]) -> dict[str, Any]:
-    """Fork ``ranks`` of one run; wait for them (up to the deadline); say how they ended."""
+    """Fork the ``ranks`` of one run; wait for them (up to the deadline); say how they ended."""
     world_size = CASES[args.case]
     store = str(out / f"store{run}")
     port = _free_port()
@@ -302,12 +302,11 @@ def forked_run(args: argparse.Namespace, run: int, out: Path,
                 os.dup2(target, fd)
                 os.close(target)
             _unshare_memory()
-            if args.case != "mpirun":
-                os.environ.update({
-                    "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                    "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"exit-{run}",
-                })
+            os.environ.update({
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"exit-{run}",
+            })
             program(rank, world_size, store, args)
             sys.exit(0)
         children[pid] = rank
@@ -340,7 +339,34 @@ def forked_run(args: argparse.Namespace, run: int, out: Path,
     return {"run": run, "seconds": round(time.monotonic() - started, 2), "ranks": report}
 
 
+def mpirun_run(args: argparse.Namespace, run: int, out: Path) -> dict[str, Any]:
+    """One ``mpirun -n 2`` of this file's ``--mpi-rank`` program."""
+    beside = Path(sys.executable).with_name("mpirun")
+    command = [str(beside) if beside.exists() else "mpirun", "-n", "2", sys.executable,
+               __file__, "--mpi-rank"]
+    started = time.monotonic()
+    with (out / f"run{run}.txt").open("w+") as log:
+        job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+        try:
+            code: Any = job.wait(timeout=args.deadline)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)  # prterun and the ranks it started
+            job.wait()
+            code = "hung"
+        log.seek(0)
+        text = log.read()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return {"run": run, "seconds": round(time.monotonic() - started, 2), "ranks": {"job": {
+        "exit": code, "seconds": None,
+        "terminate": "terminate called" in text or "Signal: Aborted" in text,
+        "stderr": "\n".join(lines[-8:]), "stdout": text}}}
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--mpi-rank"]:
+        mpi_rank()
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("case", choices=sorted(CASES))
     parser.add_argument("runs", type=int)
@@ -351,33 +377,23 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # Once, before forking (mpi4py.MPI not: each child initialises MPI).
-    import numpy  # noqa: F401
-    import torch.distributed.algorithms.join  # noqa: F401
+    if args.case != "mpirun":  # once, before forking
+        import numpy  # noqa: F401
+        import torch.distributed.algorithms.join  # noqa: F401
 
-    import joinkit.adapters.torch  # noqa: F401
-    import joinkit.backends.torch_dist  # noqa: F401
-
+        import joinkit.adapters.torch  # noqa: F401
+        import joinkit.backends.torch_dist  # noqa: F401
     ranks = list(range(CASES[args.case]))
-    if args.case == "mpirun":
-        ranks = [int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))]
     for run in range(args.runs):
         for _attempt in range(3):
-            record = forked_run(args, run, out, ranks)
+            record = (mpirun_run(args, run, out) if args.case == "mpirun" else
+                      forked_run(args, run, out, ranks))
             # Another process took the port picked for torchrun's rendezvous
             # between our look and rank 0's bind: not what is tested, so again.
             if not any(rank.get("port_taken") for rank in record["ranks"].values()):
                 break
-        name = f"runs-rank{ranks[0]}.jsonl" if args.case == "mpirun" else "runs.jsonl"
-        with (out / name).open("a") as f:
+        with (out / "runs.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
-        # A rank that died without MPI_Finalize leaves its MPI rank unusable:
-        # every later child would hang in MPI_Init, so the loop ends here.
-        if args.case == "mpirun" and any(
-            rank["exit"] == "hung" or isinstance(rank["exit"], int) and rank["exit"] < 0
-            for rank in record["ranks"].values()
-        ):
-            break
 
 
 if __name__ == "__main__":
