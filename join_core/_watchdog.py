@@ -14,10 +14,15 @@ batch started from. The thread notes when it last saw that counter change (its
 own sampling: progress is any change since the previous look) and hands the
 core the state replayed to the current step, so the diagnostic names the round
 the rank is blocked in.
+
+At interpreter exit (``atexit``, before finalization) the thread is stopped
+and joined: a thread still inside a backend call (an abort, a store read) once
+the interpreter finalizes ends inside C++ code, which aborts the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import weakref
@@ -37,6 +42,9 @@ _lock = threading.Lock()
 _wakeup = threading.Condition(_lock)
 _thread: threading.Thread | None = None
 _interval = 1.0
+_stopping = False
+#: Seconds ``_stop`` waits for the thread (a stall report in progress).
+_STOP_PATIENCE = 10.0
 
 
 def watch(join: Join) -> None:
@@ -45,7 +53,11 @@ def watch(join: Join) -> None:
     with _lock:
         _watched.add(join)
         _interval = min(_interval, max(0.01, join._timeout / 4))  # type: ignore[operator]
+        if _stopping:
+            return
         if _thread is None or not _thread.is_alive():
+            if _thread is None:
+                atexit.register(_stop)
             _thread = threading.Thread(target=_run, name="joinkit-watchdog", daemon=True)
             _thread.start()
         _wakeup.notify()
@@ -57,10 +69,24 @@ def unwatch(join: Join) -> None:
         _watched.discard(join)
 
 
+def _stop() -> None:
+    """Stop the thread and wait for it (module doc)."""
+    global _stopping
+    with _lock:
+        _stopping = True
+        _wakeup.notify()
+        thread = _thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(_STOP_PATIENCE)
+
+
 def _run() -> None:
     while True:
         with _lock:
-            _wakeup.wait(_interval)
+            if not _stopping:
+                _wakeup.wait(_interval)
+            if _stopping:
+                return
             joins = list(_watched)
         now = time.monotonic()
         for join in joins:
