@@ -517,12 +517,17 @@ class MPIGroup:
             _open_board(self.comm, key)
         _statuses[key] = (what, time.monotonic())
 
-    def peer_status(self) -> dict[int, str]:
+    def peer_status(self, patience: float | None = None) -> dict[int, str]:
         """What every rank's Join last posted, asked of the ranks themselves.
 
-        Sends each peer a status query and waits up to ``_STATUS_PATIENCE``
-        seconds for the answers (module doc). Meant for the watchdog thread
-        while this rank's own thread is blocked in a join collective.
+        Sends each peer a status query and waits up to ``patience`` seconds
+        for the answers (module doc); it returns as soon as every peer
+        answered. Meant for the watchdog thread while this rank's own thread
+        is blocked in a join collective.
+
+        Args:
+            patience: seconds to wait for the answers; default
+                ``_STATUS_PATIENCE``.
 
         Returns:
             rank -> its last posted status and how long ago, or why it did not
@@ -542,7 +547,8 @@ class MPIGroup:
         waiting = set(range(self.world_size)) - {rank}
         sends = [comm.isend(query, peer, query_tag) for peer in sorted(waiting)]
         status = MPI.Status()
-        deadline = time.monotonic() + _STATUS_PATIENCE
+        patience = _STATUS_PATIENCE if patience is None else patience
+        deadline = time.monotonic() + patience
         while waiting and time.monotonic() < deadline:
             message = comm.improbe(MPI.ANY_SOURCE, answer_tag, status)
             if message is None:
@@ -555,7 +561,7 @@ class MPIGroup:
                 waiting.discard(peer)
         for peer in waiting:
             out[peer] = (
-                f"no answer within {_STATUS_PATIENCE:g} s: dead, stuck without "
+                f"no answer within {patience:g} s: dead, stuck without "
                 "releasing the GIL, or never in a Join on this communicator"
             )
         _unsent.extend(send for send in sends if not send.Test())  # a dead peer's

@@ -76,7 +76,7 @@ def funneled() -> None:
 def finalize() -> None:
     group = MPIGroup()
     group.post_status("posted")
-    seen = group.peer_status()
+    seen = group.peer_status(patience=120.0)  # returns at the last answer
     group.barrier()
     from joinkit.backends import mpi
 
