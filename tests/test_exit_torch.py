@@ -118,3 +118,62 @@ def test_mixed_ranks_count_alike(loops: dict[str, Launch]) -> None:
             for rank, count in enumerate(counts):
                 ended = run["ranks"].get(str(rank), {"stdout": "(no record)"})
                 assert f"rank {rank}: counts {count}" in ended["stdout"], run
+
+
+_PIECES = r"""
+import json, sys, threading, time
+import numpy as np
+import torch.distributed as dist
+from joinkit.backends import torch_dist as td
+
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+group = td.TorchGroup()
+for _ in range(200):
+    group.all_reduce(np.ones(3, dtype=np.float32))
+group.all_gather_object({"rank": rank})
+out = {"held": len(td._held)}
+time.sleep(0.2)
+out["idle"] = td._runloops_idle()
+if rank == 0:  # rank 1 joins this one a second late: a worker thread waits in it
+    pending = group.all_reduce(np.ones(1, dtype=np.float32), async_op=True)
+    time.sleep(0.5)
+    out["busy"] = td._runloops_idle()
+    pending.wait()
+else:
+    time.sleep(1.0)
+    group.all_reduce(np.ones(1, dtype=np.float32))
+group.barrier()
+group.post_status("posted")
+time.sleep(2 * td._STATUS_INTERVAL)
+started = time.monotonic()
+out["settled"] = td.settle_at_exit()
+out["settle_seconds"] = time.monotonic() - started
+out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("joinkit"))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_exit_guard_pieces(tmp_path: Path) -> None:
+    """Few tensors stay held, idle and busy gloo workers are told apart, and the
+    guard settles at once and stops the status thread."""
+    import subprocess
+
+    env = child_env({"OMP_NUM_THREADS": "1"})
+    command = [sys.executable, "-c", _PIECES]
+    procs = [subprocess.Popen([*command, str(rank), str(tmp_path / "store")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    outs = [proc.communicate(timeout=240) for proc in procs]
+    for proc, (_, err) in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, err
+    seen = [json.loads(out.splitlines()[-1]) for out, _ in outs]
+    for got in seen:
+        assert got["held"] < 64, got  # the last few collectives' tensors, not 200
+        if got["idle"] is None:
+            pytest.skip("this kernel does not show the gloo worker threads' system calls")
+        assert got["idle"] is True, got
+        assert got["settled"] is True and got["settle_seconds"] < 5.0, got
+        assert got["threads"] == [], got  # the status publisher stopped
+    assert seen[0]["busy"] is False, seen[0]
