@@ -988,6 +988,8 @@ def settle_at_exit(patience: float = _EXIT_PATIENCE) -> bool:
     thread ever frees them), and waits up to ``patience`` seconds, the GIL
     released, until gloo's worker threads are idle, which settles collectives
     that other code issued too. Later calls return the first call's answer.
+    Call it yourself only once the process is done with torch.distributed:
+    the status thread and store helpers stay stopped.
 
     Args:
         patience: seconds to wait in all.
