@@ -30,11 +30,10 @@ All launches start at once (most of their time is torch's import on a busy
 machine) and are collected by one module fixture (``TwoNodes.run_all``), each
 with its own result, so one failing launch fails only its own test; when a
 process of a launch fails, the launch's other processes are killed after
-``GRACE`` seconds instead of waiting for the 300 s limit. A launch that
-printed every line and then died of gloo's known crash at interpreter exit
-(issue 12 part 2, fixed elsewhere) is reported as an expected failure (XFAIL,
-with the reason), not hidden. Skipped only where network namespaces cannot be
-made (the reason is printed).
+``GRACE`` seconds instead of waiting for the 300 s limit. Every process must
+exit 0: gloo's crash at interpreter exit (issue 12 part 2) is fixed and would
+fail the launch's test. Skipped only where network namespaces cannot be made
+(the reason is printed).
 """
 
 from __future__ import annotations
@@ -70,10 +69,6 @@ RENDEZVOUS_TIMEOUT = "10"  # JOINKIT_RENDEZVOUS_TIMEOUT of the unresolvable-addr
 # they are killed (as srun --kill-on-bad-exit would): torchrun's agent on the
 # other node would otherwise wait out its 300 s exit barrier.
 GRACE = 30.0
-# gloo's crash at interpreter exit (issue 12, part 2: a worker thread still
-# joinable when the process ends, SIGABRT), which another change fixes. A run
-# that printed every line and then died of it is an expected failure here.
-EXIT_ABORT = "terminate called without an active exception"
 
 COUNTER = str(ROOT / "examples" / "counter.py")
 DDP = str(ROOT / "examples" / "ddp.py")
@@ -283,31 +278,13 @@ def test_a_failed_process_ends_its_launch_and_no_other(nodes: TwoNodes) -> None:
     assert done["slow but fine"].stdout == "done\ndone\n"
 
 
-def test_a_run_that_printed_everything_then_died_at_exit_is_an_expected_failure() -> None:
-    crashed = Ran(returncodes=[0, 1], stdout="\n".join(DDP_LINES) + "\n",
-                  stderr=f"{EXIT_ABORT}\nexitcode  : -6 (SIGABRT)", seconds=1.0)
-    with pytest.raises(pytest.xfail.Exception, match="issue 12 part 2"):
-        _assert_tutorial_lines(crashed, DDP)
-    for run in (Ran(returncodes=[0, 1], stdout=DDP_LINES[0], stderr=EXIT_ABORT, seconds=1.0),
-                Ran(returncodes=[0, 1], stdout="\n".join(DDP_LINES), stderr="", seconds=1.0)):
-        with pytest.raises(AssertionError):  # a line missing, or another failure
-            _assert_tutorial_lines(run, DDP)
-
-
-def _xfail_if_it_died_at_exit(run: Ran, printed: bool) -> bool:
-    """XFAIL a run that printed everything, then died of gloo's exit crash; else
-    return whether every process succeeded."""
-    succeeded = bool(run.returncodes) and all(code == 0 for code in run.returncodes)
-    if printed and not succeeded and EXIT_ABORT in run.stderr:
-        pytest.xfail(f"every line printed, then a process died at exit ({EXIT_ABORT!r}, "
-                     "SIGABRT): gloo's exit crash, issue 12 part 2")
-    return succeeded
+def _succeeded(run: Ran) -> bool:
+    return bool(run.returncodes) and all(code == 0 for code in run.returncodes)
 
 
 def _assert_tutorial_lines(run: Ran, script: str) -> None:
     printed = sorted(SENTENCE.findall(run.stdout)) == sorted(EXPECTED[script])
-    succeeded = _xfail_if_it_died_at_exit(run, printed)
-    assert succeeded, run.explain()
+    assert _succeeded(run), run.explain()
     assert printed, run.explain()
     assert SENTENCE.sub("", run.stdout).strip() == "", run.explain()
 
@@ -372,7 +349,7 @@ def test_an_unresolvable_rendezvous_address_is_a_prompt_error(ran: dict[str, Ran
 def test_srun_variables_build_one_world_across_two_nodes(ran: dict[str, Ran]) -> None:
     run = ran["srun/show_init"]
     lines = sorted(tagged(run.stdout, "JOINKIT-INIT"), key=lambda line: line["rank"])
-    assert _xfail_if_it_died_at_exit(run, len(lines) == 2), run.explain()
+    assert _succeeded(run) and len(lines) == 2, run.explain()
     assert [(line["rank"], line["type"], line["world_size"], line["launcher"], line["sum"])
             for line in lines] == [(0, "TorchGroup", 2, "srun", 3),
                                    (1, "TorchGroup", 2, "srun", 3)], run.explain()
