@@ -36,15 +36,17 @@ the backward pass; under ``no_sync()`` it does not). When DDP is the first
 joinable and the Join fuses heartbeats (it does unless throw mode or
 ``check_agreement=False``, which a group shared with torch's Join needs),
 both travel in one 1-element float64 all-reduce sent from the routed notify:
-a rank contributes its heartbeat value plus ``2**24`` if it syncs gradients.
-Heartbeat sums stay below ``2**24`` (at most 4095 active and 4095 failed
-ranks, see ``joinkit._machine``), and float64 adds integers exactly far beyond that,
-so the sum splits into the heartbeat sum and the number of syncing ranks (a
-1-element all-reduce: gloo's ring needs more steps for two elements than for
-one). The adapter is a fused joinable whose ``fused_shadow`` is the joined
-rank's half of it (the count of non-joined ranks and the sync flag at once),
-and DDP's own check is replaced, while the Join lasts, by one that sends
-nothing and answers from that all-reduce. So DDP pays one small asynchronous
+a rank contributes its heartbeat value plus ``joinkit.HEARTBEAT_FLAG``
+(2**28) if it syncs gradients, and ``joinkit.split_heartbeat_flags`` splits
+the sum into the heartbeat sum and the number of syncing ranks, exactly for
+every world joinkit accepts (up to 2**24 ranks), failed ranks included (the
+core's wire values leave a float64 lane for the flags between the active
+count and a failed rank's weight). One element, because gloo's ring needs
+more steps for two elements than for one. The adapter is a fused joinable
+whose ``fused_shadow`` is the joined rank's half of it (the count of
+non-joined ranks and the sync flag at once), and DDP's own check is replaced,
+while the Join lasts, by one that sends nothing and answers from that
+all-reduce. So DDP pays one small asynchronous
 collective per iteration instead of two, and nothing changes for
 ``no_sync()``. The reducer gets that all-reduce's ``Work``; with
 ``divide_by_initial_world_size=False`` it reads the number of active ranks from
@@ -92,7 +94,15 @@ import torch.distributed as dist
 import torch.distributed.algorithms.join as torch_join
 from torch.nn.parallel import DistributedDataParallel
 
-from joinkit import Join, Joinable, JoinConfig, JoinHook, LocalProtocolError
+from joinkit import (
+    HEARTBEAT_FLAG,
+    Join,
+    Joinable,
+    JoinConfig,
+    JoinHook,
+    LocalProtocolError,
+    split_heartbeat_flags,
+)
 
 from . import _torch_private
 
@@ -101,7 +111,7 @@ __all__ = ["adapt", "TorchJoinable"]
 _c10d: Any = torch._C._distributed_c10d
 _SUM: Any = dist.ReduceOp.SUM
 # A rank's weight in the fused DDP check when it syncs gradients (module doc).
-_SYNCS = float(2**24)
+_SYNCS = HEARTBEAT_FLAG
 _TorchJoinConfig = torch_join._JoinConfig
 _TORCH_DISABLED = _TorchJoinConfig(
     enable=False, throw_on_early_termination=False, is_first_joinable=False
@@ -411,7 +421,7 @@ class _DDPShadow(_Shadow):
 class _FusedCheck:
     """One DDP's heartbeat fused with its gradient-sync check (module doc).
 
-    Active rank, per forward: ``notify`` sends ``heartbeat + 2**24 * syncs``
+    Active rank, per forward: ``notify`` sends ``heartbeat + HEARTBEAT_FLAG * syncs``
     asynchronously; DDP's ``_check_global_requires_backward_grad_sync`` is
     replaced by :meth:`check`, which sends nothing. Joined rank, per shadow
     round: the Join's count is :meth:`shadow` (contributing the heartbeat
@@ -455,13 +465,14 @@ class _FusedCheck:
         self.works = [None, None]
 
     def notify(self, adapter: TorchJoinable) -> Any:
-        """An active rank's forward: send ``heartbeat + 2**24 * syncs``."""
+        """An active rank's forward: send ``heartbeat + HEARTBEAT_FLAG * syncs``."""
         index = 1 - self.current
         latest = self.works[self.current]
         if latest is not None and self.on_cpu:
             # Long complete: a peer's failure shows in the heartbeat sum.
             latest.wait()
-            Join.record_heartbeat_total(adapter, float(self.views[self.current][0]) % _SYNCS)
+            heartbeat, _ = split_heartbeat_flags(float(self.views[self.current][0]))
+            Join.record_heartbeat_total(adapter, heartbeat)
         previous = self.works[index]
         if previous is not None:
             previous.wait()  # this buffer's last all-reduce
@@ -479,7 +490,9 @@ class _FusedCheck:
         self.current = index
         self.own_latest = index
         if self.count_only:
-            future = work.get_future().then(lambda _: [buf % _SYNCS])
+            future = work.get_future().then(
+                lambda _: [buf.new_full((1,), split_heartbeat_flags(buf.item())[0])]
+            )
             return _c10d._create_work_from_future(future)
         return work
 
@@ -496,10 +509,10 @@ class _FusedCheck:
 
     def _read(self, index: int) -> float:
         """Split a completed sum: remember the sync flag, return the heartbeat sum."""
-        total = self.buffers[index].item()
-        self.sync = total >= _SYNCS
+        heartbeat, syncs = split_heartbeat_flags(self.buffers[index].item())
+        self.sync = syncs > 0
         self.own_latest = None
-        return float(total % _SYNCS)
+        return heartbeat
 
     def check(self, is_joined_rank: bool) -> bool | None:
         """DDP's ``_check_global_requires_backward_grad_sync``, already sent."""

@@ -19,7 +19,7 @@ from ._errors import (
     RankTimeout,
 )
 from ._join import Join, Joinable, JoinConfig, JoinHook
-from ._machine import JoinReport
+from ._machine import HEARTBEAT_FLAG, JoinReport, split_heartbeat_flags
 from ._ports import Adapter, JoinBackend, register_adapter
 from ._reports import format_reports, write_chart
 
@@ -34,6 +34,8 @@ __all__ = [
     "register_adapter",
     "format_reports",
     "write_chart",
+    "HEARTBEAT_FLAG",
+    "split_heartbeat_flags",
     "JoinError",
     "LocalProtocolError",
     "PeerError",

@@ -33,10 +33,6 @@ _log = logging.getLogger("joinkit")
 # threads backend, so this is per thread).
 _active = threading.local()
 
-# A heartbeat or count sum at least this large includes a failed rank
-# (m.tally_has_failure, inlined on the per-iteration path).
-_FAILURE_TALLY = m.FAILED - 0.5
-
 #: Default ``Join(timeout=...)``: long enough for any sane shadow round, short
 #: enough that a stuck job fails within minutes rather than at torch's 30.
 DEFAULT_TIMEOUT = 300.0
@@ -192,8 +188,9 @@ class Join:
         **kwargs: forwarded to every joinable's ``join_hook``.
 
     Raises:
-        ValueError: ``joinables`` is empty, or the joinables use different
-            process groups.
+        ValueError: ``joinables`` is empty, the joinables use different
+            process groups, or the group has more than 2**24 ranks (the
+            heartbeat's float32 sum could not count them).
         TypeError: an element is not a Joinable, or its hook is not a JoinHook,
             or no backend handles the joinables' process group.
     """
@@ -247,14 +244,21 @@ class Join:
                 )
         self._joinables = joinable_list
         self._hooks = hooks
-        # Hooks whose joinable fuses the heartbeat: each shadow round starts
-        # with their fused_shadow (for the first one, the count already did).
-        self._fused_hooks = [_fuses(j) for j in joinable_list]
+        # What a round of main hooks runs, by whether the first joinable's
+        # first collective is already shadowed (RunMainHooks, Drain): each
+        # hook, and whether to shadow its joinable's fused slot first.
+        fuses = [_fuses(j) for j in joinable_list]
+        self._round_plans = {
+            skip_first: [
+                (hook, fused and not (index == 0 and skip_first))
+                for index, (hook, fused) in enumerate(zip(hooks, fuses, strict=True))
+            ]
+            for skip_first in (False, True)
+        }
         # Fused only where the agreement check proves every rank fuses: torch's
         # Join (which a group shared with it needs, check_agreement=False)
         # speaks only the classic heartbeat.
-        self._fused = self._fused_hooks[0] and not throw_on_early_termination and check_agreement
-        self._first_shadowed = False
+        self._fused = fuses[0] and not throw_on_early_termination and check_agreement
         self._fused_total: float | None = None
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
@@ -264,21 +268,19 @@ class Join:
         self._backend: Any = None
         self._post_status: Callable[[str], None] | None = None
         self._state: m.JoinState | None = None
-        # The per-iteration fast path (see _notify): heartbeats sent but not yet
-        # folded into the state, the previous heartbeat's handle, and the
-        # backend's collective counter when that heartbeat went out.
-        self._batched_notifies = 0
-        self._batch_notifies = False
-        # The drain's fast path (see _shadow_batch): the state its rounds
-        # started from, and the plain steps (counts, rounds of hooks) since.
-        self._batch_base: m.JoinState | None = None
-        self._batch_steps = 0
+        # The machine's standing heartbeat order (m.HeartbeatOrder), while one
+        # stands, and the heartbeats sent under it but not yet reported.
+        self._order: m.HeartbeatOrder | None = None
+        self._beats = 0
+        # The previous heartbeat's handle, and the backend's collective
+        # counter when that heartbeat went out (see _leave).
         self._last_heartbeat: Any = None
         self._collectives_at_heartbeat: int | None = None
         self._counts_collectives = False
-        # The watchdog's view: what the rank is blocked in, and its verdict.
+        # The watchdog's view (what the rank is blocked in, registered only
+        # with a timeout), and its verdict.
         self._timeout = timeout
-        self._activity: m.Activity | None = None
+        self._watch = _watchdog.Watch(timeout or 0.0, self._on_stall)
         self._stall: RankTimeout | None = None
         if self._enable:
             backend = _ports.resolve(process_group, self._device)
@@ -301,6 +303,7 @@ class Join:
                     throw_on_early_termination=self._throw_on_early_termination,
                     signature=signature if check_agreement else None,
                     fused_heartbeat=self._fused,
+                    world_size=backend.world_size,
                 )
             )
 
@@ -318,11 +321,11 @@ class Join:
                 )
         if self._enable:
             if self._timeout is not None:
-                _watchdog.watch(self)
+                _watchdog.watch(self._watch)
             try:
                 self._feed(m.Entered(now=self._clock()))  # may raise AgreementError
             except BaseException:
-                _watchdog.unwatch(self)
+                _watchdog.unwatch(self._watch)
                 raise
             # Not an activity: the loop body may take as long as it likes.
             self._post("active: in its loop body")
@@ -352,7 +355,7 @@ class Join:
                 joinable._join_config = _DISABLED
             if self._enable:
                 _active.joins -= 1
-                _watchdog.unwatch(self)
+                _watchdog.unwatch(self._watch)
                 self._post("left the Join")
 
     def _settle_last_heartbeat(self, exc: BaseException | None, finished: bool) -> None:
@@ -395,13 +398,12 @@ class Join:
         if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
             self._feed(m.LoopExited(outcome=m.Outcome.INTERRUPTED, now=self._clock()))
             return True
-        iteration_open = self._iteration_open()
         try:
             self._feed(
                 m.LoopExited(
                     outcome=m.Outcome.FAILED,
                     failure=_failure(exc, self._backend.rank),
-                    iteration_open=iteration_open,
+                    collectives_since_heartbeat=self._collectives_since_heartbeat(),
                     now=self._clock(),
                 )
             )
@@ -411,23 +413,18 @@ class Join:
             return False
         return True
 
-    def _iteration_open(self) -> bool:
-        """Whether peers still expect collectives of this rank's last iteration.
+    def _collectives_since_heartbeat(self) -> int | None:
+        """The group's own collectives since this rank's last heartbeat.
 
-        True when the rank raised right after its heartbeat went on the wire and
-        before any other collective: the separate heartbeat with no collective
-        since, or a fused heartbeat's own collective and nothing after it (then
-        the completion round skips that collective's shadow). Without the
-        backend's ``collectives_issued`` counter it cannot tell, and says no.
+        The machine tells from it whether the rank failed midway through an
+        iteration its peers are still in. ``None`` without the backend's
+        ``collectives_issued`` counter, or before any heartbeat.
         """
         counter = getattr(self._backend, "collectives_issued", None)
         mark = self._collectives_at_heartbeat
         if counter is None or mark is None:
-            return False
-        if self._fused:
-            self._first_shadowed = counter == mark + 1
-            return self._first_shadowed
-        return bool(counter == mark)
+            return None
+        return int(counter - mark)
 
     # -- the heartbeat ---------------------------------------------------------
 
@@ -483,14 +480,9 @@ class Join:
         except _ForeignConfig:
             raise _foreign_error(joinable, "fused_heartbeat") from None
         if join is not None:
-            if join._fused and join._batch_notifies:
-                total = join._fused_total
-                if total is not None and total >= _FAILURE_TALLY:
-                    join._feed(m.HeartbeatSeen(total=total, now=join._clock()))
-                join._batched_notifies += 1
-                if join._counts_collectives:
-                    join._collectives_at_heartbeat = join._backend.collectives_issued
-                return m.ACTIVE
+            order = join._order
+            if order is not None and order.fused:
+                return join._fused_beat(order)
             join._notify()
         return m.JOINED
 
@@ -506,24 +498,40 @@ class Join:
             config.join._fused_total = total
 
     def _notify(self) -> Any:
-        if self._batch_notifies:
-            # The machine's answer is known (m.notify_is_batchable): read the
-            # previous heartbeat's sum for a failed peer, send this one, count
-            # it; _feed folds the count into the state later.
+        order = self._order
+        if order is None:
+            # No standing order (throw mode): the machine decides each notify.
+            handle = self._feed(m.Notified(now=self._clock()))
+        elif order.fused:
+            # A fused joinable notifying: its heartbeat rides in its collective.
+            self._fused_beat(order)
+            return None
+        else:
+            # The standing order: the previous heartbeat's sum (where the
+            # backend can tell) if it is an alarm, else this heartbeat.
             previous = self._last_heartbeat
             if previous is not None and self._heartbeat_total is not None:
                 total = self._heartbeat_total(previous)
-                if total >= _FAILURE_TALLY:
+                if total >= order.alarm:
                     return self._feed(m.HeartbeatSeen(total=total, now=self._clock()))
-            self._batched_notifies += 1
-            handle = self._last_heartbeat = self._heartbeat(m.ACTIVE)
-        else:
-            handle = self._feed(m.Notified(now=self._clock()))
+            self._beats += 1
+            handle = self._last_heartbeat = self._heartbeat(order.value)
         # A failure before the backend issues another collective leaves this
         # iteration open for the peers (see _leave).
         if self._counts_collectives:
             self._collectives_at_heartbeat = self._backend.collectives_issued
         return handle
+
+    def _fused_beat(self, order: m.HeartbeatOrder) -> float:
+        """The standing order for a fused heartbeat: the value for the slot."""
+        total = self._fused_total
+        if total is not None and total >= order.alarm:
+            self._feed(m.HeartbeatSeen(total=total, now=self._clock()))  # raises PeerAborted
+            return m.JOINED
+        self._beats += 1
+        if self._counts_collectives:
+            self._collectives_at_heartbeat = self._backend.collectives_issued
+        return order.value
 
     # -- observability -----------------------------------------------------------
 
@@ -554,7 +562,7 @@ class Join:
     @property
     def state(self) -> m.JoinState | None:
         """The machine's current state (``None`` when not enabled)."""
-        self._fold_batched_notifies()
+        self._report_beats()
         return self._state
 
     @property
@@ -594,26 +602,31 @@ class Join:
 
     # -- driving the machine ---------------------------------------------------
 
+    def _report_beats(self) -> None:
+        """Tell the machine the heartbeats sent under its standing order."""
+        if self._beats:
+            beats, self._beats = self._beats, 0
+            self._feed(m.Notified(count=beats, now=self._clock()))
+
     def _feed(self, observation: m.Observation) -> Any:
         """Step the machine and carry out its commands until none is pending.
 
         Returns the heartbeat handle if a heartbeat was sent.
         """
-        self._fold_batched_notifies()
-        self._batch_notifies = False
         try:
+            self._report_beats()  # before anything the machine hears next
             return self._run(observation)
         except Exception as error:
             if self._stall is not None and error is not self._stall:
                 raise self._stall from error
             raise
         finally:
-            self._activity = None
-            assert self._state is not None
-            self._batch_notifies = m.notify_is_batchable(self._state)
+            self._watch.end()
 
-    def _on_stall(self, message: str) -> None:
+    def _on_stall(self, doing: str, ticks: int, idle: float) -> None:
         """Called by the watchdog thread, once, when this rank has stalled."""
+        assert self._state is not None and self._timeout is not None
+        message = m.stall_message(self._state, doing, ticks, idle, self._timeout)
         peer_status = getattr(self._backend, "peer_status", None)
         if peer_status is not None:
             try:
@@ -629,16 +642,10 @@ class Join:
         if abort is not None:
             abort(message)
 
-    def _fold_batched_notifies(self) -> None:
-        if self._batched_notifies:
-            assert self._state is not None
-            self._state = m.replay_notifies(self._state, self._batched_notifies)
-            self._batched_notifies = 0
-
     def _doing(self, what: str, status: str | None = None) -> None:
         """Record what the rank is now blocked in, for the watchdog and (or
         ``status``, if given) for the peers."""
-        self._activity = m.Activity(what=what, since=self._clock())
+        self._watch.begin(what, self._clock())
         self._post(what if status is None else status)
 
     def _post(self, what: str) -> None:
@@ -646,82 +653,60 @@ class Join:
         if self._post_status is not None:
             self._post_status(what)
 
-    def _run_hooks(self, command: m.RunMainHooks | m.RunPostHooks) -> None:
-        if isinstance(command, m.RunPostHooks):
-            self._doing("post hooks")
-            for hook in self._hooks:
-                hook.post_hook(command.is_last_joiner)
-            return
-        assert self._state is not None
-        self._doing(m.shadow_activity(self._state))
-        slot = m.FAILED if self._state.failure else m.JOINED
-        for index, hook in enumerate(self._hooks):
-            # A fused joinable's first collective is shadowed by fused_shadow,
-            # unless this round's count already did it.
-            if self._fused_hooks[index] and not (index == 0 and self._first_shadowed):
-                hook.fused_shadow(slot)
+    def _main_hooks(self, command: m.RunMainHooks) -> None:
+        self._doing(f"main hooks of shadow round {command.round}")
+        for hook, shadows_slot in self._round_plans[command.first_shadowed]:
+            if shadows_slot:
+                hook.fused_shadow(m.JOINED)
             hook.main_hook()
-        self._first_shadowed = False
 
-    def _shadow_batch(
-        self, command: m.CountNonjoined, limit: int
-    ) -> tuple[m.Observation, Exception | None]:
-        """The drain's fast path: run plain shadow rounds without stepping the machine.
+    def _post_hooks(self, command: m.RunPostHooks) -> None:
+        self._doing("post hooks")
+        for hook in self._hooks:
+            hook.post_hook(command.is_last_joiner)
 
-        Each round is the count and then every main hook, exactly as the
-        machine would command them (``m.shadow_rounds_batchable``), at a
-        fraction of the Python: no step, no observation or activity per round.
-        The rounds end at the first count that is not plain (the machine takes
-        it from there), once ``limit`` rounds ran (the skew warning's round),
-        or when a hook raises; then they are folded into the state with
-        ``m.replay_shadow_steps``. The watchdog reads the progress from
-        ``_batch_base`` and ``_batch_steps`` (``_watchdog``).
+    def _drain(self, command: m.Drain) -> tuple[m.Drained, Exception | None]:
+        """Carry out ``Drain``: count and shadow until the command's own stop.
+
+        Each round is the count, then every main hook; the drain ends at a
+        count below ``command.until`` (nobody active), after ``command.limit``
+        rounds, or when a hook raises. The watchdog sees one activity and a
+        tick per count and per round of hooks.
 
         Returns:
-            The observation for the machine (the count that was not plain, or
-            ``HookFailed``) and the hook's exception, if one raised.
+            The ``Drained`` observation, and the hook's exception if one raised.
         """
-        base = self._state
-        assert base is not None
+        state = self._state
+        assert state is not None
+        watch = self._watch
         self._doing(
-            m.shadow_activity(base),
-            f"shadowing from shadow round {base.shadow_rounds} on (counting non-joined "
+            m.drain_activity(state, 0),
+            f"shadowing from shadow round {state.shadow_rounds} on (counting non-joined "
             "ranks, then main hooks, round after round)",
         )
-        self._batch_steps = 0
-        self._batch_base = base
-        value, fused = command.value, command.fused
-        count = self._hooks[0].fused_shadow if fused else self._backend.count
-        # Which hooks shadow a fused first collective themselves (the first
-        # one's is the count when the heartbeat is fused).
-        hooks = [
-            (hook, fuses and not (index == 0 and fused))
-            for index, (hook, fuses) in enumerate(zip(self._hooks, self._fused_hooks, strict=True))
-        ]
+        count = self._hooks[0].fused_shadow if command.fused else self._backend.count
+        plan = self._round_plans[command.fused]
+        value, then, until, limit = command.first, command.value, command.until, command.limit
         rounds = 0
-        try:
-            while True:
-                total = count(value)
-                if rounds == limit or not m.count_is_plain(total):
-                    self._first_shadowed = fused
-                    return m.Counted(total=total, now=self._clock()), None
-                self._batch_steps += 1
-                try:
-                    for hook, shadows_fused in hooks:
-                        if shadows_fused:
-                            hook.fused_shadow(m.JOINED)
-                        hook.main_hook()
-                except Exception as error:
-                    if self._stall is not None:
-                        raise self._stall from error
-                    failure = _failure(error, self._backend.rank)
-                    return m.HookFailed(failure=failure, now=self._clock()), error
-                rounds += 1
-                self._batch_steps += 1
-        finally:
-            self._state = m.replay_shadow_steps(base, self._batch_steps)
-            self._batch_base = None
-            self._batch_steps = 0
+        while True:
+            total = count(value)
+            watch.ticks += 1
+            if total < until or rounds == limit:
+                return m.Drained(rounds=rounds, total=total, now=self._clock()), None
+            value = then
+            try:
+                for hook, shadows_slot in plan:
+                    if shadows_slot:
+                        hook.fused_shadow(m.JOINED)
+                    hook.main_hook()
+            except Exception as error:
+                if self._stall is not None:
+                    raise self._stall from error
+                failure = _failure(error, self._backend.rank)
+                return m.Drained(rounds=rounds, total=None, failure=failure,
+                                 now=self._clock()), error
+            rounds += 1
+            watch.ticks += 1
 
     def _run(self, observation: m.Observation) -> Any:
         assert self._state is not None
@@ -731,44 +716,36 @@ class Join:
         pending: m.Observation | None = observation
         while pending is not None:
             before = self._state.phase
+            # A standing order ends with the next observation; the transition
+            # issues it again where it still stands.
+            self._order = None
             transition = m.step(self._state, pending)
             self._state = state = transition.state
-            if transition.state.phase is not before and _log.isEnabledFor(logging.DEBUG):
-                _log.debug(
-                    "rank %s: %s -> %s on %s",
-                    transition.state.config.rank,
-                    before.name,
-                    transition.state.phase.name,
-                    type(pending).__name__,
-                )
+            if state.phase is not before and _log.isEnabledFor(logging.DEBUG):
+                _log.debug("rank %s: %s -> %s on %s", state.config.rank, before.name,
+                           state.phase.name, _summary(pending))
             pending = None
             for command in transition.commands:
                 match command:
+                    case m.HeartbeatOrder():
+                        self._order = command
+                    case m.Drain():
+                        pending, hook_error = self._drain(command)
                     case m.SendHeartbeat():
                         handle = self._last_heartbeat = backend.heartbeat(command.value)
                     case m.CheckTermination():
                         self._doing(f"the termination check after input {state.heartbeats}")
                         total = backend.count(command.value)
                         pending = m.TerminationChecked(total=total, now=self._clock())
-                    case m.CountNonjoined():
-                        # Batched unless each phase change is to be logged.
-                        limit = m.shadow_rounds_batchable(state)
-                        if limit and not _log.isEnabledFor(logging.DEBUG):
-                            pending, hook_error = self._shadow_batch(command, limit)
-                            continue
-                        self._doing(m.shadow_activity(state))
-                        if command.fused:
-                            total = self._hooks[0].fused_shadow(command.value)
-                            self._first_shadowed = True
-                        else:
-                            total = backend.count(command.value)
-                        pending = m.Counted(total=total, now=self._clock())
                     case m.SignalTermination():
                         self._doing("signalling early termination")
                         backend.count(command.value)
                     case m.RunMainHooks() | m.RunPostHooks():
                         try:
-                            self._run_hooks(command)
+                            if isinstance(command, m.RunMainHooks):
+                                self._main_hooks(command)
+                            else:
+                                self._post_hooks(command)
                         except Exception as error:
                             if self._stall is not None:
                                 raise self._stall from error
@@ -803,6 +780,17 @@ class Join:
                     case _:  # pragma: no cover - a new command without a handler
                         raise AssertionError(f"unhandled command {command!r}")
         return handle
+
+
+def _summary(observation: m.Observation) -> str:
+    """An observation for the DEBUG log (a drain: its rounds and final count)."""
+    if isinstance(observation, m.Drained):
+        if observation.failure is not None:
+            return (f"Drained (a main hook raised after {observation.rounds} shadow rounds: "
+                    f"{observation.failure.exc_type})")
+        return (f"Drained ({observation.rounds} shadow rounds, then a count of "
+                f"{observation.total:g})")
+    return type(observation).__name__
 
 
 def _failure(error: BaseException, rank: int) -> m.Failure:

@@ -4,40 +4,67 @@ Theory of operation
 -------------------
 Every rank runs the same loop over its own inputs inside ``with Join(...)``.
 Each iteration the first joinable calls ``notify_join_context``, which sends a
-*heartbeat*: a 1-element SUM all-reduce to which an active rank contributes 1.
-A rank whose inputs run out *joins*: in ``__exit__`` it repeatedly *counts* the
-non-joined ranks with an all-reduce that shadows the heartbeat (it contributes
-0). While the count is non-zero it runs every joinable's main hook, which
-shadows the collectives of one training iteration (a *shadow round*). When the
-count is zero every rank has joined; each runs the post hooks, passing
-``is_last_joiner`` (true when its very first count was already zero, i.e. it
-was among the ranks with the most inputs). This is torch's protocol, value for
-value, so joinkit ranks and torch ranks can share one process group.
+*heartbeat*: a 1-element float32 SUM all-reduce to which an active rank
+contributes 1. A rank whose inputs run out *joins*: in ``__exit__`` it
+*drains*: it repeatedly *counts* the non-joined ranks with an all-reduce that
+shadows the heartbeat (it contributes 0) and, while the count is non-zero,
+runs every joinable's main hook, which shadows the collectives of one training
+iteration (a *shadow round*). When the count is zero every rank has joined;
+each runs the post hooks, passing ``is_last_joiner`` (true when its very first
+count was already zero, i.e. it was among the ranks with the most inputs).
+This is torch's protocol, value for value, so joinkit ranks and torch ranks
+can share one process group.
 
 With ``throw_on_early_termination`` an active rank follows its heartbeat with a
 *termination check* (a blocking all-reduce to which it contributes 0); a joined
 rank that sees active ranks *signals termination* on that same all-reduce
 (contributing 1) and raises; the active ranks see a non-zero check and raise.
 
-Failures ride on the same collectives. A rank whose loop body raises does not
-leave: it counts and shadows like a joined rank but contributes ``FAILED`` (a
-weight far above any rank count, so every sum decodes into ``(active,
-failed)``). If it raised right after its heartbeat, before any other collective
-of that iteration, it first runs one *completion round* of main hooks so that
-iteration's collectives are matched. Active ranks read each heartbeat's sum at
-their next notify; seeing a failure they stop (``PeerAborted`` is raised inside
-the loop) and count as joined. Once a count shows no active rank and some
-failure, no post hook runs: all ranks *exchange failures* (one all-gather of
-``Failure`` values) and every rank raises ``PeerFailure`` naming the failing
-rank, except the failing ranks, which re-raise their own exception.
+Failures ride on the same collectives, in three weights (*wire values*)::
+
+    ACTIVE   1        an active rank's heartbeat
+    JOINED   0        a joined rank's count
+    FAILING  2**53    a failed rank's first join collective after it failed
+    FAILED   2**-100  each later one
+
+A float32 sum counts active ranks exactly up to ``MAX_WORLD_SIZE`` = 2**24
+(bigger worlds are refused), so no weight can carry an exact failure count
+beside it. The protocol needs less (``decode_tally``):
+
+- *A sum of at least* ``ALARM`` (2**52) says that a rank failed in this
+  round; the FAILING weights swamp the active count, which is then unknown.
+  Active ranks read each heartbeat's sum at their next notify: seeing the
+  alarm they stop (``PeerAborted`` inside the loop) and drain like joined
+  ranks. Draining ranks take an alarmed count for "some rank may be active"
+  and shadow one more round; all of them do the same, so collectives match
+  whether or not anyone was active.
+- *With some rank active*, FAILED weights round away (2**-100 is below half a
+  float32 unit of 1): the sum is the exact active count.
+- *With no rank active*, the sum is 0 if nobody failed and ``f * 2**-100``
+  (positive, below 0.5) if f ranks did. A failing rank keeps counting to the
+  end, so the final count tells every rank, including one that never saw the
+  alarm, whether to run the post hooks or to *exchange failures* (one
+  all-gather of ``Failure`` values, which names them exactly): every rank
+  then raises ``PeerFailure`` naming the failing rank, except the failing
+  ranks, which re-raise their own exception. Post hooks never run after a
+  failure.
+
+A rank whose loop body raised right after its heartbeat, before any other
+collective of that iteration, first runs one *completion round* of main hooks
+so that its peers' iteration is matched; then it drains like a joined rank. A
+draining rank in throw mode counts once: a FAILING weight there makes every
+counting rank signal (so active ranks, if any, see the alarm in their check)
+and exchange.
 
 A *fused* heartbeat (``MachineConfig.fused_heartbeat``) rides inside the first
 joinable's own first collective of each iteration (one extra element), so an
-active iteration costs no extra collective: ``Notified`` then commands nothing,
-and ``CountNonjoined(fused=True)`` is carried out by that joinable's shadow of
-the same collective. A count of zero stops the joined ranks before any other
-side effect of the round. Throw mode needs its separate check and so never
-fuses.
+active iteration costs no extra collective; a drain's counts are then that
+joinable's shadow of the same collective (``Drain(fused=True)``), which stops
+the joined ranks before any other side effect of the round. Throw mode needs
+its separate check and so never fuses. A float64 slot can carry one more
+per-rank flag beside the heartbeat, ``HEARTBEAT_FLAG`` (2**28) per flagged
+rank: exact up to 2**24 ranks, between the active count and the FAILING
+weight (``split_heartbeat_flags``; DDP's fused gradient-sync check).
 
 On entry, ranks may first *check agreement*: one all-gather of each rank's
 ``signature`` (number of joinables, throw mode, backend); a difference raises
@@ -53,8 +80,10 @@ Phases (``Phase``)::
                 PeerFailure) was raised inside the loop; the body must exit
     ABORTING    active, a heartbeat showed a failed peer and PeerAborted was
                 raised inside the loop; the loop body must now exit
-    COUNTING    out of the loop, waiting for the count of non-joined ranks
-    SHADOWING   out of the loop, running one round of main hooks
+    DRAINING    out of the loop: counting and shadowing, round after round
+    SHADOWING   out of the loop, running one round of main hooks (a failing
+                rank's completion round, or the round whose count ended a
+                drain at the skew warning)
     EXCHANGING  a failure was seen; waiting for the exchange of failures
     POST_HOOKS  everyone joined, running the post hooks
     DONE        finished; the shell leaves the context
@@ -64,12 +93,31 @@ Phases (``Phase``)::
 Observations are what the shell saw; each carries ``now``, a time the shell
 read from its clock, because the core never reads one. Commands are what the
 shell must do next, in order. A command that produces a result (a check, a
-count, an exchange, hooks that run) is answered by exactly one observation.
+drain, an exchange, hooks that run) is answered by exactly one observation.
+
+Where the next steps are always the same, one command stands for all of them,
+so the shell executes and never decides:
+
+- ``HeartbeatOrder`` (a *standing order* in ACTIVE, without throw mode): on
+  every notify, read the previous heartbeat's sum where the backend can and
+  report it (``HeartbeatSeen``) if it is at least ``alarm``; otherwise send
+  the heartbeat and count it. The order stands until the shell's next
+  observation; it reports the heartbeats sent under it as ``Notified(count)``
+  before that observation, and every transition that stays in ACTIVE issues
+  the order again.
+- ``Drain``: count, and while the sum shows some rank possibly active run
+  the main hooks, up to ``limit`` rounds (the skew warning's round); answered
+  by one ``Drained(rounds, total, failure)``.
+
+The table ``TRANSITIONS`` lists, per (phase, observation), the handler and the
+phases it may lead to; a pair missing there is illegal.
 
 Invariants:
 - every rank issues the same sequence of join collectives, so the SUM of one
   round is the same number on every rank and all ranks make the same decision;
 - a rank's ``is_last_joiner`` is true iff its first count was zero;
+- a failing rank contributes FAILING to exactly one count (in throw mode, to
+  its count and its termination signal) and FAILED to every later one;
 - after a failure, post hooks never run and every rank leaves with an error;
 - the machine never raises: an illegal (phase, observation) pair moves it to
   ERRORED and emits ``Raise(LocalProtocolError(...))``.
@@ -78,7 +126,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
-import sys
+import math
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -108,14 +156,15 @@ __all__ = [
     "HeartbeatSeen",
     "TerminationChecked",
     "LoopExited",
-    "Counted",
+    "Drained",
     "HooksDone",
     "HookFailed",
     "FailuresExchanged",
     "CheckAgreement",
+    "HeartbeatOrder",
     "SendHeartbeat",
     "CheckTermination",
-    "CountNonjoined",
+    "Drain",
     "SignalTermination",
     "RunMainHooks",
     "RunPostHooks",
@@ -125,19 +174,18 @@ __all__ = [
     "Raise",
     "ACTIVE",
     "JOINED",
+    "FAILING",
     "FAILED",
+    "ALARM",
+    "NOBODY_ACTIVE_BELOW",
+    "MAX_WORLD_SIZE",
+    "HEARTBEAT_FLAG",
     "decode_tally",
-    "tally_has_failure",
+    "split_heartbeat_flags",
     "initial_state",
     "step",
     "report",
-    "notify_is_batchable",
-    "replay_notifies",
-    "shadow_rounds_batchable",
-    "count_is_plain",
-    "replay_shadow_steps",
-    "shadow_activity",
-    "Activity",
+    "drain_activity",
     "stall_message",
     "TRANSITIONS",
     "SKEW_WARN_THRESHOLD",
@@ -145,13 +193,25 @@ __all__ = [
     "joined_rank_message",
 ]
 
-# -- wire values --------------------------------------------------------------
+# -- wire values (module doc) ---------------------------------------------------
 
 ACTIVE = 1.0
 JOINED = 0.0
-# A failing rank's contribution; exact in float32 for sums below 2**24, so up
-# to 4095 active ranks and 4095 failed ranks decode without loss.
-FAILED = 4096.0
+# A failed rank's first join collective: 2**24 of them still sum exactly in
+# float32 (2**77) and far above any active count; in float64, 2**53 sits just
+# above the flag lane (HEARTBEAT_FLAG).
+FAILING = 2.0**53
+# Each later one: below half a float32 unit of 1, so it rounds away as soon as
+# one rank is active, and 2**24 of them still sum exactly (2**-76).
+FAILED = 2.0**-100
+#: A sum at least this large includes a FAILING weight.
+ALARM = 2.0**52
+#: A count below this shows no rank active (0, or FAILED weights only).
+NOBODY_ACTIVE_BELOW = 0.5
+#: The largest world whose active count a float32 sum holds exactly.
+MAX_WORLD_SIZE = 2**24
+#: One flagged rank's weight in a float64 heartbeat slot (``split_heartbeat_flags``).
+HEARTBEAT_FLAG = 2.0**28
 
 SKEW_WARN_THRESHOLD = 1000
 ACTIVE_RANK_MESSAGE = (
@@ -164,15 +224,37 @@ def joined_rank_message(rank: int) -> str:
     return f"Rank {rank} exhausted all inputs."
 
 
-def decode_tally(total: float) -> tuple[int, int]:
-    """Split a heartbeat/count sum into ``(active ranks, failed ranks)``."""
-    failed, active = divmod(int(round(total)), int(FAILED))
-    return active, failed
+def decode_tally(total: float) -> tuple[int | None, bool]:
+    """Read a heartbeat, count or termination-check sum (module doc).
+
+    Returns:
+        ``(active, failure)``: the number of active ranks, ``None`` when a
+        FAILING weight hides it; whether the sum shows a failure (with some
+        rank active and no FAILING weight, failed ranks do not show).
+    """
+    if total >= ALARM:
+        return None, True
+    if total >= NOBODY_ACTIVE_BELOW:
+        return int(round(total)), False
+    return 0, total > 0.0
 
 
-def tally_has_failure(total: float) -> bool:
-    """Whether a heartbeat/count sum includes a failed rank (cheap check)."""
-    return total >= FAILED - 0.5
+def split_heartbeat_flags(total: float) -> tuple[float, int]:
+    """Split a float64 slot's sum of ``heartbeat + HEARTBEAT_FLAG * flag``.
+
+    Each rank puts its heartbeat value (``ACTIVE``, ``JOINED``, ``FAILING``,
+    ``FAILED``) plus ``HEARTBEAT_FLAG`` if its flag is set into one float64
+    element; the sum splits into the heartbeat sum (read it with
+    :func:`decode_tally`) and the number of flagged ranks. Exact for every
+    world up to ``MAX_WORLD_SIZE``: the active count stays below 2**25, the
+    flags below 2**53, and where FAILING weights push the sum above 2**53 the
+    rounding stays far below one flag (tested in every summation order).
+
+    Returns:
+        ``(heartbeat sum, flagged ranks)``.
+    """
+    flags = math.floor(math.fmod(total, FAILING) / HEARTBEAT_FLAG)
+    return total - flags * HEARTBEAT_FLAG, flags
 
 
 class Phase(enum.Enum):
@@ -186,7 +268,7 @@ class Phase(enum.Enum):
     CHECKING = "checking"
     TERMINATED = "terminated"
     ABORTING = "aborting"
-    COUNTING = "counting"
+    DRAINING = "draining"
     SHADOWING = "shadowing"
     EXCHANGING = "exchanging"
     POST_HOOKS = "post_hooks"
@@ -222,7 +304,11 @@ class MachineConfig:
     ``signature`` is what ranks must agree on at entry, as ``(name, value)``
     pairs; ``None`` turns the agreement check off. ``skew_warn_threshold`` is
     the number of shadow rounds after which a joined rank warns once about input
-    skew (torch: 1000).
+    skew (torch: 1000). ``world_size``, where known, must not exceed
+    ``MAX_WORLD_SIZE``.
+
+    Raises:
+        ValueError: a fused heartbeat in throw mode, or a world too large.
     """
 
     rank: int
@@ -230,10 +316,18 @@ class MachineConfig:
     signature: tuple[tuple[str, Any], ...] | None = None
     skew_warn_threshold: int = SKEW_WARN_THRESHOLD
     fused_heartbeat: bool = False
+    world_size: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.fused_heartbeat and self.throw_on_early_termination:
             raise ValueError("a fused heartbeat cannot carry throw mode's termination check")
+        if self.world_size is not None and self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(
+                f"joinkit's Join supports worlds of at most 2**24 = {MAX_WORLD_SIZE} ranks, "
+                f"and this process group has {self.world_size}: the heartbeat is a float32 "
+                "sum, which counts active ranks exactly only up to 2**24 (as torch's Join's "
+                "does); join a subgroup of at most 2**24 ranks"
+            )
 
 
 @attrs.frozen(kw_only=True, slots=False)
@@ -243,10 +337,12 @@ class JoinState:
     ``heartbeats`` is the number of inputs this rank processed (heartbeats sent),
     which is also the round at which it joined; ``shadow_rounds`` counts the
     main-hook rounds it ran after leaving its loop. ``failure`` is this rank's
-    own failure; ``failure_seen`` whether some count showed a failed rank;
-    ``stopped_early`` whether the loop ended because a peer failed (PeerAborted)
-    rather than because its inputs ran out; ``peer_failures`` the other ranks'
-    failures, from the exchange.
+    own failure; ``failure_announced`` whether its FAILING weight went out;
+    ``failure_seen`` whether it learned of a failure (an alarm in a heartbeat's
+    sum, or the count or check that sent it to the exchange); ``stopped_early``
+    whether the loop ended because a peer failed (PeerAborted) rather than
+    because its inputs ran out; ``peer_failures`` the other ranks' failures,
+    from the exchange.
     """
 
     phase: Phase
@@ -256,6 +352,7 @@ class JoinState:
     is_last_joiner: bool = True
     warned_skew: bool = False
     failure: Failure | None = None
+    failure_announced: bool = False
     failure_seen: bool = False
     stopped_early: bool = False
     peer_failures: tuple[Failure, ...] = ()
@@ -269,9 +366,9 @@ class JoinState:
 def _evolve(state: JoinState, **changes: Any) -> JoinState:
     """``attrs.evolve`` for the hot path: copy the instance dict, then change it.
 
-    JoinState has no validators or converters, so this is equivalent, and it
-    costs a fraction of evolve's per-field rebuild (the core's ``step`` must
-    stay within ~2 us).
+    JoinState has no validators or converters, so this is equivalent (tested
+    against ``attrs.evolve`` over every field), and it costs a fraction of
+    evolve's per-field rebuild (the core's ``step`` must stay within ~2 us).
     """
     new = object.__new__(JoinState)
     fields = new.__dict__
@@ -415,8 +512,14 @@ class AgreementChecked:
 
 @attrs.frozen(kw_only=True)
 class Notified:
-    """The first joinable called ``notify_join_context``: one more input."""
+    """The first joinable called ``notify_join_context``: ``count`` more inputs.
 
+    In throw mode, one per notify (the machine commands its heartbeat and
+    check). Under a ``HeartbeatOrder``, the heartbeats the shell sent under the
+    order, reported before its next observation.
+    """
+
+    count: int = 1
     now: float = 0.0
 
 
@@ -440,24 +543,33 @@ class TerminationChecked:
 class LoopExited:
     """The loop body left the context.
 
-    ``failure`` is set with ``Outcome.FAILED``; ``iteration_open`` means the
-    rank raised after its heartbeat and before any other collective of that
-    iteration, so its peers still expect that iteration's collectives. (With a
-    fused heartbeat, the heartbeat is the joinable's first collective: open
-    means that collective happened and nothing after it.)
+    ``failure`` is set with ``Outcome.FAILED``. ``collectives_since_heartbeat``
+    is how many of the group's own collectives the rank issued since its last
+    heartbeat (``None``: unknown, or no heartbeat yet); the machine tells from
+    it whether the rank raised midway through an iteration its peers are still
+    in (right after a separate heartbeat, or right after a fused heartbeat's
+    own collective) and must first complete it.
     """
 
     outcome: Outcome = Outcome.NORMAL
     failure: Failure | None = None
-    iteration_open: bool = False
+    collectives_since_heartbeat: int | None = None
     now: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
-class Counted:
-    """Result of ``CountNonjoined``: the SUM over all ranks."""
+class Drained:
+    """Result of ``Drain``.
 
-    total: float
+    ``rounds`` shadow rounds ran in full (count, then every main hook).
+    ``total`` is the sum of the count that ended the drain, ``None`` when a
+    main hook raised: then ``failure`` is that hook's exception, and the round
+    it raised in is left incomplete.
+    """
+
+    rounds: int
+    total: float | None
+    failure: Failure | None = None
     now: float = 0.0
 
 
@@ -491,7 +603,7 @@ Observation: TypeAlias = (
     | HeartbeatSeen
     | TerminationChecked
     | LoopExited
-    | Counted
+    | Drained
     | HooksDone
     | HookFailed
     | FailuresExchanged
@@ -505,6 +617,23 @@ class CheckAgreement:
     """All-gather ``signature``; answer with ``AgreementChecked``."""
 
     signature: tuple[tuple[str, Any], ...]
+
+
+@attrs.frozen(kw_only=True)
+class HeartbeatOrder:
+    """A standing order for every notify until the next observation (module doc).
+
+    On each notify of the first joinable: read the previous heartbeat's sum
+    where the backend can (``heartbeat_total``; with ``fused``, the sum the
+    joinable recorded); if it is at least ``alarm``, answer ``HeartbeatSeen``.
+    Otherwise send a heartbeat contributing ``value`` (with ``fused``, give
+    ``value`` to the joinable for its slot instead) and count it; report the
+    count as ``Notified(count)`` before the next observation.
+    """
+
+    value: float = ACTIVE
+    fused: bool = False
+    alarm: float = ALARM
 
 
 @attrs.frozen(kw_only=True)
@@ -522,15 +651,24 @@ class CheckTermination:
 
 
 @attrs.frozen(kw_only=True)
-class CountNonjoined:
-    """Blocking all-reduce shadowing the heartbeat; answer with ``Counted``.
+class Drain:
+    """Count the non-joined ranks and shadow their rounds; answer with ``Drained``.
 
-    ``fused``: carry it out as the first joinable's shadow of its own first
-    collective (a fused heartbeat), not as a separate all-reduce.
+    Each round: a blocking all-reduce shadowing the heartbeat, contributing
+    ``first`` the first time and ``value`` after (with ``fused``, it is the
+    first joinable's ``fused_shadow`` of its own first collective, whose main
+    hook then shadows only the rest); if the sum is below ``until`` (nobody
+    active) or ``limit`` rounds already ran (``None``: no limit), stop and
+    answer with that sum; else run every joinable's main hook (a joinable that
+    fuses a heartbeat slot shadows its first collective with ``JOINED`` in it)
+    and go on. A main hook that raises ends the drain at once.
     """
 
+    first: float = JOINED
     value: float = JOINED
     fused: bool = False
+    limit: int | None = None
+    until: float = NOBODY_ACTIVE_BELOW
 
 
 @attrs.frozen(kw_only=True)
@@ -542,9 +680,14 @@ class SignalTermination:
 
 @attrs.frozen(kw_only=True)
 class RunMainHooks:
-    """Run every joinable's main hook once; answer with ``HooksDone``/``HookFailed``."""
+    """Run every joinable's main hook once; answer with ``HooksDone``/``HookFailed``.
+
+    ``first_shadowed``: the first joinable's first collective needs no shadow
+    (a fused count shadowed it, or it went out before the rank failed).
+    """
 
     round: int
+    first_shadowed: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -584,9 +727,10 @@ class Raise:
 
 Command: TypeAlias = (
     CheckAgreement
+    | HeartbeatOrder
     | SendHeartbeat
     | CheckTermination
-    | CountNonjoined
+    | Drain
     | SignalTermination
     | RunMainHooks
     | RunPostHooks
@@ -607,6 +751,10 @@ class Transition:
 
 _Handler: TypeAlias = Callable[[JoinState, Any], Transition]
 
+# The standing orders, one per kind of heartbeat (built once: step is hot).
+_ORDERS = {False: (HeartbeatOrder(),), True: (HeartbeatOrder(fused=True),)}
+_HEARTBEAT_AND_CHECK = (SendHeartbeat(), CheckTermination())
+
 
 def _go(s: JoinState, phase: Phase, *commands: Command, **fields: Any) -> Transition:
     return Transition(_evolve(s, phase=phase, **fields), commands)
@@ -616,9 +764,16 @@ def _raise(s: JoinState, phase: Phase, error: JoinError, **fields: Any) -> Trans
     return _go(s, phase, Raise(error=error), error=error, **fields)
 
 
+def _active(s: JoinState, **fields: Any) -> Transition:
+    """Stay in (or enter) ACTIVE, with the standing heartbeat order outside throw mode."""
+    config = s.config
+    orders = () if config.throw_on_early_termination else _ORDERS[config.fused_heartbeat]
+    return Transition(_evolve(s, phase=Phase.ACTIVE, **fields), orders)
+
+
 def _enter(s: JoinState, o: Entered) -> Transition:
     if s.config.signature is None:
-        return _go(s, Phase.ACTIVE, entered_at=o.now)
+        return _active(s, entered_at=o.now)
     return _go(
         s, Phase.AGREEING, CheckAgreement(signature=s.config.signature), entered_at=o.now
     )
@@ -626,7 +781,7 @@ def _enter(s: JoinState, o: Entered) -> Transition:
 
 def _agreement_checked(s: JoinState, o: AgreementChecked) -> Transition:
     if all(signature == s.config.signature for signature in o.signatures):
-        return _go(s, Phase.ACTIVE)
+        return _active(s)
     names = [name for name, _ in s.config.signature or ()]
     rows = [f"  rank | {' | '.join(names)}"]
     for rank, signature in enumerate(o.signatures):
@@ -641,17 +796,17 @@ def _agreement_checked(s: JoinState, o: AgreementChecked) -> Transition:
 
 
 def _notify(s: JoinState, o: Notified) -> Transition:
-    if s.config.fused_heartbeat:
-        # The joinable's own collective carries ACTIVE; nothing to send.
-        return Transition(_evolve(s, heartbeats=s.heartbeats + 1))
-    if s.config.throw_on_early_termination:
-        return _go(s, Phase.CHECKING, *_HEARTBEAT_AND_CHECK, heartbeats=s.heartbeats + 1)
-    return Transition(_evolve(s, heartbeats=s.heartbeats + 1), _HEARTBEAT)
+    config = s.config
+    if config.throw_on_early_termination:
+        return _go(s, Phase.CHECKING, *_HEARTBEAT_AND_CHECK, heartbeats=s.heartbeats + o.count)
+    # Heartbeats sent under the standing order; it stands on.
+    orders = _ORDERS[config.fused_heartbeat]
+    return Transition(_evolve(s, heartbeats=s.heartbeats + o.count), orders)
 
 
 def _heartbeat_seen(s: JoinState, o: HeartbeatSeen) -> Transition:
-    if not tally_has_failure(o.total):
-        return Transition(s)
+    if o.total < ALARM:
+        return _active(s)
     error = PeerAborted(
         f"rank {s.config.rank} stopped: another rank failed inside the Join context; "
         "let this error leave the `with Join(...)` block, which then names the "
@@ -661,31 +816,37 @@ def _heartbeat_seen(s: JoinState, o: HeartbeatSeen) -> Transition:
 
 
 def _termination_checked(s: JoinState, o: TerminationChecked) -> Transition:
-    active, failed = decode_tally(o.total)
-    if failed:
-        return _exchange(s, o.now)
+    active, failure = decode_tally(o.total)
+    if failure:
+        return _exchange(s)
     if active:
         return _raise(s, Phase.TERMINATED, EarlyTermination(ACTIVE_RANK_MESSAGE))
     return _go(s, Phase.ACTIVE)
+
+
+def _iteration_open(s: JoinState, o: LoopExited) -> bool:
+    """Whether peers still expect collectives of the failing rank's last iteration.
+
+    True right after its heartbeat went on the wire and before any other
+    collective: a separate heartbeat with no collective since, or a fused
+    heartbeat's own collective and nothing after it.
+    """
+    since = o.collectives_since_heartbeat
+    return since is not None and since == (1 if s.config.fused_heartbeat else 0)
 
 
 def _loop_exited(s: JoinState, o: LoopExited) -> Transition:
     if o.outcome is Outcome.INTERRUPTED:
         return _go(s, Phase.DONE, done_at=o.now)
     if o.outcome is Outcome.FAILED and o.failure is not None:
-        failure = attrs.evolve(o.failure, rank=s.config.rank)
-        if o.iteration_open:
+        failing = _evolve(s, failure=attrs.evolve(o.failure, rank=s.config.rank), joined_at=o.now)
+        if _iteration_open(s, o):
             # Peers are inside this iteration's collectives: match them first.
-            return _go(
-                s,
-                Phase.SHADOWING,
-                RunMainHooks(round=s.shadow_rounds),
-                failure=failure,
-                joined_at=o.now,
-            )
-        return _go(s, Phase.COUNTING, _count(s, FAILED), failure=failure, joined_at=o.now)
+            command = RunMainHooks(round=s.shadow_rounds, first_shadowed=s.config.fused_heartbeat)
+            return _go(failing, Phase.SHADOWING, command)
+        return _drain(failing)
     if o.outcome is Outcome.NORMAL and s.phase is not Phase.CHECKING:
-        return _go(s, Phase.COUNTING, _count(s, JOINED), joined_at=o.now)
+        return _drain(_evolve(s, joined_at=o.now))
     return _illegal(s, o)
 
 
@@ -709,46 +870,69 @@ def _aborting_loop_exited(s: JoinState, o: LoopExited) -> Transition:
         return _go(s, Phase.DONE, done_at=o.now, stopped_early=True)
     if o.outcome is Outcome.FAILED and o.failure is not None:
         failure = attrs.evolve(o.failure, rank=s.config.rank)
-        return _go(s, Phase.COUNTING, _count(s, FAILED), failure=failure, joined_at=o.now)
-    return _go(s, Phase.COUNTING, _count(s, JOINED), joined_at=o.now, stopped_early=True)
+        return _drain(_evolve(s, failure=failure, joined_at=o.now))
+    return _drain(_evolve(s, joined_at=o.now, stopped_early=True))
 
 
-def _counted(s: JoinState, o: Counted) -> Transition:
-    active, failed = decode_tally(o.total)
-    seen = s.failure_seen or failed > 0 or s.failure is not None
+def _drain(s: JoinState) -> Transition:
+    """Go draining: count (FAILING first, for a failing rank that has not yet
+    said so) and shadow, up to the skew warning's round (throw mode: count once)."""
+    config = s.config
+    if s.failure is None:
+        first = value = JOINED
+    else:
+        first, value = (FAILED if s.failure_announced else FAILING), FAILED
+    limit: int | None
+    if config.throw_on_early_termination:
+        limit = 0
+    elif s.warned_skew:
+        limit = None
+    else:
+        limit = max(0, config.skew_warn_threshold - s.shadow_rounds)
+    command = Drain(first=first, value=value, fused=config.fused_heartbeat, limit=limit)
+    return _go(s, Phase.DRAINING, command)
+
+
+def _drained(s: JoinState, o: Drained) -> Transition:
+    rounds = s.shadow_rounds + o.rounds
+    total = o.total
+    last = s.is_last_joiner and o.rounds == 0 and total is not None and total < NOBODY_ACTIVE_BELOW
+    # Every count of the drain carried this rank's failure weight.
+    s = _evolve(
+        s, shadow_rounds=rounds, is_last_joiner=last, failure_announced=s.failure is not None
+    )
+    if o.failure is not None:
+        return _hook_failed(s, o.failure, o.now)
+    if total is None:
+        return _illegal(s, o)
+    active, failure_shows = decode_tally(total)
     if active == 0:
-        if seen:
-            return _exchange(_evolve(s, all_joined_at=o.now), o.now)
-        return _go(
-            s,
-            Phase.POST_HOOKS,
-            RunPostHooks(is_last_joiner=s.is_last_joiner),
-            all_joined_at=o.now,
-        )
+        s = _evolve(s, all_joined_at=o.now)
+        if failure_shows or s.failure is not None:
+            return _exchange(s)
+        return _go(s, Phase.POST_HOOKS, RunPostHooks(is_last_joiner=last))
     if s.config.throw_on_early_termination:
-        if seen:
-            signal = SignalTermination(value=FAILED if s.failure else ACTIVE)
-            exchange = _exchange(_evolve(s, is_last_joiner=False), o.now)
+        if failure_shows or s.failure is not None:
+            # Active ranks (if any) see the alarm in their check; with none,
+            # every counting rank signals alike, so the collectives match.
+            signal = SignalTermination(value=FAILING if s.failure else ACTIVE)
+            exchange = _exchange(s)
             return Transition(exchange.state, (signal, *exchange.commands))
         error = EarlyTermination(joined_rank_message(s.config.rank))
         return Transition(
-            _evolve(s, phase=Phase.DONE, is_last_joiner=False, error=error, done_at=o.now),
+            _evolve(s, phase=Phase.DONE, error=error, done_at=o.now),
             (SignalTermination(), Raise(error=error)),
         )
-    return _go(
-        s,
-        Phase.SHADOWING,
-        RunMainHooks(round=s.shadow_rounds),
-        is_last_joiner=False,
-        failure_seen=seen,
-    )
+    # The drain stopped at its limit, after a count showing some rank
+    # (possibly) active: that round's hooks, then the skew warning.
+    command = RunMainHooks(round=rounds, first_shadowed=s.config.fused_heartbeat)
+    return _go(s, Phase.SHADOWING, command)
 
 
 def _shadow_round_done(s: JoinState, o: HooksDone) -> Transition:
-    rounds = s.shadow_rounds + 1
-    count = _count(s, FAILED if s.failure else JOINED)
-    if rounds > s.config.skew_warn_threshold and not s.warned_skew:
-        threshold = s.config.skew_warn_threshold
+    s = _evolve(s, shadow_rounds=s.shadow_rounds + 1)
+    threshold = s.config.skew_warn_threshold
+    if s.shadow_rounds > threshold and not s.warned_skew:
         warning = WarnSkew(
             message=(
                 f"Detected uneven input skew of greater than {threshold}. "
@@ -757,26 +941,32 @@ def _shadow_round_done(s: JoinState, o: HooksDone) -> Transition:
                 "skew could lead to performance degradation during training."
             )
         )
-        return _go(s, Phase.COUNTING, warning, count, shadow_rounds=rounds, warned_skew=True)
-    return _go(s, Phase.COUNTING, count, shadow_rounds=rounds)
+        drain = _drain(_evolve(s, warned_skew=True))
+        return Transition(drain.state, (warning, *drain.commands))
+    return _drain(s)
 
 
-def _hook_failed(s: JoinState, o: HookFailed) -> Transition:
+def _hooks_failed(s: JoinState, o: HookFailed) -> Transition:
+    return _hook_failed(s, o.failure, o.now)
+
+
+def _hook_failed(s: JoinState, failure: Failure, now: float) -> Transition:
     # A hook that raised left its round's collectives unmatched; nothing the
     # protocol can do keeps peers in step any more, so make them fail fast.
-    failure = attrs.evolve(o.failure, rank=s.config.rank)
+    failure = attrs.evolve(failure, rank=s.config.rank)
+    hook = "post_hook" if s.phase is Phase.POST_HOOKS else "main_hook"
     message = (
-        f"rank {failure.rank} failed in a join hook ({s.phase.name}) with "
+        f"rank {failure.rank} failed in a join hook ({hook}) with "
         f"{failure.exc_type}: {failure.message}"
     )
-    return _go(s, Phase.DONE, AbortGroup(message=message), failure=failure, done_at=o.now)
+    return _go(s, Phase.DONE, AbortGroup(message=message), failure=failure, done_at=now)
 
 
 def _post_hooks_done(s: JoinState, o: HooksDone) -> Transition:
     return _go(s, Phase.DONE, done_at=o.now)
 
 
-def _exchange(s: JoinState, now: float) -> Transition:
+def _exchange(s: JoinState) -> Transition:
     return _go(s, Phase.EXCHANGING, ExchangeFailures(failure=s.failure), failure_seen=True)
 
 
@@ -814,144 +1004,74 @@ def _still_errored(s: JoinState, o: Any) -> Transition:
     return Transition(s, (Raise(error=s.error),))
 
 
-def _count(s: JoinState, value: float) -> CountNonjoined:
-    return CountNonjoined(value=value, fused=s.config.fused_heartbeat)
+_P = Phase
 
+#: The protocol: (phase, observation type) -> (handler, the phases it may lead
+#: to). A pair missing here is illegal; DONE and ERRORED accept nothing.
+TRANSITIONS: dict[tuple[Phase, type], tuple[_Handler, tuple[Phase, ...]]] = {
+    # phase           observation           handler                  next phases
+    (_P.IDLE,         Entered):            (_enter,                  (_P.AGREEING, _P.ACTIVE)),
+    (_P.AGREEING,     AgreementChecked):   (_agreement_checked,      (_P.ACTIVE, _P.DONE)),
+    (_P.ACTIVE,       Notified):           (_notify,                 (_P.ACTIVE, _P.CHECKING)),
+    (_P.ACTIVE,       HeartbeatSeen):      (_heartbeat_seen,         (_P.ACTIVE, _P.ABORTING)),
+    (_P.ACTIVE,       LoopExited):         (_loop_exited,            (_P.DRAINING, _P.SHADOWING,
+                                                                      _P.DONE, _P.ERRORED)),
+    (_P.CHECKING,     TerminationChecked): (_termination_checked,    (_P.ACTIVE, _P.TERMINATED,
+                                                                      _P.EXCHANGING)),
+    (_P.CHECKING,     LoopExited):         (_loop_exited,            (_P.DRAINING, _P.SHADOWING,
+                                                                      _P.DONE, _P.ERRORED)),
+    (_P.TERMINATED,   LoopExited):         (_terminated_loop_exited, (_P.DONE, _P.ERRORED)),
+    (_P.ABORTING,     LoopExited):         (_aborting_loop_exited,   (_P.DRAINING, _P.DONE)),
+    (_P.DRAINING,     Drained):            (_drained,                (_P.SHADOWING, _P.POST_HOOKS,
+                                                                      _P.EXCHANGING, _P.DONE,
+                                                                      _P.ERRORED)),
+    (_P.SHADOWING,    HooksDone):          (_shadow_round_done,      (_P.DRAINING,)),
+    (_P.SHADOWING,    HookFailed):         (_hooks_failed,           (_P.DONE,)),
+    (_P.EXCHANGING,   FailuresExchanged):  (_failures_exchanged,     (_P.TERMINATED, _P.DONE)),
+    (_P.POST_HOOKS,   HooksDone):          (_post_hooks_done,        (_P.DONE,)),
+    (_P.POST_HOOKS,   HookFailed):         (_hooks_failed,           (_P.DONE,)),
+}  # fmt: skip
 
-_HEARTBEAT = (SendHeartbeat(),)
-_HEARTBEAT_AND_CHECK = (SendHeartbeat(), CheckTermination())
-
-#: (phase, observation type) -> handler. A pair missing here is illegal.
-TRANSITIONS: dict[tuple[Phase, type], _Handler] = {
-    (Phase.IDLE, Entered): _enter,
-    (Phase.AGREEING, AgreementChecked): _agreement_checked,
-    (Phase.ACTIVE, Notified): _notify,
-    (Phase.ACTIVE, HeartbeatSeen): _heartbeat_seen,
-    (Phase.ACTIVE, LoopExited): _loop_exited,
-    (Phase.CHECKING, TerminationChecked): _termination_checked,
-    (Phase.CHECKING, LoopExited): _loop_exited,
-    (Phase.TERMINATED, LoopExited): _terminated_loop_exited,
-    (Phase.ABORTING, LoopExited): _aborting_loop_exited,
-    (Phase.COUNTING, Counted): _counted,
-    (Phase.SHADOWING, HooksDone): _shadow_round_done,
-    (Phase.SHADOWING, HookFailed): _hook_failed,
-    (Phase.EXCHANGING, FailuresExchanged): _failures_exchanged,
-    (Phase.POST_HOOKS, HooksDone): _post_hooks_done,
-    (Phase.POST_HOOKS, HookFailed): _hook_failed,
+# What step looks up (the handlers alone: one dict probe per observation).
+_HANDLERS: dict[tuple[Phase, type], _Handler] = {
+    key: handler for key, (handler, _) in TRANSITIONS.items()
 }
 
 
-@attrs.frozen(kw_only=True)
-class Activity:
-    """What the shell is blocked in (a join collective or hooks), since when."""
+def drain_activity(state: JoinState, ticks: int) -> str:
+    """What a draining rank is blocked in, ``ticks`` steps into its drain.
 
-    what: str
-    since: float
+    The shell counts a step when a count returns and when a round of main
+    hooks finishes, so an even ``ticks`` means counting, an odd one hooks.
+    """
+    rounds = state.shadow_rounds + ticks // 2
+    if ticks % 2:
+        return f"main hooks of shadow round {rounds}"
+    return f"counting non-joined ranks (shadow round {rounds})"
 
 
 def stall_message(
-    state: JoinState, activity: Activity | None, now: float, timeout: float
-) -> str | None:
-    """Describe a stall if ``activity`` has made no progress for ``timeout`` s.
+    state: JoinState, doing: str, ticks: int, idle: float, timeout: float
+) -> str:
+    """Describe a rank that made no progress for ``idle`` seconds.
 
-    Pure: the watchdog passes the state snapshot and ``now`` in.
+    Pure: the shell passes the state, what it was blocked in (``doing``; in a
+    drain the round comes from ``ticks``, see :func:`drain_activity`) and the
+    idle time its watchdog measured.
 
     Returns:
-        The diagnostic (phase, round, progress so far), or ``None``.
+        The diagnostic: phase, what it was doing, inputs and shadow rounds.
     """
-    if activity is None or now - activity.since < timeout:
-        return None
+    rounds = state.shadow_rounds
+    if state.phase is Phase.DRAINING:
+        doing = drain_activity(state, ticks)
+        rounds += ticks // 2
     return (
-        f"rank {state.config.rank} made no progress for {now - activity.since:.1f} s "
-        f"(timeout {timeout:g} s) in phase {state.phase.name}, {activity.what}; "
-        f"it had processed {state.heartbeats} inputs and run {state.shadow_rounds} "
+        f"rank {state.config.rank} made no progress for {idle:.1f} s "
+        f"(timeout {timeout:g} s) in phase {state.phase.name}, {doing}; "
+        f"it had processed {state.heartbeats} inputs and run {rounds} "
         "shadow rounds"
     )
-
-
-def notify_is_batchable(state: JoinState) -> bool:
-    """Whether ``Notified`` now always yields the same transition.
-
-    In ACTIVE without throw mode, ``Notified`` keeps the phase, adds one to
-    ``heartbeats`` and commands one ``SendHeartbeat(ACTIVE)`` (nothing with a
-    fused heartbeat). The shell may then
-    send heartbeats without stepping the machine (the per-iteration path must be
-    cheap) and fold them in with :func:`replay_notifies` before its next
-    observation; the result equals stepping ``Notified`` that many times.
-    (``HeartbeatSeen`` without a failure leaves the state unchanged, so the shell
-    need only step it when :func:`tally_has_failure` says so.)
-    """
-    return state.phase is Phase.ACTIVE and not state.config.throw_on_early_termination
-
-
-def replay_notifies(state: JoinState, count: int) -> JoinState:
-    """The state after ``count`` batchable ``Notified`` observations."""
-    assert notify_is_batchable(state), state.phase
-    return _evolve(state, heartbeats=state.heartbeats + count)
-
-
-def shadow_rounds_batchable(state: JoinState) -> int:
-    """How many plain shadow rounds the shell may run without stepping the machine.
-
-    A joined rank's drain is a loop of rounds: in COUNTING it counts
-    (``CountNonjoined``), and a *plain* count (:func:`count_is_plain`: some
-    rank active, none failed) moves it to SHADOWING with ``RunMainHooks(round)``;
-    ``HooksDone`` brings it back to COUNTING with the same ``CountNonjoined``
-    and one more shadow round. With no failure of its own or seen and without
-    throw mode, those two transitions are always the same, so the shell may run
-    the rounds itself and fold them in with :func:`replay_shadow_steps`, until
-    a count is not plain or the skew warning falls due.
-
-    Returns:
-        0 if not batchable (another phase, a failure, throw mode); else how
-        many rounds may complete before the skew warning's round.
-    """
-    if (
-        state.phase is not Phase.COUNTING
-        or state.failure is not None
-        or state.failure_seen
-        or state.config.throw_on_early_termination
-    ):
-        return 0
-    if state.warned_skew:
-        return sys.maxsize
-    return max(0, state.config.skew_warn_threshold - state.shadow_rounds)
-
-
-def count_is_plain(total: float) -> bool:
-    """Whether a count's sum shows some rank active and none failed (cheap check).
-
-    The same as ``decode_tally(total)`` giving ``active > 0`` and ``failed == 0``
-    for every sum the join collectives can produce.
-    """
-    return 0.5 <= total < FAILED - 0.5
-
-
-def replay_shadow_steps(state: JoinState, steps: int) -> JoinState:
-    """The state after ``steps`` plain drain observations from a batchable state.
-
-    The observations alternate, starting with a plain ``Counted`` and then
-    ``HooksDone``; an odd ``steps`` ends in SHADOWING (the last round's main
-    hooks running). The result equals stepping them one by one (tested), as
-    long as ``steps // 2`` is within :func:`shadow_rounds_batchable`.
-    """
-    if steps == 0:
-        return state
-    assert shadow_rounds_batchable(state) >= steps // 2, (state.phase, steps)
-    rounds, in_hooks = divmod(steps, 2)
-    return _evolve(
-        state,
-        phase=Phase.SHADOWING if in_hooks else Phase.COUNTING,
-        shadow_rounds=state.shadow_rounds + rounds,
-        is_last_joiner=False,
-    )
-
-
-def shadow_activity(state: JoinState) -> str:
-    """What a draining rank is blocked in, for the watchdog and the peers."""
-    if state.phase is Phase.SHADOWING:
-        return f"main hooks of shadow round {state.shadow_rounds}"
-    return f"counting non-joined ranks (shadow round {state.shadow_rounds})"
 
 
 def step(state: JoinState, observation: Observation) -> Transition:
@@ -968,5 +1088,5 @@ def step(state: JoinState, observation: Observation) -> Transition:
     """
     if state.phase is Phase.ERRORED:
         return _still_errored(state, observation)
-    handler = TRANSITIONS.get((state.phase, type(observation)), _illegal)
+    handler = _HANDLERS.get((state.phase, type(observation)), _illegal)
     return handler(state, observation)

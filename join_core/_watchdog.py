@@ -1,19 +1,29 @@
-"""One daemon thread that watches every Join with a timeout for stalls.
+"""One daemon thread that watches ranks for stalls.
 
-The shell records what it is blocked in (``Join._activity``, a frozen value)
-before each join collective or round of hooks. Every ``interval`` seconds the
-thread reads each watched Join's state and activity (plain reference reads of
-immutable values, so no lock is needed against the rank's own thread) and asks
-the pure core, ``stall_message``, whether it has stalled. A stalled Join gets
-its ``_on_stall`` called once, from this thread: it records the error and
-aborts the backend where it can, which makes the blocked collective fail.
+Theory of operation
+-------------------
+A Join with a timeout owns a :class:`Watch` and registers it here
+(:func:`watch`). Before each join collective or round of hooks the shell tells
+the watch what it is blocked in and since when (:meth:`Watch.begin`); inside a
+command that takes many steps it bumps :attr:`Watch.ticks` at each one (a
+drain: every count and every round of main hooks); afterwards it calls
+:meth:`Watch.end`. The shell only ever replaces or increments these fields,
+so the thread reads them without a lock.
 
-A draining rank runs its plain shadow rounds in a batch (``Join._shadow_batch``)
-that records no activity per round, only a step counter next to the state the
-batch started from. The thread notes when it last saw that counter change (its
-own sampling: progress is any change since the previous look) and hands the
-core the state replayed to the current step, so the diagnostic names the round
-the rank is blocked in.
+Every ``interval`` seconds the thread asks each watch whether it has stalled
+(:meth:`Watch.stalled`, the policy): blocked in the same activity with no
+change of ``ticks`` for ``timeout`` seconds, where a change is any difference
+since the thread's previous look (its own sampling: the shell pays one
+increment per step, no clock read). A stalled watch fires once: the thread
+calls its ``on_stall(what, ticks, idle)``, from this thread. The Join's
+callback composes the diagnostic with the pure core (``stall_message``),
+records the error and aborts its backend where it can, which makes the
+blocked collective fail.
+
+The module knows nothing of the Join or the protocol, and the Join reaches
+nothing here but :class:`Watch`, :func:`watch` and :func:`unwatch`. A
+different judgement of what counts as a stall (for example, asking the peers
+before giving up on a slow rank) is a change to :meth:`Watch.stalled` alone.
 
 At interpreter exit (``atexit``, before finalization) the thread is stopped
 and joined: a thread still inside a backend call (an abort, a store read) once
@@ -26,18 +36,74 @@ import atexit
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from . import _machine as m
+__all__ = ["Watch", "watch", "unwatch"]
 
-if TYPE_CHECKING:
-    from ._join import Join
+#: ``on_stall(what, ticks, idle seconds)``.
+StallCallback = Callable[[str, int, float], None]
 
-_watched: weakref.WeakSet[Join] = weakref.WeakSet()
-# Join -> (batch base state, steps, when the thread first saw that pair).
-_progress: weakref.WeakKeyDictionary[Join, tuple[m.JoinState, int, float]] = (
-    weakref.WeakKeyDictionary()
-)
+
+class Watch:
+    """What one rank's shell tells the watchdog thread.
+
+    Args:
+        timeout: seconds without progress that make a stall.
+        on_stall: called once, from the watchdog thread, with what the rank
+            was blocked in, its ``ticks`` then and the seconds without progress.
+    """
+
+    __slots__ = ("timeout", "on_stall", "doing", "ticks", "fired", "_seen", "__weakref__")
+
+    def __init__(self, timeout: float, on_stall: StallCallback) -> None:
+        self.timeout = timeout
+        self.on_stall = on_stall
+        #: ``(what, since)`` while the shell is blocked, else ``None``;
+        #: replaced whole, so the thread reads a consistent pair.
+        self.doing: tuple[str, float] | None = None
+        #: Steps made inside the current activity; the shell bumps it.
+        self.ticks = 0
+        #: Whether ``on_stall`` was called (it is called once).
+        self.fired = False
+        # The thread's own sample: (doing, ticks, since when unchanged).
+        self._seen: tuple[tuple[str, float], int, float] | None = None
+
+    def begin(self, what: str, now: float) -> None:
+        """The shell is now blocked in ``what`` (since ``now``)."""
+        self.ticks = 0  # before ``doing``: a new activity never shows old ticks
+        self.doing = (what, now)
+
+    def end(self) -> None:
+        """The shell is no longer blocked in a join collective or hooks."""
+        self.doing = None
+
+    def stalled(self, now: float) -> tuple[str, int, float] | None:
+        """The policy, called by the thread: ``(what, ticks, idle)`` if stalled.
+
+        Progress is a new activity or a change of ``ticks`` since the thread's
+        previous look; the idle time runs from the latest of those.
+        """
+        doing = self.doing
+        if doing is None:
+            self._seen = None
+            return None
+        ticks = self.ticks
+        seen = self._seen
+        if seen is None or seen[0] is not doing:
+            # A new activity: idle since it began, unless it already stepped.
+            since = doing[1] if ticks == 0 else now
+        elif seen[1] != ticks:
+            since = now
+        else:
+            since = seen[2]
+        self._seen = (doing, ticks, since)
+        idle = now - max(since, doing[1])
+        if idle < self.timeout:
+            return None
+        return doing[0], ticks, idle
+
+
+_watched: weakref.WeakSet[Watch] = weakref.WeakSet()
 _lock = threading.Lock()
 _wakeup = threading.Condition(_lock)
 _thread: threading.Thread | None = None
@@ -47,12 +113,12 @@ _stopping = False
 _STOP_PATIENCE = 10.0
 
 
-def watch(join: Join) -> None:
-    """Start watching ``join`` (its ``_timeout`` must be set)."""
+def watch(item: Watch) -> None:
+    """Start watching ``item`` (the thread starts with the first watch)."""
     global _thread, _interval
     with _lock:
-        _watched.add(join)
-        _interval = min(_interval, max(0.01, join._timeout / 4))  # type: ignore[operator]
+        _watched.add(item)
+        _interval = min(_interval, max(0.01, item.timeout / 4))
         if _stopping:
             return
         if _thread is None or not _thread.is_alive():
@@ -63,10 +129,10 @@ def watch(join: Join) -> None:
         _wakeup.notify()
 
 
-def unwatch(join: Join) -> None:
-    """Stop watching ``join``."""
+def unwatch(item: Watch) -> None:
+    """Stop watching ``item``."""
     with _lock:
-        _watched.discard(join)
+        _watched.discard(item)
 
 
 def _stop() -> None:
@@ -87,36 +153,12 @@ def _run() -> None:
                 _wakeup.wait(_interval)
             if _stopping:
                 return
-            joins = list(_watched)
+            watches = list(_watched)
         now = time.monotonic()
-        for join in joins:
-            if join._stall is not None or join._state is None:
+        for item in watches:
+            if item.fired:
                 continue
-            state, activity = _progress_of(join, now)
-            message = m.stall_message(state, activity, now, join._timeout or 0.0)
-            if message is not None:
-                join._on_stall(message)
-
-
-def _progress_of(join: Join, now: float) -> tuple[m.JoinState, m.Activity | None]:
-    """The state and activity to judge ``join`` by (a batch's, replayed; module doc)."""
-    base = join._batch_base  # read first: the shell sets it after the activity
-    activity = join._activity
-    if base is None or activity is None:
-        _progress.pop(join, None)
-        assert join._state is not None
-        return join._state, activity
-    steps = join._batch_steps
-    if steps // 2 > m.shadow_rounds_batchable(base):  # read across two batches: retry later
-        steps = 0
-    seen = _progress.get(join)
-    if seen is None or seen[0] is not base:
-        since = activity.since if steps == 0 else now  # a batch new to the thread
-        _progress[join] = (base, steps, since)
-    elif seen[1] != steps:
-        since = now
-        _progress[join] = (base, steps, since)
-    else:
-        since = seen[2]
-    state = m.replay_shadow_steps(base, steps)
-    return state, m.Activity(what=m.shadow_activity(state), since=max(activity.since, since))
+            stall = item.stalled(now)
+            if stall is not None:
+                item.fired = True
+                item.on_stall(*stall)

@@ -379,7 +379,7 @@ def check_stall(
                             "(not a PeerFailure naming a rank that timed out)")
     for result in timeouts:
         text = result["error"]["message"]
-        for needle in ("COUNTING", "shadow round", "made no progress"):
+        for needle in ("DRAINING", "shadow round", "made no progress"):
             if needle not in text:
                 problems.append(f"rank {result['rank']}'s RankTimeout lacks {needle!r}: {text}")
     return problems
@@ -652,7 +652,7 @@ def check_report(world_size: int, results: dict[int, dict[str, Any]]) -> list[st
             problems.append(f"rank {rank}: negative seconds_shadowing")
         if result["max_count"] != float(sum(INPUTS + r for r in range(world_size))):
             problems.append(f"rank {rank}: max_count {result['max_count']}")
-        if not any("ACTIVE -> COUNTING" in line for line in result["log"]):
+        if not any("ACTIVE -> DRAINING" in line for line in result["log"]):
             problems.append(f"rank {rank}: no DEBUG phase change logged: {result['log']}")
         if rank == 0:
             table = result["table"] or ""

@@ -59,7 +59,7 @@ def test_hook_failures_reach_peers_as_the_harness_abort() -> None:
         error = results[rank]["error"]
         assert error["type"] == "SpawnAborted"
         assert error["message"].startswith(
-            "rank 3 aborted the group: rank 3 failed in a join hook (SHADOWING) with "
+            "rank 3 aborted the group: rank 3 failed in a join hook (main_hook) with "
             "InjectedFault: injected main_hook fault on rank 3"
         ), error["message"]
     # The failing rank's report names its own failure; nobody ran a post hook.
@@ -73,7 +73,7 @@ def test_stall_diagnostic_names_phase_round_and_where_every_rank_was() -> None:
     timeouts = [r["error"] for r in results.values() if r["error"]["type"] == "RankTimeout"]
     assert timeouts, results
     text = timeouts[0]["message"]
-    assert "in phase COUNTING, counting non-joined ranks (shadow round 0)" in text
+    assert "in phase DRAINING, counting non-joined ranks (shadow round 0)" in text
     assert "it had processed 2 inputs" in text
     assert "what the ranks were last seen doing:" in text
     # The stalled rank's whereabouts: its last collective, in its loop body.

@@ -129,7 +129,7 @@ def test_hook_failure_reaches_peers_as_group_aborted(launches: dict[str, Launch]
         assert error["type"] == "GroupAborted", error
         assert error["message"] == (
             f"rank {failing} aborted the process group: rank {failing} failed in a join "
-            f"hook (SHADOWING) with InjectedFault: injected main_hook fault on rank {failing}"
+            f"hook (main_hook) with InjectedFault: injected main_hook fault on rank {failing}"
         )
         assert results[rank]["seconds"] < 5.0  # not a gloo timeout
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,6 +25,7 @@ from joinkit import _machine as m
 
 FAILURE = m.Failure(rank=9, exc_type="ValueError", message="bad batch")
 SIGNATURE = (("joinables", 1),)
+ORDER = m.HeartbeatOrder(value=m.ACTIVE, fused=False, alarm=m.ALARM)
 
 OBSERVATIONS = {
     m.Entered: m.Entered(now=1.0),
@@ -31,40 +34,52 @@ OBSERVATIONS = {
     m.HeartbeatSeen: m.HeartbeatSeen(total=2.0, now=1.0),
     m.TerminationChecked: m.TerminationChecked(total=0.0, now=1.0),
     m.LoopExited: m.LoopExited(now=1.0),
-    m.Counted: m.Counted(total=1.0, now=1.0),
+    m.Drained: m.Drained(rounds=0, total=1.0, now=1.0),
     m.HooksDone: m.HooksDone(now=1.0),
     m.HookFailed: m.HookFailed(failure=FAILURE, now=1.0),
     m.FailuresExchanged: m.FailuresExchanged(failures=(None, FAILURE), now=1.0),
 }
 
 
-def state(phase: m.Phase, *, throw: bool = False, **fields: object) -> m.JoinState:
-    config = m.MachineConfig(rank=3, throw_on_early_termination=throw, signature=SIGNATURE)
+def state(phase: m.Phase, *, throw: bool = False, fused: bool = False,
+          threshold: int = m.SKEW_WARN_THRESHOLD, **fields: object) -> m.JoinState:
+    config = m.MachineConfig(rank=3, throw_on_early_termination=throw, signature=SIGNATURE,
+                             fused_heartbeat=fused, skew_warn_threshold=threshold)
     return attrs.evolve(m.initial_state(config), phase=phase, **fields)
 
 
+def drain(first: float = m.JOINED, value: float = m.JOINED, *, fused: bool = False,
+          limit: int | None = m.SKEW_WARN_THRESHOLD) -> m.Drain:
+    return m.Drain(first=first, value=value, fused=fused, limit=limit,
+                   until=m.NOBODY_ACTIVE_BELOW)
+
+
 ABORT = m.AbortGroup(
-    message="rank 3 failed in a join hook (PHASE) with ValueError: bad batch"
+    message="rank 3 failed in a join hook (HOOK) with ValueError: bad batch"
 )
 
 # The legal pairs with the sample observation above: (next phase, commands).
-LEGAL = {
+LEGAL: dict[tuple[m.Phase, type], tuple[m.Phase, Any]] = {
     (m.Phase.IDLE, m.Entered): (
         m.Phase.AGREEING,
         (m.CheckAgreement(signature=SIGNATURE),),
     ),
-    (m.Phase.AGREEING, m.AgreementChecked): (m.Phase.ACTIVE, ()),
-    (m.Phase.ACTIVE, m.Notified): (m.Phase.ACTIVE, (m.SendHeartbeat(value=1.0),)),
-    (m.Phase.ACTIVE, m.HeartbeatSeen): (m.Phase.ACTIVE, ()),
-    (m.Phase.ACTIVE, m.LoopExited): (m.Phase.COUNTING, (m.CountNonjoined(value=0.0),)),
+    # Entering ACTIVE gives the standing heartbeat order...
+    (m.Phase.AGREEING, m.AgreementChecked): (m.Phase.ACTIVE, (ORDER,)),
+    # ...and every transition that stays there gives it again.
+    (m.Phase.ACTIVE, m.Notified): (m.Phase.ACTIVE, (ORDER,)),
+    (m.Phase.ACTIVE, m.HeartbeatSeen): (m.Phase.ACTIVE, (ORDER,)),
+    (m.Phase.ACTIVE, m.LoopExited): (m.Phase.DRAINING, (drain(),)),
     (m.Phase.CHECKING, m.TerminationChecked): (m.Phase.ACTIVE, ()),
     # The loop left without an exception while a termination check was
     # outstanding: the shell never lets this happen, so it is illegal.
     (m.Phase.CHECKING, m.LoopExited): (m.Phase.ERRORED, "illegal"),
     (m.Phase.TERMINATED, m.LoopExited): (m.Phase.ERRORED, "swallowed"),
-    (m.Phase.ABORTING, m.LoopExited): (m.Phase.COUNTING, (m.CountNonjoined(value=0.0),)),
-    (m.Phase.COUNTING, m.Counted): (m.Phase.SHADOWING, (m.RunMainHooks(round=0),)),
-    (m.Phase.SHADOWING, m.HooksDone): (m.Phase.COUNTING, (m.CountNonjoined(),)),
+    (m.Phase.ABORTING, m.LoopExited): (m.Phase.DRAINING, (drain(),)),
+    # The sample drain stopped at its limit with one rank active: that
+    # round's hooks are the machine's to command.
+    (m.Phase.DRAINING, m.Drained): (m.Phase.SHADOWING, (m.RunMainHooks(round=0),)),
+    (m.Phase.SHADOWING, m.HooksDone): (m.Phase.DRAINING, (drain(limit=999),)),
     (m.Phase.SHADOWING, m.HookFailed): (m.Phase.DONE, "abort"),
     (m.Phase.EXCHANGING, m.FailuresExchanged): (m.Phase.TERMINATED, "peer failure"),
     (m.Phase.POST_HOOKS, m.HooksDone): (m.Phase.DONE, ()),
@@ -74,6 +89,8 @@ LEGAL = {
 
 def test_legal_table_matches_the_machine() -> None:
     assert set(LEGAL) == set(m.TRANSITIONS)
+    for key, (next_phase, _) in LEGAL.items():
+        assert next_phase in m.TRANSITIONS[key][1], key
 
 
 @pytest.mark.parametrize(
@@ -109,8 +126,9 @@ def test_every_phase_and_observation(phase: m.Phase, kind: type) -> None:
         assert "swallowed the early-termination error" in str(command.error)
     elif expected[1] == "abort":
         assert transition.state.phase is m.Phase.DONE
+        hook = "post_hook" if phase is m.Phase.POST_HOOKS else "main_hook"
         assert transition.commands == (
-            m.AbortGroup(message=ABORT.message.replace("PHASE", phase.name)),
+            m.AbortGroup(message=ABORT.message.replace("HOOK", hook)),
         )
         assert transition.state.failure == attrs.evolve(FAILURE, rank=3)
     elif expected[1] == "peer failure":
@@ -132,14 +150,128 @@ def test_table_has_no_entry_for_errored_or_done() -> None:
     assert not any(phase in (m.Phase.DONE, m.Phase.ERRORED) for phase, _ in m.TRANSITIONS)
 
 
+# -- the table's target phases, over random states and observations ----------------
+
+totals = st.one_of(
+    st.sampled_from([0.0, m.FAILED, 3 * m.FAILED, 1.0, 2.0, float(2**24), m.FAILING,
+                     m.FAILING + 5.0, 7 * m.FAILING]),
+    st.floats(0.0, 2.0**80, allow_nan=False),
+)
+failures = st.one_of(st.none(), st.just(FAILURE))
+
+
+@st.composite
+def random_states(draw: Any) -> m.JoinState:
+    throw = draw(st.booleans())
+    config = m.MachineConfig(
+        rank=draw(st.integers(0, 5)),
+        throw_on_early_termination=throw,
+        signature=draw(st.sampled_from([None, SIGNATURE])),
+        skew_warn_threshold=draw(st.integers(0, 5)),
+        fused_heartbeat=not throw and draw(st.booleans()),
+    )
+    return m.JoinState(
+        phase=draw(st.sampled_from([p for p in m.Phase if p is not m.Phase.ERRORED])),
+        config=config,
+        heartbeats=draw(st.integers(0, 9)),
+        shadow_rounds=draw(st.integers(0, 9)),
+        is_last_joiner=draw(st.booleans()),
+        warned_skew=draw(st.booleans()),
+        failure=draw(failures),
+        failure_announced=draw(st.booleans()),
+        failure_seen=draw(st.booleans()),
+        joined_at=draw(st.one_of(st.none(), st.floats(0, 10))),
+    )
+
+
+random_observations = st.one_of(
+    st.builds(m.Entered),
+    st.builds(m.AgreementChecked, signatures=st.sampled_from([(SIGNATURE,), (SIGNATURE, None)])),
+    st.builds(m.Notified, count=st.integers(1, 5)),
+    st.builds(m.HeartbeatSeen, total=totals),
+    st.builds(m.TerminationChecked, total=totals),
+    st.builds(m.LoopExited, outcome=st.sampled_from(m.Outcome), failure=failures,
+              collectives_since_heartbeat=st.one_of(st.none(), st.integers(0, 3))),
+    st.builds(m.Drained, rounds=st.integers(0, 5), total=st.one_of(st.none(), totals),
+              failure=failures),
+    st.builds(m.HooksDone),
+    st.builds(m.HookFailed, failure=st.just(FAILURE)),
+    st.builds(m.FailuresExchanged, failures=st.sampled_from([(None,), (None, FAILURE)])),
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(before=random_states(), observation=random_observations)
+def test_every_transition_goes_where_its_row_says(
+    before: m.JoinState, observation: m.Observation
+) -> None:
+    transition = m.step(before, observation)
+    row = m.TRANSITIONS.get((before.phase, type(observation)))
+    if row is None:
+        assert transition.state.phase is m.Phase.ERRORED
+    else:
+        assert transition.state.phase in row[1], (before.phase, observation)
+    # Commands that produce a result come one at a time, and last.
+    answered = (m.CheckAgreement, m.CheckTermination, m.Drain, m.RunMainHooks,
+                m.RunPostHooks, m.ExchangeFailures)
+    kinds = [type(c) for c in transition.commands]
+    assert sum(kind in answered for kind in kinds) <= 1
+    if any(kind in answered for kind in kinds):
+        assert kinds[-1] in answered
+    # The standing order is given exactly in ACTIVE outside throw mode.
+    ordered = m.HeartbeatOrder in kinds
+    if transition.state.phase is m.Phase.ACTIVE and before.phase is not m.Phase.CHECKING:
+        assert ordered != before.config.throw_on_early_termination
+    else:
+        assert not ordered
+
+
+@settings(max_examples=300, deadline=None)
+@given(before=random_states(), data=st.data())
+def test_evolve_equals_attrs_evolve_over_every_field(
+    before: m.JoinState, data: st.DataObject
+) -> None:
+    values = {
+        "phase": st.sampled_from(m.Phase),
+        "config": st.builds(m.MachineConfig, rank=st.integers(0, 3)),
+        "heartbeats": st.integers(0, 100),
+        "shadow_rounds": st.integers(0, 100),
+        "is_last_joiner": st.booleans(),
+        "warned_skew": st.booleans(),
+        "failure": failures,
+        "failure_announced": st.booleans(),
+        "failure_seen": st.booleans(),
+        "stopped_early": st.booleans(),
+        "peer_failures": st.sampled_from([(), (FAILURE,)]),
+        "entered_at": st.one_of(st.none(), st.floats(0, 9)),
+        "joined_at": st.one_of(st.none(), st.floats(0, 9)),
+        "all_joined_at": st.one_of(st.none(), st.floats(0, 9)),
+        "done_at": st.one_of(st.none(), st.floats(0, 9)),
+        "error": st.one_of(st.none(), st.just(LocalProtocolError("x"))),
+    }
+    assert set(values) == {field.name for field in attrs.fields(m.JoinState)}
+    names = data.draw(st.sets(st.sampled_from(sorted(values))))
+    changes = {name: data.draw(values[name]) for name in names}
+    evolved = m._evolve(before, **changes)
+    assert type(evolved) is m.JoinState
+    assert evolved == attrs.evolve(before, **changes)
+    assert vars(evolved) == vars(attrs.evolve(before, **changes))
+    assert vars(before) == vars(attrs.evolve(before))  # the original is untouched
+
+
 # -- the branches the sample observations above do not take ----------------------
 
 
-def test_without_signature_entering_skips_the_agreement_check() -> None:
+def test_without_signature_entering_goes_active_with_the_order() -> None:
     s = m.initial_state(m.MachineConfig(rank=0))
     t = m.step(s, m.Entered(now=4.0))
-    assert t.state.phase is m.Phase.ACTIVE and t.commands == ()
+    assert t.state.phase is m.Phase.ACTIVE and t.commands == (ORDER,)
     assert t.state.entered_at == 4.0
+    fused = m.step(m.initial_state(m.MachineConfig(rank=0, fused_heartbeat=True)), m.Entered())
+    assert fused.commands == (m.HeartbeatOrder(fused=True),)
+    throw = m.step(m.initial_state(m.MachineConfig(rank=0, throw_on_early_termination=True)),
+                   m.Entered())
+    assert throw.state.phase is m.Phase.ACTIVE and throw.commands == ()
 
 
 def test_agreement_mismatch_raises_with_a_table() -> None:
@@ -155,11 +287,13 @@ def test_agreement_mismatch_raises_with_a_table() -> None:
     assert "     1 | 2" in text and "     0 | 1" in text
 
 
-def test_notify_counts_inputs() -> None:
+def test_heartbeats_sent_under_the_order_are_counted() -> None:
     s = state(m.Phase.ACTIVE)
-    for _ in range(3):
-        s = m.step(s, m.Notified()).state
-    assert s.heartbeats == 3
+    for count in (1, 5, 3):
+        t = m.step(s, m.Notified(count=count))
+        assert t.commands == (ORDER,)
+        s = t.state
+    assert s.heartbeats == 9
 
 
 def test_throw_mode_notify_checks_termination() -> None:
@@ -182,8 +316,10 @@ def test_throw_mode_active_rank_raises_torch_message() -> None:
     assert done.phase is m.Phase.DONE and done.done_at == 5.0
 
 
-def test_throw_mode_joined_rank_signals_and_raises_torch_message() -> None:
-    t = m.step(state(m.Phase.COUNTING, throw=True), m.Counted(total=2.0))
+def test_throw_mode_joined_rank_counts_once_then_signals_and_raises_torch_message() -> None:
+    t = m.step(state(m.Phase.ACTIVE, throw=True), m.LoopExited())
+    assert t.commands == (drain(limit=0),)
+    t = m.step(t.state, m.Drained(rounds=0, total=2.0))
     assert t.state.phase is m.Phase.DONE
     assert t.commands[0] == m.SignalTermination(value=1.0)
     assert str(t.commands[1].error) == "Rank 3 exhausted all inputs."
@@ -191,16 +327,17 @@ def test_throw_mode_joined_rank_signals_and_raises_torch_message() -> None:
 
 
 def test_throw_mode_last_joiner_runs_post_hooks() -> None:
-    t = m.step(state(m.Phase.COUNTING, throw=True), m.Counted(total=0.0))
+    t = m.step(state(m.Phase.DRAINING, throw=True), m.Drained(rounds=0, total=0.0))
     assert t.commands == (m.RunPostHooks(is_last_joiner=True),)
 
 
 def test_count_zero_runs_post_hooks_with_last_joiner_flag() -> None:
-    first = m.step(state(m.Phase.COUNTING), m.Counted(total=0.0))
+    first = m.step(state(m.Phase.DRAINING), m.Drained(rounds=0, total=0.0))
     assert first.state.phase is m.Phase.POST_HOOKS
     assert first.commands == (m.RunPostHooks(is_last_joiner=True),)
-    later = m.step(state(m.Phase.COUNTING, is_last_joiner=False), m.Counted(total=0.0))
+    later = m.step(state(m.Phase.DRAINING), m.Drained(rounds=2, total=0.0, now=3.0))
     assert later.commands == (m.RunPostHooks(is_last_joiner=False),)
+    assert later.state.shadow_rounds == 2 and later.state.all_joined_at == 3.0
 
 
 def test_loop_exception_propagates_without_collectives() -> None:
@@ -210,39 +347,36 @@ def test_loop_exception_propagates_without_collectives() -> None:
 
 
 def test_skew_warning_once_after_threshold() -> None:
-    config = m.MachineConfig(rank=1, skew_warn_threshold=3)
-    s = attrs.evolve(m.initial_state(config), phase=m.Phase.COUNTING)
-    warnings = []
-    for _ in range(10):
-        t = m.step(s, m.Counted(total=1.0))
-        assert t.commands == (m.RunMainHooks(round=t.state.shadow_rounds),)
-        t = m.step(t.state, m.HooksDone())
-        warnings += [c for c in t.commands if isinstance(c, m.WarnSkew)]
-        assert t.commands[-1] == m.CountNonjoined()
-        s = t.state
-    assert s.shadow_rounds == 10
-    (warning,) = warnings
-    assert "skew of greater than 3" in warning.message and "rank 1" in warning.message
+    s = state(m.Phase.ACTIVE, threshold=3)
+    t = m.step(s, m.LoopExited())
+    # The drain may run 3 rounds; the count after them is the machine's.
+    assert t.commands == (drain(limit=3),)
+    t = m.step(t.state, m.Drained(rounds=3, total=1.0))
+    assert t.commands == (m.RunMainHooks(round=3),)
+    t = m.step(t.state, m.HooksDone())
+    # torch's order: the warning after round threshold + 1, before the next count.
+    (warning, command) = t.commands
+    assert isinstance(warning, m.WarnSkew) and command == drain(limit=None)
+    assert "skew of greater than 3" in warning.message and "rank 3" in warning.message
+    t = m.step(t.state, m.Drained(rounds=6, total=0.0))
+    assert t.state.shadow_rounds == 10 and t.state.warned_skew
+    assert t.commands == (m.RunPostHooks(is_last_joiner=False),)
 
 
 def test_times_are_recorded_from_observations() -> None:
     s = m.initial_state(m.MachineConfig(rank=0))
     s = m.step(s, m.Entered(now=10.0)).state
     s = m.step(s, m.LoopExited(now=12.0)).state
-    s = m.step(s, m.Counted(total=0.0, now=12.5)).state
+    s = m.step(s, m.Drained(rounds=0, total=0.0, now=12.5)).state
     s = m.step(s, m.HooksDone(now=13.0)).state
-    assert (s.entered_at, s.joined_at, s.done_at) == (10.0, 12.0, 13.0)
-
-
-def test_decode_tally() -> None:
-    assert m.decode_tally(0.0) == (0, 0)
-    assert m.decode_tally(7.0) == (7, 0)
-    assert m.decode_tally(2 * m.FAILED + 5) == (5, 2)
+    assert (s.entered_at, s.joined_at, s.all_joined_at, s.done_at) == (10.0, 12.0, 12.5, 13.0)
 
 
 def test_values_are_frozen() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         m.SendHeartbeat().value = 2.0  # type: ignore[misc]
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        drain().limit = 3  # type: ignore[misc]
 
 
 def test_importing_the_core_imports_no_framework() -> None:
@@ -256,139 +390,240 @@ def test_importing_the_core_imports_no_framework() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd="/")
 
 
-def test_replaying_batched_notifies_equals_stepping() -> None:
-    s = state(m.Phase.ACTIVE)
-    assert m.notify_is_batchable(s)
-    stepped = s
-    for _ in range(5):
-        t = m.step(stepped, m.Notified())
-        assert t.commands == (m.SendHeartbeat(value=m.ACTIVE),)
-        stepped = t.state
-    assert m.replay_notifies(s, 5) == stepped
-    # Not batchable where Notified does more (throw mode) or is illegal.
-    assert not m.notify_is_batchable(state(m.Phase.ACTIVE, throw=True))
-    assert not any(
-        m.notify_is_batchable(state(phase)) for phase in m.Phase if phase is not m.Phase.ACTIVE
+def test_drain_activity_and_stall_message_name_the_round() -> None:
+    s = state(m.Phase.DRAINING, heartbeats=4, shadow_rounds=2)
+    assert m.drain_activity(s, 0) == "counting non-joined ranks (shadow round 2)"
+    assert m.drain_activity(s, 1) == "main hooks of shadow round 2"
+    assert m.drain_activity(s, 6) == "counting non-joined ranks (shadow round 5)"
+    assert m.stall_message(s, "ignored in a drain", 7, 3.25, 2.0) == (
+        "rank 3 made no progress for 3.2 s (timeout 2 s) in phase DRAINING, main hooks of "
+        "shadow round 5; it had processed 4 inputs and run 5 shadow rounds"
+    )
+    post = state(m.Phase.POST_HOOKS, heartbeats=4, shadow_rounds=2)
+    assert m.stall_message(post, "post hooks", 0, 9.0, 2.0).endswith(
+        "in phase POST_HOOKS, post hooks; it had processed 4 inputs and run 2 shadow rounds"
     )
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    rounds=st.integers(0, 12),
-    threshold=st.integers(0, 12),
-    warned=st.booleans(),
-    fused=st.booleans(),
-    joined_last=st.booleans(),
-    data=st.data(),
-)
-def test_replaying_plain_shadow_steps_equals_stepping(
-    rounds: int, threshold: int, warned: bool, fused: bool, joined_last: bool,
-    data: st.DataObject,
-) -> None:
-    config = m.MachineConfig(rank=1, skew_warn_threshold=threshold, fused_heartbeat=fused)
-    base = attrs.evolve(m.initial_state(config), phase=m.Phase.COUNTING, shadow_rounds=rounds,
-                        warned_skew=warned, is_last_joiner=joined_last, heartbeats=4)
-    limit = m.shadow_rounds_batchable(base)
-    assert limit == (sys.maxsize if warned else max(0, threshold - rounds))
-    steps = data.draw(st.integers(0, 2 * min(limit, 8) + (1 if limit else 0)))
-    count = m.CountNonjoined(value=m.JOINED, fused=fused)
-    stepped = base
-    for index in range(steps):
-        if index % 2 == 0:
-            total = float(data.draw(st.integers(1, 64)))
-            assert m.count_is_plain(total)
-            t = m.step(stepped, m.Counted(total=total, now=float(index)))
-            assert t.commands == (m.RunMainHooks(round=stepped.shadow_rounds),)
+# -- the wire values: worlds up to 2**24 ranks ------------------------------------
+
+WORLDS = [1, 2, 4095, 4096, 5000, 16384, 100_000, 2**24]
+
+
+def float32_sum(counts: dict[float, int], order: str = "pairwise") -> float:
+    """The 1-element float32 SUM of ``count`` ranks contributing each value."""
+    parts = [np.full(count, value, dtype=np.float32) for value, count in counts.items() if count]
+    values = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    if order == "reversed":
+        values = values[::-1].copy()
+    if order == "sequential":  # one rank after another (a chain, as a ring reduce)
+        return float(np.cumsum(values, dtype=np.float32)[-1]) if len(values) else 0.0
+    return float(np.add.reduce(values, dtype=np.float32))  # pairwise (a tree)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("order", ["pairwise", "sequential", "reversed"])
+def test_sums_of_worlds_up_to_2_24_ranks_decode(world: int, order: str) -> None:
+    failing_counts = sorted({1, 2, world // 3, world - 1, world} - {0})
+    # Healthy: the exact active count, no failure; all joined: zero.
+    for active in sorted({world, world - 1, 1, 0}):
+        total = float32_sum({m.ACTIVE: active, m.JOINED: world - active}, order)
+        assert m.decode_tally(total) == (active, False), (world, active, total)
+    for failing in failing_counts:
+        rest = world - failing
+        for active in sorted({rest, rest // 2, 1, 0} - {-1}):
+            if active > rest:
+                continue
+            # The round a rank fails in: an alarm, the active count unknown.
+            total = float32_sum({m.ACTIVE: active, m.FAILING: failing,
+                                 m.JOINED: rest - active}, order)
+            assert total >= m.ALARM and m.decode_tally(total) == (None, True), total
+            # Later rounds: with some rank active, its exact count...
+            total = float32_sum({m.ACTIVE: active, m.FAILED: failing,
+                                 m.JOINED: rest - active}, order)
+            if active:
+                assert m.decode_tally(total) == (active, False), (world, failing, active)
+            else:
+                # ...and with nobody active, the failure shows to everyone.
+                assert m.decode_tally(total) == (0, True), (world, failing, total)
+
+
+def test_decode_tally_edges() -> None:
+    assert m.decode_tally(0.0) == (0, False)
+    assert m.decode_tally(m.FAILED) == (0, True)
+    assert m.decode_tally(7.0) == (7, False)
+    assert m.decode_tally(float(2**24)) == (2**24, False)
+    assert m.decode_tally(m.ALARM) == (None, True)
+    assert m.decode_tally(m.ALARM * 0.999) == (int(round(m.ALARM * 0.999)), False)
+    assert float(np.float32(m.FAILING)) == m.FAILING and float(np.float32(m.FAILED)) == m.FAILED
+
+
+def test_a_world_above_2_24_ranks_is_refused() -> None:
+    m.MachineConfig(rank=0, world_size=2**24)
+    with pytest.raises(ValueError, match=r"at most 2\*\*24 = 16777216 ranks.*has 16777217"):
+        m.MachineConfig(rank=0, world_size=2**24 + 1)
+
+
+def flagged_sum(counts: list[tuple[float, int]], order: str, seed: int = 0) -> float:
+    """The float64 SUM of ``n`` ranks contributing ``v`` for each ``(v, n)``, in some order."""
+    values = np.concatenate([np.full(n, v, np.float64) for v, n in counts] + [np.zeros(0)])
+    if order == "reversed":
+        values = values[::-1].copy()
+    elif order == "shuffled":
+        np.random.default_rng(seed).shuffle(values)
+    elif order == "sorted":
+        values = np.sort(values)
+    elif order == "sorted-down":
+        values = np.sort(values)[::-1].copy()
+    if order == "pairwise":
+        return float(np.add.reduce(values))
+    if order == "tree":  # recursive halving, as recursive doubling computes it
+        while len(values) > 1:
+            if len(values) % 2:
+                values = np.append(values, 0.0)
+            values = values[0::2] + values[1::2]
+        return float(values[0]) if len(values) else 0.0
+    return float(np.cumsum(values)[-1]) if len(values) else 0.0
+
+
+FLAG_ORDERS = ["sequential", "reversed", "pairwise", "tree", "shuffled", "sorted", "sorted-down"]
+
+
+@pytest.mark.parametrize("order", FLAG_ORDERS)
+@pytest.mark.parametrize("world", [2, 4096, 100_000, 2**20])
+def test_flags_beside_the_heartbeat_stay_exact_in_a_float64_slot(world: int, order: str) -> None:
+    rng = np.random.default_rng(world)
+    for _ in range(6):
+        failing = int(rng.integers(0, world + 1))
+        announced = int(rng.integers(0, failing + 1))  # FAILED; the rest FAILING
+        active = int(rng.integers(0, world - failing + 1))
+        flagged = int(rng.integers(0, active + 1))
+        joined = world - failing - active
+        counts = [(m.ACTIVE + m.HEARTBEAT_FLAG, flagged), (m.ACTIVE, active - flagged),
+                  (m.FAILED, announced), (m.FAILING, failing - announced), (m.JOINED, joined)]
+        total = flagged_sum(counts, order, seed=failing)
+        heartbeat, flags = m.split_heartbeat_flags(total)
+        assert flags == flagged, (world, failing, announced, active, flagged, order)
+        if failing > announced:
+            assert m.decode_tally(heartbeat) == (None, True)
+        elif active:
+            assert m.decode_tally(heartbeat) == (active, False)
         else:
-            t = m.step(stepped, m.HooksDone(now=float(index)))
-            assert t.commands == (count,)  # no skew warning inside the batch
-        stepped = t.state
-        assert m.shadow_activity(stepped) == (
-            f"main hooks of shadow round {stepped.shadow_rounds}" if index % 2 == 0
-            else f"counting non-joined ranks (shadow round {stepped.shadow_rounds})")
-    assert m.replay_shadow_steps(base, steps) == stepped
+            assert m.decode_tally(heartbeat) == (0, failing > 0)
 
 
-def test_count_is_plain_agrees_with_decode_tally() -> None:
-    for active in range(0, 70):
-        for failed in range(0, 3):
-            total = float(active + failed * m.FAILED)
-            assert m.count_is_plain(total) == (active > 0 and failed == 0), total
-
-
-def test_shadow_rounds_are_not_batchable_around_failures_throw_mode_and_other_phases() -> None:
-    failure = m.Failure(rank=3, exc_type="ValueError", message="x")
-    assert m.shadow_rounds_batchable(state(m.Phase.COUNTING)) == m.SKEW_WARN_THRESHOLD
-    assert m.shadow_rounds_batchable(state(m.Phase.COUNTING, failure=failure)) == 0
-    assert m.shadow_rounds_batchable(state(m.Phase.COUNTING, failure_seen=True)) == 0
-    assert m.shadow_rounds_batchable(state(m.Phase.COUNTING, throw=True)) == 0
-    assert not any(m.shadow_rounds_batchable(state(phase))
-                   for phase in m.Phase if phase is not m.Phase.COUNTING)
-    # At the threshold the next round warns, so it is the machine's to run.
-    at = state(m.Phase.COUNTING, shadow_rounds=m.SKEW_WARN_THRESHOLD)
-    assert m.shadow_rounds_batchable(at) == 0
-    assert m.shadow_rounds_batchable(attrs.evolve(at, warned_skew=True)) == sys.maxsize
+def test_flags_at_2_24_ranks() -> None:
+    world = 2**24
+    cases = [  # (flagged, unflagged active, FAILING, FAILED)
+        (world, 0, 0, 0), (0, world, 0, 0), (world - 1, 0, 1, 0), (0, world - 1, 1, 0),
+        (world // 2, world // 4, world // 4, 0), (1, 0, world - 1, 0), (0, 0, world, 0),
+        (3, 5, world // 2, world // 2 - 8), (0, 0, 0, world),
+    ]
+    for flagged, unflagged, failing, announced in cases:
+        joined = world - flagged - unflagged - failing - announced
+        counts = [(m.ACTIVE + m.HEARTBEAT_FLAG, flagged), (m.ACTIVE, unflagged),
+                  (m.FAILING, failing), (m.FAILED, announced), (m.JOINED, joined)]
+        for total in (flagged_sum(counts, "pairwise"), flagged_sum(counts, "sequential"),
+                      flagged_sum(counts, "reversed")):
+            heartbeat, flags = m.split_heartbeat_flags(total)
+            assert flags == flagged, (flagged, unflagged, failing, announced)
+            active = flagged + unflagged
+            expected = (None, True) if failing else (active, False) if active else (
+                0, announced > 0)
+            assert m.decode_tally(heartbeat) == expected
 
 
 # -- failures --------------------------------------------------------------------
 
 
-def test_failing_rank_counts_with_the_failed_weight() -> None:
+def test_failing_rank_announces_once_then_counts_failed() -> None:
     t = m.step(
         state(m.Phase.ACTIVE, heartbeats=4),
         m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE, now=2.0),
     )
-    assert t.state.phase is m.Phase.COUNTING
-    assert t.commands == (m.CountNonjoined(value=m.FAILED),)
+    assert t.state.phase is m.Phase.DRAINING
+    assert t.commands == (drain(first=m.FAILING, value=m.FAILED),)
     assert t.state.failure == attrs.evolve(FAILURE, rank=3)  # its own rank
-    # It shadows like a joined rank, still contributing FAILED...
-    t = m.step(t.state, m.Counted(total=m.FAILED + 2))
-    assert t.commands == (m.RunMainHooks(round=0),)
+    # It shadows like a joined rank (its alarm made the first count huge)...
+    t = m.step(t.state, m.Drained(rounds=1000, total=m.FAILING + 2))
+    assert t.state.failure_announced
+    assert t.commands == (m.RunMainHooks(round=1000),)
     t = m.step(t.state, m.HooksDone())
-    assert t.commands == (m.CountNonjoined(value=m.FAILED),)
+    # ...from now on with the FAILED weight only...
+    assert t.commands[1] == drain(first=m.FAILED, value=m.FAILED, limit=None)
     # ...until nobody is active: no post hooks, an exchange of failures.
-    t = m.step(t.state, m.Counted(total=m.FAILED))
+    t = m.step(t.state, m.Drained(rounds=3, total=m.FAILED))
     assert t.state.phase is m.Phase.EXCHANGING
     assert t.commands == (m.ExchangeFailures(failure=t.state.failure),)
     # It leaves with its own exception (in flight), so nothing is raised.
     t = m.step(t.state, m.FailuresExchanged(failures=(None, None, None, t.state.failure)))
     assert t.state.phase is m.Phase.DONE and t.commands == ()
     assert m.report(t.state).failure == t.state.failure
+    assert m.report(t.state).shadow_rounds == 1004
 
 
-def test_failure_right_after_heartbeat_first_completes_the_iteration() -> None:
-    t = m.step(
-        state(m.Phase.ACTIVE),
-        m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE, iteration_open=True),
-    )
-    assert t.state.phase is m.Phase.SHADOWING
-    assert t.commands == (m.RunMainHooks(round=0),)
-    t = m.step(t.state, m.HooksDone())
-    assert t.commands == (m.CountNonjoined(value=m.FAILED),)
+@pytest.mark.parametrize("fused", [False, True])
+def test_failure_right_after_heartbeat_first_completes_the_iteration(fused: bool) -> None:
+    # Open: right after a separate heartbeat (nothing since), or right after
+    # the fused heartbeat's own collective (one since).
+    open_after = 1 if fused else 0
+    for since, opened in ((None, False), (open_after, True), (open_after + 1, False)):
+        t = m.step(
+            state(m.Phase.ACTIVE, fused=fused),
+            m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE,
+                         collectives_since_heartbeat=since),
+        )
+        if not opened:
+            assert t.commands == (drain(first=m.FAILING, value=m.FAILED, fused=fused),)
+            continue
+        assert t.state.phase is m.Phase.SHADOWING
+        # The fused collective went out before the failure: no shadow of it.
+        assert t.commands == (m.RunMainHooks(round=0, first_shadowed=fused),)
+        t = m.step(t.state, m.HooksDone())
+        assert t.commands == (drain(first=m.FAILING, value=m.FAILED, fused=fused, limit=999),)
 
 
-def test_active_rank_stops_when_a_heartbeat_shows_a_failure() -> None:
-    t = m.step(state(m.Phase.ACTIVE), m.HeartbeatSeen(total=m.FAILED + 3))
+def test_active_rank_stops_only_at_an_alarm() -> None:
+    for total in (1.0, 5000.0, float(2**24), m.FAILED, m.ALARM / 2):
+        assert m.step(state(m.Phase.ACTIVE), m.HeartbeatSeen(total=total)).commands == (ORDER,)
+    t = m.step(state(m.Phase.ACTIVE), m.HeartbeatSeen(total=m.FAILING + 3))
     assert t.state.phase is m.Phase.ABORTING
     (command,) = t.commands
     assert isinstance(command.error, PeerAborted)
     for outcome in (m.Outcome.ABORTED, m.Outcome.NORMAL):
         after = m.step(t.state, m.LoopExited(outcome=outcome))
-        assert after.state.phase is m.Phase.COUNTING
-        assert after.commands == (m.CountNonjoined(value=m.JOINED),)
+        assert after.state.phase is m.Phase.DRAINING
+        assert after.commands == (drain(),)
     # A different exception while leaving makes it a failing rank too.
     after = m.step(t.state, m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE))
-    assert after.commands == (m.CountNonjoined(value=m.FAILED),)
+    assert after.commands == (drain(first=m.FAILING, value=m.FAILED),)
 
 
-def test_joined_rank_that_saw_a_failure_skips_post_hooks() -> None:
-    t = m.step(state(m.Phase.COUNTING, joined_at=1.0), m.Counted(total=m.FAILED + 1))
-    assert t.state.failure_seen and t.commands == (m.RunMainHooks(round=0),)
-    t = m.step(m.step(t.state, m.HooksDone()).state, m.Counted(total=m.FAILED))
+def test_joined_rank_learns_of_a_failure_at_the_final_count() -> None:
+    # Whether or not it saw an alarm on the way, the final count decides.
+    t = m.step(state(m.Phase.DRAINING, joined_at=1.0), m.Drained(rounds=7, total=2 * m.FAILED))
     assert t.commands == (m.ExchangeFailures(failure=None),)
     t = m.step(t.state, m.FailuresExchanged(failures=(None, FAILURE)))
     assert t.state.phase is m.Phase.DONE
     assert isinstance(t.commands[0].error, PeerFailure)
+
+
+def test_a_failing_rank_never_runs_post_hooks() -> None:
+    t = m.step(state(m.Phase.DRAINING, failure=FAILURE, failure_announced=True),
+               m.Drained(rounds=0, total=0.0))
+    assert t.commands == (m.ExchangeFailures(failure=FAILURE),)
+
+
+def test_a_hook_that_raises_in_a_drain_aborts_the_group() -> None:
+    t = m.step(state(m.Phase.DRAINING, shadow_rounds=2),
+               m.Drained(rounds=3, total=None, failure=FAILURE, now=4.0))
+    assert t.state.phase is m.Phase.DONE and t.state.shadow_rounds == 5
+    assert t.commands == (ABORT_MAIN,)
+    assert m.step(state(m.Phase.DRAINING), m.Drained(rounds=0, total=None)).state.phase is (
+        m.Phase.ERRORED)
+
+
+ABORT_MAIN = m.AbortGroup(message=ABORT.message.replace("HOOK", "main_hook"))
 
 
 def test_exchange_without_any_reported_failure_is_a_peer_error() -> None:
@@ -400,17 +635,26 @@ def test_exchange_without_any_reported_failure_is_a_peer_error() -> None:
 
 
 def test_throw_mode_failure_is_exchanged_on_every_rank() -> None:
-    # The active rank's check shows a failed signaller.
-    t = m.step(state(m.Phase.CHECKING, throw=True), m.TerminationChecked(total=m.FAILED))
-    assert t.state.phase is m.Phase.EXCHANGING
-    assert t.commands == (m.ExchangeFailures(failure=None),)
-    # The failing rank signals with the failed weight, then exchanges.
-    failing = state(m.Phase.COUNTING, throw=True, failure=FAILURE, joined_at=1.0)
-    t = m.step(failing, m.Counted(total=m.FAILED + 2))
+    # The active rank's check shows the failing rank's alarm (or, never
+    # sent but handled, a FAILED weight with nobody signalling).
+    for total in (m.FAILING, m.FAILING + 2.0, m.FAILED):
+        t = m.step(state(m.Phase.CHECKING, throw=True), m.TerminationChecked(total=total))
+        assert t.state.phase is m.Phase.EXCHANGING
+        assert t.commands == (m.ExchangeFailures(failure=None),)
+    # The failing rank counts with its alarm, signals with it, then exchanges.
+    t = m.step(state(m.Phase.ACTIVE, throw=True),
+               m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE))
+    assert t.commands == (drain(first=m.FAILING, value=m.FAILED, limit=0),)
+    t = m.step(t.state, m.Drained(rounds=0, total=m.FAILING + 2))
+    failure = attrs.evolve(FAILURE, rank=3)
     assert t.commands == (
-        m.SignalTermination(value=m.FAILED),
-        m.ExchangeFailures(failure=FAILURE),
+        m.SignalTermination(value=m.FAILING),
+        m.ExchangeFailures(failure=failure),
     )
+    # A joined rank counting beside it signals too (whether or not any rank
+    # is active, every counting rank does the same) and exchanges.
+    t = m.step(state(m.Phase.DRAINING, throw=True), m.Drained(rounds=0, total=m.FAILING))
+    assert t.commands == (m.SignalTermination(value=m.ACTIVE), m.ExchangeFailures(failure=None))
 
 
 def test_interrupt_leaves_at_once() -> None:
@@ -419,10 +663,8 @@ def test_interrupt_leaves_at_once() -> None:
 
 
 def test_report_of_a_joined_rank() -> None:
-    s = state(m.Phase.COUNTING, heartbeats=5, joined_at=10.0)
-    s = m.step(s, m.Counted(total=1.0)).state
-    s = m.step(s, m.HooksDone()).state
-    s = m.step(s, m.Counted(total=0.0, now=12.5)).state
+    s = state(m.Phase.DRAINING, heartbeats=5, joined_at=10.0)
+    s = m.step(s, m.Drained(rounds=1, total=0.0, now=12.5)).state
     s = m.step(s, m.HooksDone(now=13.0)).state
     r = m.report(s)
     assert (r.rank, r.inputs, r.joined_at_round, r.shadow_rounds) == (3, 5, 5, 1)
@@ -440,18 +682,17 @@ def test_peer_failure_pickles() -> None:
 # -- fused heartbeat -------------------------------------------------------------
 
 
-def test_fused_heartbeat_sends_nothing_and_counts_through_the_joinable() -> None:
+def test_fused_heartbeat_orders_the_slot_value_and_drains_through_the_joinable() -> None:
     config = m.MachineConfig(rank=0, fused_heartbeat=True)
-    s = m.step(m.initial_state(config), m.Entered()).state
-    t = m.step(s, m.Notified())
-    assert t.commands == () and t.state.heartbeats == 1
-    assert m.notify_is_batchable(t.state)
-    assert m.replay_notifies(s, 1) == t.state
+    t = m.step(m.initial_state(config), m.Entered())
+    assert t.commands == (m.HeartbeatOrder(value=m.ACTIVE, fused=True),)
+    t = m.step(t.state, m.Notified(count=2))
+    assert t.commands == (m.HeartbeatOrder(value=m.ACTIVE, fused=True),)
+    assert t.state.heartbeats == 2
     t = m.step(t.state, m.LoopExited())
-    assert t.commands == (m.CountNonjoined(value=m.JOINED, fused=True),)
-    t = m.step(t.state, m.Counted(total=1.0))
-    t = m.step(t.state, m.HooksDone())
-    assert t.commands == (m.CountNonjoined(value=m.JOINED, fused=True),)
+    assert t.commands == (drain(fused=True),)
+    t = m.step(t.state, m.Drained(rounds=1000, total=1.0))
+    assert t.commands == (m.RunMainHooks(round=1000, first_shadowed=True),)
 
 
 def test_fused_heartbeat_cannot_carry_throw_mode() -> None:

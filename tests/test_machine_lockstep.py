@@ -2,26 +2,35 @@
 
 Each rank runs a tiny pure shell (a generator) around its machine: its loop
 over ``inputs[rank]`` items notifies and then does one all-reduce per joinable;
-after the loop it carries out the machine's commands. Each collective is
-yielded as ``(kind, value)``; the scheduler checks that every live rank asked
-for the same kind at the same step (otherwise real ranks would hang or mix
-up collectives) and sends back the sum. No threads, no backend.
+after the loop it carries out the machine's commands, including the standing
+heartbeat order and whole drains. Each collective is yielded as ``(kind,
+value)``; the scheduler checks that every live rank asked for the same kind at
+the same step (otherwise real ranks would hang or mix up collectives) and sends
+back the sum. No threads, no backend.
+
+Big worlds: each program may stand for ``weight`` identical ranks (the same
+inputs, the same failure), so a handful of programs make a world of up to 2**24
+ranks. The scheduler sums like the wire: float32, the identical ranks' part
+exactly (``weight * value``), the programs in a random order.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Generator
 from typing import Any
 
 import attrs
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from joinkit import EarlyTermination, PeerAborted, PeerError, PeerFailure
 from joinkit import _machine as m
 
-Collective = tuple[str, float]
-Program = Generator[Collective, float, dict[str, Any]]
+Collective = tuple[str, Any]
+Program = Generator[Collective, Any, dict[str, Any]]
 
 
 class Boom(ValueError):
@@ -36,54 +45,72 @@ def rank_program(
     fail_at: int | None = None,
     fail_after_heartbeat: bool = False,
     fused: bool = False,
+    world_size: int | None = None,
+    reads_totals: bool = True,
 ) -> Program:
     """One rank: its loop over ``inputs`` items, then the machine's commands.
 
     With ``fail_at`` the loop body raises ``Boom`` in that iteration, before
     its heartbeat or (``fail_after_heartbeat``) right after it. With ``fused``
-    joinable 0's all-reduce carries the heartbeat as a second element.
+    joinable 0's all-reduce carries the heartbeat as a second element. Without
+    ``reads_totals`` the rank never reads a heartbeat's sum (a backend without
+    ``heartbeat_total``, a fused joinable that does not record it).
     """
     config = m.MachineConfig(
-        rank=rank, throw_on_early_termination=throw, fused_heartbeat=fused
+        rank=rank, throw_on_early_termination=throw, fused_heartbeat=fused,
+        world_size=world_size,
     )
-    first_shadowed = False
-    state = m.step(m.initial_state(config), m.Entered()).state
+    state = m.initial_state(config)
+    order: m.HeartbeatOrder | None = None
+    beats = 0
+    since: int | None = None  # collectives since the last heartbeat
     counts = [0.0] * joinables
     result: dict[str, Any] = {"error": None, "post_hooks": [], "main_rounds": 0}
     last_heartbeat: list[float] = []
 
+    def main_hooks(first_shadowed: bool) -> Generator[Collective, Any, None]:
+        for j in range(joinables):
+            if fused and j == 0:
+                if not first_shadowed:  # the fused slot of a joinable that is not a heartbeat
+                    yield ("joinable0", (0.0, m.JOINED))
+                continue
+            yield (f"joinable{j}", 0.0)  # the shadow of its all-reduce
+        result["main_rounds"] += 1
+
     def run(observation: m.Observation) -> Generator[Collective, Any, None]:
-        nonlocal state, first_shadowed
+        nonlocal state, order, beats
+        if beats and not isinstance(observation, m.Notified):
+            count, beats = beats, 0
+            yield from run(m.Notified(count=count))
         pending: m.Observation | None = observation
         while pending is not None:
+            order = None  # a standing order ends with the next observation
             transition = m.step(state, pending)
             state, pending = transition.state, None
             for command in transition.commands:
-                if isinstance(command, m.SendHeartbeat):
+                if isinstance(command, m.HeartbeatOrder):
+                    order = command
+                elif isinstance(command, m.SendHeartbeat):
                     last_heartbeat[:] = [(yield ("join", command.value))]
-                elif isinstance(command, m.CountNonjoined) and command.fused:
-                    _, total = yield ("joinable0", (0.0, command.value))
-                    first_shadowed = True
-                    pending = m.Counted(total=total)
-                elif isinstance(command, (m.CheckTermination, m.CountNonjoined)):
-                    total = yield ("join", command.value)
-                    pending = (
-                        m.TerminationChecked(total=total)
-                        if isinstance(command, m.CheckTermination)
-                        else m.Counted(total=total)
-                    )
+                elif isinstance(command, m.CheckTermination):
+                    pending = m.TerminationChecked(total=(yield ("join", command.value)))
+                elif isinstance(command, m.Drain):
+                    value, rounds = command.first, 0
+                    while True:
+                        if command.fused:
+                            _, total = yield ("joinable0", (0.0, value))
+                        else:
+                            total = yield ("join", value)
+                        if total < command.until or rounds == command.limit:
+                            pending = m.Drained(rounds=rounds, total=total)
+                            break
+                        value = command.value
+                        yield from main_hooks(first_shadowed=command.fused)
+                        rounds += 1
                 elif isinstance(command, m.SignalTermination):
                     yield ("join", command.value)
                 elif isinstance(command, m.RunMainHooks):
-                    for j in range(joinables):
-                        if fused and j == 0:
-                            if not first_shadowed:  # a completion round
-                                slot = m.FAILED if state.failure else m.JOINED
-                                yield ("joinable0", (0.0, slot))
-                            continue
-                        yield (f"joinable{j}", 0.0)  # the shadow of its all-reduce
-                    first_shadowed = False
-                    result["main_rounds"] += 1
+                    yield from main_hooks(command.first_shadowed)
                     pending = m.HooksDone()
                 elif isinstance(command, m.RunPostHooks):
                     result["post_hooks"].append(command.is_last_joiner)
@@ -98,26 +125,36 @@ def rank_program(
 
     exit_observation = m.LoopExited()
     try:
+        yield from run(m.Entered())
         for i in range(inputs):
             if i == fail_at and not fail_after_heartbeat:
                 raise Boom(f"rank {rank} before heartbeat {i}")
-            # notify: read the previous heartbeat's sum (failure detection),
-            # then send this iteration's heartbeat.
-            if last_heartbeat and m.notify_is_batchable(state):
-                yield from run(m.HeartbeatSeen(total=last_heartbeat[0]))
-            yield from run(m.Notified())
+            # notify: under the standing order, read the previous heartbeat's
+            # sum for an alarm, then send this iteration's heartbeat.
+            if order is None:
+                yield from run(m.Notified())
+                since = 0
+            else:
+                if reads_totals and last_heartbeat and last_heartbeat[0] >= order.alarm:
+                    yield from run(m.HeartbeatSeen(total=last_heartbeat[0]))
+                beats += 1
+                since = 0
+                if not order.fused:
+                    last_heartbeat[:] = [(yield ("join", order.value))]
             if i == fail_at and not fused:
                 raise Boom(f"rank {rank} after heartbeat {i}")
             for j in range(joinables):
                 if fused and j == 0:
                     payload, slot = yield ("joinable0", (1.0, m.ACTIVE))
                     counts[0] += payload
-                    last_heartbeat[:] = [slot]
+                    since += 1
+                    if reads_totals:
+                        last_heartbeat[:] = [slot]
                     if i == fail_at:  # the heartbeat went out with this collective
-                        first_shadowed = True  # the completion round skips it
                         raise Boom(f"rank {rank} after heartbeat {i}")
                 else:
                     counts[j] += yield (f"joinable{j}", 1.0)
+                    since += 1
     except (EarlyTermination, PeerFailure) as error:
         result["error"] = error
         exit_observation = m.LoopExited(outcome=m.Outcome.FAILED, failure=_as_failure(error))
@@ -129,7 +166,7 @@ def rank_program(
         exit_observation = m.LoopExited(
             outcome=m.Outcome.FAILED,
             failure=_as_failure(error),
-            iteration_open=fail_after_heartbeat,
+            collectives_since_heartbeat=since,
         )
     try:
         yield from run(exit_observation)
@@ -143,16 +180,34 @@ def _as_failure(error: BaseException) -> m.Failure:
     return m.Failure(rank=-1, exc_type=type(error).__name__, message=str(error))
 
 
+def float32_sum(values: list[float], weights: list[int], rng: random.Random) -> float:
+    """The wire's sum: each program's identical ranks exactly, then the programs
+    one after another in a random order, all in float32."""
+    parts = [np.float32(w) * np.float32(v) for v, w in zip(values, weights, strict=True)]
+    rng.shuffle(parts)
+    total = np.float32(0.0)
+    for part in parts:
+        total = np.float32(total + part)
+    return float(total)
+
+
 def run_lockstep(
     inputs: list[int],
     throw: bool,
     joinables: int,
     failures: dict[int, tuple[int, bool]] | None = None,
     fused: bool = False,
+    weights: list[int] | None = None,
+    reads_totals: bool = True,
+    seed: int = 0,
 ) -> list[dict[str, Any]]:
     failures = failures or {}
+    weights = weights or [1] * len(inputs)
+    world_size = sum(weights)
+    rng = random.Random(seed)
     programs = [
-        rank_program(r, n, throw, joinables, *failures.get(r, (None, False)), fused=fused)
+        rank_program(r, n, throw, joinables, *failures.get(r, (None, False)), fused=fused,
+                     world_size=world_size, reads_totals=reads_totals)
         for r, n in enumerate(inputs)
     ]
     results: list[dict[str, Any] | None] = [None] * len(programs)
@@ -177,9 +232,10 @@ def run_lockstep(
         if kinds == {"exchange"}:
             answer: Any = tuple(values)
         elif isinstance(values[0], tuple):  # a fused all-reduce: element-wise
-            answer = tuple(map(sum, zip(*values, strict=True)))
+            answer = tuple(float32_sum(list(column), weights, rng)
+                           for column in zip(*values, strict=True))
         else:
-            answer = sum(values)
+            answer = float32_sum(values, weights, rng)
         for rank in range(len(programs)):
             advance(rank, answer)
     return [result for result in results if result is not None]
@@ -188,15 +244,27 @@ def run_lockstep(
 worlds = st.integers(1, 64).flatmap(
     lambda size: st.lists(st.integers(0, 12), min_size=size, max_size=size)
 )
+# A program's weight: how many identical ranks it stands for.
+WEIGHTS = [1, 1, 1, 2, 4095, 4096, 5000, 16384, 100_000, 2**20, 2**24 - 3]
+
+
+@st.composite
+def weights_for(draw: Any, programs: int) -> list[int]:
+    weights = draw(st.lists(st.sampled_from(WEIGHTS), min_size=programs, max_size=programs))
+    while sum(weights) > m.MAX_WORLD_SIZE:  # at most 2**24 ranks in all
+        weights[weights.index(max(weights))] = 1
+    return weights
 
 
 @settings(max_examples=150, deadline=None)
-@given(inputs=worlds, joinables=st.integers(0, 3), fused=st.booleans())
+@given(inputs=worlds, joinables=st.integers(0, 3), fused=st.booleans(), data=st.data())
 def test_all_ranks_finish_together_and_agree(
-    inputs: list[int], joinables: int, fused: bool
+    inputs: list[int], joinables: int, fused: bool, data: st.DataObject
 ) -> None:
     fused = fused and joinables > 0  # the heartbeat needs a collective to ride in
-    results = run_lockstep(inputs, throw=False, joinables=joinables, fused=fused)
+    weights = data.draw(st.one_of(st.just([1] * len(inputs)), weights_for(len(inputs))))
+    results = run_lockstep(inputs, throw=False, joinables=joinables, fused=fused,
+                           weights=weights, seed=data.draw(st.integers(0, 99)))
     most = max(inputs)
     for rank, (n, result) in enumerate(zip(inputs, results, strict=True)):
         state = result["state"]
@@ -207,14 +275,18 @@ def test_all_ranks_finish_together_and_agree(
         # is_last_joiner is true exactly for the ranks with the most inputs.
         assert result["post_hooks"] == [n == most]
         # Each joinable counted, per iteration before joining, the active ranks.
-        expected = sum(sum(1 for k in inputs if k > t) for t in range(n))
+        expected = sum(sum(w for k, w in zip(inputs, weights, strict=True) if k > t)
+                       for t in range(n))
         assert result["counts"] == [float(expected)] * joinables, rank
 
 
 @settings(max_examples=150, deadline=None)
-@given(inputs=worlds, joinables=st.integers(0, 3))
-def test_throw_mode_raises_on_every_rank(inputs: list[int], joinables: int) -> None:
-    results = run_lockstep(inputs, throw=True, joinables=joinables)
+@given(inputs=worlds, joinables=st.integers(0, 3), data=st.data())
+def test_throw_mode_raises_on_every_rank(
+    inputs: list[int], joinables: int, data: st.DataObject
+) -> None:
+    weights = data.draw(st.one_of(st.just([1] * len(inputs)), weights_for(len(inputs))))
+    results = run_lockstep(inputs, throw=True, joinables=joinables, weights=weights)
     fewest = min(inputs)
     if fewest == max(inputs):
         assert all(r["error"] is None and r["post_hooks"] == [True] for r in results)
@@ -248,17 +320,8 @@ def worlds_with_failures(draw: Any) -> tuple[list[int], dict[int, tuple[int, boo
     return inputs, failures
 
 
-@settings(max_examples=300, deadline=None)
-@given(world=worlds_with_failures(), joinables=st.integers(0, 3), fused=st.booleans())
-def test_a_failure_reaches_every_rank_and_nobody_hangs(
-    world: tuple[list[int], dict[int, tuple[int, bool]]], joinables: int, fused: bool
-) -> None:
-    inputs, failures = world
-    fused = fused and joinables > 0
-    # run_lockstep asserts that all ranks stay in step and finish together.
-    results = run_lockstep(
-        inputs, throw=False, joinables=joinables, failures=failures, fused=fused
-    )
+def check_failure_results(inputs: list[int], failures: dict[int, tuple[int, bool]],
+                          results: list[dict[str, Any]]) -> None:
     eligible = {r: at for r, (at, _) in failures.items() if at < inputs[r]}
     # A rank stopped by an earlier failure never reaches its own failing
     # iteration, but the earliest failures always happen.
@@ -284,13 +347,40 @@ def test_a_failure_reaches_every_rank_and_nobody_hangs(
             assert [f.rank for f in error.failures] == failed
 
 
-@settings(max_examples=200, deadline=None)
-@given(world=worlds_with_failures(), joinables=st.integers(0, 3))
-def test_failures_in_throw_mode_stay_in_step(
-    world: tuple[list[int], dict[int, tuple[int, bool]]], joinables: int
+@settings(max_examples=300, deadline=None)
+@given(world=worlds_with_failures(), joinables=st.integers(0, 3), fused=st.booleans(),
+       reads_totals=st.booleans(), data=st.data())
+def test_a_failure_reaches_every_rank_and_nobody_hangs(
+    world: tuple[list[int], dict[int, tuple[int, bool]]], joinables: int, fused: bool,
+    reads_totals: bool, data: st.DataObject,
 ) -> None:
     inputs, failures = world
-    results = run_lockstep(inputs, throw=True, joinables=joinables, failures=failures)
+    fused = fused and joinables > 0
+    weights = data.draw(st.one_of(st.just([1] * len(inputs)), weights_for(len(inputs))))
+    # run_lockstep asserts that all ranks stay in step and finish together.
+    results = run_lockstep(
+        inputs, throw=False, joinables=joinables, failures=failures, fused=fused,
+        weights=weights, reads_totals=reads_totals, seed=data.draw(st.integers(0, 99)),
+    )
+    check_failure_results(inputs, failures, results)
+    if reads_totals:
+        # Active ranks stop at the next notify after the first failure's alarm.
+        eligible = {r: at for r, (at, _) in failures.items() if at < inputs[r]}
+        if eligible:
+            first = min(eligible.values())
+            for rank, result in enumerate(results):
+                assert result["state"].heartbeats <= first + 2, (rank, first)
+
+
+@settings(max_examples=200, deadline=None)
+@given(world=worlds_with_failures(), joinables=st.integers(0, 3), data=st.data())
+def test_failures_in_throw_mode_stay_in_step(
+    world: tuple[list[int], dict[int, tuple[int, bool]]], joinables: int, data: st.DataObject
+) -> None:
+    inputs, failures = world
+    weights = data.draw(st.one_of(st.just([1] * len(inputs)), weights_for(len(inputs))))
+    results = run_lockstep(inputs, throw=True, joinables=joinables, failures=failures,
+                           weights=weights)
     errors = [result["error"] for result in results]
     assert all(result["state"].phase is m.Phase.DONE for result in results)
     if any(error is not None for error in errors):
@@ -301,3 +391,31 @@ def test_failures_in_throw_mode_stay_in_step(
         # Everyone who did not fail learned the same failing rank.
         assert len({e.rank for e in peer_failures}) == 1
         assert all(isinstance(e, (PeerFailure, Boom)) for e in errors)
+
+
+# -- the worlds of issue 10: 4095 to 2**24 ranks --------------------------------------
+
+BIG_WORLDS = [4095, 4096, 5000, 16384, 100_000, 2**24]
+
+
+@pytest.mark.parametrize("world", BIG_WORLDS)
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("failing", ["none", "one", "many"])
+def test_big_worlds_healthy_and_failing(world: int, fused: bool, failing: str) -> None:
+    # Three programs: a crowd with the most inputs, one rank with fewer, and
+    # a crowd that runs out first; with failures, one rank or a whole crowd
+    # fails midway (after the heartbeat, so it completes its iteration).
+    inputs = [6, 4, 2]
+    weights = [world // 2, 1, world - world // 2 - 1]
+    failures = {"none": {}, "one": {1: (3, True)}, "many": {0: (1, False)}}[failing]
+    results = run_lockstep(inputs, throw=False, joinables=2, failures=failures, fused=fused,
+                           weights=weights, seed=world)
+    check_failure_results(inputs, failures, results)
+    if failing == "none":
+        for rank, result in enumerate(results):
+            expected = sum(sum(w for k, w in zip(inputs, weights, strict=True) if k > t)
+                           for t in range(inputs[rank]))
+            assert result["counts"] == [float(expected)] * 2
+    else:
+        # Every rank learned of it (no rank went on to its last input).
+        assert all(r["error"] is not None for r in results)
