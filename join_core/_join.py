@@ -482,7 +482,15 @@ class Join:
         if join is not None:
             order = join._order
             if order is not None and order.fused:
-                return join._fused_beat(order)
+                # The standing order, inlined (this is the per-iteration path).
+                total = join._fused_total
+                if total is not None and total >= order.alarm:
+                    join._feed(m.HeartbeatSeen(total=total, now=join._clock()))  # PeerAborted
+                    return m.JOINED
+                join._beats += 1
+                if join._counts_collectives:
+                    join._collectives_at_heartbeat = join._backend.collectives_issued
+                return order.value
             join._notify()
         return m.JOINED
 

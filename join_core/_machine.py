@@ -764,11 +764,14 @@ def _raise(s: JoinState, phase: Phase, error: JoinError, **fields: Any) -> Trans
     return _go(s, phase, Raise(error=error), error=error, **fields)
 
 
+def _orders(config: MachineConfig) -> tuple[Command, ...]:
+    """The standing heartbeat order of ACTIVE (none in throw mode)."""
+    return () if config.throw_on_early_termination else _ORDERS[config.fused_heartbeat]
+
+
 def _active(s: JoinState, **fields: Any) -> Transition:
-    """Stay in (or enter) ACTIVE, with the standing heartbeat order outside throw mode."""
-    config = s.config
-    orders = () if config.throw_on_early_termination else _ORDERS[config.fused_heartbeat]
-    return Transition(_evolve(s, phase=Phase.ACTIVE, **fields), orders)
+    """Enter ACTIVE, with its standing heartbeat order."""
+    return Transition(_evolve(s, phase=Phase.ACTIVE, **fields), _orders(s.config))
 
 
 def _enter(s: JoinState, o: Entered) -> Transition:
@@ -806,7 +809,7 @@ def _notify(s: JoinState, o: Notified) -> Transition:
 
 def _heartbeat_seen(s: JoinState, o: HeartbeatSeen) -> Transition:
     if o.total < ALARM:
-        return _active(s)
+        return Transition(s, _orders(s.config))  # nothing changed; the order stands
     error = PeerAborted(
         f"rank {s.config.rank} stopped: another rank failed inside the Join context; "
         "let this error leave the `with Join(...)` block, which then names the "
