@@ -3,9 +3,15 @@
 The shell owns everything the pure machine in ``_machine`` must not touch: the
 clock, the backend's collectives, the joinables' hooks, warnings and raising.
 It feeds observations to ``step`` and carries out the commands that come back,
-in order. The API (names, arguments, messages) follows
-``torch.distributed.algorithms.join`` so code written for torch works by
-changing one import.
+in order. It executes and never decides: the per-iteration path is the
+machine's standing ``HeartbeatOrder`` (the shell sends the heartbeats, checks
+the previous sum against the order's alarm, and reports how many it sent as
+one ``Notified`` before its next observation), a joined rank's rounds are one
+``Drain`` command answered by one ``Drained``, and logging takes the same path.
+It tells its watchdog ``Watch`` what it is blocked in (and ticks it at every
+step of a drain); the watchdog calls back ``_on_stall``. The API (names,
+arguments, messages) follows ``torch.distributed.algorithms.join`` so code
+written for torch works by changing one import.
 """
 
 from __future__ import annotations
