@@ -239,7 +239,7 @@ def decode_tally(total: float) -> tuple[int | None, bool]:
     return 0, total > 0.0
 
 
-def split_heartbeat_flags(total: float) -> tuple[float, int]:
+def split_heartbeat_flags(total: float, unit: float = HEARTBEAT_FLAG) -> tuple[float, int]:
     """Split a float64 slot's sum of ``heartbeat + HEARTBEAT_FLAG * flag``.
 
     Each rank puts its heartbeat value (``ACTIVE``, ``JOINED``, ``FAILING``,
@@ -250,11 +250,18 @@ def split_heartbeat_flags(total: float) -> tuple[float, int]:
     flags below 2**53, and where FAILING weights push the sum above 2**53 the
     rounding stays far below one flag (tested in every summation order).
 
+    Args:
+        total: the slot's sum.
+        unit: the weight of one flag. A smaller power of two (above every
+            heartbeat sum the world can make, e.g. 2**24 for worlds below
+            2**24 ranks) leaves room for per-rank counts above one, as long as
+            their sum times ``unit`` stays below 2**53 (FAILING's lane).
+
     Returns:
-        ``(heartbeat sum, flagged ranks)``.
+        ``(heartbeat sum, flags)``: the flags (or counts) summed over the ranks.
     """
-    flags = math.floor(math.fmod(total, FAILING) / HEARTBEAT_FLAG)
-    return total - flags * HEARTBEAT_FLAG, flags
+    flags = math.floor(math.fmod(total, FAILING) / unit)
+    return total - flags * unit, flags
 
 
 class Phase(enum.Enum):

@@ -698,3 +698,12 @@ def test_fused_heartbeat_orders_the_slot_value_and_drains_through_the_joinable()
 def test_fused_heartbeat_cannot_carry_throw_mode() -> None:
     with pytest.raises(ValueError, match="termination check"):
         m.MachineConfig(rank=0, fused_heartbeat=True, throw_on_early_termination=True)
+
+
+def test_split_heartbeat_flags_with_a_smaller_unit_carries_counts() -> None:
+    # 3 active ranks counting 5, 0 and 7 in units of 2**24, one rank failing.
+    unit = 2.0**24
+    total = 3 * m.ACTIVE + (5 + 0 + 7) * unit + m.FAILING
+    heartbeat, counts = m.split_heartbeat_flags(total, unit)
+    assert counts == 12 and m.decode_tally(heartbeat) == (None, True)
+    assert m.split_heartbeat_flags(3 * m.ACTIVE + 12 * unit, unit) == (3.0, 12)
