@@ -15,9 +15,11 @@ when the model is the Join's first joinable; otherwise the slot is 0 and the
 first joinable sends it) and ``flags`` says what the rest of this iteration
 does: bit 0, FSDP reduces gradients (``set_requires_gradient_sync``); bit 1,
 HSDP all-reduces them (``set_requires_all_reduce``); bit 2, gradients are
-enabled, so a backward follows. Heartbeat sums stay below ``2**24``
-(``join_core``), so the sum splits exactly into the heartbeat sum, the number
-of active ranks ``A`` and ``F = A * flags`` (ranks that disagree on the flags
+enabled, so a backward follows. ``joinkit.split_heartbeat_flags(total, 2**24)``
+splits off the heartbeat sum (below ``2**24`` in the worlds of fewer than 4096
+ranks this check counts; a failed rank's first weight lies above these lanes),
+so the sum splits exactly into the heartbeat sum, the number of active ranks
+``A`` and ``F = A * flags`` (ranks that disagree on the flags
 give an ``F`` that ``A`` does not divide: an ``AgreementError``). The joinable
 is a fused joinable, so in every Join mode the shell pairs this all-reduce with
 the joined ranks' :meth:`_FSDPShadow.fused_shadow`; in throw mode or with
@@ -86,7 +88,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from joinkit import AgreementError, Join, Joinable, JoinConfig, JoinHook, LocalProtocolError
+from joinkit import (
+    AgreementError,
+    Join,
+    Joinable,
+    JoinConfig,
+    JoinHook,
+    LocalProtocolError,
+    split_heartbeat_flags,
+)
 
 from . import _replay, _torch_private
 
@@ -405,7 +415,8 @@ class _StepCheck:
         latest = self.works[self.current]
         if latest is not None and self.on_cpu:
             latest.wait()  # long complete; a failed peer shows in the slot's sum
-            Join.record_heartbeat_total(adapter, float(self.views[self.current][0]) % _SLOT)
+            heartbeat, _ = split_heartbeat_flags(float(self.views[self.current][0]), _SLOT)
+            Join.record_heartbeat_total(adapter, heartbeat)
         previous = self.works[index]
         if previous is not None:
             previous.wait()
@@ -455,8 +466,7 @@ class _StepCheck:
 
     @staticmethod
     def _decode(total: float) -> tuple[float, int, int]:
-        slot = total % _SLOT
-        ranks = int(round((total - slot) / _SLOT))
+        slot, ranks = split_heartbeat_flags(total, _SLOT)
         active, summed = ranks % _RANKS, ranks // _RANKS
         if active and summed % active:
             raise AgreementError(

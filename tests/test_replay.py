@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from joinkit import AgreementError
+from joinkit import _machine as m
 from joinkit.adapters import _replay
 from joinkit.adapters.fsdp import _SLOT, GRAD, SYNC, _StepCheck
 
@@ -19,15 +20,26 @@ pytestmark = pytest.mark.needs_torch
 
 @pytest.mark.parametrize("active", [1, 2, 7, 4095])
 @pytest.mark.parametrize("flags", [0, SYNC, GRAD, SYNC | GRAD, 7])
-@pytest.mark.parametrize("slots", [(0, 0), (1, 0), (4095, 0), (3, 2), (0, 4095)])
-def test_step_check_sums_split_exactly(active: int, flags: int, slots: tuple[int, int]) -> None:
+@pytest.mark.parametrize("slots", [(0, 0, 0), (1, 0, 0), (4095, 0, 0), (3, 2, 0), (0, 4095, 0),
+                                   (3, 0, 1), (0, 2, 5), (7, 0, 4095)])
+def test_step_check_sums_split_exactly(active: int, flags: int,
+                                       slots: tuple[int, int, int]) -> None:
     """``active`` ranks send slot + 2**24 (1 + 4096 flags); joined and failed ranks
-    send only their slot (1 per active heartbeat, 4096 per failed rank)."""
-    heartbeats, failed = slots
-    slot_sum = heartbeats + 4096.0 * failed
-    total = slot_sum + active * _SLOT * (1 + 4096 * flags)
-    assert total < 2**53  # float64 adds these integers exactly
-    assert _StepCheck._decode(total) == (slot_sum, active, flags)
+    send only their slot (1 per active heartbeat; a failed rank 2**-100, or
+    2**53 in the round it fails: the heartbeat sum is then an alarm)."""
+    heartbeats, failed, failing = slots
+    payload = active * _SLOT * (1 + 4096 * flags)
+    total = (heartbeats + failed * m.FAILED) + failing * m.FAILING + payload
+    slot, got_active, got_flags = _StepCheck._decode(total)
+    assert (got_active, got_flags) == (active, flags)
+    if failing:
+        assert slot >= m.ALARM
+    else:
+        assert slot == heartbeats  # FAILED weights round away beside the active ranks
+
+
+def test_no_active_rank_shows_the_failed_weights() -> None:
+    assert _StepCheck._decode(3 * m.FAILED) == (3 * m.FAILED, 0, 0)
 
 
 def test_step_check_refuses_ranks_that_disagree() -> None:
