@@ -17,6 +17,7 @@ written for torch works by changing one import.
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import threading
 import time
@@ -250,17 +251,10 @@ class Join:
                 )
         self._joinables = joinable_list
         self._hooks = hooks
-        # What a round of main hooks runs, by whether the first joinable's
-        # first collective is already shadowed (RunMainHooks, Drain): each
-        # hook, and whether to shadow its joinable's fused slot first.
+        # Which joinables fuse a heartbeat slot into their first collective
+        # (a shadow round shadows it first, see _round_plan).
         fuses = [_fuses(j) for j in joinable_list]
-        self._round_plans = {
-            skip_first: [
-                (hook, fused and not (index == 0 and skip_first))
-                for index, (hook, fused) in enumerate(zip(hooks, fuses, strict=True))
-            ]
-            for skip_first in (False, True)
-        }
+        self._fuses_slot = fuses
         # Fused only where the agreement check proves every rank fuses: torch's
         # Join (which a group shared with it needs, check_agreement=False)
         # speaks only the classic heartbeat.
@@ -667,12 +661,24 @@ class Join:
         if self._post_status is not None:
             self._post_status(what)
 
+    def _round_plan(self, first_shadowed: bool) -> list[Callable[[], Any]]:
+        """What one shadow round calls, in order: for each joinable, the shadow
+        of its fused slot (``JOINED``: not a heartbeat; skipped for the first
+        joinable when ``first_shadowed``) and its main hook (skipped where it
+        is ``JoinHook``'s, which does nothing)."""
+        plan: list[Callable[[], Any]] = []
+        for index, (hook, fuses) in enumerate(zip(self._hooks, self._fuses_slot, strict=True)):
+            if fuses and not (index == 0 and first_shadowed):
+                plan.append(functools.partial(hook.fused_shadow, m.JOINED))
+            main_hook = hook.main_hook
+            if getattr(main_hook, "__func__", None) is not JoinHook.main_hook:
+                plan.append(main_hook)
+        return plan
+
     def _main_hooks(self, command: m.RunMainHooks) -> None:
         self._doing(f"main hooks of shadow round {command.round}")
-        for hook, shadows_slot in self._round_plans[command.first_shadowed]:
-            if shadows_slot:
-                hook.fused_shadow(m.JOINED)
-            hook.main_hook()
+        for call in self._round_plan(command.first_shadowed):
+            call()
 
     def _post_hooks(self, command: m.RunPostHooks) -> None:
         self._doing("post hooks")
@@ -699,7 +705,7 @@ class Join:
             "ranks, then main hooks, round after round)",
         )
         count = self._hooks[0].fused_shadow if command.fused else self._backend.count
-        plan = self._round_plans[command.fused]
+        plan = self._round_plan(command.fused)
         value, then, until, limit = command.first, command.value, command.until, command.limit
         rounds = 0
         while True:
@@ -709,10 +715,8 @@ class Join:
                 return m.Drained(rounds=rounds, total=total, now=self._clock()), None
             value = then
             try:
-                for hook, shadows_slot in plan:
-                    if shadows_slot:
-                        hook.fused_shadow(m.JOINED)
-                    hook.main_hook()
+                for call in plan:
+                    call()
             except Exception as error:
                 if self._stall is not None:
                     raise self._stall from error
