@@ -60,4 +60,4 @@ def test_the_watchdog_imports_nothing_of_the_join() -> None:
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add("." * node.level + (node.module or ""))
-    assert imported <= {"__future__", "threading", "time", "weakref", "collections.abc"}, imported
+    assert imported <= {"__future__", "atexit", "threading", "time", "weakref", "collections.abc"}, imported
