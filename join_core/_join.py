@@ -170,6 +170,8 @@ class Join:
     runs out of inputs it *joins*: on leaving the block it keeps running every
     joinable's main hook, shadowing the collectives of the ranks still in their
     loop, until all ranks have joined; then each rank runs the post hooks.
+    A Join object is single-use: create a new one for each loop (e.g. one per
+    epoch); entering a used one raises :class:`~joinkit.LocalProtocolError`.
 
     If the loop body raises on one rank, that rank keeps shadowing too, its
     peers learn of the failure through the join collectives, and every rank
@@ -282,6 +284,8 @@ class Join:
         self._timeout = timeout
         self._watch = _watchdog.Watch(timeout or 0.0, self._on_stall)
         self._stall: RankTimeout | None = None
+        # Between __enter__ and __exit__ (a Join is single-use: see _reentered).
+        self._inside = False
         if self._enable:
             backend = _ports.resolve(process_group, self._device)
             self._backend = backend
@@ -310,6 +314,8 @@ class Join:
     # -- context manager -------------------------------------------------------
 
     def __enter__(self) -> Join:
+        if self._state is not None and self._state.phase is not m.Phase.IDLE:
+            raise _reentered(self._state.phase, self._inside)
         for joinable in self._joinables:
             config = getattr(joinable, "_join_config", None)
             if config is None:
@@ -338,6 +344,7 @@ class Join:
             )
         if self._enable:
             _active.joins = getattr(_active, "joins", 0) + 1
+            self._inside = True
         return self
 
     def __exit__(
@@ -354,6 +361,7 @@ class Join:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
             if self._enable:
+                self._inside = False
                 _active.joins -= 1
                 _watchdog.unwatch(self._watch)
                 self._post("left the Join")
@@ -885,6 +893,22 @@ def _foreign_error(obj: Any, method: str) -> LocalProtocolError:
         f"Join.{method} got {type(obj).__qualname__}, whose join config is not "
         "joinkit's and which no adapter handles: subclass joinkit.Joinable, or "
         "register an adapter for its framework (joinkit.register_adapter)"
+    )
+
+
+def _reentered(phase: m.Phase, inside: bool) -> LocalProtocolError:
+    # The machine would reject Entered outside IDLE ("cannot accept Entered in
+    # phase DONE"); say what the user did instead, and leave the machine as is
+    # (a Join still in use must not be errored by the mistake).
+    if not inside:
+        return LocalProtocolError(
+            f"this Join was already used (its protocol is in phase {phase.name}): a "
+            "Join is single-use; create a new Join([...]) for each loop, e.g. one "
+            "per epoch inside the epoch loop"
+        )
+    return LocalProtocolError(
+        f"this Join is already entered (phase {phase.name}): a Join is single-use and "
+        "cannot be nested in itself; create a new Join([...]) for each loop"
     )
 
 
