@@ -47,9 +47,12 @@ are OR, ``prod``/``min``/``band`` are AND, ``bxor`` is XOR.
 *The Join's extras.* ``all_gather_object`` is mpi4py's pickle-based
 ``allgather``; ``heartbeat_total`` reads the latest heartbeat's sum;
 ``collectives_issued`` counts the group's own collectives (a raw communicator's
-backend has none, since the joinable's calls bypass it); ``abort`` is
-``MPI_Abort``, which ends the whole job: MPI cannot cancel a collective a peer
-waits in.
+backend has none, since the joinable's calls bypass it: there a rank that fails
+after a heartbeat cannot know whether its peers wait in that iteration's
+collectives, and fails fast); ``abort`` is ``MPI_Abort``, which ends the whole
+job: MPI cannot cancel a collective a peer waits in. Before it, the reason (and
+the traceback of the exception being handled, if any, as ``python -m mpi4py``
+prints it) goes to standard error, so the job's output names the failure.
 
 *The status board* (``post_status``/``peer_status``, for the watchdog's stall
 diagnostic) must be read while the ranks are blocked in a join collective, so
@@ -83,6 +86,7 @@ import itertools
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -491,13 +495,21 @@ class MPIGroup:
     def abort(self, message: str) -> None:
         """Abort every process of the communicator (``MPI_Abort``).
 
-        The Join calls this when a hook failed midway through a round, so its
-        peers wait in collectives that can never complete; MPI cannot cancel a
-        collective, so ending the job is the only alternative to a hang.
+        The Join calls this when a hook failed midway through a round, or a
+        rank failed where it cannot tell whether its peers wait in collectives
+        of its last iteration (a raw communicator), or its watchdog found a
+        stall: its peers wait in collectives that may never complete, and MPI
+        cannot cancel a collective, so ending the job is the only alternative
+        to a hang.
 
         Args:
-            message: why; written to standard error first.
+            message: why; written to standard error first, after the traceback
+                of the exception being handled, if any (the loop body's, when
+                the Join fails fast: the process never gets to print it).
         """
+        error = sys.exc_info()[1]
+        if error is not None:
+            traceback.print_exception(error, file=sys.stderr)
         sys.stderr.write(f"joinkit: rank {self.rank} aborts the MPI job: {message}\n")
         sys.stderr.flush()
         self.comm.Abort(1)
@@ -802,7 +814,8 @@ class _CommJoinBackend:
     """The join backend of a raw communicator: an MPIGroup's join methods only.
 
     The joinable's own collectives go to the communicator directly, where no
-    one counts them, so unlike an MPIGroup this has no ``collectives_issued``.
+    one counts them, so unlike an MPIGroup this has no ``collectives_issued``:
+    a failure after a heartbeat makes the Join abort the job (fail fast).
     """
 
     __slots__ = ("group", "rank", "world_size", "heartbeat", "count",

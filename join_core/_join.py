@@ -117,10 +117,20 @@ class Joinable(abc.ABC):
     :meth:`Join.fused_heartbeat`'s value (a float32-exact slot), optionally hand
     the slot's sum to :meth:`Join.record_heartbeat_total`, and give the hook a
     ``fused_shadow(heartbeat) -> float``.
+
+    A joinable whose per-iteration collectives bypass its join backend (MPI:
+    calls on the communicator itself while ``join_process_group`` is an
+    ``MPIGroup``) sets ``join_raw_collectives = True``: the backend's
+    ``collectives_issued`` cannot count them, so the Join cannot tell where in
+    an iteration a failure struck, and fails fast instead (see :class:`Join`).
+    A raw communicator as ``join_process_group`` needs no flag: its backend
+    counts nothing.
     """
 
     #: Opt in to the fused heartbeat (see the class docstring).
     join_fuses_heartbeat: bool = False
+    #: The joinable's collectives bypass the join backend (see the class docstring).
+    join_raw_collectives: bool = False
 
     @abc.abstractmethod
     def __init__(self) -> None:
@@ -170,11 +180,19 @@ class Join:
     runs out of inputs it *joins*: on leaving the block it keeps running every
     joinable's main hook, shadowing the collectives of the ranks still in their
     loop, until all ranks have joined; then each rank runs the post hooks.
+    A Join object is single-use: create a new one for each loop (e.g. one per
+    epoch); entering a used one raises :class:`~joinkit.LocalProtocolError`.
 
     If the loop body raises on one rank, that rank keeps shadowing too, its
     peers learn of the failure through the join collectives, and every rank
     leaves the block with an error: the failing rank with its own exception,
-    the others with :class:`~joinkit.PeerFailure` naming it.
+    the others with :class:`~joinkit.PeerFailure` naming it. Only where the
+    Join cannot tell whether the peers wait in the collectives of the failing
+    rank's last iteration (it raised after a heartbeat, and the backend cannot
+    count the joinables' collectives: a raw mpi4py communicator, or a joinable
+    with ``join_raw_collectives``) does the failing rank instead abort the
+    group at once, with its exception in the abort's message (on MPI:
+    ``MPI_Abort``, which ends the job, as ``python -m mpi4py`` does).
 
     Args:
         joinables: the participating joinables; their hooks run in this order
@@ -282,6 +300,11 @@ class Join:
         self._timeout = timeout
         self._watch = _watchdog.Watch(timeout or 0.0, self._on_stall)
         self._stall: RankTimeout | None = None
+        # The AbortGroup message, once this rank aborted the group after its
+        # own failure in the loop body (fail fast, see _leave).
+        self._aborted: str | None = None
+        # Between __enter__ and __exit__ (a Join is single-use: see _reentered).
+        self._inside = False
         if self._enable:
             backend = _ports.resolve(process_group, self._device)
             self._backend = backend
@@ -289,8 +312,11 @@ class Join:
             self._heartbeat_total = getattr(backend, "heartbeat_total", None)
             self._post_status = getattr(backend, "post_status", None)
             # Read per heartbeat only where it exists (getattr's default costs
-            # a caught AttributeError on every call).
-            self._counts_collectives = hasattr(backend, "collectives_issued")
+            # a caught AttributeError on every call) and sees every collective
+            # of the joinables (else a failure's place is unknown: None).
+            self._counts_collectives = hasattr(backend, "collectives_issued") and not any(
+                getattr(j, "join_raw_collectives", False) for j in joinable_list
+            )
             signature = (
                 ("joinables", len(joinable_list)),
                 ("throw_on_early_termination", self._throw_on_early_termination),
@@ -304,12 +330,15 @@ class Join:
                     signature=signature if check_agreement else None,
                     fused_heartbeat=self._fused,
                     world_size=backend.world_size,
+                    can_abort=hasattr(backend, "abort"),
                 )
             )
 
     # -- context manager -------------------------------------------------------
 
     def __enter__(self) -> Join:
+        if self._state is not None and self._state.phase is not m.Phase.IDLE:
+            raise _reentered(self._state.phase, self._inside)
         for joinable in self._joinables:
             config = getattr(joinable, "_join_config", None)
             if config is None:
@@ -338,6 +367,7 @@ class Join:
             )
         if self._enable:
             _active.joins = getattr(_active, "joins", 0) + 1
+            self._inside = True
         return self
 
     def __exit__(
@@ -354,6 +384,7 @@ class Join:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
             if self._enable:
+                self._inside = False
                 _active.joins -= 1
                 _watchdog.unwatch(self._watch)
                 self._post("left the Join")
@@ -411,16 +442,23 @@ class Join:
             # The rank's own exception is the one to report; keep the follow-up.
             _add_note(exc, f"joinkit could not finish shadowing after it: {follow_up!r}")
             return False
+        if self._aborted is not None:
+            # Failed fast (where the abort returns: the exception leaves the block).
+            _add_note(exc, f"joinkit aborted the group after it: {self._aborted}")
+            return False
         return True
 
     def _collectives_since_heartbeat(self) -> int | None:
         """The group's own collectives since this rank's last heartbeat.
 
         The machine tells from it whether the rank failed midway through an
-        iteration its peers are still in. ``None`` without the backend's
-        ``collectives_issued`` counter, or before any heartbeat.
+        iteration its peers are still in. ``None`` where the backend cannot
+        count them all (no ``collectives_issued``, or a joinable with
+        ``join_raw_collectives``), or before any heartbeat.
         """
-        counter = getattr(self._backend, "collectives_issued", None)
+        if not self._counts_collectives:
+            return None
+        counter = self._backend.collectives_issued
         mark = self._collectives_at_heartbeat
         if counter is None or mark is None:
             return None
@@ -657,8 +695,14 @@ class Join:
         self._post(what if status is None else status)
 
     def _post(self, what: str) -> None:
-        """Tell the peers' stall diagnostics what this rank is doing (if the backend can)."""
+        """Tell the peers' stall diagnostics what this rank is doing (if the backend can).
+
+        After its own failure, with it: a peer's diagnostic then names it.
+        """
         if self._post_status is not None:
+            failure = None if self._state is None else self._state.failure
+            if failure is not None:
+                what = f"{what}; {m.failure_text(failure)}"
             self._post_status(what)
 
     def _round_plan(self, first_shadowed: bool) -> list[Callable[[], Any]]:
@@ -788,9 +832,12 @@ class Join:
                     case m.AbortGroup():
                         abort = getattr(backend, "abort", None)
                         if abort is not None:
-                            abort(command.message)
-                        assert hook_error is not None
-                        raise hook_error
+                            abort(command.message)  # MPI: ends the job here
+                        if hook_error is not None:
+                            raise hook_error
+                        # Failed fast after the loop body's exception, which
+                        # leaves the block (see _leave).
+                        self._aborted = command.message
                     case m.WarnSkew():
                         warnings.warn(command.message, UserWarning, stacklevel=4)
                     case m.Raise():
@@ -885,6 +932,22 @@ def _foreign_error(obj: Any, method: str) -> LocalProtocolError:
         f"Join.{method} got {type(obj).__qualname__}, whose join config is not "
         "joinkit's and which no adapter handles: subclass joinkit.Joinable, or "
         "register an adapter for its framework (joinkit.register_adapter)"
+    )
+
+
+def _reentered(phase: m.Phase, inside: bool) -> LocalProtocolError:
+    # The machine would reject Entered outside IDLE ("cannot accept Entered in
+    # phase DONE"); say what the user did instead, and leave the machine as is
+    # (a Join still in use must not be errored by the mistake).
+    if not inside:
+        return LocalProtocolError(
+            f"this Join was already used (its protocol is in phase {phase.name}): a "
+            "Join is single-use; create a new Join([...]) for each loop, e.g. one "
+            "per epoch inside the epoch loop"
+        )
+    return LocalProtocolError(
+        f"this Join is already entered (phase {phase.name}): a Join is single-use and "
+        "cannot be nested in itself; create a new Join([...]) for each loop"
     )
 
 

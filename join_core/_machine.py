@@ -54,7 +54,15 @@ collective of that iteration, first runs one *completion round* of main hooks
 so that its peers' iteration is matched; then it drains like a joined rank. A
 draining rank in throw mode counts once: a FAILING weight there makes every
 counting rank signal (so active ranks, if any, see the alarm in their check)
-and exchange.
+and exchange. Where the shell cannot tell how many collectives the rank issued
+since its heartbeat (``LoopExited.collectives_since_heartbeat`` is ``None``: the
+backend does not count the joinables' collectives, e.g. they go to a raw
+communicator) the peers may or may not wait in that iteration's collectives,
+and neither a drain nor a completion round is safe: where the backend can
+abort (``MachineConfig.can_abort``) the rank *fails fast*, aborting the group
+with its exception in the message (``AbortGroup``), instead of leaving its
+peers blocked until a watchdog fires. Before its first heartbeat (or alone in
+its world) nothing is open, and it drains.
 
 A *fused* heartbeat (``MachineConfig.fused_heartbeat``) rides inside the first
 joinable's own first collective of each iteration (one extra element), so an
@@ -187,6 +195,7 @@ __all__ = [
     "report",
     "drain_activity",
     "stall_message",
+    "failure_text",
     "TRANSITIONS",
     "SKEW_WARN_THRESHOLD",
     "ACTIVE_RANK_MESSAGE",
@@ -312,7 +321,9 @@ class MachineConfig:
     pairs; ``None`` turns the agreement check off. ``skew_warn_threshold`` is
     the number of shadow rounds after which a joined rank warns once about input
     skew (torch: 1000). ``world_size``, where known, must not exceed
-    ``MAX_WORLD_SIZE``.
+    ``MAX_WORLD_SIZE``. ``can_abort``: whether the shell can abort the group
+    (``AbortGroup`` makes the peers fail); with it, a failure whose place in
+    the iteration is unknown fails fast instead of guessing.
 
     Raises:
         ValueError: a fused heartbeat in throw mode, or a world too large.
@@ -324,6 +335,7 @@ class MachineConfig:
     skew_warn_threshold: int = SKEW_WARN_THRESHOLD
     fused_heartbeat: bool = False
     world_size: int | None = None
+    can_abort: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.fused_heartbeat and self.throw_on_early_termination:
@@ -555,7 +567,8 @@ class LoopExited:
     heartbeat (``None``: unknown, or no heartbeat yet); the machine tells from
     it whether the rank raised midway through an iteration its peers are still
     in (right after a separate heartbeat, or right after a fused heartbeat's
-    own collective) and must first complete it.
+    own collective) and must first complete it. Unknown after a heartbeat, it
+    fails fast where the group can be aborted (module doc).
     """
 
     outcome: Outcome = Outcome.NORMAL
@@ -834,26 +847,36 @@ def _termination_checked(s: JoinState, o: TerminationChecked) -> Transition:
     return _go(s, Phase.ACTIVE)
 
 
-def _iteration_open(s: JoinState, o: LoopExited) -> bool:
+def _iteration_open(s: JoinState, o: LoopExited) -> bool | None:
     """Whether peers still expect collectives of the failing rank's last iteration.
 
     True right after its heartbeat went on the wire and before any other
     collective: a separate heartbeat with no collective since, or a fused
-    heartbeat's own collective and nothing after it.
+    heartbeat's own collective and nothing after it. ``None`` when nobody can
+    tell: a heartbeat went out to peers, but the shell does not know what
+    the rank issued since.
     """
     since = o.collectives_since_heartbeat
-    return since is not None and since == (1 if s.config.fused_heartbeat else 0)
+    if since is None:
+        return None if s.heartbeats and s.config.world_size != 1 else False
+    return since == (1 if s.config.fused_heartbeat else 0)
 
 
 def _loop_exited(s: JoinState, o: LoopExited) -> Transition:
     if o.outcome is Outcome.INTERRUPTED:
         return _go(s, Phase.DONE, done_at=o.now)
     if o.outcome is Outcome.FAILED and o.failure is not None:
-        failing = _evolve(s, failure=attrs.evolve(o.failure, rank=s.config.rank), joined_at=o.now)
-        if _iteration_open(s, o):
+        failure = attrs.evolve(o.failure, rank=s.config.rank)
+        failing = _evolve(s, failure=failure, joined_at=o.now)
+        opened = _iteration_open(s, o)
+        if opened is None and s.config.can_abort:
+            return _fail_fast(failing, failure, o.now)
+        if opened:
             # Peers are inside this iteration's collectives: match them first.
             command = RunMainHooks(round=s.shadow_rounds, first_shadowed=s.config.fused_heartbeat)
             return _go(failing, Phase.SHADOWING, command)
+        # Nothing open (or, unknown where nothing can abort, the best guess:
+        # right before a heartbeat, where a drain matches the peers).
         return _drain(failing)
     if o.outcome is Outcome.NORMAL and s.phase is not Phase.CHECKING:
         return _drain(_evolve(s, joined_at=o.now))
@@ -882,6 +905,21 @@ def _aborting_loop_exited(s: JoinState, o: LoopExited) -> Transition:
         failure = attrs.evolve(o.failure, rank=s.config.rank)
         return _drain(_evolve(s, failure=failure, joined_at=o.now))
     return _drain(_evolve(s, joined_at=o.now, stopped_early=True))
+
+
+def _fail_fast(s: JoinState, failure: Failure, now: float) -> Transition:
+    # Draining could meet the peers in their own collectives of the iteration
+    # (a mismatch, or a hang until a watchdog); a completion round could meet
+    # their next heartbeat. Ending the group now is the only safe move.
+    message = (
+        f"rank {failure.rank} failed inside the Join context with {failure.exc_type}: "
+        f"{failure.message}; the Join cannot tell whether its peers wait in the "
+        "collectives of that iteration (the backend does not count the joinables' "
+        "own collectives, e.g. they go to a raw communicator), so it aborts the group "
+        "rather than leave them waiting (issue them through the joinkit group, e.g. an "
+        "MPIGroup, and a failure leaves the group usable)"
+    )
+    return _go(s, Phase.DONE, AbortGroup(message=message), done_at=now)
 
 
 def _drain(s: JoinState) -> Transition:
@@ -969,6 +1007,12 @@ def _hook_failed(s: JoinState, failure: Failure, now: float) -> Transition:
         f"rank {failure.rank} failed in a join hook ({hook}) with "
         f"{failure.exc_type}: {failure.message}"
     )
+    if s.failure is not None:
+        # It was shadowing after its own failure in the loop body: name that too.
+        message += (
+            f", after it failed inside the Join context with {s.failure.exc_type}: "
+            f"{s.failure.message}"
+        )
     return _go(s, Phase.DONE, AbortGroup(message=message), failure=failure, done_at=now)
 
 
@@ -1070,17 +1114,29 @@ def stall_message(
     idle time its watchdog measured.
 
     Returns:
-        The diagnostic: phase, what it was doing, inputs and shadow rounds.
+        The diagnostic: phase, what it was doing, inputs and shadow rounds,
+        and the rank's own failure if it had one (it was shadowing after it).
     """
     rounds = state.shadow_rounds
     if state.phase is Phase.DRAINING:
         doing = drain_activity(state, ticks)
         rounds += ticks // 2
-    return (
+    message = (
         f"rank {state.config.rank} made no progress for {idle:.1f} s "
         f"(timeout {timeout:g} s) in phase {state.phase.name}, {doing}; "
         f"it had processed {state.heartbeats} inputs and run {rounds} "
         "shadow rounds"
+    )
+    if state.failure is not None:
+        message += f"; {failure_text(state.failure)}"
+    return message
+
+
+def failure_text(failure: Failure) -> str:
+    """A rank's own failure in words, for every message that follows it."""
+    return (
+        f"rank {failure.rank} had failed inside the Join context with "
+        f"{failure.exc_type}: {failure.message}"
     )
 
 

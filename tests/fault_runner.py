@@ -20,7 +20,8 @@ and records every child's exit status in ``DIR/launches.jsonl``.
 ``CELLS`` is a comma-separated list of ``case:failing_rank`` (a fault case;
 ``last`` means the last rank), ``agreement:variant``, ``bad_inputs``,
 ``report``. Each rank appends one JSON line per cell to
-``DIR/launch{L}-rank{R}.jsonl`` as soon as the cell ends (per-rank files,
+``DIR/launch{L}-rank{R}.jsonl`` when the cell starts (its wall-clock time) and
+one as soon as the cell ends (per-rank files,
 because MPICH's Hydra may interleave ranks' stdout), so the tests see how far
 every rank got even when a launch is killed.
 """
@@ -61,6 +62,11 @@ def run_cells(group: Any, cells: list[tuple[str, str]], out: Path, launch: int,
     """Run ``cells`` on this rank; append one JSON line per cell."""
     path = out / f"launch{launch}-rank{group.rank}.jsonl"
     for kind, arg in cells:
+        # When the cell began (wall clock, comparable across the ranks and the
+        # test): a launch that ends by aborting is timed from here.
+        with path.open("a") as f:
+            f.write(json.dumps({"kind": "started", "arg": arg, "rank": group.rank,
+                                "time": time.time()}) + "\n")
         if kind in fs.CASES:
             result = fs.run_case(group, kind, int(arg), group.world_size, timeout=timeout,
                                  stall_timeout=stall_timeout)

@@ -27,6 +27,9 @@ The cases (``failing_rank`` is the rank that misbehaves):
                        at iteration ``FAIL_AT``, where the others have joined: their
                        watchdog must report the stall
 ``kill``               (e) SIGKILLs itself at iteration ``FAIL_AT`` (launchers only)
+``raw_before_heartbeat`` (a) and (b) with a :class:`RawCounter`: the joinable's
+``raw_after_heartbeat``  collectives go to a raw mpi4py communicator, which the
+                       join backend cannot count (MPI only)
 =====================  ============================================================
 
 (a) and (b) leave the group usable: after the Join every rank all-reduces once
@@ -58,8 +61,11 @@ from joinkit import (
     format_reports,
 )
 
+#: (a) and (b) on a raw communicator (MPI only): the Join cannot tell whether
+#: the peers wait in the failing rank's last iteration, so it fails fast.
+RAW = ("raw_before_heartbeat", "raw_after_heartbeat")
 #: The matrix's cases, in the order of the issue's list.
-CASES = ("before_heartbeat", "after_heartbeat", "main_hook", "post_hook", "stall", "kill")
+CASES = ("before_heartbeat", "after_heartbeat", "main_hook", "post_hook", "stall", "kill", *RAW)
 #: Cases after which the group is still usable (so a launch may run several).
 SURVIVABLE = ("before_heartbeat", "after_heartbeat")
 #: Cases that abort the group (MPI: the job); one launch (or group) each.
@@ -146,6 +152,43 @@ class Counter(Joinable):
         return self.group
 
 
+class RawCounter(Counter):
+    """A :class:`Counter` whose joinable uses a raw mpi4py communicator.
+
+    ``join_process_group`` is the communicator itself (an ``MPIGroup``'s
+    ``comm``), and the per-iteration all-reduce and its shadow are the
+    communicator's own blocking ``Allreduce``: the join backend never sees them.
+    """
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group)
+        self.comm = group.comm
+
+    def collective(self) -> None:
+        out = np.zeros(1, dtype=np.float32)
+        self.comm.Allreduce(np.ones(1, dtype=np.float32), out)
+        self.count += float(out[0])
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return RawCounterHook(self)
+
+    @property
+    def join_device(self) -> Any:
+        return "cpu"
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.comm
+
+
+class RawCounterHook(CounterHook):
+    def main_hook(self) -> None:
+        counter = self.counter
+        counter.shadow_rounds += 1
+        out = np.zeros(1, dtype=np.float32)
+        counter.comm.Allreduce(np.zeros(1, dtype=np.float32), out)
+
+
 # -- recording what a rank saw ---------------------------------------------------------
 
 
@@ -214,6 +257,10 @@ def run_case(
     failing = rank == failing_rank
     counter = Counter(group, fail_in=case if failing and case in ("main_hook", "post_hook")
                       else None)
+    fault = case
+    if case in RAW:
+        counter = RawCounter(group)
+        fault = case.removeprefix("raw_")
     inputs = inputs_for(case, rank, failing_rank)
     join_timeout = stall_timeout if case == "stall" else timeout
     started = time.monotonic()
@@ -224,14 +271,14 @@ def run_case(
         with join:
             for i in range(inputs):
                 if failing and i == FAIL_AT:
-                    if case == "before_heartbeat":
+                    if fault == "before_heartbeat":
                         raise InjectedFault(fault_message(case, rank))
                     if case == "kill":
                         os.kill(os.getpid(), signal.SIGKILL)
                     if case == "stall":
                         time.sleep(STALL_FACTOR * join_timeout)
                 counter.heartbeat()
-                if failing and i == FAIL_AT and case == "after_heartbeat":
+                if failing and i == FAIL_AT and fault == "after_heartbeat":
                     raise InjectedFault(fault_message(case, rank))
                 counter.collective()
                 iterations += 1
@@ -666,8 +713,8 @@ def check_report(world_size: int, results: dict[int, dict[str, Any]]) -> list[st
 
 
 __all__ = [
-    "CASES", "SURVIVABLE", "ABORTING", "AGREEMENT_VARIANTS", "TAG", "InjectedFault",
-    "Counter", "run_case", "check_case", "check_stall", "run_agreement", "check_agreement",
-    "run_bad_inputs", "check_bad_inputs", "run_report", "check_report", "describe_error",
-    "AgreementError", "LocalProtocolError", "RankTimeout",
+    "CASES", "SURVIVABLE", "ABORTING", "RAW", "AGREEMENT_VARIANTS", "TAG", "InjectedFault",
+    "Counter", "RawCounter", "run_case", "check_case", "check_stall", "run_agreement",
+    "check_agreement", "run_bad_inputs", "check_bad_inputs", "run_report", "check_report",
+    "describe_error", "AgreementError", "LocalProtocolError", "RankTimeout",
 ]

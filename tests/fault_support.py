@@ -41,6 +41,15 @@ class Launch:
     timed_out: bool = False
     results: dict[tuple[str, str], dict[int, dict[str, Any]]] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
+    #: rank -> wall-clock time its first cell started; when the launcher ended.
+    started: dict[int, float] = field(default_factory=dict)
+    ended_at: float = 0.0
+
+    @property
+    def job_seconds(self) -> float | None:
+        """From the first rank starting its first cell to the launcher's end:
+        the launch's time without the launcher's and interpreters' start-up."""
+        return self.ended_at - min(self.started.values()) if self.started else None
 
     def explain(self, limit: int = 4000) -> str:
         return (f"{self.name}: {' '.join(self.command)}\nexit {self.returncode}, "
@@ -64,7 +73,9 @@ def _run(launch: Launch) -> Launch:
         launch.output, _ = proc.communicate()
     launch.returncode = proc.returncode
     launch.seconds = time.monotonic() - started
+    launch.ended_at = time.time()
     launch.results, launch.done = read_results(launch.out)
+    launch.started = read_starts(launch.out)
     return launch
 
 
@@ -121,9 +132,26 @@ def read_results(
             if record["kind"] == "done":
                 done.add(record["rank"])
                 continue
+            if record["kind"] == "started":
+                continue
             key = (record["kind"], str(record.get("arg") or ""))
             results.setdefault(key, {})[record["rank"]] = record["result"]
     return results, done
+
+
+def read_starts(out: Path) -> dict[int, float]:
+    """rank -> the wall-clock time at which it started its first cell."""
+    starts: dict[int, float] = {}
+    for path in sorted(out.glob("launch*-rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record["kind"] == "started":
+                rank = record["rank"]
+                starts[rank] = min(starts.get(rank, record["time"]), record["time"])
+    return starts
 
 
 def runner_args(out: Path, cells: str, *extra: str) -> list[str]:

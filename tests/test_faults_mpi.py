@@ -4,9 +4,12 @@ One launch per world size runs every cell that leaves the communicator usable
 (faults before and after the heartbeat, first and last rank; the agreement
 check; bad input; the report). A hook failure, a stall and a SIGKILL end the
 MPI job by design (``MPIGroup.abort`` is ``MPI_Abort``; ``mpirun`` aborts a
-job whose process was killed), so each of those cells has a launch of its
-own, and the test asserts on how the launch ended: non-zero, well within its
-timeout, with output naming the failing rank. torch is never imported.
+job whose process was killed), and so does a failure on a raw communicator
+(the ``raw_*`` cells: the Join cannot tell whether the peers wait in the
+failing rank's last iteration, so it fails fast), so each of those cells has
+a launch of its own, and the test asserts on how the launch ended: non-zero,
+well within its timeout, with output naming the failing rank (and, where a
+rank's exception ended the job, that exception). torch is never imported.
 """
 
 from __future__ import annotations
@@ -29,8 +32,12 @@ BATCH = ",".join([
     "before_heartbeat:0", "before_heartbeat:last", "after_heartbeat:0", "after_heartbeat:last",
     *(f"agreement:{variant}" for variant in fs.AGREEMENT_VARIANTS), "bad_inputs", "report",
 ])
-ALONE = ("main_hook", "post_hook", "stall", "kill")  # one launch per cell
+ALONE = ("main_hook", "post_hook", "stall", "kill", *fs.RAW)  # one launch per cell
 HOOKS = ("main_hook", "post_hook")
+#: A failure on a raw communicator must end the job within this many seconds,
+#: from the first rank starting the cell to mpirun's exit (its start-up and the
+#: interpreters' do not count: a loaded machine may take longer to start alone).
+RAW_DEADLINE = 10.0
 
 
 def _command(ranks: int, out: Path, cells: str) -> list[str]:
@@ -95,6 +102,18 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
                 f"join hook ({case}) with InjectedFault: injected {case} fault on "
                 f"rank {failing}")
         assert said in output, launch.explain()
+    elif case in fs.RAW:
+        # Every rank's part of the job's output, mpirun's, carries the failing
+        # rank's exception: its traceback and the abort's reason.
+        fault = f"InjectedFault: {fs.fault_message(case, failing)}"
+        said = (f"joinkit: rank {failing} aborts the MPI job: rank {failing} failed inside "
+                f"the Join context with {fault}; the Join cannot tell whether its peers wait "
+                "in the collectives of that iteration")
+        assert said in output and f"\nfault_scenarios.{fault}\n" in output, launch.explain()
+        assert "made no progress" not in output, launch.explain()  # not the watchdog
+        job = launch.job_seconds
+        assert job is not None and job <= RAW_DEADLINE, (job, launch.explain())
+        assert set(launch.started) == set(range(world_size)), launch.explain()
     elif case == "stall":
         aborted = re.findall(r"joinkit: rank (\d+) aborts the MPI job: rank \1 made no "
                              r"progress for [\d.]+ s \(timeout 1 s\) in phase DRAINING", output)
@@ -119,9 +138,13 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
             "MPI_Abort by the failing rank",
             "stall": ("a joined rank's watchdog: RankTimeout with every rank's status, "
                       "then MPI_Abort"),
-            "kill": "mpirun names the killed rank"}[case]
+            "kill": "mpirun names the killed rank",
+            **dict.fromkeys(fs.RAW, "the failing rank's MPI_Abort prints its exception "
+                                    "(rank, type, message, traceback)")}[case]
+    job = "" if launch.job_seconds is None else f" ({launch.job_seconds:.1f} s after entry)"
     record_cell("mpi", case, world_size, failing,
-                f"job ends: exit {launch.returncode} after {launch.seconds:.1f} s; {what}")
+                f"job ends: exit {launch.returncode} after {launch.seconds:.1f} s{job}; "
+                f"{what}")
 
 
 @pytest.mark.timeout(600)

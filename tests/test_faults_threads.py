@@ -177,3 +177,101 @@ def test_a_broken_last_heartbeat_does_not_replace_the_ranks_own_exception() -> N
     assert isinstance(own, fs.InjectedFault), repr(own)
     assert any("could not finish shadowing" in note for note in own.__notes__), own.__notes__
     assert not any("settle the last heartbeat" in note for note in own.__notes__)
+
+
+class UncountedCounter(fs.Counter):
+    """A Counter that declares collectives its backend cannot count."""
+
+    join_raw_collectives = True
+
+
+def _run_uncounted(fault: str, failing: int, world_size: int,
+                   fail_at: int = fs.FAIL_AT) -> dict[int, dict[str, Any]]:
+    def rank_fn(group: ThreadGroup) -> dict[str, Any]:
+        counter = UncountedCounter(group)
+        message = fs.fault_message(fault, group.rank)
+        started = time.monotonic()
+        error: BaseException | None = None
+        try:
+            with Join([counter], timeout=JOIN_TIMEOUT):
+                for i in range(fs.INPUTS + group.rank):
+                    if group.rank == failing and i == fail_at and fault == "before_heartbeat":
+                        raise fs.InjectedFault(message)
+                    counter.heartbeat()
+                    if group.rank == failing and i == fail_at and fault == "after_heartbeat":
+                        raise fs.InjectedFault(message)
+                    counter.collective()
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        return {"error": fs.describe_error(error), "seconds": time.monotonic() - started,
+                "post_hook_ran": counter.post_hook_ran}
+
+    return dict(enumerate(spawn(rank_fn, world_size, timeout=SPAWN_TIMEOUT)))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", ["before_heartbeat", "after_heartbeat"])
+@pytest.mark.parametrize(("world_size", "failing"), [(2, 0), (2, 1), (4, 0), (4, 3)])
+def test_a_failure_the_join_cannot_place_aborts_the_group_naming_it(
+    fault: str, world_size: int, failing: int
+) -> None:
+    """``join_raw_collectives``: the Join cannot tell whether the peers wait in
+    the failing rank's last iteration, so it aborts (fails fast) with the
+    exception in the abort's message, which every peer's error carries."""
+    results = _run_uncounted(fault, failing, world_size)
+    said = (f"rank {failing} failed inside the Join context with InjectedFault: "
+            f"{fs.fault_message(fault, failing)}; the Join cannot tell whether its peers wait")
+    own = results[failing]["error"]
+    assert own["type"] == "InjectedFault", own
+    assert any(note.startswith(f"joinkit aborted the group after it: {said}")
+               for note in own["notes"]), own
+    for rank, result in results.items():
+        assert result["seconds"] < DEADLINE and not result["post_hook_ran"], result
+        if rank != failing:
+            error = result["error"]
+            assert error["type"] == "SpawnAborted", error
+            assert error["message"].startswith(f"rank {failing} aborted the group: {said}"), error
+
+
+@pytest.mark.timeout(60)
+def test_an_uncounted_failure_before_the_first_heartbeat_leaves_the_group_usable() -> None:
+    # Nothing of the iteration went out: the failing rank drains as usual.
+    results = _run_uncounted("before_heartbeat", 1, 2, fail_at=0)
+    assert results[1]["error"]["type"] == "InjectedFault"
+    assert results[0]["error"]["type"] == "PeerFailure"
+    assert results[0]["error"]["peer"]["rank"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_after_its_failure_a_rank_posts_it_and_its_stall_message_names_it() -> None:
+    """Rank 0 fails before its first heartbeat and drains; rank 1 then sleeps
+    in its loop body past rank 0's timeout. Rank 0's posted statuses and its
+    RankTimeout (a note on its own exception, and the abort that reaches rank
+    1) name rank 0's own exception."""
+
+    def rank_fn(group: ThreadGroup) -> tuple[list[str], dict[str, Any] | None]:
+        posted: list[str] = []
+        post = group.post_status
+        group.post_status = lambda what: (posted.append(what), post(what))  # type: ignore[method-assign]
+        counter = fs.Counter(group)
+        error: BaseException | None = None
+        try:
+            with Join([counter], timeout=STALL_TIMEOUT):
+                if group.rank == 0:
+                    raise fs.InjectedFault("rank 0 broke")
+                time.sleep(fs.STALL_FACTOR * STALL_TIMEOUT)
+                counter.step()
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        return posted, fs.describe_error(error)
+
+    (posted, own), (_, peer) = spawn(rank_fn, 2, timeout=SPAWN_TIMEOUT)
+    failure = "rank 0 had failed inside the Join context with InjectedFault: rank 0 broke"
+    assert own is not None and own["type"] == "InjectedFault", own
+    assert posted[-1] == f"left the Join; {failure}", posted
+    assert any(p.startswith("shadowing from shadow round 0 on") and p.endswith(failure)
+               for p in posted), posted
+    [note] = [n for n in own["notes"] if "could not finish shadowing" in n]
+    assert "made no progress" in note and failure in note, note
+    assert peer is not None and peer["type"] == "SpawnAborted", peer
+    assert "made no progress" in peer["message"] and failure in peer["message"], peer

@@ -221,6 +221,36 @@ def test_enter_returns_join_and_exit_resets_configs() -> None:
     spawn(rank_fn, 2, timeout=TIMEOUT)
 
 
+def test_a_join_is_single_use_and_says_so_when_entered_again() -> None:
+    inputs = [2, 3]
+
+    def rank_fn(group: ThreadGroup) -> tuple[float, float, str]:
+        joinable = AllReducer(group)
+        join = Join([joinable])
+        with join:  # the first use is unaffected
+            with pytest.raises(LocalProtocolError, match="already entered.*single-use"):
+                with join:
+                    pass
+            for _ in range(inputs[group.rank]):
+                joinable()
+        first = joinable.total
+        with pytest.raises(LocalProtocolError, match="single-use.*new Join") as error:
+            with join:
+                joinable()
+        assert "cannot accept" not in str(error.value)
+        assert not joinable._join_config.enable  # nothing was entered
+        # A new Join per loop is the way: it runs the protocol again.
+        with Join([joinable]):
+            for _ in range(inputs[group.rank]):
+                joinable()
+        assert join.state is not None
+        return first, joinable.total - first, join.state.phase.name
+
+    for rank, (first, second, phase) in enumerate(spawn(rank_fn, 2, timeout=TIMEOUT)):
+        assert first == second == expected_total(inputs, rank)
+        assert phase == "DONE"
+
+
 def test_posted_statuses_follow_the_join_from_entry_to_exit() -> None:
     # What a peer's stall diagnostic reads of this rank (Join._post).
     def rank_fn(group: ThreadGroup) -> list[str]:

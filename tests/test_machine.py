@@ -583,6 +583,68 @@ def test_failure_right_after_heartbeat_first_completes_the_iteration(fused: bool
         assert t.commands == (drain(first=m.FAILING, value=m.FAILED, fused=fused, limit=999),)
 
 
+def unknown_place_config(**fields: Any) -> m.MachineConfig:
+    return m.MachineConfig(rank=3, signature=SIGNATURE, **{"can_abort": True, **fields})
+
+
+@pytest.mark.parametrize("throw", [False, True])
+def test_failure_after_a_heartbeat_at_an_unknown_place_fails_fast(throw: bool) -> None:
+    # No count of the collectives since the heartbeat (a raw communicator):
+    # the peers may or may not be inside the iteration, so abort the group.
+    config = unknown_place_config(throw_on_early_termination=throw, world_size=4)
+    active = attrs.evolve(m.initial_state(config), phase=m.Phase.ACTIVE, heartbeats=2)
+    t = m.step(active, m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE, now=5.0))
+    assert t.state.phase is m.Phase.DONE and t.state.done_at == 5.0
+    assert t.state.failure == attrs.evolve(FAILURE, rank=3)
+    (command,) = t.commands
+    assert isinstance(command, m.AbortGroup)
+    assert command.message.startswith(
+        "rank 3 failed inside the Join context with ValueError: bad batch; the Join "
+        "cannot tell whether its peers wait in the collectives of that iteration"
+    )
+    assert m.report(t.state).failure == t.state.failure
+
+
+@pytest.mark.parametrize(
+    ("fields", "heartbeats", "why"),
+    [
+        ({}, 0, "no heartbeat yet: nothing is open"),
+        ({"world_size": 1}, 2, "no peers"),
+        ({"can_abort": False}, 2, "nothing to abort with: the best guess"),
+    ],
+)
+def test_failure_at_an_unknown_place_drains_where_it_is_safe_or_nothing_can_abort(
+    fields: dict[str, Any], heartbeats: int, why: str
+) -> None:
+    config = unknown_place_config(**fields)
+    active = attrs.evolve(m.initial_state(config), phase=m.Phase.ACTIVE, heartbeats=heartbeats)
+    t = m.step(active, m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE))
+    assert t.commands == (drain(first=m.FAILING, value=m.FAILED),), why
+
+
+def test_a_known_place_never_fails_fast() -> None:
+    active = attrs.evolve(m.initial_state(unknown_place_config(world_size=4)),
+                          phase=m.Phase.ACTIVE, heartbeats=2)
+    for since in (0, 1):
+        t = m.step(active, m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE,
+                                        collectives_since_heartbeat=since))
+        assert not any(isinstance(c, m.AbortGroup) for c in t.commands)
+
+
+def test_messages_after_a_failure_name_it() -> None:
+    own = attrs.evolve(FAILURE, rank=3)
+    draining = state(m.Phase.DRAINING, heartbeats=2, failure=own, failure_announced=True)
+    assert m.stall_message(draining, "", 0, 3.0, 2.0).endswith(
+        "; rank 3 had failed inside the Join context with ValueError: bad batch"
+    )
+    hook = m.Failure(rank=3, exc_type="KeyError", message="'w'")
+    t = m.step(draining, m.Drained(rounds=0, total=None, failure=hook))
+    assert t.commands == (m.AbortGroup(
+        message="rank 3 failed in a join hook (main_hook) with KeyError: 'w', after it "
+                "failed inside the Join context with ValueError: bad batch"
+    ),)
+
+
 def test_active_rank_stops_only_at_an_alarm() -> None:
     for total in (1.0, 5000.0, float(2**24), m.FAILED, m.ALARM / 2):
         assert m.step(state(m.Phase.ACTIVE), m.HeartbeatSeen(total=total)).commands == (ORDER,)
