@@ -86,7 +86,7 @@ def meaningful(op: str, dtype: str) -> bool:
     if kind == "f":
         return op in ("sum", "prod", "min", "max")
     if kind == "c":
-        return op in ("sum", "prod")
+        return op == "sum"
     return True
 
 
@@ -292,9 +292,8 @@ def _numpy_in_place(group: Any) -> None:
 def _rejects_bad_buffers(group: Any) -> None:
     """Every rank raises the same error before communicating, so no rank hangs."""
     bad: list[tuple[Any, type[Exception], str]] = [
-        (np.zeros((4, 4), np.float32)[:, 0], ValueError, "not C-contiguous"),
-        (np.zeros(2, np.float16), TypeError, "cannot send dtype float16"),
-        ([1.0, 2.0], TypeError, "NumPy arrays or torch CPU tensors"),
+        (np.zeros(2, np.float16), TypeError, "has dtype float16"),
+        ([1.0, 2.0], TypeError, "NumPy arrays or torch tensors"),
     ]
     readonly = np.zeros(2, np.float32)
     readonly.flags.writeable = False
@@ -302,7 +301,6 @@ def _rejects_bad_buffers(group: Any) -> None:
     if importlib.util.find_spec("torch") is not None:
         import torch
 
-        bad.append((torch.zeros(4, 4)[:, 0], ValueError, "not contiguous"))
         bad.append((torch.zeros(2, dtype=torch.bfloat16), TypeError, "torch.bfloat16"))
     for buf, error, words in bad:
         try:
