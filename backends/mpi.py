@@ -738,5 +738,68 @@ def _backend_for_group(group: MPIGroup, device: Any) -> MPIGroup:
     return group
 
 
+# -- what the launcher and the doctor need of MPI ---------------------------------------
+# Only this module imports mpi4py (tests/test_backend_imports.py): backends._launch
+# and backends._doctor call these instead. Each collective one is on COMM_WORLD.
+
+_THREAD_LEVELS = {
+    "THREAD_SINGLE": "single",
+    "THREAD_FUNNELED": "funneled",
+    "THREAD_SERIALIZED": "serialized",
+    "THREAD_MULTIPLE": "multiple",
+}
+
+
+def library_facts() -> dict[str, str]:
+    """What ``python -m joinkit doctor`` reports of the MPI library here."""
+    provided = MPI.Query_thread()
+    level = next((name for name in _THREAD_LEVELS if getattr(MPI, name) == provided),
+                 str(provided))
+    major, minor = MPI.Get_version()
+    return {
+        "library": MPI.Get_library_version().strip().splitlines()[0].split(",")[0],
+        "standard": f"MPI {major}.{minor}",
+        "thread level": _THREAD_LEVELS.get(level, level),
+    }
+
+
+def world_size() -> int:
+    """The size of ``COMM_WORLD``."""
+    return int(MPI.COMM_WORLD.Get_size())
+
+
+def world_layout(hostname: str) -> tuple[int, int, int, list[str]]:
+    """This rank, the world size, the rank on this node, every rank's host (collective)."""
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank = node.Get_rank()
+    node.Free()
+    return rank, comm.Get_size(), local_rank, comm.allgather(hostname)
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (collective)."""
+    return MPI.COMM_WORLD.bcast(obj, root=0)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on some rank (collective, O(log W))."""
+    return bool(MPI.COMM_WORLD.allreduce(flag, op=MPI.LOR))
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (collective)."""
+    return list(MPI.COMM_WORLD.allgather(obj))
+
+
+def abort_world() -> None:
+    """``MPI_Abort`` on ``COMM_WORLD`` where MPI runs with more than one rank."""
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
 backends.register(MPI.Comm, _backend_for_comm)
 backends.register(MPIGroup, _backend_for_group)
