@@ -46,8 +46,8 @@ run that returns plausible totals.
   (rank | kind | op | shape | dtype | root | call site) on every rank (a join
   collective's kind says which: ``all_reduce (count)``), and when the origins
   differ a note saying which ranks ran the Join's collective and which their
-  own; a rank that issued call #k async and did not wait gets it at its next
-  collective;
+  own (``backends._mismatch`` builds the table); a rank that issued call #k
+  async and did not wait gets it at its next collective;
 - a rank does not arrive within ``timeout`` seconds: the slot *expires* and
   every rank waiting in it gets ``RankTimeout``, naming the missing ranks and
   where each was last seen (a latecomer gets one too); a missing rank that
@@ -72,10 +72,8 @@ are only written by that rank's thread.
 from __future__ import annotations
 
 import operator
-import os
 import pickle
 import sys
-import textwrap
 import threading
 import time
 from _thread import allocate_lock as _allocate_lock
@@ -88,6 +86,7 @@ from joinkit import CollectiveMismatch, PeerAborted, PeerFailure, RankTimeout
 
 from . import REDUCE_OPS, register
 from ._checks import Checks, host_array, is_tensor, write_back
+from ._mismatch import _JOIN, _USER, _format_site, _ranks, _Signature, _Site, mismatch_table
 
 __all__ = ["ThreadGroup", "ThreadWork", "SpawnAborted", "spawn"]
 
@@ -96,15 +95,6 @@ __all__ = ["ThreadGroup", "ThreadWork", "SpawnAborted", "spawn"]
 # after this is stuck in its own code.
 _FAILURE_GRACE = 1.0
 
-_Site: TypeAlias = "tuple[str, int, str]"  # (file, line, function)
-# (kind, op, shape, dtype, root, origin); all ranks' must be equal in a slot.
-# origin: "join" (the join backend's collectives) or "user" (module doc).
-_Signature: TypeAlias = (
-    "tuple[str, str | None, tuple[int, ...] | None, np.dtype[Any] | None, int | None, str]"
-)
-# What each signature element is called in a mismatch's headline.
-_FIELDS = ("kind", "op", "shape", "dtype", "root", "join vs user")
-_JOIN, _USER = "join", "user"
 _Deliver: TypeAlias = "Callable[[Any], Any]"
 
 _UFUNCS: dict[str, np.ufunc] = {
@@ -326,7 +316,7 @@ class _World:
         entries = slot.entries
         first = entries[0][0]  # type: ignore[index]
         if any(entry[0] != first for entry in entries):  # type: ignore[index]
-            slot.mismatch = self.mismatch_table(slot)
+            slot.mismatch = mismatch_table(slot.index, self.size, slot.entries)
             with self.lock:
                 if self.mismatch is None:
                     self.mismatch = slot.mismatch
@@ -427,46 +417,6 @@ class _World:
         return (f"rank {rank}: last called collective #{index} ({label}{pending}) at "
                 f"{_format_site(site)}")
 
-    def mismatch_table(self, slot: _Slot) -> str:
-        header = ("rank", "kind", "op", "shape", "dtype", "root", "call site")
-        rows = []
-        signatures = []
-        for rank, entry in enumerate(slot.entries):
-            assert entry is not None
-            signature, label, site = entry
-            signatures.append(signature)
-            _, op, shape, dtype, root, _ = signature
-            rows.append((str(rank), label, _cell(op), _cell(shape), _cell(dtype),
-                         _cell(root), _format_site(site)))
-        fields = [name for i, name in enumerate(_FIELDS)
-                  if len({s[i] for s in signatures}) > 1]
-        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-        def line(cells: Sequence[str]) -> str:
-            return " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-        table = [
-            f"collective #{slot.index} differs across the {self.size} ranks "
-            f"(they disagree on {', '.join(fields)}):",
-            line(header),
-            "-+-".join("-" * w for w in widths),
-            *(line(row) for row in rows),
-        ]
-        join = [rank for rank, s in enumerate(signatures) if s[5] == _JOIN]
-        if join and len(join) < self.size:
-            user = [rank for rank, s in enumerate(signatures) if s[5] != _JOIN]
-            table.append(textwrap.fill(
-                f"{_ranks(join)} ran a collective of the Join (its heartbeat, count or "
-                f"object exchange) where {_ranks(user)} ran "
-                f"{'one of its own' if len(user) == 1 else 'their own'}, and a join "
-                "collective only ever matches a join collective. Usually a joined "
-                "rank's JoinHook.main_hook (or fused_shadow) does not shadow every "
-                "collective of an active rank's iteration: see the call sites above.",
-                width=88,
-            ))
-        return "\n".join(table)
-
-
 def _open(slot: _Slot) -> None:
     """Wake the ranks waiting in an incomplete slot (hold the world's lock)."""
     if not slot.opened:
@@ -486,16 +436,6 @@ def _pass_relay(slot: _Slot, place: int) -> None:
     following = place + 1
     if following < len(slot.relay):
         slot.relay[following].release()
-
-
-def _cell(value: Any) -> str:
-    return "-" if value is None else str(value)
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return f"ranks {', '.join(map(str, ranks))}"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -518,17 +458,6 @@ def _call_site() -> _Site:
             return (code.co_filename, frame.f_lineno, code.co_name)
         frame = frame.f_back  # type: ignore[assignment]
     return ("<unknown>", 0, "?")
-
-
-def _format_site(site: _Site) -> str:
-    filename, lineno, function = site
-    try:
-        shown = os.path.relpath(filename)
-    except ValueError:  # another drive on Windows
-        shown = filename
-    if shown.startswith(os.pardir):
-        shown = filename
-    return f"{shown}:{lineno} in {function}"
 
 
 # -- buffers ----------------------------------------------------------------------
