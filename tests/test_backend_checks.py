@@ -79,6 +79,7 @@ def test_the_table_runs_on_every_rank(backend: str, tmp_path: Path) -> None:
     assert all(set(table) == set(CASES) for table in tables)
 
 
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT)  # the first case may start every launch
 @pytest.mark.parametrize(
     "name", _torch_marked(list(CASES), {n: c.needs_torch for n, c in CASES.items()}))
 def test_every_backend_accepts_or_refuses_alike(name: str, tmp_path: Path) -> None:
