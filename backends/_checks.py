@@ -206,7 +206,8 @@ class Checks:
             )
         if tensor:
             device = buf.device
-            if device.type != "cpu" and str(device) != str(self.device):
+            # "cuda" (no index) stands for the current device: any index matches.
+            if device.type != "cpu" and str(self.device) not in (str(device), device.type):
                 raise TypeError(
                     f"{what}: the buffer is on {device}, but this group's collectives "
                     f"run on {self.device}; move it there"
