@@ -97,7 +97,10 @@ class CollectiveGroup(JoinBackend, Protocol):
     Buffers are NumPy arrays or torch CPU tensors and are updated in place.
     ``op`` is one of :data:`REDUCE_OPS`. With ``async_op=True`` a call returns a
     :class:`Handle` whose ``wait()`` returns what the blocking call would have
-    returned (and only then is the buffer guaranteed to hold the result).
+    returned (and only then is the buffer guaranteed to hold the result; a
+    second ``wait()`` returns the same) and whose ``is_completed()`` says,
+    without blocking, whether the collective has completed. What every group
+    accepts and refuses is decided in one place, ``backends._checks``.
     """
 
     device: Any

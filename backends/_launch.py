@@ -80,6 +80,7 @@ from typing import Any
 import attrs
 
 from joinkit import backends
+from joinkit.backends._checks import Checks, host_array, write_back
 from joinkit.backends._network import (
     DEFAULT_RENDEZVOUS_TIMEOUT,
     HostFacts,
@@ -569,20 +570,14 @@ def init_torch(
 
 
 def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta | None) -> Any:
-    import torch
-    import torch.distributed as dist
+    from joinkit.backends import torch_dist
 
-    from joinkit.backends.torch_dist import TorchGroup
-
-    if dist.is_initialized():
-        group = TorchGroup()
+    if torch_dist.is_initialized():
+        group = torch_dist.TorchGroup()
         verify_world(plan, group.world_size, "torch.distributed's default group")
         return group
     if dist_backend is None:
-        dist_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    kwargs: dict[str, Any] = {"backend": dist_backend}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
+        dist_backend = torch_dist.default_backend_name()
     store_timeout = timeout or _DEFAULT_STORE_TIMEOUT
 
     if plan.launcher == "mpirun" and _importable("mpi4py"):
@@ -590,22 +585,17 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
         # not leave the others waiting for it.
         abort_on_unhandled_exception()
     where = _rendezvous(plan, store_timeout)
-    if where.store is None:
-        # torchrun's agent already serves the store at MASTER_PORT.
-        kwargs.update(init_method="env://", rank=where.rank, world_size=where.world_size)
-    else:
-        kwargs.update(store=where.store, rank=where.rank, world_size=where.world_size)
-    if dist_backend == "nccl":
-        torch.cuda.set_device(where.local_rank)
     if dist_backend == "gloo":
         _warn_if_gloo_cannot_reach_other_nodes(where.spans_nodes)
-    dist.init_process_group(**kwargs)
+    # A store of None: torchrun's agent already serves the store at MASTER_PORT.
+    torch_dist.init_default_group(dist_backend, where.rank, where.world_size,
+                                  where.local_rank, where.store, timeout)
     # We created the group, so we tear it down at exit, once the torch
     # backend's exit guard has settled its collectives (torch_dist's module doc).
-    atexit.register(_destroy_torch_group)
+    atexit.register(torch_dist.destroy_default_group)
     if plan.launcher in ("mpirun", "srun"):
         _export_torchrun_env(where)
-    return TorchGroup()
+    return torch_dist.TorchGroup()
 
 
 def _warn_if_gloo_cannot_reach_other_nodes(spans_nodes: bool | None) -> None:
@@ -617,18 +607,6 @@ def _warn_if_gloo_cannot_reach_other_nodes(spans_nodes: bool | None) -> None:
     found = gloo_interface(os.environ, spans_nodes=True)
     if found.warning is not None:
         warnings.warn(found.warning, RuntimeWarning, stacklevel=4)
-
-
-def _destroy_torch_group() -> None:
-    import torch.distributed as dist
-
-    from joinkit.backends.torch_dist import settle_at_exit
-
-    # Destroying the group while a gloo worker thread still holds a finished
-    # collective can deadlock or abort the process; with a collective still
-    # pending (a frozen peer) the guard keeps the group alive instead.
-    if settle_at_exit() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @attrs.frozen(kw_only=True)
@@ -651,12 +629,12 @@ class _Rendezvous:
 
 def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
     """Carry out the plan's torch rendezvous (opening stores: not pure)."""
-    import torch.distributed as dist
+    from joinkit.backends import torch_dist
 
     if plan.launcher == "mpirun" and _importable("mpi4py"):
-        from mpi4py import MPI
+        from joinkit.backends import mpi
 
-        size = MPI.COMM_WORLD.Get_size()
+        size = mpi.world_size()
         if size == (plan.launched_size or size):
             return _mpi_rendezvous(plan, store_timeout)
         if plan.master_addr is None or plan.master_port is None or plan.rank is None:
@@ -671,8 +649,7 @@ def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
             name="mpi4py",
         )
     if plan.launcher is None:
-        return _Rendezvous(rank=0, world_size=1, local_rank=0,
-                           store=dist.HashStore())  # type: ignore[attr-defined]
+        return _Rendezvous(rank=0, world_size=1, local_rank=0, store=torch_dist.hash_store())
     rank, world_size = plan.rank, plan.world_size
     addr, port = plan.master_addr, plan.master_port
     missing = [name for name, value in (("rank", rank), ("world size", world_size),
@@ -692,8 +669,8 @@ def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
         # (the store's timeout covers it); but a name that does not resolve
         # would be retried with a warning every few seconds until then.
         _require_resolvable(addr, port, plan)
-    store = dist.TCPStore(addr, port, world_size, rank == 0,  # type: ignore[attr-defined]
-                          store_timeout, wait_for_workers=False)
+    store = torch_dist.tcp_store(addr, port, world_size, rank == 0, store_timeout,
+                                 wait_for_workers=False)
     return attrs.evolve(where, store=store)
 
 
@@ -735,15 +712,9 @@ def _mpi_rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
     error, naming the address, why it was chosen and what failed, instead of
     retrying until the store's timeout.
     """
-    import torch.distributed as dist
-    from mpi4py import MPI
+    from joinkit.backends import mpi, torch_dist
 
-    comm = MPI.COMM_WORLD
-    rank, world_size = comm.Get_rank(), comm.Get_size()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank = node.Get_rank()
-    node.Free()
-    hosts = comm.allgather(socket.gethostname())
+    rank, world_size, local_rank, hosts = mpi.world_layout(socket.gethostname())
     one_node = len(set(hosts)) == 1
     store = None
     answer: tuple[str | None, int | None, str, bool, str | None] = (None, None, "", False, None)
@@ -757,27 +728,24 @@ def _mpi_rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
             # which only says where rank 0's own client connects: loopback
             # always works for that, even where MASTER_ADDR is a name that
             # resolves for the others only.
-            store = dist.TCPStore(  # type: ignore[attr-defined]
-                "127.0.0.1", plan.master_port or 0, world_size, True, store_timeout,
-                wait_for_workers=False,
-            )
+            store = torch_dist.tcp_store("127.0.0.1", plan.master_port or 0, world_size,
+                                         True, store_timeout, wait_for_workers=False)
             answer = (chosen.address, int(store.port), chosen.chosen_because,
                       chosen.from_master_addr, None)
         except Exception as exc:  # every rank must hear of it, or they hang in bcast
             answer = (None, None, "", False, f"{type(exc).__name__}: {exc}")
-    addr, port, because, from_master_addr, error = comm.bcast(answer, root=0)
+    addr, port, because, from_master_addr, error = mpi.broadcast_object(answer)
     if error is not None:
         raise RuntimeError(f"rank 0 could not open the torch rendezvous store: {error}")
     assert addr is not None and port is not None
     failure = None if rank == 0 else probe_tcp(addr, port, plan.rendezvous_timeout)
     # A flag first (O(log W)); the reasons travel only when some rank failed.
-    if comm.allreduce(failure is not None, op=MPI.LOR):
-        failures = comm.allgather(failure)
+    if mpi.any_rank(failure is not None):
+        failures = mpi.gather_objects(failure)
         raise RuntimeError(_unreachable(addr, port, because, from_master_addr, hosts,
                                         failures, plan.rendezvous_timeout))
     if store is None:
-        store = dist.TCPStore(addr, port, world_size, False,  # type: ignore[attr-defined]
-                              store_timeout)
+        store = torch_dist.tcp_store(addr, port, world_size, False, store_timeout)
     return _Rendezvous(rank=rank, world_size=world_size, local_rank=local_rank, addr=addr,
                        port=port, store=store, spans_nodes=not one_node)
 
@@ -824,12 +792,9 @@ def abort_on_unhandled_exception() -> None:
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         previous(kind, value, tb)
-        from mpi4py import MPI
+        from joinkit.backends import mpi
 
-        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
+        mpi.abort_world()
 
     excepthook.joinkit_aborts_mpi = True  # type: ignore[attr-defined]
     sys.excepthook = excepthook
@@ -877,13 +842,15 @@ def _copy(buf: Any) -> Any:
 class _SoloGroup:
     """Every collective over a world of one: the result is the input.
 
-    Arguments are still checked (op names, roots, scatter chunks) so code that
-    runs here is not wrong on a larger world for those reasons.
+    Arguments are still checked, by the checks of every backend
+    (``backends._checks``), so code that runs here is not wrong on a larger
+    world for those reasons.
     """
 
     rank = 0
     world_size = 1
     device = "cpu"
+    _checks = Checks(0, 1)
 
     def __repr__(self) -> str:
         return "SoloGroup(rank=0, world_size=1)"
@@ -903,39 +870,30 @@ class _SoloGroup:
     def _done(self, result: Any, async_op: bool) -> Any:
         return _Done(result) if async_op else result
 
-    def _check_op(self, op: str) -> None:
-        if op not in backends.REDUCE_OPS:
-            raise ValueError(f"unknown reduce op {op!r}: use one of {backends.REDUCE_OPS}")
-
-    def _check_root(self, root: int, what: str) -> None:
-        if root != 0:
-            raise ValueError(f"{what}={root} is not a rank of this group (world size 1)")
-
     def all_reduce(self, buf: Any, op: str = "sum", async_op: bool = False) -> Any:
-        self._check_op(op)
+        self._checks.all_reduce(buf, op)
         return self._done(buf, async_op)
 
     def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
-        self._check_root(src, "src")
+        self._checks.broadcast(buf, src)
         return self._done(buf, async_op)
 
     def all_gather(self, buf: Any, async_op: bool = False) -> Any:
+        self._checks.all_gather(buf)
         return self._done([_copy(buf)], async_op)
 
     def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
-        self._check_op(op)
-        self._check_root(dst, "dst")
+        self._checks.reduce(buf, dst, op)
         return self._done(buf, async_op)
 
     def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
-        self._check_root(dst, "dst")
+        self._checks.gather(buf, dst)
         return self._done([_copy(buf)], async_op)
 
     def scatter(self, buf: Any, src: int, chunks: Any = None, async_op: bool = False) -> Any:
-        self._check_root(src, "src")
-        if chunks is None or len(chunks) != 1:
-            raise ValueError("scatter on a world of one needs exactly one chunk")
-        buf[...] = chunks[0]
+        _, parts = self._checks.scatter(buf, src, chunks)
+        assert parts is not None  # the source is the only rank
+        write_back(buf, host_array(parts[0])[0])
         return self._done(buf, async_op)
 
     def barrier(self) -> None:

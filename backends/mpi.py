@@ -33,16 +33,15 @@ completes a pending heartbeat too, so no request outlives the Join. The handle
 is the group's one heartbeat handle: ``wait()`` completes the latest heartbeat
 and returns its sum.
 
-*Buffers are used in place, never copied.* A NumPy array is handed to MPI as
-it is; a torch CPU tensor through its ``tensor.numpy()`` view (torch is never
-imported here: tensors are recognised by the module of their type). Buffers
-must be contiguous, writable where they receive, and of a supported dtype; the
-MPI datatype and reduce op are looked up in tables built once. A dtype MPI has
-no type for (float16, bfloat16) or an op undefined for the dtype (a bitwise op
-on floats, min/max on complex) raises a ``TypeError`` that says what would
-work, on every rank before any communication, so the ranks stay in step. Bool
-buffers use MPI's logical ops with torch's meaning: ``sum``/``max``/``bor``
-are OR, ``prod``/``min``/``band`` are AND, ``bxor`` is XOR.
+*Buffers are used in place where MPI can.* What a collective accepts is
+decided by ``backends._checks``, the same for every backend, on every rank
+before any communication, so a refusal leaves the ranks in step. A contiguous
+NumPy array is handed to MPI as it is; a torch CPU tensor through its
+``tensor.numpy()`` view (torch is never imported here: tensors are recognised
+by the module of their type). MPI needs contiguous memory, so a non-contiguous
+buffer (or a tensor's lazy conjugate view) is copied into a staging array and
+the result copied back when the collective completes. The MPI datatype and
+reduce op are looked up in tables built once.
 
 *The Join's extras.* ``all_gather_object`` is mpi4py's pickle-based
 ``allgather``; ``heartbeat_total`` reads the latest heartbeat's sum;
@@ -87,7 +86,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -104,11 +103,12 @@ except RuntimeError as _error:  # mpi4py is installed but finds no MPI library
     ) from _error
 
 from joinkit import backends
+from joinkit.backends._checks import Checks, contiguous, host_array, is_tensor, write_back
 
 __all__ = ["MPIGroup"]
 
-# numpy dtype -> MPI datatype. Explicit so the wire type never depends on how
-# a buffer spells its format ('l' vs 'q').
+# numpy dtype -> MPI datatype, for every dtype of _checks.DTYPES. Explicit so
+# the wire type never depends on how a buffer spells its format ('l' vs 'q').
 _DATATYPES: dict[np.dtype[Any], MPI.Datatype] = {
     np.dtype(np.bool_): MPI.C_BOOL,
     np.dtype(np.int8): MPI.INT8_T,
@@ -116,9 +116,6 @@ _DATATYPES: dict[np.dtype[Any], MPI.Datatype] = {
     np.dtype(np.int32): MPI.INT32_T,
     np.dtype(np.int64): MPI.INT64_T,
     np.dtype(np.uint8): MPI.UINT8_T,
-    np.dtype(np.uint16): MPI.UINT16_T,
-    np.dtype(np.uint32): MPI.UINT32_T,
-    np.dtype(np.uint64): MPI.UINT64_T,
     np.dtype(np.float32): MPI.FLOAT,
     np.dtype(np.float64): MPI.DOUBLE,
     np.dtype(np.complex64): MPI.C_FLOAT_COMPLEX,
@@ -141,7 +138,7 @@ def _ops_for(dtype: np.dtype[Any]) -> dict[str, MPI.Op]:
         return {**_ARITHMETIC, **_BITWISE}
     if dtype.kind == "f":
         return _ARITHMETIC
-    return {"sum": MPI.SUM, "prod": MPI.PROD}  # complex: MPI has no order on it
+    return {"sum": MPI.SUM}  # complex: sum only (_checks)
 
 
 # (dtype, op name) -> MPI op; a missing pair is a combination MPI cannot reduce.
@@ -149,99 +146,41 @@ _REDUCE_OPS: dict[tuple[np.dtype[Any], str], MPI.Op] = {
     (dtype, name): op for dtype in _DATATYPES for name, op in _ops_for(dtype).items()
 }
 
-# type -> whether it is a torch tensor type; filled on first sight of a type.
-_is_tensor_type: dict[type, bool] = {np.ndarray: False}
-
-
-def _is_tensor(buf: Any) -> bool:
-    kind = type(buf)
-    known = _is_tensor_type.get(kind)
-    if known is None:
-        # torch.Tensor and its subclasses (nn.Parameter), without importing torch.
-        known = any(
-            c.__name__ == "Tensor" and c.__module__ == "torch" for c in kind.__mro__
-        )
-        _is_tensor_type[kind] = known
-    return known
-
-
-def _array(buf: Any, what: str = "buffer", writable: bool = True) -> np.ndarray:
-    """The NumPy view MPI reads or writes for ``buf`` (never a copy)."""
-    if _is_tensor(buf):
-        if buf.device.type != "cpu":
-            raise TypeError(
-                f"MPIGroup needs CPU tensors, but the {what} is on {buf.device}; "
-                "move it with .cpu() (joinkit does not assume a CUDA-aware MPI)"
-            )
-        if not buf.is_contiguous():
-            raise ValueError(
-                f"the {what} tensor is not contiguous; MPI works on the memory in "
-                "place, so pass t.contiguous() and copy the result back"
-            )
-        try:
-            arr: np.ndarray = buf.detach().numpy()
-        except TypeError as exc:  # bfloat16 and other types NumPy lacks
-            raise TypeError(
-                f"MPIGroup cannot send a tensor of dtype {buf.dtype}: supported "
-                f"are {_supported_dtypes()}"
-            ) from exc
-        except RuntimeError as exc:  # a lazy conjugate/negative view, a sparse layout
-            raise TypeError(
-                f"MPIGroup cannot use the {what} tensor's memory in place: {exc}"
-            ) from exc
-    elif isinstance(buf, np.ndarray):
-        arr = buf
-        if not arr.flags.c_contiguous:
-            raise ValueError(
-                f"the {what} array is not C-contiguous; MPI works on the memory in "
-                "place, so pass np.ascontiguousarray(a) and copy the result back"
-            )
-        if writable and not arr.flags.writeable:
-            raise ValueError(f"the {what} array is read-only but receives a result")
-    else:
-        raise TypeError(
-            f"MPIGroup collectives take NumPy arrays or torch CPU tensors, got "
-            f"{type(buf).__module__}.{type(buf).__qualname__} for the {what}"
-        )
-    if arr.dtype not in _DATATYPES:
-        raise TypeError(
-            f"MPIGroup cannot send dtype {arr.dtype} (the {what}): supported are "
-            f"{_supported_dtypes()}"
-        )
-    return arr
-
-
-def _supported_dtypes() -> str:
-    return ", ".join(str(d) for d in _DATATYPES)
+def _staged(buf: Any) -> tuple[np.ndarray, Callable[[], None] | None]:
+    """The contiguous NumPy array MPI reads and writes for a checked ``buf``,
+    and what writes a result back into ``buf`` when that array is a copy."""
+    arr, own = host_array(buf)
+    wire, same = contiguous(arr)
+    if own and same:
+        return wire, None
+    return wire, lambda: write_back(buf, wire)
 
 
 def _reduce_op(dtype: np.dtype[Any], op: str) -> MPI.Op:
-    mpi_op = _REDUCE_OPS.get((dtype, op))
-    if mpi_op is not None:
-        return mpi_op
-    if op not in backends.REDUCE_OPS:
-        raise ValueError(f"unknown reduce op {op!r}: use one of {backends.REDUCE_OPS}")
-    allowed = sorted(name for (d, name) in _REDUCE_OPS if d == dtype)
-    raise TypeError(
-        f"reduce op {op!r} is not defined for dtype {dtype}: use one of {allowed}"
-    )
+    """The MPI op of ``op`` (checked by ``_checks``) on a ``dtype`` buffer."""
+    return _REDUCE_OPS[(dtype, op)]
 
 
 class _Request:
     """A collective in flight; ``wait()`` returns what the blocking call returns."""
 
-    __slots__ = ("_request", "_result", "_buffers")
+    __slots__ = ("_request", "_result", "_buffers", "_back")
 
-    def __init__(self, request: MPI.Request, result: Any, buffers: Any = None) -> None:
+    def __init__(self, request: MPI.Request, result: Any, buffers: Any = None,
+                 back: Callable[[], None] | None = None) -> None:
         self._request = request
         self._result = result
         # MPI reads/writes these until completion; keep them alive until then.
         self._buffers = buffers
+        self._back = back  # copies a staged result into the caller's buffer
 
     def wait(self) -> Any:
         """Block until the collective completes; return its result."""
         self._request.Wait()
         self._buffers = None
+        back, self._back = self._back, None
+        if back is not None:
+            back()
         return self._result
 
     def is_completed(self) -> bool:
@@ -412,6 +351,7 @@ class MPIGroup:
         #: last heartbeat to tell whether a failing rank left an iteration open.
         self.collectives_issued = 0
         self._board_key: int = comm.py2f()
+        self._checks = Checks(self.rank, self.world_size)
 
     def __repr__(self) -> str:
         return f"MPIGroup(rank={self.rank}, world_size={self.world_size})"
@@ -582,19 +522,13 @@ class MPIGroup:
     # -- collectives ---------------------------------------------------------------
 
     def _finish(self, request: MPI.Request, result: Any, async_op: bool,
-                buffers: Any = None) -> Any:
+                buffers: Any = None, back: Callable[[], None] | None = None) -> Any:
         if async_op:
-            return _Request(request, result, buffers)
+            return _Request(request, result, buffers, back)
         request.Wait()
+        if back is not None:
+            back()
         return result
-
-    def _root(self, root: int, what: str) -> int:
-        if not 0 <= root < self.world_size:
-            raise ValueError(
-                f"{what}={root} is not a rank of this group (world size "
-                f"{self.world_size})"
-            )
-        return root
 
     def all_reduce(self, buf: Any, op: str = "sum", async_op: bool = False) -> Any:
         """Reduce ``buf`` over all ranks, in place; every rank gets the result.
@@ -611,11 +545,11 @@ class MPIGroup:
             TypeError: unsupported buffer type or dtype, or ``op`` undefined for it.
             ValueError: unknown ``op``, or ``buf`` not contiguous/writable/on CPU.
         """
-        arr = _array(buf)
-        mpi_op = _reduce_op(arr.dtype, op)
+        dtype = self._checks.all_reduce(buf, op)
+        arr, back = _staged(buf)
         self.collectives_issued += 1
-        request = self._iallreduce(MPI.IN_PLACE, [arr, _DATATYPES[arr.dtype]], mpi_op)
-        return self._finish(request, buf, async_op, arr)
+        request = self._iallreduce(MPI.IN_PLACE, [arr, _DATATYPES[dtype]], _reduce_op(dtype, op))
+        return self._finish(request, buf, async_op, arr, back)
 
     def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
         """Copy ``buf`` of rank ``src`` into ``buf`` of every rank.
@@ -632,10 +566,11 @@ class MPIGroup:
             TypeError: unsupported buffer type or dtype.
             ValueError: ``src`` is not a rank, or ``buf`` is unusable.
         """
-        arr = _array(buf)
+        src = self._checks.broadcast(buf, src)
+        arr, back = _staged(buf)
         self.collectives_issued += 1
-        request = self.comm.Ibcast([arr, _DATATYPES[arr.dtype]], self._root(src, "src"))
-        return self._finish(request, buf, async_op, arr)
+        request = self.comm.Ibcast([arr, _DATATYPES[arr.dtype]], src)
+        return self._finish(request, buf, async_op, arr, back)
 
     def all_gather(self, buf: Any, async_op: bool = False) -> Any:
         """Gather every rank's ``buf`` on every rank.
@@ -654,7 +589,8 @@ class MPIGroup:
             TypeError: unsupported buffer type or dtype.
             ValueError: ``buf`` is unusable.
         """
-        arr = _array(buf, writable=False)
+        self._checks.all_gather(buf)
+        arr, _ = _staged(buf)
         out, parts = self._stacked(buf)
         datatype = _DATATYPES[arr.dtype]
         self.collectives_issued += 1
@@ -679,15 +615,15 @@ class MPIGroup:
             TypeError: unsupported buffer type or dtype, or ``op`` undefined for it.
             ValueError: unknown ``op``, ``dst`` not a rank, or ``buf`` unusable.
         """
-        dst = self._root(dst, "dst")
-        arr = _array(buf, writable=self.rank == dst)
-        mpi_op = _reduce_op(arr.dtype, op)
-        msg = [arr, _DATATYPES[arr.dtype]]
+        dst, dtype = self._checks.reduce(buf, dst, op)
+        arr, back = _staged(buf)
+        mpi_op = _reduce_op(dtype, op)
+        msg = [arr, _DATATYPES[dtype]]
         self.collectives_issued += 1
         if self.rank == dst:
             request = self.comm.Ireduce(MPI.IN_PLACE, msg, mpi_op, dst)
-        else:
-            request = self.comm.Ireduce(msg, None, mpi_op, dst)
+            return self._finish(request, buf, async_op, arr, back)
+        request = self.comm.Ireduce(msg, None, mpi_op, dst)
         return self._finish(request, buf, async_op, arr)
 
     def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
@@ -707,8 +643,8 @@ class MPIGroup:
             TypeError: unsupported buffer type or dtype.
             ValueError: ``dst`` is not a rank, or ``buf`` is unusable.
         """
-        dst = self._root(dst, "dst")
-        arr = _array(buf, writable=False)
+        dst = self._checks.gather(buf, dst)
+        arr, _ = _staged(buf)
         datatype = _DATATYPES[arr.dtype]
         self.collectives_issued += 1
         if self.rank == dst:
@@ -739,17 +675,20 @@ class MPIGroup:
             ValueError: ``src`` is not a rank, ``chunks`` missing on ``src`` or
                 of the wrong number or shape, or ``buf`` unusable.
         """
-        src = self._root(src, "src")
-        arr = _array(buf)
+        src, parts = self._checks.scatter(buf, src, chunks)
+        arr, back = _staged(buf)
         datatype = _DATATYPES[arr.dtype]
-        if self.rank != src:
+        if parts is None:
             self.collectives_issued += 1
             request = self.comm.Iscatter(None, [arr, datatype], src)
-            return self._finish(request, buf, async_op, arr)
-        send = self._scatter_source(arr, chunks)
+            return self._finish(request, buf, async_op, arr, back)
+        if isinstance(chunks, np.ndarray) or is_tensor(chunks):
+            send, _ = _staged(chunks)  # one buffer: sent as it is when contiguous
+        else:
+            send = np.stack([host_array(part)[0] for part in parts])
         self.collectives_issued += 1
         request = self.comm.Iscatter([send, datatype], [arr, datatype], src)
-        return self._finish(request, buf, async_op, (arr, send))
+        return self._finish(request, buf, async_op, (arr, send), back)
 
     def barrier(self) -> None:
         """Return once every rank of the group has called ``barrier``."""
@@ -760,54 +699,11 @@ class MPIGroup:
 
     def _stacked(self, buf: Any) -> tuple[np.ndarray, list[Any]]:
         """A fresh ``(world_size, *shape)`` buffer of ``buf``'s kind, and its rows."""
-        if _is_tensor(buf):
+        if is_tensor(buf):
             out = buf.new_empty((self.world_size, *buf.shape))
             return out.numpy(), list(out.unbind(0))
         stacked = np.empty((self.world_size, *buf.shape), dtype=buf.dtype)
         return stacked, list(stacked)
-
-    def _scatter_source(self, arr: np.ndarray, chunks: Any) -> np.ndarray:
-        shape = (self.world_size, *arr.shape)
-        if chunks is None:
-            raise ValueError(f"scatter needs chunks on the source rank {self.rank}")
-        if isinstance(chunks, np.ndarray) or _is_tensor(chunks):
-            send = _array(chunks, "chunks", writable=False)
-            if send.shape != shape:
-                raise ValueError(
-                    f"scatter chunks have shape {tuple(send.shape)}, expected {shape}"
-                )
-        else:
-            parts = _chunk_arrays(chunks)
-            if len(parts) != self.world_size:
-                raise ValueError(
-                    f"scatter needs {self.world_size} chunks (one per rank), got "
-                    f"{len(parts)}"
-                )
-            for part in parts:
-                if part.shape != arr.shape:
-                    raise ValueError(
-                        f"a scatter chunk has shape {part.shape}, the receive buffer "
-                        f"{arr.shape}"
-                    )
-            send = np.stack(parts)
-        if send.dtype != arr.dtype:
-            raise TypeError(
-                f"scatter chunks have dtype {send.dtype}, the receive buffer {arr.dtype}"
-            )
-        return send
-
-
-def _chunk_arrays(chunks: Sequence[Any]) -> list[np.ndarray]:
-    # The chunks are copied into one send buffer anyway, so unlike the other
-    # buffers they need not be contiguous.
-    parts = []
-    for chunk in chunks:
-        if _is_tensor(chunk):
-            chunk = chunk.contiguous()
-        elif isinstance(chunk, np.ndarray):
-            chunk = np.ascontiguousarray(chunk)
-        parts.append(_array(chunk, "chunk", writable=False))
-    return parts
 
 
 class _CommJoinBackend:
@@ -853,6 +749,69 @@ def _backend_for_comm(comm: MPI.Comm, device: Any) -> _CommJoinBackend:
 def _backend_for_group(group: MPIGroup, device: Any) -> MPIGroup:
     _check_device(device)
     return group
+
+
+# -- what the launcher and the doctor need of MPI ---------------------------------------
+# Only this module imports mpi4py (tests/test_backend_imports.py): backends._launch
+# and backends._doctor call these instead. Each collective one is on COMM_WORLD.
+
+_THREAD_LEVELS = {
+    "THREAD_SINGLE": "single",
+    "THREAD_FUNNELED": "funneled",
+    "THREAD_SERIALIZED": "serialized",
+    "THREAD_MULTIPLE": "multiple",
+}
+
+
+def library_facts() -> dict[str, str]:
+    """What ``python -m joinkit doctor`` reports of the MPI library here."""
+    provided = MPI.Query_thread()
+    level = next((name for name in _THREAD_LEVELS if getattr(MPI, name) == provided),
+                 str(provided))
+    major, minor = MPI.Get_version()
+    return {
+        "library": MPI.Get_library_version().strip().splitlines()[0].split(",")[0],
+        "standard": f"MPI {major}.{minor}",
+        "thread level": _THREAD_LEVELS.get(level, level),
+    }
+
+
+def world_size() -> int:
+    """The size of ``COMM_WORLD``."""
+    return int(MPI.COMM_WORLD.Get_size())
+
+
+def world_layout(hostname: str) -> tuple[int, int, int, list[str]]:
+    """This rank, the world size, the rank on this node, every rank's host (collective)."""
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank = node.Get_rank()
+    node.Free()
+    return rank, comm.Get_size(), local_rank, comm.allgather(hostname)
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (collective)."""
+    return MPI.COMM_WORLD.bcast(obj, root=0)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on some rank (collective, O(log W))."""
+    return bool(MPI.COMM_WORLD.allreduce(flag, op=MPI.LOR))
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (collective)."""
+    return list(MPI.COMM_WORLD.allgather(obj))
+
+
+def abort_world() -> None:
+    """``MPI_Abort`` on ``COMM_WORLD`` where MPI runs with more than one rank."""
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
 
 
 backends.register(MPI.Comm, _backend_for_comm)

@@ -46,8 +46,8 @@ run that returns plausible totals.
   (rank | kind | op | shape | dtype | root | call site) on every rank (a join
   collective's kind says which: ``all_reduce (count)``), and when the origins
   differ a note saying which ranks ran the Join's collective and which their
-  own; a rank that issued call #k async and did not wait gets it at its next
-  collective;
+  own (``backends._mismatch`` builds the table); a rank that issued call #k
+  async and did not wait gets it at its next collective;
 - a rank does not arrive within ``timeout`` seconds: the slot *expires* and
   every rank waiting in it gets ``RankTimeout``, naming the missing ranks and
   where each was last seen (a latecomer gets one too); a missing rank that
@@ -72,10 +72,8 @@ are only written by that rank's thread.
 from __future__ import annotations
 
 import operator
-import os
 import pickle
 import sys
-import textwrap
 import threading
 import time
 from _thread import allocate_lock as _allocate_lock
@@ -87,6 +85,8 @@ import numpy as np
 from joinkit import CollectiveMismatch, PeerAborted, PeerFailure, RankTimeout
 
 from . import REDUCE_OPS, register
+from ._checks import Checks, host_array, is_tensor, write_back
+from ._mismatch import _JOIN, _USER, _format_site, _ranks, _Signature, _Site, mismatch_table
 
 __all__ = ["ThreadGroup", "ThreadWork", "SpawnAborted", "spawn"]
 
@@ -95,15 +95,6 @@ __all__ = ["ThreadGroup", "ThreadWork", "SpawnAborted", "spawn"]
 # after this is stuck in its own code.
 _FAILURE_GRACE = 1.0
 
-_Site: TypeAlias = "tuple[str, int, str]"  # (file, line, function)
-# (kind, op, shape, dtype, root, origin); all ranks' must be equal in a slot.
-# origin: "join" (the join backend's collectives) or "user" (module doc).
-_Signature: TypeAlias = (
-    "tuple[str, str | None, tuple[int, ...] | None, np.dtype[Any] | None, int | None, str]"
-)
-# What each signature element is called in a mismatch's headline.
-_FIELDS = ("kind", "op", "shape", "dtype", "root", "join vs user")
-_JOIN, _USER = "join", "user"
 _Deliver: TypeAlias = "Callable[[Any], Any]"
 
 _UFUNCS: dict[str, np.ufunc] = {
@@ -116,7 +107,6 @@ _UFUNCS: dict[str, np.ufunc] = {
     "bxor": np.bitwise_xor,
 }
 assert tuple(_UFUNCS) == REDUCE_OPS
-_BITWISE = ("band", "bor", "bxor")
 
 # Both join collectives: a 1-element float32 SUM all-reduce, as on every
 # backend, but of origin "join", so only another join collective matches it.
@@ -326,7 +316,7 @@ class _World:
         entries = slot.entries
         first = entries[0][0]  # type: ignore[index]
         if any(entry[0] != first for entry in entries):  # type: ignore[index]
-            slot.mismatch = self.mismatch_table(slot)
+            slot.mismatch = mismatch_table(slot.index, self.size, slot.entries)
             with self.lock:
                 if self.mismatch is None:
                     self.mismatch = slot.mismatch
@@ -427,46 +417,6 @@ class _World:
         return (f"rank {rank}: last called collective #{index} ({label}{pending}) at "
                 f"{_format_site(site)}")
 
-    def mismatch_table(self, slot: _Slot) -> str:
-        header = ("rank", "kind", "op", "shape", "dtype", "root", "call site")
-        rows = []
-        signatures = []
-        for rank, entry in enumerate(slot.entries):
-            assert entry is not None
-            signature, label, site = entry
-            signatures.append(signature)
-            _, op, shape, dtype, root, _ = signature
-            rows.append((str(rank), label, _cell(op), _cell(shape), _cell(dtype),
-                         _cell(root), _format_site(site)))
-        fields = [name for i, name in enumerate(_FIELDS)
-                  if len({s[i] for s in signatures}) > 1]
-        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-        def line(cells: Sequence[str]) -> str:
-            return " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-        table = [
-            f"collective #{slot.index} differs across the {self.size} ranks "
-            f"(they disagree on {', '.join(fields)}):",
-            line(header),
-            "-+-".join("-" * w for w in widths),
-            *(line(row) for row in rows),
-        ]
-        join = [rank for rank, s in enumerate(signatures) if s[5] == _JOIN]
-        if join and len(join) < self.size:
-            user = [rank for rank, s in enumerate(signatures) if s[5] != _JOIN]
-            table.append(textwrap.fill(
-                f"{_ranks(join)} ran a collective of the Join (its heartbeat, count or "
-                f"object exchange) where {_ranks(user)} ran "
-                f"{'one of its own' if len(user) == 1 else 'their own'}, and a join "
-                "collective only ever matches a join collective. Usually a joined "
-                "rank's JoinHook.main_hook (or fused_shadow) does not shadow every "
-                "collective of an active rank's iteration: see the call sites above.",
-                width=88,
-            ))
-        return "\n".join(table)
-
-
 def _open(slot: _Slot) -> None:
     """Wake the ranks waiting in an incomplete slot (hold the world's lock)."""
     if not slot.opened:
@@ -486,16 +436,6 @@ def _pass_relay(slot: _Slot, place: int) -> None:
     following = place + 1
     if following < len(slot.relay):
         slot.relay[following].release()
-
-
-def _cell(value: Any) -> str:
-    return "-" if value is None else str(value)
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return f"ranks {', '.join(map(str, ranks))}"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -520,87 +460,7 @@ def _call_site() -> _Site:
     return ("<unknown>", 0, "?")
 
 
-def _format_site(site: _Site) -> str:
-    filename, lineno, function = site
-    try:
-        shown = os.path.relpath(filename)
-    except ValueError:  # another drive on Windows
-        shown = filename
-    if shown.startswith(os.pardir):
-        shown = filename
-    return f"{shown}:{lineno} in {function}"
-
-
 # -- buffers ----------------------------------------------------------------------
-
-
-def _torch_tensor_type() -> Any:
-    # A tensor can only exist if torch is imported, so never import it here.
-    torch = sys.modules.get("torch")
-    return None if torch is None else torch.Tensor
-
-
-def _as_array(buf: Any, what: str) -> tuple[np.ndarray, bool]:
-    """A NumPy view of ``buf``, and whether ``buf`` is a torch tensor."""
-    if isinstance(buf, np.ndarray):
-        return buf, False
-    tensor_type = _torch_tensor_type()
-    if tensor_type is not None and isinstance(buf, tensor_type):
-        if buf.device.type != "cpu":
-            raise TypeError(
-                f"{what}: the threads backend works on CPU tensors, got one on "
-                f"{buf.device}; move it with .cpu() first"
-            )
-        try:
-            return buf.detach().numpy(), True
-        except (TypeError, RuntimeError) as exc:  # bfloat16, sparse, ...
-            raise TypeError(
-                f"{what}: cannot use a tensor of dtype {buf.dtype} (layout "
-                f"{buf.layout}) as a NumPy array: {exc}"
-            ) from exc
-    raise TypeError(
-        f"{what}: buffers must be NumPy arrays or torch CPU tensors, got "
-        f"{type(buf).__module__}.{type(buf).__qualname__}"
-    )
-
-
-def _writable(arr: np.ndarray, what: str) -> None:
-    if not arr.flags.writeable:
-        raise ValueError(
-            f"{what}: the buffer is read-only, but the result is written into it "
-            "in place; pass a writable array"
-        )
-
-
-def _check_reduce_op(op: Any, dtype: np.dtype[Any], what: str) -> None:
-    if not isinstance(op, str) or op not in _UFUNCS:
-        raise ValueError(f"{what}: unknown reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
-    kind = dtype.kind
-    if kind in "biu":
-        return  # bool: sum/max/bor are OR, prod/min/band are AND (as torch, MPI)
-    if kind in "fc":
-        if op in _BITWISE:
-            raise TypeError(
-                f"{what}: op {op!r} is bitwise and needs an integer or bool buffer, "
-                f"got dtype {dtype}"
-            )
-        if kind == "c" and op in ("min", "max"):
-            raise TypeError(f"{what}: op {op!r} needs ordered values; dtype {dtype} is complex")
-        return
-    raise TypeError(
-        f"{what}: cannot reduce a buffer of dtype {dtype}; use a bool, integer, "
-        "floating or complex dtype"
-    )
-
-
-def _write(buf: Any, value: np.ndarray, tensor: bool) -> None:
-    """Copy ``value`` into ``buf`` in place."""
-    if tensor:
-        torch = sys.modules["torch"]
-        # detach(): in place like torch.distributed, also on a leaf that requires grad.
-        buf.detach().copy_(torch.from_numpy(value))
-    else:
-        np.copyto(buf, value)
 
 
 def _new_buffers(parts: list[np.ndarray], tensor: bool) -> list[Any]:
@@ -695,6 +555,10 @@ class ThreadWork:
             self._done = True
         return self._value
 
+    def is_completed(self) -> bool:
+        """Whether every rank has contributed (never blocks)."""
+        return self._done or self._slot.done
+
 
 class ThreadGroup:
     """One rank's handle on a :func:`spawn`: collectives over threads, and a join backend.
@@ -707,6 +571,8 @@ class ThreadGroup:
     the buffer may be reused at once, and it holds the result once ``wait()``
     returned. Reduce ops on bool buffers follow torch and MPI: ``sum``, ``max``,
     ``bor`` are OR; ``prod``, ``min``, ``band`` are AND; ``bxor`` is XOR.
+    What a collective accepts (dtypes, reduce ops, roots, chunks) is decided by
+    ``backends._checks``, the same for every backend.
 
     Attributes:
         rank: this rank, ``0 <= rank < world_size``.
@@ -724,6 +590,7 @@ class ThreadGroup:
         self._world = world
         self._calls = 0  # collective calls made so far
         self._last: tuple[int, str, _Site] | None = None  # (index, label, site)
+        self._checks = Checks(rank, world.size)
 
     def __repr__(self) -> str:
         return f"ThreadGroup(rank={self.rank}, world_size={self.world_size})"
@@ -736,20 +603,6 @@ class ThreadGroup:
         slot, gate, place = self._world.arrive(self, signature, label, _call_site(), payload,
                                                blocking)
         return ThreadWork(self._world, self.rank, slot, gate, place, deliver)
-
-    def _root(self, root: Any, name: str, what: str) -> int:
-        try:
-            value = operator.index(root)
-        except TypeError:
-            raise TypeError(
-                f"{what}: {name} must be an int rank, got {type(root).__qualname__}"
-            ) from None
-        if not 0 <= value < self.world_size:
-            raise ValueError(
-                f"{what}: {name}={value} is not a rank of this group (world size "
-                f"{self.world_size})"
-            )
-        return value
 
     # -- join backend --------------------------------------------------------------
 
@@ -877,16 +730,16 @@ class ThreadGroup:
 
         Raises:
             TypeError: ``buf`` is not a usable buffer, or ``op`` is undefined
-                for its dtype (bitwise ops on floats, min/max on complex).
+                for its dtype (``backends._checks``: bitwise ops on floats, all but
+                ``sum`` on complex).
             ValueError: unknown ``op``, or ``buf`` is read-only.
             CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
         """
-        arr, tensor = _as_array(buf, "all_reduce")
-        _writable(arr, "all_reduce")
-        _check_reduce_op(op, arr.dtype, "all_reduce")
+        self._checks.all_reduce(buf, op)
+        arr, _ = host_array(buf)
 
         def deliver(result: np.ndarray) -> Any:
-            _write(buf, result, tensor)
+            write_back(buf, result)
             return buf
 
         signature = ("all_reduce", op, arr.shape, arr.dtype, None, _USER)
@@ -909,17 +762,16 @@ class ThreadGroup:
             ValueError: ``src`` is not a rank, or ``buf`` is read-only.
             CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
         """
-        arr, tensor = _as_array(buf, "broadcast")
-        src = self._root(src, "src", "broadcast")
+        src = self._checks.broadcast(buf, src)
+        arr, _ = host_array(buf)
         signature = ("broadcast", None, arr.shape, arr.dtype, src, _USER)
         if self.rank == src:
             return self._finish(self._start("broadcast", signature, arr.copy(),
                                             lambda result: buf, blocking=not async_op),
                                 async_op)
-        _writable(arr, "broadcast")
 
         def deliver(result: np.ndarray) -> Any:
-            _write(buf, result, tensor)
+            write_back(buf, result)
             return buf
 
         return self._finish(self._start("broadcast", signature, None, deliver,
@@ -941,7 +793,9 @@ class ThreadGroup:
             TypeError: ``buf`` is not a usable buffer.
             CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
         """
-        arr, tensor = _as_array(buf, "all_gather")
+        self._checks.all_gather(buf)
+        arr, _ = host_array(buf)
+        tensor = is_tensor(buf)
         signature = ("all_gather", None, arr.shape, arr.dtype, None, _USER)
         work = self._start("all_gather", signature, arr.copy(),
                            lambda parts: _new_buffers(parts, tensor), blocking=not async_op)
@@ -965,21 +819,19 @@ class ThreadGroup:
             TypeError: ``buf`` is not a usable buffer, ``dst`` is not an int,
                 or ``op`` is undefined for the dtype.
             ValueError: unknown ``op``, ``dst`` is not a rank, or ``buf`` is
-                read-only on ``dst``.
+                read-only.
             CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
         """
-        arr, tensor = _as_array(buf, "reduce")
-        dst = self._root(dst, "dst", "reduce")
-        _check_reduce_op(op, arr.dtype, "reduce")
+        dst, _ = self._checks.reduce(buf, dst, op)
+        arr, _ = host_array(buf)
         signature = ("reduce", op, arr.shape, arr.dtype, dst, _USER)
         if self.rank != dst:
             return self._finish(self._start("reduce", signature, arr.copy(),
                                             lambda result: buf, blocking=not async_op),
                                 async_op)
-        _writable(arr, "reduce")
 
         def deliver(result: np.ndarray) -> Any:
-            _write(buf, result, tensor)
+            write_back(buf, result)
             return buf
 
         return self._finish(self._start("reduce", signature, arr.copy(), deliver,
@@ -1003,8 +855,9 @@ class ThreadGroup:
             ValueError: ``dst`` is not a rank.
             CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
         """
-        arr, tensor = _as_array(buf, "gather")
-        dst = self._root(dst, "dst", "gather")
+        dst = self._checks.gather(buf, dst)
+        arr, _ = host_array(buf)
+        tensor = is_tensor(buf)
         signature = ("gather", None, arr.shape, arr.dtype, dst, _USER)
         if self.rank == dst:
             deliver: _Deliver = lambda parts: _new_buffers(parts, tensor)  # noqa: E731
@@ -1038,21 +891,13 @@ class ThreadGroup:
                 is read-only.
             CollectiveMismatch, RankTimeout, SpawnAborted: see :meth:`ThreadWork.wait`.
         """
-        arr, tensor = _as_array(buf, "scatter")
-        src = self._root(src, "src", "scatter")
-        _writable(arr, "scatter")
-        payload = None
-        if self.rank == src:
-            payload = self._scatter_source(arr, chunks)
-        elif chunks is not None:
-            raise ValueError(
-                f"scatter: only the source rank {src} passes chunks, but rank "
-                f"{self.rank} passed some; pass chunks=None here"
-            )
+        src, parts = self._checks.scatter(buf, src, chunks)
+        arr, _ = host_array(buf)
+        payload = None if parts is None else np.stack([host_array(p)[0] for p in parts])
         rank = self.rank
 
         def deliver(stacked: np.ndarray) -> Any:
-            _write(buf, stacked[rank], tensor)
+            write_back(buf, stacked[rank])
             return buf
 
         signature = ("scatter", None, arr.shape, arr.dtype, src, _USER)
@@ -1073,47 +918,6 @@ class ThreadGroup:
     @staticmethod
     def _finish(work: ThreadWork, async_op: bool) -> Any:
         return work if async_op else work.wait()
-
-    def _scatter_source(self, arr: np.ndarray, chunks: Any) -> np.ndarray:
-        """Copy the source's chunks into one ``(world_size, *shape)`` array."""
-        shape = (self.world_size, *arr.shape)
-        if chunks is None:
-            raise ValueError(
-                f"scatter: rank {self.rank} is the source and must pass chunks "
-                f"(one buffer per rank, {self.world_size} in all)"
-            )
-        tensor_type = _torch_tensor_type()
-        if isinstance(chunks, np.ndarray) or (
-            tensor_type is not None and isinstance(chunks, tensor_type)
-        ):
-            stacked, _ = _as_array(chunks, "scatter chunks")
-            if stacked.shape != shape:
-                raise ValueError(
-                    f"scatter: chunks as one buffer must have shape {shape} "
-                    f"(world_size, *buf.shape), got {stacked.shape}"
-                )
-            parts = list(stacked)
-        else:
-            parts = [_as_array(chunk, f"scatter chunks[{i}]")[0]
-                     for i, chunk in enumerate(chunks)]
-            if len(parts) != self.world_size:
-                raise ValueError(
-                    f"scatter: needs {self.world_size} chunks (one per rank), got "
-                    f"{len(parts)}"
-                )
-            for i, part in enumerate(parts):
-                if part.shape != arr.shape:
-                    raise ValueError(
-                        f"scatter: chunks[{i}] has shape {part.shape}, but buf has "
-                        f"{arr.shape}; every chunk must match buf"
-                    )
-        for i, part in enumerate(parts):
-            if part.dtype != arr.dtype:
-                raise TypeError(
-                    f"scatter: chunks[{i}] has dtype {part.dtype}, but buf has "
-                    f"{arr.dtype}; every chunk must match buf"
-                )
-        return np.stack(parts)
 
 
 def _backend_for_group(group: ThreadGroup, device: Any) -> ThreadGroup:

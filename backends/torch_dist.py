@@ -76,7 +76,9 @@ a worker stays busy, it keeps every process group alive through exit as well,
 so that no group destructor joins a blocked thread. The torch launcher
 (``backends.init``/``init_torch``) runs the guard before it destroys the group.
 
-*Buffers.* Collectives take torch tensors and NumPy arrays. A contiguous tensor
+*Buffers.* Collectives take torch tensors and NumPy arrays; what they accept
+(dtypes, devices, reduce ops, roots, scatter chunks) is decided by
+``backends._checks``, the same for every backend. A contiguous tensor
 already on the group's device is used in place; anything else (a NumPy array, a
 CPU tensor on an nccl group, a non-contiguous tensor) is copied to a staging
 tensor and the result copied back into it in place. A writable C-contiguous
@@ -108,6 +110,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from joinkit import LocalProtocolError, PeerFailure, backends
+from joinkit.backends._checks import Checks
 
 __all__ = ["TorchGroup", "GroupAborted", "settle_at_exit"]
 
@@ -167,19 +170,10 @@ _LOGICAL = {
 }
 
 
-def _reduce_op(dtype: torch.dtype, op: str) -> Any:
-    if op not in backends.REDUCE_OPS:
-        raise ValueError(f"unknown reduce op {op!r}: use one of {backends.REDUCE_OPS}")
-    if dtype == torch.bool:
+def _reduce_op(dtype: np.dtype[Any], op: str) -> Any:
+    """The ReduceOp of ``op`` (checked by ``_checks``) on a ``dtype`` buffer."""
+    if dtype.kind == "b":
         return _LOGICAL[op]
-    if dtype.is_floating_point or dtype.is_complex:
-        # Complex travels as pairs of reals, so only the sum is elementwise.
-        allowed = ("sum",) if dtype.is_complex else tuple(_ARITHMETIC)
-        if op not in allowed:
-            raise TypeError(
-                f"reduce op {op!r} is not defined for dtype {dtype}: use one of {allowed}"
-            )
-        return _ARITHMETIC[op]
     return _INTEGER[op]
 
 
@@ -266,6 +260,7 @@ class TorchGroup:
         self.device = _usable_device(device) if device is not None else _default_device(group)
         self.rank: int = group.rank()
         self.world_size: int = group.size()
+        self._checks = Checks(self.rank, self.world_size, self.device)
         self._on_cuda = self.device.type == "cuda"
         # The per-iteration path: options and buffers made once (module doc).
         self._allreduce = group.allreduce
@@ -541,9 +536,10 @@ class TorchGroup:
             TypeError: unsupported buffer type, or ``op`` undefined for its dtype.
             ValueError: unknown ``op``.
         """
+        dtype = self._checks.all_reduce(buf, op)
         staged = self._stage(buf)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = _reduce_op(_dtype_of(buf), op)
+        opts.reduceOp = _reduce_op(dtype, op)
         wire = _wire(staged.tensor)
         work = _hold(self.process_group.allreduce([wire], opts), wire)
         return self._finish(work, async_op, staged, lambda: buf)
@@ -564,7 +560,7 @@ class TorchGroup:
             ValueError: ``src`` is not a rank of the group.
         """
         opts = dist.BroadcastOptions()
-        opts.rootRank = self._root(src, "src")
+        opts.rootRank = self._checks.broadcast(buf, src)
         staged = self._stage(buf)
         wire = _wire(staged.tensor)
         work = _hold(self.process_group.broadcast([wire], opts), wire)
@@ -584,7 +580,8 @@ class TorchGroup:
         Raises:
             TypeError: unsupported buffer type.
         """
-        staged = self._stage(buf, receives=False)
+        self._checks.all_gather(buf)
+        staged = self._stage(buf)
         parts = [torch.empty_like(staged.tensor) for _ in range(self.world_size)]
         outputs, wire = [_wire(p) for p in parts], _wire(staged.tensor)
         work = _hold(self.process_group.allgather([outputs], [wire], AllgatherOptions()),
@@ -610,10 +607,11 @@ class TorchGroup:
             ValueError: unknown ``op``, or ``dst`` is not a rank of the group.
         """
         opts = dist.ReduceOptions()
-        opts.rootRank = self._root(dst, "dst")
-        opts.reduceOp = _reduce_op(_dtype_of(buf), op)
+        dst, dtype = self._checks.reduce(buf, dst, op)
+        opts.rootRank = dst
+        opts.reduceOp = _reduce_op(dtype, op)
         receives = self.rank == dst
-        staged = self._stage(buf, receives=receives)
+        staged = self._stage(buf)
         # A backend may use a non-root rank's input as scratch space; send a copy.
         tensor = staged.tensor if receives or not staged.in_place else staged.tensor.clone()
         wire = _wire(tensor)
@@ -637,8 +635,8 @@ class TorchGroup:
             ValueError: ``dst`` is not a rank of the group.
         """
         opts = dist.GatherOptions()
-        opts.rootRank = self._root(dst, "dst")
-        staged = self._stage(buf, receives=False)
+        opts.rootRank = dst = self._checks.gather(buf, dst)
+        staged = self._stage(buf)
         wire = _wire(staged.tensor)
         if self.rank != dst:
             work = _hold(self.process_group.gather([], [wire], opts), wire)
@@ -669,13 +667,12 @@ class TorchGroup:
                 or of the wrong number or shape.
         """
         opts = dist.ScatterOptions()
-        opts.rootRank = self._root(src, "src")
+        opts.rootRank, parts = self._checks.scatter(buf, src, chunks)
         staged = self._stage(buf)
-        sources = (
-            [_wire(c) for c in self._scatter_sources(staged.tensor, chunks)]
-            if self.rank == src
-            else []
-        )
+        sources = [] if parts is None else [
+            _wire(self._stage(part).tensor)
+            for part in parts
+        ]
         wire = _wire(staged.tensor)
         work = _hold(self.process_group.scatter([wire], [sources] if sources else [], opts),
                      wire, *sources)
@@ -696,72 +693,28 @@ class TorchGroup:
         # float32 on the wire, like torch's Join (and every joinkit backend).
         return torch.zeros(1, dtype=torch.float32, device=self.device)
 
-    def _root(self, root: int, what: str) -> int:
-        if not 0 <= root < self.world_size:
-            raise ValueError(
-                f"{what}={root} is not a rank of this group (world size {self.world_size})"
-            )
-        return root
-
-    def _stage(self, buf: Any, receives: bool = True) -> _Staged:
-        """``buf`` as a contiguous tensor on the group's device (module doc)."""
+    def _stage(self, buf: Any) -> _Staged:
+        """``buf`` (checked) as a contiguous tensor on the group's device (module doc)."""
         if isinstance(buf, torch.Tensor):
             tensor = buf.detach()
             if tensor.dtype == torch.bool:
                 return _Staged(buf, tensor.to(self.device, torch.uint8), False)
+            if tensor.is_conj() or tensor.is_neg():  # lazy views: no wire format
+                resolved = tensor.resolve_conj().resolve_neg()
+                return _Staged(buf, resolved.to(self.device).contiguous(), False)
             if tensor.device == self.device and tensor.is_contiguous():
                 return _Staged(buf, tensor, True)
             return _Staged(buf, tensor.to(self.device).contiguous(), False)
         if isinstance(buf, np.ndarray):
-            if receives and not buf.flags.writeable:
-                raise ValueError("the buffer array is read-only but receives a result")
             if buf.dtype == np.bool_:
                 host = torch.from_numpy(buf.astype(np.uint8))
                 return _Staged(buf, host.to(self.device), False)
             shareable = (
                 self.device.type == "cpu" and buf.flags.c_contiguous and buf.flags.writeable
             )
-            try:
-                host = torch.from_numpy(buf if shareable else np.ascontiguousarray(buf).copy())
-            except TypeError as exc:
-                raise TypeError(
-                    f"TorchGroup cannot send a NumPy array of dtype {buf.dtype}"
-                ) from exc
+            host = torch.from_numpy(buf if shareable else np.ascontiguousarray(buf).copy())
             return _Staged(buf, host if shareable else host.to(self.device), shareable)
-        raise TypeError(
-            "TorchGroup collectives take torch tensors or NumPy arrays, got "
-            f"{type(buf).__module__}.{type(buf).__qualname__}"
-        )
-
-    def _scatter_sources(self, like: torch.Tensor, chunks: Any) -> list[torch.Tensor]:
-        if chunks is None:
-            raise ValueError(f"scatter needs chunks on the source rank {self.rank}")
-        if isinstance(chunks, (torch.Tensor, np.ndarray)):
-            expected = (self.world_size, *like.shape)
-            if tuple(chunks.shape) != expected:
-                raise ValueError(
-                    f"scatter chunks have shape {tuple(chunks.shape)}, expected {expected}"
-                )
-            chunks = list(chunks)
-        if len(chunks) != self.world_size:
-            raise ValueError(
-                f"scatter needs {self.world_size} chunks (one per rank), got {len(chunks)}"
-            )
-        sources = []
-        for chunk in chunks:
-            tensor = self._stage(chunk, receives=False).tensor
-            if tensor.shape != like.shape:
-                raise ValueError(
-                    f"a scatter chunk has shape {tuple(tensor.shape)}, the receive "
-                    f"buffer {tuple(like.shape)}"
-                )
-            if tensor.dtype != like.dtype:
-                raise TypeError(
-                    f"scatter chunks have dtype {tensor.dtype}, the receive buffer "
-                    f"{like.dtype}"
-                )
-            sources.append(tensor.contiguous())
-        return sources
+        raise AssertionError(f"unchecked buffer {type(buf)}")  # pragma: no cover
 
     def _finish(
         self, work: Any, async_op: bool, staged: _Staged | None, result: Callable[[], Any]
@@ -781,22 +734,6 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
     # Complex numbers travel as pairs of reals (as in dist.all_reduce); a view,
     # so results still land in the tensor.
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
-
-
-def _dtype_of(buf: Any) -> torch.dtype:
-    if isinstance(buf, torch.Tensor):
-        return buf.dtype
-    if isinstance(buf, np.ndarray):
-        if buf.dtype == np.bool_:
-            return torch.bool
-        try:
-            return torch.from_numpy(np.empty(0, dtype=buf.dtype)).dtype
-        except TypeError as exc:
-            raise TypeError(f"TorchGroup cannot send a NumPy array of dtype {buf.dtype}") from exc
-    raise TypeError(
-        "TorchGroup collectives take torch tensors or NumPy arrays, got "
-        f"{type(buf).__module__}.{type(buf).__qualname__}"
-    )
 
 
 def _like(buf: Any, tensor: torch.Tensor) -> Any:
@@ -1137,6 +1074,69 @@ def _backend_for_group(group: TorchGroup, device: Any) -> TorchGroup:
     if device is None or torch.device(device) == group.device:
         return group
     return TorchGroup(group.process_group, device)
+
+
+# -- what the launcher and the doctor need of torch ------------------------------------
+# Only this module imports torch (tests/test_backend_imports.py): backends._launch
+# and backends._doctor call these instead.
+
+
+def library_facts() -> dict[str, Any]:
+    """What ``python -m joinkit doctor`` reports of torch.distributed here."""
+    return {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+
+
+def is_initialized() -> bool:
+    """Whether torch.distributed's default group exists."""
+    return dist.is_initialized()
+
+
+def default_backend_name() -> str:
+    """``"nccl"`` where CUDA is available, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def hash_store() -> Any:
+    """An in-process store, for a world of one."""
+    return dist.HashStore()  # type: ignore[attr-defined]
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool,
+              timeout: datetime.timedelta, wait_for_workers: bool = True) -> Any:
+    """A ``TCPStore`` (rank 0's listens on every interface whatever ``host``)."""
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, world_size, is_master, timeout, wait_for_workers=wait_for_workers
+    )
+
+
+def init_default_group(dist_backend: str, rank: int, world_size: int, local_rank: int,
+                       store: Any, timeout: datetime.timedelta | None) -> None:
+    """``init_process_group`` over ``store`` (``None``: ``env://``, torchrun's)."""
+    kwargs: dict[str, Any] = {"backend": dist_backend, "rank": rank, "world_size": world_size}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if store is None:
+        kwargs["init_method"] = "env://"
+    else:
+        kwargs["store"] = store
+    if dist_backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(**kwargs)
+
+
+def destroy_default_group() -> None:
+    """Destroy the default group, once the exit guard has settled its collectives.
+
+    Destroying the group while a gloo worker thread still holds a finished
+    collective can deadlock or abort the process; with a collective still
+    pending (a frozen peer) the guard keeps the group alive instead.
+    """
+    if settle_at_exit() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 backends.register(lambda group: group is None, _backend_for_process_group)

@@ -49,11 +49,11 @@ import traceback
 from typing import Any
 
 import numpy as np
+import support
 
 from joinkit import (
     AgreementError,
     Join,
-    Joinable,
     JoinHook,
     LocalProtocolError,
     PeerFailure,
@@ -111,8 +111,9 @@ class CounterHook(JoinHook):
         counter.max_count = float(total[0])
 
 
-class Counter(Joinable):
-    """Counts, per iteration, the ranks that processed an input.
+class Counter(support.Counter):
+    """Counts, per iteration, the ranks that processed an input (``support.Counter``
+    whose hooks can fail, with a heartbeat apart from the collective).
 
     Args:
         group: the rank's collective group.
@@ -120,10 +121,8 @@ class Counter(Joinable):
     """
 
     def __init__(self, group: Any, fail_in: str | None = None) -> None:
-        super().__init__()
-        self.group = group
+        super().__init__(group)
         self.fail_in = fail_in
-        self.count = 0.0
         self.max_count = -1.0
         self.shadow_rounds = 0
         self.post_hook_ran = False
@@ -131,25 +130,12 @@ class Counter(Joinable):
     def heartbeat(self) -> None:
         Join.notify_join_context(self)
 
-    def collective(self) -> None:
-        t = np.ones(1, dtype=np.float32)
-        self.group.all_reduce(t)
-        self.count += float(t[0])
-
     def step(self) -> None:
         self.heartbeat()
         self.collective()
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return CounterHook(self)
-
-    @property
-    def join_device(self) -> Any:
-        return self.group.device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.group
 
 
 class RawCounter(Counter):

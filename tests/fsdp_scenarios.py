@@ -23,7 +23,6 @@ size (``counts``); rank r's data is seeded by (r, step).
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import time
@@ -34,9 +33,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from support import Counter, Ctx, recording, scenario_registry
 from sync_bn import CPUSyncBatchNorm
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -46,26 +45,13 @@ from torch.distributed.tensor import DTensor
 from torch.nn.functional import mse_loss
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import joinkit
 from joinkit import Join
 from joinkit.backends.torch_dist import TorchGroup
 
 SCENARIO_TIMEOUT = datetime.timedelta(seconds=30)
 
 
-class Ctx:
-    def __init__(self, rank: int, world: int, group: Any) -> None:
-        self.rank = rank
-        self.world = world
-        self.group = group
-
-
-SCENARIOS: dict[str, Callable[[Ctx], Any]] = {}
-
-
-def scenario(fn: Callable[[Ctx], Any]) -> Callable[[Ctx], Any]:
-    SCENARIOS[fn.__name__] = fn
-    return fn
+SCENARIOS, scenario = scenario_registry()
 
 
 # -- models, data, references -------------------------------------------------------------
@@ -316,38 +302,6 @@ def fsdp_unfused(ctx: Ctx) -> Any:
     return {"deviation": deviation(model, reference(n, sgd))}
 
 
-class Counter(joinkit.Joinable):
-    """A joinkit joinable counting active ranks with an all-reduce per iteration."""
-
-    def __init__(self, group: Any) -> None:
-        super().__init__()
-        self.group = TorchGroup(group)
-        self.count = 0.0
-
-    def __call__(self) -> None:
-        Join.notify_join_context(self)
-        t = np.ones(1, dtype=np.float32)
-        self.group.all_reduce(t)
-        self.count += float(t[0])
-
-    def join_hook(self, **kwargs: Any) -> joinkit.JoinHook:
-        group = self.group
-
-        class Hook(joinkit.JoinHook):
-            def main_hook(self) -> None:
-                group.all_reduce(np.zeros(1, dtype=np.float32))
-
-        return Hook()
-
-    @property
-    def join_device(self) -> Any:
-        return self.group.device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.group
-
-
 @scenario
 def fsdp_not_first(ctx: Ctx) -> Any:
     """Join([counter, model, optimizer]): the counter sends the heartbeat; the
@@ -355,7 +309,7 @@ def fsdp_not_first(ctx: Ctx) -> Any:
     n = counts(ctx, UNEVEN)
     model = shard(net(), ctx.group)
     optimizer = sgd(model.parameters())
-    counter = Counter(ctx.group)
+    counter = Counter(TorchGroup(ctx.group))
     with Join([counter, model, optimizer]):
         for i in range(n[ctx.rank]):
             counter()
@@ -1090,18 +1044,6 @@ def nccl_fsdp_reference(ctx: Ctx) -> Any:
 
 
 # -- the runner ---------------------------------------------------------------------------
-
-
-@contextmanager
-def recording(out: Path, name: str) -> Iterator[dict[str, Any]]:
-    record: dict[str, Any] = {"name": name, "ok": True}
-    try:
-        yield record
-    except BaseException as exc:
-        record["ok"] = False
-        record["error"] = "".join(traceback.format_exception(exc))
-    with out.open("a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def main(argv: list[str]) -> None:

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from mpi_support import mpirun
+from support import launch_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 # The venv's torchrun script; `python -m torch.distributed.run` is the same program.
@@ -78,24 +77,11 @@ def test_every_example_is_covered() -> None:
 def launches(request: pytest.FixtureRequest) -> dict[str, subprocess.CompletedProcess[str]]:
     env = _environment()
     env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
-    running = {
-        name: subprocess.Popen(
-            [*LAUNCHERS[request.param], str(ROOT / "examples" / name)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,  # so a hung launch can be killed with its workers
-        )
-        for name in EXPECTED
-    }
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    done = {}
-    for name, proc in running.items():
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            err += f"\n[test] killed after {LAUNCH_TIMEOUT} s"
-        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    names = list(EXPECTED)
+    runs = launch_ranks([[*LAUNCHERS[request.param], str(ROOT / "examples" / name)]
+                         for name in names],
+                        LAUNCH_TIMEOUT, env=env, cwd=ROOT, merge_stderr=False)
+    done = dict(zip(names, runs, strict=True))
     return done
 
 

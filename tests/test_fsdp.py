@@ -11,16 +11,11 @@ fails instead of hanging the suite. Tolerance for "equals the reference":
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import run_scenarios, scenario_names, scenario_records
 
 WORKER = Path(__file__).with_name("fsdp_scenarios.py")
 LAUNCH_TIMEOUT = 150.0  # seconds, for all ranks of one world together
@@ -34,52 +29,14 @@ ACTIVE_MESSAGE = "Detected at least one rank that exhausted inputs. Throwing acr
 Results = dict[str, list[dict[str, Any]]]
 
 
-def _scenario_names() -> list[str]:
-    # Parse, not import: importing the worker would import torch in this process.
-    lines = WORKER.read_text().splitlines()
-    return [
-        line.split("def ", 1)[1].split("(", 1)[0]
-        for previous, line in zip(lines, lines[1:], strict=False)
-        if previous.strip() == "@scenario"
-    ]
-
-
 def launch(out: Path, world: int, names: list[str], *extra: str) -> Results:
     """Run ``names`` on ``world`` rank processes; scenario name -> one record per rank."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(world), str(out / "store"), str(out),
-             *extra, *names],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        )
-        for rank in range(world)
-    ]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    logs = []
-    for proc in procs:
-        try:
-            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            log += f"\n[test] killed after {LAUNCH_TIMEOUT} s"
-        logs.append(log)
-    records: Results = {}
-    for rank in range(world):
-        path = out / f"rank{rank}.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            record = json.loads(line)
-            records.setdefault(record["name"], []).append(record)
-    records["_logs"] = [{"log": log} for log in logs]
-    records["_world"] = [{"world": world}]
-    return records
+    return run_scenarios(WORKER, world, out, [*extra, *names], LAUNCH_TIMEOUT)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Results:
-    names = [n for n in _scenario_names() if not n.startswith("nccl_")]
+    names = [n for n in scenario_names(WORKER) if not n.startswith("nccl_")]
     return launch(tmp_path_factory.mktemp(f"fsdp{request.param}"), request.param, names)
 
 
@@ -89,13 +46,7 @@ def outcome(results: Results, name: str) -> list[Any]:
     Also checks that every rank issued the same number of collectives on the
     scenario's group (a shadow that missed or added one would differ).
     """
-    world = results["_world"][0]["world"]
-    records = results.get(name, [])
-    if len(records) != world:
-        logs = "\n".join(r["log"][-2000:] for r in results["_logs"])
-        pytest.fail(f"scenario {name} did not finish on every rank:\n{logs}")
-    errors = [r["error"] for r in records if not r["ok"]]
-    assert not errors, "\n".join(errors)
+    records = scenario_records(results, name)
     assert len({r["collectives"] for r in records}) == 1, [r["collectives"] for r in records]
     return [r["result"] for r in records]
 
@@ -306,7 +257,7 @@ def test_fsdp_over_nccl(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("nccl needs CUDA")
     world = min(2, torch.cuda.device_count())
-    names = [n for n in _scenario_names() if n.startswith("nccl_")]
+    names = [n for n in scenario_names(WORKER) if n.startswith("nccl_")]
     records = launch(tmp_path, world, names, "--nccl")
     for rank in outcome(records, "nccl_fsdp_reference"):
         assert within(rank["deviation"]), rank

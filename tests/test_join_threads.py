@@ -1,6 +1,6 @@
 """The Join shell on the threads backend: the scenarios of torch's own Join tests.
 
-``AllReducer`` all-reduces a 1 per iteration (a joined rank shadows it with a
+``AllReducer`` (``tests/support.py``) all-reduces a 1 per iteration (a joined rank shadows it with a
 0), so after the loop its running total is known in closed form. Its post hook
 broadcasts a constant from a last joiner.
 """
@@ -12,8 +12,8 @@ import time
 import warnings
 from typing import Any
 
-import numpy as np
 import pytest
+from support import AFTER, AllReducer, AllReducerJoinHook, expected_total
 
 from joinkit import (
     EarlyTermination,
@@ -26,68 +26,7 @@ from joinkit import (
 )
 from joinkit.backends.threads import ThreadGroup, spawn
 
-BEFORE, AFTER = 41.0, 42.0
 TIMEOUT = 20.0
-
-
-class AllReducerJoinHook(JoinHook):
-    def __init__(self, allreducer: AllReducer, num_allreduces: int) -> None:
-        self.allreducer = allreducer
-        self.num_allreduces = num_allreduces
-
-    def main_hook(self) -> None:
-        self.allreducer.events.append("main")
-        for _ in range(self.num_allreduces):
-            self.allreducer.group.all_reduce(np.zeros(1, dtype=np.float32))
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        group = self.allreducer.group
-        self.allreducer.events.append(("post", is_last_joiner))
-        candidate = np.array([group.rank if is_last_joiner else -1], dtype=np.int64)
-        group.all_reduce(candidate, op="max")
-        value = np.array([AFTER if group.rank == candidate[0] else BEFORE], np.float64)
-        group.broadcast(value, src=int(candidate[0]))
-        self.allreducer.post_value = float(value[0])
-
-
-class AllReducer(Joinable):
-    """Does ``num_allreduces`` all-reduces of a 1 per iteration."""
-
-    def __init__(self, group: ThreadGroup, name: str = "r", log: list | None = None) -> None:
-        super().__init__()
-        self.group = group
-        self.name = name
-        self.total = 0.0
-        self.post_value = BEFORE
-        self.events: list[Any] = [] if log is None else log
-        self.kwargs: dict[str, Any] | None = None
-
-    def __call__(self, num_allreduces: int = 1) -> Any:
-        handle = Join.notify_join_context(self)
-        for _ in range(num_allreduces):
-            t = np.ones(1, dtype=np.float32)
-            self.group.all_reduce(t)
-            self.total += float(t[0])
-        return handle
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        self.kwargs = kwargs
-        return AllReducerJoinHook(self, kwargs.get("num_allreduces", 1))
-
-    @property
-    def join_device(self) -> str:
-        return self.group.device
-
-    @property
-    def join_process_group(self) -> ThreadGroup:
-        return self.group
-
-
-def expected_total(inputs: list[int], rank: int, per_iteration: int = 1) -> float:
-    """Sum over the iterations rank took part in of the number of active ranks."""
-    return float(
-        per_iteration * sum(sum(1 for n in inputs if n > t) for t in range(inputs[rank]))
-    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -407,12 +407,18 @@ def test_init_without_launcher_is_a_world_of_one(monkeypatch: pytest.MonkeyPatch
 
 def test_solo_group_collectives() -> None:
     group = solo_group()
-    buf = np.arange(3.0)
+    buf = np.arange(3)
     for op in backends.REDUCE_OPS:
         assert group.all_reduce(buf, op) is buf
         assert group.reduce(buf, 0, op, async_op=True).wait() is buf
     with pytest.raises(ValueError, match="unknown reduce op"):
         group.all_reduce(buf, "mean")
+    # The checks of every backend (backends._checks):
+    with pytest.raises(TypeError, match="op 'band' is not defined for dtype float64"):
+        group.all_reduce(np.ones(3), "band")
+    with pytest.raises(ValueError, match="scatter: needs 1 chunks"):
+        group.scatter(np.ones(3), 0, chunks=[np.ones(3)] * 2)
+    buf = np.arange(3.0)
     assert group.broadcast(buf, 0) is buf
     with pytest.raises(ValueError, match="not a rank"):
         group.broadcast(buf, 1)

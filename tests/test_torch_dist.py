@@ -9,16 +9,11 @@ has a hard deadline.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import run_scenarios, scenario_names, scenario_records
 
 pytest.importorskip("torch.distributed")
 
@@ -29,59 +24,16 @@ WORKER = Path(__file__).with_name("torch_scenarios.py")
 ACTIVE_MESSAGE = "Detected at least one rank that exhausted inputs. Throwing across all ranks."
 
 
-def _scenario_names() -> list[str]:
-    # Parse, not import: importing the worker would import torch in this process.
-    lines = WORKER.read_text().splitlines()
-    return [
-        line.split("def ", 1)[1].split("(", 1)[0]
-        for previous, line in zip(lines, lines[1:], strict=False)
-        if previous.strip() == "@scenario"
-    ]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """scenario name -> one record per rank."""
     out = tmp_path_factory.mktemp("torch_scenarios")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(WORLD), str(out / "store"), str(out),
-             *_scenario_names()],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        )
-        for rank in range(WORLD)
-    ]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
-    logs = []
-    for proc in procs:
-        try:
-            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            log += f"\n[test] killed after {LAUNCH_TIMEOUT} s"
-        logs.append(log)
-    records: dict[str, list[dict[str, Any]]] = {}
-    for rank in range(WORLD):
-        path = out / f"rank{rank}.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            record = json.loads(line)
-            records.setdefault(record["name"], []).append(record)
-    records["_logs"] = [{"log": log} for log in logs]
-    return records
+    return run_scenarios(WORKER, WORLD, out, scenario_names(WORKER), LAUNCH_TIMEOUT)
 
 
 def outcome(results: dict[str, list[dict[str, Any]]], name: str) -> list[Any]:
     """Each rank's result of scenario ``name``; fails with the ranks' errors."""
-    records = results.get(name, [])
-    if len(records) != WORLD:
-        logs = "\n".join(r["log"][-2000:] for r in results["_logs"])
-        pytest.fail(f"scenario {name} did not finish on every rank:\n{logs}")
-    errors = [r["error"] for r in records if not r["ok"]]
-    assert not errors, "\n".join(errors)
-    return [r["result"] for r in records]
+    return [r["result"] for r in scenario_records(results, name)]
 
 
 def assert_identical(values: list[Any]) -> None:

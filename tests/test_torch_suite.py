@@ -12,16 +12,13 @@ switches DDP over; each rank records which Join classes its tests entered.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import launch_ranks, read_jsonl
 
 pytest.importorskip("torch.distributed")
 
@@ -80,32 +77,15 @@ def launch(mode: str, suite: str, world: int, out: Path) -> dict[str, Any]:
     if key in _launched:
         return _launched[key]
     out.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(RUNNER), mode, suite, str(rank), str(world),
-             str(out / "store"), str(out), *LAUNCHES[suite, world]],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        )
-        for rank in range(world)
-    ]
-    deadline = start + LAUNCH_TIMEOUT
-    logs = []
-    for proc in procs:
-        try:
-            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            log += f"\n[test] killed after {LAUNCH_TIMEOUT} s"
-        logs.append(log)
-    records: list[dict[str, dict[str, Any]]] = []
-    for rank in range(world):
-        path = out / f"rank{rank}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        records.append({r["test"]: r for r in map(json.loads, lines)})
+    runs = launch_ranks(
+        [[sys.executable, str(RUNNER), mode, suite, str(rank), str(world),
+          str(out / "store"), str(out), *LAUNCHES[suite, world]] for rank in range(world)],
+        LAUNCH_TIMEOUT,
+    )
+    logs = [run.stdout for run in runs]
+    records = [{r["test"]: r for r in read_jsonl(out / f"rank{rank}.jsonl")}
+               for rank in range(world)]
     result = {"records": records, "logs": logs, "seconds": time.monotonic() - start}
     _launched[key] = result
     print(f"\n[torch suite] {mode} {suite} world {world}: {result['seconds']:.1f} s")

@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import sys
-import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.algorithms.join as torch_join
+from support import Counter, Ctx, recording, scenario_registry
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -47,21 +45,7 @@ from joinkit.backends.torch_dist import TorchGroup
 SCENARIO_TIMEOUT = datetime.timedelta(seconds=20)
 
 
-class Ctx:
-    """One rank's view of a scenario."""
-
-    def __init__(self, rank: int, world: int, group: Any) -> None:
-        self.rank = rank
-        self.world = world
-        self.group = group
-
-
-SCENARIOS: dict[str, Callable[[Ctx], Any]] = {}
-
-
-def scenario(fn: Callable[[Ctx], Any]) -> Callable[[Ctx], Any]:
-    SCENARIOS[fn.__name__] = fn
-    return fn
+SCENARIOS, scenario = scenario_registry()
 
 
 # -- helpers ------------------------------------------------------------------------
@@ -171,38 +155,6 @@ class DualCounter(joinkit.Joinable, torch_join.Joinable):
         return self.group
 
     find_common_rank = TorchCounter.find_common_rank
-
-
-class GroupCounter(joinkit.Joinable):
-    """A joinkit Joinable counting on a TorchGroup (the framework-agnostic API)."""
-
-    def __init__(self, group: TorchGroup) -> None:
-        super().__init__()
-        self.group = group
-        self.count = np.zeros(1, dtype=np.float32)
-
-    def __call__(self) -> None:
-        Join.notify_join_context(self)
-        t = np.ones(1, dtype=np.float32)
-        self.group.all_reduce(t)
-        self.count += t
-
-    def join_hook(self, **kwargs: Any) -> joinkit.JoinHook:
-        counter = self
-
-        class Hook(joinkit.JoinHook):
-            def main_hook(self) -> None:
-                counter.group.all_reduce(np.zeros(1, dtype=np.float32))
-
-        return Hook()
-
-    @property
-    def join_device(self) -> Any:
-        return self.group.device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.group
 
 
 def ddp(ctx: Ctx, module: nn.Module, **kwargs: Any) -> DDP:
@@ -765,7 +717,7 @@ def mixed_joinables(ctx: Ctx) -> Any:
     group = TorchGroup(ctx.group)
     for counter_first in (True, False):
         model = ddp(ctx, nn.Linear(2, 1))
-        counter = GroupCounter(group)
+        counter = Counter(group)
         joinables = [counter, model] if counter_first else [model, counter]
         with Join(joinables):
             for i in range(3 + ctx.rank):
@@ -775,7 +727,7 @@ def mixed_joinables(ctx: Ctx) -> Any:
                 if not counter_first:
                     counter()
         out[f"counter_first={counter_first}"] = {
-            "count": int(counter.count[0]),
+            "count": int(counter.count),
             "params": flat(model.module),
         }
     return out
@@ -1048,18 +1000,6 @@ def torch_group_collectives(ctx: Ctx) -> Any:
 
 
 # -- the runner ----------------------------------------------------------------------------
-
-
-@contextmanager
-def recording(out: Path, name: str) -> Iterator[dict[str, Any]]:
-    record: dict[str, Any] = {"name": name, "ok": True}
-    try:
-        yield record
-    except BaseException as exc:
-        record["ok"] = False
-        record["error"] = "".join(traceback.format_exception(exc))
-    with out.open("a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def main(argv: list[str]) -> None:

@@ -36,9 +36,16 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
+import support  # noqa: E402  (imports joinkit, neither mpi4py nor torch)
+from support import AFTER, expected_total  # noqa: E402
+
+sys.path.pop(0)
 
 REDUCE_OPS = ("sum", "prod", "min", "max", "band", "bor", "bxor")
 DTYPES = ("float32", "float64", "int32", "int64", "uint8", "bool", "complex128")
@@ -86,7 +93,7 @@ def meaningful(op: str, dtype: str) -> bool:
     if kind == "f":
         return op in ("sum", "prod", "min", "max")
     if kind == "c":
-        return op in ("sum", "prod")
+        return op == "sum"
     return True
 
 
@@ -292,9 +299,8 @@ def _numpy_in_place(group: Any) -> None:
 def _rejects_bad_buffers(group: Any) -> None:
     """Every rank raises the same error before communicating, so no rank hangs."""
     bad: list[tuple[Any, type[Exception], str]] = [
-        (np.zeros((4, 4), np.float32)[:, 0], ValueError, "not C-contiguous"),
-        (np.zeros(2, np.float16), TypeError, "cannot send dtype float16"),
-        ([1.0, 2.0], TypeError, "NumPy arrays or torch CPU tensors"),
+        (np.zeros(2, np.float16), TypeError, "has dtype float16"),
+        ([1.0, 2.0], TypeError, "NumPy arrays or torch tensors"),
     ]
     readonly = np.zeros(2, np.float32)
     readonly.flags.writeable = False
@@ -302,7 +308,6 @@ def _rejects_bad_buffers(group: Any) -> None:
     if importlib.util.find_spec("torch") is not None:
         import torch
 
-        bad.append((torch.zeros(4, 4)[:, 0], ValueError, "not contiguous"))
         bad.append((torch.zeros(2, dtype=torch.bfloat16), TypeError, "torch.bfloat16"))
     for buf, error, words in bad:
         try:
@@ -426,54 +431,17 @@ BUFFER_CASES: dict[str, Callable[[Any], None]] = {
 
 # -- join scenarios ------------------------------------------------------------------------
 
-BEFORE, AFTER = 41.0, 42.0
-
-
 def _join_classes() -> tuple[type, type]:
-    from joinkit import Join, Joinable, JoinHook
+    """``support.AllReducer``; over a raw communicator it calls mpi4py's own
+    (blocking) collectives, as code written against mpi4py would."""
 
-    class AllReducerJoinHook(JoinHook):
-        def __init__(self, allreducer: Any, num_allreduces: int) -> None:
-            self.allreducer = allreducer
-            self.num_allreduces = num_allreduces
-
-        def main_hook(self) -> None:
-            self.allreducer.events.append("main")
-            for _ in range(self.num_allreduces):
-                self.allreducer.reduce_sum(0.0)
-
-        def post_hook(self, is_last_joiner: bool) -> None:
-            owner = self.allreducer
-            owner.events.append(("post", is_last_joiner))
-            candidate = np.array([owner.rank if is_last_joiner else -1], dtype=np.int64)
-            owner.collective("all_reduce", candidate, "max")
-            value = np.array([AFTER if owner.rank == candidate[0] else BEFORE])
-            owner.collective("broadcast", value, int(candidate[0]))
-            owner.post_value = float(value[0])
-
-    class AllReducer(Joinable):
-        """Does ``num_allreduces`` all-reduces of a 1 per iteration.
-
-        Over an MPIGroup it uses the group; over a raw communicator, mpi4py's
-        own (blocking) calls, as code written against mpi4py would.
-        """
-
+    class AllReducer(support.AllReducer):
         def __init__(self, group: Any, log: list[Any] | None = None) -> None:
-            super().__init__()
-            self.group = group
-            self.raw = not hasattr(group, "all_reduce")
-            self.rank = group.Get_rank() if self.raw else group.rank
-            self.total = 0.0
-            self.post_value = BEFORE
-            self.events: list[Any] = [] if log is None else log
-            self.kwargs: dict[str, Any] | None = None
+            super().__init__(group, log=log)
 
         def collective(self, kind: str, buf: np.ndarray, arg: Any) -> None:
-            if not self.raw:
-                if kind == "all_reduce":
-                    self.group.all_reduce(buf, op=arg)
-                else:
-                    self.group.broadcast(buf, arg)
+            if hasattr(self.group, "all_reduce"):
+                super().collective(kind, buf, arg)
                 return
             from mpi4py import MPI
 
@@ -483,37 +451,7 @@ def _join_classes() -> tuple[type, type]:
             else:
                 self.group.Bcast(buf, root=arg)
 
-        def reduce_sum(self, value: float) -> float:
-            t = np.array([value], dtype=np.float32)
-            self.collective("all_reduce", t, "sum")
-            return float(t[0])
-
-        def __call__(self, num_allreduces: int = 1) -> Any:
-            handle = Join.notify_join_context(self)
-            for _ in range(num_allreduces):
-                self.total += self.reduce_sum(1.0)
-            return handle
-
-        def join_hook(self, **kwargs: Any) -> JoinHook:
-            self.kwargs = kwargs
-            return AllReducerJoinHook(self, kwargs.get("num_allreduces", 1))
-
-        @property
-        def join_device(self) -> str:
-            return "cpu"
-
-        @property
-        def join_process_group(self) -> Any:
-            return self.group
-
-    return AllReducer, AllReducerJoinHook
-
-
-def expected_total(inputs: list[int], rank: int, per_iteration: int = 1) -> float:
-    """Sum over the iterations rank took part in of the number of active ranks."""
-    return float(
-        per_iteration * sum(sum(1 for n in inputs if n > t) for t in range(inputs[rank]))
-    )
+    return AllReducer, support.AllReducerJoinHook
 
 
 def _uneven(group: Any, num_joinables: int, raw: bool) -> None:

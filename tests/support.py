@@ -1,0 +1,334 @@
+"""What many tests share: the joinables, rank processes, their JSON lines.
+
+- :class:`Counter` (the tutorial's) and :class:`AllReducer` (torch's test
+  joinable): joinables over any joinkit group, for the Join scenarios of
+  every backend;
+- :class:`Ctx`, :func:`scenario_registry` and :func:`recording`: the
+  plumbing of the worker programs that run many scenarios per process;
+- :func:`launch_ranks` starts one process per command, each in its own
+  session, waits for all of them until one shared deadline and kills the
+  process group of any that overruns, so a hung rank fails its test instead
+  of stalling the suite;
+- :func:`read_jsonl` reads the JSON lines a rank wrote, and
+  :func:`records_by_name` those of every rank of a worker program;
+- :func:`run_scenarios` runs a worker program on every rank and
+  :func:`scenario_records` checks what each rank recorded of a scenario;
+- :func:`scenario_names` lists the ``@scenario`` functions of a worker file
+  without importing it (importing would import torch into the test process).
+
+This module imports neither torch nor mpi4py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from joinkit import Join, Joinable, JoinHook
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# -- joinables over any joinkit group ---------------------------------------------------
+
+
+class CounterHook(JoinHook):
+    """A joined rank shadows the Counter's all-reduce with a 0."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+
+    def main_hook(self) -> None:
+        if not self.counter.forgetful:
+            self.counter.group.all_reduce(np.zeros(1, dtype=np.float32))
+
+
+class Counter(Joinable):
+    """The tutorial's counter: per input, one all-reduce of a 1 (float32).
+
+    So ``count`` sums, over the iterations this rank took part in, the ranks
+    that were active.
+
+    Args:
+        group: a joinkit group (threads, torch, MPI).
+        forgetful: its hook does not shadow the all-reduce (a bug the
+            threads harness must report).
+    """
+
+    def __init__(self, group: Any, forgetful: bool = False) -> None:
+        super().__init__()
+        self.group = group
+        self.forgetful = forgetful
+        self.count = 0.0
+
+    def __call__(self) -> None:
+        Join.notify_join_context(self)
+        self.collective()
+
+    def collective(self) -> None:
+        t = np.ones(1, dtype=np.float32)
+        self.group.all_reduce(t)
+        self.count += float(t[0])
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return CounterHook(self)
+
+    @property
+    def join_device(self) -> Any:
+        return self.group.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
+def count_inputs(group: Any, inputs: int) -> float:
+    """Run a :class:`Counter` over ``inputs`` inputs in a Join; return its count."""
+    counter = Counter(group)
+    with Join([counter]):
+        for _ in range(inputs):
+            counter()
+    return counter.count
+
+
+#: What AllReducer.post_value is before and after the post hook names the last joiner.
+BEFORE, AFTER = 41.0, 42.0
+
+
+class AllReducerJoinHook(JoinHook):
+    def __init__(self, allreducer: AllReducer, num_allreduces: int) -> None:
+        self.allreducer = allreducer
+        self.num_allreduces = num_allreduces
+
+    def main_hook(self) -> None:
+        self.allreducer.events.append("main")
+        for _ in range(self.num_allreduces):
+            self.allreducer.reduce_sum(0.0)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        owner = self.allreducer
+        owner.events.append(("post", is_last_joiner))
+        candidate = np.array([owner.rank if is_last_joiner else -1], dtype=np.int64)
+        owner.collective("all_reduce", candidate, "max")
+        value = np.array([AFTER if owner.rank == candidate[0] else BEFORE], np.float64)
+        owner.collective("broadcast", value, int(candidate[0]))
+        owner.post_value = float(value[0])
+
+
+class AllReducer(Joinable):
+    """torch's test joinable: ``num_allreduces`` all-reduces of a 1 per iteration.
+
+    The post hook broadcasts the last joiner's ``AFTER`` into ``post_value``;
+    ``events`` logs the hooks that ran. A subclass may override
+    :meth:`collective` (e.g. to call a library directly).
+    """
+
+    def __init__(self, group: Any, name: str = "r", log: list[Any] | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.name = name
+        self.total = 0.0
+        self.post_value = BEFORE
+        self.events: list[Any] = [] if log is None else log
+        self.kwargs: dict[str, Any] | None = None
+
+    @property
+    def rank(self) -> int:
+        group = self.group
+        return int(group.rank if hasattr(group, "rank") else group.Get_rank())
+
+    def collective(self, kind: str, buf: np.ndarray, arg: Any) -> None:
+        """``all_reduce`` with op ``arg``, or ``broadcast`` from ``arg``."""
+        if kind == "all_reduce":
+            self.group.all_reduce(buf, op=arg)
+        else:
+            self.group.broadcast(buf, src=arg)
+
+    def reduce_sum(self, value: float) -> float:
+        t = np.array([value], dtype=np.float32)
+        self.collective("all_reduce", t, "sum")
+        return float(t[0])
+
+    def __call__(self, num_allreduces: int = 1) -> Any:
+        handle = Join.notify_join_context(self)
+        for _ in range(num_allreduces):
+            self.total += self.reduce_sum(1.0)
+        return handle
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        self.kwargs = kwargs
+        return AllReducerJoinHook(self, kwargs.get("num_allreduces", 1))
+
+    @property
+    def join_device(self) -> Any:
+        return getattr(self.group, "device", "cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
+def expected_total(inputs: list[int], rank: int, per_iteration: int = 1) -> float:
+    """Sum over the iterations ``rank`` took part in of the number of active ranks."""
+    return float(
+        per_iteration * sum(sum(1 for n in inputs if n > t) for t in range(inputs[rank]))
+    )
+
+
+# -- worker programs: many scenarios per process ----------------------------------------
+
+
+class Ctx:
+    """One rank's view of a scenario."""
+
+    def __init__(self, rank: int, world: int, group: Any) -> None:
+        self.rank = rank
+        self.world = world
+        self.group = group
+
+
+Scenario = Callable[[Ctx], Any]
+
+
+def scenario_registry() -> tuple[dict[str, Scenario], Callable[[Scenario], Scenario]]:
+    """A worker's scenarios by name, and the ``@scenario`` decorator that fills it."""
+    scenarios: dict[str, Scenario] = {}
+
+    def scenario(fn: Scenario) -> Scenario:
+        scenarios[fn.__name__] = fn
+        return fn
+
+    return scenarios, scenario
+
+
+@contextmanager
+def recording(out: Path, name: str) -> Iterator[dict[str, Any]]:
+    """Append ``{"name", "ok", ...}`` to ``out`` however the block ends.
+
+    The block fills the record (``record["result"] = ...``); an exception is
+    recorded as ``ok: False`` with its traceback in ``error``, not raised.
+    """
+    record: dict[str, Any] = {"name": name, "ok": True}
+    try:
+        yield record
+    except BaseException as exc:
+        record["ok"] = False
+        record["error"] = "".join(traceback.format_exception(exc))
+    with out.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+# -- rank processes ---------------------------------------------------------------------
+
+
+def launch_ranks(
+    commands: Sequence[Sequence[str]],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    merge_stderr: bool = True,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``commands`` at once; wait for all until ``timeout`` seconds from now.
+
+    A command still running at the deadline has its process group killed and
+    ``[test] killed after ... s`` appended to its ``stderr`` (or to its
+    ``stdout`` where ``merge_stderr``: then ``stderr`` is empty).
+
+    Returns:
+        One ``CompletedProcess`` per command, in order.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if env is None else env
+    procs = [
+        subprocess.Popen(
+            list(command), env=env, cwd=cwd, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
+            start_new_session=True,  # so a hung rank can be killed with its children
+        )
+        for command in commands
+    ]
+    deadline = time.monotonic() + timeout
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            note = f"\n[test] killed after {timeout} s"
+            if merge_stderr:
+                out += note
+            else:
+                err += note
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err or ""))
+    return done
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of ``path``, one a line; none where it does not exist."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def records_by_name(out: Path, world: int) -> dict[str, list[dict[str, Any]]]:
+    """The records of ``out/rank{r}.jsonl`` (see :func:`recording`) by scenario
+    name, each name's in rank order."""
+    records: dict[str, list[dict[str, Any]]] = {}
+    for rank in range(world):
+        for record in read_jsonl(out / f"rank{rank}.jsonl"):
+            records.setdefault(record["name"], []).append(record)
+    return records
+
+
+def run_scenarios(worker: Path, world: int, out: Path, names: Sequence[str],
+                  timeout: float) -> dict[str, list[dict[str, Any]]]:
+    """Run ``python WORKER RANK WORLD STORE OUT NAME...`` on ``world`` ranks.
+
+    Returns:
+        :func:`records_by_name`, plus ``"_logs"`` (each rank's ``{"log": output}``)
+        and ``"_world"`` (``[{"world": world}]``), for :func:`scenario_records`.
+    """
+    runs = launch_ranks(
+        [[sys.executable, str(worker), str(rank), str(world), str(out / "store"), str(out),
+          *names] for rank in range(world)],
+        timeout,
+    )
+    records = records_by_name(out, world)
+    records["_logs"] = [{"log": run.stdout} for run in runs]
+    records["_world"] = [{"world": world}]
+    return records
+
+
+def scenario_records(results: dict[str, list[dict[str, Any]]], name: str
+                     ) -> list[dict[str, Any]]:
+    """Every rank's record of scenario ``name``; fails the test with the ranks'
+    output if a rank did not finish it, or with their errors if it raised."""
+    import pytest
+
+    records = results.get(name, [])
+    if len(records) != results["_world"][0]["world"]:
+        logs = "\n".join(r["log"][-2000:] for r in results["_logs"])
+        pytest.fail(f"scenario {name} did not finish on every rank:\n{logs}")
+    errors = [r["error"] for r in records if not r["ok"]]
+    assert not errors, "\n".join(errors)
+    return records
+
+
+def scenario_names(worker: Path) -> list[str]:
+    """The functions of ``worker`` decorated with a bare ``@scenario``, in order."""
+    lines = worker.read_text().splitlines()
+    return [
+        line.split("def ", 1)[1].split("(", 1)[0]
+        for previous, line in zip(lines, lines[1:], strict=False)
+        if previous.strip() == "@scenario"
+    ]
