@@ -113,6 +113,8 @@ __all__ = ["TorchGroup", "GroupAborted", "settle_at_exit"]
 
 #: Seconds a blocking wait on a CPU group waits before it looks for an abort.
 _WAIT_SLICE = 1.0
+#: Bytes of the length prefix of each pickle ``gather_object`` sends.
+_LENGTH_BYTES = 8
 #: Seconds a store access of the failure path may take (a dead store must not
 #: stall the watchdog that is trying to report a stall).
 _STORE_PATIENCE = 5.0
@@ -421,6 +423,80 @@ class TorchGroup:
             for part, length in zip(parts, lengths, strict=True)
         ]
 
+    def all_agree(self, value: int) -> bool:
+        """Whether every rank passed the same ``value``: one 2-element int64
+        MAX all-reduce of ``value`` and its negation.
+
+        Args:
+            value: an int in ``[0, 2**63)`` (the Join passes a settings digest).
+
+        Returns:
+            The same answer on every rank.
+        """
+        buf = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
+        self.all_reduce(buf, "max")
+        highest, negated_lowest = buf.tolist()
+        return bool(highest == -negated_lowest)
+
+    def gather_object(self, obj: Any, dst: int) -> list[Any] | None:
+        """Gather one picklable object from every rank on rank ``dst``.
+
+        A MAX all-reduce of the pickles' lengths, then a gather of
+        length-prefixed pickles padded to the longest: a rank other than
+        ``dst`` sends its own object and receives one number (torch's
+        ``gather_object`` all-gathers every rank's length to every rank).
+
+        Args:
+            obj: this rank's object.
+            dst: the rank that receives them.
+
+        Returns:
+            The objects in rank order on ``dst``, ``None`` elsewhere.
+
+        Raises:
+            ValueError: ``dst`` is not a rank of the group.
+        """
+        dst = self._root(dst, "dst")
+        payload = pickle.dumps(obj)
+        longest = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self.all_reduce(longest, "max")
+        raw = bytearray(_LENGTH_BYTES + int(longest.item()))
+        raw[:_LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "little")
+        raw[_LENGTH_BYTES:_LENGTH_BYTES + len(payload)] = payload
+        parts = self.gather(torch.frombuffer(raw, dtype=torch.uint8).to(self.device), dst)
+        if parts is None:
+            return None
+        objects = []
+        for part in parts:
+            data = part.cpu().numpy().tobytes()
+            length = int.from_bytes(data[:_LENGTH_BYTES], "little")
+            objects.append(pickle.loads(data[_LENGTH_BYTES:_LENGTH_BYTES + length]))
+        return objects
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s picklable ``obj`` on every rank: a broadcast of its
+        pickle's length, then of the pickle.
+
+        Args:
+            obj: the object on ``src``; ignored elsewhere.
+            src: the rank that sends.
+
+        Returns:
+            A copy of ``src``'s object (``src`` gets ``obj`` itself).
+
+        Raises:
+            ValueError: ``src`` is not a rank of the group.
+        """
+        src = self._root(src, "src")
+        payload = pickle.dumps(obj) if self.rank == src else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self.broadcast(length, src)
+        raw = bytearray(payload) if self.rank == src else bytearray(int(length.item()))
+        data = self.broadcast(torch.frombuffer(raw, dtype=torch.uint8).to(self.device), src)
+        if self.rank == src:
+            return obj
+        return pickle.loads(data.cpu().numpy().tobytes())
+
     def abort(self, message: str) -> None:
         """Abort the process group so peers blocked in a collective fail too.
 
@@ -468,7 +544,16 @@ class TorchGroup:
         abort_key = self._store_prefix + "abort"
 
         def read(store: Any) -> tuple[list[bytes | None], bytes | None]:
-            values = [store.get(key) if store.check([key]) else None for key in keys]
+            # A get waits for a missing key, so look first: one check of all
+            # the keys and one multi_get when every rank posted (the usual
+            # case: a Join posts on entry), else a check per key.
+            if store.check(keys):
+                values: list[bytes | None] = list(store.multi_get(keys))
+            else:
+                present = [key for key in keys if store.check([key])]
+                found = dict(zip(present, store.multi_get(present) if present else [],
+                                 strict=True))
+                values = [found.get(key) for key in keys]
             aborted = store.get(abort_key) if store.check([abort_key]) else None
             return values, aborted
 

@@ -183,9 +183,11 @@ class Join:
             known to be even).
         throw_on_early_termination: raise ``RuntimeError`` on every rank as soon
             as one rank runs out of inputs, instead of shadowing.
-        check_agreement: on entry, check with one all-gather that all ranks pass
-            the same number of joinables and flags on the same backend (turn it
-            off to share a group with torch's own Join). A fused heartbeat
+        check_agreement: on entry, check that all ranks pass the same number
+            of joinables and flags on the same backend: one small collective
+            comparing digests of the settings, and only on a difference an
+            all-gather of the settings for the error's table (turn it off to
+            share a group with torch's own Join). A fused heartbeat
             changes what goes on the wire, so it is used only with the check
             on; without it the first joinable sends torch's heartbeat.
         timeout: seconds a join collective or a round of hooks may make no
@@ -605,8 +607,8 @@ class Join:
                 f"gather_report(dst={dst!r}): dst must be a rank of the Join's group, "
                 f"an int from 0 to {world - 1}"
             )
-        reports = self._backend.all_gather_object(self.report)
-        return list(reports) if self._backend.rank == dst else None
+        # To dst only: an all-gather would cost every rank O(world size).
+        return _ports.gather_object(self._backend, self.report, dst)
 
     # -- driving the machine ---------------------------------------------------
 
@@ -773,15 +775,19 @@ class Join:
                             )
                         else:
                             pending = m.HooksDone(now=self._clock())
-                    case m.CheckAgreement():
+                    case m.CompareSignatures():
                         self._doing("the agreement check at entry")
+                        same = _ports.all_agree(backend, command.digest)
+                        pending = m.SignaturesCompared(same=same, now=self._clock())
+                    case m.CheckAgreement():
+                        self._doing("the agreement check at entry (gathering the settings)")
                         signatures = backend.all_gather_object(command.signature)
                         pending = m.AgreementChecked(
                             signatures=tuple(signatures), now=self._clock()
                         )
                     case m.ExchangeFailures():
                         self._doing("exchanging failures")
-                        failures = backend.all_gather_object(command.failure)
+                        failures = _ports.all_gather_sparse(backend, command.failure)
                         pending = m.FailuresExchanged(
                             failures=tuple(failures), now=self._clock()
                         )
