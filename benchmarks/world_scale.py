@@ -10,8 +10,9 @@ Threads backend (``backends.threads.spawn``), worlds of 64, 128, ... up to
 - ``report``: from a barrier until the last rank has returned from
   ``gather_report(0)`` (a gather to rank 0 only);
 - ``diagnostic``: rank 0 formats the stall diagnostic's peer lines
-  (``peer_status()`` and ``peer_status_lines``) while every rank is in one
-  state: the time, and how many lines it printed.
+  (``peer_status()`` and ``peer_status_lines``) once every rank has passed
+  the report: the time, and how many lines it gave (one per distinct state;
+  one per rank before).
 
 ``entry, all_gather`` and ``report, all_gather`` are the same through a join
 backend without ``all_agree``/``gather_object`` (what the Join did before, and
@@ -117,6 +118,8 @@ def main() -> None:
     threading.stack_size(256 * 1024)  # thousands of rank threads
     worlds = [w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if w <= most]
     info = {"repeats": repeats, "fallback up to": most_fallback}
+    for fallback in (False, True):  # warm-up (imports, first Join), not recorded
+        measure(64, fallback)
     for world in worlds:
         variants = [False] + ([True] if world <= most_fallback else [])
         runs: dict[bool, list[dict[str, float]]] = {v: [] for v in variants}
@@ -130,8 +133,8 @@ def main() -> None:
                 _bench.record_value(BENCH, f"{what}{suffix}, {world} ranks", ms, "ms",
                                     info=info)
             if not fallback:
-                print(f"   diagnostic lines at {world} ranks: {results[0]['lines']:.0f}",
-                      flush=True)
+                _bench.record_value(BENCH, f"diagnostic lines, {world} ranks",
+                                    results[0]["lines"], "lines", info=info)
 
 
 if __name__ == "__main__":
