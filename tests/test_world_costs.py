@@ -235,3 +235,34 @@ def test_many_states_and_scattered_ranks_are_capped() -> None:
     # Rank 0's state: ranks 0, 40, 80, ...: the first ranges, then "...".
     shown = ", ".join(str(40 * i) for i in range(MOST_RANK_RANGES))
     assert lines[0] == f"  ranks {shown}, ... (10 ranks): state 0"
+
+
+# -- the threads backend's object collectives ---------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_thread_group_object_collectives() -> None:
+    def rank_fn(group: ThreadGroup) -> dict[str, Any]:
+        mine = {"rank": group.rank}
+        out: dict[str, Any] = {
+            "same": group.all_agree(2**62 + 1),
+            "differ": group.all_agree(group.rank % 2),
+            "gathered": group.gather_object(mine, 1),
+            "broadcast": group.broadcast_object(mine if group.rank == 2 else None, 2),
+        }
+        out["copied"] = group.rank != 2 and out["broadcast"] is not mine
+        for bad in (3, -1):
+            try:
+                group.gather_object(mine, bad)
+            except ValueError as exc:
+                out[f"bad {bad}"] = str(exc)
+        return out
+
+    results = spawn(rank_fn, 3, timeout=TIMEOUT)
+    for rank, got in enumerate(results):
+        assert got["same"] is True and got["differ"] is False
+        assert got["gathered"] == ([{"rank": r} for r in range(3)] if rank == 1 else None)
+        assert got["broadcast"] == {"rank": 2}
+        assert got["copied"] == (rank != 2)
+        assert got["bad 3"] == "gather_object: dst=3 is not a rank of this group (world size 3)"
+        assert "dst=-1" in got["bad -1"]
