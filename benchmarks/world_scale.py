@@ -21,9 +21,11 @@ every rank's object, O(world size) per rank and O(world size**2) for the
 threads backend, so they run up to ``max ranks of the fallback`` only
 (default 1024). Figures are the medians over repeats (default 3), in ms.
 
-Measured 2026-11-23 on the 2-core shared dev machine (load around 3; other
-jobs running), ``python benchmarks/world_scale.py 4096 3 1024``:
-see ``benchmarks/notes.md`` ("Costs that grow with the world").
+Measured 2026-11-23 on the 2-core shared dev machine (load average 8-14,
+other jobs running), ``python benchmarks/world_scale.py 4096 3 1024`` and
+``... 4096 1 4096``; at 4096 ranks: entry 0.67 s (all_gather: 5.4 s), report
+0.30 s (all_gather: 198 s), diagnostic 51 ms and 2 lines (was 4096 lines).
+The table is in ``benchmarks/notes.md`` ("Costs that grow with the world").
 """
 
 from __future__ import annotations
