@@ -31,7 +31,18 @@ Optional, each making the Join better where a backend can offer it:
                             cheap)
 ``peer_status()``           rank -> its last posted status, read out of band by
                             the watchdog thread for a stall diagnostic
+``all_agree(v)``            whether every rank passed the same int ``v`` (one
+                            small all-reduce; the agreement check at entry)
+``gather_object(obj, dst)`` every rank's ``obj`` on ``dst`` only, ``None``
+                            elsewhere (``Join.gather_report``)
+``broadcast_object``        ``broadcast_object(obj, src)``: ``src``'s ``obj`` on
+                            every rank (with ``gather_object``: the failure
+                            exchange)
 ==========================  ===================================================
+
+Without the last three the Join uses ``all_gather_object``, which costs every
+rank O(world size) bytes and unpickling; with them a rank's entry, report and
+failure exchange cost O(1) (the root of a gather excepted).
 
 The registry, which the core owns (``joinkit._ports``; :func:`register` and
 :func:`resolve` here are the same functions), maps a joinable's

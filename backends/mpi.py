@@ -86,7 +86,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -432,6 +432,52 @@ class MPIGroup:
         """
         return list(self.comm.allgather(obj))
 
+    def all_agree(self, value: int) -> bool:
+        """Whether every rank passed the same ``value``: one 2-element int64
+        MAX all-reduce of ``value`` and its negation.
+
+        Args:
+            value: an int in ``[0, 2**63)`` (the Join passes a settings digest).
+
+        Returns:
+            The same answer on every rank.
+        """
+        buf = np.array([value, -value], dtype=np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        return bool(buf[0] == -buf[1])
+
+    def gather_object(self, obj: Any, dst: int) -> list[Any] | None:
+        """Gather one picklable object from every rank on rank ``dst`` (``comm.gather``).
+
+        Args:
+            obj: this rank's object.
+            dst: the rank that receives them.
+
+        Returns:
+            The objects in rank order on ``dst``, ``None`` elsewhere.
+
+        Raises:
+            ValueError: ``dst`` is not a rank of the communicator.
+        """
+        gathered = self.comm.gather(obj, root=self._checks.root(dst, "dst", "gather_object"))
+        return None if gathered is None else list(gathered)
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s picklable ``obj`` on every rank (``comm.bcast``).
+
+        Args:
+            obj: the object on ``src``; ignored elsewhere.
+            src: the rank that sends.
+
+        Returns:
+            A copy of ``src``'s object (``src`` gets ``obj`` itself).
+
+        Raises:
+            ValueError: ``src`` is not a rank of the communicator.
+        """
+        root = self._checks.root(src, "src", "broadcast_object")
+        return self.comm.bcast(obj if self.rank == src else None, root=root)
+
     def abort(self, message: str) -> None:
         """Abort every process of the communicator (``MPI_Abort``).
 
@@ -715,8 +761,8 @@ class _CommJoinBackend:
     """
 
     __slots__ = ("group", "rank", "world_size", "heartbeat", "count",
-                 "heartbeat_total", "all_gather_object", "abort", "post_status",
-                 "peer_status")
+                 "heartbeat_total", "all_gather_object", "all_agree", "gather_object",
+                 "broadcast_object", "abort", "post_status", "peer_status")
 
     def __init__(self, comm: MPI.Comm) -> None:
         group = self.group = MPIGroup(comm)
@@ -726,6 +772,9 @@ class _CommJoinBackend:
         self.count = group.count
         self.heartbeat_total = group.heartbeat_total
         self.all_gather_object = group.all_gather_object
+        self.all_agree = group.all_agree
+        self.gather_object = group.gather_object
+        self.broadcast_object = group.broadcast_object
         self.abort = group.abort
         self.post_status = group.post_status
         self.peer_status = group.peer_status

@@ -49,12 +49,19 @@ entry for a stall diagnostic. ``abort`` posts the reason (first aborter wins)
 and calls ``ProcessGroup.abort()``. That is enough on nccl, but gloo's abort
 wakes nobody, neither this rank's pending collective nor its peers'. So on a
 CPU group every blocking wait of this class waits in slices of
-``_WAIT_SLICE`` seconds, and between slices (or when the collective fails,
-e.g. because the aborting process exited) it looks for an abort, posted by
-this rank or a peer: a wait then raises :class:`GroupAborted` naming the
-aborting rank and its reason. A collective that completes never pays for
-this; collectives issued by other code (DDP's, from C++) still wait for the
-group's own timeout or for the aborting process to exit.
+``_WAIT_SLICE`` seconds, and between slices it looks at the group's abort
+flag; when the collective fails (e.g. because the aborting process exited)
+it reads the store's abort key itself. The flag is set by this rank's
+``abort`` or by the process's one *abort watcher*, a daemon thread that reads
+the abort key of every group with a wait past its first slice, every
+``max(_WAIT_SLICE, world size / _ABORT_POLLS_PER_SECOND)`` seconds: one store
+request per poll per group, however many waits, and the whole world's polls
+of the store stay near ``_ABORT_POLLS_PER_SECOND`` at any size (a wait used
+to start a thread and a store request every second). A wait then raises
+:class:`GroupAborted` naming the aborting rank and its reason. A collective
+that completes within a slice never pays for this; collectives issued by
+other code (DDP's, from C++) still wait for the group's own timeout or for
+the aborting process to exit.
 
 *Leaving the interpreter.* gloo runs every collective on a worker thread of
 the process group, and that thread holds the collective's ``Work`` (and through
@@ -116,6 +123,11 @@ __all__ = ["TorchGroup", "GroupAborted", "settle_at_exit"]
 
 #: Seconds a blocking wait on a CPU group waits before it looks for an abort.
 _WAIT_SLICE = 1.0
+#: Store reads per second that the abort watchers of a whole world may make
+#: together while its ranks wait (module doc).
+_ABORT_POLLS_PER_SECOND = 200.0
+#: Bytes of the length prefix of each pickle ``gather_object`` sends.
+_LENGTH_BYTES = 8
 #: Seconds a store access of the failure path may take (a dead store must not
 #: stall the watchdog that is trying to report a stall).
 _STORE_PATIENCE = 5.0
@@ -416,6 +428,80 @@ class TorchGroup:
             for part, length in zip(parts, lengths, strict=True)
         ]
 
+    def all_agree(self, value: int) -> bool:
+        """Whether every rank passed the same ``value``: one 2-element int64
+        MAX all-reduce of ``value`` and its negation.
+
+        Args:
+            value: an int in ``[0, 2**63)`` (the Join passes a settings digest).
+
+        Returns:
+            The same answer on every rank.
+        """
+        buf = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
+        self.all_reduce(buf, "max")
+        highest, negated_lowest = buf.tolist()
+        return bool(highest == -negated_lowest)
+
+    def gather_object(self, obj: Any, dst: int) -> list[Any] | None:
+        """Gather one picklable object from every rank on rank ``dst``.
+
+        A MAX all-reduce of the pickles' lengths, then a gather of
+        length-prefixed pickles padded to the longest: a rank other than
+        ``dst`` sends its own object and receives one number (torch's
+        ``gather_object`` all-gathers every rank's length to every rank).
+
+        Args:
+            obj: this rank's object.
+            dst: the rank that receives them.
+
+        Returns:
+            The objects in rank order on ``dst``, ``None`` elsewhere.
+
+        Raises:
+            ValueError: ``dst`` is not a rank of the group.
+        """
+        dst = self._checks.root(dst, "dst", "gather_object")
+        payload = pickle.dumps(obj)
+        longest = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self.all_reduce(longest, "max")
+        raw = bytearray(_LENGTH_BYTES + int(longest.item()))
+        raw[:_LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "little")
+        raw[_LENGTH_BYTES:_LENGTH_BYTES + len(payload)] = payload
+        parts = self.gather(torch.frombuffer(raw, dtype=torch.uint8).to(self.device), dst)
+        if parts is None:
+            return None
+        objects = []
+        for part in parts:
+            data = part.cpu().numpy().tobytes()
+            length = int.from_bytes(data[:_LENGTH_BYTES], "little")
+            objects.append(pickle.loads(data[_LENGTH_BYTES:_LENGTH_BYTES + length]))
+        return objects
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s picklable ``obj`` on every rank: a broadcast of its
+        pickle's length, then of the pickle.
+
+        Args:
+            obj: the object on ``src``; ignored elsewhere.
+            src: the rank that sends.
+
+        Returns:
+            A copy of ``src``'s object (``src`` gets ``obj`` itself).
+
+        Raises:
+            ValueError: ``src`` is not a rank of the group.
+        """
+        src = self._checks.root(src, "src", "broadcast_object")
+        payload = pickle.dumps(obj) if self.rank == src else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self.broadcast(length, src)
+        raw = bytearray(payload) if self.rank == src else bytearray(int(length.item()))
+        data = self.broadcast(torch.frombuffer(raw, dtype=torch.uint8).to(self.device), src)
+        if self.rank == src:
+            return obj
+        return pickle.loads(data.cpu().numpy().tobytes())
+
     def abort(self, message: str) -> None:
         """Abort the process group so peers blocked in a collective fail too.
 
@@ -463,7 +549,16 @@ class TorchGroup:
         abort_key = self._store_prefix + "abort"
 
         def read(store: Any) -> tuple[list[bytes | None], bytes | None]:
-            values = [store.get(key) if store.check([key]) else None for key in keys]
+            # A get waits for a missing key, so look first: one check of all
+            # the keys and one multi_get when every rank posted (the usual
+            # case: a Join posts on entry), else a check per key.
+            if store.check(keys):
+                values: list[bytes | None] = list(store.multi_get(keys))
+            else:
+                present = [key for key in keys if store.check([key])]
+                found = dict(zip(present, store.multi_get(present) if present else [],
+                                 strict=True))
+                values = [found.get(key) for key in keys]
             aborted = store.get(abort_key) if store.check([abort_key]) else None
             return values, aborted
 
@@ -500,24 +595,29 @@ class TorchGroup:
             raise GroupAborted(*self._abort)
         if self._slice is None:
             return work.wait()
-        while True:
-            try:
-                return work.wait(self._slice)
-            except RuntimeError as exc:
-                aborted = self._abort or self._posted_abort()
-                if aborted is not None:
-                    self._abort = aborted
-                    raise GroupAborted(*aborted) from exc
-                if work.is_completed():
-                    raise  # a real failure, not the end of a slice
+        watched = False
+        try:
+            while True:
+                try:
+                    return work.wait(self._slice)
+                except RuntimeError as exc:
+                    aborted = self._abort
+                    if aborted is None and work.is_completed():
+                        # It failed: did a rank abort (and its process exit)?
+                        aborted = self._posted_abort()
+                        if aborted is None:
+                            raise  # a real failure, not the end of a slice
+                    if aborted is not None:
+                        self._abort = aborted
+                        raise GroupAborted(*aborted) from exc
+                    if not watched:  # a long wait: the watcher looks for aborts
+                        watched = _watch_aborts(self, +1)
+        finally:
+            if watched:
+                _watch_aborts(self, -1)
 
     def _posted_abort(self) -> tuple[int, str] | None:
-        key = self._store_prefix + "abort"
-        value = _bounded(lambda store: store.get(key) if store.check([key]) else None)
-        if not value:
-            return None
-        posted = json.loads(value)
-        return int(posted["rank"]), str(posted["reason"])
+        return _bounded(lambda store: _abort_posted(store, self._store_prefix))  # type: ignore[no-any-return]
 
     # -- collectives ---------------------------------------------------------------
 
@@ -781,6 +881,66 @@ _publisher: threading.Thread | None = None
 _helpers: set[threading.Thread] = set()
 _threads_lock = threading.Lock()
 _exiting = threading.Event()
+# Groups with a wait past its first slice -> how many; the abort watcher, and
+# what wakes it when the first wait comes (or the exit guard stops it).
+_long_waits: dict[int, tuple[TorchGroup, int]] = {}  # by id: groups compare by their PG
+_watcher: threading.Thread | None = None
+_waits_changed = threading.Condition(_threads_lock)
+
+
+def _abort_posted(store: Any, prefix: str) -> tuple[int, str] | None:
+    """The abort posted for the group with store ``prefix`` (rank, reason), or ``None``."""
+    key = prefix + "abort"
+    value = store.get(key) if store.check([key]) else None
+    if not value:
+        return None
+    posted = json.loads(value)
+    return int(posted["rank"]), str(posted["reason"])
+
+
+def _watch_aborts(group: TorchGroup, change: int) -> bool:
+    """Count a long wait of ``group`` in (+1) or out (-1); start the watcher.
+
+    Returns:
+        Whether the wait is counted (not once the exit guard ran).
+    """
+    global _watcher
+    with _waits_changed:
+        if _exiting.is_set():
+            return False
+        waits = _long_waits.get(id(group), (group, 0))[1] + change
+        if waits > 0:
+            _long_waits[id(group)] = (group, waits)
+        else:
+            _long_waits.pop(id(group), None)
+        if _watcher is None or not _watcher.is_alive():
+            _watcher = threading.Thread(target=_watch_loop, name="joinkit-aborts",
+                                        daemon=True)
+            _watcher.start()
+        _waits_changed.notify_all()
+    return True
+
+
+def _watch_loop() -> None:
+    """The abort watcher: while some wait is long, read the abort keys (module doc)."""
+    while True:
+        with _waits_changed:
+            while not _long_waits and not _exiting.is_set():
+                _waits_changed.wait()
+            if _exiting.is_set():
+                return
+            world = max(group.world_size for group, _ in _long_waits.values())
+        if _exiting.wait(max(_WAIT_SLICE, world / _ABORT_POLLS_PER_SECOND)):
+            return
+        with _threads_lock:
+            groups = [group for group, _ in _long_waits.values() if group._abort is None]
+        for group in groups:
+            try:
+                aborted = _abort_posted(_store(), group._store_prefix)
+            except Exception:  # noqa: BLE001 - no store: nothing known
+                continue
+            if aborted is not None and group._abort is None:
+                group._abort = aborted
 
 
 def _publish_statuses(group: TorchGroup) -> None:
@@ -920,9 +1080,9 @@ def settle_at_exit(patience: float = _EXIT_PATIENCE) -> bool:
     """Leave nothing for gloo's worker threads to free once Python finalizes.
 
     Registered with ``atexit`` when this module is imported (module doc):
-    stops the status thread and the store helpers, keeps the tensors of every
-    ``TorchGroup`` collective still held alive through exit (so no worker
-    thread ever frees them), and waits up to ``patience`` seconds, the GIL
+    stops the status thread, the abort watcher and the store helpers, keeps
+    the tensors of every ``TorchGroup`` collective still held alive through
+    exit (so no worker thread ever frees them), and waits up to ``patience`` seconds, the GIL
     released, until gloo's worker threads are idle, which settles collectives
     that other code issued too. Later calls return the first call's answer.
     Call it yourself only once the process is done with torch.distributed:
@@ -941,9 +1101,10 @@ def settle_at_exit(patience: float = _EXIT_PATIENCE) -> bool:
     if _settled is not None:
         return _settled
     deadline = time.monotonic() + patience
-    with _threads_lock:
+    with _waits_changed:
         _exiting.set()
-        threads = [t for t in (_publisher, *_helpers) if t is not None]
+        _waits_changed.notify_all()
+        threads = [t for t in (_publisher, _watcher, *_helpers) if t is not None]
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     with _held_lock:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import abc
 import functools
 import logging
+import re
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -201,9 +202,11 @@ class Join:
             known to be even).
         throw_on_early_termination: raise ``RuntimeError`` on every rank as soon
             as one rank runs out of inputs, instead of shadowing.
-        check_agreement: on entry, check with one all-gather that all ranks pass
-            the same number of joinables and flags on the same backend (turn it
-            off to share a group with torch's own Join). A fused heartbeat
+        check_agreement: on entry, check that all ranks pass the same number
+            of joinables and flags on the same backend: one small collective
+            comparing digests of the settings, and only on a difference an
+            all-gather of the settings for the error's table (turn it off to
+            share a group with torch's own Join). A fused heartbeat
             changes what goes on the wire, so it is used only with the check
             on; without it the first joinable sends torch's heartbeat.
         timeout: seconds a join collective or a round of hooks may make no
@@ -643,8 +646,8 @@ class Join:
                 f"gather_report(dst={dst!r}): dst must be a rank of the Join's group, "
                 f"an int from 0 to {world - 1}"
             )
-        reports = self._backend.all_gather_object(self.report)
-        return list(reports) if self._backend.rank == dst else None
+        # To dst only: an all-gather would cost every rank O(world size).
+        return _ports.gather_object(self._backend, self.report, dst)
 
     # -- driving the machine ---------------------------------------------------
 
@@ -676,7 +679,7 @@ class Join:
         peer_status = getattr(self._backend, "peer_status", None)
         if peer_status is not None:
             try:
-                lines = [f"  rank {r}: {text}" for r, text in sorted(peer_status().items())]
+                lines = peer_status_lines(peer_status())
             except Exception as error:  # diagnostics must not hide the stall
                 lines = [f"  (peer status unavailable: {error!r})"]
             message += "\nwhat the ranks were last seen doing:\n" + "\n".join(lines)
@@ -817,15 +820,19 @@ class Join:
                             )
                         else:
                             pending = m.HooksDone(now=self._clock())
-                    case m.CheckAgreement():
+                    case m.CompareSignatures():
                         self._doing("the agreement check at entry")
+                        same = _ports.all_agree(backend, command.digest)
+                        pending = m.SignaturesCompared(same=same, now=self._clock())
+                    case m.CheckAgreement():
+                        self._doing("the agreement check at entry (gathering the settings)")
                         signatures = backend.all_gather_object(command.signature)
                         pending = m.AgreementChecked(
                             signatures=tuple(signatures), now=self._clock()
                         )
                     case m.ExchangeFailures():
                         self._doing("exchanging failures")
-                        failures = backend.all_gather_object(command.failure)
+                        failures = _ports.all_gather_sparse(backend, command.failure)
                         pending = m.FailuresExchanged(
                             failures=tuple(failures), now=self._clock()
                         )
@@ -845,6 +852,71 @@ class Join:
                     case _:  # pragma: no cover - a new command without a handler
                         raise AssertionError(f"unhandled command {command!r}")
         return handle
+
+
+# A status's age ("(1.5 s ago)"), which peer_status_lines leaves out of the
+# comparison so that ranks doing the same thing share one line.
+_AGO = re.compile(r"\((\d+(?:\.\d+)?) s ago\)")
+_AGE_SLOT = "\x00"
+#: Most lines a stall diagnostic gives the ranks, and most rank ranges a line names.
+MOST_STATUS_LINES = 16
+MOST_RANK_RANGES = 8
+
+
+def peer_status_lines(statuses: Mapping[int, str]) -> list[str]:
+    """A stall diagnostic's lines for ``peer_status()``: one per distinct status.
+
+    Ranks whose statuses differ only in how long ago they were posted share a
+    line (``ranks 0-4094 (4095 ranks): ... (0.2-1.9 s ago)``), so a world of
+    thousands of ranks in one state gives one line and the ranks that differ
+    stand out. Lines come in order of their first rank; after
+    ``MOST_STATUS_LINES`` of them, one line counts the rest.
+
+    Args:
+        statuses: rank -> what it was last seen doing.
+
+    Returns:
+        The lines, each indented by two spaces.
+    """
+    groups: dict[str, tuple[list[int], list[list[float]]]] = {}
+    for rank in sorted(statuses):
+        text = statuses[rank]
+        key = _AGO.sub(lambda _: _AGE_SLOT, text)
+        ranks, ages = groups.setdefault(key, ([], []))
+        ranks.append(rank)
+        ages.append([float(age) for age in _AGO.findall(text)])
+    lines = []
+    for key, (ranks, ages) in list(groups.items())[:MOST_STATUS_LINES]:
+        parts = key.split(_AGE_SLOT)
+        # Each age of the text, over the group's ranks: one value or a span.
+        spans = [(min(column), max(column)) for column in zip(*ages, strict=True)]
+        text = parts[0] + "".join(
+            (f"({low:.1f} s ago)" if low == high else f"({low:.1f}-{high:.1f} s ago)") + part
+            for (low, high), part in zip(spans, parts[1:], strict=True)
+        )
+        if len(ranks) == 1:
+            lines.append(f"  rank {ranks[0]}: {text}")
+        else:
+            lines.append(f"  ranks {_rank_ranges(ranks)} ({len(ranks)} ranks): {text}")
+    rest = list(groups.values())[MOST_STATUS_LINES:]
+    if rest:
+        count = sum(len(ranks) for ranks, _ in rest)
+        lines.append(f"  ... and {count} more ranks in {len(rest)} other states")
+    return lines
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """Sorted ranks as ranges, ``"0-3, 5, 7-9"`` (at most ``MOST_RANK_RANGES``)."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    shown = [str(a) if a == b else f"{a}-{b}" for a, b in spans[:MOST_RANK_RANGES]]
+    if len(spans) > MOST_RANK_RANGES:
+        shown.append("...")
+    return ", ".join(shown)
 
 
 def _summary(observation: m.Observation) -> str:

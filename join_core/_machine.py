@@ -74,14 +74,19 @@ per-rank flag beside the heartbeat, ``HEARTBEAT_FLAG`` (2**28) per flagged
 rank: exact up to 2**24 ranks, between the active count and the FAILING
 weight (``split_heartbeat_flags``; DDP's fused gradient-sync check).
 
-On entry, ranks may first *check agreement*: one all-gather of each rank's
-``signature`` (number of joinables, throw mode, backend); a difference raises
-``AgreementError`` with a per-rank table on every rank instead of a later hang.
+On entry, ranks may first *check agreement* on their ``signature`` (number of
+joinables, throw mode, backend): they *compare signatures* by a stable digest
+(``signature_digest``), one collective that costs every rank O(1) where the
+backend can (``CompareSignatures``; e.g. a MAX all-reduce of the digest and its
+negation). Only if the digests differ do they all-gather the signatures
+themselves (``CheckAgreement``), whose per-rank table the ``AgreementError``
+then shows on every rank instead of a later hang.
 
 Phases (``Phase``)::
 
     IDLE        built, not entered
-    AGREEING    entered, waiting for the agreement check's result
+    AGREEING    entered, waiting for the agreement check's results (the digest
+                comparison, then on a difference the table of signatures)
     ACTIVE      inside the loop body, sending heartbeats
     CHECKING    active, waiting for the termination check's result (throw mode)
     TERMINATED  active, the early-termination error (or, in throw mode, a
@@ -134,6 +139,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from collections.abc import Callable
 from typing import Any, TypeAlias
@@ -159,6 +165,7 @@ __all__ = [
     "JoinReport",
     "Transition",
     "Entered",
+    "SignaturesCompared",
     "AgreementChecked",
     "Notified",
     "HeartbeatSeen",
@@ -168,6 +175,7 @@ __all__ = [
     "HooksDone",
     "HookFailed",
     "FailuresExchanged",
+    "CompareSignatures",
     "CheckAgreement",
     "HeartbeatOrder",
     "SendHeartbeat",
@@ -189,6 +197,7 @@ __all__ = [
     "MAX_WORLD_SIZE",
     "HEARTBEAT_FLAG",
     "decode_tally",
+    "signature_digest",
     "split_heartbeat_flags",
     "initial_state",
     "step",
@@ -231,6 +240,16 @@ ACTIVE_RANK_MESSAGE = (
 def joined_rank_message(rank: int) -> str:
     """torch's message for the rank that exhausted its inputs in throw mode."""
     return f"Rank {rank} exhausted all inputs."
+
+
+def signature_digest(signature: tuple[tuple[str, Any], ...]) -> int:
+    """A digest of an agreement signature, the same in every process: an int
+    in ``[0, 2**63)`` (it fits a signed 64-bit all-reduce, negated too).
+
+    ``hash()`` would not do: string hashes differ between processes.
+    """
+    data = repr(signature).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") >> 1
 
 
 def decode_tally(total: float) -> tuple[int | None, bool]:
@@ -522,6 +541,14 @@ class Entered:
 
 
 @attrs.frozen(kw_only=True)
+class SignaturesCompared:
+    """Result of ``CompareSignatures``: whether every rank passed the same digest."""
+
+    same: bool
+    now: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
 class AgreementChecked:
     """Result of ``CheckAgreement``: every rank's signature, in rank order."""
 
@@ -610,7 +637,11 @@ class HookFailed:
 
 @attrs.frozen(kw_only=True)
 class FailuresExchanged:
-    """Result of ``ExchangeFailures``: each rank's ``Failure`` or ``None``."""
+    """Result of ``ExchangeFailures``: the ranks' failures.
+
+    Every failed rank's ``Failure``; ``None`` entries (ranks that did not
+    fail, as an all-gather returns them) are allowed and ignored.
+    """
 
     failures: tuple[Failure | None, ...]
     now: float = 0.0
@@ -618,6 +649,7 @@ class FailuresExchanged:
 
 Observation: TypeAlias = (
     Entered
+    | SignaturesCompared
     | AgreementChecked
     | Notified
     | HeartbeatSeen
@@ -630,6 +662,14 @@ Observation: TypeAlias = (
 )
 
 # -- commands -------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class CompareSignatures:
+    """Find whether every rank's signature digest equals ``digest`` (one
+    collective); answer with ``SignaturesCompared``."""
+
+    digest: int
 
 
 @attrs.frozen(kw_only=True)
@@ -719,7 +759,13 @@ class RunPostHooks:
 
 @attrs.frozen(kw_only=True)
 class ExchangeFailures:
-    """All-gather this rank's ``failure``; answer with ``FailuresExchanged``."""
+    """Give every rank every rank's ``failure`` (``None``: none); answer with
+    ``FailuresExchanged``.
+
+    An all-gather does it; so does a gather to one rank and a broadcast of the
+    failures found, which costs the other ranks O(failures) instead of
+    O(world size).
+    """
 
     failure: Failure | None
 
@@ -746,7 +792,8 @@ class Raise:
 
 
 Command: TypeAlias = (
-    CheckAgreement
+    CompareSignatures
+    | CheckAgreement
     | HeartbeatOrder
     | SendHeartbeat
     | CheckTermination
@@ -795,11 +842,18 @@ def _active(s: JoinState, **fields: Any) -> Transition:
 
 
 def _enter(s: JoinState, o: Entered) -> Transition:
-    if s.config.signature is None:
+    signature = s.config.signature
+    if signature is None:
         return _active(s, entered_at=o.now)
-    return _go(
-        s, Phase.AGREEING, CheckAgreement(signature=s.config.signature), entered_at=o.now
-    )
+    command = CompareSignatures(digest=signature_digest(signature))
+    return _go(s, Phase.AGREEING, command, entered_at=o.now)
+
+
+def _signatures_compared(s: JoinState, o: SignaturesCompared) -> Transition:
+    if o.same:
+        return _active(s)
+    # Some rank differs: fetch the table that says which and how.
+    return _go(s, Phase.AGREEING, CheckAgreement(signature=s.config.signature or ()))
 
 
 def _agreement_checked(s: JoinState, o: AgreementChecked) -> Transition:
@@ -1065,6 +1119,7 @@ _P = Phase
 TRANSITIONS: dict[tuple[Phase, type], tuple[_Handler, tuple[Phase, ...]]] = {
     # phase           observation           handler                  next phases
     (_P.IDLE,         Entered):            (_enter,                  (_P.AGREEING, _P.ACTIVE)),
+    (_P.AGREEING,     SignaturesCompared): (_signatures_compared,    (_P.ACTIVE, _P.AGREEING)),
     (_P.AGREEING,     AgreementChecked):   (_agreement_checked,      (_P.ACTIVE, _P.DONE)),
     (_P.ACTIVE,       Notified):           (_notify,                 (_P.ACTIVE, _P.CHECKING)),
     (_P.ACTIVE,       HeartbeatSeen):      (_heartbeat_seen,         (_P.ACTIVE, _P.ABORTING)),

@@ -49,6 +49,9 @@ __all__ = [
     "register_adapter",
     "adapt",
     "check_joinables",
+    "all_agree",
+    "gather_object",
+    "all_gather_sparse",
 ]
 
 BACKEND_ENTRY_POINTS = "joinkit.backends"
@@ -68,8 +71,11 @@ class JoinBackend(Protocol):
 
     The required members are below; the optional ones (``heartbeat_total``,
     ``collectives_issued``, ``abort``, ``post_status``, ``peer_status``,
-    ``wait``) are described in ``joinkit.backends`` and the README's "Writing a
-    backend".
+    ``wait``, and ``all_agree``, ``gather_object``, ``broadcast_object``, which
+    make the entry check, reports and failure exchange cost a rank O(1) instead
+    of O(world size): :func:`all_agree`, :func:`gather_object`,
+    :func:`all_gather_sparse`) are described in ``joinkit.backends`` and the
+    README's "Writing a backend".
     """
 
     rank: int
@@ -233,3 +239,73 @@ def _backend_entry_points() -> list[Resolver]:
             ep.load() for ep in entry_points(group=BACKEND_ENTRY_POINTS)
         ]
     return _entry_point_resolvers
+
+
+# -- the collectives with an optional fast path ---------------------------------------
+#
+# The Join's object collectives, through the backend's optional member where it
+# has one (every rank of a group has the same backend, so all ranks take the
+# same path), else through ``all_gather_object``, which every backend has but
+# which costs every rank O(world size) bytes and unpickling.
+
+
+def all_agree(backend: JoinBackend, value: int) -> bool:
+    """Whether every rank passed the same ``value`` (a collective).
+
+    Args:
+        backend: the join backend.
+        value: an int in ``[0, 2**63)``.
+
+    Returns:
+        The same answer on every rank: the backend's ``all_agree(value)`` (one
+        small all-reduce), else a comparison of all-gathered values.
+    """
+    agree = getattr(backend, "all_agree", None)
+    if agree is not None:
+        return bool(agree(value))
+    values = backend.all_gather_object(value)
+    return all(other == value for other in values)
+
+
+def gather_object(backend: JoinBackend, obj: Any, dst: int) -> list[Any] | None:
+    """Every rank's picklable ``obj`` on rank ``dst`` only (a collective).
+
+    Args:
+        backend: the join backend.
+        obj: this rank's object.
+        dst: the rank that receives them.
+
+    Returns:
+        The objects in rank order on ``dst``, ``None`` elsewhere: through the
+        backend's ``gather_object(obj, dst)``, else its ``all_gather_object``.
+    """
+    gather = getattr(backend, "gather_object", None)
+    if gather is not None:
+        gathered = gather(obj, dst)
+        return None if gathered is None else list(gathered)
+    objects = backend.all_gather_object(obj)
+    return list(objects) if backend.rank == dst else None
+
+
+def all_gather_sparse(backend: JoinBackend, obj: Any) -> list[Any]:
+    """The ranks' objects that are not ``None``, in rank order, on every rank.
+
+    For values that few ranks have (failures): with the backend's
+    ``gather_object`` and ``broadcast_object``, a gather to rank 0 and a
+    broadcast of what it found, so a rank other than 0 handles O(objects
+    found) bytes instead of O(world size); else an all-gather.
+
+    Args:
+        backend: the join backend.
+        obj: this rank's object, or ``None``.
+
+    Returns:
+        The objects that are not ``None``, in rank order.
+    """
+    gather = getattr(backend, "gather_object", None)
+    broadcast = getattr(backend, "broadcast_object", None)
+    if gather is None or broadcast is None:
+        return [o for o in backend.all_gather_object(obj) if o is not None]
+    gathered = gather(obj, 0)
+    found = None if gathered is None else [o for o in gathered if o is not None]
+    return list(broadcast(found, 0))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -187,3 +188,22 @@ def record_cell(backend: str, case: str, world_size: int, failing: int, outcome:
         with open(path, "a") as f:
             f.write(json.dumps({"backend": backend, "case": case, "world_size": world_size,
                                 "failing": failing, "outcome": outcome}) + "\n")
+
+
+_STATUS_LINE = re.compile(r"^  ranks? ([\d, -]+?)(?: \(\d+ ranks\))?: (.*)$")
+
+
+def statuses_in(text: str) -> dict[int, str]:
+    """rank -> status, read back from a stall diagnostic's lines, which give
+    ranks in one state one line (``  ranks 1-3 (3 ranks): ...``)."""
+    _, _, listing = text.partition("what the ranks were last seen doing:\n")
+    out = {}
+    for line in listing.splitlines():
+        match = _STATUS_LINE.match(line)
+        if match is None:
+            break
+        for span in match.group(1).split(", "):
+            first, _, last = span.partition("-")
+            for rank in range(int(first), int(last or first) + 1):
+                out[rank] = match.group(2)
+    return out

@@ -34,6 +34,7 @@ SECTIONS = [
     "### FSDP2 MLP 128-512-512-1, batch 32, gloo (torchrun)",
     "### FSDP2 drain (rank 0 has no inputs), gloo (torchrun)",
     "### MPI heartbeat, 1 rank",
+    "### world scale, threads",
 ]
 VARIANTS = ["| no Join |", "| torch Join |", "| joinkit classic |", "| joinkit fused |",
             "| no Join, 2 elements |", "| joinkit fused, 1 element |", "| joinkit Join |",
@@ -44,7 +45,7 @@ VARIANTS = ["| no Join |", "| torch Join |", "| joinkit classic |", "| joinkit f
 def test_every_benchmark_runs_and_reports(tmp_path: Path) -> None:
     output = tmp_path / "RESULTS.md"
     only = ["core step", "MPI heartbeat", "Counter", "DDP, gloo (torchrun)", "threads",
-            "FSDP2"]
+            "FSDP2", "world scale"]
     command = [sys.executable, str(RUN), "--quick", "--output", str(output)]
     for name in only:
         command += ["--only", name]
@@ -55,3 +56,6 @@ def test_every_benchmark_runs_and_reports(tmp_path: Path) -> None:
         assert heading in text, heading
     for variant in VARIANTS:
         assert variant in text, variant
+    for measurement in ("| entry, 128 ranks |", "| report, 128 ranks |",
+                        "| diagnostic, 128 ranks |", "| entry, all_gather, 64 ranks |"):
+        assert measurement in text, measurement

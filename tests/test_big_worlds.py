@@ -82,6 +82,9 @@ class CrowdWorld:
     def count(self, value: float) -> float:
         return self._sum(value)
 
+    def all_agree(self, value: int) -> bool:
+        return True  # the agreement check's digests: the crowd agrees
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         if isinstance(obj, tuple):  # the agreement check: the crowd agrees
             return [obj] * self.world_size

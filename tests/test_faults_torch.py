@@ -19,7 +19,15 @@ from pathlib import Path
 
 import fault_scenarios as fs
 import pytest
-from fault_support import Launch, python, record_cell, run_all, runner_args, summarize
+from fault_support import (
+    Launch,
+    python,
+    record_cell,
+    run_all,
+    runner_args,
+    statuses_in,
+    summarize,
+)
 from mpi_support import child_env
 
 pytest.importorskip("torch.distributed")
@@ -143,8 +151,15 @@ def test_stall_diagnostic_reads_peers_from_the_store(launches: dict[str, Launch]
     assert timeouts, results
     text = timeouts[0]["message"]
     assert "what the ranks were last seen doing:" in text
-    assert "  rank 0: active: in its loop body (" in text  # the staller's last status
-    assert f"  rank {world_size - 1}: shadowing from shadow round 0 on (" in text
+    statuses = statuses_in(text)  # ranks in one state share a line
+    assert sorted(statuses) == list(range(world_size)), text
+    assert statuses[0].startswith("active: in its loop body (")  # the staller's last status
+    for rank in range(1, world_size):
+        assert statuses[rank].startswith("shadowing from shadow round 0 on ("), text
+    # One line per distinct status (the first aborter's says so: its own line).
+    listing = text.partition("what the ranks were last seen doing:\n")[2]
+    lines = [line for line in listing.splitlines() if line.startswith("  rank")]
+    assert len(lines) == len(set(statuses.values())), text
 
 
 @pytest.mark.timeout(600)

@@ -275,7 +275,7 @@ def test_debug_logging_takes_the_same_path_and_summarises_the_drain(
     rank0 = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank 0:")]
     assert rank0 == [
         "rank 0: IDLE -> AGREEING on Entered",
-        "rank 0: AGREEING -> ACTIVE on AgreementChecked",
+        "rank 0: AGREEING -> ACTIVE on SignaturesCompared",
         "rank 0: ACTIVE -> DRAINING on LoopExited",
         "rank 0: DRAINING -> POST_HOOKS on Drained (4 shadow rounds, then a count of 0)",
         "rank 0: POST_HOOKS -> DONE on HooksDone",

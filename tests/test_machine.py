@@ -29,6 +29,7 @@ ORDER = m.HeartbeatOrder(value=m.ACTIVE, fused=False, alarm=m.ALARM)
 
 OBSERVATIONS = {
     m.Entered: m.Entered(now=1.0),
+    m.SignaturesCompared: m.SignaturesCompared(same=True, now=1.0),
     m.AgreementChecked: m.AgreementChecked(signatures=(SIGNATURE, SIGNATURE), now=1.0),
     m.Notified: m.Notified(now=1.0),
     m.HeartbeatSeen: m.HeartbeatSeen(total=2.0, now=1.0),
@@ -62,8 +63,9 @@ ABORT = m.AbortGroup(
 LEGAL: dict[tuple[m.Phase, type], tuple[m.Phase, Any]] = {
     (m.Phase.IDLE, m.Entered): (
         m.Phase.AGREEING,
-        (m.CheckAgreement(signature=SIGNATURE),),
+        (m.CompareSignatures(digest=m.signature_digest(SIGNATURE)),),
     ),
+    (m.Phase.AGREEING, m.SignaturesCompared): (m.Phase.ACTIVE, (ORDER,)),
     # Entering ACTIVE gives the standing heartbeat order...
     (m.Phase.AGREEING, m.AgreementChecked): (m.Phase.ACTIVE, (ORDER,)),
     # ...and every transition that stays there gives it again.
@@ -186,6 +188,7 @@ def random_states(draw: Any) -> m.JoinState:
 
 random_observations = st.one_of(
     st.builds(m.Entered),
+    st.builds(m.SignaturesCompared, same=st.booleans()),
     st.builds(m.AgreementChecked, signatures=st.sampled_from([(SIGNATURE,), (SIGNATURE, None)])),
     st.builds(m.Notified, count=st.integers(1, 5)),
     st.builds(m.HeartbeatSeen, total=totals),
@@ -212,7 +215,7 @@ def test_every_transition_goes_where_its_row_says(
     else:
         assert transition.state.phase in row[1], (before.phase, observation)
     # Commands that produce a result come one at a time, and last.
-    answered = (m.CheckAgreement, m.CheckTermination, m.Drain, m.RunMainHooks,
+    answered = (m.CompareSignatures, m.CheckAgreement, m.CheckTermination, m.Drain, m.RunMainHooks,
                 m.RunPostHooks, m.ExchangeFailures)
     kinds = [type(c) for c in transition.commands]
     assert sum(kind in answered for kind in kinds) <= 1
@@ -285,6 +288,37 @@ def test_agreement_mismatch_raises_with_a_table() -> None:
     text = str(command.error)
     assert "rank | joinables" in text
     assert "     1 | 2" in text and "     0 | 1" in text
+
+
+def test_agreement_compares_digests_and_gathers_only_on_a_difference() -> None:
+    s = m.initial_state(m.MachineConfig(rank=0, signature=SIGNATURE))
+    t = m.step(s, m.Entered())
+    assert t.state.phase is m.Phase.AGREEING
+    assert t.commands == (m.CompareSignatures(digest=m.signature_digest(SIGNATURE)),)
+    same = m.step(t.state, m.SignaturesCompared(same=True))
+    assert same.state.phase is m.Phase.ACTIVE and same.commands == (ORDER,)
+    differ = m.step(t.state, m.SignaturesCompared(same=False))
+    assert differ.state.phase is m.Phase.AGREEING
+    assert differ.commands == (m.CheckAgreement(signature=SIGNATURE),)
+    # The table then names the difference, as before.
+    other = (("joinables", 2),)
+    error = m.step(differ.state, m.AgreementChecked(signatures=(SIGNATURE, other)))
+    assert error.state.phase is m.Phase.DONE
+    assert "     1 | 2" in str(error.commands[0].error)  # type: ignore[union-attr]
+
+
+def test_signature_digest_is_stable_and_fits_int64() -> None:
+    # The same in every process (str hashes are salted per process).
+    code = ("from joinkit import _machine as m; "
+            "print(m.signature_digest((('joinables', 1), ('backend', 'TorchGroup'))))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, timeout=120).stdout for _ in range(2)}
+    assert len(runs) == 1
+    assert int(runs.pop()) == m.signature_digest((("joinables", 1), ("backend", "TorchGroup")))
+    digests = {m.signature_digest(((name, value),)) for name in ("a", "b")
+               for value in (1, 2, True, "x")}
+    assert len(digests) == 8
+    assert all(0 <= d < 2**63 for d in digests)
 
 
 def test_heartbeats_sent_under_the_order_are_counted() -> None:

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -996,6 +999,61 @@ def torch_group_collectives(ctx: Ctx) -> Any:
     out["protocols"] = isinstance(g, backends.CollectiveGroup) and isinstance(
         g, backends.JoinBackend
     )
+    return out
+
+
+@scenario
+def object_collectives_and_long_waits(ctx: Ctx) -> Any:
+    """all_agree, gather_object, broadcast_object; a long wait starts no store
+    helper per slice, and a peer's abort posted mid-wait ends it."""
+    from joinkit.backends import torch_dist
+
+    g = TorchGroup(ctx.group)
+    r = ctx.rank
+    out: dict[str, Any] = {
+        "agree_same": g.all_agree(2**62 + 5),
+        "agree_differ": g.all_agree(7 if r == 1 else 2**62 + 5),
+        # Pickles of different lengths, to rank 1 only.
+        "gathered": g.gather_object({"rank": r, "pad": "x" * 100 * r}, 1),
+        "broadcast": g.broadcast_object(("from", r) if r == 2 else None, 2),
+    }
+    # A wait of ~3 slices that completes: the store is read by the watcher
+    # thread alone (no _bounded helper per slice).
+    helpers: list[int] = []
+    bounded = torch_dist._bounded
+
+    def counting(action: Any) -> Any:
+        helpers.append(1)
+        return bounded(action)
+
+    torch_dist._bounded = counting
+    try:
+        if r == 0:
+            time.sleep(3.0)
+        out["total"] = g.count(1.0)
+    finally:
+        torch_dist._bounded = bounded
+    out["helpers"] = len(helpers)
+    out["watcher"] = any(t.name == "joinkit-aborts" for t in threading.enumerate())
+    # A peer's abort, posted while the others wait: they raise GroupAborted.
+    if r == 0:
+        time.sleep(1.5)
+        reason = json.dumps({"rank": 0, "reason": "test abort"})
+        torch_dist._store().compare_set(g._store_prefix + "abort", "", reason)
+        time.sleep(6.0)  # until the others gave up; then complete their count
+        try:
+            g.count(0.0)
+        except torch_dist.GroupAborted:
+            pass
+        out["aborted"] = None
+    else:
+        started = time.monotonic()
+        try:
+            g.count(0.0)
+            out["aborted"] = None
+        except torch_dist.GroupAborted as exc:
+            out["aborted"] = str(exc)
+        out["abort_seconds"] = time.monotonic() - started
     return out
 
 
