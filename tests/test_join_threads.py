@@ -7,6 +7,7 @@ broadcasts a constant from a last joiner.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import re
@@ -359,8 +360,10 @@ def test_skew_warning_after_1000_shadow_rounds_without_touching_filters() -> Non
     skew = [w for w in caught if "uneven input skew" in str(w.message)]
     assert len(skew) == 1  # once, from the joined rank 0 only
     assert "rank 0 has at least 1000 fewer inputs" in str(skew[0].message)
-    # It points at the user's `with Join(...)` block, not at joinkit.
-    assert skew[0].filename == __file__
+    # It points at the user's `with Join(...)` line, not at joinkit.
+    lines, first = inspect.getsourcelines(rank_fn)
+    with_line = first + next(i for i, line in enumerate(lines) if "with Join(" in line)
+    assert (skew[0].filename, skew[0].lineno) == (__file__, with_line)
     assert warnings.filters == filters_before
 
 
