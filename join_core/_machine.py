@@ -117,10 +117,11 @@ is where the machine sees a time (``now``) while draining, so its rate-limited
 decisions are taken there and the rounds inside a batch cost nothing extra:
 when ``progress_interval`` seconds passed since the rank joined (or since its
 last progress line), it emits ``ReportProgress`` (an INFO line: inputs, the
-active ranks, seconds and rounds shadowing). Batches start at one round and at
-most double; from the rounds per second so far each is sized to end about when
-the next progress line is due, so a drain of N rounds has about log2(N)
-boundaries plus about one per ``progress_interval``.
+active ranks, seconds and rounds shadowing). The first batch is
+``FIRST_DRAIN_BATCH`` rounds (a short drain has no boundary) and each next one
+at most doubles; from the rounds per second so far each is sized to end about
+when the next progress line is due, so a drain of N rounds has about
+log2(N / 16) boundaries plus about one per ``progress_interval``.
 
 The table ``TRANSITIONS`` lists, per (phase, observation), the handler and the
 phases it may lead to; a pair missing there is illegal.
@@ -204,6 +205,7 @@ __all__ = [
     "TRANSITIONS",
     "SKEW_WARN_THRESHOLD",
     "PROGRESS_INTERVAL",
+    "FIRST_DRAIN_BATCH",
     "progress_message",
     "ACTIVE_RANK_MESSAGE",
     "joined_rank_message",
@@ -236,6 +238,10 @@ SKEW_WARN_THRESHOLD = 1000
 #: it as ``MachineConfig.progress_interval`` when a Join is built (tests set it
 #: to 0 for a line at every boundary).
 PROGRESS_INTERVAL = 30.0
+#: Rounds in a drain's first batch (module doc): a boundary costs about two
+#: ``step`` calls, so a short drain has none; the first progress line comes
+#: after this many rounds at the earliest.
+FIRST_DRAIN_BATCH = 16
 ACTIVE_RANK_MESSAGE = (
     "Detected at least one rank that exhausted inputs. Throwing across all ranks."
 )
@@ -987,11 +993,11 @@ def _drain(s: JoinState, now: float) -> Transition:
 
 
 def _drain_batch(s: JoinState, now: float) -> int:
-    """The next drain batch's rounds: the first is one, each at most doubles,
-    and once a rate is known it aims at the next progress line's time."""
+    """The next drain batch's rounds: ``FIRST_DRAIN_BATCH``, then at most
+    double, and once a rate is known aim at the next progress line's time."""
     previous = s.drain_batch
     if previous == 0:
-        return 1
+        return FIRST_DRAIN_BATCH
     start = now if s.joined_at is None else s.joined_at
     elapsed = now - start
     if elapsed <= 0.0 or s.shadow_rounds == 0:

@@ -312,11 +312,11 @@ def test_debug_logging_takes_the_same_path_and_summarises_the_drain(
             logged = spawn(rank_fn, 2, timeout=60.0)
         rank0 = [re.sub(r" after \d+\.\d{3} s in ", " after T s in ", r.getMessage())
                  for r in caplog.records if r.getMessage().startswith("rank 0")]
-        # Batches of 1, 2, 4, ... rounds (the skew warning's round ends one).
+        # Batches of 16, 32, 64, ... rounds (the skew warning's round ends one).
         found = re.search(r"in (\d+) drain batches", " ".join(rank0))
         assert found is not None, rank0
         batches = int(found[1])
-        assert 1 <= batches <= 3 + math.log2(inputs), rank0
+        assert 1 <= batches <= 3 + math.log2(inputs / 16 + 1), rank0
         assert rank0 == [
             "rank 0: IDLE -> AGREEING on Entered",
             "rank 0: AGREEING -> ACTIVE on AgreementChecked after T s in AGREEING",
@@ -390,10 +390,10 @@ def test_a_long_drain_says_so_at_info_naming_the_active_ranks(
     with caplog.at_level(logging.INFO, logger="joinkit"):
         reports = spawn(rank_fn, 3, timeout=TIMEOUT)
     lines = _progress_lines(caplog, 0)
-    # The first boundary comes after one round, while ranks 1 and 2 are in
-    # their loop (a joined rank shadows each of their iterations).
+    # The first boundary comes after the first batch's rounds, while ranks 1
+    # and 2 are in their loop (a joined rank shadows each of their iterations).
     assert re.fullmatch(
-        r"rank 0 joined after 5 inputs; shadowing rank\(s\) 1, 2 for \d+ s \(1 rounds\)",
+        r"rank 0 joined after 5 inputs; shadowing rank\(s\) 1, 2 for \d+ s \(16 rounds\)",
         lines[0],
     ), lines
     rounds = [int(re.search(r"\((\d+) rounds\)", line)[1]) for line in lines]  # type: ignore[index]
@@ -421,13 +421,13 @@ def test_without_a_status_board_the_progress_line_counts_the_active_ranks(
     def rank_fn(group: ThreadGroup) -> int:
         joinable = AllReducer(group)
         with Join([joinable]) as join:
-            for _ in range(0 if group.rank == 0 else 10):
+            for _ in range(0 if group.rank == 0 else 40):
                 joinable()
         assert join.report is not None
         return join.report.shadow_rounds
 
     with caplog.at_level(logging.INFO, logger="joinkit"):
-        assert spawn(rank_fn, 3, timeout=TIMEOUT) == [10, 0, 0]  # the drain went on
+        assert spawn(rank_fn, 3, timeout=TIMEOUT) == [40, 0, 0]  # the drain went on
     lines = _progress_lines(caplog, 0)
     assert lines and lines[0].startswith(
         "rank 0 joined after 0 inputs; shadowing 2 active rank(s) for "

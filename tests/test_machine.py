@@ -49,8 +49,8 @@ def state(phase: m.Phase, *, throw: bool = False, fused: bool = False,
 
 
 def drain(first: float = m.JOINED, value: float = m.JOINED, *, fused: bool = False,
-          limit: int | None = 1) -> m.Drain:
-    # A drain's first batch is one round (the machine's module doc).
+          limit: int | None = m.FIRST_DRAIN_BATCH) -> m.Drain:
+    # A drain's first batch (the machine's module doc).
     return m.Drain(first=first, value=value, fused=fused, limit=limit,
                    until=m.NOBODY_ACTIVE_BELOW)
 
@@ -373,12 +373,12 @@ def test_skew_warning_once_after_threshold() -> None:
 
 def test_drain_batches_double_then_end_where_the_progress_line_is_due() -> None:
     t = m.step(state(m.Phase.ACTIVE), m.LoopExited(now=100.0))
-    assert t.commands == (drain(limit=1),)  # the first batch: one round
-    t = m.step(t.state, m.Drained(rounds=1, total=1.0, now=100.1))
-    assert t.commands == (m.RunMainHooks(round=1),)
-    t = m.step(t.state, m.HooksDone(now=100.2))
-    # 10 rounds a second: 298 more reach the line at 130 s, but a batch at most doubles.
-    assert t.commands == (drain(limit=2),) and t.state.drain_batch == 2
+    assert t.commands == (drain(limit=16),)  # the first batch
+    t = m.step(t.state, m.Drained(rounds=16, total=1.0, now=101.6))
+    assert t.commands == (m.RunMainHooks(round=16),)
+    t = m.step(t.state, m.HooksDone(now=101.7))
+    # 10 rounds a second: 283 more reach the line at 130 s, but a batch at most doubles.
+    assert t.commands == (drain(limit=32),) and t.state.drain_batch == 32
     # Later, at the same rate: the batch ends when the line is due (200 rounds
     # at 10/s reach 30 s), whatever the doubling would allow.
     s = state(m.Phase.SHADOWING, joined_at=0.0, shadow_rounds=99, drain_batch=256)
@@ -622,7 +622,7 @@ def test_failing_rank_announces_once_then_counts_failed() -> None:
     assert t.commands == (m.RunMainHooks(round=1000),)
     t = m.step(t.state, m.HooksDone())
     # ...from now on with the FAILED weight only...
-    assert t.commands[1] == drain(first=m.FAILED, value=m.FAILED, limit=2)
+    assert t.commands[1] == drain(first=m.FAILED, value=m.FAILED, limit=32)
     # ...until nobody is active: no post hooks, an exchange of failures.
     t = m.step(t.state, m.Drained(rounds=3, total=m.FAILED))
     assert t.state.phase is m.Phase.EXCHANGING
