@@ -692,13 +692,18 @@ class Join:
 
     def _log_phase(self, before: m.Phase, state: m.JoinState, observation: m.Observation) -> None:
         """DEBUG: one line per phase change, a drain's batches as one stage
-        (its rounds, batches and seconds). Logging changes nothing else."""
+        (its rounds, batches and seconds). The bookkeeping is the same at every
+        level (only the line's formatting is skipped), and logging changes
+        nothing else."""
         now = observation.now
         after = state.phase
         if after in _DRAIN_PHASES:
             if before in _DRAIN_PHASES:
                 return  # a batch boundary inside the drain
             self._drain_from, self._drain_batches = state.shadow_rounds, 0
+        since, self._phase_since = self._phase_since, now
+        if not _log.isEnabledFor(logging.DEBUG):
+            return
         what = type(observation).__name__
         if before is m.Phase.ACTIVE:
             what += f" ({state.heartbeats} inputs)"
@@ -709,7 +714,6 @@ class Join:
             end = (f"a main hook raised {failure.exc_type}" if failure is not None
                    else f"a count of {total:g}" if total is not None else "its hooks")
             what += f" ({rounds} shadow rounds in {self._drain_batches} drain batches, then {end})"
-        since, self._phase_since = self._phase_since, now
         spent = "" if since is None else f" after {now - since:.3f} s in {before.name}"
         _log.debug("rank %s: %s -> %s on %s%s", state.config.rank, before.name, after.name,
                    what, spent)
