@@ -6,10 +6,13 @@ It feeds observations to ``step`` and carries out the commands that come back,
 in order. It executes and never decides: the per-iteration path is the
 machine's standing ``HeartbeatOrder`` (the shell sends the heartbeats, checks
 the previous sum against the order's alarm, and reports how many it sent as
-one ``Notified`` before its next observation), a joined rank's rounds are one
-``Drain`` command answered by one ``Drained``, and logging takes the same path.
-It tells its watchdog ``Watch`` what it is blocked in (and ticks it at every
-step of a drain); the watchdog calls back ``_on_stall``. The API (names,
+one ``Notified`` before its next observation), a joined rank's rounds are
+``Drain`` commands, each a batch of rounds answered by one ``Drained``, and
+logging takes the same path. A long drain says so at INFO (the machine's
+rate-limited ``ReportProgress``, completed with the active ranks' names from
+the backend's status board), and DEBUG logs phase changes, a whole drain as one
+line. It tells its watchdog ``Watch`` what it is blocked in (and ticks it at
+every step of a drain); the watchdog calls back ``_on_stall``. The API (names,
 arguments, messages) follows ``torch.distributed.algorithms.join`` so code
 written for torch works by changing one import.
 """
@@ -20,6 +23,7 @@ import abc
 import functools
 import logging
 import re
+import sys
 import threading
 import time
 import warnings
@@ -40,6 +44,10 @@ _log = logging.getLogger("joinkit")
 # How many enabled Joins this thread is inside (a rank is a thread on the
 # threads backend, so this is per thread).
 _active = threading.local()
+
+#: What a rank posts to its peers' status board while in its loop body (a
+#: progress line names the ranks whose board entry says so).
+_ACTIVE_STATUS = "active: in its loop body"
 
 #: Default ``Join(timeout=...)``: long enough for any sane shadow round, short
 #: enough that a stuck job fails within minutes rather than at torch's 30.
@@ -308,6 +316,11 @@ class Join:
         self._aborted: str | None = None
         # Between __enter__ and __exit__ (a Join is single-use: see _reentered).
         self._inside = False
+        # For the DEBUG log (_log_phase): since when the rank is in its phase,
+        # and, across a drain's batches, its first round and its batches.
+        self._phase_since: float | None = None
+        self._drain_from = 0
+        self._drain_batches = 0
         if self._enable:
             backend = _ports.resolve(process_group, self._device)
             self._backend = backend
@@ -334,6 +347,7 @@ class Join:
                     fused_heartbeat=self._fused,
                     world_size=backend.world_size,
                     can_abort=hasattr(backend, "abort"),
+                    progress_interval=m.PROGRESS_INTERVAL,
                 )
             )
 
@@ -360,7 +374,7 @@ class Join:
                 _watchdog.unwatch(self._watch)
                 raise
             # Not an activity: the loop body may take as long as it likes.
-            self._post("active: in its loop body")
+            self._post(_ACTIVE_STATUS)
         for index, joinable in enumerate(self._joinables):
             joinable._join_config = JoinConfig(
                 enable=self._enable,
@@ -708,6 +722,49 @@ class Join:
                 what = f"{what}; {m.failure_text(failure)}"
             self._post_status(what)
 
+    def _active_ranks(self) -> list[int] | None:
+        """The ranks the backend's status board shows in their loop body, for a
+        progress line; ``None`` without a board or when reading it failed (a
+        progress line must never break the drain). Called only when a line is
+        due (the machine rate-limits them), so the board's own bound on its
+        read (a store or peer round trip) is paid at most once per interval."""
+        peer_status = getattr(self._backend, "peer_status", None)
+        if peer_status is None:
+            return None
+        try:
+            board = peer_status()
+            return sorted(rank for rank, text in board.items() if _ACTIVE_STATUS in str(text))
+        except Exception:
+            return None
+
+    def _log_phase(self, before: m.Phase, state: m.JoinState, observation: m.Observation) -> None:
+        """DEBUG: one line per phase change, a drain's batches as one stage
+        (its rounds, batches and seconds). The bookkeeping is the same at every
+        level (only the line's formatting is skipped), and logging changes
+        nothing else."""
+        now = observation.now
+        after = state.phase
+        if after in _DRAIN_PHASES:
+            if before in _DRAIN_PHASES:
+                return  # a batch boundary inside the drain
+            self._drain_from, self._drain_batches = state.shadow_rounds, 0
+        since, self._phase_since = self._phase_since, now
+        if not _log.isEnabledFor(logging.DEBUG):
+            return
+        what = type(observation).__name__
+        if before is m.Phase.ACTIVE:
+            what += f" ({state.heartbeats} inputs)"
+        if before in _DRAIN_PHASES:
+            rounds = state.shadow_rounds - self._drain_from
+            failure = getattr(observation, "failure", None)
+            total = getattr(observation, "total", None)
+            end = (f"a main hook raised {failure.exc_type}" if failure is not None
+                   else f"a count of {total:g}" if total is not None else "its hooks")
+            what += f" ({rounds} shadow rounds in {self._drain_batches} drain batches, then {end})"
+        spent = "" if since is None else f" after {now - since:.3f} s in {before.name}"
+        _log.debug("rank %s: %s -> %s on %s%s", state.config.rank, before.name, after.name,
+                   what, spent)
+
     def _round_plan(self, first_shadowed: bool) -> list[Callable[[], Any]]:
         """What one shadow round calls, in order: for each joinable, the shadow
         of its fused slot (``JOINED``: not a heartbeat; skipped for the first
@@ -786,15 +843,15 @@ class Join:
             self._order = None
             transition = m.step(self._state, pending)
             self._state = state = transition.state
-            if state.phase is not before and _log.isEnabledFor(logging.DEBUG):
-                _log.debug("rank %s: %s -> %s on %s", state.config.rank, before.name,
-                           state.phase.name, _summary(pending))
+            if state.phase is not before:
+                self._log_phase(before, state, pending)
             pending = None
             for command in transition.commands:
                 match command:
                     case m.HeartbeatOrder():
                         self._order = command
                     case m.Drain():
+                        self._drain_batches += 1
                         pending, hook_error = self._drain(command)
                     case m.SendHeartbeat():
                         handle = self._last_heartbeat = backend.heartbeat(command.value)
@@ -846,7 +903,11 @@ class Join:
                         # leaves the block (see _leave).
                         self._aborted = command.message
                     case m.WarnSkew():
-                        warnings.warn(command.message, UserWarning, stacklevel=4)
+                        # At the user's `with Join(...)` line, however deep the
+                        # call that got here (its exit, or a hook's notify).
+                        warnings.warn(command.message, UserWarning, stacklevel=_user_stacklevel())
+                    case m.ReportProgress():
+                        _log.info("%s", m.progress_message(command, self._active_ranks()))
                     case m.Raise():
                         raise command.error
                     case _:  # pragma: no cover - a new command without a handler
@@ -919,15 +980,24 @@ def _rank_ranges(ranks: list[int]) -> str:
     return ", ".join(shown)
 
 
-def _summary(observation: m.Observation) -> str:
-    """An observation for the DEBUG log (a drain: its rounds and final count)."""
-    if isinstance(observation, m.Drained):
-        if observation.failure is not None:
-            return (f"Drained (a main hook raised after {observation.rounds} shadow rounds: "
-                    f"{observation.failure.exc_type})")
-        return (f"Drained ({observation.rounds} shadow rounds, then a count of "
-                f"{observation.total:g})")
-    return type(observation).__name__
+#: The phases of a drain: its batches go back and forth between them (the
+#: machine's module doc), which the DEBUG log shows as one stage.
+_DRAIN_PHASES = frozenset({m.Phase.DRAINING, m.Phase.SHADOWING})
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, for its caller, of the first frame
+    outside joinkit: the user's code that entered or notified the Join."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and _in_joinkit(frame.f_globals.get("__name__", "")):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _in_joinkit(module: str) -> bool:
+    return module == "joinkit" or module.startswith("joinkit.")
 
 
 def _failure(error: BaseException, rank: int) -> m.Failure:

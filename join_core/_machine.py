@@ -96,7 +96,7 @@ Phases (``Phase``)::
     DRAINING    out of the loop: counting and shadowing, round after round
     SHADOWING   out of the loop, running one round of main hooks (a failing
                 rank's completion round, or the round whose count ended a
-                drain at the skew warning)
+                drain batch)
     EXCHANGING  a failure was seen; waiting for the exchange of failures
     POST_HOOKS  everyone joined, running the post hooks
     DONE        finished; the shell leaves the context
@@ -119,8 +119,22 @@ so the shell executes and never decides:
   before that observation, and every transition that stays in ACTIVE issues
   the order again.
 - ``Drain``: count, and while the sum shows some rank possibly active run
-  the main hooks, up to ``limit`` rounds (the skew warning's round); answered
-  by one ``Drained(rounds, total, failure)``.
+  the main hooks, up to ``limit`` rounds; answered by one
+  ``Drained(rounds, total, failure)``.
+
+A drain runs in *batches*: each ``Drain``'s ``limit`` ends it after a batch of
+rounds (or at the skew warning's round, whichever comes first), and the round
+whose count ended it runs as ``RunMainHooks`` (phase SHADOWING) before the next
+``Drain``; the collectives are the same wherever a batch ends. A batch boundary
+is where the machine sees a time (``now``) while draining, so its rate-limited
+decisions are taken there and the rounds inside a batch cost nothing extra:
+when ``progress_interval`` seconds passed since the rank joined (or since its
+last progress line), it emits ``ReportProgress`` (an INFO line: inputs, the
+active ranks, seconds and rounds shadowing). The first batch is
+``FIRST_DRAIN_BATCH`` rounds (a short drain has no boundary) and each next one
+at most doubles; from the rounds per second so far each is sized to end about
+when the next progress line is due, so a drain of N rounds has about
+log2(N / 16) boundaries plus about one per ``progress_interval``.
 
 The table ``TRANSITIONS`` lists, per (phase, observation), the handler and the
 phases it may lead to; a pair missing there is illegal.
@@ -141,7 +155,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import attrs
@@ -187,6 +201,7 @@ __all__ = [
     "ExchangeFailures",
     "AbortGroup",
     "WarnSkew",
+    "ReportProgress",
     "Raise",
     "ACTIVE",
     "JOINED",
@@ -207,6 +222,9 @@ __all__ = [
     "failure_text",
     "TRANSITIONS",
     "SKEW_WARN_THRESHOLD",
+    "PROGRESS_INTERVAL",
+    "FIRST_DRAIN_BATCH",
+    "progress_message",
     "ACTIVE_RANK_MESSAGE",
     "joined_rank_message",
 ]
@@ -232,6 +250,16 @@ MAX_WORLD_SIZE = 2**24
 HEARTBEAT_FLAG = 2.0**28
 
 SKEW_WARN_THRESHOLD = 1000
+#: Seconds between a draining rank's progress lines (``ReportProgress``, logged
+#: at INFO): the first comes this long after the rank joined, then one per
+#: interval, at the first drain batch boundary after it is due. The shell passes
+#: it as ``MachineConfig.progress_interval`` when a Join is built (tests set it
+#: to 0 for a line at every boundary).
+PROGRESS_INTERVAL = 30.0
+#: Rounds in a drain's first batch (module doc): a boundary costs about two
+#: ``step`` calls, so a short drain has none; the first progress line comes
+#: after this many rounds at the earliest.
+FIRST_DRAIN_BATCH = 16
 ACTIVE_RANK_MESSAGE = (
     "Detected at least one rank that exhausted inputs. Throwing across all ranks."
 )
@@ -339,10 +367,11 @@ class MachineConfig:
     ``signature`` is what ranks must agree on at entry, as ``(name, value)``
     pairs; ``None`` turns the agreement check off. ``skew_warn_threshold`` is
     the number of shadow rounds after which a joined rank warns once about input
-    skew (torch: 1000). ``world_size``, where known, must not exceed
-    ``MAX_WORLD_SIZE``. ``can_abort``: whether the shell can abort the group
-    (``AbortGroup`` makes the peers fail); with it, a failure whose place in
-    the iteration is unknown fails fast instead of guessing.
+    skew (torch: 1000). ``progress_interval`` is the seconds between a draining
+    rank's progress lines (``PROGRESS_INTERVAL``). ``world_size``, where known,
+    must not exceed ``MAX_WORLD_SIZE``. ``can_abort``: whether the shell can
+    abort the group (``AbortGroup`` makes the peers fail); with it, a failure
+    whose place in the iteration is unknown fails fast instead of guessing.
 
     Raises:
         ValueError: a fused heartbeat in throw mode, or a world too large.
@@ -355,6 +384,7 @@ class MachineConfig:
     fused_heartbeat: bool = False
     world_size: int | None = None
     can_abort: bool = False
+    progress_interval: float = PROGRESS_INTERVAL
 
     def __attrs_post_init__(self) -> None:
         if self.fused_heartbeat and self.throw_on_early_termination:
@@ -380,7 +410,9 @@ class JoinState:
     sum, or the count or check that sent it to the exchange); ``stopped_early``
     whether the loop ended because a peer failed (PeerAborted) rather than
     because its inputs ran out; ``peer_failures`` the other ranks' failures,
-    from the exchange.
+    from the exchange. ``drain_batch`` is the size of the latest drain batch
+    (module doc; 0 before the first), ``progress_at`` when the latest progress
+    line went out (``None``: none yet).
     """
 
     phase: Phase
@@ -394,6 +426,8 @@ class JoinState:
     failure_seen: bool = False
     stopped_early: bool = False
     peer_failures: tuple[Failure, ...] = ()
+    drain_batch: int = 0
+    progress_at: float | None = None
     entered_at: float | None = None
     joined_at: float | None = None
     all_joined_at: float | None = None
@@ -785,6 +819,60 @@ class WarnSkew:
 
 
 @attrs.frozen(kw_only=True)
+class ReportProgress:
+    """Log at INFO that this draining rank is still shadowing (module doc).
+
+    The shell reads the names of the still-active ranks from the backend's
+    status board where it has one, and logs :func:`progress_message`.
+
+    Attributes:
+        rank: this rank.
+        ended: how its loop ended: ``"joined"``, ``"failed"`` or ``"stopped"``.
+        inputs: inputs processed before it left its loop.
+        seconds: seconds since it left its loop.
+        rounds: shadow rounds run so far.
+        active: the active ranks in the latest count (``None``: a failure's
+            weight hid the number).
+    """
+
+    rank: int
+    ended: str
+    inputs: int
+    seconds: float
+    rounds: int
+    active: int | None
+
+
+#: At most this many active ranks are named in a progress line (a big world's
+#: line stays one short line).
+_NAMED_RANKS = 8
+
+
+def progress_message(command: ReportProgress, active_ranks: Sequence[int] | None = None) -> str:
+    """The progress line for ``command``, e.g. ``rank 0 joined after 1,204 inputs;
+    shadowing rank(s) 3, 7 for 42 s (3,118 rounds)``.
+
+    Args:
+        command: what the machine reported.
+        active_ranks: the ranks the backend's status board shows in their loop
+            body (the first 8 are named); ``None`` or empty: unknown, and the
+            line gives the count.
+    """
+    if active_ranks:
+        who = "rank(s) " + ", ".join(str(rank) for rank in active_ranks[:_NAMED_RANKS])
+        if len(active_ranks) > _NAMED_RANKS:
+            who += f" and {len(active_ranks) - _NAMED_RANKS:,} more"
+    elif command.active is None:
+        who = "possibly active ranks (a count showed a failed rank)"
+    else:
+        who = f"{command.active} active rank(s)"
+    return (
+        f"rank {command.rank} {command.ended} after {command.inputs:,} inputs; "
+        f"shadowing {who} for {command.seconds:.0f} s ({command.rounds:,} rounds)"
+    )
+
+
+@attrs.frozen(kw_only=True)
 class Raise:
     """Raise ``error`` on this rank."""
 
@@ -804,6 +892,7 @@ Command: TypeAlias = (
     | ExchangeFailures
     | AbortGroup
     | WarnSkew
+    | ReportProgress
     | Raise
 )
 
@@ -931,9 +1020,9 @@ def _loop_exited(s: JoinState, o: LoopExited) -> Transition:
             return _go(failing, Phase.SHADOWING, command)
         # Nothing open (or, unknown where nothing can abort, the best guess:
         # right before a heartbeat, where a drain matches the peers).
-        return _drain(failing)
+        return _drain(failing, o.now)
     if o.outcome is Outcome.NORMAL and s.phase is not Phase.CHECKING:
-        return _drain(_evolve(s, joined_at=o.now))
+        return _drain(_evolve(s, joined_at=o.now), o.now)
     return _illegal(s, o)
 
 
@@ -957,8 +1046,8 @@ def _aborting_loop_exited(s: JoinState, o: LoopExited) -> Transition:
         return _go(s, Phase.DONE, done_at=o.now, stopped_early=True)
     if o.outcome is Outcome.FAILED and o.failure is not None:
         failure = attrs.evolve(o.failure, rank=s.config.rank)
-        return _drain(_evolve(s, failure=failure, joined_at=o.now))
-    return _drain(_evolve(s, joined_at=o.now, stopped_early=True))
+        return _drain(_evolve(s, failure=failure, joined_at=o.now), o.now)
+    return _drain(_evolve(s, joined_at=o.now, stopped_early=True), o.now)
 
 
 def _fail_fast(s: JoinState, failure: Failure, now: float) -> Transition:
@@ -976,23 +1065,56 @@ def _fail_fast(s: JoinState, failure: Failure, now: float) -> Transition:
     return _go(s, Phase.DONE, AbortGroup(message=message), done_at=now)
 
 
-def _drain(s: JoinState) -> Transition:
+def _drain(s: JoinState, now: float) -> Transition:
     """Go draining: count (FAILING first, for a failing rank that has not yet
-    said so) and shadow, up to the skew warning's round (throw mode: count once)."""
+    said so) and shadow, one batch (module doc; throw mode: count once)."""
     config = s.config
     if s.failure is None:
         first = value = JOINED
     else:
         first, value = (FAILED if s.failure_announced else FAILING), FAILED
-    limit: int | None
     if config.throw_on_early_termination:
-        limit = 0
-    elif s.warned_skew:
-        limit = None
-    else:
-        limit = max(0, config.skew_warn_threshold - s.shadow_rounds)
+        command = Drain(first=first, value=value, limit=0)
+        return _go(s, Phase.DRAINING, command)
+    batch = _drain_batch(s, now)
+    limit = batch
+    if not s.warned_skew:
+        limit = min(limit, max(0, config.skew_warn_threshold - s.shadow_rounds))
     command = Drain(first=first, value=value, fused=config.fused_heartbeat, limit=limit)
-    return _go(s, Phase.DRAINING, command)
+    return _go(s, Phase.DRAINING, command, drain_batch=batch)
+
+
+def _drain_batch(s: JoinState, now: float) -> int:
+    """The next drain batch's rounds: ``FIRST_DRAIN_BATCH``, then at most
+    double, and once a rate is known aim at the next progress line's time."""
+    previous = s.drain_batch
+    if previous == 0:
+        return FIRST_DRAIN_BATCH
+    start = now if s.joined_at is None else s.joined_at
+    elapsed = now - start
+    if elapsed <= 0.0 or s.shadow_rounds == 0:
+        return 2 * previous
+    due = (start if s.progress_at is None else s.progress_at) + s.config.progress_interval
+    rounds_until_due = math.ceil(s.shadow_rounds / elapsed * (due - now))
+    return min(2 * previous, max(1, rounds_until_due))
+
+
+def _progress(s: JoinState, active: int | None, now: float) -> tuple[ReportProgress, ...]:
+    """A progress line, if one is due at this batch boundary (module doc)."""
+    start = now if s.joined_at is None else s.joined_at
+    last = start if s.progress_at is None else s.progress_at
+    if now - last < s.config.progress_interval:
+        return ()
+    ended = "failed" if s.failure is not None else "stopped" if s.stopped_early else "joined"
+    report = ReportProgress(
+        rank=s.config.rank,
+        ended=ended,
+        inputs=s.heartbeats,
+        seconds=now - start,
+        rounds=s.shadow_rounds,
+        active=active,
+    )
+    return (report,)
 
 
 def _drained(s: JoinState, o: Drained) -> Transition:
@@ -1025,10 +1147,14 @@ def _drained(s: JoinState, o: Drained) -> Transition:
             _evolve(s, phase=Phase.DONE, error=error, done_at=o.now),
             (SignalTermination(), Raise(error=error)),
         )
-    # The drain stopped at its limit, after a count showing some rank
-    # (possibly) active: that round's hooks, then the skew warning.
+    # The batch ended at its limit, after a count showing some rank (possibly)
+    # active: a progress line if one is due, that round's hooks, then (at
+    # its threshold) the skew warning and the next batch.
     command = RunMainHooks(round=rounds, first_shadowed=s.config.fused_heartbeat)
-    return _go(s, Phase.SHADOWING, command)
+    progress = _progress(s, active, o.now)
+    if progress:
+        s = _evolve(s, progress_at=o.now)
+    return _go(s, Phase.SHADOWING, *progress, command)
 
 
 def _shadow_round_done(s: JoinState, o: HooksDone) -> Transition:
@@ -1043,9 +1169,9 @@ def _shadow_round_done(s: JoinState, o: HooksDone) -> Transition:
                 "skew could lead to performance degradation during training."
             )
         )
-        drain = _drain(_evolve(s, warned_skew=True))
+        drain = _drain(_evolve(s, warned_skew=True), o.now)
         return Transition(drain.state, (warning, *drain.commands))
-    return _drain(s)
+    return _drain(s, o.now)
 
 
 def _hooks_failed(s: JoinState, o: HookFailed) -> Transition:

@@ -7,7 +7,10 @@ broadcasts a constant from a last joiner.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
+import re
 import time
 import warnings
 from typing import Any
@@ -24,6 +27,7 @@ from joinkit import (
     LocalProtocolError,
     RankTimeout,
 )
+from joinkit import _machine as m
 from joinkit.backends.threads import ThreadGroup, spawn
 
 TIMEOUT = 20.0
@@ -257,32 +261,44 @@ def test_watchdog_names_the_round_a_drain_stalls_in(stalls_in: str) -> None:
                 "inputs and run 3 shadow rounds") in text, text
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("inputs", [4, 2000])
 def test_debug_logging_takes_the_same_path_and_summarises_the_drain(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, inputs: int
 ) -> None:
-    # One interpreter: DEBUG logs each phase change (a whole drain is one
-    # line) and changes nothing else.
+    # One interpreter: DEBUG logs each phase change, a whole drain (all its
+    # batches) as one line, however many rounds it has, and changes nothing else.
     def rank_fn(group: ThreadGroup) -> tuple[JoinReport, int]:
         joinable = AllReducer(group)
         with Join([joinable]) as join:
-            for _ in range(4 if group.rank == 1 else 0):
+            for _ in range(inputs if group.rank == 1 else 0):
                 joinable()
         return join.report, group._calls
 
-    with caplog.at_level(logging.DEBUG, logger="joinkit"):
-        logged = spawn(rank_fn, 2, timeout=TIMEOUT)
-    rank0 = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank 0:")]
-    assert rank0 == [
-        "rank 0: IDLE -> AGREEING on Entered",
-        "rank 0: AGREEING -> ACTIVE on SignaturesCompared",
-        "rank 0: ACTIVE -> DRAINING on LoopExited",
-        "rank 0: DRAINING -> POST_HOOKS on Drained (4 shadow rounds, then a count of 0)",
-        "rank 0: POST_HOOKS -> DONE on HooksDone",
-    ], rank0
-    caplog.clear()
-    quiet = spawn(rank_fn, 2, timeout=TIMEOUT)
-    assert [r.shadow_rounds for r, _ in logged] == [r.shadow_rounds for r, _ in quiet] == [4, 0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skew warning of the long drain
+        with caplog.at_level(logging.DEBUG, logger="joinkit"):
+            logged = spawn(rank_fn, 2, timeout=60.0)
+        rank0 = [re.sub(r" after \d+\.\d{3} s in ", " after T s in ", r.getMessage())
+                 for r in caplog.records if r.getMessage().startswith("rank 0")]
+        # Batches of 16, 32, 64, ... rounds (the skew warning's round ends one).
+        found = re.search(r"in (\d+) drain batches", " ".join(rank0))
+        assert found is not None, rank0
+        batches = int(found[1])
+        assert 1 <= batches <= 3 + math.log2(inputs / 16 + 1), rank0
+        assert rank0 == [
+            "rank 0: IDLE -> AGREEING on Entered",
+            "rank 0: AGREEING -> ACTIVE on SignaturesCompared after T s in AGREEING",
+            "rank 0: ACTIVE -> DRAINING on LoopExited (0 inputs) after T s in ACTIVE",
+            f"rank 0: DRAINING -> POST_HOOKS on Drained ({inputs} shadow rounds in {batches} "
+            "drain batches, then a count of 0) after T s in DRAINING",
+            "rank 0: POST_HOOKS -> DONE on HooksDone after T s in POST_HOOKS",
+        ], rank0
+        assert all(r.levelno == logging.DEBUG for r in caplog.records)  # 30 s never passed
+        caplog.clear()
+        quiet = spawn(rank_fn, 2, timeout=60.0)
+    assert [r.shadow_rounds for r, _ in logged] == [r.shadow_rounds for r, _ in quiet] == [
+        inputs, 0]
     # The same collectives either way.
     assert [calls for _, calls in logged] == [calls for _, calls in quiet]
 
@@ -313,7 +329,78 @@ def test_skew_warning_after_1000_shadow_rounds_without_touching_filters() -> Non
     skew = [w for w in caught if "uneven input skew" in str(w.message)]
     assert len(skew) == 1  # once, from the joined rank 0 only
     assert "rank 0 has at least 1000 fewer inputs" in str(skew[0].message)
+    # It points at the user's `with Join(...)` line, not at joinkit.
+    lines, first = inspect.getsourcelines(rank_fn)
+    with_line = first + next(i for i, line in enumerate(lines) if "with Join(" in line)
+    assert (skew[0].filename, skew[0].lineno) == (__file__, with_line)
     assert warnings.filters == filters_before
+
+
+def _progress_lines(caplog: pytest.LogCaptureFixture, rank: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.INFO and r.getMessage().startswith(f"rank {rank} joined")]
+
+
+@pytest.mark.timeout(60)
+def test_a_long_drain_says_so_at_info_naming_the_active_ranks(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The interval at 0 s: a line at every drain batch boundary.
+    monkeypatch.setattr(m, "PROGRESS_INTERVAL", 0.0)
+    inputs = [5, 40, 40]
+
+    def rank_fn(group: ThreadGroup) -> JoinReport | None:
+        joinable = AllReducer(group)
+        with Join([joinable]) as join:
+            for _ in range(inputs[group.rank]):
+                joinable()
+        return join.report
+
+    with caplog.at_level(logging.INFO, logger="joinkit"):
+        reports = spawn(rank_fn, 3, timeout=TIMEOUT)
+    lines = _progress_lines(caplog, 0)
+    # The first boundary comes after the first batch's rounds, while ranks 1
+    # and 2 are in their loop (a joined rank shadows each of their iterations).
+    assert re.fullmatch(
+        r"rank 0 joined after 5 inputs; shadowing rank\(s\) 1, 2 for \d+ s \(16 rounds\)",
+        lines[0],
+    ), lines
+    rounds = [int(re.search(r"\((\d+) rounds\)", line)[1]) for line in lines]  # type: ignore[index]
+    assert rounds == sorted(rounds) and rounds[-1] < 35  # growing, within the drain
+    assert len(lines) > 1
+    # Ranks 1 and 2 join together and shadow nobody.
+    assert _progress_lines(caplog, 1) == _progress_lines(caplog, 2) == []
+    assert [r.shadow_rounds for r in reports if r is not None] == [35, 0, 0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("board", ["missing", "raising"])
+def test_without_a_status_board_the_progress_line_counts_the_active_ranks(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, board: str
+) -> None:
+    monkeypatch.setattr(m, "PROGRESS_INTERVAL", 0.0)
+    if board == "missing":
+        monkeypatch.delattr(ThreadGroup, "peer_status")
+    else:
+        def broken(self: ThreadGroup) -> dict[int, str]:
+            raise TimeoutError("the board did not answer")
+
+        monkeypatch.setattr(ThreadGroup, "peer_status", broken)
+
+    def rank_fn(group: ThreadGroup) -> int:
+        joinable = AllReducer(group)
+        with Join([joinable]) as join:
+            for _ in range(0 if group.rank == 0 else 40):
+                joinable()
+        assert join.report is not None
+        return join.report.shadow_rounds
+
+    with caplog.at_level(logging.INFO, logger="joinkit"):
+        assert spawn(rank_fn, 3, timeout=TIMEOUT) == [40, 0, 0]  # the drain went on
+    lines = _progress_lines(caplog, 0)
+    assert lines and lines[0].startswith(
+        "rank 0 joined after 0 inputs; shadowing 2 active rank(s) for "
+    ), lines
 
 
 class _NoInit(Joinable):

@@ -50,7 +50,8 @@ def state(phase: m.Phase, *, throw: bool = False, fused: bool = False,
 
 
 def drain(first: float = m.JOINED, value: float = m.JOINED, *, fused: bool = False,
-          limit: int | None = m.SKEW_WARN_THRESHOLD) -> m.Drain:
+          limit: int | None = m.FIRST_DRAIN_BATCH) -> m.Drain:
+    # A drain's first batch (the machine's module doc).
     return m.Drain(first=first, value=value, fused=fused, limit=limit,
                    until=m.NOBODY_ACTIVE_BELOW)
 
@@ -81,7 +82,7 @@ LEGAL: dict[tuple[m.Phase, type], tuple[m.Phase, Any]] = {
     # The sample drain stopped at its limit with one rank active: that
     # round's hooks are the machine's to command.
     (m.Phase.DRAINING, m.Drained): (m.Phase.SHADOWING, (m.RunMainHooks(round=0),)),
-    (m.Phase.SHADOWING, m.HooksDone): (m.Phase.DRAINING, (drain(limit=999),)),
+    (m.Phase.SHADOWING, m.HooksDone): (m.Phase.DRAINING, (drain(),)),
     (m.Phase.SHADOWING, m.HookFailed): (m.Phase.DONE, "abort"),
     (m.Phase.EXCHANGING, m.FailuresExchanged): (m.Phase.TERMINATED, "peer failure"),
     (m.Phase.POST_HOOKS, m.HooksDone): (m.Phase.DONE, ()),
@@ -171,6 +172,7 @@ def random_states(draw: Any) -> m.JoinState:
         signature=draw(st.sampled_from([None, SIGNATURE])),
         skew_warn_threshold=draw(st.integers(0, 5)),
         fused_heartbeat=not throw and draw(st.booleans()),
+        progress_interval=draw(st.sampled_from([0.0, 1.0, m.PROGRESS_INTERVAL])),
     )
     return m.JoinState(
         phase=draw(st.sampled_from([p for p in m.Phase if p is not m.Phase.ERRORED])),
@@ -183,6 +185,8 @@ def random_states(draw: Any) -> m.JoinState:
         failure_announced=draw(st.booleans()),
         failure_seen=draw(st.booleans()),
         joined_at=draw(st.one_of(st.none(), st.floats(0, 10))),
+        drain_batch=draw(st.integers(0, 64)),
+        progress_at=draw(st.one_of(st.none(), st.floats(0, 10))),
     )
 
 
@@ -196,8 +200,8 @@ random_observations = st.one_of(
     st.builds(m.LoopExited, outcome=st.sampled_from(m.Outcome), failure=failures,
               collectives_since_heartbeat=st.one_of(st.none(), st.integers(0, 3))),
     st.builds(m.Drained, rounds=st.integers(0, 5), total=st.one_of(st.none(), totals),
-              failure=failures),
-    st.builds(m.HooksDone),
+              failure=failures, now=st.floats(0, 100)),
+    st.builds(m.HooksDone, now=st.floats(0, 100)),
     st.builds(m.HookFailed, failure=st.just(FAILURE)),
     st.builds(m.FailuresExchanged, failures=st.sampled_from([(None,), (None, FAILURE)])),
 )
@@ -246,6 +250,8 @@ def test_evolve_equals_attrs_evolve_over_every_field(
         "failure_seen": st.booleans(),
         "stopped_early": st.booleans(),
         "peer_failures": st.sampled_from([(), (FAILURE,)]),
+        "drain_batch": st.integers(0, 100),
+        "progress_at": st.one_of(st.none(), st.floats(0, 9)),
         "entered_at": st.one_of(st.none(), st.floats(0, 9)),
         "joined_at": st.one_of(st.none(), st.floats(0, 9)),
         "all_joined_at": st.one_of(st.none(), st.floats(0, 9)),
@@ -381,20 +387,86 @@ def test_loop_exception_propagates_without_collectives() -> None:
 
 
 def test_skew_warning_once_after_threshold() -> None:
-    s = state(m.Phase.ACTIVE, threshold=3)
+    # A drain batch of 8 rounds (its 4th, at no known rate: it doubled).
+    s = state(m.Phase.ACTIVE, threshold=3, drain_batch=4)
     t = m.step(s, m.LoopExited())
-    # The drain may run 3 rounds; the count after them is the machine's.
+    # The warning's round caps the batch: 3 rounds; the count after them is the machine's.
     assert t.commands == (drain(limit=3),)
     t = m.step(t.state, m.Drained(rounds=3, total=1.0))
     assert t.commands == (m.RunMainHooks(round=3),)
     t = m.step(t.state, m.HooksDone())
-    # torch's order: the warning after round threshold + 1, before the next count.
+    # torch's order: the warning after round threshold + 1, before the next count
+    # (a batch that no warning caps any more).
     (warning, command) = t.commands
-    assert isinstance(warning, m.WarnSkew) and command == drain(limit=None)
+    assert isinstance(warning, m.WarnSkew) and command == drain(limit=16)
     assert "skew of greater than 3" in warning.message and "rank 3" in warning.message
     t = m.step(t.state, m.Drained(rounds=6, total=0.0))
     assert t.state.shadow_rounds == 10 and t.state.warned_skew
     assert t.commands == (m.RunPostHooks(is_last_joiner=False),)
+
+
+def test_drain_batches_double_then_end_where_the_progress_line_is_due() -> None:
+    t = m.step(state(m.Phase.ACTIVE), m.LoopExited(now=100.0))
+    assert t.commands == (drain(limit=16),)  # the first batch
+    t = m.step(t.state, m.Drained(rounds=16, total=1.0, now=101.6))
+    assert t.commands == (m.RunMainHooks(round=16),)
+    t = m.step(t.state, m.HooksDone(now=101.7))
+    # 10 rounds a second: 283 more reach the line at 130 s, but a batch at most doubles.
+    assert t.commands == (drain(limit=32),) and t.state.drain_batch == 32
+    # Later, at the same rate: the batch ends when the line is due (200 rounds
+    # at 10/s reach 30 s), whatever the doubling would allow.
+    s = state(m.Phase.SHADOWING, joined_at=0.0, shadow_rounds=99, drain_batch=256)
+    t = m.step(s, m.HooksDone(now=10.0))
+    assert t.commands == (drain(limit=200),) and t.state.drain_batch == 200
+    # Past due: one round, so the line comes at the next boundary.
+    t = m.step(attrs.evolve(s, progress_at=0.0), m.HooksDone(now=31.0))
+    assert t.commands == (drain(limit=1),)
+
+
+def test_progress_line_once_per_interval_at_batch_boundaries() -> None:
+    s = state(m.Phase.DRAINING, joined_at=0.0, heartbeats=1204, shadow_rounds=3000,
+              drain_batch=128)
+    t = m.step(s, m.Drained(rounds=118, total=2.0, now=29.9))
+    assert t.commands == (m.RunMainHooks(round=3118),)  # not yet due
+    t = m.step(s, m.Drained(rounds=118, total=2.0, now=42.0))
+    progress = m.ReportProgress(rank=3, ended="joined", inputs=1204, seconds=42.0,
+                                rounds=3118, active=2)
+    assert t.commands == (progress, m.RunMainHooks(round=3118))
+    assert t.state.progress_at == 42.0
+    assert m.progress_message(progress, [3, 7]) == (
+        "rank 3 joined after 1,204 inputs; shadowing rank(s) 3, 7 for 42 s (3,118 rounds)"
+    )
+    assert m.progress_message(progress, list(range(100))).startswith(
+        "rank 3 joined after 1,204 inputs; shadowing rank(s) 0, 1, 2, 3, 4, 5, 6, 7 and 92 "
+        "more for 42 s"
+    )
+    # Without the board's names: the count.
+    for names in (None, []):
+        assert m.progress_message(progress, names) == (
+            "rank 3 joined after 1,204 inputs; shadowing 2 active rank(s) for 42 s "
+            "(3,118 rounds)"
+        )
+    # The next line is due one interval after this one.
+    s = attrs.evolve(t.state, phase=m.Phase.DRAINING)
+    assert m.step(s, m.Drained(rounds=1, total=2.0, now=71.9)).commands == (
+        m.RunMainHooks(round=3119),
+    )
+    (later, _) = m.step(s, m.Drained(rounds=1, total=2.0, now=72.0)).commands
+    assert isinstance(later, m.ReportProgress) and later.seconds == 72.0
+    # A failing rank says so; a count that a failure's weight swamped has no number.
+    failing = attrs.evolve(s, failure=FAILURE, failure_announced=True)
+    (line, _) = m.step(failing, m.Drained(rounds=1, total=m.FAILING + 1, now=80.0)).commands
+    assert isinstance(line, m.ReportProgress) and line.active is None
+    assert m.progress_message(line).startswith("rank 3 failed after 1,204 inputs; shadowing "
+                                               "possibly active ranks")
+
+
+def test_the_progress_interval_can_be_zero() -> None:
+    config = m.MachineConfig(rank=0, progress_interval=0.0)
+    s = m.step(m.initial_state(config), m.Entered(now=0.0)).state
+    s = m.step(s, m.LoopExited(now=0.0)).state
+    t = m.step(s, m.Drained(rounds=1, total=1.0, now=0.0))
+    assert isinstance(t.commands[0], m.ReportProgress)
 
 
 def test_times_are_recorded_from_observations() -> None:
@@ -584,7 +656,7 @@ def test_failing_rank_announces_once_then_counts_failed() -> None:
     assert t.commands == (m.RunMainHooks(round=1000),)
     t = m.step(t.state, m.HooksDone())
     # ...from now on with the FAILED weight only...
-    assert t.commands[1] == drain(first=m.FAILED, value=m.FAILED, limit=None)
+    assert t.commands[1] == drain(first=m.FAILED, value=m.FAILED, limit=32)
     # ...until nobody is active: no post hooks, an exchange of failures.
     t = m.step(t.state, m.Drained(rounds=3, total=m.FAILED))
     assert t.state.phase is m.Phase.EXCHANGING
@@ -614,7 +686,7 @@ def test_failure_right_after_heartbeat_first_completes_the_iteration(fused: bool
         # The fused collective went out before the failure: no shadow of it.
         assert t.commands == (m.RunMainHooks(round=0, first_shadowed=fused),)
         t = m.step(t.state, m.HooksDone())
-        assert t.commands == (drain(first=m.FAILING, value=m.FAILED, fused=fused, limit=999),)
+        assert t.commands == (drain(first=m.FAILING, value=m.FAILED, fused=fused),)
 
 
 def unknown_place_config(**fields: Any) -> m.MachineConfig:

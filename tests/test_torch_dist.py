@@ -9,6 +9,7 @@ has a hard deadline.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,20 @@ def test_a_torch_joinable_calling_joinkits_notify_is_routed(results: Any) -> Non
         {"outside": None, "count": counts[rank], "max_count": counts[-1], "inputs": 5 + rank}
         for rank in range(WORLD)
     ]
+
+
+def test_a_long_drain_says_so_at_info_with_the_boards_names(results: Any) -> None:
+    ranks = outcome(results, "progress_line")
+    assert [r["shadow_rounds"] for r in ranks] == [98, 0, 0]
+    lines = ranks[0]["lines"]
+    # Before a peer's status reached the store, the line names only those
+    # that did, or (none did) counts them.
+    pattern = (r"rank 0 joined after 2 inputs; shadowing (rank\(s\) (1|2|1, 2)|2 active "
+               r"rank\(s\)) for \d+ s \([\d,]+ rounds\)")
+    assert lines and all(re.fullmatch(pattern, line) for line in lines), lines
+    # Once the peers' statuses reached the store, the line names them.
+    assert any("shadowing rank(s) 1, 2 for" in line for line in lines), lines
+    assert ranks[1]["lines"] == ranks[2]["lines"] == []
 
 
 def test_join_kwargs_reach_ddp_and_divide_by_active_ranks(results: Any) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import sys
 import threading
 import time
@@ -42,7 +43,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import joinkit
-from joinkit import Join, backends
+from joinkit import Join, _machine, backends
 from joinkit.backends.torch_dist import TorchGroup
 
 SCENARIO_TIMEOUT = datetime.timedelta(seconds=20)
@@ -216,6 +217,37 @@ def torch_joinable_notifies_joinkits_join(ctx: Ctx) -> Any:
         "max_count": int(counter.max_count.item()),
         "inputs": join.report.inputs if join.report else None,
     }
+
+
+@scenario
+def progress_line(ctx: Ctx) -> Any:
+    """A joined rank's INFO progress line, with the interval at 0 s (a line at
+    every drain batch boundary); the names come from the store's status board,
+    which each rank publishes at most twice a second (before that: the count)."""
+    lines: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.INFO:
+                lines.append(record.getMessage())
+
+    logger = logging.getLogger("joinkit")
+    handler, level, interval = Capture(), logger.level, _machine.PROGRESS_INTERVAL
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    _machine.PROGRESS_INTERVAL = 0.0
+    try:
+        counter = SwitchedCounter(ctx.group)
+        with Join([counter]) as join:
+            for _ in range(2 if ctx.rank == 0 else 100):
+                time.sleep(0.02)  # long enough a drain for the board to be published
+                counter()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        _machine.PROGRESS_INTERVAL = interval
+    assert join.report is not None
+    return {"lines": lines, "shadow_rounds": join.report.shadow_rounds}
 
 
 @scenario

@@ -628,6 +628,49 @@ def _skew_warning(group: Any) -> None:
         assert skew == []
 
 
+def _progress_line(group: Any) -> None:
+    """A joined rank's INFO progress line (the interval at 0 s: a line at every
+    drain batch boundary), naming the active ranks that the status board's
+    listeners reported (a peer that did not answer in time is not named; with
+    none named, the line counts them)."""
+    import logging
+    import re
+
+    from joinkit import Join, _machine
+
+    AllReducer, _ = _join_classes()
+    lines: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.INFO:
+                lines.append(record.getMessage())
+
+    logger = logging.getLogger("joinkit")
+    handler, level, interval = Capture(), logger.level, _machine.PROGRESS_INTERVAL
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    _machine.PROGRESS_INTERVAL = 0.0
+    joinable = AllReducer(group)
+    try:
+        with Join([joinable]):
+            for _ in range(0 if group.rank == 0 else 20):
+                joinable()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        _machine.PROGRESS_INTERVAL = interval
+    if group.rank != 0:
+        assert lines == [], lines
+        return
+    active = group.world_size - 1
+    pattern = (rf"rank 0 joined after 0 inputs; shadowing (rank\(s\) [\d, ]+|{active} active "
+               r"rank\(s\)) for \d+ s \([\d,]+ rounds\)")
+    assert lines and all(re.fullmatch(pattern, line) for line in lines), lines
+    everyone = ", ".join(str(rank) for rank in range(1, group.world_size))
+    assert any(f"shadowing rank(s) {everyone} for" in line for line in lines), lines
+
+
 def _examples_dir() -> str:
     from pathlib import Path
 
@@ -650,6 +693,7 @@ JOIN_CASES: dict[str, Callable[[Any], None]] = {
     "group-and-raw-comm-in-one-join": _mixed_group_and_comm,
     "counter-tutorial": _counter_tutorial,
     "skew-warning": _skew_warning,
+    "progress-line": _progress_line,
 }
 
 
