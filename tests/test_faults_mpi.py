@@ -117,7 +117,8 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
         said = (f"joinkit: rank {failing} aborts the MPI job: rank {failing} failed inside "
                 f"the Join context with {fault}; the Join cannot tell whether its peers wait "
                 "in the collectives of that iteration")
-        assert said in output and f"\nfault_scenarios.{fault}\n" in output, launch.explain()
+        # (mpirun interleaves the ranks' and its own lines: no line anchors)
+        assert said in output and f"fault_scenarios.{fault}" in output, launch.explain()
         assert "made no progress" not in output, launch.explain()  # not the watchdog
         job = launch.job_seconds
         assert job is not None and job <= RAW_DEADLINE, (job, launch.explain())
