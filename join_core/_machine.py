@@ -868,7 +868,8 @@ def progress_message(command: ReportProgress, active_ranks: Sequence[int] | None
         who = f"{command.active} active rank(s)"
     return (
         f"rank {command.rank} {command.ended} after {command.inputs:,} inputs; "
-        f"shadowing {who} for {command.seconds:.0f} s ({command.rounds:,} rounds)"
+        f"shadowing {who} for {command.seconds:.0f} s ({command.rounds:,} "
+        f"{'round' if command.rounds == 1 else 'rounds'})"
     )
 
 

@@ -446,6 +446,8 @@ def test_progress_line_once_per_interval_at_batch_boundaries() -> None:
             "rank 3 joined after 1,204 inputs; shadowing 2 active rank(s) for 42 s "
             "(3,118 rounds)"
         )
+    one = attrs.evolve(progress, rounds=1)
+    assert m.progress_message(one, [3]).endswith("shadowing rank(s) 3 for 42 s (1 round)")
     # The next line is due one interval after this one.
     s = attrs.evolve(t.state, phase=m.Phase.DRAINING)
     assert m.step(s, m.Drained(rounds=1, total=2.0, now=71.9)).commands == (
