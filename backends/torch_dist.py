@@ -93,13 +93,14 @@ import collections
 import ctypes
 import datetime
 import io
+import itertools
 import json
 import os
 import pickle
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -298,7 +299,8 @@ class TorchGroup:
         )
         self._store_prefix = f"joinkit/{getattr(group, 'group_name', '')}/"
         self._status: tuple[str, float] | None = None
-        self._status_posted: tuple[str, float] | None = None
+        self._beat: int | None = None
+        self._status_posted: tuple[tuple[str, float] | None, int | None] = (None, None)
         _groups.add(self)
 
     def __repr__(self) -> str:
@@ -453,6 +455,46 @@ class TorchGroup:
         self._status = (what, time.time())
         if self not in _publishing:
             _publish_statuses(self)
+
+    def post_beat(self) -> None:
+        """Show the peers that this rank is alive (called by the watchdog thread).
+
+        A new number from this process's sequence, published with the status
+        by the status thread (no store round trip here).
+        """
+        self._beat = next(_beat_numbers)
+        if self not in _publishing:
+            _publish_statuses(self)
+
+    def peer_board(self, ranks: Sequence[int]) -> dict[int, tuple[str, float, int | None]]:
+        """The status board entries of ``ranks``, for the watchdog's policy.
+
+        Args:
+            ranks: the ranks to read.
+
+        Returns:
+            rank -> (its last posted status, seconds since (by this host's
+            clock), its latest beat), for the ranks that posted one.
+
+        Raises:
+            TimeoutError: the store did not answer within ``_STORE_PATIENCE`` s.
+        """
+        keys = {rank: f"{self._store_prefix}status/{rank}" for rank in ranks}
+
+        def read(store: Any) -> dict[int, bytes]:
+            return {rank: store.get(key) for rank, key in keys.items() if store.check([key])}
+
+        found = _bounded(read)
+        if found is None:
+            raise TimeoutError(
+                f"the rendezvous store did not answer within {_STORE_PATIENCE:g} s"
+            )
+        now = time.time()
+        out = {}
+        for rank, value in found.items():
+            posted = json.loads(value)
+            out[rank] = (str(posted["what"]), max(0.0, now - posted["at"]), posted.get("beat"))
+        return out
 
     def peer_status(self) -> dict[int, str]:
         """What every rank's Join last posted, and whether a rank aborted.
@@ -844,6 +886,8 @@ _publisher: threading.Thread | None = None
 _helpers: set[threading.Thread] = set()
 _threads_lock = threading.Lock()
 _exiting = threading.Event()
+# This process's beat numbers (post_beat): a restarted group never repeats one.
+_beat_numbers = itertools.count(1)
 
 
 def _publish_statuses(group: TorchGroup) -> None:
@@ -863,16 +907,17 @@ def _publish_loop() -> None:
         with _threads_lock:
             groups = list(_publishing)
         for group in groups:
-            status = group._status
-            if status is None or status is group._status_posted:
+            status, beat = group._status, group._beat
+            posted = group._status_posted
+            if status is None or (status is posted[0] and beat == posted[1]):
                 continue
             what, at = status
             try:
                 _store().set(f"{group._store_prefix}status/{group.rank}",
-                             json.dumps({"what": what, "at": at}))
-            except Exception:  # noqa: BLE001 - the store is gone; diagnostics only
+                             json.dumps({"what": what, "at": at, "beat": beat}))
+            except Exception:  # noqa: BLE001 - the store is gone; peers see silence
                 continue
-            group._status_posted = status
+            group._status_posted = (status, beat)
 
 
 # -- leaving the interpreter (module doc) ----------------------------------------
