@@ -368,6 +368,8 @@ class Join:
             except BaseException:
                 _watchdog.unwatch(self._watch)
                 raise
+            if self._state is not None and self._state.config.signature is not None:
+                self._watch.peers_inside = True  # every rank passed the agreement check
             # Not an activity: the loop body may take as long as it likes.
             self._post(_watchdog.LOOP_BODY)
         for index, joinable in enumerate(self._joinables):
@@ -681,7 +683,9 @@ class Join:
         """Called by the watchdog thread, once, on a stall or a silent peer."""
         assert self._state is not None and self._timeout is not None
         if stall.silent:
-            message = m.silence_message(self._state, stall.what, stall.ticks,
+            # Inputs the loop body has notified but not yet reported (it runs on).
+            state = attrs.evolve(self._state, heartbeats=self._state.heartbeats + self._beats)
+            message = m.silence_message(state, stall.what, stall.ticks,
                                         stall.silent, self._timeout, stall.board_error)
         else:
             assert stall.what is not None

@@ -15,7 +15,7 @@ Every ``interval`` seconds the thread looks at each watch. Its own activity
 is *idle* for as long as it stays blocked in the same activity with no change
 of ``ticks`` since the thread's previous look (its own sampling: the shell
 pays one increment per step, no clock read). Every ``look_every`` seconds
-(``timeout / 8``) it also *beats*, the watch's ``beat()`` (the backend
+(``timeout / 10``) it also *beats*, the watch's ``beat()`` (the backend
 publishes a new liveness number on its status board), and reads the board
 entry of its ring neighbour, rank ``r + 1``: each rank is watched by one peer,
 so a board read costs one entry per look whatever the world size. A peer
@@ -68,11 +68,14 @@ __all__ = ["Entry", "Stall", "Waiting", "Watch", "judge", "watch", "unwatch"]
 LOOP_BODY = "active: in its loop body"
 #: What a Join posts when its rank leaves the block (it beats no more).
 LEFT = "left the Join"
+#: A peer inside the Join whose entry never reached the board (module doc).
+NO_ENTRY = "inside the Join, but no status of it ever reached the board"
+_NO_BEAT = -1
 #: A peer whose beat has not changed for this fraction of the timeout is
 #: silent, so that a silent peer is reported within the timeout: a live peer
-#: beats every ``timeout / 8`` and is read every ``timeout / 8``, so its entry
-#: is never older than about a quarter of it.
-SILENT_FRACTION = 0.75
+#: beats every ``timeout / 10`` and is read every ``timeout / 10``, so its
+#: beat is seen unchanged for at most a fifth of it, plus a read's latency.
+SILENT_FRACTION = 0.5
 
 
 @attrs.frozen(kw_only=True)
@@ -214,7 +217,8 @@ class Watch:
     """
 
     __slots__ = ("timeout", "on_stall", "hard", "rank", "world_size", "read", "beat",
-                 "on_wait", "look_every", "doing", "ticks", "fired", "_seen", "_next_look",
+                 "on_wait", "look_every", "peers_inside", "doing", "ticks", "fired", "_seen",
+                 "_next_look",
                  "_full_at", "_waited_at", "_peers", "_board_error", "_blocked",
                  "__weakref__")
 
@@ -239,7 +243,12 @@ class Watch:
         self.beat = beat
         self.on_wait = on_wait
         #: Seconds between beats and neighbour reads.
-        self.look_every = timeout / 8
+        self.look_every = timeout / 10
+        #: Set by the shell once every rank is known to have entered the Join
+        #: (the agreement check at entry passed): from then on a peer with no
+        #: board entry is expected to beat too (it froze before its first
+        #: post reached the board), where the backend keeps beats.
+        self.peers_inside = False
         #: ``(what, since)`` while the shell is blocked, else ``None``;
         #: replaced whole, so the thread reads a consistent pair.
         self.doing: tuple[str, float] | None = None
@@ -309,9 +318,18 @@ class Watch:
         self._next_look = now + self.look_every
         return [(self.rank + 1) % self.world_size] if peers else []
 
-    def seen(self, now: float, board: Mapping[int, Entry], error: str | None = None) -> None:
-        """Record a board read made at ``now`` (``error``: why it failed)."""
+    def seen(self, now: float, asked: Sequence[int], board: Mapping[int, Entry],
+             error: str | None = None) -> None:
+        """Record a read of ``asked``'s board entries made at ``now``.
+
+        ``error`` says why the read failed. An asked rank missing from the
+        board counts as inside the Join without a beat once ``peers_inside``.
+        """
         self._board_error = error
+        if self.peers_inside and self.beat is not None:
+            for rank in asked:
+                if rank not in board and rank not in self._peers:
+                    self._peers[rank] = (NO_ENTRY, 0.0, now, _NO_BEAT, now)
         for rank, entry in board.items():
             known = self._peers.get(rank)
             since = now if known is None or known[3] != entry.beat else known[4]
@@ -320,7 +338,7 @@ class Watch:
     def verdict(self, now: float) -> Stall | Waiting | None:
         """What :func:`judge` makes of the latest samples (a wait once per timeout)."""
         peers = {
-            rank: Peer(what=what, age=age + now - read_at,
+            rank: Peer(what=what, age=None if beat == _NO_BEAT else age + now - read_at,
                        silent=None if beat is None else now - since)
             for rank, (what, age, read_at, beat, since) in self._peers.items()
         }
@@ -397,7 +415,8 @@ def _run() -> None:
 
 def _look(item: Watch) -> None:
     """One look at one watch: beat and read the board when due, then judge."""
-    ranks = item.due(time.monotonic())
+    asked_at = time.monotonic()
+    ranks = item.due(asked_at)
     if ranks is not None:
         if item.beat is not None:
             try:
@@ -409,7 +428,9 @@ def _look(item: Watch) -> None:
                 board, error = item.read(ranks), None
             except Exception as exc:  # noqa: BLE001 - no change seen: silence grows
                 board, error = {}, f"{type(exc).__name__}: {exc}"
-            item.seen(time.monotonic(), board, error)
+            # As of the question: a beat seen changed did so after it, and a
+            # peer that does not answer (MPI waits for it) was silent since.
+            item.seen(asked_at, ranks, board, error)
     verdict = item.verdict(time.monotonic())
     if isinstance(verdict, Stall):
         item.fired = True

@@ -107,15 +107,15 @@ def test_an_explicit_timeout_is_a_hard_limit() -> None:
 
 
 def test_a_silent_peer_inside_the_join_is_a_stall_in_the_loop_body_too() -> None:
-    peers = {1: Peer(what=LOOP_BODY, silent=7.5), 2: Peer(what=LOOP_BODY, silent=1.0)}
+    peers = {1: Peer(what=LOOP_BODY, silent=5.0), 2: Peer(what=LOOP_BODY, silent=1.0)}
     for hard in (True, False):
         assert judge(blocked=None, peers=peers, timeout=10.0, hard=hard) == Stall(
-            what=None, silent=((1, 7.5, LOOP_BODY),))
+            what=None, silent=((1, 5.0, LOOP_BODY),))
     assert judge(blocked=(COUNTING, 2, 8.0), peers=peers, timeout=10.0, hard=False) == Stall(
-        what=COUNTING, ticks=2, idle=8.0, silent=((1, 7.5, LOOP_BODY),))
+        what=COUNTING, ticks=2, idle=8.0, silent=((1, 5.0, LOOP_BODY),))
     # Below the silent fraction of the timeout, and a peer that left the
     # Join (it beats no more) or keeps no beat: not silent.
-    quiet = {1: Peer(what=LOOP_BODY, silent=7.4), 2: Peer(what=LEFT, silent=99.0),
+    quiet = {1: Peer(what=LOOP_BODY, silent=4.9), 2: Peer(what=LEFT, silent=99.0),
              3: Peer(what=LOOP_BODY, silent=None)}
     assert judge(blocked=None, peers=quiet, timeout=10.0, hard=False) is None
 
@@ -140,32 +140,32 @@ def _look(watch: _watchdog.Watch, board: _Board, now: float) -> Stall | Waiting 
     ranks = watch.due(now)
     if ranks:
         try:
-            watch.seen(now, board.read(list(ranks)))
+            watch.seen(now, ranks, board.read(list(ranks)))
         except TimeoutError as exc:
-            watch.seen(now, {}, f"TimeoutError: {exc}")
+            watch.seen(now, ranks, {}, f"TimeoutError: {exc}")
     return watch.verdict(now)
 
 
 def test_the_watch_reads_its_ring_neighbour_and_finds_it_silent_within_the_timeout() -> None:
     board = _Board()
-    watch = _watchdog.Watch(8.0, lambda stall: None, hard=False, rank=3, world_size=4,
+    watch = _watchdog.Watch(10.0, lambda stall: None, hard=False, rank=3, world_size=4,
                             read=board.read)
-    assert watch.look_every == 1.0
+    assert watch.look_every == 1.0  # a tenth of the timeout
     for beat, now in enumerate((0.0, 1.0, 2.0, 3.0)):  # rank 0 beats once a second
         board.entries[0] = Entry(what=LOOP_BODY, age=now, beat=beat)
         assert _look(watch, board, now) is None
     assert board.reads == [[0], [0], [0], [0]]  # only the neighbour, once per look_every
     assert _look(watch, board, 3.5) is None and len(board.reads) == 4  # no look due
-    # Rank 0 freezes after its beat at 3.0: silent from 6 s on, named.
-    for now in (4.0, 5.0, 6.0, 7.0, 8.0):
+    # Rank 0 freezes after its beat at 3.0: silent for half the timeout at 8.0.
+    for now in (4.0, 5.0, 6.0, 7.0):
         assert _look(watch, board, now) is None
-    assert _look(watch, board, 9.0) == Stall(what=None, silent=((0, 6.0, LOOP_BODY),))
+    assert _look(watch, board, 8.0) == Stall(what=None, silent=((0, 5.0, LOOP_BODY),))
 
 
 def test_the_watch_reads_every_peer_once_blocked_for_the_timeout_and_waits() -> None:
     board = _Board()
     waits: list[Waiting] = []
-    watch = _watchdog.Watch(8.0, lambda stall: None, hard=False, rank=0, world_size=3,
+    watch = _watchdog.Watch(10.0, lambda stall: None, hard=False, rank=0, world_size=3,
                             read=board.read, on_wait=waits.append)
     board.entries = {1: Entry(what=COUNTING, age=0.0, beat=0),
                      2: Entry(what=LOOP_BODY, age=0.0, beat=0)}
@@ -180,10 +180,10 @@ def test_the_watch_reads_every_peer_once_blocked_for_the_timeout_and_waits() -> 
     # Rank 2 is in its loop body: waited for, reported once per timeout.
     assert [v for v in verdicts if v is not None] == [
         Waiting(what=COUNTING, idle=float(t), ranks=((2, LOOP_BODY, 0.0),))
-        for t in (8, 16, 24, 32)
+        for t in (10, 20, 30)
     ]
     # Every peer read at most every timeout / 2 while blocked, else the neighbour.
-    assert board.reads.count([1, 2]) == 8 and [1, 2] == board.reads[8]
+    assert board.reads.count([1, 2]) == 6 and [1, 2] == board.reads[10]
     # Rank 2 enters the count and nothing moves: a stall.
     board.entries[2] = attrs.evolve(board.entries[2], what=COUNTING)
     verdict = None
@@ -191,7 +191,7 @@ def test_the_watch_reads_every_peer_once_blocked_for_the_timeout_and_waits() -> 
     while verdict is None or isinstance(verdict, Waiting):
         verdict = _look(watch, board, now)
         now += 1.0
-    assert verdict == Stall(what=COUNTING, idle=now - 1.0) and now <= 40.0 + 8.0
+    assert verdict == Stall(what=COUNTING, idle=now - 1.0) and now <= 40.0 + 10.0
 
 
 def test_an_unreadable_board_makes_the_peers_silent_and_says_why() -> None:
@@ -201,9 +201,9 @@ def test_an_unreadable_board_makes_the_peers_silent_and_says_why() -> None:
     board.entries[0] = Entry(what=LOOP_BODY, age=0.0, beat=1)
     assert _look(watch, board, 0.0) is None
     board.fail = "the store did not answer"
-    verdicts = [_look(watch, board, t / 2) for t in range(1, 7)]
-    assert verdicts[:5] == [None] * 5
-    assert verdicts[5] == Stall(what=None, silent=((0, 3.0, LOOP_BODY),),
+    verdicts = [_look(watch, board, t / 2) for t in range(1, 5)]
+    assert verdicts[:3] == [None] * 3
+    assert verdicts[3] == Stall(what=None, silent=((0, 2.0, LOOP_BODY),),
                                 board_error="TimeoutError: the store did not answer")
 
 
@@ -227,3 +227,14 @@ def test_the_thread_beats_and_reports_a_silent_peer_once() -> None:
         _watchdog.unwatch(watch)
     assert len(fired) == 1 and fired[0].what is None and fired[0].silent[0][0] == 1
     assert len(beats) >= 2
+
+
+def test_a_peer_that_froze_before_its_first_post_is_silent_once_all_entered() -> None:
+    board = _Board()  # rank 1 never posts
+    watch = _watchdog.Watch(10.0, lambda stall: None, hard=False, rank=0, world_size=2,
+                            read=board.read, beat=lambda: None)
+    assert all(_look(watch, board, float(t)) is None for t in range(20))  # not known inside
+    watch.peers_inside = True  # the agreement check at entry passed
+    verdicts = [_look(watch, board, float(t)) for t in range(20, 30)]
+    assert verdicts[:5] == [None] * 5
+    assert verdicts[5] == Stall(what=None, silent=((1, 5.0, _watchdog.NO_ENTRY),))
