@@ -54,9 +54,9 @@ MANY = 100_000
 
 
 def rank_main(args: argparse.Namespace) -> None:
-    from joinkit import Join, backends
-
     from fault_scenarios import Counter, describe_error  # noqa: PLC0415 - path set below
+
+    from joinkit import Join, backends
 
     lines: list[str] = []
 
