@@ -480,21 +480,40 @@ class TorchGroup:
             TimeoutError: the store did not answer within ``_STORE_PATIENCE`` s.
         """
         keys = {rank: f"{self._store_prefix}status/{rank}" for rank in ranks}
+        abort_key = self._store_prefix + "abort"
 
         def read(store: Any) -> dict[int, bytes]:
-            return {rank: store.get(key) for rank, key in keys.items() if store.check([key])}
+            found = {rank: store.get(key) for rank, key in keys.items() if store.check([key])}
+            if self._abort is None and store.check([abort_key]):
+                found[-1] = store.get(abort_key)
+            return found
 
         found = _bounded(read)
         if found is None:
             raise TimeoutError(
                 f"the rendezvous store did not answer within {_STORE_PATIENCE:g} s"
             )
+        aborted = found.pop(-1, None)
+        if aborted and self._abort is None:  # seen on the way: waits give up at once
+            posted = json.loads(aborted)
+            self._abort = (int(posted["rank"]), str(posted["reason"]))
         now = time.time()
         out = {}
         for rank, value in found.items():
             posted = json.loads(value)
             out[rank] = (str(posted["what"]), max(0.0, now - posted["at"]), posted.get("beat"))
         return out
+
+    @property
+    def aborted(self) -> tuple[int, str] | None:
+        """``(rank, reason)`` of the abort this rank knows of, or ``None``.
+
+        Known from this rank's own :meth:`abort`, a wait that found a posted
+        one, or a :meth:`peer_board` read (no store access here). The Join's
+        watchdog does not report a peer silent once it knows the group was
+        aborted: the aborting rank may have left, and the abort is the news.
+        """
+        return self._abort
 
     def peer_status(self) -> dict[int, str]:
         """What every rank's Join last posted, and whether a rank aborted.

@@ -682,6 +682,10 @@ class Join:
     def _on_stall(self, stall: _watchdog.Stall) -> None:
         """Called by the watchdog thread, once, on a stall or a silent peer."""
         assert self._state is not None and self._timeout is not None
+        if stall.silent and getattr(self._backend, "aborted", None) is not None:
+            # A rank aborted the group (and may have left since, so it beats
+            # no more): the blocked or next collective raises that abort.
+            return
         if stall.silent:
             # Inputs the loop body has notified but not yet reported (it runs on).
             state = attrs.evolve(self._state, heartbeats=self._state.heartbeats + self._beats)
