@@ -31,6 +31,15 @@ Optional, each making the Join better where a backend can offer it:
                             cheap)
 ``peer_status()``           rank -> its last posted status, read out of band by
                             the watchdog thread for a stall diagnostic
+``post_beat()``             show the peers this rank is alive (the watchdog
+                            thread calls it every tenth of the timeout; no I/O
+                            on the caller's thread, a background one publishes)
+``peer_board(ranks)``       rank -> (last posted status, its age, latest beat),
+                            for those of ``ranks`` with an entry, read out of
+                            band by the watchdog thread: without it the
+                            default timeout is a hard limit of 30 min
+``aborted``                 ``(rank, reason)`` of an abort this rank knows of
+                            (no I/O), or ``None``
 ==========================  ===================================================
 
 The registry, which the core owns (``joinkit._ports``; :func:`register` and

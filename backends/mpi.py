@@ -52,13 +52,17 @@ backend has none, since the joinable's calls bypass it); ``abort`` is
 waits in.
 
 *The status board* (``post_status``/``peer_status``, for the watchdog's stall
-diagnostic) must be read while the ranks are blocked in a join collective, so
+diagnostic; ``post_beat``/``peer_board``, for its liveness watch) must be read
+while the ranks are blocked in a join collective or their own collectives, so
 it works out of band, on point-to-point messages between threads.
 ``post_status`` only stores the text and the time in a dict (no MPI call, so
 the per-round path stays cheap), keyed by communicator; the first post on a
 communicator starts the process's *listener*, a daemon thread that every
 ``_STATUS_POLL`` seconds probes each such communicator for a status query and
-answers it with the latest post and its age. ``peer_status``, called on the
+answers it with the latest post, its age and the latest beat (a number
+``post_beat`` takes). ``peer_board``, called by the watchdog thread every
+tenth of its timeout for its ring neighbour, asks the same way and leaves out
+a rank that does not answer (so its beat stops). ``peer_status``, called on the
 stalled rank's watchdog thread, sends every peer a query and waits up to
 ``_STATUS_PATIENCE`` seconds for the answers; a peer that does not answer is
 reported as such (dead, stuck without releasing the GIL, or not yet in a Join).

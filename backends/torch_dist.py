@@ -45,7 +45,11 @@ through the default group's store, which every rank reaches without the
 (possibly stuck) process group: ``post_status`` only records what the Join is
 doing, and a daemon thread publishes it at most twice a second (so the
 per-round path pays no store round trip); ``peer_status`` reads every rank's
-entry for a stall diagnostic. ``abort`` posts the reason (first aborter wins)
+entry for a stall diagnostic. ``post_beat`` (the Join's watchdog thread, every
+tenth of its timeout) takes a new number that the same thread publishes with
+the status, and ``peer_board`` reads the entries of a few ranks (the
+watchdog's ring neighbour, or every rank while it waits) and any posted
+abort, which ``aborted`` then reports. ``abort`` posts the reason (first aborter wins)
 and calls ``ProcessGroup.abort()``. That is enough on nccl, but gloo's abort
 wakes nobody, neither this rank's pending collective nor its peers'. So on a
 CPU group every blocking wait of this class waits in slices of

@@ -756,6 +756,8 @@ class Join:
             call()
 
     def _post_hooks(self, command: m.RunPostHooks) -> None:
+        # Every rank has finished counting: peers may leave (and exit) now.
+        self._watch.silence = False
         self._doing("post hooks")
         for hook in self._hooks:
             hook.post_hook(command.is_last_joiner)
@@ -857,6 +859,7 @@ class Join:
                     case m.ExchangeFailures():
                         self._doing("exchanging failures")
                         failures = backend.all_gather_object(command.failure)
+                        self._watch.silence = False  # every rank now leaves (and may exit)
                         pending = m.FailuresExchanged(
                             failures=tuple(failures), now=self._clock()
                         )

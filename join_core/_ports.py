@@ -68,8 +68,8 @@ class JoinBackend(Protocol):
 
     The required members are below; the optional ones (``heartbeat_total``,
     ``collectives_issued``, ``abort``, ``post_status``, ``peer_status``,
-    ``wait``) are described in ``joinkit.backends`` and the README's "Writing a
-    backend".
+    ``post_beat``, ``peer_board``, ``aborted``, ``wait``) are described in
+    ``joinkit.backends`` and the README's "Writing a backend".
     """
 
     rank: int

@@ -217,7 +217,8 @@ class Watch:
     """
 
     __slots__ = ("timeout", "on_stall", "hard", "rank", "world_size", "read", "beat",
-                 "on_wait", "look_every", "peers_inside", "doing", "ticks", "fired", "_seen",
+                 "on_wait", "look_every", "peers_inside", "silence", "doing", "ticks", "fired",
+                 "_seen",
                  "_next_look",
                  "_full_at", "_waited_at", "_peers", "_board_error", "_blocked",
                  "__weakref__")
@@ -249,6 +250,10 @@ class Watch:
         #: board entry is expected to beat too (it froze before its first
         #: post reached the board), where the backend keeps beats.
         self.peers_inside = False
+        #: Cleared by the shell once every rank has finished the protocol
+        #: (post hooks): a peer may then leave and exit before its last
+        #: status reaches the board, so silence means nothing any more.
+        self.silence = True
         #: ``(what, since)`` while the shell is blocked, else ``None``;
         #: replaced whole, so the thread reads a consistent pair.
         self.doing: tuple[str, float] | None = None
@@ -339,7 +344,7 @@ class Watch:
         """What :func:`judge` makes of the latest samples (a wait once per timeout)."""
         peers = {
             rank: Peer(what=what, age=None if beat == _NO_BEAT else age + now - read_at,
-                       silent=None if beat is None else now - since)
+                       silent=None if beat is None or not self.silence else now - since)
             for rank, (what, age, read_at, beat, since) in self._peers.items()
         }
         if not self.hard:  # a peer that was never read: no status known

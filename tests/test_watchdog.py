@@ -238,3 +238,14 @@ def test_a_peer_that_froze_before_its_first_post_is_silent_once_all_entered() ->
     verdicts = [_look(watch, board, float(t)) for t in range(20, 30)]
     assert verdicts[:5] == [None] * 5
     assert verdicts[5] == Stall(what=None, silent=((1, 5.0, _watchdog.NO_ENTRY),))
+
+
+def test_no_silence_once_every_rank_has_finished_the_protocol() -> None:
+    board = _Board()
+    watch = _watchdog.Watch(10.0, lambda stall: None, hard=False, rank=0, world_size=2,
+                            read=board.read, beat=lambda: None)
+    board.entries[1] = Entry(what="post hooks", age=0.0, beat=3)  # then it exits
+    watch.silence = False  # this rank runs its post hooks
+    assert all(_look(watch, board, float(t)) is None for t in range(20))
+    watch.silence = True
+    assert _look(watch, board, 20.0) == Stall(what=None, silent=((1, 20.0, "post hooks"),))
