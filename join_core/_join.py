@@ -695,6 +695,9 @@ class Join:
             assert stall.what is not None
             message = m.stall_message(self._state, stall.what, stall.ticks, stall.idle,
                                       self._timeout)
+            if stall.board_error is not None and self._watch.read is not None:
+                message += (f" (no peer could be shown alive: its last read of the status "
+                            f"board failed: {stall.board_error})")
         peer_status = getattr(self._backend, "peer_status", None)
         if peer_status is not None:
             try:

@@ -151,6 +151,7 @@ def judge(
     peers: Mapping[int, Peer],
     timeout: float,
     hard: bool,
+    board_error: str | None = None,
 ) -> Stall | Waiting | None:
     """The watchdog's policy, pure: what to make of this rank and its peers.
 
@@ -160,12 +161,15 @@ def judge(
         peers: what is known of the peers (their latest board entries).
         timeout: the Join's timeout.
         hard: whether an idle activity is a stall whatever the peers do.
+        board_error: why the latest read of the board failed, if it did: then
+            no peer can be shown alive, and an idle activity is a stall.
 
     Returns:
         A :class:`Stall` if a peer inside the Join is silent for
         ``SILENT_FRACTION * timeout`` (any mode), or the rank is idle for
         ``timeout`` and ``hard``, or idle for ``timeout`` and every peer is in a
-        join collective or round of hooks too; :class:`Waiting` if idle for
+        join collective or round of hooks too, or the board cannot be read;
+        :class:`Waiting` if idle for
         ``timeout`` but some peer is in its loop body, outside the Join, or
         has posted nothing; else ``None``.
     """
@@ -177,12 +181,13 @@ def judge(
     )
     if silent:
         if blocked is None:
-            return Stall(what=None, silent=silent)
-        return Stall(what=blocked[0], ticks=blocked[1], idle=blocked[2], silent=silent)
+            return Stall(what=None, silent=silent, board_error=board_error)
+        return Stall(what=blocked[0], ticks=blocked[1], idle=blocked[2], silent=silent,
+                     board_error=board_error)
     if blocked is None or blocked[2] < timeout:
         return None
     what, ticks, idle = blocked
-    if not hard:
+    if not hard and board_error is None:
         waiting = tuple(
             (rank, peer.what or "no status posted", peer.age)
             for rank, peer in sorted(peers.items())
@@ -190,7 +195,7 @@ def judge(
         )
         if waiting:
             return Waiting(what=what, idle=idle, ranks=waiting)
-    return Stall(what=what, ticks=ticks, idle=idle)
+    return Stall(what=what, ticks=ticks, idle=idle, board_error=board_error)
 
 
 #: ``on_stall(stall)``, ``on_wait(waiting)``.
@@ -327,11 +332,12 @@ class Watch:
              error: str | None = None) -> None:
         """Record a read of ``asked``'s board entries made at ``now``.
 
-        ``error`` says why the read failed. An asked rank missing from the
-        board counts as inside the Join without a beat once ``peers_inside``.
+        ``error`` says why the read failed. An asked rank missing from a
+        board that answered counts as inside the Join without a beat once
+        ``peers_inside``.
         """
         self._board_error = error
-        if self.peers_inside and self.beat is not None:
+        if self.peers_inside and self.beat is not None and error is None:
             for rank in asked:
                 if rank not in board and rank not in self._peers:
                     self._peers[rank] = (NO_ENTRY, 0.0, now, _NO_BEAT, now)
@@ -352,9 +358,7 @@ class Watch:
                 if rank != self.rank:
                     peers.setdefault(rank, Peer(what=None))
         verdict = judge(blocked=self._blocked, peers=peers, timeout=self.timeout,
-                        hard=self.hard)
-        if isinstance(verdict, Stall):
-            return attrs.evolve(verdict, board_error=self._board_error)
+                        hard=self.hard, board_error=self._board_error)
         if isinstance(verdict, Waiting):
             if self._waited_at is not None and now - self._waited_at < self.timeout:
                 return None

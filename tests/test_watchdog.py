@@ -100,6 +100,13 @@ def test_every_rank_in_a_join_collective_without_progress_is_a_stall() -> None:
                  hard=False) == Stall(what=COUNTING, ticks=4, idle=300.0)
 
 
+def test_an_unreadable_board_cannot_show_a_peer_alive() -> None:
+    peers = {1: Peer(what=LOOP_BODY, silent=None)}
+    assert judge(blocked=(COUNTING, 0, 300.0), peers=peers, timeout=300.0, hard=False,
+                 board_error="TimeoutError: no store") == Stall(
+        what=COUNTING, idle=300.0, board_error="TimeoutError: no store")
+
+
 def test_an_explicit_timeout_is_a_hard_limit() -> None:
     peers = {1: Peer(what=LOOP_BODY, silent=1.0)}
     assert judge(blocked=(COUNTING, 0, 10.0), peers=peers, timeout=10.0,
