@@ -20,10 +20,14 @@ publishes a new liveness number on its status board), and reads the board
 entry of its ring neighbour, rank ``r + 1``: each rank is watched by one peer,
 so a board read costs one entry per look whatever the world size. A peer
 whose entry says it is inside a Join ("active: in its loop body", or a join
-collective) but whose beat has not changed for ``SILENT_FRACTION * timeout``
-is *silent*: dead, frozen (SIGSTOP), or holding the GIL, since its watchdog
-thread beats whatever its main thread does. That is reported at once, in the
-loop body too, naming the rank.
+collective; or, once the shell has set :attr:`Watch.peers_inside` after the
+agreement check at entry, with no entry at all) but whose beat has not
+changed for ``SILENT_FRACTION * timeout`` (half of it) is *silent*: dead,
+frozen (SIGSTOP), or holding the GIL, since its watchdog thread beats
+whatever its main thread does. That is reported at once, in the loop body
+too, naming the rank, until the shell clears :attr:`Watch.silence` (every rank
+has finished the protocol and may exit). Beats are compared, never clocks,
+so hosts need not agree on the time.
 
 The policy is the pure function :func:`judge`; the watch turns its samples
 into its arguments (:meth:`Watch.due`, :meth:`Watch.seen`,
@@ -34,9 +38,10 @@ into its arguments (:meth:`Watch.due`, :meth:`Watch.seen`,
   board): a stall, whatever the peers do;
 - otherwise the thread reads every peer's entry (at most every ``timeout / 2``
   seconds) and it is a stall only if no peer is in its loop body or outside
-  the Join: a healthy slow rank (a long checkpoint, an evaluation) is waited
-  for, however long, and the shell logs whom it waits for (``on_wait``, at
-  most once per ``timeout``).
+  the Join, or the board could not be read (no peer can be shown alive): a
+  healthy slow rank (a long checkpoint, an evaluation) is waited for, however
+  long, and the shell logs whom it waits for (``on_wait``, at most once per
+  ``timeout``).
 
 A verdict that is a stall fires once: the thread calls the watch's
 ``on_stall(stall)``, from this thread. The Join's callback composes the
