@@ -25,7 +25,7 @@ import pytest
 from fault_support import Launch, python, record_cell, run_all
 from mpi_support import child_env, is_open_mpi, mpirun
 
-from joinkit import Join, RankTimeout
+from joinkit import Join, Joinable, JoinHook, RankTimeout, backends
 from joinkit.backends.threads import spawn
 
 RUNNER = Path(__file__).with_name("liveness_runner.py")
@@ -84,6 +84,66 @@ def test_the_knob_must_be_a_number(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JOINKIT_DEFAULT_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="JOINKIT_DEFAULT_TIMEOUT='soon'"):
         spawn(lambda group: Join([fs.Counter(group)]), 1, timeout=30.0)
+
+
+class _Done:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def wait(self) -> float:
+        return self.value
+
+
+class _Boardless:
+    """A join backend of one rank with no status board (no ``peer_board``)."""
+
+    rank, world_size = 0, 1
+
+    def heartbeat(self, value: float) -> _Done:
+        return _Done(value)
+
+    def count(self, value: float) -> float:
+        return value
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class _OnBoardless(Joinable):
+    def __init__(self) -> None:
+        super().__init__()
+        self.group = _Boardless()
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return JoinHook()
+
+    @property
+    def join_device(self) -> Any:
+        return "cpu"
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
+backends.register(_Boardless, lambda group, device: group)
+
+
+def test_without_a_board_the_default_is_a_hard_limit_of_six_timeouts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JOINKIT_DEFAULT_TIMEOUT", "2")
+    join = Join([_OnBoardless()])
+    assert join._watch.hard and join._watch.timeout == 12.0  # 30 min unscaled
+    explicit = Join([_OnBoardless()], timeout=5.0)
+    assert explicit._watch.hard and explicit._watch.timeout == 5.0
+    with join:
+        pass
+
+    def on_threads(group: Any) -> tuple[bool, float]:
+        join = Join([fs.Counter(group)])
+        return join._watch.hard, join._watch.timeout
+
+    assert spawn(on_threads, 2, timeout=30.0) == [(False, 2.0)] * 2  # the board decides
 
 
 # -- processes ----------------------------------------------------------------------------
