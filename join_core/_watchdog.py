@@ -330,8 +330,10 @@ class Watch:
             return peers
         if self._next_look is not None and now < self._next_look:
             return None
+        first = self._next_look is None
         self._next_look = now + self.look_every
-        return [(self.rank + 1) % self.world_size] if peers else []
+        # The first look only beats: the neighbour may not have posted yet.
+        return [(self.rank + 1) % self.world_size] if peers and not first else []
 
     def seen(self, now: float, asked: Sequence[int], board: Mapping[int, Entry],
              error: str | None = None) -> None:

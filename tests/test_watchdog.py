@@ -161,8 +161,9 @@ def test_the_watch_reads_its_ring_neighbour_and_finds_it_silent_within_the_timeo
     for beat, now in enumerate((0.0, 1.0, 2.0, 3.0)):  # rank 0 beats once a second
         board.entries[0] = Entry(what=LOOP_BODY, age=now, beat=beat)
         assert _look(watch, board, now) is None
-    assert board.reads == [[0], [0], [0], [0]]  # only the neighbour, once per look_every
-    assert _look(watch, board, 3.5) is None and len(board.reads) == 4  # no look due
+    # The first look only beats; then only the neighbour, once per look_every.
+    assert board.reads == [[0], [0], [0]]
+    assert _look(watch, board, 3.5) is None and len(board.reads) == 3  # no look due
     # Rank 0 freezes after its beat at 3.0: silent for half the timeout at 8.0.
     for now in (4.0, 5.0, 6.0, 7.0):
         assert _look(watch, board, now) is None
@@ -190,7 +191,7 @@ def test_the_watch_reads_every_peer_once_blocked_for_the_timeout_and_waits() -> 
         for t in (10, 20, 30)
     ]
     # Every peer read at most every timeout / 2 while blocked, else the neighbour.
-    assert board.reads.count([1, 2]) == 6 and [1, 2] == board.reads[10]
+    assert board.reads.count([1, 2]) == 6 and [1, 2] == board.reads[9]
     # Rank 2 enters the count and nothing moves: a stall.
     board.entries[2] = attrs.evolve(board.entries[2], what=COUNTING)
     verdict = None
@@ -206,6 +207,7 @@ def test_an_unreadable_board_makes_the_peers_silent_and_says_why() -> None:
     watch = _watchdog.Watch(4.0, lambda stall: None, hard=True, rank=1, world_size=2,
                             read=board.read)
     board.entries[0] = Entry(what=LOOP_BODY, age=0.0, beat=1)
+    assert _look(watch, board, -1.0) is None  # the first look only beats
     assert _look(watch, board, 0.0) is None
     board.fail = "the store did not answer"
     verdicts = [_look(watch, board, t / 2) for t in range(1, 5)]
@@ -255,4 +257,5 @@ def test_no_silence_once_every_rank_has_finished_the_protocol() -> None:
     watch.silence = False  # this rank runs its post hooks
     assert all(_look(watch, board, float(t)) is None for t in range(20))
     watch.silence = True
-    assert _look(watch, board, 20.0) == Stall(what=None, silent=((1, 20.0, "post hooks"),))
+    # Seen from the second look on (at 1.0).
+    assert _look(watch, board, 20.0) == Stall(what=None, silent=((1, 19.0, "post hooks"),))
