@@ -38,6 +38,15 @@ Optional, each making the Join better where a backend can offer it:
 ``broadcast_object``        ``broadcast_object(obj, src)``: ``src``'s ``obj`` on
                             every rank (with ``gather_object``: the failure
                             exchange)
+``post_beat()``             show the peers this rank is alive (the watchdog
+                            thread calls it every tenth of the timeout; no I/O
+                            on the caller's thread, a background one publishes)
+``peer_board(ranks)``       rank -> (last posted status, its age, latest beat),
+                            for those of ``ranks`` with an entry, read out of
+                            band by the watchdog thread: without it the
+                            default timeout is a hard limit of 30 min
+``aborted``                 ``(rank, reason)`` of an abort this rank knows of
+                            (no I/O), or ``None``
 ==========================  ===================================================
 
 Without the last three the Join uses ``all_gather_object``, which costs every

@@ -54,13 +54,17 @@ the traceback of the exception being handled, if any, as ``python -m mpi4py``
 prints it) goes to standard error, so the job's output names the failure.
 
 *The status board* (``post_status``/``peer_status``, for the watchdog's stall
-diagnostic) must be read while the ranks are blocked in a join collective, so
+diagnostic; ``post_beat``/``peer_board``, for its liveness watch) must be read
+while the ranks are blocked in a join collective or their own collectives, so
 it works out of band, on point-to-point messages between threads.
 ``post_status`` only stores the text and the time in a dict (no MPI call, so
 the per-round path stays cheap), keyed by communicator; the first post on a
 communicator starts the process's *listener*, a daemon thread that every
 ``_STATUS_POLL`` seconds probes each such communicator for a status query and
-answers it with the latest post and its age. ``peer_status``, called on the
+answers it with the latest post, its age and the latest beat (a number
+``post_beat`` takes). ``peer_board``, called by the watchdog thread every
+tenth of its timeout for its ring neighbour, asks the same way and leaves out
+a rank that does not answer (so its beat stops). ``peer_status``, called on the
 stalled rank's watchdog thread, sends every peer a query and waits up to
 ``_STATUS_PATIENCE`` seconds for the answers; a peer that does not answer is
 reported as such (dead, stuck without releasing the GIL, or not yet in a Join).
@@ -86,7 +90,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -210,6 +214,9 @@ _STATUS_PATIENCE = 2.0
 
 # communicator key (its Fortran handle) -> (what, time.monotonic() when posted)
 _statuses: dict[int, tuple[str, float]] = {}
+# communicator key -> this rank's latest liveness beat (post_beat)
+_beats: dict[int, int] = {}
+_beat_numbers = itertools.count(1)
 # communicator key -> the communicator, for every one with a post: the
 # listener answers queries on these.
 _board_comms: dict[int, MPI.Comm] = {}
@@ -279,8 +286,8 @@ def _listen() -> None:
             try:
                 while (message := comm.improbe(MPI.ANY_SOURCE, query_tag, status)) is not None:
                     query = message.recv()
-                    sends.append(comm.isend((query, _status_text(key)), status.Get_source(),
-                                            answer_tag))
+                    sends.append(comm.isend((query, _status_text(key), _status_entry(key)),
+                                            status.Get_source(), answer_tag))
             except MPI.Exception:  # the communicator broke: stop answering on it
                 _board_comms.pop(key, None)
         sends = [send for send in sends if not send.Test()]
@@ -292,6 +299,15 @@ def _status_text(key: int) -> str:
         return "no status posted"
     what, at = posted
     return f"{what} ({max(0.0, time.monotonic() - at):.1f} s ago)"
+
+
+def _status_entry(key: int) -> tuple[str, float, int | None] | None:
+    """The board entry for ``peer_board``: (status, its age, beat), or ``None``."""
+    posted = _statuses.get(key)
+    if posted is None:
+        return None
+    what, at = posted
+    return what, max(0.0, time.monotonic() - at), _beats.get(key)
 
 
 class MPIGroup:
@@ -535,35 +551,81 @@ class MPIGroup:
             RuntimeError: MPI runs below ``MPI_THREAD_MULTIPLE``, so no rank
                 has a listener to answer.
         """
+        patience = _STATUS_PATIENCE if patience is None else patience
+        answers = self._ask([r for r in range(self.world_size) if r != self.rank], patience)
+        out = {self.rank: _status_text(self._board_key)}
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            answer = answers.get(peer)
+            out[peer] = answer[0] if answer is not None else (
+                f"no answer within {patience:g} s: dead, stuck without "
+                "releasing the GIL, or never in a Join on this communicator"
+            )
+        return dict(sorted(out.items()))
+
+    def post_beat(self) -> None:
+        """Show the peers that this rank is alive (called by the watchdog thread).
+
+        No MPI call: the listener hands the number to a peer that asks.
+        """
+        key = self._board_key
+        if key not in _board_comms:
+            _open_board(self.comm, key)
+        _beats[key] = next(_beat_numbers)
+
+    def peer_board(self, ranks: Sequence[int], patience: float | None = None
+                   ) -> dict[int, tuple[str, float, int | None]]:
+        """The status board entries of ``ranks``, asked of the ranks themselves.
+
+        Called by the watchdog thread; a rank that does not answer within
+        ``patience`` seconds (dead, frozen, holding the GIL) is left out, so
+        its beat does not change.
+
+        Args:
+            ranks: the ranks to ask.
+            patience: seconds to wait for the answers; default ``_STATUS_PATIENCE``.
+
+        Returns:
+            rank -> (its last posted status, seconds since, its latest beat),
+            for the ranks that answered with one.
+
+        Raises:
+            RuntimeError: MPI runs below ``MPI_THREAD_MULTIPLE``, or the
+                board is closed (MPI is being finalized).
+        """
+        if _listener_stop.is_set() or MPI.Is_finalized():
+            raise RuntimeError("the status board is closed (MPI is being finalized)")
+        patience = _STATUS_PATIENCE if patience is None else patience
+        answers = self._ask([r for r in ranks if r != self.rank], patience)
+        return {rank: answer[1] for rank, answer in answers.items() if answer[1] is not None}
+
+    def _ask(self, peers: Sequence[int], patience: float
+             ) -> dict[int, tuple[str, tuple[str, float, int | None] | None]]:
+        """Send ``peers`` a status query; their (text, entry) answers within ``patience``."""
         problem = _thread_level_problem()
         if problem is not None:
             raise RuntimeError(problem)
         comm, rank = self.comm, self.rank
         query_tag, answer_tag = _board_tags()
         query = (rank, next(_query_ids))
-        out = {rank: _status_text(self._board_key)}
-        waiting = set(range(self.world_size)) - {rank}
+        waiting = set(peers)
         sends = [comm.isend(query, peer, query_tag) for peer in sorted(waiting)]
         status = MPI.Status()
-        patience = _STATUS_PATIENCE if patience is None else patience
+        out = {}
         deadline = time.monotonic() + patience
         while waiting and time.monotonic() < deadline:
             message = comm.improbe(MPI.ANY_SOURCE, answer_tag, status)
             if message is None:
                 time.sleep(0.005)
                 continue
-            answered, text = message.recv()
+            answered, text, entry = message.recv()
             peer = status.Get_source()
             if answered == query and peer in waiting:  # not a late answer to an old query
-                out[peer] = text
+                out[peer] = (text, entry)
                 waiting.discard(peer)
-        for peer in waiting:
-            out[peer] = (
-                f"no answer within {patience:g} s: dead, stuck without "
-                "releasing the GIL, or never in a Join on this communicator"
-            )
         _unsent.extend(send for send in sends if not send.Test())  # a dead peer's
-        return dict(sorted(out.items()))
+        return out
 
     # -- collectives ---------------------------------------------------------------
 
@@ -762,7 +824,8 @@ class _CommJoinBackend:
 
     __slots__ = ("group", "rank", "world_size", "heartbeat", "count",
                  "heartbeat_total", "all_gather_object", "all_agree", "gather_object",
-                 "broadcast_object", "abort", "post_status", "peer_status")
+                 "broadcast_object", "abort", "post_status", "peer_status", "post_beat",
+                 "peer_board")
 
     def __init__(self, comm: MPI.Comm) -> None:
         group = self.group = MPIGroup(comm)
@@ -778,6 +841,8 @@ class _CommJoinBackend:
         self.abort = group.abort
         self.post_status = group.post_status
         self.peer_status = group.peer_status
+        self.post_beat = group.post_beat
+        self.peer_board = group.peer_board
 
 
 def _check_device(device: Any) -> None:

@@ -786,6 +786,24 @@ class ThreadGroup:
             out[rank] = text
         return out
 
+    def peer_board(self, ranks: Sequence[int]) -> dict[int, tuple[str, float, None]]:
+        """What the Joins of ``ranks`` last posted, for the watchdog's policy.
+
+        The ranks are threads of one process, so none can fall silent while
+        this one runs: there is no liveness beat (``None``).
+
+        Args:
+            ranks: the ranks to read.
+
+        Returns:
+            rank -> (its last posted status, seconds since, ``None``), for the
+            ranks that posted one.
+        """
+        now = time.monotonic()
+        statuses = self._world.statuses
+        return {rank: (posted[0], now - posted[1], None)
+                for rank in ranks if (posted := statuses.get(rank)) is not None}
+
     def abort(self, message: str) -> None:
         """Make the other ranks' pending and future collectives fail.
 

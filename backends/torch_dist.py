@@ -45,7 +45,11 @@ through the default group's store, which every rank reaches without the
 (possibly stuck) process group: ``post_status`` only records what the Join is
 doing, and a daemon thread publishes it at most twice a second (so the
 per-round path pays no store round trip); ``peer_status`` reads every rank's
-entry for a stall diagnostic. ``abort`` posts the reason (first aborter wins)
+entry for a stall diagnostic. ``post_beat`` (the Join's watchdog thread, every
+tenth of its timeout) takes a new number that the same thread publishes with
+the status, and ``peer_board`` reads the entries of a few ranks (the
+watchdog's ring neighbour, or every rank while it waits) and any posted
+abort, which ``aborted`` then reports. ``abort`` posts the reason (first aborter wins)
 and calls ``ProcessGroup.abort()``. That is enough on nccl, but gloo's abort
 wakes nobody, neither this rank's pending collective nor its peers'. So on a
 CPU group every blocking wait of this class waits in slices of
@@ -102,13 +106,14 @@ import collections
 import ctypes
 import datetime
 import io
+import itertools
 import json
 import os
 import pickle
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -305,7 +310,8 @@ class TorchGroup:
         )
         self._store_prefix = f"joinkit/{getattr(group, 'group_name', '')}/"
         self._status: tuple[str, float] | None = None
-        self._status_posted: tuple[str, float] | None = None
+        self._beat: int | None = None
+        self._status_posted: tuple[tuple[str, float] | None, int | None] = (None, None)
         _groups.add(self)
 
     def __repr__(self) -> str:
@@ -534,6 +540,65 @@ class TorchGroup:
         self._status = (what, time.time())
         if self not in _publishing:
             _publish_statuses(self)
+
+    def post_beat(self) -> None:
+        """Show the peers that this rank is alive (called by the watchdog thread).
+
+        A new number from this process's sequence, published with the status
+        by the status thread (no store round trip here).
+        """
+        self._beat = next(_beat_numbers)
+        if self not in _publishing:
+            _publish_statuses(self)
+
+    def peer_board(self, ranks: Sequence[int]) -> dict[int, tuple[str, float, int | None]]:
+        """The status board entries of ``ranks``, for the watchdog's policy.
+
+        Args:
+            ranks: the ranks to read.
+
+        Returns:
+            rank -> (its last posted status, seconds since (by this host's
+            clock), its latest beat), for the ranks that posted one.
+
+        Raises:
+            TimeoutError: the store did not answer within ``_STORE_PATIENCE`` s.
+        """
+        keys = {rank: f"{self._store_prefix}status/{rank}" for rank in ranks}
+        abort_key = self._store_prefix + "abort"
+
+        def read(store: Any) -> dict[int, bytes]:
+            found = {rank: store.get(key) for rank, key in keys.items() if store.check([key])}
+            if self._abort is None and store.check([abort_key]):
+                found[-1] = store.get(abort_key)
+            return found
+
+        found = _bounded(read)
+        if found is None:
+            raise TimeoutError(
+                f"the rendezvous store did not answer within {_STORE_PATIENCE:g} s"
+            )
+        aborted = found.pop(-1, None)
+        if aborted and self._abort is None:  # seen on the way: waits give up at once
+            posted = json.loads(aborted)
+            self._abort = (int(posted["rank"]), str(posted["reason"]))
+        now = time.time()
+        out = {}
+        for rank, value in found.items():
+            posted = json.loads(value)
+            out[rank] = (str(posted["what"]), max(0.0, now - posted["at"]), posted.get("beat"))
+        return out
+
+    @property
+    def aborted(self) -> tuple[int, str] | None:
+        """``(rank, reason)`` of the abort this rank knows of, or ``None``.
+
+        Known from this rank's own :meth:`abort`, a wait that found a posted
+        one, or a :meth:`peer_board` read (no store access here). The Join's
+        watchdog does not report a peer silent once it knows the group was
+        aborted: the aborting rank may have left, and the abort is the news.
+        """
+        return self._abort
 
     def peer_status(self) -> dict[int, str]:
         """What every rank's Join last posted, and whether a rank aborted.
@@ -943,6 +1008,10 @@ def _watch_loop() -> None:
                 group._abort = aborted
 
 
+# This process's beat numbers (post_beat): a restarted group never repeats one.
+_beat_numbers = itertools.count(1)
+
+
 def _publish_statuses(group: TorchGroup) -> None:
     global _publisher
     with _threads_lock:
@@ -960,16 +1029,17 @@ def _publish_loop() -> None:
         with _threads_lock:
             groups = list(_publishing)
         for group in groups:
-            status = group._status
-            if status is None or status is group._status_posted:
+            status, beat = group._status, group._beat
+            posted = group._status_posted
+            if status is None or (status is posted[0] and beat == posted[1]):
                 continue
             what, at = status
             try:
                 _store().set(f"{group._store_prefix}status/{group.rank}",
-                             json.dumps({"what": what, "at": at}))
-            except Exception:  # noqa: BLE001 - the store is gone; diagnostics only
+                             json.dumps({"what": what, "at": at, "beat": beat}))
+            except Exception:  # noqa: BLE001 - the store is gone; peers see silence
                 continue
-            group._status_posted = status
+            group._status_posted = (status, beat)
 
 
 # -- leaving the interpreter (module doc) ----------------------------------------

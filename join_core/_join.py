@@ -20,8 +20,10 @@ written for torch works by changing one import.
 from __future__ import annotations
 
 import abc
+import datetime
 import functools
 import logging
+import os
 import re
 import sys
 import threading
@@ -47,11 +49,29 @@ _active = threading.local()
 
 #: What a rank posts to its peers' status board while in its loop body (a
 #: progress line names the ranks whose board entry says so).
-_ACTIVE_STATUS = "active: in its loop body"
+_ACTIVE_STATUS = _watchdog.LOOP_BODY
 
-#: Default ``Join(timeout=...)``: long enough for any sane shadow round, short
-#: enough that a stuck job fails within minutes rather than at torch's 30.
-DEFAULT_TIMEOUT = 300.0
+class _DefaultTimeout(float):
+    """The type of :data:`DEFAULT_TIMEOUT`, so that a Join can tell it was not given."""
+
+    __slots__ = ()
+
+
+#: Default ``Join(timeout=...)``: a stall (every rank in a join collective or
+#: round of hooks, or a silent peer) fails within minutes rather than at
+#: torch's 30, while a healthy rank that spends longer in its loop body is
+#: waited for (the watchdog module doc). An explicit ``timeout=`` is a hard
+#: limit instead. Identity tells the default from an explicit 300.
+DEFAULT_TIMEOUT: float = _DefaultTimeout(300.0)
+#: A private knob, for tests only: the default timeout's seconds (not its
+#: policy), read when a Join is built (docs/reliability.md).
+_DEFAULT_TIMEOUT_ENV = "JOINKIT_DEFAULT_TIMEOUT"
+#: Under the default, a backend without a status board (no ``peer_board``)
+#: cannot tell a slow peer from a stalled one, so its watchdog is a hard limit
+#: of this many default timeouts: torch's own process group timeout (30 min),
+#: so no healthy iteration that torch would allow is cut short, and a hang
+#: still ends with joinkit's diagnostic (MPI's would never end).
+_BOARDLESS_FACTOR = 6
 
 
 class JoinHook:
@@ -217,10 +237,17 @@ class Join:
             share a group with torch's own Join). A fused heartbeat
             changes what goes on the wire, so it is used only with the check
             on; without it the first joinable sends torch's heartbeat.
-        timeout: seconds a join collective or a round of hooks may make no
-            progress before this rank raises ``RankTimeout`` saying what it and
-            (where the backend can tell) its peers were doing, and aborts the
-            group where the backend can; ``None`` turns the watchdog off.
+        timeout: the watchdog's seconds. By default (300 s) a rank blocked
+            in a join collective or a round of hooks with no progress for that
+            long raises ``RankTimeout`` (saying what it and, where the backend
+            can tell, its peers were doing) and aborts the group where the
+            backend can, unless some peer is alive in its loop body: a slow
+            healthy rank is waited for, however long, and the waiting rank
+            logs at INFO whom it waits for. A peer that stops beating on the
+            status board (dead, frozen, holding the GIL) is reported within
+            the timeout, also while this rank is in its loop body. An
+            explicit ``timeout=`` is a hard limit on every join collective
+            and round of hooks; ``None`` turns the watchdog off.
         **kwargs: forwarded to every joinable's ``join_hook``.
 
     Raises:
@@ -241,6 +268,9 @@ class Join:
         timeout: float | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
+        hard = timeout is not DEFAULT_TIMEOUT
+        if not hard:
+            timeout = _default_timeout()
         if timeout is not None and not timeout > 0:
             raise ValueError(
                 f"timeout must be a positive number of seconds or None, not {timeout!r}"
@@ -309,7 +339,7 @@ class Join:
         # The watchdog's view (what the rank is blocked in, registered only
         # with a timeout), and its verdict.
         self._timeout = timeout
-        self._watch = _watchdog.Watch(timeout or 0.0, self._on_stall)
+        self._watch = _watchdog.Watch(timeout or 1.0, self._on_stall)
         self._stall: RankTimeout | None = None
         # The AbortGroup message, once this rank aborted the group after its
         # own failure in the loop body (fail fast, see _leave).
@@ -333,6 +363,17 @@ class Join:
             self._counts_collectives = hasattr(backend, "collectives_issued") and not any(
                 getattr(j, "join_raw_collectives", False) for j in joinable_list
             )
+            if timeout is not None:
+                board = getattr(backend, "peer_board", None)
+                read = None if board is None else functools.partial(_read_board, board)
+                if read is None and not hard:  # cannot tell slow from stalled
+                    hard, timeout = True, timeout * _BOARDLESS_FACTOR
+                self._timeout = timeout
+                self._watch = _watchdog.Watch(
+                    timeout, self._on_stall, hard=hard, rank=backend.rank,
+                    world_size=backend.world_size, read=read,
+                    beat=getattr(backend, "post_beat", None), on_wait=self._on_wait,
+                )
             signature = (
                 ("joinables", len(joinable_list)),
                 ("throw_on_early_termination", self._throw_on_early_termination),
@@ -373,8 +414,10 @@ class Join:
             except BaseException:
                 _watchdog.unwatch(self._watch)
                 raise
+            if self._state is not None and self._state.config.signature is not None:
+                self._watch.peers_inside = True  # every rank passed the agreement check
             # Not an activity: the loop body may take as long as it likes.
-            self._post(_ACTIVE_STATUS)
+            self._post(_watchdog.LOOP_BODY)
         for index, joinable in enumerate(self._joinables):
             joinable._join_config = JoinConfig(
                 enable=self._enable,
@@ -397,6 +440,11 @@ class Join:
             if self._enable:
                 finished = self._leave(exc)
                 self._settle_last_heartbeat(exc, finished)
+                if (self._stall is not None and isinstance(exc, Exception)
+                        and exc is not self._stall):
+                    # The watchdog aborted the group (a silent peer, found while
+                    # this rank was in its loop body): its report is the error.
+                    raise self._stall from exc
         finally:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
@@ -404,7 +452,7 @@ class Join:
                 self._inside = False
                 _active.joins -= 1
                 _watchdog.unwatch(self._watch)
-                self._post("left the Join")
+                self._post(_watchdog.LEFT)
 
     def _settle_last_heartbeat(self, exc: BaseException | None, finished: bool) -> None:
         # Heartbeats are never waited on in the loop. Once the protocol has
@@ -686,10 +734,25 @@ class Join:
         finally:
             self._watch.end()
 
-    def _on_stall(self, doing: str, ticks: int, idle: float) -> None:
-        """Called by the watchdog thread, once, when this rank has stalled."""
+    def _on_stall(self, stall: _watchdog.Stall) -> None:
+        """Called by the watchdog thread, once, on a stall or a silent peer."""
         assert self._state is not None and self._timeout is not None
-        message = m.stall_message(self._state, doing, ticks, idle, self._timeout)
+        if stall.silent and getattr(self._backend, "aborted", None) is not None:
+            # A rank aborted the group (and may have left since, so it beats
+            # no more): the blocked or next collective raises that abort.
+            return
+        if stall.silent:
+            # Inputs the loop body has notified but not yet reported (it runs on).
+            state = attrs.evolve(self._state, heartbeats=self._state.heartbeats + self._beats)
+            message = m.silence_message(state, stall.what, stall.ticks,
+                                        stall.silent, self._timeout, stall.board_error)
+        else:
+            assert stall.what is not None
+            message = m.stall_message(self._state, stall.what, stall.ticks, stall.idle,
+                                      self._timeout)
+            if stall.board_error is not None and self._watch.read is not None:
+                message += (f" (no peer could be shown alive: its last read of the status "
+                            f"board failed: {stall.board_error})")
         peer_status = getattr(self._backend, "peer_status", None)
         if peer_status is not None:
             try:
@@ -704,6 +767,21 @@ class Join:
         abort = getattr(self._backend, "abort", None)
         if abort is not None:
             abort(message)
+
+    def _on_wait(self, waiting: _watchdog.Waiting) -> None:
+        """Called by the watchdog thread while this rank waits for healthy peers."""
+        if not _log.isEnabledFor(logging.INFO):
+            return
+        since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(
+            seconds=waiting.idle)
+        peers = ", ".join(
+            f"{rank} ({what}" + ("" if age is None else f", posted {age:.0f} s ago") + ")"
+            for rank, what, age in waiting.ranks
+        )
+        _log.info("rank %s has waited %.0f s, since %s, in %s, for ranks %s (alive; "
+                  "not a stall under the default timeout)", self._backend.rank,
+                  waiting.idle, since.strftime("%Y-%m-%d %H:%M:%S UTC"), waiting.what,
+                  peers)
 
     def _doing(self, what: str, status: str | None = None) -> None:
         """Record what the rank is now blocked in, for the watchdog and (or
@@ -785,6 +863,8 @@ class Join:
             call()
 
     def _post_hooks(self, command: m.RunPostHooks) -> None:
+        # Every rank has finished counting: peers may leave (and exit) now.
+        self._watch.silence = False
         self._doing("post hooks")
         for hook in self._hooks:
             hook.post_hook(command.is_last_joiner)
@@ -890,6 +970,7 @@ class Join:
                     case m.ExchangeFailures():
                         self._doing("exchanging failures")
                         failures = _ports.all_gather_sparse(backend, command.failure)
+                        self._watch.silence = False  # every rank now leaves (and may exit)
                         pending = m.FailuresExchanged(
                             failures=tuple(failures), now=self._clock()
                         )
@@ -998,6 +1079,24 @@ def _user_stacklevel() -> int:
 
 def _in_joinkit(module: str) -> bool:
     return module == "joinkit" or module.startswith("joinkit.")
+
+
+def _read_board(board: Callable[[Any], Any], ranks: Any) -> dict[int, _watchdog.Entry]:
+    """A backend's ``peer_board(ranks)`` as the watchdog's entries."""
+    return {int(rank): _watchdog.Entry(what=str(what), age=float(age),
+                                       beat=None if beat is None else int(beat))
+            for rank, (what, age, beat) in board(ranks).items()}
+
+
+def _default_timeout() -> float:
+    """The default timeout's seconds: 300, or the private knob's (module top)."""
+    knob = os.environ.get(_DEFAULT_TIMEOUT_ENV)
+    if not knob:
+        return float(DEFAULT_TIMEOUT)
+    try:
+        return float(knob)
+    except ValueError:
+        raise ValueError(f"{_DEFAULT_TIMEOUT_ENV}={knob!r} is not a number of seconds") from None
 
 
 def _failure(error: BaseException, rank: int) -> m.Failure:

@@ -218,6 +218,7 @@ __all__ = [
     "step",
     "report",
     "drain_activity",
+    "silence_message",
     "stall_message",
     "failure_text",
     "TRANSITIONS",
@@ -1320,6 +1321,47 @@ def failure_text(failure: Failure) -> str:
         f"rank {failure.rank} had failed inside the Join context with "
         f"{failure.exc_type}: {failure.message}"
     )
+
+
+def silence_message(
+    state: JoinState,
+    doing: str | None,
+    ticks: int,
+    silent: tuple[tuple[int, float, str], ...],
+    timeout: float,
+    board_error: str | None = None,
+) -> str:
+    """Describe peers whose liveness beat stopped (dead, frozen, holding the GIL).
+
+    Pure: the shell passes the state, what this rank was blocked in (``None``:
+    its loop body), the silent peers as ``(rank, seconds silent, last status)``
+    and why the last read of the status board failed, if it did.
+
+    Returns:
+        The diagnostic: the silent ranks first, then where this rank was.
+    """
+    ranks = ", ".join(str(rank) for rank, _, _ in silent)
+    peers = "; ".join(
+        f"rank {rank}: silent for {seconds:.1f} s, last seen {what!r}"
+        for rank, seconds, what in silent
+    )
+    if doing is None:
+        where = "in its loop body"
+    elif state.phase is Phase.DRAINING:
+        where = drain_activity(state, ticks)
+    else:
+        where = doing
+    message = (
+        f"rank {state.config.rank} has seen no sign of life from rank{'s' * (len(silent) > 1)} "
+        f"{ranks} on the status board within the timeout ({timeout:g} s): {peers}. "
+        "A rank inside a Join beats on the board from its watchdog thread whatever "
+        "its loop does, so a silent one is dead, frozen (e.g. SIGSTOP) or holding "
+        f"the GIL. Rank {state.config.rank} was in phase {state.phase.name}, {where}; "
+        f"it had processed {state.heartbeats} inputs"
+    )
+    if board_error is not None:
+        message += f" (its last read of the status board failed: {board_error})"
+    return message
 
 
 def step(state: JoinState, observation: Observation) -> Transition:

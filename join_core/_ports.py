@@ -71,11 +71,11 @@ class JoinBackend(Protocol):
 
     The required members are below; the optional ones (``heartbeat_total``,
     ``collectives_issued``, ``abort``, ``post_status``, ``peer_status``,
-    ``wait``, and ``all_agree``, ``gather_object``, ``broadcast_object``, which
-    make the entry check, reports and failure exchange cost a rank O(1) instead
-    of O(world size): :func:`all_agree`, :func:`gather_object`,
-    :func:`all_gather_sparse`) are described in ``joinkit.backends`` and the
-    README's "Writing a backend".
+    ``wait``, ``post_beat``, ``peer_board``, ``aborted``, and ``all_agree``,
+    ``gather_object``, ``broadcast_object``, which make the entry check, reports
+    and failure exchange cost a rank O(1) instead of O(world size):
+    :func:`all_agree`, :func:`gather_object`, :func:`all_gather_sparse`) are
+    described in ``joinkit.backends`` and the README's "Writing a backend".
     """
 
     rank: int

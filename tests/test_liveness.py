@@ -1,0 +1,318 @@
+"""The default watchdog spares a healthy slow rank and finds a silent one (issue 12).
+
+The default timeout is scaled down with the private knob
+``JOINKIT_DEFAULT_TIMEOUT`` (docs/reliability.md); its policy is the
+default's. A full-length run (330 s, the real default of 300 s) is recorded
+in docs/reliability.md. In processes (``tests/liveness_runner.py``): a slow
+rank on gloo, with the default and with an explicit timeout; a rank frozen
+with SIGSTOP while the others are in their loop bodies, on gloo and under
+``mpirun``; a rank killed with SIGKILL under ``torchrun`` and ``mpirun``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import fault_scenarios as fs
+import pytest
+from fault_support import Launch, python, record_cell, run_all
+from mpi_support import child_env, is_open_mpi, mpirun
+
+from joinkit import Join, Joinable, JoinHook, RankTimeout, backends
+from joinkit.backends.threads import spawn
+
+RUNNER = Path(__file__).with_name("liveness_runner.py")
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_MPI = importlib.util.find_spec("mpi4py") is not None
+#: The scaled default timeout of the slow-rank cells; the slow rank works
+#: three times as long. In processes the watchdog also judges silence (at half
+#: the timeout, with the torch status thread publishing twice a second), which
+#: on a loaded machine needs a few seconds of slack.
+SLOW_TIMEOUT = 2.0
+GLOO_SLOW_TIMEOUT = 5.0
+#: The scaled default timeout of the frozen and killed cells.
+SILENCE_TIMEOUT = 10.0
+LAUNCH_TIMEOUT = 240.0  # hard limit per launch
+_TORCHRUN = Path(sys.executable).with_name("torchrun")
+TORCHRUN = [str(_TORCHRUN)] if _TORCHRUN.exists() else [python(), "-m", "torch.distributed.run"]
+WAITING = re.compile(r"rank 0 has waited \d+ s, since \d{4}-\d\d-\d\d [\d:]+ UTC, in counting "
+                     r"non-joined ranks \(shadow round 0\), for ranks 1 \(active: in its loop "
+                     r"body, posted \d+ s ago\)")
+
+
+# -- threads: in one process ------------------------------------------------------------
+
+
+def _slow_rank(group: Any, timeout: float | None) -> tuple[str | None, float]:
+    """Rank 1 works 3 timeouts in one iteration; rank 0 has joined and counts."""
+    counter = fs.Counter(group)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    try:
+        with Join([counter], **kwargs):
+            for i in range(4 if group.rank == 1 else 2):
+                if group.rank == 1 and i == 2:
+                    time.sleep(3 * SLOW_TIMEOUT)
+                counter.step()
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        return type(exc).__name__, counter.count
+    return None, counter.count
+
+
+@pytest.mark.timeout(120)
+def test_threads_default_waits_for_a_slow_healthy_rank(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("JOINKIT_DEFAULT_TIMEOUT", str(SLOW_TIMEOUT))
+    with caplog.at_level(logging.INFO, logger="joinkit"):
+        results = spawn(_slow_rank, 2, args=(None,), timeout=60.0)
+    assert results == [(None, 4.0), (None, 6.0)], results
+    assert any(WAITING.search(record.getMessage()) for record in caplog.records), caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_threads_explicit_timeout_is_a_hard_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JOINKIT_DEFAULT_TIMEOUT", "1000")  # not used: the timeout is explicit
+    results = spawn(_slow_rank, 2, args=(SLOW_TIMEOUT,), timeout=60.0)
+    assert results[0][0] == RankTimeout.__name__, results
+    assert results[1][0] is not None, results  # the abort reached it
+
+
+def test_the_knob_must_be_a_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JOINKIT_DEFAULT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="JOINKIT_DEFAULT_TIMEOUT='soon'"):
+        spawn(lambda group: Join([fs.Counter(group)]), 1, timeout=30.0)
+
+
+class _Done:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def wait(self) -> float:
+        return self.value
+
+
+class _Boardless:
+    """A join backend of one rank with no status board (no ``peer_board``)."""
+
+    rank, world_size = 0, 1
+
+    def heartbeat(self, value: float) -> _Done:
+        return _Done(value)
+
+    def count(self, value: float) -> float:
+        return value
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class _OnBoardless(Joinable):
+    def __init__(self) -> None:
+        super().__init__()
+        self.group = _Boardless()
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return JoinHook()
+
+    @property
+    def join_device(self) -> Any:
+        return "cpu"
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
+backends.register(_Boardless, lambda group, device: group)
+
+
+def test_without_a_board_the_default_is_a_hard_limit_of_six_timeouts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JOINKIT_DEFAULT_TIMEOUT", "2")
+    join = Join([_OnBoardless()])
+    assert join._watch.hard and join._watch.timeout == 12.0  # 30 min unscaled
+    explicit = Join([_OnBoardless()], timeout=5.0)
+    assert explicit._watch.hard and explicit._watch.timeout == 5.0
+    with join:
+        pass
+
+    def on_threads(group: Any) -> tuple[bool, float]:
+        join = Join([fs.Counter(group)])
+        return join._watch.hard, join._watch.timeout
+
+    assert spawn(on_threads, 2, timeout=30.0) == [(False, 2.0)] * 2  # the board decides
+
+
+# -- processes ----------------------------------------------------------------------------
+
+
+def _spawned(root: Path, name: str, ranks: int, scenario: str, knob: float,
+             *extra: str) -> Launch:
+    out = root / name
+    command = [python(), str(RUNNER), "--spawn", str(ranks), "--out", str(out),
+               "--deadline", str(LAUNCH_TIMEOUT - 30), scenario, *extra]
+    env = child_env({"OMP_NUM_THREADS": "1", "JOINKIT_DEFAULT_TIMEOUT": str(knob)})
+    return Launch(name, command, out, LAUNCH_TIMEOUT, env=env)
+
+
+def _launched(root: Path, name: str, launcher: list[str], scenario: str) -> Launch:
+    out = root / name
+    command = [*launcher, python(), str(RUNNER), "--out", str(out), scenario]
+    if launcher[0].endswith("torchrun") or "torch.distributed.run" in launcher:
+        command = [*launcher, str(RUNNER), "--out", str(out), scenario]
+    env = child_env({"OMP_NUM_THREADS": "1",
+                     "JOINKIT_DEFAULT_TIMEOUT": str(SILENCE_TIMEOUT)})
+    return Launch(name, command, out, LAUNCH_TIMEOUT, env=env)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launch]:
+    root = tmp_path_factory.mktemp("liveness")
+    todo = []
+    if HAVE_TORCH:
+        todo += [
+            _spawned(root, "slow-default", 2, "slow", GLOO_SLOW_TIMEOUT,
+                     "--sleep", str(3 * GLOO_SLOW_TIMEOUT)),
+            _spawned(root, "slow-explicit", 2, "slow", 1000.0, "--sleep",
+                     str(3 * GLOO_SLOW_TIMEOUT), "--timeout", str(GLOO_SLOW_TIMEOUT)),
+            _spawned(root, "freeze-gloo", 3, "freeze", SILENCE_TIMEOUT),
+            _launched(root, "kill-torchrun",
+                      [*TORCHRUN, "--standalone", "--nproc-per-node", "3"], "kill"),
+        ]
+    if HAVE_MPI:
+        mpi = [mpirun(), "-n", "3", *(["--oversubscribe"] if is_open_mpi() else [])]
+        if is_open_mpi():
+            mpi += ["-x", "JOINKIT_DEFAULT_TIMEOUT"]
+        todo += [_launched(root, "freeze-mpi", mpi, "freeze"),
+                 _launched(root, "kill-mpirun", mpi, "kill")]
+    return run_all(todo)
+
+
+def _ranks(launch: Launch) -> dict[int, dict[str, Any]]:
+    return {int(path.stem[4:]): json.loads(path.read_text())
+            for path in launch.out.glob("rank*.json")}
+
+
+def _ended(launch: Launch) -> dict[int, Any]:
+    path = launch.out / "launch.json"
+    assert path.exists(), launch.explain()
+    return {int(rank): ended for rank, ended in json.loads(path.read_text()).items()}
+
+
+def _silence_named(text: str, rank: int = 1) -> bool:
+    return re.search(rf"has seen no sign of life from rank {rank} on the status board within "
+                     rf"the timeout \({SILENCE_TIMEOUT:g} s\): rank {rank}: silent for "
+                     r"[\d.]+ s", text) is not None
+
+
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="needs torch")
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs mpi4py")
+
+
+@needs_torch
+@pytest.mark.timeout(LAUNCH_TIMEOUT * 4)
+def test_gloo_default_waits_for_a_slow_healthy_rank(launches: dict[str, Launch]) -> None:
+    launch = launches["slow-default"]
+    ended, ranks = _ended(launch), _ranks(launch)
+    assert [ended[r]["exit"] for r in (0, 1)] == [0, 0], launch.explain()
+    assert ranks[0]["error"] is None and ranks[1]["error"] is None, ranks
+    assert ranks[0]["count"] == 4.0 and ranks[1]["count"] == 8.0, ranks
+    assert any(WAITING.search(line) for line in ranks[0]["log"]), ranks[0]["log"]
+    record_cell("gloo", "slow rank, default timeout", 2, 1,
+                f"both exit 0; rank 0 waited {ranks[0]['seconds']:.1f} s (timeout "
+                f"{GLOO_SLOW_TIMEOUT:g} s, knob) and logged whom it waited for")
+
+
+@needs_torch
+@pytest.mark.timeout(LAUNCH_TIMEOUT * 4)
+def test_gloo_explicit_timeout_stays_a_hard_limit(launches: dict[str, Launch]) -> None:
+    launch = launches["slow-explicit"]
+    ended, ranks = _ended(launch), _ranks(launch)
+    assert ranks[0]["error"]["type"] == "RankTimeout", ranks
+    assert "made no progress" in ranks[0]["error"]["message"], ranks
+    # Rank 1 learns of rank 0's abort from the board (or at its next
+    # collective); if rank 0's process (the store's host) is gone first,
+    # rank 1's watchdog finds rank 0 silent. Either way rank 0 is named.
+    error = ranks[1]["error"]
+    assert (error["type"] == "GroupAborted" and error["peer"]["rank"] == 0) or (
+        error["type"] == "RankTimeout" and "no sign of life from rank 0" in error["message"]
+    ), error
+    assert [ended[r]["exit"] for r in (0, 1)] == [1, 1], launch.explain()
+    record_cell("gloo", "slow rank, explicit timeout", 2, 1,
+                f"rank 0: RankTimeout after {ranks[0]['seconds']:.1f} s (timeout "
+                f"{GLOO_SLOW_TIMEOUT:g} s); rank 1: {error['type']} naming rank 0")
+
+
+@needs_torch
+@pytest.mark.timeout(LAUNCH_TIMEOUT * 4)
+def test_gloo_sigstop_of_a_rank_in_its_loop_body_is_reported(
+        launches: dict[str, Launch]) -> None:
+    launch = launches["freeze-gloo"]
+    ended, ranks = _ended(launch), _ranks(launch)
+    assert ended[1]["exit"] == "frozen, killed", launch.explain()
+    assert set(ranks) == {0, 2}, launch.explain()
+    for rank in (0, 2):
+        assert ended[rank]["exit"] == 1, launch.explain()
+        error = ranks[rank]["error"]
+        # Rank 0 (rank 1's ring neighbour) reports it; rank 2 gets the abort.
+        assert _silence_named(error["message"]), error
+        assert error["type"] == ("RankTimeout" if rank == 0 else "GroupAborted"), error
+    # Reported within the timeout of the freeze (a loaded machine may add to it).
+    assert ranks[0]["seconds"] < 3 * SILENCE_TIMEOUT, ranks
+    record_cell("gloo", "SIGSTOP in the loop body", 3, 1,
+                f"rank 0: RankTimeout naming rank 1 silent after {ranks[0]['seconds']:.1f} s "
+                f"in the Join (timeout {SILENCE_TIMEOUT:g} s, knob); rank 2: GroupAborted "
+                f"(rank 0) after {ranks[2]['seconds']:.1f} s")
+
+
+@needs_mpi
+@pytest.mark.timeout(LAUNCH_TIMEOUT * 4)
+def test_mpi_sigstop_of_a_rank_in_its_loop_body_ends_the_job(
+        launches: dict[str, Launch]) -> None:
+    launch = launches["freeze-mpi"]
+    assert not launch.timed_out and launch.returncode != 0, launch.explain()
+    assert _silence_named(launch.output), launch.explain()
+    assert re.search(r"joinkit: rank [02] aborts the MPI job: rank [02] has seen no sign of "
+                     r"life from rank 1", launch.output), launch.explain()
+    record_cell("mpi", "SIGSTOP in the loop body", 3, 1,
+                f"job ends: exit {launch.returncode} after {launch.seconds:.1f} s (start-up "
+                f"included; timeout {SILENCE_TIMEOUT:g} s, knob); a peer's watchdog: "
+                "RankTimeout naming rank 1 silent, then MPI_Abort")
+
+
+@needs_torch
+@pytest.mark.timeout(LAUNCH_TIMEOUT * 4)
+def test_torchrun_sigkill_ends_every_survivor(launches: dict[str, Launch]) -> None:
+    launch = launches["kill-torchrun"]
+    assert not launch.timed_out and launch.returncode != 0, launch.explain()
+    root_cause = launch.output.rpartition("Root Cause")[2]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -9", root_cause), (
+        launch.explain())
+    ranks = _ranks(launch)
+    assert 1 not in ranks and all(r["error"] is not None for r in ranks.values()), ranks
+    record_cell("gloo", "SIGKILL, default timeout", 3, 1,
+                f"torchrun exit {launch.returncode} after {launch.seconds:.1f} s (start-up "
+                f"included), root cause rank 1 SIGKILL; {len(ranks)} survivor(s) left the "
+                "Join with an error first, the rest got SIGTERM")
+
+
+@needs_mpi
+@pytest.mark.timeout(LAUNCH_TIMEOUT * 4)
+def test_mpirun_sigkill_ends_every_survivor(launches: dict[str, Launch]) -> None:
+    launch = launches["kill-mpirun"]
+    assert not launch.timed_out and launch.returncode != 0, launch.explain()
+    if is_open_mpi():
+        assert re.search(r"process rank 1 with PID \d+ on node \S+ exited on\s+signal 9",
+                         launch.output), launch.explain()
+    else:
+        assert re.search(r"KILLED BY SIGNAL: 9|Killed \(signal 9\)", launch.output), (
+            launch.explain())
+    record_cell("mpi", "SIGKILL, default timeout", 3, 1,
+                f"job ends: exit {launch.returncode} after {launch.seconds:.1f} s (start-up "
+                "included); mpirun names rank 1")
