@@ -438,13 +438,17 @@ class Join:
     ) -> None:
         try:
             if self._enable:
+                # A stall found while this rank was still in its loop body (a
+                # silent peer) came first: the exception leaving the body (the
+                # abort's) follows from it. A stall found later, while the rank
+                # shadows after its own failure, is a note on that failure.
+                stalled_in_body = self._stall
                 finished = self._leave(exc)
                 self._settle_last_heartbeat(exc, finished)
-                if (self._stall is not None and isinstance(exc, Exception)
-                        and exc is not self._stall):
-                    # The watchdog aborted the group (a silent peer, found while
-                    # this rank was in its loop body): its report is the error.
-                    raise self._stall from exc
+                if (stalled_in_body is not None and isinstance(exc, Exception)
+                        and exc is not stalled_in_body):
+                    # The watchdog aborted the group: its report is the error.
+                    raise stalled_in_body from exc
         finally:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
