@@ -57,7 +57,7 @@ prints it) goes to standard error, so the job's output names the failure.
 diagnostic; ``post_beat``/``peer_board``, for its liveness watch) must be read
 while the ranks are blocked in a join collective or their own collectives, so
 it works out of band, on point-to-point messages between threads.
-``post_status`` only stores the text and the time in a dict (no MPI call, so
+``post_status`` only stores the text and the time (no MPI call, so
 the per-round path stays cheap), keyed by communicator; the first post on a
 communicator starts the process's *listener*, a daemon thread that every
 ``_STATUS_POLL`` seconds probes each such communicator for a status query and
@@ -76,7 +76,9 @@ with ``MPI.ANY_TAG`` running during a stall could take a query, and that peer
 is then reported as not answering. All this needs ``MPI_THREAD_MULTIPLE``
 (mpi4py's default); at a lower thread level there is no listener and
 ``peer_status`` says why. The listener stops before MPI is finalized (at
-interpreter exit, or at an explicit ``MPI.Finalize()``).
+interpreter exit, or at an explicit ``MPI.Finalize()``). What an entry is
+(its age, its text) and this rank's record of its own come from
+``backends._status``; this module only carries entries between ranks.
 
 Only MPI-3 calls are used (nonblocking collectives, ``MPI_IN_PLACE``,
 ``MPI_C_BOOL``), so Open MPI and MPICH both work.
@@ -108,6 +110,7 @@ except RuntimeError as _error:  # mpi4py is installed but finds no MPI library
 
 from joinkit import backends
 from joinkit.backends._checks import Checks, contiguous, host_array, is_tensor, write_back
+from joinkit.backends._status import Post, Posted, board_entry, status_text
 
 __all__ = ["MPIGroup"]
 
@@ -212,11 +215,9 @@ _STATUS_POLL = 0.1
 #: Seconds ``peer_status`` waits for the peers' answers.
 _STATUS_PATIENCE = 2.0
 
-# communicator key (its Fortran handle) -> (what, time.monotonic() when posted)
-_statuses: dict[int, tuple[str, float]] = {}
-# communicator key -> this rank's latest liveness beat (post_beat)
-_beats: dict[int, int] = {}
-_beat_numbers = itertools.count(1)
+# communicator key (its Fortran handle) -> this rank's board entry; this
+# process computes the ages, so by time.monotonic().
+_posts: dict[int, Post] = {}
 # communicator key -> the communicator, for every one with a post: the
 # listener answers queries on these.
 _board_comms: dict[int, MPI.Comm] = {}
@@ -293,21 +294,27 @@ def _listen() -> None:
         sends = [send for send in sends if not send.Test()]
 
 
+def _post(key: int) -> Post:
+    """This rank's entry on the board of communicator ``key``."""
+    post = _posts.get(key)
+    if post is None:
+        post = _posts.setdefault(key, Post(time.monotonic))
+    return post
+
+
+def _posted(key: int) -> Posted | None:
+    post = _posts.get(key)
+    return None if post is None else post.read()
+
+
 def _status_text(key: int) -> str:
-    posted = _statuses.get(key)
-    if posted is None:
-        return "no status posted"
-    what, at = posted
-    return f"{what} ({max(0.0, time.monotonic() - at):.1f} s ago)"
+    return status_text(_posted(key), time.monotonic())
 
 
 def _status_entry(key: int) -> tuple[str, float, int | None] | None:
     """The board entry for ``peer_board``: (status, its age, beat), or ``None``."""
-    posted = _statuses.get(key)
-    if posted is None:
-        return None
-    what, at = posted
-    return what, max(0.0, time.monotonic() - at), _beats.get(key)
+    posted = _posted(key)
+    return None if posted is None else board_entry(posted, time.monotonic())
 
 
 class MPIGroup:
@@ -529,7 +536,7 @@ class MPIGroup:
         key = self._board_key
         if key not in _board_comms:
             _open_board(self.comm, key)
-        _statuses[key] = (what, time.monotonic())
+        _post(key).status(what)
 
     def peer_status(self, patience: float | None = None) -> dict[int, str]:
         """What every rank's Join last posted, asked of the ranks themselves.
@@ -572,7 +579,7 @@ class MPIGroup:
         key = self._board_key
         if key not in _board_comms:
             _open_board(self.comm, key)
-        _beats[key] = next(_beat_numbers)
+        _post(key).beat()
 
     def peer_board(self, ranks: Sequence[int], patience: float | None = None
                    ) -> dict[int, tuple[str, float, int | None]]:

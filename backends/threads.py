@@ -62,6 +62,10 @@ run that returns plausible totals.
   error that only reports another rank's failure (``SpawnAborted``, the Join's
   ``PeerFailure``/``PeerAborted``) is never the root cause.
 
+*The status board* (``post_status``, ``peer_status``, ``peer_board``) is
+``backends._status.ThreadsBoard``, one dict the ranks' threads share;
+``peer_status`` puts each rank's entry after where it was last seen.
+
 A call site is the first frame outside this module and outside the core
 (``joinkit``, ``joinkit._*``), so a heartbeat points at the joinable that
 called ``notify_join_context``; it is captured as ``(file, line, function)``
@@ -90,6 +94,7 @@ from joinkit import CollectiveMismatch, PeerAborted, PeerFailure, RankTimeout
 from . import REDUCE_OPS, register
 from ._checks import Checks, host_array, is_tensor, write_back
 from ._mismatch import _JOIN, _USER, _format_site, _ranks, _Signature, _Site, mismatch_table
+from ._status import ThreadsBoard
 
 __all__ = ["ThreadGroup", "ThreadWork", "SpawnAborted", "spawn"]
 
@@ -195,9 +200,8 @@ class _World:
         self.failures: list[tuple[int, BaseException]] = []
         self.first_exit_at: float | None = None
         self.failed_at: float | None = None
-        # rank -> (what its Join last said it was doing, when); one dict item
-        # assignment per post, atomic under the GIL, so no lock.
-        self.statuses: dict[int, tuple[str, float]] = {}
+        # What each rank's Join last said it was doing (backends._status).
+        self.board = ThreadsBoard()
 
     # -- a rank's thread ---------------------------------------------------------
 
@@ -762,7 +766,7 @@ class ThreadGroup:
         Args:
             what: e.g. ``"counting non-joined ranks (shadow round 3)"``.
         """
-        self._world.statuses[self.rank] = (what, time.monotonic())
+        self._world.board.post(self.rank, what)
 
     def peer_status(self) -> dict[int, str]:
         """Where every rank of the spawn was last seen, for a stall diagnostic.
@@ -778,12 +782,8 @@ class ThreadGroup:
             seen = {rank: world.whereabouts(rank, returned) for rank in range(world.size)}
         out = {}
         for rank, text in seen.items():
-            text = text.split(": ", 1)[1]  # whereabouts starts with "rank r: "
-            posted = world.statuses.get(rank)
-            if posted is not None:
-                what, since = posted
-                text += f"; its Join: {what} ({now - since:.1f} s ago)"
-            out[rank] = text
+            # whereabouts starts with "rank r: "
+            out[rank] = text.split(": ", 1)[1] + world.board.note(rank, now)
         return out
 
     def peer_board(self, ranks: Sequence[int]) -> dict[int, tuple[str, float, None]]:
@@ -799,10 +799,7 @@ class ThreadGroup:
             rank -> (its last posted status, seconds since, ``None``), for the
             ranks that posted one.
         """
-        now = time.monotonic()
-        statuses = self._world.statuses
-        return {rank: (posted[0], now - posted[1], None)
-                for rank in ranks if (posted := statuses.get(rank)) is not None}
+        return self._world.board.entries(ranks)
 
     def abort(self, message: str) -> None:
         """Make the other ranks' pending and future collectives fail.

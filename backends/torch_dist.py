@@ -49,7 +49,9 @@ entry for a stall diagnostic. ``post_beat`` (the Join's watchdog thread, every
 tenth of its timeout) takes a new number that the same thread publishes with
 the status, and ``peer_board`` reads the entries of a few ranks (the
 watchdog's ring neighbour, or every rank while it waits) and any posted
-abort, which ``aborted`` then reports. ``abort`` posts the reason (first aborter wins)
+abort, which ``aborted`` then reports. What an entry is (its JSON, its age,
+its text) and this rank's record of its own come from ``backends._status``;
+this module only carries entries through the store. ``abort`` posts the reason (first aborter wins)
 and calls ``ProcessGroup.abort()``. That is enough on nccl, but gloo's abort
 wakes nobody, neither this rank's pending collective nor its peers'. So on a
 CPU group every blocking wait of this class waits in slices of
@@ -106,7 +108,6 @@ import collections
 import ctypes
 import datetime
 import io
-import itertools
 import json
 import os
 import pickle
@@ -122,7 +123,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from joinkit import LocalProtocolError, PeerFailure, backends
+from joinkit.backends import _status
 from joinkit.backends._checks import Checks
+from joinkit.backends._status import Post
 
 __all__ = ["TorchGroup", "GroupAborted", "settle_at_exit"]
 
@@ -309,9 +312,8 @@ class TorchGroup:
             None if self._on_cuda else datetime.timedelta(seconds=_WAIT_SLICE)
         )
         self._store_prefix = f"joinkit/{getattr(group, 'group_name', '')}/"
-        self._status: tuple[str, float] | None = None
-        self._beat: int | None = None
-        self._status_posted: tuple[tuple[str, float] | None, int | None] = (None, None)
+        # This rank's board entry; peers compute its age, so wall-clock time.
+        self._post = Post(time.time)
         _groups.add(self)
 
     def __repr__(self) -> str:
@@ -537,7 +539,7 @@ class TorchGroup:
         Args:
             what: e.g. ``"counting non-joined ranks (shadow round 3)"``.
         """
-        self._status = (what, time.time())
+        self._post.status(what)
         if self not in _publishing:
             _publish_statuses(self)
 
@@ -547,7 +549,7 @@ class TorchGroup:
         A new number from this process's sequence, published with the status
         by the status thread (no store round trip here).
         """
-        self._beat = next(_beat_numbers)
+        self._post.beat()
         if self not in _publishing:
             _publish_statuses(self)
 
@@ -583,11 +585,8 @@ class TorchGroup:
             posted = json.loads(aborted)
             self._abort = (int(posted["rank"]), str(posted["reason"]))
         now = time.time()
-        out = {}
-        for rank, value in found.items():
-            posted = json.loads(value)
-            out[rank] = (str(posted["what"]), max(0.0, now - posted["at"]), posted.get("beat"))
-        return out
+        return {rank: _status.board_entry(_status.decode(value), now)
+                for rank, value in found.items()}
 
     @property
     def aborted(self) -> tuple[int, str] | None:
@@ -636,11 +635,7 @@ class TorchGroup:
         now = time.time()
         out = {}
         for rank, value in enumerate(values):
-            if value is None:
-                out[rank] = "no status posted"
-                continue
-            posted = json.loads(value)
-            out[rank] = f"{posted['what']} ({max(0.0, now - posted['at']):.1f} s ago)"
+            out[rank] = _status.status_text(None if value is None else _status.decode(value), now)
         if aborted:
             first = json.loads(aborted)
             reason = str(first["reason"]).partition("\n")[0]
@@ -1008,10 +1003,6 @@ def _watch_loop() -> None:
                 group._abort = aborted
 
 
-# This process's beat numbers (post_beat): a restarted group never repeats one.
-_beat_numbers = itertools.count(1)
-
-
 def _publish_statuses(group: TorchGroup) -> None:
     global _publisher
     with _threads_lock:
@@ -1029,17 +1020,15 @@ def _publish_loop() -> None:
         with _threads_lock:
             groups = list(_publishing)
         for group in groups:
-            status, beat = group._status, group._beat
-            posted = group._status_posted
-            if status is None or (status is posted[0] and beat == posted[1]):
+            posted = group._post.unpublished()
+            if posted is None:
                 continue
-            what, at = status
             try:
                 _store().set(f"{group._store_prefix}status/{group.rank}",
-                             json.dumps({"what": what, "at": at, "beat": beat}))
+                             _status.encode(posted))
             except Exception:  # noqa: BLE001 - the store is gone; peers see silence
                 continue
-            group._status_posted = (status, beat)
+            group._post.published(posted)
 
 
 # -- leaving the interpreter (module doc) ----------------------------------------
