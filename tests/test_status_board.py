@@ -1,0 +1,96 @@
+"""The status board's library-independent part (``backends._status``).
+
+The transports (torch's store, MPI's listener, the threads' shared dict) are
+tested through ``peer_status``/``peer_board`` in each backend's tests; these
+pin the entry, its encoding and its texts, with times passed in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from joinkit.backends._status import (
+    NO_STATUS,
+    Post,
+    Posted,
+    ThreadsBoard,
+    age,
+    board_entry,
+    decode,
+    encode,
+    status_text,
+)
+
+
+def test_an_entry_survives_the_store_encoding() -> None:
+    for posted in (Posted(what="in its loop body", at=1700000000.25, beat=7),
+                   Posted(what="counting non-joined ranks (shadow round 3)", at=2.5)):
+        assert decode(encode(posted)) == posted
+        assert decode(encode(posted).encode()) == posted  # a store hands back bytes
+
+
+def test_texts_and_board_entries_give_the_age_never_negative() -> None:
+    posted = Posted(what="joined", at=100.0, beat=3)
+    assert status_text(posted, now=101.54) == "joined (1.5 s ago)"
+    assert board_entry(posted, now=102.0) == ("joined", 2.0, 3)
+    # Another host's clock a little ahead: the age is 0, not negative.
+    assert age(posted, now=99.0) == 0.0
+    assert status_text(posted, now=99.0) == "joined (0.0 s ago)"
+    assert status_text(None, now=5.0) == NO_STATUS == "no status posted"
+
+
+def test_a_post_shows_nothing_before_a_status_and_stamps_by_its_clock() -> None:
+    times = itertools.count(10.0)
+    post = Post(lambda: next(times))
+    post.beat()  # the watchdog may beat before the Join posts
+    assert post.read() is None
+    post.status("entering")
+    first = post.read()
+    assert first is not None and (first.what, first.at) == ("entering", 10.0)
+    assert first.beat is not None
+    post.beat()
+    second = post.read()
+    assert second is not None and second.beat is not None and second.beat > first.beat
+
+
+def test_a_post_is_published_again_only_when_it_changed() -> None:
+    times = itertools.count(0.0)
+    post = Post(lambda: next(times))
+    assert post.unpublished() is None  # nothing posted yet
+    post.status("in its loop body")
+    posted = post.unpublished()
+    assert posted is not None
+    post.published(posted)
+    assert post.unpublished() is None
+    post.status("in its loop body")  # the same text again: a new time, so news
+    again = post.unpublished()
+    assert again is not None and again.at > posted.at
+    post.published(again)
+    post.beat()
+    beaten = post.unpublished()
+    assert beaten is not None and beaten.beat != again.beat
+
+
+def test_two_posts_never_share_a_beat_number() -> None:
+    one, other = Post(float), Post(float)
+    one.status("a")
+    other.status("b")
+    one.beat()
+    other.beat()
+    a, b = one.read(), other.read()
+    assert a is not None and b is not None and a.beat != b.beat
+
+
+def test_the_threads_board_notes_and_reads_the_ranks_that_posted() -> None:
+    board = ThreadsBoard()
+    board.post(1, "counting non-joined ranks (shadow round 3)")
+    assert board.note(0, now=0.0) == ""
+    entries = board.entries([0, 1, 2])
+    assert list(entries) == [1]
+    what, seconds, beat = entries[1]
+    assert what == "counting non-joined ranks (shadow round 3)"
+    assert seconds >= 0.0 and beat is None
+    note = board.note(1, now=time.monotonic())
+    assert note.startswith("; its Join: counting non-joined ranks (shadow round 3) (")
+    assert note.endswith(" s ago)")
