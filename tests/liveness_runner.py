@@ -24,6 +24,9 @@ for ``slow``, so they join and count while it works):
 ``freeze``  rank 1 stops itself (SIGSTOP) at iteration ``FAIL_AT``; everyone else
             is in its loop body and blocks in its next collective
 ``kill``    rank 1 SIGKILLs itself at iteration ``FAIL_AT``, the others active
+``gil``     rank 1 holds the GIL for ``--sleep`` s at iteration ``FAIL_AT`` (libc's
+            ``sleep`` called through ``ctypes.PyDLL``, which never releases the
+            GIL, so no other thread of the process runs), the others active
 ==========  =====================================================================
 
 The Join's timeout is the default one unless ``--timeout`` is given; the
@@ -34,9 +37,11 @@ default's seconds come from the environment's ``JOINKIT_DEFAULT_TIMEOUT``
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -90,6 +95,8 @@ def rank_main(args: argparse.Namespace) -> None:
                         os.kill(os.getpid(), signal.SIGSTOP)
                     elif args.scenario == "kill":
                         os.kill(os.getpid(), signal.SIGKILL)
+                    elif args.scenario == "gil":
+                        hold_the_gil(args.sleep)
                 counter.heartbeat()
                 counter.collective()
                 if args.scenario != "slow":
@@ -104,6 +111,16 @@ def rank_main(args: argparse.Namespace) -> None:
     path.write_text(json.dumps(result))
     if error is not None:
         raise SystemExit(1)
+
+
+def hold_the_gil(seconds: float) -> None:
+    """Block in C for ``seconds`` without releasing the GIL (a stuck C extension).
+
+    One call: between two calls the interpreter would hand the GIL over.
+    """
+    libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held during the call
+    libc.sleep.argtypes = [ctypes.c_uint]
+    libc.sleep(math.ceil(seconds))
 
 
 def _free_port() -> int:
@@ -150,10 +167,10 @@ def spawn(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
-    parser.add_argument("scenario", choices=("slow", "freeze", "kill"))
+    parser.add_argument("scenario", choices=("slow", "freeze", "kill", "gil"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--spawn", type=int, default=0, help="start this many gloo ranks")
-    parser.add_argument("--sleep", type=float, default=0.0, help="slow: seconds of rank 1")
+    parser.add_argument("--sleep", type=float, default=0.0, help="slow, gil: seconds of rank 1")
     parser.add_argument("--timeout", type=float, default=None,
                         help="an explicit Join timeout (default: the default one)")
     parser.add_argument("--deadline", type=float, default=600.0,

@@ -6,7 +6,9 @@ default's. A full-length run (330 s, the real default of 300 s) is recorded
 in docs/reliability.md. In processes (``tests/liveness_runner.py``): a slow
 rank on gloo, with the default and with an explicit timeout; a rank frozen
 with SIGSTOP while the others are in their loop bodies, on gloo and under
-``mpirun``; a rank killed with SIGKILL under ``torchrun`` and ``mpirun``.
+``mpirun``; a rank holding the GIL (a C call that keeps it) for 6 timeouts,
+on gloo and under ``mpirun``; a rank killed with SIGKILL under ``torchrun`` and
+``mpirun``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ SLOW_TIMEOUT = 2.0
 GLOO_SLOW_TIMEOUT = 5.0
 #: The scaled default timeout of the frozen and killed cells.
 SILENCE_TIMEOUT = 10.0
+#: How long the GIL cells' rank 1 holds the GIL: several timeouts.
+GIL_HOLD = 6 * SILENCE_TIMEOUT
 LAUNCH_TIMEOUT = 240.0  # hard limit per launch
 _TORCHRUN = Path(sys.executable).with_name("torchrun")
 TORCHRUN = [str(_TORCHRUN)] if _TORCHRUN.exists() else [python(), "-m", "torch.distributed.run"]
@@ -161,11 +165,12 @@ def _spawned(root: Path, name: str, ranks: int, scenario: str, knob: float,
     return Launch(name, command, out, LAUNCH_TIMEOUT, env=env)
 
 
-def _launched(root: Path, name: str, launcher: list[str], scenario: str) -> Launch:
+def _launched(root: Path, name: str, launcher: list[str], scenario: str,
+              *extra: str) -> Launch:
     out = root / name
-    command = [*launcher, python(), str(RUNNER), "--out", str(out), scenario]
+    command = [*launcher, python(), str(RUNNER), "--out", str(out), scenario, *extra]
     if launcher[0].endswith("torchrun") or "torch.distributed.run" in launcher:
-        command = [*launcher, str(RUNNER), "--out", str(out), scenario]
+        command = [*launcher, str(RUNNER), "--out", str(out), scenario, *extra]
     env = child_env({"OMP_NUM_THREADS": "1",
                      "JOINKIT_DEFAULT_TIMEOUT": str(SILENCE_TIMEOUT)})
     return Launch(name, command, out, LAUNCH_TIMEOUT, env=env)
@@ -182,6 +187,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launch]:
             _spawned(root, "slow-explicit", 2, "slow", 1000.0, "--sleep",
                      str(3 * GLOO_SLOW_TIMEOUT), "--timeout", str(GLOO_SLOW_TIMEOUT)),
             _spawned(root, "freeze-gloo", 3, "freeze", SILENCE_TIMEOUT),
+            _spawned(root, "gil-gloo", 3, "gil", SILENCE_TIMEOUT, "--sleep", str(GIL_HOLD)),
             _launched(root, "kill-torchrun",
                       [*TORCHRUN, "--standalone", "--nproc-per-node", "3"], "kill"),
         ]
@@ -190,6 +196,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launch]:
         if is_open_mpi():
             mpi += ["-x", "JOINKIT_DEFAULT_TIMEOUT"]
         todo += [_launched(root, "freeze-mpi", mpi, "freeze"),
+                 _launched(root, "gil-mpi", mpi, "gil", "--sleep", str(GIL_HOLD)),
                  _launched(root, "kill-mpirun", mpi, "kill")]
     return run_all(todo)
 
@@ -284,6 +291,50 @@ def test_mpi_sigstop_of_a_rank_in_its_loop_body_ends_the_job(
                 f"job ends: exit {launch.returncode} after {launch.seconds:.1f} s (start-up "
                 f"included; timeout {SILENCE_TIMEOUT:g} s, knob); a peer's watchdog: "
                 "RankTimeout naming rank 1 silent, then MPI_Abort")
+
+
+@needs_torch
+@pytest.mark.timeout(LAUNCH_TIMEOUT * 4)
+def test_gloo_rank_holding_the_gil_in_its_loop_body_is_reported(
+        launches: dict[str, Launch]) -> None:
+    launch = launches["gil-gloo"]
+    ended, ranks = _ended(launch), _ranks(launch)
+    for rank in (0, 2):
+        assert ended[rank]["exit"] == 1, launch.explain()
+        error = ranks[rank]["error"]
+        # Rank 1's watchdog thread cannot beat: rank 0, its ring neighbour,
+        # reports it silent; rank 2 gets the abort.
+        assert _silence_named(error["message"]), error
+        assert error["type"] == ("RankTimeout" if rank == 0 else "GroupAborted"), error
+    # Reported within the timeout, long before rank 1 lets go of the GIL.
+    assert ranks[0]["seconds"] < GIL_HOLD, ranks
+    # Rank 1 wakes to a group its peers have left, and fails too.
+    assert ended[1]["exit"] == 1 and ranks[1]["error"] is not None, launch.explain()
+    record_cell("gloo", "GIL held in the loop body", 3, 1,
+                f"rank 0: RankTimeout naming rank 1 silent after {ranks[0]['seconds']:.1f} s "
+                f"in the Join (timeout {SILENCE_TIMEOUT:g} s, knob; GIL held "
+                f"{GIL_HOLD:g} s); rank 2: GroupAborted (rank 0) after "
+                f"{ranks[2]['seconds']:.1f} s; rank 1, once awake: "
+                f"{ranks[1]['error']['type']} after {ranks[1]['seconds']:.1f} s")
+
+
+@needs_mpi
+@pytest.mark.timeout(LAUNCH_TIMEOUT * 4)
+def test_mpi_rank_holding_the_gil_in_its_loop_body_ends_the_job(
+        launches: dict[str, Launch]) -> None:
+    launch = launches["gil-mpi"]
+    assert not launch.timed_out and launch.returncode != 0, launch.explain()
+    assert _silence_named(launch.output), launch.explain()
+    assert re.search(r"joinkit: rank [02] aborts the MPI job: rank [02] has seen no sign of "
+                     r"life from rank 1", launch.output), launch.explain()
+    # The job ended before rank 1 let go of the GIL (start-up included):
+    # rank 1 never got back to Python to leave the Join.
+    assert launch.seconds < GIL_HOLD, launch.explain()
+    assert not (launch.out / "rank1.json").exists(), launch.explain()
+    record_cell("mpi", "GIL held in the loop body", 3, 1,
+                f"job ends: exit {launch.returncode} after {launch.seconds:.1f} s (start-up "
+                f"included; timeout {SILENCE_TIMEOUT:g} s, knob; GIL held {GIL_HOLD:g} s); a "
+                "peer's watchdog: RankTimeout naming rank 1 silent, then MPI_Abort")
 
 
 @needs_torch
