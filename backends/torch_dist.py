@@ -52,7 +52,7 @@ watchdog's ring neighbour, or every rank while it waits) and any posted
 abort, which ``aborted`` then reports. What an entry is (its JSON, its age,
 its text) and this rank's record of its own come from ``backends._status``;
 this module only carries entries through the store. With its first entry a
-rank posts, once, which process it is (pid, host, start time); after a
+rank posts, once per group, which process it is (pid, host, start time); after a
 collective failed, ``gone_peers`` reads them and names the peers on this host
 whose process is gone (a SIGKILL leaves gloo's survivors with a "Connection
 closed by peer" that names no rank). ``abort`` posts the reason (first aborter wins)
@@ -323,7 +323,6 @@ class TorchGroup:
         self._store_prefix = f"joinkit/{getattr(group, 'group_name', '')}/"
         # This rank's board entry; peers compute its age, so wall-clock time.
         self._post = Post(time.time)
-        self._process_posted = False  # which process this rank is (gone_peers)
         _groups.add(self)
 
     def __repr__(self) -> str:
@@ -983,6 +982,8 @@ _publisher: threading.Thread | None = None
 _helpers: set[threading.Thread] = set()
 _threads_lock = threading.Lock()
 _exiting = threading.Event()
+# Store prefix -> the store this process posted its pid to for it (gone_peers).
+_processes_posted: dict[str, Any] = {}
 # Groups with a wait past its first slice -> how many; the abort watcher, and
 # what wakes it when the first wait comes (or the exit guard stops it).
 _long_waits: dict[int, tuple[TorchGroup, int]] = {}  # by id: groups compare by their PG
@@ -1047,6 +1048,18 @@ def _watch_loop() -> None:
 
 def _publish_statuses(group: TorchGroup) -> None:
     global _publisher
+    try:
+        store = _store()
+    except Exception:  # noqa: BLE001 - no store: nobody can read it
+        store = None
+    if store is not None and _processes_posted.get(group._store_prefix) is not store:
+        # Which process this rank is, once per process group and store (a
+        # group name recurs after a re-init), at once: the status thread first
+        # publishes after _STATUS_INTERVAL, and a rank may die sooner.
+        # Bounded: a dead store costs this Join's entry _GONE_PATIENCE s.
+        _processes_posted[group._store_prefix] = store
+        key, value = f"{group._store_prefix}process/{group.rank}", json.dumps(_PROCESS)
+        _bounded(lambda store: store.set(key, value), _GONE_PATIENCE)
     with _threads_lock:
         _publishing.add(group)
         if _exiting.is_set():
@@ -1066,10 +1079,6 @@ def _publish_loop() -> None:
             if posted is None:
                 continue
             try:
-                if not group._process_posted:  # once: which process this rank is
-                    _store().set(f"{group._store_prefix}process/{group.rank}",
-                                 json.dumps(_PROCESS))
-                    group._process_posted = True
                 _store().set(f"{group._store_prefix}status/{group.rank}",
                              _status.encode(posted))
             except Exception:  # noqa: BLE001 - the store is gone; peers see silence

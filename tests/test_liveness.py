@@ -345,10 +345,15 @@ def test_torchrun_sigkill_ends_every_survivor(launches: dict[str, Launch]) -> No
         launch.explain())
     ranks = _ranks(launch)
     assert 1 not in ranks and all(r["error"] is not None for r in ranks.values()), ranks
+    # gloo's error names an address; the note names the dead rank (gone_peers).
+    gone = re.compile(r"joinkit: rank 1 \(pid \d+ on \S+\) is no longer running")
+    assert all(any(gone.match(note) for note in r["error"]["notes"])
+               for r in ranks.values()), ranks
     record_cell("gloo", "SIGKILL, default timeout", 3, 1,
                 f"torchrun exit {launch.returncode} after {launch.seconds:.1f} s (start-up "
                 f"included), root cause rank 1 SIGKILL; {len(ranks)} survivor(s) left the "
-                "Join with an error first, the rest got SIGTERM")
+                "Join with an error first (gloo's, with a note: rank 1 is no longer "
+                "running), the rest got SIGTERM")
 
 
 @needs_mpi
