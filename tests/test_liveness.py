@@ -183,6 +183,31 @@ def test_an_error_leaving_the_join_names_the_peers_whose_process_is_gone() -> No
     assert joinable.group.asked == 1
 
 
+class _BereavedInCount(_Bereaved):
+    def count(self, value: float) -> float:
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+
+
+class _OnBereavedInCount(_OnBoardless):
+    def __init__(self) -> None:
+        Joinable.__init__(self)
+        self.group = _BereavedInCount({1: "pid 4242 on node0"})
+
+
+backends.register(_BereavedInCount, lambda group, device: group)
+
+
+def test_a_failed_join_collective_names_the_peers_whose_process_is_gone() -> None:
+    joinable = _OnBereavedInCount()
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as caught:
+        with Join([joinable]):
+            pass  # the loop ends; the Join's count fails
+    assert caught.value.__notes__ == [
+        "joinkit: rank 1 (pid 4242 on node0) is no longer running (killed? out of "
+        "memory?): it is the likely cause of this error"]
+    assert joinable.group.asked == 1
+
+
 def test_no_note_when_every_peer_runs_or_the_backend_cannot_tell() -> None:
     for gone in ({}, None):
         joinable = _OnBereaved(gone)
