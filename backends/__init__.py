@@ -47,6 +47,10 @@ Optional, each making the Join better where a backend can offer it:
                             default timeout is a hard limit of 30 min
 ``aborted``                 ``(rank, reason)`` of an abort this rank knows of
                             (no I/O), or ``None``
+``gone_peers()``            rank -> e.g. ``"pid 4242 on node0"`` for the peers
+                            whose process no longer runs; asked once when an
+                            error leaves the Join, noted on it (within about a
+                            second; never raises)
 ==========================  ===================================================
 
 Without the last three the Join uses ``all_gather_object``, which costs every

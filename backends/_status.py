@@ -28,12 +28,22 @@ mpi4py.
 hosts share; where the poster computes the age itself (MPI's listener, the
 threads of one process) it is ``time.monotonic()``. An age is never negative
 (clocks of two hosts may disagree by a little).
+
+*Processes.* A rank also posts, once, which process it is
+(:func:`this_process`: pid, host name, start time), so that after a
+collective fails its peers can tell a rank whose process is gone (SIGKILL,
+the out-of-memory killer) from one that is merely silent
+(:func:`gone_text`). Only a peer on the same host can look; a pid that now
+belongs to another process (a different start time) or to a zombie counts as
+gone.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -172,3 +182,50 @@ class ThreadsBoard:
         now = time.monotonic()
         return {rank: (posted.what, age(posted, now), None)
                 for rank in ranks if (posted := self._posted(rank)) is not None}
+
+
+def _started(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks since boot, /proc), or ``None`` where unknown.
+
+    Raises:
+        ProcessLookupError: there is no such process, or it is a zombie.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    except OSError:  # no /proc (not Linux): ask the kernel below
+        os.kill(pid, 0)
+        return None
+    if fields[0] in (b"Z", b"X"):  # killed, not yet reaped by its parent
+        raise ProcessLookupError(pid)
+    return int(fields[19])  # field 22 of stat; fields[0] is field 3
+
+
+def this_process() -> dict[str, object]:
+    """This process as a rank posts it: ``{"pid", "host", "started"}``."""
+    pid = os.getpid()
+    try:
+        started = _started(pid)
+    except (OSError, ValueError, IndexError):
+        started = None
+    return {"pid": pid, "host": socket.gethostname(), "started": started}
+
+
+def gone_text(process: dict[str, object]) -> str | None:
+    """``"pid 4242 on node0"`` if the process that :func:`this_process` gave
+    (on another rank) no longer runs; ``None`` if it runs, or if this process
+    cannot tell (another host, no such permission, a malformed entry)."""
+    pid, host, started = process.get("pid"), process.get("host"), process.get("started")
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return None
+    try:
+        now = _started(pid)
+    except ProcessLookupError:
+        return f"pid {pid} on {host}"
+    except (OSError, ValueError, IndexError):  # PermissionError: it runs, as another user
+        return None
+    if started is not None and now is not None and now != started:  # the pid was reused
+        return f"pid {pid} on {host}"
+    return None

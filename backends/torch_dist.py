@@ -51,7 +51,11 @@ the status, and ``peer_board`` reads the entries of a few ranks (the
 watchdog's ring neighbour, or every rank while it waits) and any posted
 abort, which ``aborted`` then reports. What an entry is (its JSON, its age,
 its text) and this rank's record of its own come from ``backends._status``;
-this module only carries entries through the store. ``abort`` posts the reason (first aborter wins)
+this module only carries entries through the store. With its first entry a
+rank posts, once per group, which process it is (pid, host, start time); after a
+collective failed, ``gone_peers`` reads them and names the peers on this host
+whose process is gone (a SIGKILL leaves gloo's survivors with a "Connection
+closed by peer" that names no rank). ``abort`` posts the reason (first aborter wins)
 and calls ``ProcessGroup.abort()``. That is enough on nccl, but gloo's abort
 wakes nobody, neither this rank's pending collective nor its peers'. So on a
 CPU group every blocking wait of this class waits in slices of
@@ -141,6 +145,11 @@ _LENGTH_BYTES = 8
 _STORE_PATIENCE = 5.0
 #: How often the status thread publishes changed statuses.
 _STATUS_INTERVAL = 0.5
+#: How long gone_peers waits for the store: torchrun ends the survivors soon
+#: after a worker dies, so the note must come quickly or not at all.
+_GONE_PATIENCE = 1.0
+#: This process, as a rank posts it once for gone_peers.
+_PROCESS = _status.this_process()
 #: Seconds the exit guard waits for the background threads to stop and gloo's
 #: worker threads to finish their collectives (module doc).
 _EXIT_PATIENCE = 5.0
@@ -588,6 +597,38 @@ class TorchGroup:
         return {rank: _status.board_entry(_status.decode(value), now)
                 for rank, value in found.items()}
 
+    def gone_peers(self) -> dict[int, str]:
+        """The peers whose process no longer runs, for the note on a failure.
+
+        One store read of the processes the peers posted with their first
+        status (``_GONE_PATIENCE`` s at most), then a look at each on this
+        host (``/proc``). Never raises: what cannot be read is not reported.
+
+        Returns:
+            rank -> ``"pid 4242 on node0"``, for the peers on this host whose
+            process is gone (killed, out of memory).
+        """
+        keys = {rank: f"{self._store_prefix}process/{rank}"
+                for rank in range(self.world_size) if rank != self.rank}
+
+        if not keys:
+            return {}
+
+        def read(store: Any) -> dict[int, bytes]:
+            if store.check(list(keys.values())):  # the usual case: one round trip
+                return dict(zip(keys, store.multi_get(list(keys.values())), strict=True))
+            return {rank: store.get(key) for rank, key in keys.items() if store.check([key])}
+
+        gone = {}
+        for rank, value in (_bounded(read, _GONE_PATIENCE) or {}).items():
+            try:
+                text = _status.gone_text(json.loads(value))
+            except (ValueError, AttributeError):
+                continue
+            if text is not None:
+                gone[rank] = text
+        return gone
+
     @property
     def aborted(self) -> tuple[int, str] | None:
         """``(rank, reason)`` of the abort this rank knows of, or ``None``.
@@ -907,8 +948,8 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _bounded(action: Callable[[Any], Any]) -> Any:
-    """``action(store)`` in a helper thread, given up after ``_STORE_PATIENCE`` s.
+def _bounded(action: Callable[[Any], Any], patience: float = _STORE_PATIENCE) -> Any:
+    """``action(store)`` in a helper thread, given up after ``patience`` s.
 
     The failure path must not hang on a store whose host died. Returns the
     action's result, or ``None`` if it failed or took too long (or the process
@@ -930,7 +971,7 @@ def _bounded(action: Callable[[Any], Any]) -> Any:
             return None
         _helpers.add(helper)
         helper.start()
-    helper.join(_STORE_PATIENCE)
+    helper.join(patience)
     return result[0]
 
 
@@ -941,6 +982,8 @@ _publisher: threading.Thread | None = None
 _helpers: set[threading.Thread] = set()
 _threads_lock = threading.Lock()
 _exiting = threading.Event()
+# Store prefix -> the store this process posted its pid to for it (gone_peers).
+_processes_posted: dict[str, Any] = {}
 # Groups with a wait past its first slice -> how many; the abort watcher, and
 # what wakes it when the first wait comes (or the exit guard stops it).
 _long_waits: dict[int, tuple[TorchGroup, int]] = {}  # by id: groups compare by their PG
@@ -1005,6 +1048,18 @@ def _watch_loop() -> None:
 
 def _publish_statuses(group: TorchGroup) -> None:
     global _publisher
+    try:
+        store = _store()
+    except Exception:  # noqa: BLE001 - no store: nobody can read it
+        store = None
+    if store is not None and _processes_posted.get(group._store_prefix) is not store:
+        # Which process this rank is, once per process group and store (a
+        # group name recurs after a re-init), at once: the status thread first
+        # publishes after _STATUS_INTERVAL, and a rank may die sooner.
+        # Bounded: a dead store costs this Join's entry _GONE_PATIENCE s.
+        _processes_posted[group._store_prefix] = store
+        key, value = f"{group._store_prefix}process/{group.rank}", json.dumps(_PROCESS)
+        _bounded(lambda store: store.set(key, value), _GONE_PATIENCE)
     with _threads_lock:
         _publishing.add(group)
         if _exiting.is_set():

@@ -37,7 +37,7 @@ import attrs
 
 from . import _machine as m
 from . import _ports, _watchdog
-from ._errors import LocalProtocolError, PeerAborted, RankTimeout
+from ._errors import LocalProtocolError, PeerAborted, PeerFailure, RankTimeout
 
 __all__ = ["Join", "Joinable", "JoinHook", "JoinConfig"]
 
@@ -443,8 +443,15 @@ class Join:
                 # abort's) follows from it. A stall found later, while the rank
                 # shadows after its own failure, is a note on that failure.
                 stalled_in_body = self._stall
-                finished = self._leave(exc)
-                self._settle_last_heartbeat(exc, finished)
+                if isinstance(exc, Exception):
+                    self._note_gone_peers(exc)
+                try:
+                    finished = self._leave(exc)
+                    self._settle_last_heartbeat(exc, finished)
+                except Exception as error:
+                    if error is not exc:  # a join collective failed
+                        self._note_gone_peers(error)
+                    raise
                 if (stalled_in_body is not None and isinstance(exc, Exception)
                         and exc is not stalled_in_body):
                     # The watchdog aborted the group: its report is the error.
@@ -457,6 +464,27 @@ class Join:
                 _active.joins -= 1
                 _watchdog.unwatch(self._watch)
                 self._post(_watchdog.LEFT)
+
+    def _note_gone_peers(self, error: Exception) -> None:
+        """Name the peers whose process is gone on ``error`` leaving the Join.
+
+        A rank killed outright (SIGKILL, the out-of-memory killer) leaves its
+        peers with their library's error (gloo: "Connection closed by peer"),
+        which names an address, not a rank; a backend's ``gone_peers`` can
+        tell which. Before the shadowing: a launcher may end this process soon
+        (torchrun SIGTERMs the survivors). An error that names its rank (a
+        peer's failure or abort) needs no note. Never raises.
+        """
+        gone_peers = getattr(self._backend, "gone_peers", None)
+        if gone_peers is None or isinstance(error, (PeerFailure, PeerAborted)):
+            return
+        try:
+            gone = gone_peers()
+        except Exception:  # noqa: BLE001 - a hint only: the error is the news
+            return
+        for rank, process in sorted(gone.items()):
+            _add_note(error, f"joinkit: rank {rank} ({process}) is no longer running "
+                             "(killed? out of memory?): it is the likely cause of this error")
 
     def _settle_last_heartbeat(self, exc: BaseException | None, finished: bool) -> None:
         # Heartbeats are never waited on in the loop. Once the protocol has

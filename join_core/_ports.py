@@ -71,7 +71,10 @@ class JoinBackend(Protocol):
 
     The required members are below; the optional ones (``heartbeat_total``,
     ``collectives_issued``, ``abort``, ``post_status``, ``peer_status``,
-    ``wait``, ``post_beat``, ``peer_board``, ``aborted``, and ``all_agree``,
+    ``wait``, ``post_beat``, ``peer_board``, ``aborted``, ``gone_peers``
+    (rank -> a text such as ``"pid 4242 on node0"`` for the peers whose process
+    no longer runs; asked once when an error leaves the Join, and noted on
+    it; must answer within about a second and never raise), and ``all_agree``,
     ``gather_object``, ``broadcast_object``, which make the entry check, reports
     and failure exchange cost a rank O(1) instead of O(world size):
     :func:`all_agree`, :func:`gather_object`, :func:`all_gather_sparse`) are

@@ -153,6 +153,80 @@ def test_without_a_board_the_default_is_a_hard_limit_of_six_timeouts(
     assert spawn(on_threads, 2, timeout=30.0) == [(False, 2.0)] * 2  # the board decides
 
 
+class _Bereaved(_Boardless):
+    """A one-rank join backend that says its peer 1 is gone (or fails to tell)."""
+
+    def __init__(self, gone: dict[int, str] | None) -> None:
+        self.gone = gone
+        self.asked = 0
+
+    def gone_peers(self) -> dict[int, str]:
+        self.asked += 1
+        if self.gone is None:
+            raise OSError("cannot tell")
+        return self.gone
+
+
+class _OnBereaved(_OnBoardless):
+    def __init__(self, gone: dict[int, str] | None) -> None:
+        Joinable.__init__(self)
+        self.group = _Bereaved(gone)
+
+
+backends.register(_Bereaved, lambda group, device: group)
+
+
+def test_an_error_leaving_the_join_names_the_peers_whose_process_is_gone() -> None:
+    joinable = _OnBereaved({1: "pid 4242 on node0"})
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as caught:
+        with Join([joinable]):
+            raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+    assert caught.value.__notes__[0] == (  # first: before anything else is tried
+        "joinkit: rank 1 (pid 4242 on node0) is no longer running (killed? out of "
+        "memory?): it is the likely cause of this error")
+    assert joinable.group.asked == 1
+
+
+class _BereavedInCount(_Bereaved):
+    def count(self, value: float) -> float:
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+
+
+class _OnBereavedInCount(_OnBoardless):
+    def __init__(self) -> None:
+        Joinable.__init__(self)
+        self.group = _BereavedInCount({1: "pid 4242 on node0"})
+
+
+backends.register(_BereavedInCount, lambda group, device: group)
+
+
+def test_a_failed_join_collective_names_the_peers_whose_process_is_gone() -> None:
+    joinable = _OnBereavedInCount()
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as caught:
+        with Join([joinable]):
+            pass  # the loop ends; the Join's count fails
+    assert caught.value.__notes__ == [
+        "joinkit: rank 1 (pid 4242 on node0) is no longer running (killed? out of "
+        "memory?): it is the likely cause of this error"]
+    assert joinable.group.asked == 1
+
+
+def test_no_note_when_every_peer_runs_or_the_backend_cannot_tell() -> None:
+    for gone in ({}, None):
+        joinable = _OnBereaved(gone)
+        with pytest.raises(ValueError, match="bad input") as caught:
+            with Join([joinable]):
+                raise ValueError("bad input")
+        assert not any("no longer running" in note
+                       for note in getattr(caught.value, "__notes__", [])), caught.value
+        assert joinable.group.asked == 1
+    joinable = _OnBereaved({1: "pid 4242 on node0"})
+    with Join([joinable]):
+        pass
+    assert joinable.group.asked == 0  # asked only on a failure
+
+
 # -- processes ----------------------------------------------------------------------------
 
 
@@ -347,10 +421,15 @@ def test_torchrun_sigkill_ends_every_survivor(launches: dict[str, Launch]) -> No
         launch.explain())
     ranks = _ranks(launch)
     assert 1 not in ranks and all(r["error"] is not None for r in ranks.values()), ranks
+    # gloo's error names an address; the note names the dead rank (gone_peers).
+    gone = re.compile(r"joinkit: rank 1 \(pid \d+ on \S+\) is no longer running")
+    assert all(any(gone.match(note) for note in r["error"]["notes"])
+               for r in ranks.values()), ranks
     record_cell("gloo", "SIGKILL, default timeout", 3, 1,
                 f"torchrun exit {launch.returncode} after {launch.seconds:.1f} s (start-up "
                 f"included), root cause rank 1 SIGKILL; {len(ranks)} survivor(s) left the "
-                "Join with an error first, the rest got SIGTERM")
+                "Join with an error first (gloo's, with a note: rank 1 is no longer "
+                "running), the rest got SIGTERM")
 
 
 @needs_mpi

@@ -8,6 +8,10 @@ pin the entry, its encoding and its texts, with times passed in.
 from __future__ import annotations
 
 import itertools
+import os
+import socket
+import subprocess
+import sys
 import time
 
 from joinkit.backends._status import (
@@ -19,7 +23,9 @@ from joinkit.backends._status import (
     board_entry,
     decode,
     encode,
+    gone_text,
     status_text,
+    this_process,
 )
 
 
@@ -94,3 +100,33 @@ def test_the_threads_board_notes_and_reads_the_ranks_that_posted() -> None:
     note = board.note(1, now=time.monotonic())
     assert note.startswith("; its Join: counting non-joined ranks (shadow round 3) (")
     assert note.endswith(" s ago)")
+
+
+def test_a_killed_process_is_gone_once_killed_reaped_or_not() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        process = {"pid": child.pid, "host": socket.gethostname(), "started": None}
+        if sys.platform == "linux":  # its start time, as it would post it
+            stat = open(f"/proc/{child.pid}/stat", "rb").read()  # noqa: SIM115 - read at once
+            process["started"] = int(stat.rpartition(b")")[2].split()[19])
+        assert gone_text(process) is None  # it runs
+        assert gone_text({**process, "host": "elsewhere"}) is None  # cannot look
+        child.kill()
+        # Until its parent reaps it, a killed process is a zombie: gone already.
+        deadline = time.monotonic() + 60.0
+        while gone_text(process) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gone_text(process) == f"pid {child.pid} on {socket.gethostname()}"
+    finally:
+        child.kill()
+        child.wait()
+    assert gone_text(process) == f"pid {child.pid} on {socket.gethostname()}"
+
+
+def test_this_process_is_not_gone_and_a_reused_pid_is() -> None:
+    me = this_process()
+    assert me["pid"] == os.getpid() and me["host"] == socket.gethostname()
+    assert gone_text(me) is None
+    if me["started"] is not None:  # /proc: another start time is another process
+        assert gone_text({**me, "started": int(str(me["started"])) + 1}) is not None
+    assert gone_text({"pid": "4242", "host": me["host"]}) is None  # malformed: not told
