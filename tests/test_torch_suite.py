@@ -12,6 +12,7 @@ switches DDP over; each rank records which Join classes its tests entered.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,17 @@ pytest.importorskip("torch.distributed")
 
 RUNNER = Path(__file__).with_name("torch_suite_runner.py")
 LAUNCH_TIMEOUT = 420.0  # one launch, all its tests (about a minute here)
-pytestmark = [pytest.mark.needs_torch, pytest.mark.timeout(LAUNCH_TIMEOUT + 60)]
+# torch 2.13's gloo can deadlock at the end of torch's own ddp_under_dist_autograd
+# tests (seen once in ~10 full runs, in torch's own Join mode): the main thread,
+# holding the GIL, destroys a DDP Reducer's ProcessGroupGloo and joins its worker
+# thread, while the worker, destroying a finished all-reduce's work, waits for the
+# GIL to release a tensor (py-spy: ~ProcessGroupGloo <- Reducer dealloc on the
+# main thread; ~AsyncAllreduceWork in gil_scoped_acquire on the worker). An rpc
+# launch therefore has a shorter limit and, killed at it, is retried once, saying so.
+RPC_LAUNCH_TIMEOUT = 240.0
+RPC_ATTEMPTS = 2
+pytestmark = [pytest.mark.needs_torch,
+              pytest.mark.timeout(max(LAUNCH_TIMEOUT, RPC_ATTEMPTS * RPC_LAUNCH_TIMEOUT) + 60)]
 
 MODES = ("torch", "joinkit")
 DDP_TESTS = (
@@ -76,13 +87,21 @@ def launch(mode: str, suite: str, world: int, out: Path) -> dict[str, Any]:
     key = (mode, suite, world)
     if key in _launched:
         return _launched[key]
-    out.mkdir(parents=True)
+    rpc = suite.startswith("rpc")
     start = time.monotonic()
-    runs = launch_ranks(
-        [[sys.executable, str(RUNNER), mode, suite, str(rank), str(world),
-          str(out / "store"), str(out), *LAUNCHES[suite, world]] for rank in range(world)],
-        LAUNCH_TIMEOUT,
-    )
+    for attempt in range(1, (RPC_ATTEMPTS if rpc else 1) + 1):
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        runs = launch_ranks(
+            [[sys.executable, str(RUNNER), mode, suite, str(rank), str(world),
+              str(out / "store"), str(out), *LAUNCHES[suite, world]] for rank in range(world)],
+            RPC_LAUNCH_TIMEOUT if rpc else LAUNCH_TIMEOUT,
+        )
+        if not any("[test] killed after" in run.stdout for run in runs):
+            break
+        print(f"\n[torch suite] {mode} {suite} world {world}: attempt {attempt} killed at "
+              "its limit (torch's gloo teardown deadlock, see RPC_LAUNCH_TIMEOUT)")
     logs = [run.stdout for run in runs]
     records = [{r["test"]: r for r in read_jsonl(out / f"rank{rank}.jsonl")}
                for rank in range(world)]
