@@ -305,6 +305,15 @@ def test_errors_say_what_was_wrong_and_what_to_do() -> None:
         shard_size(-1, 2, 0)
 
 
+def test_without_torch_the_import_says_which_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    monkeypatch.delitem(sys.modules, "joinkit.adapters.data")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'joinkit\[torch\]'"):
+        importlib.import_module("joinkit.adapters.data")
+
+
 # -- under Join with DDP, real gloo ranks ----------------------------------------------
 
 
