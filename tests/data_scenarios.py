@@ -73,20 +73,25 @@ def flat(module: nn.Module) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).tolist()
 
 
-def simulate_ddp(epochs: list[list[list[list[int]]]], world: int) -> list[float]:
+def simulate_ddp(
+    epochs: list[list[list[list[int]]]], world: int, divide: bool = True
+) -> list[float]:
     """DDP with Join in one process, plain SGD: ``epochs[e][rank]`` is the
     list of batches (sample ids) rank ``rank`` ran in epoch ``e``.
 
     In iteration ``i`` the ranks with more than ``i`` batches are active; DDP
     sums their gradients and divides by the world size (a joined rank adds
-    zero); every active replica steps with that average, so they stay equal,
-    and at the end of the Join the last joiner's parameters are broadcast.
+    zero), or by the number of active ranks where ``divide`` is false
+    (``Join(..., divide_by_initial_world_size=False)``); every active replica
+    steps with that average, so they stay equal, and at the end of the Join
+    the last joiner's parameters are broadcast.
     """
     reference = model()
     optim = torch.optim.SGD(reference.parameters(), lr=LR)
     for per_rank in epochs:
         for i in range(max((len(b) for b in per_rank), default=0)):
             grads = [torch.zeros_like(p) for p in reference.parameters()]
+            active = sum(i < len(batches) for batches in per_rank)
             for batches in per_rank:
                 if i < len(batches):
                     reference.zero_grad()
@@ -94,12 +99,14 @@ def simulate_ddp(epochs: list[list[list[list[int]]]], world: int) -> list[float]
                     for g, p in zip(grads, reference.parameters(), strict=True):
                         g += p.grad
             for g, p in zip(grads, reference.parameters(), strict=True):
-                p.grad = g / world
+                p.grad = g / (world if divide else active)
             optim.step()
     return flat(reference)
 
 
-def train(ctx: Ctx, loaders: list[Any], sampler: ShardSampler | None = None) -> dict[str, Any]:
+def train(
+    ctx: Ctx, loaders: list[Any], sampler: ShardSampler | None = None, divide: bool = True
+) -> dict[str, Any]:
     """One Join per loader (an epoch each, ``sampler.set_epoch(epoch)`` first);
     return every rank's batches per epoch, this rank's parameters and the
     single-process reference."""
@@ -111,7 +118,7 @@ def train(ctx: Ctx, loaders: list[Any], sampler: ShardSampler | None = None) -> 
         if sampler is not None:
             sampler.set_epoch(epoch)
         batches: list[list[int]] = []
-        with Join([ddp]):
+        with Join([ddp], divide_by_initial_world_size=divide):
             for batch in loader:
                 ids = [int(i) for i in batch["id"]]
                 batches.append(ids)
@@ -127,7 +134,9 @@ def train(ctx: Ctx, loaders: list[Any], sampler: ShardSampler | None = None) -> 
     return {
         "epochs": epochs,
         "params": flat(ddp.module),
-        "reference": simulate_ddp(epochs, ctx.world),
+        "reference": simulate_ddp(epochs, ctx.world, divide),
+        # The other divisor's reference: the shards are uneven enough to tell them apart.
+        "other_divisor": simulate_ddp(epochs, ctx.world, not divide),
         "workers": sorted(workers),
     }
 
@@ -138,6 +147,14 @@ def ddp_shard_sampler(ctx: Ctx) -> Any:
     sampler = ShardSampler(Samples(), seed=7)
     loader = DataLoader(Samples(), batch_size=2, sampler=sampler)
     return {**train(ctx, [loader, loader], sampler), "length": len(sampler)}
+
+
+@scenario
+def ddp_shard_sampler_active_ranks(ctx: Ctx) -> Any:
+    """``divide_by_initial_world_size=False``: gradients averaged over the active ranks."""
+    sampler = ShardSampler(Samples(), seed=11)
+    loader = DataLoader(Samples(), batch_size=2, sampler=sampler)
+    return train(ctx, [loader, loader], sampler, divide=False)
 
 
 @scenario

@@ -350,17 +350,18 @@ def test_ddp_under_join_consumes_every_sample_once_and_matches_one_process(
         assert [sum(len(b) for b in batches) for batches in epochs[0]] == per_rank
         # A rank whose two readers both hold samples read with two real workers.
         assert [0, 1] in [result["workers"] for result in results]
-    if name == "ddp_shard_sampler":
+    if name in ("ddp_shard_sampler", "ddp_shard_sampler_active_ranks"):
         assert epochs[0] != epochs[1]  # set_epoch reshuffled
     for result in results:
         assert result["epochs"] == epochs
         assert result["params"] == results[0]["params"]
         assert result["params"] == pytest.approx(result["reference"], abs=1e-12)
+        assert result["params"] != pytest.approx(result["other_divisor"], abs=1e-6)
 
 
 def test_every_scenario_is_collected() -> None:
     assert SCENARIOS == [
-        "ddp_shard_sampler", "ddp_shard_sampler_group_workers",
+        "ddp_shard_sampler", "ddp_shard_sampler_active_ranks", "ddp_shard_sampler_group_workers",
         "ddp_hf_split_dataset_by_node", "ddp_webdataset_shards",
     ]
 
@@ -402,12 +403,15 @@ def test_the_docs_examples_run(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     compare, train = launch_ranks(
         [[sys.executable, str(tmp_path / "compare.py")],
-         [str(torchrun), "--standalone", "--nproc-per-node", "2", str(tmp_path / "train.py")]],
+         # Each rank's stdout to its own file (the ranks' lines interleave on one pipe).
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "--redirects", "1",
+         "--log-dir", str(tmp_path / "logs"), str(tmp_path / "train.py")]],
         timeout=110.0, env=env, cwd=tmp_path,
     )
     assert compare.returncode == 0, compare.stdout
     assert compare.stdout == doc_blocks("text")[0]
     assert train.returncode == 0, train.stdout
-    lines = sorted(line for line in train.stdout.splitlines() if " samples" in line)
-    assert lines == [f"rank {rank} epoch {epoch}: {7 - rank} samples"
-                     for rank in range(2) for epoch in range(2)], train.stdout
+    logs = sorted((tmp_path / "logs").rglob("stdout.log"), key=lambda p: p.parent.name)
+    assert [log.read_text().splitlines() for log in logs] == [
+        [f"rank {rank} epoch {epoch}: {7 - rank} samples" for epoch in range(2)]
+        for rank in range(2)], train.stdout
