@@ -45,6 +45,10 @@ WORLDS = (2, 3, 4)
 LENGTHS = (0, 1, 13, 1000)
 WORKER = Path(__file__).with_name("data_scenarios.py")
 SHARD_SIZES = [4, 1, 3, 0, 5]  # 13 samples in uneven webdataset-style shards
+# One launch of real processes runs many cases; a hung one is killed at this
+# deadline (the tests that start a launch get a pytest timeout above it).
+LAUNCH_TIMEOUT = 180.0
+launching = pytest.mark.timeout(240)
 
 
 def assert_exact(shards: list[list[int]], length: int) -> None:
@@ -323,12 +327,13 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     world = request.param
     out = tmp_path_factory.mktemp(f"data_world{world}")
     write_shards(out / "shards", SHARD_SIZES)
-    return run_scenarios(WORKER, world, out, scenario_names(WORKER), 110.0)
+    return run_scenarios(WORKER, world, out, scenario_names(WORKER), LAUNCH_TIMEOUT)
 
 
 SCENARIOS = scenario_names(WORKER)
 
 
+@launching
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_ddp_under_join_consumes_every_sample_once_and_matches_one_process(
     ranks: Any, name: str
@@ -369,8 +374,9 @@ def test_every_scenario_is_collected() -> None:
 # -- under mpirun ----------------------------------------------------------------------
 
 
+@launching
 def test_shard_sampler_group_under_mpirun() -> None:
-    result = run_mpi(PROGRAMS / "data_shards.py", 2, timeout=110.0)
+    result = run_mpi(PROGRAMS / "data_shards.py", 2, timeout=LAUNCH_TIMEOUT)
     lines = sorted(tagged(result.stdout, "JOINKIT-DATA"), key=lambda line: line["rank"])
     assert result.returncode == 0 and len(lines) == 2, explain(result)
     assert [line["sampler"] for line in lines] == [[0, 2], [1, 2]]
@@ -392,6 +398,7 @@ def doc_blocks(kind: str) -> list[str]:
     return re.findall(rf"```{kind}\n(.*?)```", DOC.read_text(), re.S)
 
 
+@launching
 def test_the_docs_examples_run(tmp_path: Path) -> None:
     """The first block prints what the page says; the second trains under torchrun."""
     from mpi_support import child_env
@@ -406,7 +413,7 @@ def test_the_docs_examples_run(tmp_path: Path) -> None:
          # Each rank's stdout to its own file (the ranks' lines interleave on one pipe).
         [str(torchrun), "--standalone", "--nproc-per-node", "2", "--redirects", "1",
          "--log-dir", str(tmp_path / "logs"), str(tmp_path / "train.py")]],
-        timeout=110.0, env=env, cwd=tmp_path,
+        timeout=LAUNCH_TIMEOUT, env=env, cwd=tmp_path,
     )
     assert compare.returncode == 0, compare.stdout
     assert compare.stdout == doc_blocks("text")[0]
