@@ -82,7 +82,7 @@ except ImportError as _error:  # pragma: no cover - the message is the point
 
 from joinkit import Join, Joinable, JoinConfig, JoinHook, LocalProtocolError
 
-from . import _torchmetrics_private
+from . import UnsupportedTorchmetricsError, _torchmetrics_private
 
 __all__ = ["adapt", "check", "gather_states", "MetricJoinable"]
 
@@ -166,7 +166,7 @@ class MetricJoinable(Joinable):
 
     # -- the Joinable ------------------------------------------------------------
 
-    @property  # type: ignore[override]
+    @property
     def _join_config(self) -> Any:
         return self._config
 
@@ -296,12 +296,19 @@ def _joined_sync(adapter: MetricJoinable, metric: Any, sync: Callable[..., None]
             "with process_group= the Join's group, or leave it out of the Join"
         )
     states = [_sync_input(metric, attr) for attr in metric._reductions]
-    gathered = iter(gather_states(states, len(states), group, metric.device))
+    gathered = gather_states(states, len(states), group, metric.device)
+    position = iter(range(len(states)))
 
     def serve(tensor: Any, group: Any = None) -> list[Any]:
         # torchmetrics' _sync_dist asks once per state, in _reductions order.
-        rows = next(gathered)
-        return rows
+        index = next(position, None)
+        if index is None or tuple(tensor.shape) != tuple(states[index].shape):
+            raise UnsupportedTorchmetricsError(
+                f"{name}'s sync gathered a state joinkit did not expect (torchmetrics "
+                f"{_torchmetrics_private._version()} changed how it syncs); joinkit "
+                f"supports torchmetrics {_torchmetrics_private._spec()}"
+            )
+        return gathered[index]
 
     return sync(serve, process_group, should_sync, distributed_available)
 

@@ -303,7 +303,7 @@ def ported_ddp_sum_cat(ctx: Ctx) -> Any:
     listed = DummyListMetric(dist_sync_on_step=True, process_group=ctx.group)
     steps = []
     with Join([total, listed]):
-        for i in range(r + 2):
+        for _ in range(r + 2):
             s = total(torch.tensor(1.0))
             c = listed(torch.tensor([float(r)]))
             steps.append({"sum": value(s), "cat": sorted(as_list(c))})

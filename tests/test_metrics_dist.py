@@ -11,13 +11,14 @@ A third, short launch runs the naive loop (no Join) and shows it fails.
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import launch_ranks, records_by_name, run_scenarios, scenario_names, \
-    scenario_records
+from support import launch_ranks, records_by_name, run_scenarios, scenario_names, scenario_records
 
 pytest.importorskip("torchmetrics")
 
@@ -62,7 +63,7 @@ def test_every_metric_matches_one_process_per_step_and_at_compute(results: Any) 
     for rank, cases in enumerate(ranks):
         for key, case in cases.items():
             assert_matches(case, exact=not key.startswith("mse"), where=f"rank {rank} {key}")
-            counts = eval(key.rsplit("/", 1)[1])  # noqa: S307 - our own key
+            counts = json.loads(key.rsplit("/", 1)[1])
             assert len(case["steps"]) == counts[rank]
     # Every rank's final value is the same number.
     for key in ranks[0]:
@@ -125,7 +126,7 @@ def test_ported_state_dict_is_synced(results: Any) -> None:
 
 def test_ported_non_contiguous_and_autograd(results: Any) -> None:
     ranks = outcome(results, "ported_non_contiguous_and_autograd")
-    for r, rank in enumerate(ranks):
+    for rank in ranks:
         assert rank["cat"] == rank["cat_ref"]
         assert rank["shapes"] == [[q + 1, 2] for q in range(len(ranks))]
         assert rank["grad_ok"]
@@ -149,7 +150,7 @@ def test_the_naive_loop_fails_or_is_wrong(tmp_path: Path) -> None:
     """3 vs 5 batches, dist_sync_on_step=True, no Join (the issue's report): a rank
     errs, aborts, is killed at the deadline, or computes a wrong value."""
     runs = launch_ranks(
-        [[__import__("sys").executable, str(WORKER), str(r), "2", str(tmp_path / "store"),
+        [[sys.executable, str(WORKER), str(r), "2", str(tmp_path / "store"),
           str(tmp_path), "naive_mse"] for r in range(2)],
         timeout=60.0,
     )
