@@ -57,25 +57,25 @@ def main() -> None:
          (torch.rand(64, generator=generator), torch.randint(2, (64,), generator=generator))),
     ]
     info = {"ranks": world, "iterations": iterations, "repeats": repeats, "batch": 64}
-    for name, make, (preds, target) in cases:
+    for name, make, data in cases:
 
-        def plain(make: Callable[[], Any] = make) -> Callable[[int], None]:
+        def plain(make: Callable[[], Any] = make, data: Any = data) -> Callable[[int], None]:
             metric = make()
 
             def loop(n: int) -> None:
                 metric.reset()
                 for _ in range(n):
-                    metric(preds, target)
+                    metric(*data)
             return loop
 
-        def joined(make: Callable[[], Any] = make) -> Callable[[int], None]:
+        def joined(make: Callable[[], Any] = make, data: Any = data) -> Callable[[int], None]:
             metric = make()
 
             def loop(n: int) -> None:
                 metric.reset()
                 with Join([metric]):
                     for _ in range(n):
-                        metric(preds, target)
+                        metric(*data)
             return loop
 
         times = _bench.timed({"no Join": plain(), "joinkit Join": joined()},
