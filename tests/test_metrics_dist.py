@@ -161,3 +161,33 @@ def test_the_naive_loop_fails_or_is_wrong(tmp_path: Path) -> None:
     failed = len(finished) < 2 or any(run.returncode != 0 for run in runs)
     assert failed or wrong, records
     assert failed, "one rank was expected to fail after its peer left"
+
+
+# -- the docs' example ----------------------------------------------------------------------
+
+
+def test_the_docs_example_prints_the_single_process_accuracy(tmp_path: Path) -> None:
+    """docs/metrics.md's example under torchrun: both ranks print the accuracy of one
+    process over all 8 batches."""
+    import re
+
+    import torch
+    from torchmetrics.classification import MulticlassAccuracy
+
+    text = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    (run,) = launch_ranks([[str(torchrun), "--standalone", "--nproc-per-node", "2",
+                            str(script)]], timeout=100.0)
+    assert run.returncode == 0, run.stdout[-3000:]
+    printed = dict(re.findall(r"rank (\d): accuracy ([0-9.]+)", run.stdout))
+    reference = MulticlassAccuracy(num_classes=3)
+    for rank in range(2):
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(3 + 2 * rank):
+            reference.update(torch.randn(4, 3, generator=generator),
+                             torch.randint(3, (4,), generator=generator))
+    expected = f"{float(reference.compute()):.6f}"
+    assert printed == {"0": expected, "1": expected}, run.stdout[-2000:]
