@@ -146,21 +146,40 @@ def test_ported_compositional(results: Any) -> None:
 # -- the naive way, side by side --------------------------------------------------------
 
 
-def test_the_naive_loop_fails_or_is_wrong(tmp_path: Path) -> None:
+NAIVE = ("naive_mse", "naive_auroc_empty")
+
+
+@pytest.fixture(scope="module")
+def naive(tmp_path_factory: pytest.TempPathFactory
+          ) -> dict[str, tuple[list[Any], list[dict[str, Any]]]]:
+    """Each naive scenario on 2 ranks in its own processes, all launched at once with one
+    60 s deadline: name -> (the runs, the records)."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in NAIVE}
+    commands = [[sys.executable, str(WORKER), str(r), "2", str(dirs[name] / "store"),
+                 str(dirs[name]), name] for name in NAIVE for r in range(2)]
+    runs = launch_ranks(commands, timeout=60.0)
+    return {name: (runs[2 * i: 2 * i + 2], records_by_name(dirs[name], 2).get(name, []))
+            for i, name in enumerate(NAIVE)}
+
+
+def test_the_naive_loop_fails_or_is_wrong(naive: Any) -> None:
     """3 vs 5 batches, dist_sync_on_step=True, no Join (the issue's report): a rank
     errs, aborts, is killed at the deadline, or computes a wrong value."""
-    runs = launch_ranks(
-        [[sys.executable, str(WORKER), str(r), "2", str(tmp_path / "store"),
-          str(tmp_path), "naive_mse"] for r in range(2)],
-        timeout=60.0,
-    )
-    records = records_by_name(tmp_path, 2).get("naive_mse", [])
+    runs, records = naive["naive_mse"]
     finished = [r for r in records if r["ok"]]
     wrong = [r for r in finished
              if not same(r["result"]["final"], r["result"]["ref_final"], exact=False)]
     failed = len(finished) < 2 or any(run.returncode != 0 for run in runs)
     assert failed or wrong, records
     assert failed, "one rank was expected to fail after its peer left"
+
+
+def test_a_rank_without_data_breaks_the_naive_compute(naive: Any) -> None:
+    """0 vs 4 batches, BinaryAUROC syncing at compute(), no Join: torchmetrics' gather
+    mismatches (the same case passes inside Join: the matrix's auroc/compute/[0, 4])."""
+    runs, records = naive["naive_auroc_empty"]
+    finished = [r for r in records if r["ok"]]
+    assert len(finished) < 2 or any(run.returncode != 0 for run in runs), records
 
 
 # -- the docs' example ----------------------------------------------------------------------
