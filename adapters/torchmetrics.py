@@ -224,7 +224,6 @@ class MetricJoinable(Joinable):
             gather_states(None, len(metric._reductions), _group(metric.process_group),
                           metric.device)
 
-
     def align_empty_lists(self) -> None:
         """Give an empty ``cat`` list state the dtype and shape the other ranks' have.
 
@@ -250,8 +249,10 @@ class MetricJoinable(Joinable):
             found = next((k[index] for k in kinds if k[index] is not None), None)
             if found is not None:
                 dtype, trailing = found
+                # Where the metric keeps its list states (compute_on_cpu moves them).
+                device = torch.device("cpu") if metric.compute_on_cpu else metric.device
                 getattr(metric, attr).append(
-                    torch.empty((0, *trailing), dtype=_DTYPES[dtype], device=metric.device))
+                    torch.empty((0, *trailing), dtype=_DTYPES[dtype], device=device))
 
 
 def _list_kind(states: list[Any]) -> tuple[int, tuple[int, ...]] | None:

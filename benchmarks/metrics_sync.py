@@ -13,7 +13,10 @@ all-gather). Variants, each with its own metric:
 - ``no Join``: torchmetrics' own per-step sync (``gather_all_tensors``);
 - ``joinkit Join``: ``Join([metric])``: the metric sends the heartbeat, and
   each per-step sync is joinkit's two all-gathers per metric (a header, then
-  every state's bytes), which a joined rank could shadow.
+  every state's bytes), which a joined rank could shadow;
+- ``no Join, joinkit's gather``: no Join, with joinkit's gather as the
+  metric's ``dist_sync_fn`` (two all-gathers per *state*): what the Join's
+  ratio owes to the gather rather than to the Join (heartbeat, wrappers).
 
 Target (issue 18): joinkit Join / no Join <= 1.05.
 """
@@ -31,6 +34,16 @@ from torchmetrics import MeanSquaredError, MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
 from joinkit import Join, backends
+from joinkit.adapters.torchmetrics import gather_states
+
+
+def _members(metric: Any) -> list[Any]:
+    return list(metric.values()) if isinstance(metric, MetricCollection) else [metric]
+
+
+def _gather_one(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """joinkit's per-step gather as a plain ``dist_sync_fn``: one state, all ranks."""
+    return gather_states([tensor], 1, group, tensor.device)[0]
 
 
 def main() -> None:
@@ -78,11 +91,26 @@ def main() -> None:
                         metric(*data)
             return loop
 
-        times = _bench.timed({"no Join": plain(), "joinkit Join": joined()},
+        def own_gather(make: Callable[[], Any] = make, data: Any = data
+                       ) -> Callable[[int], None]:
+            metric = make()
+            for member in _members(metric):
+                member.dist_sync_fn = _gather_one
+
+            def loop(n: int) -> None:
+                metric.reset()
+                for _ in range(n):
+                    metric(*data)
+            return loop
+
+        times = _bench.timed({"no Join": plain(), "joinkit Join": joined(),
+                              "no Join, joinkit's gather": own_gather()},
                              iterations, repeats, slowest, dist.barrier)
         if rank == 0:
             _bench.report(f"torchmetrics {name}, dist_sync_on_step=True, gloo", times,
-                          [("joinkit Join", "no Join", 1.05)], info)
+                          [("joinkit Join", "no Join", 1.05),
+                           ("joinkit Join", "no Join, joinkit's gather", None),
+                           ("no Join, joinkit's gather", "no Join", None)], info)
     dist.barrier()
     dist.destroy_process_group()
 
