@@ -154,7 +154,7 @@ def with_ddp(ctx: Ctx) -> Any:
         metric = MulticlassAccuracy(num_classes=4, dist_sync_on_step=sync_on_step,
                                     process_group=ctx.group)
         steps = []
-        with Join([model, metric]):
+        with Join([model, metric]) as join:
             for i in range(counts[ctx.rank]):
                 x, y = batch("multiclass", ctx.rank, i)
                 logits = model(x)
@@ -163,7 +163,9 @@ def with_ddp(ctx: Ctx) -> Any:
                 optimizer.zero_grad()
                 # The metric scores the given logits: the reference uses the same.
                 steps.append(value(metric(x, y)))
+        assert join.state is not None
         out[str(sync_on_step)] = {
+            "heartbeats": join.state.heartbeats, "inputs": counts[ctx.rank],
             "steps": steps, "final": value(metric.compute()),
             **references("accuracy", counts, ctx.rank, sync_on_step),
         }
@@ -174,13 +176,17 @@ def with_ddp(ctx: Ctx) -> Any:
 def heartbeat_per_forward(ctx: Ctx) -> Any:
     """The metric alone is the first joinable: one heartbeat per forward."""
     counts = COUNTS[ctx.world][0]
-    metric = BinaryAccuracy(dist_sync_on_step=True, process_group=ctx.group)
-    with Join([metric]) as join:
-        for i in range(counts[ctx.rank]):
-            metric(*batch("binary", ctx.rank, i))
-    state = join.state
-    assert state is not None
-    return {"heartbeats": state.heartbeats, "inputs": counts[ctx.rank]}
+    out = {"inputs": counts[ctx.rank]}
+    for name, metric in [
+        ("metric", BinaryAccuracy(dist_sync_on_step=True, process_group=ctx.group)),
+        ("collection", _collection(dist_sync_on_step=True, process_group=ctx.group)),
+    ]:
+        with Join([metric]) as join:
+            for i in range(counts[ctx.rank]):
+                metric(*batch("binary", ctx.rank, i))
+        assert join.state is not None
+        out[name] = join.state.heartbeats
+    return out
 
 
 # -- errors, raised before any collective can mismatch ------------------------------------

@@ -71,14 +71,18 @@ def test_every_metric_matches_one_process_per_step_and_at_compute(results: Any) 
 
 
 def test_with_ddp_first(results: Any) -> None:
+    """Join([ddp, metric]): DDP sends the heartbeat (one per input), the metric's
+    per-step values and compute() are the single-process ones."""
     for rank, cases in enumerate(outcome(results, "with_ddp")):
         for key, case in cases.items():
+            assert case["heartbeats"] == case["inputs"]
             assert_matches(case, exact=True, where=f"rank {rank} sync_on_step={key}")
 
 
 def test_one_heartbeat_per_forward(results: Any) -> None:
     for rank in outcome(results, "heartbeat_per_forward"):
-        assert rank["heartbeats"] == rank["inputs"]
+        assert rank["metric"] == rank["inputs"]
+        assert rank["collection"] == rank["inputs"]  # one per collection forward
 
 
 def test_errors_are_clear_and_raised_before_a_collective(results: Any) -> None:
