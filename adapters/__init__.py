@@ -11,7 +11,9 @@ imports torch:
   ``joinkit.adapters.fsdp``;
 - :data:`OPTIM`: plain ``torch.optim`` optimizers, LR schedulers and
   ``torch.amp.GradScaler`` (the rest of a training step on a joined rank),
-  ``joinkit.adapters.optim``.
+  ``joinkit.adapters.optim``;
+- :data:`METRICS`: torchmetrics ``Metric`` and ``MetricCollection`` objects,
+  ``joinkit.adapters.torchmetrics`` (the ``metrics`` extra).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 
 from joinkit import Adapter, Joinable
 
-__all__ = ["TORCH", "FSDP", "OPTIM", "UnsupportedTorchError"]
+__all__ = ["TORCH", "FSDP", "OPTIM", "METRICS", "UnsupportedTorchError",
+           "UnsupportedTorchmetricsError"]
 
 
 class UnsupportedTorchError(RuntimeError):
@@ -32,6 +35,15 @@ class UnsupportedTorchError(RuntimeError):
     per kind of object and process; the message names the torch version, each
     member that changed and the torch versions this joinkit supports
     (``joinkit.adapters._torch_private``).
+    """
+
+
+class UnsupportedTorchmetricsError(RuntimeError):
+    """This torchmetrics lacks or changed an internal that the metrics adapter relies on.
+
+    Raised when ``Join`` adapts a torchmetrics object (once per process); the
+    message names the torchmetrics version, each member that changed and the
+    versions this joinkit supports (``joinkit.adapters._torchmetrics_private``).
     """
 
 
@@ -111,6 +123,34 @@ def _check_step(joinables: Sequence[Joinable]) -> None:
         adapter_module.check(joinables)
 
 
+_METRICS_ADAPTER = "joinkit.adapters.torchmetrics"
+# module -> class: the objects METRICS stands for.
+_METRIC_CLASSES = (
+    ("torchmetrics.metric", "Metric"),
+    ("torchmetrics.collections", "MetricCollection"),
+)
+
+
+def _is_metric(obj: Any) -> bool:
+    for module_name, class_name in _METRIC_CLASSES:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is not None and isinstance(obj, cls):
+            return True
+    return False
+
+
+def _adapt_metric(obj: Any) -> Joinable:
+    from . import torchmetrics as metrics_adapter
+
+    return metrics_adapter.adapt(obj)
+
+
+def _check_metric(joinables: Sequence[Joinable]) -> None:
+    adapter_module = sys.modules.get(_METRICS_ADAPTER)
+    if adapter_module is not None:
+        adapter_module.check(joinables)
+
+
 #: torch's Joinables, through ``joinkit.adapters.torch`` (the entry point).
 TORCH = Adapter(name="torch", matches=_is_torch_joinable, adapt=_adapt_torch, check=_check_torch)
 
@@ -120,3 +160,7 @@ FSDP = Adapter(name="fsdp", matches=_is_fsdp_module, adapt=_adapt_fsdp, check=_c
 #: Optimizers, LR schedulers and GradScalers, through ``joinkit.adapters.optim``.
 OPTIM = Adapter(name="torch.optim", matches=_is_step_object, adapt=_adapt_step,
                 check=_check_step)
+
+#: torchmetrics ``Metric`` and ``MetricCollection``, through ``joinkit.adapters.torchmetrics``.
+METRICS = Adapter(name="torchmetrics", matches=_is_metric, adapt=_adapt_metric,
+                  check=_check_metric)

@@ -62,12 +62,12 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
     if quick:
         counter, counter_mpi, ddp, threads, step = ["30", "2"], ["200", "2"], ["4", "2"], \
             ["4", "20", "1"], ["2000"]
-        heartbeat, fsdp = ["200"], ["3", "2"]
+        heartbeat, fsdp, metrics = ["200"], ["3", "2"], ["4", "2"]
         world = ["128", "1", "64"]
     else:
         counter, counter_mpi, ddp, threads, step = ["400", "21"], ["10000", "15"], \
             ["100", "21"], ["64", "1000", "3"], ["50000"]
-        heartbeat, fsdp = ["50000"], ["60", "21"]
+        heartbeat, fsdp, metrics = ["50000"], ["60", "21"], ["200", "21"]
         world = ["4096", "3", "512"]
     return [
         ("core step", [PY, str(b / "core_step.py"), *step], 120),
@@ -79,6 +79,9 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
         ("DDP, gloo (torchrun)", [*torchrun, str(b / "ddp.py"), *ddp], 400),
         ("DDP, gloo (mpirun)", [*mpirun, PY, str(b / "ddp.py"), *ddp], 400),
         ("FSDP2, gloo (torchrun)", [*torchrun, str(b / "fsdp.py"), *fsdp], 600),
+        # torchmetrics' per-step sync inside Join versus without (issue 18, Speed).
+        ("torchmetrics sync, gloo (torchrun)",
+         [*torchrun, str(b / "metrics_sync.py"), *metrics], 400),
         ("threads", [PY, str(b / "threads_scale.py"), *threads], 400),
         # Entry, report and stall diagnostic versus world size (issue 12, part 5).
         ("world scale (threads)", [PY, str(b / "world_scale.py"), *world], 900),

@@ -35,6 +35,7 @@ SECTIONS = [
     "### FSDP2 drain (rank 0 has no inputs), gloo (torchrun)",
     "### MPI heartbeat, 1 rank",
     "### world scale, threads",
+    "### torchmetrics MeanSquaredError, dist_sync_on_step=True, gloo",
 ]
 VARIANTS = ["| no Join |", "| torch Join |", "| joinkit classic |", "| joinkit fused |",
             "| no Join, 2 elements |", "| joinkit fused, 1 element |", "| joinkit Join |",
@@ -45,7 +46,7 @@ VARIANTS = ["| no Join |", "| torch Join |", "| joinkit classic |", "| joinkit f
 def test_every_benchmark_runs_and_reports(tmp_path: Path) -> None:
     output = tmp_path / "RESULTS.md"
     only = ["core step", "MPI heartbeat", "Counter", "DDP, gloo (torchrun)", "threads",
-            "FSDP2", "world scale"]
+            "FSDP2", "world scale", "torchmetrics sync"]
     command = [sys.executable, str(RUN), "--quick", "--output", str(output)]
     for name in only:
         command += ["--only", name]
