@@ -72,6 +72,7 @@ def _environment() -> dict[str, str]:
 #: Examples with a launcher of their own, run by their own test module.
 OWN_TESTS = {
     "fabric.py": "tests/test_lightning_fabric.py",
+    "lightning_trainer.py": "tests/test_lightning_trainer.py",
 }
 
 

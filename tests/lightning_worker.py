@@ -1,0 +1,153 @@
+"""Lightning's Trainer with ``UnevenInputs``: scenarios in one launch of 2 ranks.
+
+Run as ``torchrun --nproc-per-node 2 tests/lightning_worker.py OUT_DIR NAME...``
+(each scenario is one ``trainer.fit``); each rank writes
+``OUT_DIR/rank{r}.json``: per scenario its final parameters, the loss it logged
+per step (``self.log(..., sync_dist=True)``), the epoch values of the
+validation loss and of a torchmetrics metric. ``tests/test_lightning_trainer.py``
+computes the single-process reference.
+
+Rank r has ``INPUTS[r]`` training batches of 4 rows and ``VAL_INPUTS[r]``
+validation batches.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torchmetrics
+from pytorch_lightning.loggers import Logger
+from torch.utils.data import DataLoader, TensorDataset
+
+from joinkit.adapters.lightning import UnevenInputs
+
+INPUTS = [5, 8]
+VAL_INPUTS = [3, 2]
+EPOCHS = 2
+LR = 0.1
+MOMENTUM = 0.9
+BATCH = 4
+
+
+def rows(rank: int, n_batches: int, salt: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(100 * salt + rank)
+    return TensorDataset(torch.randn(n_batches * BATCH, 3, generator=g),
+                         torch.randn(n_batches * BATCH, 1, generator=g))
+
+
+def make_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+
+class Model(pl.LightningModule):
+    def __init__(self, scheduler: bool) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.train_mse = torchmetrics.MeanSquaredError()
+        self.use_scheduler = scheduler
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        pred = self(x)
+        loss = torch.nn.functional.mse_loss(pred, y)
+        self.log("loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        self.log("loss_max", loss, on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max")
+        self.train_mse(pred.detach(), y)
+        self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), on_epoch=True,
+                 sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+        if not self.use_scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class ListLogger(Logger):
+    """Every rank's logged metrics, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "list"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append({k: float(v) for k, v in metrics.items()})
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
+        validate: bool = True) -> dict[str, Any]:
+    logger = ListLogger()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=logger,
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        accumulate_grad_batches=accumulate, callbacks=[UnevenInputs()],
+        limit_val_batches=1.0 if validate else 0,
+    )
+    model = Model(scheduler)
+    train = DataLoader(rows(rank, INPUTS[rank], 1), batch_size=BATCH)
+    val = DataLoader(rows(rank, VAL_INPUTS[rank], 2), batch_size=BATCH)
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val if validate else None)
+    return {
+        "params": [float(v) for p in model.net.parameters() for v in p.detach().reshape(-1)],
+        "loss": [r["loss"] for r in logger.records if "loss" in r],
+        "loss_max": [r["loss_max"] for r in logger.records if "loss_max" in r],
+        "val_loss": [r["val_loss"] for r in logger.records if "val_loss" in r],
+        "train_mse": [r["train_mse"] for r in logger.records if "train_mse" in r],
+        "momentum": [float(v) for s in trainer.optimizers[0].state.values()
+                     for v in s["momentum_buffer"].reshape(-1)],
+        "global_step": trainer.global_step,
+    }
+
+
+SCENARIOS = {
+    "ddp": lambda rank: fit(rank, scheduler=True),
+    "ddp_accumulate": lambda rank: fit(rank, accumulate=2, validate=False),
+}
+
+
+def main(out: Path, names: list[str]) -> None:
+    import os
+
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = {"ok": True, "result": SCENARIOS[name](rank)}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+            break
+        (out / f"rank{rank}.json").write_text(json.dumps(results))
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,147 @@
+"""Lightning's Trainer with ``UnevenInputs`` and per-rank uneven data, against a single process.
+
+One torchrun launch of ``tests/lightning_worker.py`` (2 CPU ranks, gloo, DDP;
+5 and 8 training batches, 3 and 2 validation batches, 2 epochs) runs two
+``fit``s: with momentum, a step-interval LR scheduler, validation,
+``self.log(..., sync_dist=True)`` per step (mean and max) and a torchmetrics
+metric; and with ``accumulate_grad_batches=2``. Beside it,
+``examples/lightning_trainer.py`` runs under Lightning's own launcher. The
+reference trains the same model in this process: at step t the ranks that
+still have a batch t, averaged over the world (DDP), then the optimizer (and
+scheduler) step. Both launches start together; about 60-90 s on a loaded
+2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import ROOT, launch_ranks
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("pytorch_lightning")
+
+LAUNCH_TIMEOUT = 300.0
+WORKER = Path(__file__).with_name("lightning_worker.py")
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+SCENARIOS = ["ddp", "ddp_accumulate"]
+
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC_", "OMPI_", "PMI", "SLURM_"))
+           and k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("lightning")
+    worker, example = launch_ranks(
+        [[TORCHRUN, "--standalone", "--nproc-per-node", "2", str(WORKER), str(out), *SCENARIOS],
+         [sys.executable, str(ROOT / "examples" / "lightning_trainer.py")]],
+        LAUNCH_TIMEOUT, env=_env(), cwd=out)
+    ranks = []
+    for rank in range(2):
+        path = out / f"rank{rank}.json"
+        ranks.append(json.loads(path.read_text()) if path.exists() else {})
+    return {"worker": worker, "ranks": ranks, "example": example}
+
+
+def result(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    found = []
+    for rank in runs["ranks"]:
+        record = rank.get(name)
+        assert record is not None, f"{name} did not run:\n{runs['worker'].stdout[-5000:]}"
+        assert record["ok"], record["error"]
+        found.append(record["result"])
+    return found
+
+
+def reference(accumulate: int = 1, scheduler: bool = False) -> dict[str, Any]:
+    """The single process: each step the active ranks' batches (module doc)."""
+    import lightning_worker as w
+    from torch.utils.data import DataLoader
+
+    net = w.make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=w.LR, momentum=w.MOMENTUM)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    world, most = len(w.INPUTS), max(w.INPUTS)
+    data = [list(DataLoader(w.rows(r, w.INPUTS[r], 1), batch_size=w.BATCH))
+            for r in range(world)]
+    val = [b for r in range(world) for b in DataLoader(w.rows(r, w.VAL_INPUTS[r], 2),
+                                                       batch_size=w.BATCH)]
+    logged: list[list[tuple[float, float]]] = [[] for _ in range(world)]
+    val_loss, train_mse = [], []
+    for _ in range(w.EPOCHS):
+        squared, count = 0.0, 0
+        for step in range(most):
+            active = [r for r in range(world) if w.INPUTS[r] > step]
+            if step % accumulate == 0:
+                optimizer.zero_grad()
+            losses = []
+            for rank in active:
+                x, y = data[rank][step]
+                pred = net(x)
+                loss = torch.nn.functional.mse_loss(pred, y)
+                (loss / accumulate / world).backward()
+                losses.append(float(loss.detach()))
+                squared += float(((pred.detach() - y) ** 2).sum())
+                count += y.numel()
+            for rank in active:
+                logged[rank].append((sum(losses) / len(losses), max(losses)))
+            if (step + 1) % accumulate == 0 or step == most - 1:
+                optimizer.step()
+                if scheduler:
+                    sched.step()
+        train_mse.append(squared / count)
+        with torch.no_grad():
+            val_loss.append(sum(float(torch.nn.functional.mse_loss(net(x), y)) for x, y in val)
+                            / len(val))
+    return {
+        "params": [float(v) for p in net.parameters() for v in p.detach().reshape(-1)],
+        "momentum": [float(v) for s in optimizer.state.values()
+                     for v in s["momentum_buffer"].reshape(-1)],
+        "logged": logged, "val_loss": val_loss, "train_mse": train_mse,
+    }
+
+
+def test_fit_with_uneven_ranks_matches_a_single_process(runs: Any) -> None:
+    want = reference(scheduler=True)
+    for rank, got in enumerate(result(runs, "ddp")):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        # Every rank ends with the last joiner's optimizer state.
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        # self.log(sync_dist=True) per step: the mean (and max) over the ranks that had a batch.
+        assert got["loss"] == pytest.approx([m for m, _ in want["logged"][rank]], abs=1e-5)
+        assert got["loss_max"] == pytest.approx([x for _, x in want["logged"][rank]], abs=1e-5)
+        # Validation after each epoch, on every rank's (uneven) validation batches.
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        # A torchmetrics metric, synced at compute, over every rank's training samples.
+        assert got["train_mse"] == pytest.approx(want["train_mse"], abs=1e-5)
+
+
+def test_accumulate_grad_batches_matches_a_single_process(runs: Any) -> None:
+    want = reference(accumulate=2)
+    for got in result(runs, "ddp_accumulate"):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        assert got["train_mse"] == pytest.approx(want["train_mse"], abs=1e-5)
+
+
+def test_the_example_under_lightnings_own_launcher(runs: Any) -> None:
+    run = runs["example"]
+    assert run.returncode == 0, run.stdout[-3000:]
+    lines = re.findall(r"Rank (\d) trained on (\d+) batches; val_loss (\S+); parameters "
+                       r"checksum (-?\d+\.\d+)", run.stdout)
+    assert sorted((rank, batches) for rank, batches, *_ in lines) == [("0", "10"), ("1", "16")]
+    assert len({(val, checksum) for *_, val, checksum in lines}) == 1, run.stdout
