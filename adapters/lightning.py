@@ -22,10 +22,9 @@ is the order of a joined rank's shadow round:
    real flag, so a SIGTERM still stops every rank).
 2. The DDP forward (training_step runs inside it): DDP's gradient-sync check;
    then the backward pass: DDP's gradient all-reduce. The DDP model
-   (``strategy.model``), adapted by ``adapters.torch``; for FSDP2
-   (``ModelParallelStrategy`` with ``fully_shard``) the root module and the
-   optimizer (``adapters.fsdp``, ``adapters.optim``), which steps a joined rank's
-   shards.
+   (``strategy.model``), adapted by ``adapters.torch``. (Only the DDP
+   strategies: FSDP1 cannot be shadowed, and ``ModelParallelStrategy`` is not
+   supported by this callback yet.)
 3. ``self.log(..., sync_dist=True)`` of a step value would all-reduce *inside*
    the forward, between DDP's collectives, where no shadow can sit. While the
    Join lasts, ``strategy.reduce`` (what ``self.log`` syncs with) defers the
@@ -58,6 +57,12 @@ its optimizer state (momentum, Adam's moments) and step-interval LR schedulers
 would lag the last joiner's and the next epoch would differ between ranks. Each
 optimizer and scheduler is an ``adapters.fabric.OptimizerStateSync``, whose post
 hook broadcasts the last joiner's ``state_dict``.
+
+*Epoch means over uneven ranks.* An epoch-level ``mean`` divides the synced
+sum of values by the synced number of samples, both "mean"-reduced; Lightning
+reduces the integer sample count in integers and truncates (11 samples on 2
+ranks count as 5), which only uneven ranks reach. Outside the Join the
+patched ``strategy.reduce`` reduces integer means in float64.
 
 *What it patches.* Instance attributes only, set in ``setup`` and removed in
 ``teardown``: the epoch loop's ``_broadcast_sigterm_tensor`` (private: checked
@@ -111,8 +116,8 @@ class UnevenInputs(Callback):
         timeout: the Join's ``timeout`` (default: joinkit's).
 
     Raises:
-        TypeError (at ``fit``): the strategy is not DDP or ``ModelParallelStrategy``
-            (FSDP2); a ``side_collectives`` element is not a ``SideCollective``.
+        TypeError: a ``side_collectives`` element is not a ``SideCollective``; at
+            ``fit``, the strategy is not one of Lightning's DDP strategies.
         UnsupportedLightningError (at ``fit``): this Lightning changed a member
             joinkit relies on.
         LocalProtocolError: ``self.log(..., sync_dist=True, sync_dist_group=...)``
@@ -146,11 +151,12 @@ class UnevenInputs(Callback):
             return
         _lightning_private.check("Trainer")
         strategy = trainer.strategy
-        if not _is_ddp(strategy) and not _is_model_parallel(strategy):
+        if not _is_ddp(strategy):
             raise TypeError(
-                f"UnevenInputs supports the DDP strategies and ModelParallelStrategy (FSDP2 "
-                f"with fully_shard), not {type(strategy).__qualname__}: Lightning's "
-                "FSDPStrategy builds FSDP1, which joinkit cannot shadow"
+                f"UnevenInputs supports Lightning's DDP strategies ('ddp', 'ddp_spawn', ...), "
+                f"not {type(strategy).__qualname__}: FSDPStrategy builds FSDP1, which joinkit "
+                "cannot shadow, and ModelParallelStrategy (FSDP2) is not supported by the "
+                "Trainer callback yet (with Lightning Fabric it is: Join([model, optimizer]))"
             )
         epoch_loop = trainer.fit_loop.epoch_loop
         original_sigterm = epoch_loop._broadcast_sigterm_tensor
@@ -181,12 +187,9 @@ class UnevenInputs(Callback):
             return
         strategy = trainer.strategy
         joinables: list[Any] = [self._sigterm, strategy.model]
-        if _is_model_parallel(strategy):
-            joinables += trainer.optimizers  # adapters.optim: a joined rank steps its shards
-        else:
-            joinables += [OptimizerStateSync(o) for o in trainer.optimizers]
-            joinables += [OptimizerStateSync(config.scheduler)
-                          for config in trainer.lr_scheduler_configs]
+        joinables += [OptimizerStateSync(o) for o in trainer.optimizers]
+        joinables += [OptimizerStateSync(config.scheduler)
+                      for config in trainer.lr_scheduler_configs]
         joinables += [self._log_sync, *self._extra]
         join = Join(joinables) if self._timeout is None else Join(joinables,
                                                                   timeout=self._timeout)
@@ -344,6 +347,12 @@ def _deferring_reduce(callback: UnevenInputs, original: Callable[..., Any]) -> C
     def reduce(tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if callback._active and isinstance(tensor, torch.Tensor):
             return callback.defer(tensor, group, reduce_op)
+        if (isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()
+                and isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
+            # An epoch mean divides the synced sum of values by the synced
+            # count of samples, each "mean"-reduced; Lightning's integer mean
+            # truncates (11 samples on 2 ranks: 5), which uneven ranks hit.
+            return original(tensor.to(torch.float64), group=group, reduce_op=reduce_op)
         return original(tensor, group=group, reduce_op=reduce_op)
 
     return reduce
@@ -368,7 +377,3 @@ def _is_ddp(strategy: Any) -> bool:
     return isinstance(strategy, DDPStrategy)
 
 
-def _is_model_parallel(strategy: Any) -> bool:
-    from pytorch_lightning.strategies import ModelParallelStrategy
-
-    return isinstance(strategy, ModelParallelStrategy)

@@ -102,8 +102,25 @@ class ListLogger(Logger):
         pass
 
 
+def shard_loaders(rank: int) -> tuple[DataLoader, DataLoader]:
+    """One dataset split exactly by joinkit's ShardSampler (no padding): 37 training rows
+    (19 and 18, so 10 and 9 batches of 2, shuffled per epoch) and 11 validation rows."""
+    from joinkit.adapters.data import ShardSampler
+
+    train = TensorDataset(*(t[:SHARD_ROWS[0]] for t in rows(0, 10, 3).tensors))
+    val = TensorDataset(*(t[:SHARD_ROWS[1]] for t in rows(0, 3, 4).tensors))
+    return (DataLoader(train, batch_size=2, sampler=ShardSampler(
+                train, num_replicas=2, rank=rank, shuffle=True, seed=SHARD_SEED)),
+            DataLoader(val, batch_size=2, sampler=ShardSampler(
+                val, num_replicas=2, rank=rank, shuffle=False)))
+
+
+SHARD_ROWS = (37, 11)
+SHARD_SEED = 5
+
+
 def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
-        validate: bool = True) -> dict[str, Any]:
+        validate: bool = True, shards: bool = False) -> dict[str, Any]:
     logger = ListLogger()
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=logger,
@@ -112,9 +129,11 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         accumulate_grad_batches=accumulate, callbacks=[UnevenInputs()],
         limit_val_batches=1.0 if validate else 0,
     )
-    model = Model(scheduler)
+    model = Model(scheduler and not shards)
     train = DataLoader(rows(rank, INPUTS[rank], 1), batch_size=BATCH)
     val = DataLoader(rows(rank, VAL_INPUTS[rank], 2), batch_size=BATCH)
+    if shards:
+        train, val = shard_loaders(rank)
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val if validate else None)
     return {
         "params": [float(v) for p in model.net.parameters() for v in p.detach().reshape(-1)],
@@ -131,6 +150,7 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
 SCENARIOS = {
     "ddp": lambda rank: fit(rank, scheduler=True),
     "ddp_accumulate": lambda rank: fit(rank, accumulate=2, validate=False),
+    "ddp_shard_sampler": lambda rank: fit(rank, shards=True),
 }
 
 

@@ -4,7 +4,9 @@ One torchrun launch of ``tests/lightning_worker.py`` (2 CPU ranks, gloo, DDP;
 5 and 8 training batches, 3 and 2 validation batches, 2 epochs) runs two
 ``fit``s: with momentum, a step-interval LR scheduler, validation,
 ``self.log(..., sync_dist=True)`` per step (mean and max) and a torchmetrics
-metric; and with ``accumulate_grad_batches=2``. Beside it,
+metric; with ``accumulate_grad_batches=2``; and with one dataset split by
+joinkit's exact ``ShardSampler`` (``use_distributed_sampler=False``: 37 rows,
+no padding). Beside it,
 ``examples/lightning_trainer.py`` runs under Lightning's own launcher. The
 reference trains the same model in this process: at step t the ranks that
 still have a batch t, averaged over the world (DDP), then the optimizer (and
@@ -30,7 +32,7 @@ pytest.importorskip("pytorch_lightning")
 LAUNCH_TIMEOUT = 300.0
 WORKER = Path(__file__).with_name("lightning_worker.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-SCENARIOS = ["ddp", "ddp_accumulate"]
+SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler"]
 
 pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 
@@ -67,25 +69,42 @@ def result(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:
     return found
 
 
-def reference(accumulate: int = 1, scheduler: bool = False) -> dict[str, Any]:
-    """The single process: each step the active ranks' batches (module doc)."""
+def _epoch_data(epoch: int, shards: bool) -> tuple[list[list[Any]], list[Any]]:
+    """Each rank's training batches of ``epoch`` and every rank's validation batches."""
     import lightning_worker as w
     from torch.utils.data import DataLoader
 
-    net = w.make_net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=w.LR, momentum=w.MOMENTUM)
-    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-    world, most = len(w.INPUTS), max(w.INPUTS)
+    world = len(w.INPUTS)
+    if shards:
+        loaders = [w.shard_loaders(rank) for rank in range(world)]
+        for train, _ in loaders:
+            train.sampler.set_epoch(epoch)  # as Lightning does
+        return [list(t) for t, _ in loaders], [b for _, v in loaders for b in v]
     data = [list(DataLoader(w.rows(r, w.INPUTS[r], 1), batch_size=w.BATCH))
             for r in range(world)]
     val = [b for r in range(world) for b in DataLoader(w.rows(r, w.VAL_INPUTS[r], 2),
                                                        batch_size=w.BATCH)]
+    return data, val
+
+
+def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
+              ) -> dict[str, Any]:
+    """The single process: each step the active ranks' batches (module doc)."""
+    import lightning_worker as w
+
+    net = w.make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=w.LR, momentum=w.MOMENTUM)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    world = len(w.INPUTS)
     logged: list[list[tuple[float, float]]] = [[] for _ in range(world)]
-    val_loss, train_mse = [], []
-    for _ in range(w.EPOCHS):
+    val_loss, train_mse, batches = [], [], []
+    for epoch in range(w.EPOCHS):
+        data, val = _epoch_data(epoch, shards)
+        batches.append([len(d) for d in data])
+        most = max(len(d) for d in data)
         squared, count = 0.0, 0
         for step in range(most):
-            active = [r for r in range(world) if w.INPUTS[r] > step]
+            active = [r for r in range(world) if len(data[r]) > step]
             if step % accumulate == 0:
                 optimizer.zero_grad()
             losses = []
@@ -104,20 +123,24 @@ def reference(accumulate: int = 1, scheduler: bool = False) -> dict[str, Any]:
                 if scheduler:
                     sched.step()
         train_mse.append(squared / count)
-        with torch.no_grad():
-            val_loss.append(sum(float(torch.nn.functional.mse_loss(net(x), y)) for x, y in val)
-                            / len(val))
+        with torch.no_grad():  # Lightning weighs each batch's mean by its size
+            val_loss.append(sum(float(torch.nn.functional.mse_loss(net(x), y)) * len(y)
+                                for x, y in val) / sum(len(y) for _, y in val))
     return {
         "params": [float(v) for p in net.parameters() for v in p.detach().reshape(-1)],
         "momentum": [float(v) for s in optimizer.state.values()
                      for v in s["momentum_buffer"].reshape(-1)],
-        "logged": logged, "val_loss": val_loss, "train_mse": train_mse,
+        "logged": logged, "val_loss": val_loss, "train_mse": train_mse, "batches": batches,
     }
 
 
-def test_fit_with_uneven_ranks_matches_a_single_process(runs: Any) -> None:
-    want = reference(scheduler=True)
-    for rank, got in enumerate(result(runs, "ddp")):
+@pytest.mark.parametrize("name", ["ddp", "ddp_shard_sampler"])
+def test_fit_with_uneven_ranks_matches_a_single_process(runs: Any, name: str) -> None:
+    shards = name == "ddp_shard_sampler"
+    want = reference(scheduler=not shards, shards=shards)
+    if shards:  # ShardSampler: 19 and 18 rows of 37, so 10 and 9 batches of 2, no padding
+        assert want["batches"] == [[10, 9]] * 2
+    for rank, got in enumerate(result(runs, name)):
         assert got["params"] == pytest.approx(want["params"], abs=1e-5)
         # Every rank ends with the last joiner's optimizer state.
         assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
