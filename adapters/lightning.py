@@ -36,9 +36,14 @@ is the order of a joined rank's shadow round:
    that still had a batch, as a single process over their batches; ``max``,
    ``min``). This is the third joinable, a ``SideCollective`` called once per
    batch. Epoch-level values sync at ``compute`` after the Join, unchanged.
-4. Your own per-batch collectives (in hooks): pass them as
-   ``UnevenInputs(side_collectives=[...])``, ``SideCollective`` objects appended
-   to the list in that order.
+4. Your own per-batch collectives after the backward pass (in
+   ``on_after_backward``, ``on_before_optimizer_step``, or the
+   ``on_train_batch_end`` of a Callback listed *before* ``UnevenInputs``): pass
+   them as ``UnevenInputs(side_collectives=[...])``, ``SideCollective``
+   objects, listed in that order before step 3's joinable, which runs in
+   ``UnevenInputs.on_train_batch_end``. (The LightningModule's own
+   ``on_train_batch_end`` runs after it, when a rank's last batch has already
+   left the Join: no per-batch collective there.)
 
 *Gradient accumulation.* Lightning skips DDP's gradient sync (``no_sync``)
 while it accumulates, and always steps on a rank's last batch; with uneven
@@ -111,8 +116,9 @@ class UnevenInputs(Callback):
 
     Args:
         side_collectives: per-batch collectives of your own hooks, as
-            :class:`joinkit.SideCollective` objects, in the order they run after
-            the optimizer step (the module doc's step 4).
+            :class:`joinkit.SideCollective` objects, in the order they run between
+            the backward pass and this callback's ``on_train_batch_end`` (the
+            module doc's step 4).
         timeout: the Join's ``timeout`` (default: joinkit's).
 
     Raises:
@@ -190,7 +196,7 @@ class UnevenInputs(Callback):
         joinables += [OptimizerStateSync(o) for o in trainer.optimizers]
         joinables += [OptimizerStateSync(config.scheduler)
                       for config in trainer.lr_scheduler_configs]
-        joinables += [self._log_sync, *self._extra]
+        joinables += [*self._extra, self._log_sync]
         join = Join(joinables) if self._timeout is None else Join(joinables,
                                                                   timeout=self._timeout)
         join.__enter__()

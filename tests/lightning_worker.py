@@ -25,6 +25,7 @@ import torchmetrics
 from pytorch_lightning.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
+from joinkit import SideCollective
 from joinkit.adapters.lightning import UnevenInputs
 
 INPUTS = [5, 8]
@@ -119,14 +120,34 @@ SHARD_ROWS = (37, 11)
 SHARD_SEED = 5
 
 
+class ActiveRanks(pl.Callback):
+    """A per-batch collective of the user's own, listed before UnevenInputs: an
+    all-reduce of 1 per batch (the number of ranks still training), shadowed with 0."""
+
+    def __init__(self) -> None:
+        def count(value: float) -> float:
+            t = torch.tensor([value])
+            torch.distributed.all_reduce(t)
+            return float(t[0])
+
+        self.side = SideCollective(count, shadow=lambda: count(0.0), name="active ranks")
+        self.counts: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.counts.append(self.side(1.0))
+
+
 def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         validate: bool = True, shards: bool = False) -> dict[str, Any]:
     logger = ListLogger()
+    active = ActiveRanks()
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=logger,
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
-        accumulate_grad_batches=accumulate, callbacks=[UnevenInputs()],
+        accumulate_grad_batches=accumulate,
+        callbacks=[active, UnevenInputs(side_collectives=[active.side])],
         limit_val_batches=1.0 if validate else 0,
     )
     model = Model(scheduler and not shards)
@@ -144,6 +165,7 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         "momentum": [float(v) for s in trainer.optimizers[0].state.values()
                      for v in s["momentum_buffer"].reshape(-1)],
         "global_step": trainer.global_step,
+        "active_ranks": active.counts,
     }
 
 

@@ -10,7 +10,8 @@ no padding). Beside it,
 ``examples/lightning_trainer.py`` runs under Lightning's own launcher. The
 reference trains the same model in this process: at step t the ranks that
 still have a batch t, averaged over the world (DDP), then the optimizer (and
-scheduler) step. Both launches start together; about 60-90 s on a loaded
+scheduler) step. The first fit also runs a user's per-batch all-reduce
+(``side_collectives=``). Both launches start together; about 60-90 s on a loaded
 2-core machine.
 """
 
@@ -97,6 +98,7 @@ def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     world = len(w.INPUTS)
     logged: list[list[tuple[float, float]]] = [[] for _ in range(world)]
+    actives: list[list[list[int]]] = [[] for _ in range(world)]
     val_loss, train_mse, batches = [], [], []
     for epoch in range(w.EPOCHS):
         data, val = _epoch_data(epoch, shards)
@@ -118,6 +120,7 @@ def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
                 count += y.numel()
             for rank in active:
                 logged[rank].append((sum(losses) / len(losses), max(losses)))
+                actives[rank].append(active)
             if (step + 1) % accumulate == 0 or step == most - 1:
                 optimizer.step()
                 if scheduler:
@@ -130,7 +133,8 @@ def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
         "params": [float(v) for p in net.parameters() for v in p.detach().reshape(-1)],
         "momentum": [float(v) for s in optimizer.state.values()
                      for v in s["momentum_buffer"].reshape(-1)],
-        "logged": logged, "val_loss": val_loss, "train_mse": train_mse, "batches": batches,
+        "logged": logged, "active": actives, "val_loss": val_loss, "train_mse": train_mse,
+        "batches": batches,
     }
 
 
@@ -151,6 +155,9 @@ def test_fit_with_uneven_ranks_matches_a_single_process(runs: Any, name: str) ->
         assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
         # A torchmetrics metric, synced at compute, over every rank's training samples.
         assert got["train_mse"] == pytest.approx(want["train_mse"], abs=1e-5)
+        # A side collective of the user's (a Callback before UnevenInputs): active ranks.
+        assert got["active_ranks"] == [float(len(logged_step)) for logged_step in
+                                       want["active"][rank]]
 
 
 def test_accumulate_grad_batches_matches_a_single_process(runs: Any) -> None:
