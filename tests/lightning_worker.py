@@ -142,12 +142,13 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         validate: bool = True, shards: bool = False) -> dict[str, Any]:
     logger = ListLogger()
     active = ActiveRanks()
+    uneven = UnevenInputs(side_collectives=[active.side])
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=logger,
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
         accumulate_grad_batches=accumulate,
-        callbacks=[active, UnevenInputs(side_collectives=[active.side])],
+        callbacks=[active, uneven],
         limit_val_batches=1.0 if validate else 0,
     )
     model = Model(scheduler and not shards)
@@ -166,6 +167,10 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
                      for v in s["momentum_buffer"].reshape(-1)],
         "global_step": trainer.global_step,
         "active_ranks": active.counts,
+        # Each epoch's Join: this rank's shadow rounds; and how many of them ran the
+        # shadow of Lightning's SIGTERM broadcast (kept on, not turned off).
+        "shadow_rounds": [join.report.shadow_rounds for join in uneven.joins],
+        "sigterm_shadows": uneven._sigterm.shadow_rounds if uneven._sigterm else None,
     }
 
 

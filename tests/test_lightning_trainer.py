@@ -155,6 +155,11 @@ def test_fit_with_uneven_ranks_matches_a_single_process(runs: Any, name: str) ->
         assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
         # A torchmetrics metric, synced at compute, over every rank's training samples.
         assert got["train_mse"] == pytest.approx(want["train_mse"], abs=1e-5)
+        # One Join per epoch: rank 0 (5 of 8 batches) shadows 3 rounds in each, and each
+        # round shadows Lightning's per-batch SIGTERM broadcast.
+        rounds = [max(w) - w[rank] for w in want["batches"]]
+        assert got["shadow_rounds"] == rounds
+        assert got["sigterm_shadows"] == sum(rounds)
         # A side collective of the user's (a Callback before UnevenInputs): active ranks.
         assert got["active_ranks"] == [float(len(logged_step)) for logged_step in
                                        want["active"][rank]]
