@@ -69,3 +69,17 @@ def test_a_strategy_other_than_ddp_is_refused_at_fit() -> None:
 
     with pytest.raises(TypeError, match="supports Lightning's DDP strategies.*FSDP1"):
         UnevenInputs().setup(Trainer(), None, "fit")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="Lightning's FSDP (FSDP1) runs on CUDA only")
+def test_fabric_fsdp1_is_refused_with_the_way_out() -> None:
+    from lightning_fabric import Fabric
+
+    from joinkit import Join
+
+    fabric = Fabric(accelerator="cuda", devices=1, strategy="fsdp")
+    fabric.launch()
+    model = fabric.setup_module(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="FSDP1.*ModelParallelStrategy"):
+        Join([model])
