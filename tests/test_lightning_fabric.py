@@ -115,6 +115,29 @@ def test_the_example_under_fabrics_own_launcher(runs: Any) -> None:
                        r"(-?\d+\.\d+)", run.stdout)
     assert sorted((rank, batches) for rank, batches, _ in lines) == [("0", "10"), ("1", "16")]
     assert len({checksum for *_, checksum in lines}) == 1, run.stdout  # identical replicas
+    assert float(lines[0][2]) == pytest.approx(example_reference(), abs=2e-6)
+
+
+def example_reference() -> float:
+    """``examples/fabric.py`` in one process: the parameter checksum."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fabric_example",
+                                                  ROOT / "examples" / "fabric.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    for epoch in range(example.EPOCHS):
+        data = [example.batches(rank, epoch) for rank in range(2)]
+        for step in range(max(len(d) for d in data)):
+            optimizer.zero_grad()
+            for x, y in (d[step] for d in data if len(d) > step):
+                (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+            optimizer.step()
+    return sum(float(p.detach().sum()) for p in model.parameters())
 
 
 def test_a_model_joinkit_cannot_shadow_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -180,3 +180,33 @@ def test_the_example_under_lightnings_own_launcher(runs: Any) -> None:
                        r"checksum (-?\d+\.\d+)", run.stdout)
     assert sorted((rank, batches) for rank, batches, *_ in lines) == [("0", "10"), ("1", "16")]
     assert len({(val, checksum) for *_, val, checksum in lines}) == 1, run.stdout
+    # ... and equal to one process training on the batches the ranks had at each step.
+    want_val, want_checksum = example_reference()
+    assert float(lines[0][2]) == pytest.approx(want_val, abs=2e-6)
+    assert float(lines[0][3]) == pytest.approx(want_checksum, abs=2e-6)
+
+
+def example_reference() -> tuple[float, float]:
+    """``examples/lightning_trainer.py`` in one process: (val_loss, parameter checksum)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lightning_example",
+                                                  ROOT / "examples" / "lightning_trainer.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.Regression()
+    optimizer = model.configure_optimizers()
+    data = [list(example.loader(rank, 5 + 3 * rank, 1)) for rank in range(2)]
+    for _ in range(2):
+        for step in range(max(len(d) for d in data)):
+            optimizer.zero_grad()
+            for batch in (d[step] for d in data if len(d) > step):
+                x, y = batch
+                (torch.nn.functional.mse_loss(model.net(x), y) / 2).backward()
+            optimizer.step()
+    val = [b for rank in range(2) for b in example.loader(rank, 2, 2)]
+    with torch.no_grad():
+        val_loss = sum(float(torch.nn.functional.mse_loss(model.net(x), y)) * len(y)
+                       for x, y in val) / sum(len(y) for _, y in val)
+    return val_loss, sum(float(p.detach().sum()) for p in model.parameters())
