@@ -83,3 +83,23 @@ def test_fabric_fsdp1_is_refused_with_the_way_out() -> None:
     model = fabric.setup_module(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="FSDP1.*ModelParallelStrategy"):
         Join([model])
+
+
+def test_joinkit_imports_no_lightning_until_an_adapter_needs_it() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, joinkit, joinkit.adapters\n"
+        "from joinkit import Join, SideCollective\n"
+        "from joinkit.adapters import collectives\n"
+        "import joinkit._ports as ports\n"
+        "sgd = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1)\n"
+        "assert ports.adapt(sgd) is not None\n"
+        "bad = [m for m in ('pytorch_lightning', 'lightning_fabric', 'torchmetrics')"
+        " if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
