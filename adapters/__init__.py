@@ -1,6 +1,6 @@
 """Bridges from framework objects to joinkit's Join.
 
-Three adapters, each found by the core through the ``joinkit.adapters`` entry
+The adapters, each found by the core through the ``joinkit.adapters`` entry
 point group (``pyproject.toml``); each imports its module only for an object
 of a framework the program already imported, so importing joinkit never
 imports torch:
@@ -13,7 +13,10 @@ imports torch:
   ``torch.amp.GradScaler`` (the rest of a training step on a joined rank),
   ``joinkit.adapters.optim``;
 - :data:`METRICS`: torchmetrics ``Metric`` and ``MetricCollection`` objects,
-  ``joinkit.adapters.torchmetrics`` (the ``metrics`` extra).
+  ``joinkit.adapters.torchmetrics`` (the ``metrics`` extra);
+- :data:`FABRIC`: what Lightning Fabric's ``fabric.setup`` returns (its model
+  and optimizer wrappers), unwrapped for the adapters above,
+  ``joinkit.adapters.fabric``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 from joinkit import Adapter, Joinable
 
-__all__ = ["TORCH", "FSDP", "OPTIM", "METRICS", "UnsupportedTorchError",
+__all__ = ["TORCH", "FSDP", "OPTIM", "METRICS", "FABRIC", "UnsupportedTorchError",
            "UnsupportedTorchmetricsError"]
 
 
@@ -102,7 +105,7 @@ def _check_fsdp(joinables: Sequence[Joinable]) -> None:
 
 
 def _is_step_object(obj: Any) -> bool:
-    if _is_torch_joinable(obj):  # ZeroRedundancyOptimizer is TORCH's
+    if _is_torch_joinable(obj) or _is_fabric_object(obj):  # ZeRO is TORCH's; Fabric's, FABRIC's
         return False
     for module_name, class_name in _STEP_CLASSES:
         cls = getattr(sys.modules.get(module_name), class_name, None)
@@ -151,6 +154,25 @@ def _check_metric(joinables: Sequence[Joinable]) -> None:
         adapter_module.check(joinables)
 
 
+_FABRIC_WRAPPERS = "lightning_fabric.wrappers"
+
+
+def _is_fabric_object(obj: Any) -> bool:
+    wrappers = sys.modules.get(_FABRIC_WRAPPERS)
+    if wrappers is None:
+        return False
+    classes = tuple(cls for cls in (getattr(wrappers, "_FabricModule", None),
+                                    getattr(wrappers, "_FabricOptimizer", None))
+                    if isinstance(cls, type))
+    return bool(classes) and isinstance(obj, classes)
+
+
+def _adapt_fabric(obj: Any) -> Joinable:
+    from . import fabric
+
+    return fabric.adapt(obj)
+
+
 #: torch's Joinables, through ``joinkit.adapters.torch`` (the entry point).
 TORCH = Adapter(name="torch", matches=_is_torch_joinable, adapt=_adapt_torch, check=_check_torch)
 
@@ -164,3 +186,6 @@ OPTIM = Adapter(name="torch.optim", matches=_is_step_object, adapt=_adapt_step,
 #: torchmetrics ``Metric`` and ``MetricCollection``, through ``joinkit.adapters.torchmetrics``.
 METRICS = Adapter(name="torchmetrics", matches=_is_metric, adapt=_adapt_metric,
                   check=_check_metric)
+
+#: Lightning Fabric's model and optimizer wrappers, through ``joinkit.adapters.fabric``.
+FABRIC = Adapter(name="lightning_fabric", matches=_is_fabric_object, adapt=_adapt_fabric)

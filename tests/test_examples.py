@@ -69,8 +69,16 @@ def _environment() -> dict[str, str]:
     return env
 
 
+#: Examples with a launcher of their own, run by their own test module.
+OWN_TESTS = {
+    "fabric.py": "tests/test_lightning_fabric.py",
+    "lightning_trainer.py": "tests/test_lightning_trainer.py",
+}
+
+
 def test_every_example_is_covered() -> None:
-    assert sorted(EXPECTED) == sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+    assert sorted([*EXPECTED, *OWN_TESTS]) == sorted(
+        p.name for p in (ROOT / "examples").glob("*.py"))
 
 
 @pytest.fixture(scope="module", params=list(LAUNCHERS))
