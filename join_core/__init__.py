@@ -22,12 +22,14 @@ from ._join import Join, Joinable, JoinConfig, JoinHook
 from ._machine import HEARTBEAT_FLAG, JoinReport, split_heartbeat_flags
 from ._ports import Adapter, JoinBackend, register_adapter
 from ._reports import format_reports, write_chart
+from ._side import SideCollective
 
 __all__ = [
     "Join",
     "Joinable",
     "JoinHook",
     "JoinConfig",
+    "SideCollective",
     "JoinReport",
     "JoinBackend",
     "Adapter",

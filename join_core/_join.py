@@ -160,6 +160,11 @@ class Joinable(abc.ABC):
     join_fuses_heartbeat: bool = False
     #: The joinable's collectives bypass the join backend (see the class docstring).
     join_raw_collectives: bool = False
+    #: The joinable has no process group of its own and takes the Join's (the
+    #: group and device of the first joinable that has one; ``SideCollective``
+    #: without ``process_group``): the Join does not read its
+    #: ``join_process_group`` and ``join_device`` to choose or compare groups.
+    join_follows_group: bool = False
 
     @abc.abstractmethod
     def __init__(self) -> None:
@@ -252,8 +257,10 @@ class Join:
 
     Raises:
         ValueError: ``joinables`` is empty, the joinables use different
-            process groups, or the group has more than 2**24 ranks (the
-            heartbeat's float32 sum could not count them).
+            process groups, every joinable follows the Join's group (a
+            ``SideCollective`` without ``process_group`` alone), or the
+            group has more than 2**24 ranks (the heartbeat's float32 sum
+            could not count them).
         TypeError: an element is not a Joinable, or its hook is not a JoinHook,
             or no backend handles the joinables' process group.
     """
@@ -299,13 +306,24 @@ class Join:
                     f"hook {type(hook).__qualname__} has no fused_shadow(heartbeat) -> "
                     "float: add one that shadows the joinable's first collective"
                 )
-        process_group = joinable_list[0].join_process_group
-        for joinable in joinable_list[1:]:
+        # The joinables that follow the Join's group (a SideCollective without
+        # one) take the group and device of the first one that has its own.
+        owners = [j for j in joinable_list if not _follows(j)]
+        if not owners:
+            raise ValueError(
+                f"{_name(joinable_list[0])} follows the process group of the Join's other "
+                "joinables, and this Join has no joinable with a group of its own: give it "
+                "one (SideCollective(fn, shadow=..., process_group=group)) or list it with "
+                "the model whose collectives it runs beside, Join([model, side])"
+            )
+        leader = owners[0]
+        process_group = leader.join_process_group
+        for joinable in owners[1:]:
             if joinable.join_process_group != process_group:
                 raise ValueError(
                     "Using join context manager with multiple process groups: "
                     f"{_name(joinable)} uses a different "
-                    "join_process_group from the first joinable; all joinables "
+                    f"join_process_group from {_name(leader)}; all joinables "
                     "of one Join must share one process group"
                 )
         self._joinables = joinable_list
@@ -322,7 +340,7 @@ class Join:
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
         self._process_group = process_group
-        self._device = joinable_list[0].join_device
+        self._device = leader.join_device
         self._clock: Callable[[], float] = time.monotonic
         self._backend: Any = None
         self._post_status: Callable[[str], None] | None = None
@@ -687,6 +705,20 @@ class Join:
         abort can end (its optional ``wait(work)``).
         """
         return self._backend
+
+    @property
+    def process_group(self) -> Any:
+        """The process group of the Join: the one its joinables share.
+
+        A joinable that follows the Join's group (``join_follows_group``, a
+        ``SideCollective`` without ``process_group``) reads it here.
+        """
+        return self._process_group
+
+    @property
+    def device(self) -> Any:
+        """The device of the Join's own collectives (its first group owner's ``join_device``)."""
+        return self._device
 
     @property
     def fuses_heartbeat(self) -> bool:
@@ -1150,6 +1182,15 @@ def _name(joinable: Any) -> str:
 
 def _fuses(joinable: Any) -> bool:
     return bool(getattr(joinable, "join_fuses_heartbeat", False))
+
+
+def _follows(joinable: Any) -> bool:
+    return bool(getattr(joinable, "join_follows_group", False))
+
+
+def _enabled_joins() -> int:
+    """How many enabled Joins this thread is inside (its loop body or shadowing)."""
+    return int(getattr(_active, "joins", 0))
 
 
 def _looks_like_hook(hook: Any) -> bool:

@@ -677,7 +677,67 @@ def _examples_dir() -> str:
     return str(Path(__file__).resolve().parents[2] / "examples")
 
 
+def _side_collectives(group: Any, raw: bool) -> None:
+    """SideCollectives beside an AllReducer (and alone, first, over a raw
+    communicator): a logging sum per step and a barrier; rank 1 has no input."""
+    from joinkit import Join, SideCollective
+
+    AllReducer, _ = _join_classes()
+    size, rank = group.world_size, group.rank
+    inputs = [0 if r == 1 else 2 + 3 * r for r in range(size)]
+    target = group.comm if raw else group
+
+    def total(value: float) -> float:
+        buf = np.array([value])
+        if raw:
+            from mpi4py import MPI
+
+            target.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+        else:
+            target.all_reduce(buf)
+        return float(buf[0])
+
+    barrier = target.Barrier if raw else target.barrier
+    log_sum = SideCollective(total, shadow=lambda: total(0.0), name="log_sum",
+                             process_group=target if raw else None)
+    sync = SideCollective(barrier, name="barrier")
+    reducer = AllReducer(target)
+    joinables = [log_sum, sync] if raw else [reducer, log_sum, sync]
+    sums = []
+    with Join(joinables) as join:
+        for _ in range(inputs[rank]):
+            if not raw:
+                reducer()
+            sums.append(total_of := log_sum(rank + 1.0))
+            assert total_of == sums[-1]
+            sync()
+    want = [float(sum(r + 1 for r in range(size) if inputs[r] > t)) for t in range(inputs[rank])]
+    assert sums == want, (sums, want)
+    if not raw:
+        assert reducer.total == expected_total(inputs, rank)
+    rounds = max(inputs) - inputs[rank]
+    assert (log_sum.shadow_rounds, sync.shadow_rounds) == (rounds, rounds)
+    assert join.state.heartbeats == inputs[rank]
+
+
+def _side_collective_not_listed(group: Any) -> None:
+    from joinkit import Join, LocalProtocolError, SideCollective
+
+    AllReducer, _ = _join_classes()
+    reducer, sync = AllReducer(group), SideCollective(group.barrier, name="sync")
+    try:
+        with Join([reducer]):
+            sync()
+    except LocalProtocolError as error:
+        assert "SideCollective('sync') was called inside" in str(error), error
+    else:
+        raise AssertionError("a SideCollective missing from the Join was not refused")
+
+
 JOIN_CASES: dict[str, Callable[[Any], None]] = {
+    "side-collectives": lambda g: _side_collectives(g, raw=False),
+    "side-collectives-alone-raw-comm": lambda g: _side_collectives(g, raw=True),
+    "side-collective-not-listed": _side_collective_not_listed,
     "uneven-1-joinable": lambda g: _uneven(g, 1, raw=False),
     "uneven-3-joinables": lambda g: _uneven(g, 3, raw=False),
     "uneven-1-joinable-raw-comm": lambda g: _uneven(g, 1, raw=True),

@@ -1,0 +1,173 @@
+"""Side collectives beside DDP over real gloo groups: scenarios run in one launch.
+
+Run as ``python tests/side_scenarios.py RANK WORLD STORE OUT NAME...`` (the
+protocol of ``tests/torch_scenarios.py``: one gloo subgroup per scenario, one
+JSON line per scenario and rank); ``tests/test_side_torch.py`` launches it and
+compares every number with a single-process reference it computes itself.
+
+Rank r has ``INPUTS[r]`` batches (rank 1 none at all). Each step: the DDP
+model's forward and backward, an SGD step, a logging collective (the mean loss
+over the active ranks, or a sum) and a barrier; the side collectives are
+listed in the Join where they run in the step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from support import Ctx, recording, scenario_registry
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from joinkit import Join, JoinError, SideCollective
+from joinkit.adapters import collectives
+
+SCENARIO_TIMEOUT = datetime.timedelta(seconds=30)
+INPUTS = [4, 0, 6]
+LR = 0.1
+
+SCENARIOS, scenario = scenario_registry()
+
+
+def make_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch ``step``: 3 rows of 4 features and targets."""
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(3, 4, generator=g), torch.randn(3, 1, generator=g)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)
+
+
+def params(module: torch.nn.Module) -> list[float]:
+    return [float(v) for p in module.parameters() for v in p.detach().reshape(-1).tolist()]
+
+
+def train(ctx: Ctx, side_first: bool) -> dict[str, Any]:
+    group = ctx.group
+    model = DDP(make_model(), process_group=group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_mean = collectives.mean(torch.zeros(()), group=group, name="loss_mean")
+    barrier = collectives.barrier(group)
+    # A per-step flag broadcast from rank 0 before the forward, as Lightning's
+    # SIGTERM check: a joined rank 0 sends 0 ("no signal").
+    flag = collectives.broadcast(torch.zeros(1, dtype=torch.int32), src=0, group=group,
+                                 name="flag")
+    joinables: list[Any] = [flag, model, loss_mean, barrier] if side_first else [
+        model, loss_mean, barrier]
+    losses, flags = [], []
+    with Join(joinables):
+        for step in range(INPUTS[ctx.rank]):
+            if side_first:
+                flags.append(int(flag(torch.zeros(1, dtype=torch.int32) + 7 * (ctx.rank == 0))))
+            x, y = make_batch(ctx.rank, step)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss_mean(loss.detach())))
+            barrier()
+    return {"params": params(model.module), "losses": losses, "flags": flags,
+            "rounds": [loss_mean.shadow_rounds, barrier.shadow_rounds, flag.shadow_rounds]}
+
+
+@scenario
+def ddp_log_mean_and_barrier(ctx: Ctx) -> dict[str, Any]:
+    return train(ctx, side_first=False)
+
+
+@scenario
+def broadcast_first_then_ddp(ctx: Ctx) -> dict[str, Any]:
+    return train(ctx, side_first=True)
+
+
+@scenario
+def following_side_collective_with_a_lambda(ctx: Ctx) -> dict[str, Any]:
+    group = ctx.group
+    model = DDP(make_model(), process_group=group)
+    total = SideCollective(lambda t: dist.all_reduce(t, group=group),
+                           shadow=lambda: dist.all_reduce(torch.zeros(2), group=group))
+    sums = []
+    with Join([model, total]) as join:
+        for step in range(INPUTS[ctx.rank]):
+            x, y = make_batch(ctx.rank, step)
+            model(x).sum().backward()
+            t = torch.tensor([1.0, float(ctx.rank)])
+            total(t)
+            sums.append(t.tolist())
+    return {"sums": sums, "follows": join.process_group is group}
+
+
+@scenario
+def not_listed_is_an_error(ctx: Ctx) -> dict[str, Any]:
+    group = ctx.group
+    model = DDP(make_model(), process_group=group)
+    barrier = collectives.barrier(group)
+    try:
+        with Join([model]):
+            for step in range(INPUTS[ctx.rank]):
+                x, _ = make_batch(ctx.rank, step)
+                model(x).sum().backward()
+                barrier()
+    except JoinError as error:
+        return {"type": type(error).__name__, "error": str(error)}
+    return {"type": None}
+
+
+@scenario
+def wrong_shape_is_an_error_before_the_collective(ctx: Ctx) -> dict[str, Any]:
+    group = ctx.group
+    side = collectives.all_reduce(torch.zeros(2), group=group, name="sums")
+    messages = []
+    for bad in (torch.zeros(3), torch.zeros(2, dtype=torch.float64)):
+        try:
+            side(bad)
+        except ValueError as error:
+            messages.append(str(error))
+    try:
+        collectives.all_reduce(torch.zeros(1), op=dist.ReduceOp.AVG)
+    except ValueError as error:
+        messages.append(str(error))
+    # The group still works: nothing was sent.
+    t = torch.ones(2)
+    side(t)
+    return {"messages": messages, "after": t.tolist()}
+
+
+@scenario
+def all_reduce_ops_shadow_with_their_identity(ctx: Ctx) -> dict[str, Any]:
+    group = ctx.group
+    out = {}
+    for op in ("sum", "product", "max", "min"):
+        side = collectives.all_reduce(torch.zeros(2), op=op, group=group)
+        model = DDP(make_model(), process_group=group)
+        got = []
+        with Join([model, side]):
+            for step in range(INPUTS[ctx.rank]):
+                x, _ = make_batch(ctx.rank, step)
+                model(x).sum().backward()
+                got.append(side(torch.tensor([ctx.rank + 2.0, -(ctx.rank + 2.0)])).tolist())
+        out[op] = got
+    return out
+
+
+def main(argv: list[str]) -> None:
+    rank, world, store, out_dir, *names = argv
+    ctx = Ctx(int(rank), int(world), None)
+    out = Path(out_dir) / f"rank{rank}.jsonl"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=ctx.rank,
+                            world_size=ctx.world, timeout=SCENARIO_TIMEOUT)
+    for name in names:
+        with recording(out, name) as record:
+            ctx.group = dist.new_group(backend="gloo", timeout=SCENARIO_TIMEOUT)
+            record["result"] = SCENARIOS[name](ctx)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
