@@ -68,7 +68,7 @@ class UnsupportedAccelerateError(RuntimeError):
 
 def _accelerate() -> Any:
     try:
-        import accelerate
+        import accelerate  # type: ignore[import-untyped]
     except ModuleNotFoundError as error:
         if error.name is not None and error.name.split(".")[0] != "accelerate":
             raise

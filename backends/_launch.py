@@ -749,7 +749,8 @@ def _port_taken(plan: LaunchPlan) -> str:
            "is initialised already.") if "RAY_RAYLET_PID" in os.environ else ""
     return (
         f"cannot initialise torch.distributed under {plan.launcher or 'no launcher'}: rank "
-        f"{plan.rank if plan.rank is not None else '?'} must listen for the rendezvous on MASTER_PORT={port} "
+        f"{plan.rank if plan.rank is not None else '?'} must listen for the rendezvous on "
+        f"MASTER_PORT={port} "
         f"(MASTER_ADDR={addr}), but another process already holds that port "
         f"(EADDRINUSE).{ray} Set MASTER_PORT to a free port, or end the process that "
         "holds it."

@@ -126,20 +126,27 @@ def fit(out: str, *, timeout_s: int = 1800, function: Any = train_func) -> Any:
     return trainer.fit()
 
 
-def main() -> int:
-    with tempfile.TemporaryDirectory() as out:
-        fit(out)
-        workers = [json.loads(Path(out, f"worker{r}.json").read_text()) for r in range(WORKERS)]
-    for rank, worker in enumerate(workers):
-        print(f"worker {rank}: {worker['batches']} batches, {worker['reports']} reports")
+def summary(out: str) -> list[str]:
+    """What :func:`main` prints, from the files the workers wrote to ``out``."""
+    workers = [json.loads(Path(out, f"worker{r}.json").read_text()) for r in range(WORKERS)]
+    lines = [f"worker {rank}: {worker['batches']} batches, {worker['reports']} reports"
+             for rank, worker in enumerate(workers)]
     want = reference()
     same = all(
         torch.allclose(torch.tensor(w), torch.tensor(r), atol=1e-6)
         for worker in workers for w, r in zip(worker["weights"], want, strict=True)
     )
-    print("weights equal the single-process reference" if same else
-          "weights DIFFER from the single-process reference")
-    return 0 if same else 1
+    lines.append("weights equal the single-process reference" if same else
+                 "weights DIFFER from the single-process reference")
+    return lines
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as out:
+        fit(out)
+        lines = summary(out)
+    print("\n".join(lines))
+    return 0 if lines[-1].startswith("weights equal") else 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Accelerate's ``prepare`` on 2 CPU processes, uneven data: joinkit's helper and Accelerate's own ways.
+"""Accelerate's ``prepare`` on 2 CPU processes with uneven data: joinkit's way and Accelerate's.
 
 Run by ``tests/test_accelerate.py`` as ``torchrun --nproc-per-node 2
 tests/accelerate_program.py MODE OUT`` (MODE ``ddp`` or ``fsdp2``). One

@@ -188,3 +188,9 @@ def test_unwrap_gives_the_torch_objects() -> None:
     assert unwrap(wrapped) is optimizer
     assert unwrap(wrapped_scheduler) is scheduler
     assert unwrap(model) is model
+
+
+def test_the_docs_show_the_example_as_it_is() -> None:
+    page = (ROOT / "docs" / "accelerate.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert blocks and all(block in EXAMPLE.read_text() for block in blocks)

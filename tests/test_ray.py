@@ -166,6 +166,11 @@ def test_torchtrainer_with_report_in_the_join_is_exact(runs: dict[str, Any]) -> 
     for worker in workers:
         for got, expected in zip(worker["weights"], want, strict=True):
             assert got == pytest.approx(expected, abs=1e-6)
+    assert example.summary(str(run["folder"])) == [
+        "worker 0: 8 batches, 14 reports",
+        "worker 1: 14 batches, 14 reports",
+        "weights equal the single-process reference",
+    ]
     # Ray Train's own result: rank 0's metrics of the last report, with its checkpoint.
     assert result.metrics == {"batches": 8, "reports": longest, "rank": 0}
     with result.checkpoint.as_directory() as folder:
@@ -296,3 +301,12 @@ def test_report_in_a_join_that_does_not_list_it_raises_before_reporting(
 def test_bad_shadow_metrics_are_refused() -> None:
     with pytest.raises(TypeError, match="shadow_metrics"):
         ray_adapter.Report(shadow_metrics=3)  # type: ignore[arg-type]
+
+
+def test_the_docs_show_the_example_as_it_is() -> None:
+    import re
+
+    page = (ROOT / "docs" / "ray.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert blocks and all(block in (ROOT / "examples" / "ray_train.py").read_text()
+                          for block in blocks)
