@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -67,8 +68,6 @@ example = _example()
 def train_with_doctor(config: dict[str, Any]) -> None:
     """The doctor on every worker, ``report`` in a Join that does not list it, then
     the example's training function (one trainer run for the three)."""
-    import os
-
     import ray.train
 
     rank = ray.train.get_context().get_world_rank()
@@ -126,6 +125,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # The workers cannot import this file or the example: ship them by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.cloudpickle.register_pickle_by_value(example)
+    # Ray Train's controller polls its workers every 2 s by default: a report
+    # waits for the previous one to be taken, and a failure is seen late.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     started = time.monotonic()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
