@@ -101,10 +101,12 @@ def reference() -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
-def fit(out: str, *, timeout_s: int = 1800, function: Any = train_func) -> Any:
+def fit(out: str, *, timeout_s: int = 1800, function: Any = train_func,
+        config: dict[str, Any] | None = None) -> Any:
     """Run ``function`` under a TorchTrainer of :data:`WORKERS` CPU workers (gloo).
 
     Starts a local Ray cluster of 2 CPUs unless Ray is initialised already.
+    ``function`` gets ``{"out": out, **config}``.
 
     Returns:
         Ray Train's ``Result``.
@@ -117,7 +119,7 @@ def fit(out: str, *, timeout_s: int = 1800, function: Any = train_func) -> Any:
         ray.init(num_cpus=WORKERS, include_dashboard=False, log_to_driver=False)
     trainer = TorchTrainer(
         function,
-        train_loop_config={"out": out},
+        train_loop_config={"out": out, **(config or {})},
         torch_config=TorchConfig(backend="gloo", timeout_s=timeout_s),
         scaling_config=ray.train.ScalingConfig(num_workers=WORKERS, use_gpu=False),
         run_config=ray.train.RunConfig(storage_path=os.path.join(out, "ray"), name="run",

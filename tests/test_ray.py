@@ -1,6 +1,6 @@
 """Ray Train's TorchTrainer on a local Ray cluster (2 CPU workers, gloo).
 
-One Ray cluster for the module (``ray.init(num_cpus=2)``, shut down at the
+One Ray cluster for the module (``ray.init(num_cpus=4)``, shut down at the
 end); one fixture runs every trainer once and the tests read what each left:
 
 - ``joinkit``: ``examples/ray_train.py``'s training function (per-worker data
@@ -14,7 +14,12 @@ end); one fixture runs every trainer once and the tests read what each left:
   all-reduce while the other waits for it in the report's barrier, so the run
   fails at the process group's timeout (10 s here; 30 minutes by default);
 - in the ``joinkit`` run too, first: ``report`` inside a Join that does not
-  list it, a ``LocalProtocolError`` on every worker before anything collective.
+  list it, a ``LocalProtocolError`` on every worker before anything collective;
+  last: a Join over each worker's ``ray.data`` shard from
+  ``streaming_split(2, equal=False)`` (split while read: every row once, exact
+  against a replay of the recorded batches).
+
+The cluster has 4 logical CPUs: 2 for the workers, 2 for ray.data's tasks.
 
 Without a cluster, ``report`` is also checked on the threads backend against a
 fake ``ray.train`` whose report is a barrier (the shadow rounds line up).
@@ -50,6 +55,10 @@ pytestmark = pytest.mark.needs_torch
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_TIMEOUT = 600  # the fixture: Ray's start and three trainers on 2 busy cores
 NAIVE_PG_TIMEOUT_S = 10
+# The ray.data phase: rows 0..DATA_ROWS-1, split while read (equal=False).
+DATA_ROWS = 23
+DATA_BATCH = 2
+DATA_LR = 0.5
 
 
 def _example() -> Any:
@@ -78,6 +87,52 @@ def train_with_doctor(config: dict[str, Any]) -> None:
         {"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr[-3000:]}))
     train_unlisted(config)
     example.train_func(config)
+    train_on_a_data_shard(config)
+
+
+def train_on_a_data_shard(config: dict[str, Any]) -> None:
+    """A Join over this worker's ``streaming_split(equal=False)`` shard (no row dropped).
+
+    Which rows each worker gets is decided while they read; each records its
+    batches, and the reference replays them.
+    """
+    import ray.train
+    import ray.train.torch
+
+    from joinkit.adapters.ray import report
+
+    rank = ray.train.get_context().get_world_rank()
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=DATA_LR)
+    rows, before = [], report.reports  # the same report object as the example's
+    with Join([model, report]):
+        for batch in config["shards"][rank].iter_torch_batches(batch_size=DATA_BATCH):
+            ids = batch["id"]
+            rows.append(ids.tolist())
+            x = ids.float().unsqueeze(1) / DATA_ROWS
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), 0.5 * x + 1.0).backward()
+            optimizer.step()
+            report({"rows": sum(len(r) for r in rows)})
+    Path(config["out"], f"shard{rank}.json").write_text(json.dumps({
+        "rows": rows, "reports": report.reports - before,
+        "weights": [p.detach().flatten().tolist() for p in model.parameters()]}))
+
+
+def shard_reference(per_rank: list[list[list[int]]]) -> list[list[float]]:
+    """One process replaying the workers' recorded batches, step by step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=DATA_LR)
+    for step in range(max(len(rows) for rows in per_rank)):
+        optimizer.zero_grad()
+        for rows in per_rank:
+            if step < len(rows):
+                x = torch.tensor(rows[step]).float().unsqueeze(1) / DATA_ROWS
+                (torch.nn.functional.mse_loss(model(x), 0.5 * x + 1.0) / 2).backward()
+        optimizer.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
 def train_naive(config: dict[str, Any]) -> None:
@@ -121,6 +176,7 @@ def train_unlisted(config: dict[str, Any]) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import ray
     import ray.cloudpickle
+    import ray.data
 
     # The workers cannot import this file or the example: ship them by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -129,18 +185,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # waits for the previous one to be taken, and a failure is seen late.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     started = time.monotonic()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # 2 CPUs for the 2 workers, 2 more (logical) for ray.data's split coordinator
+    # and read tasks: with 2 in all they wait for a CPU forever.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     out: dict[str, Any] = {"start_s": time.monotonic() - started}
     try:
-        for name, function, timeout_s in [
-            ("joinkit", train_with_doctor, 1800),
-            ("naive", train_naive, NAIVE_PG_TIMEOUT_S),
+        shards = ray.data.range(DATA_ROWS).streaming_split(2, equal=False)
+        for name, function, timeout_s, config in [
+            ("joinkit", train_with_doctor, 1800, {"shards": shards}),
+            ("naive", train_naive, NAIVE_PG_TIMEOUT_S, {}),
         ]:
             folder = tmp_path_factory.mktemp(name)
             began = time.monotonic()
             try:
-                result: Any = example.fit(str(folder), timeout_s=timeout_s, function=function)
+                result: Any = example.fit(str(folder), timeout_s=timeout_s, function=function,
+                                          config=config)
             except Exception as error:  # the naive run fails; fit raises its error
                 result = error
             out[name] = {"folder": folder, "result": result,
@@ -178,6 +238,24 @@ def test_torchtrainer_with_report_in_the_join_is_exact(runs: dict[str, Any]) -> 
     with result.checkpoint.as_directory() as folder:
         saved = json.loads(Path(folder, "weights.json").read_text())
     assert saved == workers[0]["weights"]
+
+
+@pytest.mark.timeout(CLUSTER_TIMEOUT)
+def test_a_streaming_split_shard_without_equal_loses_no_row_and_is_exact(
+    runs: dict[str, Any],
+) -> None:
+    folder = runs["joinkit"]["folder"]
+    workers = [json.loads((folder / f"shard{r}.json").read_text()) for r in range(2)]
+    per_rank = [w["rows"] for w in workers]
+    # Every row once (Ray Train's own split, equal=True, would drop rows to even it).
+    assert sorted(i for rows in per_rank for batch in rows for i in batch) == list(
+        range(DATA_ROWS))
+    longest = max(len(rows) for rows in per_rank)
+    assert [w["reports"] for w in workers] == [longest, longest]
+    want = shard_reference(per_rank)
+    for worker in workers:
+        for got, expected in zip(worker["weights"], want, strict=True):
+            assert got == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.timeout(CLUSTER_TIMEOUT)
