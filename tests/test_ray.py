@@ -56,8 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_TIMEOUT = 600  # the fixture: Ray's start and three trainers on 2 busy cores
 NAIVE_PG_TIMEOUT_S = 10
 # The ray.data phase: rows 0..DATA_ROWS-1, split while read (equal=False).
-DATA_ROWS = 23
-DATA_BATCH = 2
+DATA_ROWS = 23  # odd, with batches of one row: the workers' step counts must differ
+DATA_BATCH = 1
 DATA_LR = 0.5
 
 
@@ -251,6 +251,7 @@ def test_a_streaming_split_shard_without_equal_loses_no_row_and_is_exact(
     assert sorted(i for rows in per_rank for batch in rows for i in batch) == list(
         range(DATA_ROWS))
     longest = max(len(rows) for rows in per_rank)
+    assert min(len(rows) for rows in per_rank) < longest  # a worker joined
     assert [w["reports"] for w in workers] == [longest, longest]
     want = shard_reference(per_rank)
     for worker in workers:
