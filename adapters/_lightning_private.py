@@ -1,0 +1,88 @@
+"""The Lightning internals joinkit's Lightning adapters rely on, and their check.
+
+Theory of operation
+-------------------
+``adapters.fabric`` and ``adapters.lightning`` use a few members Lightning does
+not promise to keep: Fabric's wrapper classes and the attribute holding the
+wrapped (DDP or ``fully_shard``) module; the Trainer's per-batch SIGTERM
+broadcast, which ``UnevenInputs`` routes through a
+:class:`joinkit.SideCollective` on the epoch loop object. A release that
+renamed one would make joinkit miss a collective (a hang) or unwrap nothing,
+so each is listed here, in the format of ``adapters._torch_private`` (whose
+checker this module reuses), and :func:`check` runs once per group and process
+when an adapter first needs the group, raising
+:class:`UnsupportedLightningError` with this Lightning's version, each member
+that changed, and the supported range. Nothing is checked per iteration.
+
+The ``[lightning]`` extra in ``pyproject.toml`` pins the same range as
+:data:`SUPPORTED_LIGHTNING`.
+"""
+
+from __future__ import annotations
+
+from ._torch_private import Member, Need, _version, problems
+
+__all__ = ["SUPPORTED_LIGHTNING", "TESTED_LIGHTNING", "GROUPS", "UnsupportedLightningError",
+           "check"]
+
+#: The pytorch-lightning (and lightning-fabric) versions this joinkit supports,
+#: and the one its tests ran on.
+SUPPORTED_LIGHTNING = ">=2.6,<2.7"
+TESTED_LIGHTNING = "2.6.6"
+
+
+class UnsupportedLightningError(RuntimeError):
+    """This Lightning lacks or changed an internal that joinkit's adapter relies on."""
+
+
+_WRAPPERS = "lightning_fabric.wrappers"
+_EPOCH_LOOP = "pytorch_lightning.loops.training_epoch_loop"
+
+
+def _m(module: str, name: str, need: Need, why: str, params: tuple[str, ...] = (),
+       called_by: tuple[str, ...] = ()) -> Member:
+    return Member(module=module, name=name, need=need, params=params, called_by=called_by,
+                  why=why)
+
+
+#: Members by the adapter that needs them.
+GROUPS: dict[str, tuple[Member, ...]] = {
+    "Fabric": (
+        _m(_WRAPPERS, "_FabricModule", Need.EXISTS,
+           "what fabric.setup returns for a model; joinkit unwraps it"),
+        _m(_WRAPPERS, "_FabricModule._forward_module", Need.ATTRIBUTE,
+           "the DDP or fully_shard module inside, which Join adapts"),
+        _m(_WRAPPERS, "_FabricOptimizer", Need.EXISTS,
+           "what fabric.setup returns for an optimizer; joinkit unwraps it"),
+    ),
+    "Trainer": (
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop._broadcast_sigterm_tensor", Need.CALLABLE,
+           "the per-batch SIGTERM broadcast from rank 0, which a joined rank must shadow",
+           ("self",), (f"{_EPOCH_LOOP}:_TrainingEpochLoop.advance",)),
+    ),
+}
+
+_checked: set[str] = set()
+
+
+def check(group: str) -> None:
+    """Check the members of ``group`` (a key of :data:`GROUPS`), once per process.
+
+    Raises:
+        UnsupportedLightningError: a member is missing or changed.
+    """
+    if group in _checked:
+        return
+    found = problems(GROUPS[group])
+    if found:
+        lines = "\n".join(f"  - {problem}" for problem in found)
+        version = _version("pytorch-lightning")
+        raise UnsupportedLightningError(
+            f"joinkit {_version('joinkit')} supports pytorch-lightning {SUPPORTED_LIGHTNING} "
+            f"(tested with {TESTED_LIGHTNING}), but this process runs {version}, in which "
+            f"internals that joinkit's {group} adapter relies on changed:\n{lines}\n"
+            "Going on could hang or train wrongly, so joinkit stops here. Install a "
+            f"supported Lightning (pip install 'pytorch-lightning{SUPPORTED_LIGHTNING}'), or "
+            "a joinkit release that supports this one."
+        )
+    _checked.add(group)

@@ -1,0 +1,385 @@
+"""Lightning's Trainer with per-rank uneven train dataloaders: the :class:`UnevenInputs` callback.
+
+Theory of operation
+-------------------
+``Trainer(callbacks=[UnevenInputs()])`` runs every training epoch inside a
+:class:`joinkit.Join`: entered at ``on_train_epoch_start``, left at the
+``on_train_batch_end`` of the rank's own last batch (where a rank that ran out
+first shadows the others until every rank has finished the epoch). So an epoch
+boundary is a Join boundary: a rank's next epoch, and the validation that
+Lightning runs right after a rank's last batch, start on every rank together
+(without it, a 5-vs-8-batch run pairs rank 0's next-epoch collectives with rank
+1's leftovers, and trains wrongly with exit code 0).
+
+*One training batch, as Lightning 2.6 runs it* (``loops/training_epoch_loop.py``,
+``loops/optimization/automatic.py``), and its place in the Join's list, which
+is the order of a joined rank's shadow round:
+
+1. ``_broadcast_sigterm_tensor``: a broadcast from rank 0 of whether it got
+   SIGTERM, before the batch is fetched. It stays on and becomes the Join's
+   first joinable, a :class:`~joinkit.SideCollective` whose call sends the
+   heartbeat; its shadow is Lightning's own method (a joined rank 0 sends its
+   real flag, so a SIGTERM still stops every rank).
+2. The DDP forward (training_step runs inside it): DDP's gradient-sync check;
+   then the backward pass: DDP's gradient all-reduce. The DDP model
+   (``strategy.model``), adapted by ``adapters.torch``. (Only the DDP
+   strategies: FSDP1 cannot be shadowed, and ``ModelParallelStrategy`` is not
+   supported by this callback yet.)
+3. ``self.log(..., sync_dist=True)`` of a step value would all-reduce *inside*
+   the forward, between DDP's collectives, where no shadow can sit. While the
+   Join lasts, ``strategy.reduce`` (what ``self.log`` syncs with) defers the
+   sync: it returns the local value's clone at once and records it; after the
+   optimizer step, ``on_train_batch_end`` syncs every value recorded in the
+   batch in place, before Lightning reads them: one all-reduce of a header
+   (how many values of each op), then one per op present (``mean`` and
+   ``sum`` in one, with a count of active ranks, so a mean is over the ranks
+   that still had a batch, as a single process over their batches; ``max``,
+   ``min``). This is the third joinable, a ``SideCollective`` called once per
+   batch. Epoch-level values sync at ``compute`` after the Join, unchanged.
+4. Your own per-batch collectives after the backward pass (in
+   ``on_after_backward``, ``on_before_optimizer_step``, or the
+   ``on_train_batch_end`` of a Callback listed *before* ``UnevenInputs``): pass
+   them as ``UnevenInputs(side_collectives=[...])``, ``SideCollective``
+   objects, listed in that order before step 3's joinable, which runs in
+   ``UnevenInputs.on_train_batch_end``. (The LightningModule's own
+   ``on_train_batch_end`` runs after it, when a rank's last batch has already
+   left the Join: no per-batch collective there.)
+
+*Gradient accumulation.* Lightning skips DDP's gradient sync (``no_sync``)
+while it accumulates, and always steps on a rank's last batch; with uneven
+ranks those decisions differ between ranks and the collectives would pair
+wrongly. While the Join lasts ``strategy.block_backward_sync`` syncs every
+backward instead, and around each backward the gradient accumulated since the
+window began is set aside (DDP all-reduces a parameter's whole ``.grad``, and a
+joined rank's zeros would halve that already-averaged part) and added back
+after it, so the optimizer steps with the sum over the window of each batch's
+gradient averaged over the ranks, as a single process would; a rank that steps alone on
+its last batch gets the last joiner's parameters (DDP's post hook) and
+optimizer and LR scheduler state (below) when the epoch's Join ends.
+
+*Optimizer and scheduler state beside DDP.* A joined DDP rank does not step;
+its optimizer state (momentum, Adam's moments) and step-interval LR schedulers
+would lag the last joiner's and the next epoch would differ between ranks. Each
+optimizer and scheduler is an ``adapters.fabric.OptimizerStateSync``, whose post
+hook broadcasts the last joiner's ``state_dict``.
+
+*Epoch means over uneven ranks.* An epoch-level ``mean`` divides the synced
+sum of values by the synced number of samples, both "mean"-reduced; Lightning
+reduces the integer sample count in integers and truncates (11 samples on 2
+ranks count as 5), which only uneven ranks reach. Outside the Join the
+patched ``strategy.reduce`` reduces integer means in float64.
+
+*What it patches.* Instance attributes only, set in ``setup`` and removed in
+``teardown``: the epoch loop's ``_broadcast_sigterm_tensor`` (private: checked
+by ``adapters._lightning_private``), the strategy's ``reduce`` and
+``block_backward_sync`` (public methods); each patch defers to the original
+outside the Join.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+try:
+    import pytorch_lightning as pl
+    import torch
+    import torch.distributed as dist
+    from pytorch_lightning.callbacks import Callback
+except ImportError as error:  # pragma: no cover - the lightning extra is missing
+    raise ImportError(
+        "Could not find pytorch_lightning: joinkit.adapters.lightning needs it. Please run "
+        "`pip install 'joinkit[lightning]'`"
+    ) from error
+
+from joinkit import Join, LocalProtocolError, SideCollective
+
+from . import _lightning_private
+from .fabric import OptimizerStateSync
+
+__all__ = ["UnevenInputs"]
+
+_SUM_OPS = {"mean": "mean", "avg": "mean", "sum": "sum"}
+_OTHER_OPS = ("max", "min")
+
+
+class UnevenInputs(Callback):
+    """Makes ``Trainer.fit`` correct when ranks have different numbers of training batches.
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp",
+                          callbacks=[UnevenInputs()])
+        trainer.fit(model, train_dataloaders=per_rank_loader)
+
+    Args:
+        side_collectives: per-batch collectives of your own hooks, as
+            :class:`joinkit.SideCollective` objects, in the order they run between
+            the backward pass and this callback's ``on_train_batch_end`` (the
+            module doc's step 4).
+        timeout: the Join's ``timeout`` (default: joinkit's).
+
+    Raises:
+        TypeError: a ``side_collectives`` element is not a ``SideCollective``; at
+            ``fit``, the strategy is not one of Lightning's DDP strategies.
+        UnsupportedLightningError (at ``fit``): this Lightning changed a member
+            joinkit relies on.
+        LocalProtocolError: ``self.log(..., sync_dist=True, sync_dist_group=...)``
+            with a group other than the default one, during a training batch.
+    """
+
+    def __init__(self, side_collectives: Sequence[SideCollective] = (),
+                 timeout: float | None = None) -> None:
+        for side in side_collectives:
+            if not isinstance(side, SideCollective):
+                raise TypeError(
+                    f"UnevenInputs(side_collectives=...) takes joinkit.SideCollective objects, "
+                    f"not {type(side).__qualname__}: wrap the call, SideCollective(fn, shadow=...)"
+                )
+        self._extra = list(side_collectives)
+        self._timeout = timeout
+        self._join: Join | None = None
+        self._log_sync: SideCollective | None = None
+        self._sigterm: SideCollective | None = None
+        self._deferred: list[tuple[torch.Tensor, str]] = []
+        self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._patched: list[tuple[Any, str]] = []
+        self._active = False
+        #: The Join of each finished epoch's training, for reports (``join.report``).
+        self.joins: list[Join] = []
+
+    # -- set-up and tear-down -------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or trainer.world_size < 2:
+            return
+        _lightning_private.check("Trainer")
+        strategy = trainer.strategy
+        if not _is_ddp(strategy):
+            raise TypeError(
+                f"UnevenInputs supports Lightning's DDP strategies ('ddp', 'ddp_spawn', ...), "
+                f"not {type(strategy).__qualname__}: FSDPStrategy builds FSDP1, which joinkit "
+                "cannot shadow, and ModelParallelStrategy (FSDP2) is not supported by the "
+                "Trainer callback yet (with Lightning Fabric it is: Join([model, optimizer]))"
+            )
+        epoch_loop = trainer.fit_loop.epoch_loop
+        original_sigterm = epoch_loop._broadcast_sigterm_tensor
+        self._sigterm = SideCollective(original_sigterm, shadow=original_sigterm,
+                                       name="Lightning's SIGTERM broadcast")
+        self._log_sync = SideCollective(self._sync_deferred, shadow=self._shadow_deferred,
+                                        name="self.log(sync_dist=True) of the batch")
+        self._patch(epoch_loop, "_broadcast_sigterm_tensor", self._sigterm)
+        self._patch(strategy, "reduce", _deferring_reduce(self, strategy.reduce))
+        block: Any = getattr(strategy, "block_backward_sync")  # ParallelStrategy's  # noqa: B009
+        self._patch(strategy, "block_backward_sync", _syncing_block(self, block))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._leave(None)
+        for obj, name in reversed(self._patched):
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)
+        self._patched.clear()
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        setattr(obj, name, value)
+        self._patched.append((obj, name))
+
+    # -- the Join of an epoch ---------------------------------------------------------
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._sigterm is None or self._log_sync is None:
+            return
+        strategy = trainer.strategy
+        joinables: list[Any] = [self._sigterm, strategy.model]
+        joinables += [OptimizerStateSync(o) for o in trainer.optimizers]
+        joinables += [OptimizerStateSync(config.scheduler)
+                      for config in trainer.lr_scheduler_configs]
+        joinables += [*self._extra, self._log_sync]
+        join = Join(joinables) if self._timeout is None else Join(joinables,
+                                                                  timeout=self._timeout)
+        join.__enter__()
+        self._join, self._active = join, True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._join is None or self._log_sync is None:
+            return
+        self._log_sync()
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if progress.is_last_batch or progress.current.ready == trainer.num_training_batches:
+            self._leave(None)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           loss: torch.Tensor) -> None:
+        # DDP all-reduces a parameter's whole .grad: with gradients accumulated
+        # since the window began (already averaged) and a joined rank adding 0,
+        # that part would be halved. So the backward sees a zero .grad, and the
+        # window's part goes back after it (module doc).
+        if not self._active or trainer.accumulate_grad_batches == 1 or not _is_ddp(
+                trainer.strategy):
+            return
+        stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for param in pl_module.parameters():
+            if param.grad is not None:
+                stash.append((param, param.grad.detach().clone()))
+                param.grad.zero_()
+        self._stash = stash
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stash, self._stash = self._stash, []
+        for param, grad in stash:
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave(None)  # an epoch ended before its last batch (max_steps, a -1 hook)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        self._leave(exception)
+
+    def _leave(self, exception: BaseException | None) -> None:
+        join, self._join = self._join, None
+        self._active = False
+        self._deferred.clear()
+        if join is None:
+            return
+        self.joins.append(join)
+        if exception is None:
+            join.__exit__(None, None, None)
+        else:
+            join.__exit__(type(exception), exception, exception.__traceback__)
+
+    # -- self.log(sync_dist=True) during the Join -----------------------------------
+
+    def defer(self, tensor: torch.Tensor, group: Any, reduce_op: Any) -> torch.Tensor:
+        """``strategy.reduce`` during the Join: record ``tensor``, sync it after the step."""
+        if group is not None and group is not dist.group.WORLD:
+            raise LocalProtocolError(
+                "self.log(..., sync_dist=True, sync_dist_group=...) with a group of its own "
+                "cannot be shadowed by UnevenInputs during training batches: log with the "
+                "default group, or on_epoch only"
+            )
+        op = _op_name(reduce_op)
+        if tensor.numel() != 1:
+            raise LocalProtocolError(
+                f"UnevenInputs syncs one-element values logged with sync_dist=True, got a "
+                f"tensor of shape {tuple(tensor.shape)}"
+            )
+        out = tensor.detach().clone()
+        self._deferred.append((out, op))
+        return out
+
+    def _sync_deferred(self) -> None:
+        """Sync the batch's deferred values in place (an active rank, once per batch)."""
+        deferred, self._deferred = self._deferred, []
+        sums = [t for t, op in deferred if op in ("mean", "sum")]
+        counts = [sum(1 for _, op in deferred if op == name) for name in _OTHER_OPS]
+        sizes = self._header([len(sums), *counts])
+        if sizes[0]:
+            buf = torch.tensor([float(t) for t in sums] + [1.0], dtype=torch.float64)
+            self._all_reduce(buf, dist.ReduceOp.SUM, sizes[0] + 1)
+            means = iter(buf[:-1].tolist())
+            for tensor, op in deferred:
+                if op in ("mean", "sum"):
+                    value = next(means)
+                    tensor.fill_(value / float(buf[-1]) if op == "mean" else value)
+        for name, size in zip(_OTHER_OPS, sizes[1:], strict=True):
+            if size:
+                values = [t for t, op in deferred if op == name]
+                buf = torch.tensor([float(t) for t in values], dtype=torch.float64)
+                self._all_reduce(buf, _REDUCE_OPS[name], size)
+                for tensor, value in zip(values, buf.tolist(), strict=True):
+                    tensor.fill_(value)
+
+    def _shadow_deferred(self) -> None:
+        """A joined rank's side of :meth:`_sync_deferred`: the header, then neutral values."""
+        sizes = self._header([0, 0, 0])
+        if sizes[0]:
+            self._all_reduce(torch.zeros(sizes[0] + 1, dtype=torch.float64),
+                             dist.ReduceOp.SUM, sizes[0] + 1)
+        for name, size in zip(_OTHER_OPS, sizes[1:], strict=True):
+            if size:
+                fill = -math.inf if name == "max" else math.inf
+                self._all_reduce(torch.full((size,), fill, dtype=torch.float64),
+                                 _REDUCE_OPS[name], size)
+
+    def _header(self, counts: list[int]) -> list[int]:
+        header = torch.tensor(counts, dtype=torch.float64)
+        dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self._group())
+        return [int(v) for v in header.tolist()]
+
+    def _all_reduce(self, buf: torch.Tensor, op: Any, size: int) -> None:
+        if buf.numel() != size:
+            raise LocalProtocolError(
+                f"the ranks logged different numbers of sync_dist values in one batch ({size} "
+                f"on some rank, {buf.numel()} here): log the same names on every rank"
+            )
+        dist.all_reduce(buf, op=op, group=self._group())
+
+    def _group(self) -> Any:
+        join = self._join
+        return None if join is None else join.process_group
+
+
+_REDUCE_OPS = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _op_name(reduce_op: Any) -> str:
+    if reduce_op is None:
+        return "sum"
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+        if name in _SUM_OPS:
+            return _SUM_OPS[name]
+        if name in _OTHER_OPS:
+            return name
+    else:
+        for name, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX),
+                         ("min", dist.ReduceOp.MIN), ("mean", dist.ReduceOp.AVG)):
+            if reduce_op == op:
+                return name
+    raise LocalProtocolError(
+        f"UnevenInputs cannot shadow self.log(..., reduce_fx={reduce_op!r}, sync_dist=True) "
+        "during training batches: use mean, sum, max or min"
+    )
+
+
+def _deferring_reduce(callback: UnevenInputs, original: Callable[..., Any]) -> Callable[..., Any]:
+    def reduce(tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if callback._active and isinstance(tensor, torch.Tensor):
+            return callback.defer(tensor, group, reduce_op)
+        if (isinstance(tensor, torch.Tensor) and not tensor.is_floating_point()
+                and isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
+            # An epoch mean divides the synced sum of values by the synced
+            # count of samples, each "mean"-reduced; Lightning's integer mean
+            # truncates (11 samples on 2 ranks: 5), which uneven ranks hit.
+            return original(tensor.to(torch.float64), group=group, reduce_op=reduce_op)
+        return original(tensor, group=group, reduce_op=reduce_op)
+
+    return reduce
+
+
+def _syncing_block(callback: UnevenInputs,
+                   original: Callable[[], Any]) -> Callable[[], Any]:
+    @contextlib.contextmanager
+    def block_backward_sync() -> Iterator[None]:
+        if callback._active:
+            yield None  # every backward syncs while the Join lasts (module doc)
+            return
+        with original():
+            yield None
+
+    return block_backward_sync
+
+
+def _is_ddp(strategy: Any) -> bool:
+    from pytorch_lightning.strategies import DDPStrategy
+
+    return isinstance(strategy, DDPStrategy)
+
+

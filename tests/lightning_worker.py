@@ -1,0 +1,200 @@
+"""Lightning's Trainer with ``UnevenInputs``: scenarios in one launch of 2 ranks.
+
+Run as ``torchrun --nproc-per-node 2 tests/lightning_worker.py OUT_DIR NAME...``
+(each scenario is one ``trainer.fit``); each rank writes
+``OUT_DIR/rank{r}.json``: per scenario its final parameters, the loss it logged
+per step (``self.log(..., sync_dist=True)``), the epoch values of the
+validation loss and of a torchmetrics metric. ``tests/test_lightning_trainer.py``
+computes the single-process reference.
+
+Rank r has ``INPUTS[r]`` training batches of 4 rows and ``VAL_INPUTS[r]``
+validation batches.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torchmetrics
+from pytorch_lightning.loggers import Logger
+from torch.utils.data import DataLoader, TensorDataset
+
+from joinkit import SideCollective
+from joinkit.adapters.lightning import UnevenInputs
+
+INPUTS = [5, 8]
+VAL_INPUTS = [3, 2]
+EPOCHS = 2
+LR = 0.1
+MOMENTUM = 0.9
+BATCH = 4
+
+
+def rows(rank: int, n_batches: int, salt: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(100 * salt + rank)
+    return TensorDataset(torch.randn(n_batches * BATCH, 3, generator=g),
+                         torch.randn(n_batches * BATCH, 1, generator=g))
+
+
+def make_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+
+class Model(pl.LightningModule):
+    def __init__(self, scheduler: bool) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.train_mse = torchmetrics.MeanSquaredError()
+        self.use_scheduler = scheduler
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        pred = self(x)
+        loss = torch.nn.functional.mse_loss(pred, y)
+        self.log("loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        self.log("loss_max", loss, on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max")
+        self.train_mse(pred.detach(), y)
+        self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), on_epoch=True,
+                 sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+        if not self.use_scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class ListLogger(Logger):
+    """Every rank's logged metrics, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "list"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append({k: float(v) for k, v in metrics.items()})
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def shard_loaders(rank: int) -> tuple[DataLoader, DataLoader]:
+    """One dataset split exactly by joinkit's ShardSampler (no padding): 37 training rows
+    (19 and 18, so 10 and 9 batches of 2, shuffled per epoch) and 11 validation rows."""
+    from joinkit.adapters.data import ShardSampler
+
+    train = TensorDataset(*(t[:SHARD_ROWS[0]] for t in rows(0, 10, 3).tensors))
+    val = TensorDataset(*(t[:SHARD_ROWS[1]] for t in rows(0, 3, 4).tensors))
+    return (DataLoader(train, batch_size=2, sampler=ShardSampler(
+                train, num_replicas=2, rank=rank, shuffle=True, seed=SHARD_SEED)),
+            DataLoader(val, batch_size=2, sampler=ShardSampler(
+                val, num_replicas=2, rank=rank, shuffle=False)))
+
+
+SHARD_ROWS = (37, 11)
+SHARD_SEED = 5
+
+
+class ActiveRanks(pl.Callback):
+    """A per-batch collective of the user's own, listed before UnevenInputs: an
+    all-reduce of 1 per batch (the number of ranks still training), shadowed with 0."""
+
+    def __init__(self) -> None:
+        def count(value: float) -> float:
+            t = torch.tensor([value])
+            torch.distributed.all_reduce(t)
+            return float(t[0])
+
+        self.side = SideCollective(count, shadow=lambda: count(0.0), name="active ranks")
+        self.counts: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.counts.append(self.side(1.0))
+
+
+def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
+        validate: bool = True, shards: bool = False) -> dict[str, Any]:
+    logger = ListLogger()
+    active = ActiveRanks()
+    uneven = UnevenInputs(side_collectives=[active.side])
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=logger,
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        accumulate_grad_batches=accumulate,
+        callbacks=[active, uneven],
+        limit_val_batches=1.0 if validate else 0,
+    )
+    model = Model(scheduler and not shards)
+    train = DataLoader(rows(rank, INPUTS[rank], 1), batch_size=BATCH)
+    val = DataLoader(rows(rank, VAL_INPUTS[rank], 2), batch_size=BATCH)
+    if shards:
+        train, val = shard_loaders(rank)
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val if validate else None)
+    return {
+        "params": [float(v) for p in model.net.parameters() for v in p.detach().reshape(-1)],
+        "loss": [r["loss"] for r in logger.records if "loss" in r],
+        "loss_max": [r["loss_max"] for r in logger.records if "loss_max" in r],
+        "val_loss": [r["val_loss"] for r in logger.records if "val_loss" in r],
+        "train_mse": [r["train_mse"] for r in logger.records if "train_mse" in r],
+        "momentum": [float(v) for s in trainer.optimizers[0].state.values()
+                     for v in s["momentum_buffer"].reshape(-1)],
+        "global_step": trainer.global_step,
+        "active_ranks": active.counts,
+        # Each epoch's Join: this rank's shadow rounds; and how many of them ran the
+        # shadow of Lightning's SIGTERM broadcast (kept on, not turned off).
+        "shadow_rounds": [join.report.shadow_rounds for join in uneven.joins],
+        "sigterm_shadows": uneven._sigterm.shadow_rounds if uneven._sigterm else None,
+    }
+
+
+SCENARIOS = {
+    "ddp": lambda rank: fit(rank, scheduler=True),
+    "ddp_accumulate": lambda rank: fit(rank, accumulate=2, validate=False),
+    "ddp_shard_sampler": lambda rank: fit(rank, shards=True),
+}
+
+
+def main(out: Path, names: list[str]) -> None:
+    import os
+
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = {"ok": True, "result": SCENARIOS[name](rank)}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+            break
+        (out / f"rank{rank}.json").write_text(json.dumps(results))
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

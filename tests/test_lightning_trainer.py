@@ -1,0 +1,212 @@
+"""Lightning's Trainer with ``UnevenInputs`` and per-rank uneven data, against a single process.
+
+One torchrun launch of ``tests/lightning_worker.py`` (2 CPU ranks, gloo, DDP;
+5 and 8 training batches, 3 and 2 validation batches, 2 epochs) runs two
+``fit``s: with momentum, a step-interval LR scheduler, validation,
+``self.log(..., sync_dist=True)`` per step (mean and max) and a torchmetrics
+metric; with ``accumulate_grad_batches=2``; and with one dataset split by
+joinkit's exact ``ShardSampler`` (``use_distributed_sampler=False``: 37 rows,
+no padding). Beside it,
+``examples/lightning_trainer.py`` runs under Lightning's own launcher. The
+reference trains the same model in this process: at step t the ranks that
+still have a batch t, averaged over the world (DDP), then the optimizer (and
+scheduler) step. The first fit also runs a user's per-batch all-reduce
+(``side_collectives=``). Both launches start together; about 60-90 s on a loaded
+2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import ROOT, launch_ranks
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("pytorch_lightning")
+
+LAUNCH_TIMEOUT = 300.0
+WORKER = Path(__file__).with_name("lightning_worker.py")
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler"]
+
+pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC_", "OMPI_", "PMI", "SLURM_"))
+           and k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("lightning")
+    worker, example = launch_ranks(
+        [[TORCHRUN, "--standalone", "--nproc-per-node", "2", str(WORKER), str(out), *SCENARIOS],
+         [sys.executable, str(ROOT / "examples" / "lightning_trainer.py")]],
+        LAUNCH_TIMEOUT, env=_env(), cwd=out)
+    ranks = []
+    for rank in range(2):
+        path = out / f"rank{rank}.json"
+        ranks.append(json.loads(path.read_text()) if path.exists() else {})
+    return {"worker": worker, "ranks": ranks, "example": example}
+
+
+def result(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    found = []
+    for rank in runs["ranks"]:
+        record = rank.get(name)
+        assert record is not None, f"{name} did not run:\n{runs['worker'].stdout[-5000:]}"
+        assert record["ok"], record["error"]
+        found.append(record["result"])
+    return found
+
+
+def _epoch_data(epoch: int, shards: bool) -> tuple[list[list[Any]], list[Any]]:
+    """Each rank's training batches of ``epoch`` and every rank's validation batches."""
+    import lightning_worker as w
+    from torch.utils.data import DataLoader
+
+    world = len(w.INPUTS)
+    if shards:
+        loaders = [w.shard_loaders(rank) for rank in range(world)]
+        for train, _ in loaders:
+            train.sampler.set_epoch(epoch)  # as Lightning does
+        return [list(t) for t, _ in loaders], [b for _, v in loaders for b in v]
+    data = [list(DataLoader(w.rows(r, w.INPUTS[r], 1), batch_size=w.BATCH))
+            for r in range(world)]
+    val = [b for r in range(world) for b in DataLoader(w.rows(r, w.VAL_INPUTS[r], 2),
+                                                       batch_size=w.BATCH)]
+    return data, val
+
+
+def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
+              ) -> dict[str, Any]:
+    """The single process: each step the active ranks' batches (module doc)."""
+    import lightning_worker as w
+
+    net = w.make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=w.LR, momentum=w.MOMENTUM)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    world = len(w.INPUTS)
+    logged: list[list[tuple[float, float]]] = [[] for _ in range(world)]
+    actives: list[list[list[int]]] = [[] for _ in range(world)]
+    val_loss, train_mse, batches = [], [], []
+    for epoch in range(w.EPOCHS):
+        data, val = _epoch_data(epoch, shards)
+        batches.append([len(d) for d in data])
+        most = max(len(d) for d in data)
+        squared, count = 0.0, 0
+        for step in range(most):
+            active = [r for r in range(world) if len(data[r]) > step]
+            if step % accumulate == 0:
+                optimizer.zero_grad()
+            losses = []
+            for rank in active:
+                x, y = data[rank][step]
+                pred = net(x)
+                loss = torch.nn.functional.mse_loss(pred, y)
+                (loss / accumulate / world).backward()
+                losses.append(float(loss.detach()))
+                squared += float(((pred.detach() - y) ** 2).sum())
+                count += y.numel()
+            for rank in active:
+                logged[rank].append((sum(losses) / len(losses), max(losses)))
+                actives[rank].append(active)
+            if (step + 1) % accumulate == 0 or step == most - 1:
+                optimizer.step()
+                if scheduler:
+                    sched.step()
+        train_mse.append(squared / count)
+        with torch.no_grad():  # Lightning weighs each batch's mean by its size
+            val_loss.append(sum(float(torch.nn.functional.mse_loss(net(x), y)) * len(y)
+                                for x, y in val) / sum(len(y) for _, y in val))
+    return {
+        "params": [float(v) for p in net.parameters() for v in p.detach().reshape(-1)],
+        "momentum": [float(v) for s in optimizer.state.values()
+                     for v in s["momentum_buffer"].reshape(-1)],
+        "logged": logged, "active": actives, "val_loss": val_loss, "train_mse": train_mse,
+        "batches": batches,
+    }
+
+
+@pytest.mark.parametrize("name", ["ddp", "ddp_shard_sampler"])
+def test_fit_with_uneven_ranks_matches_a_single_process(runs: Any, name: str) -> None:
+    shards = name == "ddp_shard_sampler"
+    want = reference(scheduler=not shards, shards=shards)
+    if shards:  # ShardSampler: 19 and 18 rows of 37, so 10 and 9 batches of 2, no padding
+        assert want["batches"] == [[10, 9]] * 2
+    for rank, got in enumerate(result(runs, name)):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        # Every rank ends with the last joiner's optimizer state.
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        # self.log(sync_dist=True) per step: the mean (and max) over the ranks that had a batch.
+        assert got["loss"] == pytest.approx([m for m, _ in want["logged"][rank]], abs=1e-5)
+        assert got["loss_max"] == pytest.approx([x for _, x in want["logged"][rank]], abs=1e-5)
+        # Validation after each epoch, on every rank's (uneven) validation batches.
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        # A torchmetrics metric, synced at compute, over every rank's training samples.
+        assert got["train_mse"] == pytest.approx(want["train_mse"], abs=1e-5)
+        # One Join per epoch: rank 0 (5 of 8 batches) shadows 3 rounds in each, and each
+        # round shadows Lightning's per-batch SIGTERM broadcast.
+        rounds = [max(w) - w[rank] for w in want["batches"]]
+        assert got["shadow_rounds"] == rounds
+        assert got["sigterm_shadows"] == sum(rounds)
+        # A side collective of the user's (a Callback before UnevenInputs): active ranks.
+        assert got["active_ranks"] == [float(len(logged_step)) for logged_step in
+                                       want["active"][rank]]
+
+
+def test_accumulate_grad_batches_matches_a_single_process(runs: Any) -> None:
+    want = reference(accumulate=2)
+    for got in result(runs, "ddp_accumulate"):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        assert got["train_mse"] == pytest.approx(want["train_mse"], abs=1e-5)
+
+
+def test_the_example_under_lightnings_own_launcher(runs: Any) -> None:
+    run = runs["example"]
+    assert run.returncode == 0, run.stdout[-3000:]
+    lines = re.findall(r"Rank (\d) trained on (\d+) batches; val_loss (\S+); parameters "
+                       r"checksum (-?\d+\.\d+)", run.stdout)
+    assert sorted((rank, batches) for rank, batches, *_ in lines) == [("0", "10"), ("1", "16")]
+    assert len({(val, checksum) for *_, val, checksum in lines}) == 1, run.stdout
+    # ... and equal to one process training on the batches the ranks had at each step.
+    want_val, want_checksum = example_reference()
+    assert float(lines[0][2]) == pytest.approx(want_val, abs=2e-6)
+    assert float(lines[0][3]) == pytest.approx(want_checksum, abs=2e-6)
+
+
+def example_reference() -> tuple[float, float]:
+    """``examples/lightning_trainer.py`` in one process: (val_loss, parameter checksum)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lightning_example",
+                                                  ROOT / "examples" / "lightning_trainer.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.Regression()
+    optimizer = model.configure_optimizers()
+    data = [list(example.loader(rank, 5 + 3 * rank, 1)) for rank in range(2)]
+    for _ in range(2):
+        for step in range(max(len(d) for d in data)):
+            optimizer.zero_grad()
+            for batch in (d[step] for d in data if len(d) > step):
+                x, y = batch
+                (torch.nn.functional.mse_loss(model.net(x), y) / 2).backward()
+            optimizer.step()
+    val = [b for rank in range(2) for b in example.loader(rank, 2, 2)]
+    with torch.no_grad():
+        val_loss = sum(float(torch.nn.functional.mse_loss(model.net(x), y)) * len(y)
+                       for x, y in val) / sum(len(y) for _, y in val)
+    return val_loss, sum(float(p.detach().sum()) for p in model.parameters())
