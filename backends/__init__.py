@@ -168,6 +168,12 @@ _PMI_MARKERS = ("PMI_SIZE", "PMIX_RANK")
 # Set for the tasks of an srun step, not for the batch script itself (whose
 # SLURM_NTASKS would describe tasks that do not exist as processes yet).
 _SRUN_STEP_MARKERS = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS")
+# Set by Ray in every process of a Ray worker (and inherited by its
+# subprocesses); a Ray Train worker (TorchTrainer) also has torchrun's
+# RANK/WORLD_SIZE/LOCAL_RANK and MASTER_ADDR/MASTER_PORT, but no
+# TORCHELASTIC_RUN_ID: its rank 0 *process* serves the store at MASTER_PORT.
+_RAY_WORKER_MARKERS = ("RAY_RAYLET_PID",)
+_RAY_TRAIN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> str | None:
@@ -182,10 +188,16 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> str | None:
     Args:
         environ: the environment to inspect; ``None`` means ``os.environ``.
 
+    A Ray Train worker (``ray.train.torch.TorchTrainer``; ``RAY_RAYLET_PID``
+    with torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, which Ray
+    Train sets, and no ``TORCHELASTIC_RUN_ID``) and any subprocess of one is
+    ``"ray"``; a torchrun or mpirun started inside a Ray task is still that
+    launcher.
+
     Returns:
         ``"torchrun"``, ``"mpirun"`` (Open MPI, MPICH/Hydra, MVAPICH or a
-        PMI/PMIx process manager), ``"srun"`` (Slurm), or ``None`` when no
-        launcher is detected.
+        PMI/PMIx process manager), ``"srun"`` (Slurm), ``"ray"`` (a Ray Train
+        worker or its subprocess), or ``None`` when no launcher is detected.
     """
     env = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" in env:
@@ -200,6 +212,10 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> str | None:
         return "srun"
     if any(key in env for key in _PMI_MARKERS):
         return "mpirun"
+    if any(key in env for key in _RAY_WORKER_MARKERS) and all(
+        key in env for key in _RAY_TRAIN_VARIABLES
+    ):
+        return "ray"
     if "LOCAL_RANK" in env and "WORLD_SIZE" in env:
         # torch.distributed.launch or a hand-made torchrun environment.
         return "torchrun"

@@ -15,6 +15,14 @@ an item the ranks agree on once, otherwise each distinct value with the ranks
 that have it, so the output stays short at thousands of ranks. The exit status
 is 1 when any rank found a problem, else 0.
 
+It never hangs: building the world and gathering the views together have
+:data:`GATHER_TIMEOUT` seconds (``JOINKIT_DOCTOR_TIMEOUT`` overrides it); a rank
+whose peers do not come in time prints its own view with a problem saying so
+and exits 1. A Ray Train worker is a launcher of its own (``ray``): run as a
+subprocess of the workers' training function, the doctors build their world
+through the store Ray Train's rank-0 worker serves (``_launch``), not by
+binding its port again.
+
 The command plugs into the core's command line through the entry-point group
 ``joinkit.commands`` (:func:`add_command`).
 """
@@ -40,9 +48,15 @@ from ._network import gloo_interface
 
 __all__ = ["Finding", "collect", "render", "add_command", "GATHER_TIMEOUT"]
 
-#: Seconds the ranks wait for each other's views before giving up (a rank
-#: that never arrives must not leave the others hanging).
+#: Seconds the ranks have to build their world and exchange views before giving
+#: up (a rank that never arrives must not leave the others hanging);
+#: ``JOINKIT_DOCTOR_TIMEOUT`` overrides it.
 GATHER_TIMEOUT = 120.0
+TIMEOUT_VAR = "JOINKIT_DOCTOR_TIMEOUT"
+
+_LAUNCHER_NAMES = {
+    "ray": "ray (a Ray Train worker, or a subprocess of one)",
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -105,7 +119,8 @@ def collect(environ: Mapping[str, str] | None = None) -> list[Finding]:
 def _launch_findings(env: Mapping[str, str]) -> list[Finding]:
     launcher = backends.detect_launcher(env)
     out = [Finding(section="launch", name="launcher",
-                   value=launcher or "none (a single process)")]
+                   value=_LAUNCHER_NAMES.get(launcher or "", launcher or "")
+                   or "none (a single process)")]
     try:
         plan = _launch.plan_launch(env)
     except (ValueError, ModuleNotFoundError) as error:
@@ -123,6 +138,15 @@ def _launch_findings(env: Mapping[str, str]) -> list[Finding]:
     if plan.world_size is not None:
         out.append(Finding(section="launch", name="world size (environment)",
                            value=str(plan.world_size)))
+    if launcher == "ray" and plan.backend == "torch":
+        out.append(Finding(
+            section="launch", name="rendezvous",
+            value="Ray Train's rank-0 worker serves its process group's store at "
+            f"MASTER_ADDR:MASTER_PORT={env.get('MASTER_ADDR', '?')}:"
+            f"{env.get('MASTER_PORT', '?')}; in the training function "
+            "backends.init_torch() wraps that group, a subprocess builds its own world "
+            "through that store",
+        ))
     if launcher == "srun" and plan.backend == "mpi" and not any(
         key in env for key in ("PMI_SIZE", "PMIX_RANK", "PMI_RANK")
     ):
@@ -257,45 +281,72 @@ def _spans(ranks: Sequence[int]) -> str:
 def run(args: argparse.Namespace) -> int:
     """The ``doctor`` command: print the view(s); 1 if any rank found a problem."""
     view = collect()
-    if backends.detect_launcher() is None:
+    launcher = backends.detect_launcher()
+    if launcher is None:
         view.append(Finding(section="world", name="built",
                             value="a world of one (no launcher: run under torchrun, "
                             "mpirun or srun to check the real world)"))
         print(render([view]), flush=True)
         return _status([view])
+    timeout = _timeout(view)
+    stage = ["building the world"]
+    done = _give_up_after(timeout, view, stage, launcher)
     try:
-        group = backends.init()
-    except Exception as error:
-        view.append(Finding(section="world", name="built",
-                            value=f"{type(error).__name__}: {error}", level="problem"))
-        # Every rank prints its own: without a world there is nothing to gather.
-        print(render([view], title="joinkit doctor: this process only (no world was built)"),
-              flush=True)
-        return 1
-    view.append(_world_finding(group))
-    views = _gather(group, view)
+        try:
+            group = backends.init()
+        except Exception as error:
+            view.append(Finding(section="world", name="built",
+                                value=f"{type(error).__name__}: {error}", level="problem"))
+            # Every rank prints its own: without a world there is nothing to gather.
+            print(render([view],
+                         title="joinkit doctor: this process only (no world was built)"),
+                  flush=True)
+            return 1
+        view.append(_world_finding(group))
+        stage[0] = "gathering every rank's view"
+        views = [list(v) for v in group.all_gather_object(view)]
+    finally:
+        done.set()
     if group.rank == 0:
         print(render(views), flush=True)
     return _status(views)
 
 
-def _gather(group: Any, view: list[Finding]) -> list[list[Finding]]:
-    """Every rank's view; a rank that never arrives ends this process with status 1."""
+def _timeout(view: list[Finding]) -> float:
+    text = os.environ.get(TIMEOUT_VAR, "").strip()
+    if not text:
+        return GATHER_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if value > 0 and value != float("inf"):
+        return value
+    view.append(Finding(section="launch", name="timeout", level="problem",
+                        value=f"{TIMEOUT_VAR}={text!r} is not a number of seconds > 0; "
+                        f"using {GATHER_TIMEOUT:g}"))
+    return GATHER_TIMEOUT
+
+
+def _give_up_after(timeout: float, view: list[Finding], stage: list[str],
+                   launcher: str) -> threading.Event:
+    """Print this rank's view and end the process with status 1 unless done in time."""
     done = threading.Event()
+    hint = {
+        "ray": " (a Ray Train worker: run `python -m joinkit doctor` from the training "
+               "function of every worker, or check that the others are alive)",
+    }.get(launcher, f" (check that {launcher} started every rank, and each runs the doctor)")
 
     def give_up() -> None:
-        if not done.wait(GATHER_TIMEOUT):
+        if not done.wait(timeout):
             view.append(Finding(section="world", name="gather", level="problem",
-                                value=f"the other ranks did not answer within "
-                                f"{GATHER_TIMEOUT:g} s"))
+                                value=f"the other ranks did not answer within {timeout:g} s "
+                                f"while {stage[0]}{hint}"))
             print(render([view], title="joinkit doctor: this process only"), flush=True)
             os._exit(1)
 
     threading.Thread(target=give_up, name="joinkit-doctor", daemon=True).start()
-    try:
-        return [list(v) for v in group.all_gather_object(view)]
-    finally:
-        done.set()
+    return done
 
 
 def _status(views: Sequence[Sequence[Finding]]) -> int:

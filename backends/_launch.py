@@ -36,6 +36,10 @@ the launcher's natural choice::
     mpirun / mpiexec  -> mpi   (Open MPI, MPICH/Hydra, MVAPICH, PMIx)
     srun (Slurm)      -> mpi if mpi4py is importable, else torch from the
                          Slurm variables
+    ray (Ray Train)   -> torch: a TorchTrainer's training function already
+                         has its default group; a subprocess of a worker
+                         joins the other workers' subprocesses through the
+                         store the rank-0 worker serves at MASTER_PORT
     nothing           -> threads: a world of one in this process
 
 A requested backend whose library is missing is an ``ImportError`` that says
@@ -54,7 +58,12 @@ another node may not resolve), and every rank checks that it connects within
 cannot, every rank raises an error naming the address and why it was chosen.
 Under Slurm without MPI there is nobody to ask, so the address
 is the first host of the step (where task 0 runs) and the port is derived from
-the job and step ids, unless ``MASTER_ADDR``/``MASTER_PORT`` are set; a first
+the job and step ids, unless ``MASTER_ADDR``/``MASTER_PORT`` are set; in a
+subprocess of a Ray Train worker the port is taken (the rank-0 worker's own
+process group store listens there), so every rank connects to that store as a
+client and builds its world under a fresh key prefix (``_ray_worker_store``);
+a rank 0 that cannot listen on a taken ``MASTER_PORT`` raises an error saying
+so (``_port_taken``), not torch's bare ``EADDRINUSE``; a first
 host that does not resolve is an error after that timeout too. Before gloo
 starts on a world that spans nodes, a ``RuntimeWarning`` says so if gloo would
 bind loopback (``_network.gloo_interface``). After
@@ -121,6 +130,7 @@ _LAUNCHED_SIZE_VARS: dict[str | None, tuple[str, ...]] = {
     "torchrun": ("WORLD_SIZE",),
     "mpirun": _MPI_SIZE_VARS,
     "srun": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
+    "ray": ("WORLD_SIZE",),
     None: (),
 }
 _MPI_LOCAL_RANK_VARS = (
@@ -228,7 +238,7 @@ def plan_launch(
 
 
 def _natural_backend(launcher: str | None, available: Callable[[str], bool]) -> str:
-    if launcher == "torchrun":
+    if launcher in ("torchrun", "ray"):
         return "torch"
     if launcher == "mpirun":
         return "mpi"
@@ -292,7 +302,7 @@ def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
 def _torch_world(env: Mapping[str, str], launcher: str | None) -> dict[str, Any]:
     """The torch rendezvous fields the environment fixes, per launcher."""
     fields: dict[str, Any] = {}
-    if launcher == "torchrun":
+    if launcher in ("torchrun", "ray"):
         fields = {
             "rank": _first_int(env, ("RANK",)),
             "world_size": _first_int(env, ("WORLD_SIZE",)),
@@ -395,6 +405,10 @@ _WORLD_FIXES: dict[tuple[str | None, str], str] = {
     ("torchrun", "mpi"): (
         f"torchrun starts no MPI job, {_SINGLETONS}. Unset {ENV_VAR} (torchrun's "
         "backend is torch), or launch with mpirun"
+    ),
+    ("ray", "mpi"): (
+        f"Ray Train starts no MPI job, {_SINGLETONS}. Unset {ENV_VAR} (a Ray Train "
+        "worker's backend is torch: TorchTrainer initialises torch.distributed)"
     ),
     ("mpirun", "mpi"): _OTHER_MPI,
     ("mpirun", "torch"): (
@@ -584,12 +598,17 @@ def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta |
         # Before the rendezvous: a rank that fails there must end the job,
         # not leave the others waiting for it.
         abort_on_unhandled_exception()
-    where = _rendezvous(plan, store_timeout)
-    if dist_backend == "gloo":
-        _warn_if_gloo_cannot_reach_other_nodes(where.spans_nodes)
-    # A store of None: torchrun's agent already serves the store at MASTER_PORT.
-    torch_dist.init_default_group(dist_backend, where.rank, where.world_size,
-                                  where.local_rank, where.store, timeout)
+    try:
+        where = _rendezvous(plan, store_timeout)
+        if dist_backend == "gloo":
+            _warn_if_gloo_cannot_reach_other_nodes(where.spans_nodes)
+        # A store of None: torchrun's agent already serves the store at MASTER_PORT.
+        torch_dist.init_default_group(dist_backend, where.rank, where.world_size,
+                                      where.local_rank, where.store, timeout)
+    except RuntimeError as error:  # torch's DistNetworkError is one
+        if not _is_port_taken(error):
+            raise
+        raise RuntimeError(_port_taken(plan)) from error
     # We created the group, so we tear it down at exit, once the torch
     # backend's exit guard has settled its collectives (torch_dist's module doc).
     atexit.register(torch_dist.destroy_default_group)
@@ -664,6 +683,8 @@ def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
                         addr=addr, port=port)
     if plan.launcher == "torchrun":
         return where
+    if plan.launcher == "ray":
+        return attrs.evolve(where, store=_ray_worker_store(where, plan, store_timeout))
     if rank != 0:
         # Rank 0 may still be starting, so a refused connection is no error yet
         # (the store's timeout covers it); but a name that does not resolve
@@ -672,6 +693,68 @@ def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
     store = torch_dist.tcp_store(addr, port, world_size, rank == 0, store_timeout,
                                  wait_for_workers=False)
     return attrs.evolve(where, store=store)
+
+
+#: The key prefix under which subprocesses of Ray Train workers build their worlds
+#: in the rank-0 worker's store; a counter per rank numbers the worlds.
+_RAY_SUBPROCESS_PREFIX = "joinkit/ray-worker-subprocess"
+
+
+def _ray_worker_store(where: _Rendezvous, plan: LaunchPlan, store_timeout: timedelta) -> Any:
+    """A world for subprocesses of Ray Train workers, in the store Ray Train opened.
+
+    Ray Train's rank-0 worker process serves its process group's TCPStore at
+    ``MASTER_ADDR:MASTER_PORT`` while the training function runs, so the port
+    cannot be bound again (torch's ``env://`` would fail with ``EADDRINUSE`` on
+    rank 0 and leave the others waiting). Every rank connects as a client
+    instead, within ``plan.rendezvous_timeout``, and the world lives under a
+    prefix numbered by how many such worlds this rank made before: the n-th
+    subprocess world of each rank meets the n-th of the others, and never a
+    stale one's keys.
+    """
+    from joinkit.backends import torch_dist
+
+    assert where.addr is not None and where.port is not None
+    failure = probe_tcp(where.addr, where.port, plan.rendezvous_timeout)
+    if failure is not None:
+        raise RuntimeError(
+            "cannot initialise torch.distributed in this subprocess of a Ray Train "
+            f"worker (rank {where.rank}): the store of the workers' process group at "
+            f"MASTER_ADDR:MASTER_PORT={where.addr}:{where.port}, which Ray Train's rank-0 "
+            f"worker serves while its training function runs, does not answer within "
+            f"{plan.rendezvous_timeout:g} s: {failure}. Call it from the training function "
+            "(torch.distributed is initialised there), or while it runs "
+            f"({RENDEZVOUS_TIMEOUT_VAR} sets how long to try)."
+        )
+    store = torch_dist.tcp_store(where.addr, where.port, where.world_size, False, store_timeout)
+    number = int(store.add(f"{_RAY_SUBPROCESS_PREFIX}/rank{where.rank}", 1))
+    return torch_dist.prefix_store(f"{_RAY_SUBPROCESS_PREFIX}/{number}/", store)
+
+
+_PORT_TAKEN = ("EADDRINUSE", "address already in use")
+
+
+def _is_port_taken(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(marker.lower() in text for marker in _PORT_TAKEN)
+
+
+def _port_taken(plan: LaunchPlan) -> str:
+    """The error rank 0 raises when it cannot listen on the rendezvous port."""
+    port = plan.master_port if plan.master_port is not None else "?"
+    addr = plan.master_addr if plan.master_addr is not None else "?"
+    ray = (" This process runs under Ray (RAY_RAYLET_PID is set): Ray Train's rank-0 "
+           "worker serves its own process group's store on MASTER_PORT; call "
+           "backends.init_torch() inside the training function, where torch.distributed "
+           "is initialised already.") if "RAY_RAYLET_PID" in os.environ else ""
+    return (
+        f"cannot initialise torch.distributed under {plan.launcher or 'no launcher'}: rank "
+        f"{plan.rank if plan.rank is not None else '?'} must listen for the rendezvous on "
+        f"MASTER_PORT={port} "
+        f"(MASTER_ADDR={addr}), but another process already holds that port "
+        f"(EADDRINUSE).{ray} Set MASTER_PORT to a free port, or end the process that "
+        "holds it."
+    )
 
 
 def _require_resolvable(addr: str, port: int, plan: LaunchPlan) -> None:

@@ -1388,6 +1388,11 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool,
     )
 
 
+def prefix_store(prefix: str, store: Any) -> Any:
+    """``store`` with every key under ``prefix`` (a world of its own in a shared store)."""
+    return dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+
+
 def init_default_group(dist_backend: str, rank: int, world_size: int, local_rank: int,
                        store: Any, timeout: datetime.timedelta | None) -> None:
     """``init_process_group`` over ``store`` (``None``: ``env://``, torchrun's)."""

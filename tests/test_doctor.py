@@ -151,3 +151,83 @@ def test_collect_says_which_interface_gloo_binds() -> None:
                                      "the world spans several nodes")
     missing = gloo({"GLOO_SOCKET_IFNAME": "nosuch0"})
     assert missing.level == "problem" and "Unable to find address for: nosuch0" in missing.value
+
+
+# -- a Ray Train worker's subprocess, without Ray: what the doctor sees is a store ----
+# at MASTER_PORT that another process (Ray Train's rank-0 worker) serves, and
+# RAY_RAYLET_PID with torchrun's variables. tests/test_ray.py runs the same
+# command inside a real TorchTrainer.
+
+def _ray_worker_env(rank: int, port: int, **extra: str) -> dict[str, str]:
+    return {"RAY_RAYLET_PID": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), **extra}
+
+
+def _doctors(envs: list[dict[str, str]]) -> list[subprocess.CompletedProcess[str]]:
+    ranks = [subprocess.Popen([sys.executable, "-m", "joinkit", "doctor"], cwd="/",
+                              env=_env(**env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env in envs]
+    done = []
+    for process in ranks:
+        out, err = process.communicate(timeout=LAUNCH_TIMEOUT)
+        done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    return done
+
+
+@pytest.fixture(scope="module")
+def held_store() -> object:
+    """A TCPStore server in this process, as Ray Train's rank-0 worker holds one."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, 3, True, datetime.timedelta(seconds=60),
+                         wait_for_workers=False)
+
+
+@pytest.mark.needs_torch
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_under_a_ray_train_worker_the_doctors_meet_in_the_workers_store(
+    held_store: object,
+) -> None:
+    port = held_store.port  # type: ignore[attr-defined]
+    for _ in range(2):  # a second doctor run meets under fresh keys, not stale ones
+        first, second = _doctors([_ray_worker_env(0, port), _ray_worker_env(1, port)])
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert first.stdout.startswith("joinkit doctor: 2 ranks\n")
+        launch = _section(first.stdout, "launch")
+        assert launch[0] == "launcher ray (a Ray Train worker, or a subprocess of one)"
+        assert "backend torch (ray's usual backend)" in launch
+        assert _section(first.stdout, "world") == ["built 2 ranks (TorchGroup)"]
+        assert second.stdout == ""
+
+
+@pytest.mark.needs_torch
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_a_doctor_whose_peers_never_come_gives_up_in_time(held_store: object) -> None:
+    port = held_store.port  # type: ignore[attr-defined]
+    (alone,) = _doctors([_ray_worker_env(1, port, JOINKIT_DOCTOR_TIMEOUT="3")])
+    assert alone.returncode == 1
+    assert alone.stdout.startswith("joinkit doctor: this process only\n")
+    problem = " ".join(_section(alone.stdout, "world")[-1].split())
+    assert problem.startswith("gather PROBLEM: the other ranks did not answer within 3 s "
+                              "while building the world (a Ray Train worker: run `python -m "
+                              "joinkit doctor` from the training function of every worker")
+
+
+@pytest.mark.needs_torch
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
+def test_rank_0_on_a_taken_port_says_so(held_store: object) -> None:
+    # A hand-made torchrun environment (env://): rank 0 must listen on MASTER_PORT.
+    port = held_store.port  # type: ignore[attr-defined]
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "JOINKIT_DOCTOR_TIMEOUT": "60"}
+    (rank0,) = _doctors([env])
+    assert rank0.returncode == 1
+    built = " ".join(" ".join(_section(rank0.stdout, "world")).split())
+    assert ("RuntimeError: cannot initialise torch.distributed under torchrun: rank 0 must "
+            f"listen for the rendezvous on MASTER_PORT={port} (MASTER_ADDR=127.0.0.1), but "
+            "another process already holds that port (EADDRINUSE)") in built, rank0.stdout
+    assert "Set MASTER_PORT to a free port" in built

@@ -73,12 +73,16 @@ def _environment() -> dict[str, str]:
 OWN_TESTS = {
     "fabric.py": "tests/test_lightning_fabric.py",
     "lightning_trainer.py": "tests/test_lightning_trainer.py",
+    "ray_train.py": "tests/test_ray.py",
+    "accelerate_uneven.py": "tests/test_accelerate.py",
 }
 
 
 def test_every_example_is_covered() -> None:
     assert sorted([*EXPECTED, *OWN_TESTS]) == sorted(
         p.name for p in (ROOT / "examples").glob("*.py"))
+    for example, test in OWN_TESTS.items():
+        assert example in (ROOT / test).read_text(), (example, test)
 
 
 @pytest.fixture(scope="module", params=list(LAUNCHERS))

@@ -48,6 +48,15 @@ SRUN = {
     "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]",
     "SLURM_LAUNCH_NODE_IPADDR": "10.1.2.3",
 }
+# A Ray Train worker (TorchTrainer, 2 CPU workers, Ray 2.60): what Ray and Ray
+# Train set (recorded from a real worker), and no TORCHELASTIC_RUN_ID.
+RAY_TRAIN = {
+    "RAY_RAYLET_PID": "12147", "RAY_JOB_ID": "01000000", "RAY_CLIENT_MODE": "0",
+    "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+    "NODE_RANK": "0", "MASTER_ADDR": "192.0.2.2", "MASTER_PORT": "43105",
+    "ACCELERATE_TORCH_DEVICE": "cpu",
+}
+RAY_TASK = {"RAY_RAYLET_PID": "12147", "RAY_JOB_ID": "01000000"}  # not a Train worker
 SBATCH_SCRIPT = {  # the batch script itself: no step variables
     "SLURM_JOB_ID": "123456", "SLURM_PROCID": "0", "SLURM_NTASKS": "8",
     "SLURM_JOB_NODELIST": "gpu[07-08]",
@@ -83,6 +92,10 @@ TORCH_VARIABLES = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK")
         # init_torch under mpirun exports torchrun's variables: still mpirun.
         ({**OPEN_MPI, "RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}, "mpirun"),
         ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "torchrun"),
+        (RAY_TRAIN, "ray"),
+        (RAY_TASK, None),
+        ({**RAY_TASK, **TORCHRUN}, "torchrun"),  # torchrun inside a Ray task
+        ({**RAY_TASK, **OPEN_MPI}, "mpirun"),  # mpirun inside a Ray task
     ],
     ids=lambda value: "" if isinstance(value, dict) else str(value),
 )
@@ -459,3 +472,17 @@ def test_plan_is_frozen() -> None:
     plan = plan_launch({}, available=EVERYTHING)
     with pytest.raises(AttributeError):
         plan.backend = "mpi"  # type: ignore[misc]
+
+
+def test_a_ray_train_worker_plans_torch_from_ray_trains_variables() -> None:
+    plan = plan_launch(RAY_TRAIN, available=EVERYTHING)
+    assert (plan.launcher, plan.backend, plan.chosen_by) == ("ray", "torch", "launcher")
+    assert (plan.rank, plan.world_size, plan.local_rank) == (1, 2, 1)
+    assert (plan.master_addr, plan.master_port) == ("192.0.2.2", 43105)
+    assert (plan.launched_size, plan.launched_size_from) == (2, "WORLD_SIZE")
+
+
+def test_mpi_forced_in_a_ray_train_worker_names_the_fix() -> None:
+    plan = plan_launch({**RAY_TRAIN, "JOINKIT_BACKEND": "mpi"}, available=EVERYTHING)
+    with pytest.raises(RuntimeError, match="Ray Train starts no MPI job"):
+        verify_world(plan, 1, "MPI's COMM_WORLD")

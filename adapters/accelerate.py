@@ -1,0 +1,214 @@
+"""Hugging Face Accelerate: ``join_uneven_inputs`` that works where Accelerate's does nothing.
+
+Theory of operation
+-------------------
+``Accelerator.join_uneven_inputs`` wraps torch's Join only for DDP on several
+accelerators (``Accelerator.multi_device``); under FSDP, DeepSpeed or on CPU
+processes (``MULTI_CPU``) it does nothing but warn, and ranks with uneven data
+hang in their next collective. Accelerate instead evens the data out by
+default: its prepared data loaders (``even_batches=True``) give the shorter
+ranks extra batches from the start of the dataset, so every rank runs as many
+steps, and the duplicated samples count twice in training and evaluation.
+
+:func:`join_uneven_inputs` is the same context manager on joinkit's Join, for
+every distributed type whose model joinkit adapts: it takes the objects
+``Accelerator.prepare`` returned and hands joinkit what they wrap:
+
+- ``AcceleratedOptimizer`` -> its torch optimizer, ``AcceleratedScheduler`` ->
+  its LR scheduler (joinkit's optimizer adapter steps them on a joined rank);
+- the model: DDP (``MULTI_CPU``, ``MULTI_GPU``) and a root FSDP2 module
+  (``fully_shard``; Accelerate's FSDP plugin with ``fsdp_version=2``) are
+  joinkit joinables as they are;
+- with a DDP model the optimizer and scheduler are left out of the Join: a
+  joined DDP rank does not step (DDP's post hook broadcasts the last joiner's
+  model, as torch's Join does), so ``[model, optimizer]`` is one line for DDP
+  and FSDP2 alike;
+- anything else (a ``joinkit.SideCollective`` for ``accelerator.gather`` or a
+  logging reduce in the loop) is passed through.
+
+``even_batches`` overrides the setting of the accelerator's prepared map-style
+data loaders for the block, as Accelerate's does: pass ``False`` (or build the
+``Accelerator`` with ``DataLoaderConfiguration(even_batches=False)``) so that
+each rank sees its own share of the data exactly once, and the Join takes the
+unevenness; with ``True`` the data is padded and the Join has nothing to do.
+
+A world of one Accelerate process does nothing (as Accelerate); one whose
+launcher started more processes (``WORLD_SIZE``) while Accelerate sees one
+(on a machine without GPUs ``Accelerator()`` without ``cpu=True`` is
+``DistributedType.NO``: every process trains alone) is an error. The list of
+data loaders is ``Accelerator._dataloaders``, a private member, read through
+:data:`_PRIVATE` and checked against the supported versions.
+
+Tested with accelerate 1.15 (constraints.txt); ``pip install 'joinkit[accelerate]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from joinkit import Join
+
+__all__ = ["join_uneven_inputs", "unwrap", "SUPPORTED_ACCELERATE", "UnsupportedAccelerateError"]
+
+#: The Accelerate versions this module was tested with (the ``accelerate`` extra's range).
+SUPPORTED_ACCELERATE = ">=1.15,<1.16"
+
+#: The private members of Accelerate this module reads: (class, attribute, what for).
+_PRIVATE = (
+    ("Accelerator", "_dataloaders", "the prepared data loaders whose even_batches to override"),
+)
+
+
+class UnsupportedAccelerateError(RuntimeError):
+    """This Accelerate lacks a member :func:`join_uneven_inputs` relies on."""
+
+
+def _accelerate() -> Any:
+    try:
+        import accelerate  # type: ignore[import-untyped]
+    except ModuleNotFoundError as error:
+        if error.name is not None and error.name.split(".")[0] != "accelerate":
+            raise
+        raise ModuleNotFoundError(
+            "joinkit.adapters.accelerate needs Hugging Face Accelerate, which could not be "
+            f"imported: pip install 'joinkit[accelerate]' (accelerate {SUPPORTED_ACCELERATE})",
+            name="accelerate",
+        ) from error
+    return accelerate
+
+
+def unwrap(obj: Any) -> Any:
+    """What joinkit's Join takes for one object ``Accelerator.prepare`` returned.
+
+    Args:
+        obj: a prepared model, optimizer or scheduler, or any joinable.
+
+    Returns:
+        The torch optimizer of an ``AcceleratedOptimizer``, the scheduler of an
+        ``AcceleratedScheduler``, else ``obj`` itself.
+    """
+    accelerate = _accelerate()
+    if isinstance(obj, accelerate.optimizer.AcceleratedOptimizer):
+        return obj.optimizer
+    if isinstance(obj, accelerate.scheduler.AcceleratedScheduler):
+        return obj.scheduler
+    return obj
+
+
+def _is_ddp(obj: Any) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(obj, DistributedDataParallel)
+
+
+def _is_step_object(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.optim.Optimizer | torch.optim.lr_scheduler.LRScheduler)
+
+
+def _private(accelerator: Any, name: str) -> Any:
+    try:
+        return getattr(accelerator, name)
+    except AttributeError:
+        version = getattr(_accelerate(), "__version__", "?")
+        raise UnsupportedAccelerateError(
+            f"accelerate {version} has no Accelerator.{name}, which joinkit reads to "
+            f"override even_batches (supported: accelerate {SUPPORTED_ACCELERATE}). Build "
+            "the Accelerator with DataLoaderConfiguration(even_batches=False) and leave "
+            "join_uneven_inputs(even_batches=None)"
+        ) from None
+
+
+def _override_even_batches(accelerator: Any, even_batches: bool) -> list[tuple[Any, bool]]:
+    """Set ``even_batches`` on the accelerator's map-style loaders; return what to restore."""
+    restore = []
+    for loader in _private(accelerator, "_dataloaders"):
+        sampler = getattr(loader, "batch_sampler", None)
+        if sampler is None or not hasattr(sampler, "even_batches"):
+            continue  # iterable-style: Accelerate cannot override it either
+        restore.append((sampler, bool(sampler.even_batches)))
+        sampler.even_batches = even_batches
+    return restore
+
+
+def _launched_processes() -> int | None:
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def join_uneven_inputs(
+    accelerator: Any,
+    joinables: Sequence[Any],
+    even_batches: bool | None = None,
+    **join_kwargs: Any,
+) -> Iterator[Join | None]:
+    """``Accelerator.join_uneven_inputs`` on joinkit's Join, for DDP and FSDP2, CPU and GPU.
+
+    Example::
+
+        accelerator = Accelerator(cpu=True)          # or FSDP2, or GPUs
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        with join_uneven_inputs(accelerator, [model, optimizer], even_batches=False):
+            for x, y in loader:
+                optimizer.zero_grad()
+                accelerator.backward(loss_fn(model(x), y))
+                optimizer.step()
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that prepared the objects.
+        joinables: what ``prepare`` returned (model, optimizer, scheduler) and
+            any other joinables, in the order of one iteration's collectives.
+        even_batches: ``False`` to give each rank its own share of the data
+            exactly once for the block (what the Join is for), ``True`` to pad;
+            ``None`` keeps the accelerator's setting. Overrides map-style
+            loaders only, as Accelerate's method does.
+        **join_kwargs: passed to :class:`joinkit.Join` (``timeout``,
+            ``throw_on_early_termination``, ``divide_by_initial_world_size``...).
+
+    Yields:
+        The :class:`joinkit.Join`, or ``None`` for a world of one process.
+
+    Raises:
+        ModuleNotFoundError: Accelerate is not installed.
+        RuntimeError: Accelerate sees one process while the launcher started
+            several (``Accelerator(cpu=True)`` is needed without GPUs).
+        UnsupportedAccelerateError: ``even_batches`` was given and this
+            Accelerate lacks ``Accelerator._dataloaders``.
+        TypeError, ValueError: from :class:`joinkit.Join` (an object joinkit
+            cannot join, such as a DeepSpeed engine).
+    """
+    _accelerate()
+    if isinstance(joinables, str) or not isinstance(joinables, Sequence):
+        raise TypeError(
+            "join_uneven_inputs(accelerator, joinables): joinables must be a list, e.g. "
+            f"[model, optimizer], not {type(joinables).__qualname__}"
+        )
+    launched = _launched_processes()
+    if accelerator.num_processes == 1:
+        if launched is not None and launched > 1:
+            raise RuntimeError(
+                f"Accelerate sees a world of 1 process ({accelerator.distributed_type}), but "
+                f"the launcher started {launched} (WORLD_SIZE={launched}): every process "
+                "would train alone. On a machine without GPUs build the Accelerator with "
+                "Accelerator(cpu=True) (DistributedType.MULTI_CPU)"
+            )
+        yield None  # nothing to join, as Accelerate's own method
+        return
+    items = [unwrap(obj) for obj in joinables]
+    if any(_is_ddp(obj) for obj in items):
+        items = [obj for obj in items if not _is_step_object(obj)]
+    restore = [] if even_batches is None else _override_even_batches(accelerator,
+                                                                     bool(even_batches))
+    try:
+        with Join(items, **join_kwargs) as join:
+            yield join
+    finally:
+        for sampler, value in restore:
+            sampler.even_batches = value
