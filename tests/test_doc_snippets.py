@@ -9,9 +9,8 @@ mark with a reason fails here.
 
 from __future__ import annotations
 
-import pytest
-
 import doc_snippets as ds
+import pytest
 
 BLOCKS = [b for path in ds.markdown_files() for b in ds.parse(path)]
 
@@ -34,7 +33,9 @@ def test_block(block: ds.Block) -> None:
     if kind in ("torchrun-2", "mpirun-2") and "torch" in ds.program(block):
         pytest.importorskip("torch")  # only a job without torch lacks it
     done = ds.run(block)
-    assert done.returncode == 0, f"{block.id} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, (
+        f"{block.id} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    )
     if block.output is not None:
         assert ds.same_output(done.stdout, block.output), (
             f"{block.id}: stdout differs from the output shown\n--- shown\n{block.output}"

@@ -64,7 +64,10 @@ def _commands_of(machine: typing.Any, handler: typing.Any) -> list[str]:
     return sorted(found)
 
 
-def rows(machine: typing.Any | None = None) -> list[tuple[str, str, str, tuple[str, ...], list[str]]]:
+Row = tuple[str, str, str, tuple[str, ...], list[str]]
+
+
+def rows(machine: typing.Any | None = None) -> list[Row]:
     """(phase, observation, handler, next phases, commands) per row of TRANSITIONS, in order."""
     if machine is None:
         from joinkit import _machine as machine
