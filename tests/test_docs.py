@@ -119,3 +119,20 @@ def test_the_readme_links_resolve() -> None:
             assert (ROOT / path).exists(), target
         else:
             assert anchor in anchors, target
+
+
+def test_the_nav_names_coming_pages_and_shows_them_once_they_exist(tmp_path: Path) -> None:
+    import hooks
+
+    nav = [{"Guide": [{"Data": "data.md"}, {"Typo": "typo.md"}, {"Quick": "quick.md"}]},
+           {"Integrations": [{"Ray": "ray.md"}]}]
+    coming = {"data.md", "ray.md"}
+    # Missing coming pages go (a section left empty goes too); other entries stay,
+    # so mkdocs --strict still fails on a typo.
+    assert hooks._prune(nav, str(tmp_path), coming) == [
+        {"Guide": [{"Typo": "typo.md"}, {"Quick": "quick.md"}]}
+    ]
+    (tmp_path / "data.md").write_text("# Data\n")
+    assert hooks._prune(nav, str(tmp_path), coming)[0] == {
+        "Guide": [{"Data": "data.md"}, {"Typo": "typo.md"}, {"Quick": "quick.md"}]
+    }
