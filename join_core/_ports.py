@@ -78,7 +78,7 @@ class JoinBackend(Protocol):
     ``gather_object``, ``broadcast_object``, which make the entry check, reports
     and failure exchange cost a rank O(1) instead of O(world size):
     :func:`all_agree`, :func:`gather_object`, :func:`all_gather_sparse`) are
-    described in ``joinkit.backends`` and the README's "Writing a backend".
+    described in ``joinkit.backends`` and docs/guide/writing-a-backend.md.
     """
 
     rank: int

@@ -9,7 +9,7 @@ One rank per node, on the nodes' own network (a veth pair, ``10.77.0.1`` and
   ``GLOO_SOCKET_IFNAME``; and with the c10d rendezvous on *cluster* hosts
   (both names resolve everywhere) and nothing else set: ``counter.py`` and
   ``ddp.py``, which must print the tutorial's lines; and c10d on isolated
-  hosts with the README's recipe (the endpoint's address, ``is_host``,
+  hosts with the recipe of docs/guide/several-nodes.md (the endpoint's address, ``is_host``,
   ``--local-addr``);
 - mpirun across both nodes (an rsh agent enters the other namespace):
   ``counter.py`` over MPI, and ``counter.py`` and ``ddp.py`` through

@@ -1051,20 +1051,23 @@ def object_collectives_and_long_waits(ctx: Ctx) -> Any:
     }
     # A wait of ~3 slices that completes: the store is read by the watcher
     # thread alone (no _bounded helper per slice).
+    # (_torch_board holds the store side; every caller looks _bounded up there.)
+    from joinkit.backends import _torch_board
+
     helpers: list[int] = []
-    bounded = torch_dist._bounded
+    bounded = _torch_board._bounded
 
     def counting(action: Any) -> Any:
         helpers.append(1)
         return bounded(action)
 
-    torch_dist._bounded = counting
+    _torch_board._bounded = counting
     try:
         if r == 0:
             time.sleep(3.0)
         out["total"] = g.count(1.0)
     finally:
-        torch_dist._bounded = bounded
+        _torch_board._bounded = bounded
     out["helpers"] = len(helpers)
     out["watcher"] = any(t.name == "joinkit-aborts" for t in threading.enumerate())
     # A peer's abort, posted while the others wait: they raise GroupAborted.
