@@ -264,6 +264,8 @@ class Gather(Joinable):
             offset = 0
         else:
             offset = _HEADER_BYTES
+        if self._keep:  # every rank: a joined dst may need the layout (post hook)
+            self._layouts[batch.fingerprint] = (batch.layouts, batch.torch)
         if self._dst is not None and self._rank != self._dst:
             return None
         assert parts is not None
@@ -271,7 +273,6 @@ class Gather(Joinable):
                   for rank, rows in enumerate(round_.rows) if rows > 0]
         out = _decode(batch.layouts, pieces, batch.torch, batch.device)
         if self._keep:
-            self._layouts[batch.fingerprint] = (batch.layouts, batch.torch)
             self._kept_kind = self._kept_kind or (batch.torch, batch.device)
             self._kept.append(("own", out))
         return out[0] if len(out) == 1 else tuple(out)
