@@ -54,6 +54,8 @@ This module imports NumPy and joinkit; torch only when a tensor is passed.
 from __future__ import annotations
 
 import hashlib
+import math
+import struct
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -87,31 +89,46 @@ class GatherMismatch(ValueError):
     """
 
 
+class _Layout:
+    """What a call's arrays look like, checked once per kind of call (see :func:`_batch`)."""
+
+    __slots__ = ("torch", "device", "wire_torch", "arrays", "row_bytes", "fingerprint",
+                 "description", "numpy_views", "numpy_dtypes")
+
+    def __init__(self, torch: bool, device: Any,
+                 arrays: list[tuple[str, tuple[int, ...], int]], settings: tuple[Any, ...],
+                 numpy_views: bool) -> None:
+        self.torch = torch  # the results are torch tensors on ``device``
+        self.device = device
+        # The bytes travel as a torch tensor on the group's device only for
+        # tensors off the CPU; NumPy arrays and CPU tensors travel as NumPy
+        # (cheaper per call than torch's dispatch for small batches).
+        self.wire_torch = torch and device.type != "cpu"
+        # (dtype name, trailing shape, bytes per row) of each array.
+        self.arrays = arrays
+        self.row_bytes = sum(per_row for _, _, per_row in arrays)
+        text = repr(([(dtype, shape) for dtype, shape, _ in arrays], settings)).encode()
+        self.fingerprint = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(),
+                                          "little", signed=True)
+        self.description = ", ".join(f"{dtype}[{', '.join(['rows', *map(str, shape)])}]"
+                                     for dtype, shape, _ in arrays)
+        # CPU tensors whose dtype NumPy has: .numpy() gives their bytes directly.
+        self.numpy_views = numpy_views
+        self.numpy_dtypes = [_numpy_dtype(name) for name, _, _ in arrays]
+
+
 class _Batch:
-    """One call's arrays on this rank, checked (see :func:`_batch`)."""
+    """One call's arrays on this rank: their layout, rows and bytes."""
 
-    __slots__ = ("flats", "torch", "device", "rows", "row_bytes", "nbytes", "fingerprint",
-                 "description", "layouts")
+    __slots__ = ("layout", "flats", "rows", "nbytes")
 
-    def __init__(self, flats: list[Any], torch: bool, device: Any, rows: int,
-                 layouts: list[tuple[str, tuple[int, ...], int]],
-                 settings: tuple[Any, ...]) -> None:
+    def __init__(self, layout: _Layout, flats: list[Any], rows: int) -> None:
+        self.layout = layout
         # Each array's bytes (1-D uint8), made before any collective: a
         # failure here leaves the ranks in step.
         self.flats = flats
-        self.torch = torch
-        self.device = device
         self.rows = rows
-        # (dtype name, trailing shape, bytes per row) of each array.
-        self.layouts = layouts
-        self.row_bytes = sum(per_row for _, _, per_row in layouts)
-        self.nbytes = rows * self.row_bytes
-        text = repr(([(dtype, shape) for dtype, shape, _ in layouts], settings)).encode()
-        self.fingerprint = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(),
-                                          "little", signed=True)
-        self.description = ", ".join(
-            f"{dtype}[{', '.join(['rows', *map(str, shape)])}]" for dtype, shape, _ in layouts
-        )
+        self.nbytes = rows * layout.row_bytes
 
 
 class _Round:
@@ -188,7 +205,9 @@ class Gather(Joinable):
         # the layouts of each fingerprint (learned from calls, or from the
         # peers in the post hook).
         self._kept: list[tuple[Any, ...]] = []
-        self._layouts: dict[int, tuple[list[tuple[str, tuple[int, ...], int]], bool]] = {}
+        self._layouts: dict[int, _Layout] = {}
+        # The checked layout of each kind of call this rank made (see _batch).
+        self._call_layouts: dict[Any, _Layout] = {}
         self._kept_kind: tuple[bool, Any] | None = None
         # Where a torch call's bytes travel: the group's device (an nccl group's
         # GPU, else the CPU), whatever the inputs' device.
@@ -242,18 +261,19 @@ class Gather(Joinable):
                 every active rank, before any data moves).
             PeerAborted: another rank failed; let it leave the Join block.
         """
-        batch = _batch(arrays, (self._dst, self._keep))
+        batch = _batch(arrays, (self._dst, self._keep), self._call_layouts)
+        layout = batch.layout
         heartbeat = Join.fused_heartbeat(self)
         capacity = self._capacity
         inline = batch.nbytes <= capacity
         wire = self._wire(batch, heartbeat, capacity, inline)
         parts = self._group.all_gather(wire)
         heads = _headers(parts)
-        total = _heartbeat_total(heads)
+        total = _heartbeat_total(parts)
         Join.record_heartbeat_total(self, total)
         round_ = self._read(heads, capacity)
         if round_.mismatch:
-            self._explain(batch.description, heads, fail=True)
+            self._explain(layout.description, heads, fail=True)
         if round_.data_bytes:
             data = self._buffer(batch, round_.data_bytes)
             _fill(data, 0, batch)
@@ -265,15 +285,15 @@ class Gather(Joinable):
         else:
             offset = _HEADER_BYTES
         if self._keep:  # every rank: a joined dst may need the layout (post hook)
-            self._layouts[batch.fingerprint] = (batch.layouts, batch.torch)
+            self._layouts[layout.fingerprint] = layout
         if self._dst is not None and self._rank != self._dst:
             return None
         assert parts is not None
         pieces = [(rows, parts[rank][offset:offset + round_.nbytes[rank]])
                   for rank, rows in enumerate(round_.rows) if rows > 0]
-        out = _decode(batch.layouts, pieces, batch.torch, batch.device)
+        out = _decode(layout, pieces, layout.torch, layout.device)
         if self._keep:
-            self._kept_kind = self._kept_kind or (batch.torch, batch.device)
+            self._kept_kind = self._kept_kind or (layout.torch, layout.device)
             self._kept.append(("own", out))
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -316,10 +336,11 @@ class Gather(Joinable):
                         "decoded, because the Join did not finish normally (its post hook "
                         "tells every rank the arrays' layouts)"
                     )
-                layouts, theirs = self._layouts[fingerprint]
+                layout = self._layouts[fingerprint]
                 if torch is None:
-                    torch, device = theirs, (self._device if theirs else None)
-                out = _decode(layouts, pieces, torch, device)
+                    torch = layout.torch
+                    device = sys.modules["torch"].device(self._device) if torch else None
+                out = _decode(layout, pieces, torch, device)
             columns = columns or [[] for _ in out]
             for column, array in zip(columns, out, strict=True):
                 column.append(array)
@@ -348,7 +369,7 @@ class Gather(Joinable):
                 self._pending_keep = round_
             else:
                 self._keep_raw(round_, parts, _HEADER_BYTES)
-        return _heartbeat_total(heads)
+        return _heartbeat_total(parts)
 
     def _keep_raw(self, round_: _Round, parts: Sequence[Any], offset: int) -> None:
         """Keep the bytes a joined rank received of one call (``keep=True``)."""
@@ -379,12 +400,12 @@ class Gather(Joinable):
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _read(self, heads: np.ndarray, capacity: int) -> _Round:
+    def _read(self, heads: list[list[int]], capacity: int) -> _Round:
         """What the headers decide, the same on every rank; updates the capacity."""
-        rows = heads[:, 1].tolist()
-        nbytes = heads[:, 2].tolist()
+        rows = [head[1] for head in heads]
+        nbytes = [head[2] for head in heads]
         active = [r for r, n in enumerate(rows) if n >= 0]
-        fingerprints = {int(heads[r, 3]) for r in active}
+        fingerprints = {heads[r][3] for r in active}
         mismatch = len(fingerprints) > 1
         fingerprint = min(fingerprints, default=0)
         need = max((nbytes[r] for r in active), default=0)
@@ -394,7 +415,7 @@ class Gather(Joinable):
         data_bytes = 0 if mismatch or inline else need
         return _Round(rows, nbytes, inline, data_bytes, mismatch, fingerprint)
 
-    def _explain(self, description: str, heads: np.ndarray, fail: bool) -> None:
+    def _explain(self, description: str, heads: list[list[int]], fail: bool) -> None:
         """Every rank's description of its arrays (one collective); raise if ``fail``."""
         text = np.zeros(_DESCRIPTION_BYTES, dtype=np.uint8)
         encoded = description.encode()[:_DESCRIPTION_BYTES]
@@ -404,7 +425,7 @@ class Gather(Joinable):
             return
         lines = []
         for rank, part in enumerate(parts):
-            if heads[rank, 1] < 0:
+            if heads[rank][1] < 0:
                 lines.append(f"  rank {rank}: (joined: gives nothing)")
                 continue
             said = bytes(_host(part)).rstrip(b"\0").decode(errors="replace")
@@ -420,8 +441,8 @@ class Gather(Joinable):
     def _wire(self, batch: _Batch, heartbeat: float, capacity: int, inline: bool) -> Any:
         """This rank's header collective buffer: header, then the data where it fits."""
         wire = self._buffer(batch, _HEADER_BYTES + capacity)
-        header = _header(heartbeat, batch.rows, batch.nbytes, batch.fingerprint)
-        if batch.torch:
+        header = _header(heartbeat, batch.rows, batch.nbytes, batch.layout.fingerprint)
+        if batch.layout.wire_torch:
             torch = sys.modules["torch"]
             wire[:_HEADER_BYTES] = torch.from_numpy(header).to(wire.device)
         else:
@@ -431,7 +452,7 @@ class Gather(Joinable):
         return wire
 
     def _buffer(self, batch: _Batch, size: int) -> Any:
-        if batch.torch:
+        if batch.layout.wire_torch:
             torch = sys.modules["torch"]
             return torch.zeros(size, dtype=torch.uint8, device=self._device)
         return np.zeros(size, dtype=np.uint8)
@@ -496,12 +517,48 @@ def _collective_group(group: Any) -> Any:
     )
 
 
-def _batch(arrays: Sequence[Any], settings: tuple[Any, ...]) -> _Batch:
+def _batch(arrays: Sequence[Any], settings: tuple[Any, ...],
+           layouts: dict[Any, _Layout]) -> _Batch:
     """Check one call's inputs (before any collective) and describe them.
 
     ``settings`` (dst, keep) go into the fingerprint: ranks that disagree on
     them would disagree on the collectives, so they get a GatherMismatch.
+    ``layouts`` caches the checked layout of each kind of call (types, dtypes,
+    dimensions, trailing shapes, devices), so a call like the last one only
+    reads its rows and bytes.
     """
+    try:
+        key = tuple([(type(a), a.dtype, a.shape[1:], len(a.shape), getattr(a, "device", None))
+                     for a in arrays])
+    except (AttributeError, TypeError):
+        key = None
+    layout = layouts.get(key) if key is not None else None
+    if layout is None:
+        layout = _check(arrays, settings)
+        if key is not None:
+            layouts[key] = layout
+    rows = int(arrays[0].shape[0])
+    for array in arrays:
+        if array.shape[0] != rows:
+            raise ValueError(
+                f"Gather: the arrays of one call have different numbers of rows "
+                f"{[int(a.shape[0]) for a in arrays]}: every array must have one row per "
+                "sample (the same shape[0])"
+            )
+    if not layout.torch:
+        flats = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    elif layout.wire_torch:
+        flats = [_device_bytes(a) for a in arrays]
+    elif layout.numpy_views:
+        flats = [np.ascontiguousarray(a.detach().numpy() if a.requires_grad else a.numpy())
+                 .reshape(-1).view(np.uint8) for a in arrays]
+    else:
+        flats = [np.ascontiguousarray(_cpu_numpy(a)).reshape(-1).view(np.uint8) for a in arrays]
+    return _Batch(layout, flats, rows)
+
+
+def _check(arrays: Sequence[Any], settings: tuple[Any, ...]) -> _Layout:
+    """Check a kind of call's inputs; their :class:`_Layout`."""
     if not arrays:
         raise ValueError("Gather() needs at least one array: gather(preds) or gather(preds, y)")
     tensors = [is_tensor(a) for a in arrays]
@@ -528,13 +585,8 @@ def _batch(arrays: Sequence[Any], settings: tuple[Any, ...]) -> _Batch:
             f"Gather: one call's tensors are on different devices "
             f"({', '.join(str(a.device) for a in arrays)}): move them to one (.to(device))"
         )
-    rows = [int(a.shape[0]) for a in arrays]
-    if len(set(rows)) > 1:
-        raise ValueError(
-            f"Gather: the arrays of one call have different numbers of rows {rows}: "
-            "every array must have one row per sample (the same shape[0])"
-        )
-    layouts = []
+    described = []
+    numpy_views = True
     for index, array in enumerate(arrays):
         if not torch and (array.dtype.hasobject or array.dtype.fields is not None):
             raise TypeError(
@@ -544,24 +596,46 @@ def _batch(arrays: Sequence[Any], settings: tuple[Any, ...]) -> _Batch:
         name = str(array.dtype).removeprefix("torch.")
         shape = tuple(int(s) for s in array.shape[1:])
         itemsize = array.element_size() if torch else array.itemsize
-        layouts.append((name, shape, itemsize * int(np.prod(shape, dtype=np.int64))))
-    return _Batch([_bytes(a, torch) for a in arrays], torch, device, rows[0], layouts, settings)
+        described.append((name, shape, itemsize * math.prod(shape)))
+        if torch:
+            numpy_views = numpy_views and _numpy_dtype(name) is not None
+    return _Layout(torch, device, described, settings, numpy_views)
 
 
-def _bytes(array: Any, torch: bool) -> Any:
-    """``array``'s elements as 1-D uint8 (a view where it is contiguous)."""
-    if torch:
-        uint8 = sys.modules["torch"].uint8
-        if array.numel() == 0:
-            return array.new_empty(0, dtype=uint8)
-        return array.detach().contiguous().reshape(-1).view(uint8)
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+def _numpy_dtype(name: str) -> np.dtype[Any] | None:
+    """NumPy's dtype of that name, or None (torch's bfloat16, float8...)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
+
+
+def _device_bytes(tensor: Any) -> Any:
+    """A tensor off the CPU as 1-D uint8 on its device."""
+    uint8 = sys.modules["torch"].uint8
+    if tensor.numel() == 0:
+        return tensor.new_empty(0, dtype=uint8)
+    return tensor.detach().contiguous().reshape(-1).view(uint8)
+
+
+def _cpu_numpy(tensor: Any) -> np.ndarray:
+    """A CPU tensor's memory as a NumPy array (no copy), whatever its dtype."""
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if _numpy_dtype(str(tensor.dtype).removeprefix("torch.")) is not None:
+        return tensor.numpy()  # type: ignore[no-any-return]
+    # bfloat16 and other dtypes NumPy lacks: the same bytes as an integer.
+    torch = sys.modules["torch"]
+    same = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return tensor.view(same[tensor.element_size()]).numpy()  # type: ignore[no-any-return]
+
+
+_HEADER = struct.Struct("<dqqq")  # heartbeat, rows, nbytes, fingerprint
+_FLOAT = struct.Struct("<d")
 
 
 def _header(heartbeat: float, rows: int, nbytes: int, fingerprint: int) -> np.ndarray:
-    fields = np.array([0, rows, nbytes, fingerprint], dtype=np.int64)
-    fields[:1] = np.array([heartbeat], dtype=np.float64).view(np.int64)
-    return fields.view(np.uint8)
+    return np.frombuffer(bytearray(_HEADER.pack(heartbeat, rows, nbytes, fingerprint)),
+                         dtype=np.uint8)
 
 
 def _host(part: Any) -> np.ndarray:
@@ -571,22 +645,25 @@ def _host(part: Any) -> np.ndarray:
     return part.cpu().numpy()  # type: ignore[no-any-return]
 
 
-def _headers(parts: Sequence[Any]) -> np.ndarray:
-    """The ranks' headers, shape (world, fields), int64."""
-    first = parts[0]
-    if isinstance(first, np.ndarray):
-        heads = np.stack([p[:_HEADER_BYTES] for p in parts])
-    else:
-        torch = sys.modules["torch"]
-        heads = torch.stack([p[:_HEADER_BYTES] for p in parts]).cpu().numpy()
-    return heads.view(np.int64)
+def _headers(parts: Sequence[Any]) -> list[list[int]]:
+    """The ranks' header fields as ints (the heartbeat's as its float64 bits)."""
+    if isinstance(parts[0], np.ndarray):
+        return [part[:_HEADER_BYTES].view(np.int64).tolist() for part in parts]
+    torch = sys.modules["torch"]
+    heads = torch.stack([p[:_HEADER_BYTES] for p in parts]).cpu().numpy()
+    return heads.view(np.int64).tolist()  # type: ignore[no-any-return]
 
 
-def _heartbeat_total(heads: np.ndarray) -> float:
+def _heartbeat_total(parts: Sequence[Any]) -> float:
     """The heartbeat slot's sum, in rank order (so the same on every rank)."""
     total = 0.0
-    for value in np.ascontiguousarray(heads[:, 0]).view(np.float64).tolist():
-        total += value
+    if isinstance(parts[0], np.ndarray):
+        for part in parts:
+            total += _FLOAT.unpack(part[:8].tobytes())[0]
+        return total
+    torch = sys.modules["torch"]
+    for value in torch.stack([p[:8] for p in parts]).cpu().numpy().view(np.float64).ravel():
+        total += float(value)
     return total
 
 
@@ -595,7 +672,8 @@ def _fill(buffer: Any, offset: int, batch: _Batch) -> None:
     for flat in batch.flats:
         size = int(flat.shape[0])
         if size:
-            buffer[offset:offset + size] = flat.to(buffer.device) if batch.torch else flat
+            buffer[offset:offset + size] = (flat.to(buffer.device) if batch.layout.wire_torch
+                                            else flat)
         offset += size
 
 
@@ -603,30 +681,39 @@ def _host_array(value: Any) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else np.asarray(value)
 
 
-def _decode(layouts: list[tuple[str, tuple[int, ...], int]], pieces: list[tuple[int, Any]],
-            torch: bool, device: Any) -> list[Any]:
-    """Each array's rows from ``pieces`` (rows, uint8 bytes) in order: the ranks'
-    bytes of one call, each array's rows after the previous array's."""
-    chunks: list[list[Any]] = [[] for _ in layouts]
-    for rows, data in pieces:
-        start = 0
-        for index, (_, _, per_row) in enumerate(layouts):
-            size = rows * per_row
-            chunks[index].append(data[start:start + size])
-            start += size
+def _decode(layout: _Layout, pieces: list[tuple[int, Any]], torch: bool, device: Any
+            ) -> list[Any]:
+    """Each array's rows from ``pieces`` (rows, uint8 bytes: NumPy, or torch on a
+    device) in order: the ranks' bytes of one call, each array after the previous.
+    ``torch``: return tensors on ``device``, else NumPy arrays."""
+    total = 0
+    for rows, _ in pieces:
+        total += rows
     out = []
-    for (name, shape, _), column in zip(layouts, chunks, strict=True):
-        if torch:
+    start = 0
+    for (name, shape, per_row), dtype in zip(layout.arrays, layout.numpy_dtypes, strict=True):
+        column = []
+        for rows, data in pieces:
+            column.append(data[start * rows:(start + per_row) * rows])
+        start += per_row
+        if column and not isinstance(column[0], np.ndarray):  # bytes on a device
             module = sys.modules["torch"]
-            dtype = getattr(module, name)
-            if column:
-                data = module.cat([module.as_tensor(c) for c in column]).to(device)
-                out.append(data.view(dtype).reshape(-1, *shape))
-            else:
-                out.append(module.empty((0, *shape), dtype=dtype, device=device))
-        elif column:
-            joined = np.concatenate([_host(c) for c in column])
-            out.append(joined.view(np.dtype(name)).reshape(-1, *shape))
+            data = module.cat(column).to(device)
+            out.append(data.view(getattr(module, name)).reshape(total, *shape))
+            continue
+        if len(column) > 1:
+            raw = np.concatenate(column)
         else:
-            out.append(np.empty((0, *shape), dtype=np.dtype(name)))
+            raw = column[0].copy() if column else np.empty(0, dtype=np.uint8)
+        if not torch:
+            out.append(raw.view(dtype).reshape(total, *shape))
+            continue
+        module = sys.modules["torch"]
+        if dtype is not None and raw.size:
+            tensor = module.from_numpy(raw.view(dtype).reshape(total, *shape))
+        elif raw.size:
+            tensor = module.from_numpy(raw).view(getattr(module, name)).reshape(total, *shape)
+        else:  # from_numpy gives an empty array stride 0, which view refuses
+            tensor = module.empty((total, *shape), dtype=getattr(module, name))
+        out.append(tensor if device is None or device.type == "cpu" else tensor.to(device))
     return out
