@@ -209,6 +209,10 @@ class Gather(Joinable):
         # The checked layout of each kind of call this rank made (see _batch).
         self._call_layouts: dict[Any, _Layout] = {}
         self._kept_kind: tuple[bool, Any] | None = None
+        # Kept raw entries whose layout this rank does not know, and whether
+        # a joined rank said so in the last header (see _share_layouts).
+        self._unknown = 0
+        self._someone_unknown = False
         # Where a torch call's bytes travel: the group's device (an nccl group's
         # GPU, else the CPU), whatever the inputs' device.
         self._device = str(getattr(self._group, "device", "cpu"))
@@ -357,9 +361,12 @@ class Gather(Joinable):
         """A joined rank's part of a call's header collective; return the slot's sum."""
         capacity = self._capacity
         wire = np.zeros(_HEADER_BYTES + capacity, dtype=np.uint8)
-        wire[:_HEADER_BYTES] = _header(heartbeat, _NO_ROWS, 0, 0)
+        # A joined rank's nbytes field says whether it kept rows it cannot
+        # decode yet (see _share_layouts).
+        wire[:_HEADER_BYTES] = _header(heartbeat, _NO_ROWS, int(self._unknown > 0), 0)
         parts = self._group.all_gather(wire)
         heads = _headers(parts)
+        self._someone_unknown = any(head[1] < 0 and head[2] for head in heads)
         round_ = self._read(heads, capacity)
         if round_.mismatch:
             self._explain("", heads, fail=False)
@@ -377,6 +384,7 @@ class Gather(Joinable):
                   for rank, rows in enumerate(round_.rows) if rows > 0]
         if pieces:
             self._kept.append(("raw", round_.fingerprint, pieces))
+            self._unknown += round_.fingerprint not in self._layouts
 
     def _shadow_data(self) -> None:
         """A joined rank's part of the call's data collective, if it has one."""
@@ -393,10 +401,21 @@ class Gather(Joinable):
 
     def _share_layouts(self) -> None:
         """Post hook with ``keep``: every rank learns the layouts the others know
-        (one object all-gather per Join), to decode what it kept while joined."""
+        (an object all-gather), to decode what it kept while joined.
+
+        Skipped where the Join's last collective was this Gather's header (it
+        is the first joinable of a fused Join) and no rank flagged rows it
+        cannot decode in it: usually only a rank that made no call needs them.
+        """
+        config = self._join_config
+        join = config.join
+        if (config.is_first_joinable and join is not None and join.fuses_heartbeat
+                and not self._someone_unknown):
+            return
         for known in self._group.all_gather_object(dict(self._layouts)):
             for fingerprint, layout in known.items():
                 self._layouts.setdefault(fingerprint, layout)
+        self._unknown = 0
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -706,6 +725,7 @@ def _decode(layout: _Layout, pieces: list[tuple[int, Any]], torch: bool, device:
         else:
             raw = column[0].copy() if column else np.empty(0, dtype=np.uint8)
         if not torch:
+            assert dtype is not None  # NumPy results come from NumPy arrays
             out.append(raw.view(dtype).reshape(total, *shape))
             continue
         module = sys.modules["torch"]

@@ -4,7 +4,7 @@
     mpirun -n 2 python benchmarks/eval_gather.py [epochs [repeats]]
 
 One evaluation epoch over ``SAMPLES`` samples (not a multiple of the world
-size) in batches of ``BATCH``: an MLP 32-256-256-10 (ReLU) forward under
+size) in batches of ``BATCH``: an MLP 64-512-512-10 (ReLU) forward under
 ``torch.no_grad()``, the argmax, and a per-batch gather of the predictions
 and labels, accumulated over the epoch. Under torchrun the group is a gloo
 ``TorchGroup``; under mpirun an ``MPIGroup`` (mpi4py), the tensors torch CPU
@@ -18,7 +18,10 @@ tensors on both. Variants:
 - ``exact``: exact shards (``range(rank, n, world)``), ``Gather(group,
   keep=True)`` alone in a ``Join``, the epoch's rows from ``collected()``
   (every sample exactly once on every rank);
-- ``exact, no keep``: the same, each call's rows used and dropped.
+- ``exact, no keep``: the same, each call's rows used and dropped;
+- ``padded, no model`` and ``exact, no model``: the same loops with the
+  labels standing in for the predictions (no forward): what the gathering
+  itself costs, for the record (no target).
 
 A figure is the slowest rank's time for ``epochs`` epochs over the same
 samples, so the ratio is per sample. Target: exact / padded <= 1.05.
@@ -38,8 +41,9 @@ from torch.utils.data import DistributedSampler
 from joinkit import Join, backends
 from joinkit.adapters.gather import Gather
 
-BATCH = 128
-FEATURES, CLASSES = 32, 10
+BATCH = 256
+FEATURES, HIDDEN, CLASSES = 64, 512, 10
+BATCHES = 40  # full batches per rank and epoch, then an uneven remainder
 
 
 def main() -> None:
@@ -63,13 +67,13 @@ def main() -> None:
         group = TorchGroup(dist.group.WORLD)
         name = f"gloo ({launcher})"
     rank, world = group.rank, group.world_size
-    samples = world * 20 * BATCH + 37  # 20 full batches per rank, then uneven
+    samples = world * BATCHES * BATCH + 37
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(samples, FEATURES, generator=generator)
     y = torch.randint(0, CLASSES, (samples,), generator=generator)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                          nn.Linear(256, CLASSES)).eval()
+    mlp = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN),
+                        nn.ReLU(), nn.Linear(HIDDEN, CLASSES)).eval()
     clock = torch.zeros(1, dtype=torch.float64)
 
     def slowest(seconds: float) -> float:
@@ -86,17 +90,27 @@ def main() -> None:
     exact_batches = batches(list(range(rank, samples, world)))
     results: dict[str, int] = {}
 
-    def padded(n: int) -> None:
-        for _ in range(n):
-            parts = []
-            with torch.no_grad():
-                for index in padded_batches:
-                    pred = model(x[index]).argmax(1)
-                    parts += group.all_gather(torch.stack([pred, y[index]], 1))
-            both = torch.cat(parts)
-            results["padded"] = int(both.shape[0])
+    def model(index: torch.Tensor) -> torch.Tensor:
+        return mlp(x[index]).argmax(1)
 
-    def exact(keep: bool) -> Callable[[int], None]:
+    def labels(index: torch.Tensor) -> torch.Tensor:
+        return y[index]
+
+    def padded(predict: Callable[[torch.Tensor], torch.Tensor], name: str
+               ) -> Callable[[int], None]:
+        def loop(n: int) -> None:
+            for _ in range(n):
+                parts = []
+                with torch.no_grad():
+                    for index in padded_batches:
+                        pred = predict(index)
+                        parts += group.all_gather(torch.stack([pred, y[index]], 1))
+                both = torch.cat(parts)
+                results[name] = int(both.shape[0])
+        return loop
+
+    def exact(predict: Callable[[torch.Tensor], torch.Tensor], keep: bool, name: str
+              ) -> Callable[[int], None]:
         gather = Gather(group, keep=keep)
 
         def loop(n: int) -> None:
@@ -104,20 +118,22 @@ def main() -> None:
                 seen = 0
                 with Join([gather]), torch.no_grad():
                     for index in exact_batches:
-                        pred, label = gather(model(x[index]).argmax(1), y[index])
+                        pred, label = gather(predict(index), y[index])
                         seen += int(pred.shape[0])
                 if keep:
                     pred, label = gather.collected()
                     seen = int(pred.shape[0])
-                results["exact" if keep else "exact, no keep"] = seen
+                results[name] = seen
         return loop
 
     info = {"ranks": world, "samples": samples, "batch": BATCH, "epochs": epochs,
-            "repeats": repeats, "model": f"MLP {FEATURES}-256-256-{CLASSES}"}
+            "repeats": repeats, "model": f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}"}
     times = _bench.timed({
-        "padded": padded,
-        "exact": exact(True),
-        "exact, no keep": exact(False),
+        "padded": padded(model, "padded"),
+        "exact": exact(model, True, "exact"),
+        "exact, no keep": exact(model, False, "exact, no keep"),
+        "padded, no model": padded(labels, "padded, no model"),
+        "exact, no model": exact(labels, True, "exact, no model"),
     }, epochs, repeats, slowest, group.barrier)
     assert results["exact"] == samples, results  # every sample exactly once
     assert results["padded"] == -(-samples // world) * world, results
@@ -125,6 +141,7 @@ def main() -> None:
         _bench.report(f"Exact evaluation, {name}", times, [
             ("exact", "padded", 1.05),
             ("exact, no keep", "padded", None),
+            ("exact, no model", "padded, no model", None),
         ], info)
 
 
