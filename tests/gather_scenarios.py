@@ -9,6 +9,7 @@ process, and launches this file as a program for real processes::
 
     python tests/gather_scenarios.py gloo RANK WORLD STORE_FILE OUT_DIR NAME [NAME ...]
     mpirun -n WORLD python tests/gather_scenarios.py mpi OUT_DIR NAME [NAME ...]
+    python tests/gather_scenarios.py nccl RANK WORLD STORE_FILE OUT_DIR cuda_tensors
 
 Each rank appends one JSON line per scenario to ``OUT_DIR/rank{RANK}.jsonl``
 (:func:`support.recording`). On gloo each scenario gets a fresh subgroup with
@@ -54,10 +55,14 @@ def batch_of(rank: int, call: int, rows: int, kind: str = "numpy") -> tuple[Any,
     base = 1000.0 * rank + 100.0 * call
     x = (base + np.arange(rows * 6, dtype=np.float32)).reshape(rows, 2, 3)
     y = (1000 * rank + 100 * call + np.arange(rows)).astype(np.int64)
-    if kind == "torch":
+    if kind in ("torch", "cuda"):
         import torch
 
-        return torch.from_numpy(x), torch.from_numpy(y)
+        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+        if kind == "cuda":
+            device = f"cuda:{rank % torch.cuda.device_count()}"
+            tx, ty = tx.to(device), ty.to(device)
+        return tx, ty
     return x, y
 
 
@@ -67,7 +72,7 @@ def rows_of(rank: int, call: int) -> int:
 
 
 def as_numpy(value: Any) -> np.ndarray:
-    return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+    return value.cpu().numpy() if hasattr(value, "numpy") else np.asarray(value)
 
 
 def run_gather_loop(group: Any, inputs: list[int], *, kind: str = "numpy",
@@ -96,6 +101,7 @@ def run_gather_loop(group: Any, inputs: list[int], *, kind: str = "numpy",
                 continue
             gx, gy = got
             assert type(gx) is type(x) and type(gy) is type(y), (type(gx), type(x))
+            assert getattr(gx, "device", None) == getattr(x, "device", None), gx.device
             want = [batch_of(r, call, rows(r, call)) for r in active]
             want_x = np.concatenate([w[0] for w in want])
             want_y = np.concatenate([w[1] for w in want])
@@ -401,6 +407,18 @@ def accelerate_metrics(ctx: Ctx) -> Any:
     return out
 
 
+@scenario
+def cuda_tensors(ctx: Ctx) -> Any:
+    """CUDA tensors (on the group's GPU for nccl, moved through the CPU for
+    gloo): results are CUDA tensors on the input's device, exact, with keep."""
+    out = []
+    for inputs in uneven_inputs(ctx.world):
+        for dst in (None, ctx.world - 1):
+            result = run_gather_loop(ctx.group, inputs, kind="cuda", dst=dst, keep=True)
+            out.append([inputs, "cuda", dst, True, result["checked"]])
+    return out
+
+
 def _has_torch() -> bool:
     try:
         import torch  # noqa: F401
@@ -414,19 +432,25 @@ def _has_torch() -> bool:
 
 def main(argv: list[str]) -> None:
     kind, *rest = argv
-    if kind == "gloo":
+    if kind in ("gloo", "nccl"):
+        import torch
         import torch.distributed as dist
 
         from joinkit.backends.torch_dist import TorchGroup
 
         rank, world, store, out_dir, *names = rest
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=int(rank),
+        device = None
+        if kind == "nccl":
+            device = torch.device("cuda", int(rank) % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        dist.init_process_group(kind, init_method=f"file://{store}", rank=int(rank),
                                 world_size=int(world), timeout=datetime.timedelta(seconds=30))
         out = Path(out_dir) / f"rank{rank}.jsonl"
         for name in names:
             with recording(out, name) as record:
-                group = TorchGroup(dist.new_group(backend="gloo",
-                                                  timeout=datetime.timedelta(seconds=20)))
+                group = TorchGroup(dist.new_group(backend=kind,
+                                                  timeout=datetime.timedelta(seconds=20)),
+                                   device)
                 record["result"] = SCENARIOS[name](Ctx(int(rank), int(world), group))
         dist.destroy_process_group()
     elif kind == "mpi":

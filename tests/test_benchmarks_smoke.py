@@ -35,17 +35,19 @@ SECTIONS = [
     "### FSDP2 drain (rank 0 has no inputs), gloo (torchrun)",
     "### MPI heartbeat, 1 rank",
     "### world scale, threads",
+    "### Exact evaluation, gloo (torchrun)",
+    "### Exact evaluation, MPI (mpirun)",
 ]
 VARIANTS = ["| no Join |", "| torch Join |", "| joinkit classic |", "| joinkit fused |",
             "| no Join, 2 elements |", "| joinkit fused, 1 element |", "| joinkit Join |",
             "| joinkit, torch-compatible |", "| drain: joinkit fused |", "| FSDP alone |",
-            "| drain: joinkit Join |"]
+            "| drain: joinkit Join |", "| padded |", "| exact |", "| exact, no model |"]
 
 
 def test_every_benchmark_runs_and_reports(tmp_path: Path) -> None:
     output = tmp_path / "RESULTS.md"
     only = ["core step", "MPI heartbeat", "Counter", "DDP, gloo (torchrun)", "threads",
-            "FSDP2", "world scale"]
+            "FSDP2", "world scale", "Exact evaluation"]
     command = [sys.executable, str(RUN), "--quick", "--output", str(output)]
     for name in only:
         command += ["--only", name]

@@ -34,7 +34,7 @@ from joinkit.backends.threads import spawn  # noqa: E402
 pytest.importorskip("torch.distributed")
 
 WORKER = Path(gs.__file__)
-NAMES = list(gs.SCENARIOS)
+NAMES = [name for name in gs.SCENARIOS if name != "cuda_tensors"]  # test_gather_cuda.py
 LAUNCH_TIMEOUT = 150.0
 
 
@@ -44,7 +44,7 @@ LAUNCH_TIMEOUT = 150.0
 def check(name: str, results: list[Any], world: int) -> None:
     """Assert scenario ``name``'s per-rank results (the checks every backend shares)."""
     assert len(results) == world
-    if name == "uneven":
+    if name in ("uneven", "cuda_tensors"):
         for rank, rows in enumerate(results):
             for inputs, _kind, dst, first, checked in rows:
                 receives = dst is None or rank == dst
@@ -274,3 +274,24 @@ def mpi(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 def test_mpi(mpi: tuple[int, dict[str, list[dict[str, Any]]]], name: str) -> None:
     world, records = mpi
     check(name, [r["result"] for r in scenario_records(records, name)], world)
+
+
+def test_the_device_path_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path CUDA tensors take (bytes as a torch tensor on the group's device,
+    headers read back with torch), forced for CPU tensors so it runs here too."""
+    from joinkit.adapters import gather as gather_module
+
+    check_layout = gather_module._check
+
+    def on_device(arrays: Any, settings: Any) -> Any:
+        layout = check_layout(arrays, settings)
+        layout.wire_torch = layout.torch
+        return layout
+
+    monkeypatch.setattr(gather_module, "_check", on_device)
+
+    def worker(group: Any) -> Any:
+        return gs.run_gather_loop(group, [2, 4, 0], kind="torch", keep=True)
+
+    results = spawn(worker, 3)
+    assert [r["checked"] for r in results] == [1002, 1004, 1000]
