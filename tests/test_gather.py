@@ -295,3 +295,18 @@ def test_the_device_path_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
     results = spawn(worker, 3)
     assert [r["checked"] for r in results] == [1002, 1004, 1000]
+
+
+def test_the_docs_example_runs_and_prints_what_it_says() -> None:
+    """docs/gather.md's code block, run as a program: it prints its comment."""
+    import re
+    import subprocess
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "gather.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    said = re.search(r"print\(spawn\(evaluate, 2\)\)  # (.*)", code)
+    assert said is not None
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == said.group(1)
