@@ -155,6 +155,42 @@ def uneven(ctx: Ctx) -> Any:
 
 
 @scenario
+def unfused(ctx: Ctx) -> Any:
+    """Join(check_agreement=False) sends the classic heartbeat (no fused slot):
+    the same exact rows, and keep's collected() has every call's."""
+    inputs = uneven_inputs(ctx.world)[0]
+    gather = Gather(ctx.group, keep=True)
+    with Join([gather], check_agreement=False):
+        for call in range(inputs[ctx.rank]):
+            gather(*batch_of(ctx.rank, call, rows_of(ctx.rank, call)))
+    x, y = gather.collected()
+    every = [batch_of(r, c, rows_of(r, c)) for c in range(max(inputs))
+             for r in range(ctx.world) if inputs[r] > c]
+    np.testing.assert_array_equal(x, np.concatenate([e[0] for e in every]))
+    np.testing.assert_array_equal(y, np.concatenate([e[1] for e in every]))
+    return int(y.shape[0])
+
+
+@scenario
+def peer_failure(ctx: Ctx) -> Any:
+    """The last rank raises in its loop body (before its third call): it leaves
+    with its own error, every other rank with PeerFailure naming it; no hang."""
+    failing = ctx.world - 1
+    gather = Gather(ctx.group)
+    try:
+        with Join([gather]):
+            for call in range(3 + ctx.rank):
+                if ctx.rank == failing and call == 2:
+                    raise RuntimeError("the model failed")
+                gather(np.zeros((2, 3)))
+    except PeerFailure as exc:
+        return {"error": "PeerFailure", "message": str(exc)}
+    except RuntimeError as exc:
+        return {"error": "own", "message": str(exc)}
+    return {"error": None, "message": ""}
+
+
+@scenario
 def outside_join(ctx: Ctx) -> Any:
     """Without a Join it is a plain exact gather (every rank calls)."""
     gather = Gather(ctx.group)

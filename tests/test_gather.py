@@ -52,6 +52,17 @@ def check(name: str, results: list[Any], world: int) -> None:
                 # keep (with Gather first): collected() had every call's rows.
                 want += 1000 if first and receives and any(inputs) else 0
                 assert checked == want, (rank, inputs, dst)
+    elif name == "unfused":
+        inputs = gs.uneven_inputs(world)[0]
+        rows = sum(gs.rows_of(r, c) for r in range(world) for c in range(inputs[r]))
+        assert results == [rows] * world
+    elif name == "peer_failure":
+        failing = world - 1
+        assert results[failing] == {"error": "own", "message": "the model failed"}
+        for rank in range(failing):
+            assert results[rank]["error"] == "PeerFailure", results[rank]
+            assert f"rank {failing} failed" in results[rank]["message"]
+            assert "the model failed" in results[rank]["message"]
     elif name == "outside_join":
         sizes = [sum(gs.rows_of(r, c) for r in range(world)) for c in range(3)]
         assert results == [sizes] * world
