@@ -569,8 +569,12 @@ def _batch(arrays: Sequence[Any], settings: tuple[Any, ...],
     elif layout.wire_torch:
         flats = [_device_bytes(a) for a in arrays]
     elif layout.numpy_views:
-        flats = [np.ascontiguousarray(a.detach().numpy() if a.requires_grad else a.numpy())
-                 .reshape(-1).view(np.uint8) for a in arrays]
+        try:
+            flats = [np.ascontiguousarray(a.detach().numpy() if a.requires_grad else a.numpy())
+                     .reshape(-1).view(np.uint8) for a in arrays]
+        except RuntimeError:  # a lazy conjugate or negation
+            flats = [np.ascontiguousarray(_cpu_numpy(a)).reshape(-1).view(np.uint8)
+                     for a in arrays]
     else:
         flats = [np.ascontiguousarray(_cpu_numpy(a)).reshape(-1).view(np.uint8) for a in arrays]
     return _Batch(layout, flats, rows)
