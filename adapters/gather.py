@@ -43,6 +43,15 @@ joinable its header carries the heartbeat, so a call costs the Join nothing
 extra; a joined rank's count is its shadow of the header. Anywhere else in the
 list its slot holds 0 and the first joinable sends the heartbeat.
 
+*Keep.* With ``keep=True`` every rank that receives (all, or ``dst``) also
+keeps each call's rows, a joined rank the raw bytes it received while
+shadowing; ``collected()`` decodes and concatenates them after the Join. A
+rank that made no call does not know the arrays' dtypes and shapes: it says
+so in its header's ``nbytes`` field (unused for a joined rank), and only then
+(or where the Join's last collective was not this Gather's header) the post
+hook all-gathers the layouts the ranks know, so the usual Join costs nothing
+more.
+
 *Types.* Arrays travel as raw bytes (``uint8``), so any dtype NumPy or torch
 can view as bytes crosses every backend. Each call returns the type it was
 given: NumPy arrays, or torch tensors on the input's device (CUDA tensors go
