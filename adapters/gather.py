@@ -158,12 +158,12 @@ class _Round:
 class Gather(Joinable):
     """Gather every active rank's rows of each call, in rank order, exactly.
 
-    Use it inside a Join, as the only joinable or beside others (a model)::
+    Use it inside a Join, as the only joinable or beside others::
 
         gather = Gather(group)
-        with Join([gather]):                  # or Join([model, gather])
+        with Join([gather]):
             for x, y in loader:
-                preds = model(x).argmax(1)
+                preds = model(x).argmax(1)   # a forward without collectives
                 all_preds, all_y = gather(preds, y)
 
     Each call is collective over the ranks still in their loop; a rank that
