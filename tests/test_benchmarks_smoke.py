@@ -37,6 +37,7 @@ SECTIONS = [
     "### world scale, threads",
     "### Exact evaluation, gloo (torchrun)",
     "### Exact evaluation, MPI (mpirun)",
+    "### Exact evaluation, gloo (torchrun), CPU time",
 ]
 VARIANTS = ["| no Join |", "| torch Join |", "| joinkit classic |", "| joinkit fused |",
             "| no Join, 2 elements |", "| joinkit fused, 1 element |", "| joinkit Join |",
