@@ -389,11 +389,13 @@ class Gather(Joinable):
 
     def _keep_raw(self, round_: _Round, parts: Sequence[Any], offset: int) -> None:
         """Keep the bytes a joined rank received of one call (``keep=True``)."""
+        if all(rows < 0 for rows in round_.rows):
+            return  # nobody called (a drain's last count): no call to keep
+        # Even a call of 0 rows is kept: it tells collected() the arrays' layout.
         pieces = [(rows, _host(parts[rank][offset:offset + round_.nbytes[rank]]).copy())
                   for rank, rows in enumerate(round_.rows) if rows > 0]
-        if pieces:
-            self._kept.append(("raw", round_.fingerprint, pieces))
-            self._unknown += round_.fingerprint not in self._layouts
+        self._kept.append(("raw", round_.fingerprint, pieces))
+        self._unknown += round_.fingerprint not in self._layouts
 
     def _shadow_data(self) -> None:
         """A joined rank's part of the call's data collective, if it has one."""

@@ -321,3 +321,14 @@ def test_the_docs_example_runs_and_prints_what_it_says() -> None:
                          timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == said.group(1)
+
+
+def test_keep_a_call_of_zero_rows_is_the_same_everywhere() -> None:
+    """Found by the property: a rank that made no call, beside one call of 0 rows,
+    gets the same empty arrays (not None) from collected() as the caller."""
+
+    def worker(group: Any) -> Any:
+        return gs.run_gather_loop(group, [0, 1], first=False, keep=True,
+                                  rows=lambda r, c: 0)
+
+    assert [r["checked"] for r in spawn(worker, 2)] == [1000, 1001]
