@@ -64,11 +64,13 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
             ["4", "20", "1"], ["2000"]
         heartbeat, fsdp, metrics = ["200"], ["3", "2"], ["4", "2"]
         world = ["128", "1", "64"]
+        evaluation = ["1", "2"]
     else:
         counter, counter_mpi, ddp, threads, step = ["400", "21"], ["10000", "15"], \
             ["100", "21"], ["64", "1000", "3"], ["50000"]
         heartbeat, fsdp, metrics = ["50000"], ["60", "21"], ["200", "21"]
         world = ["4096", "3", "512"]
+        evaluation = ["3", "21"]
     return [
         ("core step", [PY, str(b / "core_step.py"), *step], 120),
         # One rank: joinkit's own CPU cost per heartbeat on MPI (item 3).
@@ -85,6 +87,10 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
         ("threads", [PY, str(b / "threads_scale.py"), *threads], 400),
         # Entry, report and stall diagnostic versus world size (issue 12, part 5).
         ("world scale (threads)", [PY, str(b / "world_scale.py"), *world], 900),
+        # Exact evaluation (Gather in a Join) versus padded (issue 18, Speed).
+        ("Exact evaluation, gloo (torchrun)",
+         [*torchrun, str(b / "eval_gather.py"), *evaluation], 400),
+        ("Exact evaluation, MPI", [*mpirun, PY, str(b / "eval_gather.py"), *evaluation], 400),
     ]
 
 

@@ -36,21 +36,25 @@ SECTIONS = [
     "### MPI heartbeat, 1 rank",
     "### world scale, threads",
     "### torchmetrics MeanSquaredError, dist_sync_on_step=True, gloo",
+    "### Exact evaluation, gloo (torchrun)",
+    "### Exact evaluation, MPI (mpirun)",
+    "### Exact evaluation, gloo (torchrun), CPU time",
 ]
 VARIANTS = ["| no Join |", "| torch Join |", "| joinkit classic |", "| joinkit fused |",
             "| no Join, 2 elements |", "| joinkit fused, 1 element |", "| joinkit Join |",
             "| joinkit, torch-compatible |", "| drain: joinkit fused |", "| FSDP alone |",
-            "| drain: joinkit Join |"]
+            "| drain: joinkit Join |", "| padded |", "| exact |", "| exact, no model |"]
 
 
+@pytest.mark.timeout(300)
 def test_every_benchmark_runs_and_reports(tmp_path: Path) -> None:
     output = tmp_path / "RESULTS.md"
     only = ["core step", "MPI heartbeat", "Counter", "DDP, gloo (torchrun)", "threads",
-            "FSDP2", "world scale", "torchmetrics sync"]
+            "FSDP2", "world scale", "torchmetrics sync", "Exact evaluation"]
     command = [sys.executable, str(RUN), "--quick", "--output", str(output)]
     for name in only:
         command += ["--only", name]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=110, cwd=ROOT)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     text = output.read_text()
     for heading in SECTIONS + ["## Machine", "## Targets", "## Runs"]:

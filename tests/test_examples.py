@@ -38,6 +38,10 @@ COUNTER_LINES = [
     "11 inputs processed before rank 1 joined!",
     "11 inputs processed across all ranks!",
 ]
+EVAL_LINES = [
+    "exact (Gather in a Join): accuracy 0.5385 on 13 samples",
+    "padded (DistributedSampler): accuracy 0.5000 on 14 samples",
+]
 EXPECTED = {
     "ddp.py": DDP_LINES,
     "ddp_zero.py": DDP_LINES,
@@ -45,6 +49,7 @@ EXPECTED = {
     "fsdp.py": DDP_LINES,
     "counter.py": COUNTER_LINES,
     "custom_backend.py": COUNTER_LINES,
+    "eval.py": EVAL_LINES,
 }
 LAUNCHERS = {
     "torchrun": [*TORCHRUN, "--standalone", "--nproc-per-node", "2"],
@@ -54,6 +59,8 @@ SENTENCE = re.compile(
     r"Rank \d+ has exhausted all \d+ of its inputs!"
     r"|\d+ inputs processed before rank \d+ joined!"
     r"|\d+ inputs processed across all ranks!"
+    r"|(?:exact \(Gather in a Join\)|padded \(DistributedSampler\)): accuracy [\d.]+ on \d+ "
+    r"samples"
 )
 
 

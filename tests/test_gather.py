@@ -1,0 +1,334 @@
+"""``joinkit.adapters.gather.Gather``: exact per-batch gathering inside a Join.
+
+The scenarios live in ``tests/gather_scenarios.py`` (see its docstring): each
+checks every call against a plain concatenation on its own rank and returns a
+summary. Here they run on threads (worlds 1 to 3, plus a Hypothesis property
+over random worlds, input counts, row counts, dst and joinable order), on real
+gloo process groups (2 and 3 processes, one launch each) and under a real
+``mpirun`` (2 and 3 ranks, one launch each); the tests compare what the ranks
+returned.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mpi_support import explain, run_mpi
+from support import Ctx, launch_ranks, records_by_name, scenario_records
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gather_scenarios as gs  # noqa: E402
+
+sys.path.pop(0)
+
+from joinkit import Join  # noqa: E402
+from joinkit.adapters.gather import Gather  # noqa: E402
+from joinkit.backends.threads import spawn  # noqa: E402
+
+pytest.importorskip("torch.distributed")
+
+WORKER = Path(gs.__file__)
+NAMES = [name for name in gs.SCENARIOS if name != "cuda_tensors"]  # test_gather_cuda.py
+LAUNCH_TIMEOUT = 150.0
+
+
+# -- what every backend must show ----------------------------------------------------------
+
+
+def check(name: str, results: list[Any], world: int) -> None:
+    """Assert scenario ``name``'s per-rank results (the checks every backend shares)."""
+    assert len(results) == world
+    if name in ("uneven", "cuda_tensors"):
+        for rank, rows in enumerate(results):
+            for inputs, _kind, dst, first, checked in rows:
+                receives = dst is None or rank == dst
+                want = inputs[rank] if receives else 0
+                # keep (with Gather first): collected() had every call's rows.
+                want += 1000 if first and receives and any(inputs) else 0
+                assert checked == want, (rank, inputs, dst)
+    elif name == "unfused":
+        inputs = gs.uneven_inputs(world)[0]
+        rows = sum(gs.rows_of(r, c) for r in range(world) for c in range(inputs[r]))
+        assert results == [rows] * world
+    elif name == "peer_failure":
+        failing = world - 1
+        assert results[failing] == {"error": "own", "message": "the model failed"}
+        for rank in range(failing):
+            assert results[rank]["error"] == "PeerFailure", results[rank]
+            assert f"rank {failing} failed" in results[rank]["message"]
+            assert "the model failed" in results[rank]["message"]
+    elif name == "outside_join":
+        sizes = [sum(gs.rows_of(r, c) for r in range(world)) for c in range(3)]
+        assert results == [sizes] * world
+    elif name == "dtypes":
+        assert all(r == results[0] for r in results)
+        assert results[0]["numpy"] == ["bool", "uint8", "int32", "float64", "complex64"]
+        assert results[0]["torch"] == ["torch.bfloat16", "torch.float16", "torch.bool"]
+    elif name == "big_rows":
+        assert all(r == results[0] for r in results)
+        # The inline capacity follows the largest data under the limit.
+        assert results[0][0] == 8 * 8 * (10 + world - 1)
+        assert max(results[0]) <= 1 << 16
+    elif name == "mismatch":
+        check_mismatch(results, world)
+    elif name == "bad_inputs":
+        check_bad_inputs(results[0], world)
+        assert all(r == results[0] for r in results)
+    elif name == "thirteen_samples":
+        check_thirteen(results, world)
+    elif name == "accelerate_metrics":
+        check_accelerate(results, world)
+    else:  # pragma: no cover - a scenario without a check
+        raise AssertionError(f"no check for scenario {name}")
+
+
+def check_mismatch(results: list[dict[str, Any]], world: int) -> None:
+    joined = [0] if world >= 3 else []
+    active = [r for r in range(world) if r not in joined]
+    errors = [results[r]["error"] for r in active]
+    assert errors == ["GatherMismatch"] * len(active), results
+    messages = {results[r]["message"] for r in active}
+    assert len(messages) == 1, messages  # the same error on every active rank
+    message = messages.pop()
+    assert "different dtypes or trailing shapes" in message
+    assert "rank 1: float64[rows, 3]" in message
+    if world >= 3:
+        assert "rank 0: (joined: gives nothing)" in message
+        assert f"rank {world - 1}: float32[rows, 4]" in message
+    else:
+        assert "rank 0: float32[rows, 3]" in message
+    for rank in joined:
+        assert results[rank]["error"] == "PeerFailure", results[rank]
+        assert "GatherMismatch" in results[rank]["message"]
+
+
+def check_bad_inputs(errors: dict[str, list[str]], world: int) -> None:
+    assert errors["no_arrays"][0] == "ValueError"
+    assert errors["a_list"] == ["TypeError", errors["a_list"][1]]
+    assert "argument 0 is a list, not a NumPy array or torch tensor" in errors["a_list"][1]
+    assert "float32, not a NumPy array" in errors["scalar"][1]
+    assert "0-dimensional" in errors["zero_dim"][1]
+    assert "different numbers of rows [3, 4]" in errors["rows_differ"][1]
+    assert "not plain numbers" in errors["objects"][1]
+    assert "mixes NumPy arrays and torch tensors" in errors["mixed"][1]
+    assert f"an int from 0 to {world - 1}" in errors["bad_dst"][1]
+
+
+def check_thirteen(results: list[dict[str, Any]], world: int) -> None:
+    single = 7 / 13
+    padded_samples = -(-13 // world) * world
+    for r in results:
+        assert r["single"] == single
+        assert r["exact"] == {"samples": 13, "accuracy": single}  # exactly, not approx
+        assert r["padded"]["samples"] == padded_samples
+        if world > 1:
+            assert r["padded"]["accuracy"] != single
+    if world == 2:
+        assert round(results[0]["exact"]["accuracy"], 4) == 0.5385
+        assert results[0]["padded"]["accuracy"] == 0.5
+
+
+def check_accelerate(results: list[dict[str, Any]], world: int) -> None:
+    for r in results:
+        for n in (82, 99):
+            runs = r[str(n)]
+            # Accelerate's assertion: as many gathered predictions as samples...
+            assert runs["exact"]["samples"] == n
+            # ...and the metrics of one process.
+            for key in ("mse", "accuracy", "f1"):
+                assert runs["exact"][key] == pytest.approx(runs["single"][key], rel=1e-12)
+            padded = -(-n // world) * world
+            assert runs["padded"]["samples"] == padded
+            if padded != n:
+                assert runs["padded"]["mse"] != pytest.approx(runs["single"]["mse"], rel=1e-9)
+
+
+# -- threads -----------------------------------------------------------------------------
+
+
+def on_threads(name: str, world: int) -> list[Any]:
+    def worker(group: Any) -> Any:
+        return gs.SCENARIOS[name](Ctx(group.rank, group.world_size, group))
+
+    return spawn(worker, world, timeout=60)
+
+
+@pytest.mark.parametrize(("name", "world"), [
+    (name, world) for name in NAMES for world in (1, 2, 3)
+    if not (name == "mismatch" and world == 1)  # a mismatch needs two ranks
+])
+def test_threads(name: str, world: int) -> None:
+    check(name, on_threads(name, world), world)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), world=st.integers(1, 4))
+def test_property_matches_a_plain_concatenation(data: st.DataObject, world: int) -> None:
+    """Random worlds, input counts (0 included), rows per rank and call (0
+    included), dst and joinable order: every call returns the concatenation of
+    the active ranks' rows, in rank order."""
+    inputs = data.draw(st.lists(st.integers(0, 4), min_size=world, max_size=world))
+    table = data.draw(st.lists(st.lists(st.integers(0, 4), min_size=4, max_size=4),
+                               min_size=world, max_size=world))
+    dst = data.draw(st.one_of(st.none(), st.integers(0, world - 1)))
+    first, keep = data.draw(st.booleans()), data.draw(st.booleans())
+
+    def worker(group: Any) -> Any:
+        return gs.run_gather_loop(group, inputs, dst=dst, first=first, keep=keep,
+                                  rows=lambda r, c: table[r][c])
+
+    results = spawn(worker, world, timeout=60)
+    for rank, result in enumerate(results):
+        receives = dst in (None, rank)
+        kept = 1000 if keep and receives and any(inputs) else 0
+        assert result["checked"] == (inputs[rank] if receives else 0) + kept
+    assert len({r["capacity"] for r in results}) == 1  # the same on every rank
+
+
+def test_one_collective_per_call_once_the_capacity_is_known() -> None:
+    """As the first joinable, a call after the first is one all-gather (header,
+    heartbeat and data), on active and joined ranks alike."""
+
+    def worker(group: Any) -> Any:
+        gather = Gather(group)
+        issued = []
+        with Join([gather]):
+            for call in range(4 if group.rank else 0):
+                before = group.collectives_issued
+                gather(np.ones((3 if call < 3 else 2, 2)))
+                issued.append(group.collectives_issued - before)
+        return issued, group.collectives_issued
+
+    (zero, total0), (ones, total1) = spawn(worker, 2)
+    assert zero == [] and ones == [2, 1, 1, 1]
+    assert total0 == total1  # the joined rank shadowed every one of them
+
+
+def test_dst_receives_and_others_get_none() -> None:
+    def worker(group: Any) -> Any:
+        gather = Gather(group, dst=1)
+        with Join([gather]):
+            got = gather(np.full(group.rank + 1, group.rank))
+        return None if got is None else got.tolist()
+
+    assert spawn(worker, 3) == [None, [0, 1, 1, 2, 2, 2], None]
+
+
+def test_a_joinable_that_is_not_in_the_join_is_refused() -> None:
+    from joinkit import LocalProtocolError
+
+    def worker(group: Any) -> Any:
+        other, gather = Gather(group), Gather(group)
+        with Join([other]):
+            try:
+                gather(np.zeros(1))
+            except LocalProtocolError as exc:
+                return str(exc)
+        return None
+
+    messages = spawn(worker, 2)
+    assert all("does not include it" in m for m in messages)
+
+
+def test_group_of_another_kind_is_refused() -> None:
+    with pytest.raises(TypeError, match="got None"):
+        Gather(None)
+    with pytest.raises(TypeError, match="no backend"):
+        Gather(object())
+
+
+# -- real processes: gloo and mpirun ------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def gloo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[int, dict[str, list[dict[str, Any]]]]:
+    world = request.param
+    out = tmp_path_factory.mktemp(f"gather_gloo{world}")
+    runs = launch_ranks(
+        [[sys.executable, str(WORKER), "gloo", str(rank), str(world), str(out / "store"),
+          str(out), *NAMES] for rank in range(world)], LAUNCH_TIMEOUT)
+    records = records_by_name(out, world)
+    records["_logs"] = [{"log": run.stdout} for run in runs]
+    records["_world"] = [{"world": world}]
+    return world, records
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("name", NAMES)
+def test_gloo(gloo: tuple[int, dict[str, list[dict[str, Any]]]], name: str) -> None:
+    world, records = gloo
+    check(name, [r["result"] for r in scenario_records(records, name)], world)
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def mpi(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+        ) -> tuple[int, dict[str, list[dict[str, Any]]]]:
+    pytest.importorskip("mpi4py")
+    world = request.param
+    out = tmp_path_factory.mktemp(f"gather_mpi{world}")
+    run = run_mpi(WORKER, world, "mpi", str(out), *NAMES, timeout=LAUNCH_TIMEOUT)
+    records = records_by_name(out, world)
+    records["_logs"] = [{"log": explain(run)}]
+    records["_world"] = [{"world": world}]
+    return world, records
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+@pytest.mark.parametrize("name", NAMES)
+def test_mpi(mpi: tuple[int, dict[str, list[dict[str, Any]]]], name: str) -> None:
+    world, records = mpi
+    check(name, [r["result"] for r in scenario_records(records, name)], world)
+
+
+def test_the_device_path_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path CUDA tensors take (bytes as a torch tensor on the group's device,
+    headers read back with torch), forced for CPU tensors so it runs here too."""
+    from joinkit.adapters import gather as gather_module
+
+    check_layout = gather_module._check
+
+    def on_device(arrays: Any, settings: Any) -> Any:
+        layout = check_layout(arrays, settings)
+        layout.wire_torch = layout.torch
+        return layout
+
+    monkeypatch.setattr(gather_module, "_check", on_device)
+
+    def worker(group: Any) -> Any:
+        return gs.run_gather_loop(group, [2, 4, 0], kind="torch", keep=True)
+
+    results = spawn(worker, 3)
+    assert [r["checked"] for r in results] == [1002, 1004, 1000]
+
+
+def test_the_docs_example_runs_and_prints_what_it_says() -> None:
+    """docs/gather.md's code block, run as a program: it prints its comment."""
+    import re
+    import subprocess
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "gather.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    said = re.search(r"print\(spawn\(evaluate, 2\)\)  # (.*)", code)
+    assert said is not None
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == said.group(1)
+
+
+def test_keep_a_call_of_zero_rows_is_the_same_everywhere() -> None:
+    """Found by the property: a rank that made no call, beside one call of 0 rows,
+    gets the same empty arrays (not None) from collected() as the caller."""
+
+    def worker(group: Any) -> Any:
+        return gs.run_gather_loop(group, [0, 1], first=False, keep=True,
+                                  rows=lambda r, c: 0)
+
+    assert [r["checked"] for r in spawn(worker, 2)] == [1000, 1001]

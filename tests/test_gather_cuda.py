@@ -1,0 +1,43 @@
+"""``Gather`` with CUDA tensors: on an nccl group (the bytes stay on the GPU)
+and on a gloo group (they travel through the CPU); only where CUDA is.
+
+Two processes on nccl need two GPUs (nccl refuses two ranks on one device):
+with one GPU the nccl test runs one rank, and the gloo test two ranks on it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import launch_ranks, records_by_name, scenario_records
+from test_gather import check
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+WORKER = Path(__file__).with_name("gather_scenarios.py")
+LAUNCH_TIMEOUT = 150.0
+
+
+def _run(backend: str, world: int, out: Path) -> list[Any]:
+    runs = launch_ranks(
+        [[sys.executable, str(WORKER), backend, str(rank), str(world), str(out / "store"),
+          str(out), "cuda_tensors"] for rank in range(world)], LAUNCH_TIMEOUT)
+    records = records_by_name(out, world)
+    records["_logs"] = [{"log": run.stdout} for run in runs]
+    records["_world"] = [{"world": world}]
+    return [r["result"] for r in scenario_records(records, "cuda_tensors")]
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+def test_cuda_tensors_on_nccl(tmp_path: Path) -> None:
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    check("cuda_tensors", _run("nccl", world, tmp_path), world)
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+def test_cuda_tensors_on_gloo(tmp_path: Path) -> None:
+    check("cuda_tensors", _run("gloo", 2, tmp_path), 2)
