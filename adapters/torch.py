@@ -645,6 +645,11 @@ class _BackwardWatch:
         ddp._match_all_reduce_for_bwd_pass()
         if ddp.find_unused_parameters:
             ddp._match_unused_params_allreduce()
+        if not ddp._has_rebuilt_buckets:
+            # A bucket rebuild is still due: this rank's drain rebuilds, as the
+            # joined ranks' next round does, once the reducer no longer waits
+            # for the backward that never came.
+            ddp.reducer._reset_state()
         ddp.reducer._push_all_rebuilt_params()
         raise LocalProtocolError(
             "DistributedDataParallel ran a forward with gradients enabled and no backward "

@@ -317,7 +317,7 @@ def first_joinable_never_notifies(ctx: Ctx) -> Any:
 @scenario
 def later_joinables_with_accumulation(ctx: Ctx) -> Any:
     """Legitimate patterns stay quiet: DDP first with no_sync() accumulation
-    and a Ticker after it ticking once per step, uneven."""
+    (a heartbeat per forward) and a Ticker after it ticking once per forward."""
     counts = COUNTS[ctx.world][0]
     model = wrap(ctx, make("lin"))
     ticker = Ticker(ctx.group)
@@ -325,6 +325,7 @@ def later_joinables_with_accumulation(ctx: Ctx) -> Any:
         for i in range(counts[ctx.rank]):
             with model.no_sync():
                 model(batch(ctx.rank, i).to(DEVICE)).sum().backward()
+                ticker()
             model(batch(ctx.rank, i, salt=1).to(DEVICE)).sum().backward()
             ticker()
     return {"params": flat(model), "count": ticker.count}
