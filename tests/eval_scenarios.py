@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import joinkit
+from joinkit import backends
 from joinkit import Join, JoinHook, LocalProtocolError, PeerFailure
 
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -359,7 +360,7 @@ def main(argv: list[str]) -> None:
     global DEVICE
     if argv[0] == "mpi":
         out_dir, *names = argv[1:]
-        group = joinkit.backends.init_torch("gloo", timeout=TIMEOUT)
+        group = backends.init_torch("gloo", timeout=TIMEOUT)
         rank, world = group.rank, group.world_size
     else:
         rank_s, world_s, store, out_dir, *names = argv
