@@ -30,8 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import joinkit
-from joinkit import backends
-from joinkit import Join, JoinHook, LocalProtocolError, PeerFailure
+from joinkit import Join, JoinHook, LocalProtocolError, PeerFailure, backends
 
 TIMEOUT = datetime.timedelta(seconds=30)
 SCENARIOS, scenario = scenario_registry()

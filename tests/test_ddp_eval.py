@@ -84,7 +84,6 @@ def test_divisor_applies_wherever_ddp_stands(results: dict[str, Any]) -> None:
 
 def test_under_mpirun(tmp_path: Path) -> None:
     from mpi_support import explain, run_mpi
-
     from support import records_by_name
 
     names = ["ddp_eval_only", "ddp_train_eval_mixed", "ddp_grad_forward_without_backward",
