@@ -355,6 +355,92 @@ def ddp_divisor_positions(ctx: Ctx) -> Any:
     return {"worst": worst}
 
 
+# -- FSDP2 (fully_shard) ------------------------------------------------------------------
+
+
+def _fsdp() -> Any:
+    import fsdp_scenarios  # the FSDP2 helpers and references of tests/test_fsdp.py
+
+    return fsdp_scenarios
+
+
+@scenario
+def fsdp_eval_only(ctx: Ctx) -> Any:
+    """Forward-only loops on a nested fully_shard model (reshard after forward or
+    not), first or after a Ticker: outputs equal the plain module's."""
+    f = _fsdp()
+    worst, cases = 0.0, 0
+    for mode in EVAL_MODES:
+        for reshard in (True, False):
+            for counts in COUNTS[ctx.world][:2]:
+                for after in (False, True):
+                    model = f.shard(f.net(), ctx.group, reshard=reshard)
+                    reference = f.net()
+                    if mode == "eval_no_grad":
+                        model.eval()
+                    ticker = Ticker(ctx.group)
+                    with Join([ticker, model] if after else [model]):
+                        for i in range(counts[ctx.rank]):
+                            if after:
+                                ticker()
+                            x = f.data(ctx.rank, i)[0]
+                            out = eval_forward(model, x, mode)
+                            with torch.no_grad():
+                                ref = reference(x)
+                            worst = max(worst, float((out - ref).abs().max()))
+                    cases += 1
+    return {"worst": worst, "cases": cases}
+
+
+@scenario
+def fsdp_train_eval_mixed(ctx: Ctx) -> Any:
+    """A no_grad evaluation forward after every training step, one Join: the
+    parameters equal one process's."""
+    f = _fsdp()
+    worst = 0.0
+    for counts in COUNTS[ctx.world][:2]:
+        for options in ({}, {"check_agreement": False}):
+            model = f.shard(f.net(), ctx.group)
+            optimizer = f.sgd(model.parameters())
+            with Join([model, optimizer], **options):
+                for i in range(counts[ctx.rank]):
+                    x, y = f.data(ctx.rank, i)
+                    f.mse_loss(model(x), y).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    with torch.no_grad():
+                        model(f.data(ctx.rank, i + 50)[0])
+            worst = max(worst, f.deviation(model, f.reference(counts, f.sgd)))
+    return {"worst": worst}
+
+
+@scenario
+def fsdp_divisor_positions(ctx: Ctx) -> Any:
+    """divide_by_initial_world_size False and True with the model first and
+    after a Ticker: parameters equal one process dividing by the active count
+    (or the world size)."""
+    f = _fsdp()
+    worst = 0.0
+    for divide in (False, True):
+        for after in (False, True):
+            for counts in COUNTS[ctx.world][:2]:
+                model = f.shard(f.net(), ctx.group)
+                optimizer = f.sgd(model.parameters())
+                ticker = Ticker(ctx.group)
+                joinables = [ticker, model, optimizer] if after else [model, optimizer]
+                with Join(joinables, divide_by_initial_world_size=divide):
+                    for i in range(counts[ctx.rank]):
+                        if after:
+                            ticker()
+                        x, y = f.data(ctx.rank, i)
+                        f.mse_loss(model(x), y).backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                reference = f.reference(counts, f.sgd, divide_by_initial=divide)
+                worst = max(worst, f.deviation(model, reference))
+    return {"worst": worst}
+
+
 def main(argv: list[str]) -> None:
     global DEVICE
     if argv[0] == "mpi":

@@ -121,3 +121,13 @@ def test_over_nccl(tmp_path: Path) -> None:
         assert rank["worst"] < 1e-5
     for name in ("ddp_train_eval_mixed", "ddp_train_then_eval_epochs", "ddp_divisor_positions"):
         assert all(r["worst"] < 1e-4 for r in ranks_of(records, name)), name
+
+
+def test_fsdp2_eval_mixed_and_divisor(results: dict[str, Any]) -> None:
+    """FSDP2: forward-only loops (no_grad, inference_mode, eval(); resharding after
+    forward or not; first or after a Ticker), a no_grad forward after every step,
+    and divide_by_initial_world_size in both positions, against one process."""
+    for rank in ranks_of(results, "fsdp_eval_only"):
+        assert rank == {"worst": 0.0, "cases": 24}, rank
+    for name in ("fsdp_train_eval_mixed", "fsdp_divisor_positions"):
+        assert all(r["worst"] < 1e-6 for r in ranks_of(results, name)), name
