@@ -170,6 +170,30 @@ def ddp_eval_only(ctx: Ctx) -> Any:
     return {"worst": worst, "cases": cases}
 
 
+@scenario
+def ddp_eval_throw_mode(ctx: Ctx) -> Any:
+    """throw_on_early_termination=True around a no_grad loop (DDP's own sync
+    check, not fused): even counts finish with exact outputs; uneven ones end
+    with EarlyTermination on every rank, no abort."""
+    out: dict[str, Any] = {"worst": 0.0}
+    for counts in ([4] * ctx.world, COUNTS[ctx.world][0]):
+        model = wrap(ctx, make("bn"))
+        model.eval()
+        reference = make("bn").to(DEVICE).eval()
+        try:
+            with Join([model], throw_on_early_termination=True):
+                for i in range(counts[ctx.rank]):
+                    x = batch(ctx.rank, i).to(DEVICE)
+                    got = eval_forward(model, x, "no_grad")
+                    with torch.no_grad():
+                        want = reference(x)
+                    out["worst"] = max(out["worst"], float((got - want).abs().max()))
+            out[str(counts)] = None
+        except joinkit.EarlyTermination as error:
+            out[str(counts)] = type(error).__name__
+    return out
+
+
 def reference_train(kind: str, counts: list[int], world: int, divide_by_world: bool,
                     steps_eval: bool, lr: float = 0.1,
                     epochs: int = 1) -> tuple[nn.Module, list[list[float]]]:

@@ -45,6 +45,11 @@ def check_eval(results: dict[str, Any]) -> None:
 
 def test_eval_loops_match_one_process(results: dict[str, Any]) -> None:
     check_eval(results)
+    world = results["_world"][0]["world"]
+    for rank in ranks_of(results, "ddp_eval_throw_mode"):
+        assert rank["worst"] < 1e-6
+        assert rank[str([4] * world)] is None  # even: finished
+        assert len([v for v in rank.values() if v == "EarlyTermination"]) == 1
 
 
 def check_errors(results: dict[str, Any]) -> None:
