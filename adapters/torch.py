@@ -281,6 +281,10 @@ class TorchJoinable(Joinable):
             def counter() -> int | None:
                 return backend.collectives_issued  # type: ignore[no-any-return]
         self._watch = _BackwardWatch(self.obj, counter)
+        if not config.is_first_joinable:
+            # The first joinable's notify sends the next heartbeat, before
+            # DDP's next forward: settle the last forward there.
+            self._watch.before_heartbeat = join.before_next_heartbeat
         self._heartbeat_work = None
         if config.is_first_joinable and join.fuses_heartbeat:
             # The Join's backend (a TorchGroup) waits so that a peer's
@@ -620,11 +624,15 @@ class _BackwardWatch:
         self.ddp = ddp
         self.counter = counter
         self.mark: int | None = None  # the counter after a flagged forward
+        # DDP after another joinable: Join.before_next_heartbeat.
+        self.before_heartbeat: Callable[[Callable[[], None]], bool] | None = None
 
     def forwarded(self, flagged: bool) -> None:
         """An active rank's forward sent its collectives; ``flagged``: it announced a backward."""
         counter = self.counter
         self.mark = counter() if flagged and counter is not None else None
+        if self.mark is not None and self.before_heartbeat is not None:
+            self.before_heartbeat(self.settle)
 
     def settle(self) -> None:
         """Before this rank's next send: refuse a flagged forward that had no backward.

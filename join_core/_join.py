@@ -366,6 +366,9 @@ class Join:
         # Later joinables: the heartbeats counted at each one's latest notify
         # (by id; see _later_notify).
         self._notified: dict[int, int] = {}
+        # Checks to run before this rank's next heartbeat (before_next_heartbeat);
+        # while any waits, no standing order stands, so the fast path never looks.
+        self._checks: list[Callable[[], None]] = []
         # For the DEBUG log (_log_phase): since when the rank is in its phase,
         # and, across a drain's batches, its first round and its batches.
         self._phase_since: float | None = None
@@ -685,7 +688,12 @@ class Join:
     def _notify(self) -> Any:
         order = self._order
         if order is None:
-            # No standing order (throw mode): the machine decides each notify.
+            # No standing order (throw mode, or checks wait): the machine
+            # decides each notify.
+            if self._checks:
+                checks, self._checks = self._checks, []
+                for check in checks:
+                    check()  # may raise: the loop body's failure, before the heartbeat
             handle = self._feed(m.Notified(now=self._clock()))
         elif order.fused:
             # A fused joinable notifying: its heartbeat rides in its collective.
@@ -760,6 +768,32 @@ class Join:
         abort can end (its optional ``wait(work)``).
         """
         return self._backend
+
+    def before_next_heartbeat(self, check: Callable[[], None]) -> bool:
+        """Run ``check`` on this rank right before its next heartbeat, once.
+
+        For a later joinable that must settle (or refuse) what it did in this
+        iteration before the first joinable announces the next one (DDP after
+        another joinable: a forward with gradients and no backward). While a
+        check waits, the next notify takes the machine's path instead of the
+        standing order (a few microseconds, once); an exception from ``check``
+        leaves the first joinable's notify, in the loop body, before anything
+        is sent. Not with a fused heartbeat (it rides in the first joinable's
+        own collective, which the Join does not send).
+
+        Args:
+            check: called with no arguments.
+
+        Returns:
+            Whether the check was taken: ``False`` with a fused heartbeat or
+            outside the loop body.
+        """
+        state = self._state
+        if self._fused or state is None or state.phase is not m.Phase.ACTIVE:
+            return False
+        self._checks.append(check)
+        self._order = None
+        return True
 
     @property
     def heartbeat_handle(self) -> Any:
@@ -1046,7 +1080,8 @@ class Join:
             for command in transition.commands:
                 match command:
                     case m.HeartbeatOrder():
-                        self._order = command
+                        # Pending checks keep the next notify on the machine's path.
+                        self._order = None if self._checks else command
                     case m.Drain():
                         self._drain_batches += 1
                         pending, hook_error = self._drain(command)

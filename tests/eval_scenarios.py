@@ -288,17 +288,25 @@ def ddp_grad_forward_without_backward(ctx: Ctx) -> Any:
     with a clear error (its own LocalProtocolError, or PeerFailure), no abort."""
     out = {}
     for counts in ([3, 5, 4][: ctx.world], [0, 4, 2][: ctx.world], [0, 1, 0][: ctx.world]):
-        for options in ({}, {"check_agreement": False}):
+        for options in ({}, {"check_agreement": False}, {"after": True},
+                        {"after": True, "throw_on_early_termination": True}):
+            if options.get("throw_on_early_termination") and min(counts) == 0:
+                continue  # an empty rank ends a throw-mode Join first
             model = wrap(ctx, make("lin"))
             model.eval()
+            options = dict(options)
+            after = options.pop("after", False)
+            ticker = Ticker(ctx.group)
             error: BaseException | None = None
             try:
-                with Join([model], **options):
+                with Join([ticker, model] if after else [model], **options):
                     for i in range(counts[ctx.rank]):
+                        if after:
+                            ticker()
                         model(batch(ctx.rank, i).to(DEVICE))
             except (LocalProtocolError, PeerFailure) as caught:
                 error = caught
-            out[f"{counts}-{sorted(options)}"] = outcome(error)
+            out[f"{counts}-{sorted(options)}-{after}"] = outcome(error)
             # The group still works: one more all-reduce matches on every rank.
             t = torch.ones(1, device=DEVICE)
             dist.all_reduce(t, group=ctx.group)
