@@ -369,6 +369,7 @@ class Join:
         # Checks to run before this rank's next heartbeat (before_next_heartbeat);
         # while any waits, no standing order stands, so the fast path never looks.
         self._checks: list[Callable[[], None]] = []
+        self._held_order: m.HeartbeatOrder | None = None
         # For the DEBUG log (_log_phase): since when the rank is in its phase,
         # and, across a drain's batches, its first round and its batches.
         self._phase_since: float | None = None
@@ -687,13 +688,15 @@ class Join:
 
     def _notify(self) -> Any:
         order = self._order
+        if order is None and self._checks:
+            checks, self._checks = self._checks, []
+            for check in checks:
+                check()  # may raise: the loop body's failure, before the heartbeat
+            # The standing order held while the checks waited (None in throw mode).
+            order, self._held_order = self._held_order, None
+            self._order = order
         if order is None:
-            # No standing order (throw mode, or checks wait): the machine
-            # decides each notify.
-            if self._checks:
-                checks, self._checks = self._checks, []
-                for check in checks:
-                    check()  # may raise: the loop body's failure, before the heartbeat
+            # No standing order (throw mode): the machine decides each notify.
             handle = self._feed(m.Notified(now=self._clock()))
         elif order.fused:
             # A fused joinable notifying: its heartbeat rides in its collective.
@@ -776,7 +779,7 @@ class Join:
         iteration before the first joinable announces the next one (DDP after
         another joinable: a forward with gradients and no backward). While a
         check waits, the next notify takes the machine's path instead of the
-        standing order (a few microseconds, once); an exception from ``check``
+        standing order's inline check (a branch, once); an exception from ``check``
         leaves the first joinable's notify, in the loop body, before anything
         is sent. Not with a fused heartbeat (it rides in the first joinable's
         own collective, which the Join does not send).
@@ -792,7 +795,8 @@ class Join:
         if self._fused or state is None or state.phase is not m.Phase.ACTIVE:
             return False
         self._checks.append(check)
-        self._order = None
+        if self._order is not None:
+            self._order, self._held_order = None, self._order
         return True
 
     @property
@@ -1071,7 +1075,7 @@ class Join:
             before = self._state.phase
             # A standing order ends with the next observation; the transition
             # issues it again where it still stands.
-            self._order = None
+            self._order = self._held_order = None
             transition = m.step(self._state, pending)
             self._state = state = transition.state
             if state.phase is not before:
@@ -1080,8 +1084,11 @@ class Join:
             for command in transition.commands:
                 match command:
                     case m.HeartbeatOrder():
-                        # Pending checks keep the next notify on the machine's path.
-                        self._order = None if self._checks else command
+                        if self._checks:
+                            # Pending checks: the next notify runs them first.
+                            self._order, self._held_order = None, command
+                        else:
+                            self._order = command
                     case m.Drain():
                         self._drain_batches += 1
                         pending, hook_error = self._drain(command)

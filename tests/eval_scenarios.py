@@ -19,6 +19,7 @@ final parameters (the test compares ranks) and the errors it left the Join with.
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from joinkit import Join, JoinHook, LocalProtocolError, PeerFailure, backends
 TIMEOUT = datetime.timedelta(seconds=30)
 SCENARIOS, scenario = scenario_registry()
 DEVICE = torch.device("cpu")
+TRACE = bool(os.environ.get("JOINKIT_TRACE_CASES"))
 
 #: Batch counts per rank, per world size.
 COUNTS = {2: [[3, 5], [0, 4], [5, 3]], 3: [[3, 5, 4], [0, 4, 2], [2, 2, 2]]}
@@ -376,6 +378,8 @@ def ddp_divisor_positions(ctx: Ctx) -> Any:
         for after in (False, True):
             for options in ({}, {"check_agreement": False}):
                 for counts in COUNTS[ctx.world][:2]:
+                    if TRACE:
+                        print(ctx.rank, "case", divide, after, options, counts, flush=True)
                     model = wrap(ctx, make("lin"))
                     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
                     ticker = Ticker(ctx.group)
@@ -406,6 +410,8 @@ def fsdp_eval_only(ctx: Ctx) -> Any:
         for reshard in (True, False):
             for counts in COUNTS[ctx.world][:2]:
                 for after in (False, True):
+                    if TRACE:
+                        print(ctx.rank, "case", mode, reshard, counts, after, flush=True)
                     model = f.shard(f.net(), ctx.group, reshard=reshard)
                     reference = f.net()
                     if mode == "eval_no_grad":

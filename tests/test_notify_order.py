@@ -45,3 +45,36 @@ def test_legitimate_patterns_are_quiet(world: int) -> None:
         for rank, result in enumerate(results):
             total = expected_total(counts, rank)
             assert result == {"first": total, "twice": 2 * total, "in_hook": total}
+
+
+@pytest.mark.parametrize("throw", [False, True])
+def test_before_next_heartbeat_runs_once_before_the_first_joinables_notify(throw: bool) -> None:
+    """A later joinable's check runs right before the next heartbeat, once; the
+    heartbeats (and so the totals) are exactly those of a plain loop."""
+    from support import AllReducer
+
+    from joinkit import Join
+
+    counts = [4, 4] if throw else [3, 5]
+
+    def rank_fn(group: ThreadGroup) -> Any:
+        first, later = AllReducer(group), AllReducer(group)
+        events: list[str] = []
+        with Join([first, later], throw_on_early_termination=throw) as join:
+            for i in range(counts[group.rank]):
+                events.append(f"notify {i}")
+                first()
+                later()
+                assert join.before_next_heartbeat(lambda i=i: events.append(f"check {i}"))
+        taken = join.before_next_heartbeat(lambda: None)  # after the loop: not taken
+        return first.total, later.total, events, taken, join.state.heartbeats
+
+    for rank, (first, later, events, taken, beats) in enumerate(
+            spawn(rank_fn, 2, timeout=TIMEOUT)):
+        n = counts[rank]
+        assert first == later == expected_total(counts, rank)
+        # "notify i" is logged before first() runs the check of iteration i - 1.
+        expected = ["notify 0"] + [e for i in range(1, n) for e in (f"notify {i}",
+                                                                     f"check {i - 1}")]
+        assert events == expected
+        assert taken is False and beats == n
