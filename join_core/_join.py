@@ -689,12 +689,7 @@ class Join:
     def _notify(self) -> Any:
         order = self._order
         if order is None and self._checks:
-            checks, self._checks = self._checks, []
-            for check in checks:
-                check()  # may raise: the loop body's failure, before the heartbeat
-            # The standing order held while the checks waited (None in throw mode).
-            order, self._held_order = self._held_order, None
-            self._order = order
+            order = self._run_checks()
         if order is None:
             # No standing order (throw mode): the machine decides each notify.
             handle = self._feed(m.Notified(now=self._clock()))
@@ -717,6 +712,16 @@ class Join:
         if self._counts_collectives:
             self._collectives_at_heartbeat = self._backend.collectives_issued
         return handle
+
+    def _run_checks(self) -> m.HeartbeatOrder | None:
+        """Run the checks waiting for this heartbeat; give back the held order."""
+        checks, self._checks = self._checks, []
+        for check in checks:
+            check()  # may raise: the loop body's failure, before the heartbeat
+        # The standing order held while the checks waited (None in throw mode).
+        order, self._held_order = self._held_order, None
+        self._order = order
+        return order
 
     def _fused_beat(self, order: m.HeartbeatOrder) -> float:
         """The standing order for a fused heartbeat: the value for the slot."""
