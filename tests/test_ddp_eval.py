@@ -109,11 +109,12 @@ def test_under_mpirun(tmp_path: Path) -> None:
         assert all(e is not None and SILENT in e["message"] for e in rank.values())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (nccl)")
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (nccl, one rank per GPU)")
 def test_over_nccl(tmp_path: Path) -> None:
     from support import launch_ranks, records_by_name
 
-    world = min(2, torch.cuda.device_count()) if torch.cuda.device_count() > 1 else 2
+    world = 2
     names = ["ddp_eval_only", "ddp_train_eval_mixed", "ddp_train_then_eval_epochs",
              "ddp_divisor_positions"]
     import sys
