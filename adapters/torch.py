@@ -27,6 +27,26 @@ torch's original never sends a second heartbeat. The router is installed when
 the first adapter is entered and removed when the last one leaves. DDP gets the
 heartbeat's ``Work`` back, exactly as from torch, and hands it to its reducer,
 so ``divide_by_initial_world_size=False`` divides by the number of active ranks.
+A DDP after another joinable gets no heartbeat from its own notify; with
+``divide_by_initial_world_size=False`` its reducer gets the Join's latest
+heartbeat instead (``Join.heartbeat_handle``, sent by the first joinable in
+the same iteration), and where the first joinable fuses its heartbeat into its
+own collective (no torch Work carries the count) the Join is refused on entry.
+
+*Iterations without a backward.* torch's DDP tells a joined rank "gradients
+are all-reduced this iteration" whenever ``require_backward_grad_sync`` is set,
+also under ``torch.no_grad()``, where no backward follows: the joined rank then
+waits in bucket all-reduces nobody sends (gloo aborts the process). Here the
+flag is ``torch.is_grad_enabled() and require_backward_grad_sync`` (fused, or
+in :class:`_SyncCheck`, DDP's own check's replacement), which is also what
+DDP's ``_post_forward`` sets ``require_forward_param_sync`` to, so buffer
+broadcasts match too. A forward without gradients also runs DDP's one-time
+bucket rebuild when due (a joined rank's hook always does; DDP's forward only
+with gradients). A forward *with* gradients and no backward cannot be told at
+the time: :class:`_BackwardWatch` finds it before this rank's next send and
+refuses it after matching the joined ranks' all-reduces. A replayed model
+(``adapters._ddp_replay``) cannot replay a forward-only iteration: a forward
+without gradients is refused before anything is sent.
 
 *DDP carries the heartbeat in its gradient-sync check.* With join enabled,
 torch's DDP sends two 1-element all-reduces per forward besides its gradients:
