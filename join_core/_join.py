@@ -442,13 +442,23 @@ class Join:
                 self._watch.peers_inside = True  # every rank passed the agreement check
             # Not an activity: the loop body may take as long as it likes.
             self._post(_watchdog.LOOP_BODY)
-        for index, joinable in enumerate(self._joinables):
-            joinable._join_config = JoinConfig(
-                enable=self._enable,
-                throw_on_early_termination=self._throw_on_early_termination,
-                is_first_joinable=index == 0,
-                join=self,
-            )
+        try:
+            for index, joinable in enumerate(self._joinables):
+                joinable._join_config = JoinConfig(
+                    enable=self._enable,
+                    throw_on_early_termination=self._throw_on_early_termination,
+                    is_first_joinable=index == 0,
+                    join=self,
+                )
+        except BaseException:
+            # An adapter refused its config (every rank alike: the settings
+            # agree); nothing of the loop has run, so leave as if never entered.
+            for joinable in self._joinables:
+                joinable._join_config = _DISABLED
+            if self._enable:
+                _watchdog.unwatch(self._watch)
+                self._post(_watchdog.LEFT)
+            raise
         if self._enable:
             _active.joins = getattr(_active, "joins", 0) + 1
             self._inside = True

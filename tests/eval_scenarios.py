@@ -391,6 +391,35 @@ def ddp_divisor_positions(ctx: Ctx) -> Any:
     return {"worst": worst}
 
 
+class FusedTicker(Ticker):
+    """A first joinable that carries the heartbeat in its own collective."""
+
+    join_fuses_heartbeat = True
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        class Hook(JoinHook):
+            def fused_shadow(self, heartbeat: float) -> float:
+                return heartbeat
+
+        return Hook()
+
+
+@scenario
+def ddp_divisor_refused_after_a_fused_joinable(ctx: Ctx) -> Any:
+    """No torch Work carries the active count: the Join refuses on entry, on
+    every rank, and the group and the model stay usable."""
+    model = wrap(ctx, make("lin"))
+    error = None
+    try:
+        with Join([FusedTicker(ctx.group), model], divide_by_initial_world_size=False):
+            raise AssertionError("entered")
+    except LocalProtocolError as caught:
+        error = str(caught)
+    config = model._join_config
+    model(batch(ctx.rank, 0).to(DEVICE)).sum().backward()  # plain DDP again
+    return {"error": error, "enabled": bool(config.enable)}
+
+
 # -- FSDP2 (fully_shard) ------------------------------------------------------------------
 
 

@@ -85,6 +85,10 @@ def test_misuse_gives_every_rank_a_clear_error(results: dict[str, Any]) -> None:
 def test_divisor_applies_wherever_ddp_stands(results: dict[str, Any]) -> None:
     for rank in ranks_of(results, "ddp_divisor_positions"):
         assert rank["worst"] < 1e-6, rank
+    for rank in ranks_of(results, "ddp_divisor_refused_after_a_fused_joinable"):
+        assert rank["enabled"] is False
+        assert rank["error"] and "divide_by_initial_world_size=False" in rank["error"]
+        assert "List the model first" in rank["error"]
 
 
 def test_under_mpirun(tmp_path: Path) -> None:
