@@ -334,6 +334,7 @@ def replay(
     *,
     backward: bool,
     autocast: tuple[str, torch.dtype] | None = None,
+    inference: bool = False,
 ) -> None:
     """Run ``module``'s forward (and backward from a zero loss) as a joined rank's shadow.
 
@@ -344,6 +345,8 @@ def replay(
         backward: run backward; also decides whether forward records a graph
             (the active ranks' ``torch.is_grad_enabled()``).
         autocast: ``(device_type, dtype)`` to run forward under, or ``None``.
+        inference: run forward under ``torch.inference_mode()`` (as the active
+            ranks did; implies no backward).
 
     Raises:
         LocalProtocolError: backward was expected but no output requires grad.
@@ -352,7 +355,9 @@ def replay(
            else contextlib.nullcontext())
     try:
         with kept_buffers(module):
-            with torch.set_grad_enabled(backward), amp:
+            mode = (torch.inference_mode() if inference and not backward
+                    else torch.set_grad_enabled(backward))
+            with mode, amp:
                 output = module(*args, **kwargs)
             if backward:
                 loss = zero_loss(output)

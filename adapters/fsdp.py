@@ -15,7 +15,10 @@ when the model is the Join's first joinable; otherwise the slot is 0 and the
 first joinable sends it) and ``flags`` says what the rest of this iteration
 does: bit 0, FSDP reduces gradients (``set_requires_gradient_sync``); bit 1,
 HSDP all-reduces them (``set_requires_all_reduce``); bit 2, gradients are
-enabled, so a backward follows. ``joinkit.split_heartbeat_flags(total, 2**24)``
+enabled, so a backward follows; bit 3, ``torch.inference_mode()`` (a joined
+rank replays the forward in inference mode too: FSDP's unsharded parameters
+are then inference tensors on every rank alike, and an evaluation loop under
+``inference_mode`` shadows without a graph). ``joinkit.split_heartbeat_flags(total, 2**24)``
 splits off the heartbeat sum (below ``2**24`` in the worlds of fewer than 4096
 ranks this check counts; a failed rank's first weight lies above these lanes),
 so the sum splits exactly into the heartbeat sum, the number of active ranks
@@ -106,7 +109,7 @@ _SUM: Any = dist.ReduceOp.SUM
 # Step check encoding (module doc).
 _SLOT = float(2**24)
 _RANKS = 4096
-SYNC, ALL_REDUCE, GRAD = 1, 2, 4
+SYNC, ALL_REDUCE, GRAD, INFERENCE = 1, 2, 4, 8
 
 
 def adapt(model: Any) -> FSDPJoinable:
@@ -349,7 +352,8 @@ class FSDPJoinable(Joinable):
         args, kwargs, autocast = self._source.inputs(self.join_device)
         self._replaying = True
         try:
-            _replay.replay(model, args, kwargs, backward=backward, autocast=autocast)
+            _replay.replay(model, args, kwargs, backward=backward, autocast=autocast,
+                           inference=bool(flags & INFERENCE))
         finally:
             self._replaying = False
             for group, reduce_grads, all_reduce_grads in saved:
@@ -511,6 +515,8 @@ def _flags(groups: list[Any]) -> int:
             "(recurse=True, the default)"
         )
     flags = GRAD if torch.is_grad_enabled() else 0
+    if torch.is_inference_mode_enabled():
+        flags |= INFERENCE  # FSDP's all-gathers then make inference tensors
     if reduce != {False}:
         flags |= SYNC
     if all_reduce != {False}:

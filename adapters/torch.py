@@ -27,6 +27,26 @@ torch's original never sends a second heartbeat. The router is installed when
 the first adapter is entered and removed when the last one leaves. DDP gets the
 heartbeat's ``Work`` back, exactly as from torch, and hands it to its reducer,
 so ``divide_by_initial_world_size=False`` divides by the number of active ranks.
+A DDP after another joinable gets no heartbeat from its own notify; with
+``divide_by_initial_world_size=False`` its reducer gets the Join's latest
+heartbeat instead (``Join.heartbeat_handle``, sent by the first joinable in
+the same iteration), and where the first joinable fuses its heartbeat into its
+own collective (no torch Work carries the count) the Join is refused on entry.
+
+*Iterations without a backward.* torch's DDP tells a joined rank "gradients
+are all-reduced this iteration" whenever ``require_backward_grad_sync`` is set,
+also under ``torch.no_grad()``, where no backward follows: the joined rank then
+waits in bucket all-reduces nobody sends (gloo aborts the process). Here the
+flag is ``torch.is_grad_enabled() and require_backward_grad_sync`` (fused, or
+in :class:`_SyncCheck`, DDP's own check's replacement), which is also what
+DDP's ``_post_forward`` sets ``require_forward_param_sync`` to, so buffer
+broadcasts match too. A forward without gradients also runs DDP's one-time
+bucket rebuild when due (a joined rank's hook always does; DDP's forward only
+with gradients). A forward *with* gradients and no backward cannot be told at
+the time: :class:`_BackwardWatch` finds it before this rank's next send and
+refuses it after matching the joined ranks' all-reduces. A replayed model
+(``adapters._ddp_replay``) cannot replay a forward-only iteration: a forward
+without gradients is refused before anything is sent.
 
 *DDP carries the heartbeat in its gradient-sync check.* With join enabled,
 torch's DDP sends two 1-element all-reduces per forward besides its gradients:
@@ -219,6 +239,12 @@ class TorchJoinable(Joinable):
         # A DDP may carry the heartbeat (module doc); the Join reads this flag.
         self.join_fuses_heartbeat = self._is_ddp
         self._fused: _FusedCheck | None = None
+        self._sync_check: _SyncCheck | None = None
+        self._watch: _BackwardWatch | None = None
+        # DDP after the first joinable with divide_by_initial_world_size=False:
+        # the Join whose heartbeat Work DDP's reducer reads (module doc).
+        self._heartbeat_work: Any = None
+        self._replays = False  # DDP shadowed by replay (adapters._ddp_replay)
         self._divide_by_initial_world_size = True  # DDP's join_hook default
 
     def __repr__(self) -> str:
@@ -250,11 +276,8 @@ class TorchJoinable(Joinable):
                 is_first_joinable=False,  # joinkit sends the heartbeat (module doc)
             )
             if not was_active:
-                if self._is_ddp and config.is_first_joinable and config.join.fuses_heartbeat:
-                    # The Join's backend (a TorchGroup) waits so that a peer's
-                    # abort ends a blocked shadow, as it ends the Join's counts.
-                    self._fused = _FusedCheck(self.obj, self._divide_by_initial_world_size,
-                                              getattr(config.join.backend, "wait", None))
+                if self._is_ddp:
+                    self._enter_ddp(config)
                 _route(self)
             return
         self.obj._join_config = _TORCH_DISABLED
@@ -263,8 +286,45 @@ class TorchJoinable(Joinable):
             if self._fused is not None:
                 self._fused.close()
                 self._fused = None
+            if self._sync_check is not None:
+                self._sync_check.close()
+                self._sync_check = None
             if self._is_ddp:
                 _forget_join(self)
+
+    def _enter_ddp(self, config: Any) -> None:
+        """Install DDP's gradient-sync check for this Join (module doc)."""
+        join = config.join
+        backend = join.backend
+        counter: Callable[[], int | None] | None = None
+        if hasattr(backend, "collectives_issued"):
+            def counter() -> int | None:
+                return backend.collectives_issued  # type: ignore[no-any-return]
+        self._watch = _BackwardWatch(self.obj, counter)
+        if not config.is_first_joinable:
+            # The first joinable's notify sends the next heartbeat, before
+            # DDP's next forward: settle the last forward there.
+            self._watch.before_heartbeat = join.before_next_heartbeat
+        self._heartbeat_work = None
+        if config.is_first_joinable and join.fuses_heartbeat:
+            # The Join's backend (a TorchGroup) waits so that a peer's
+            # abort ends a blocked shadow, as it ends the Join's counts.
+            self._fused = _FusedCheck(self.obj, self._divide_by_initial_world_size,
+                                      getattr(backend, "wait", None), self._watch)
+        else:
+            self._sync_check = _SyncCheck(self.obj, self._watch)
+            if not config.is_first_joinable and not self._divide_by_initial_world_size:
+                if join.fuses_heartbeat:
+                    # The heartbeat rides in another joinable's collective: no
+                    # torch Work carries the number of active ranks.
+                    raise LocalProtocolError(
+                        "Join(..., divide_by_initial_world_size=False) with "
+                        "DistributedDataParallel after a first joinable that carries the "
+                        "heartbeat in its own collective: DDP cannot learn the number "
+                        "of active ranks. List the model first, Join([model, ...]), or "
+                        "keep divide_by_initial_world_size=True"
+                    )
+                self._heartbeat_work = join
 
     # -- Joinable ------------------------------------------------------------------
 
@@ -289,7 +349,9 @@ class TorchJoinable(Joinable):
             # A model with collectives in forward is shadowed by replaying it.
             from ._ddp_replay import replay_shadow
 
-            return replay_shadow(self, hook, kwargs) or _DDPShadow(self, hook)
+            replaying = replay_shadow(self, hook, kwargs)
+            self._replays = replaying is not None
+            return replaying or _DDPShadow(self, hook)
         if _is_zero(self.obj):
             return _ZeROShadow(self, hook)
         return _Shadow(self, hook)
@@ -327,13 +389,39 @@ class TorchJoinable(Joinable):
             return _torch_notify.__func__(self.obj)
         if self._in_hook:
             return None  # a shadow round's own notify (ZeRO's step), not an input
+        if not self._is_ddp:
+            return Join.notify_join_context(self)
+        if self._replays and not torch.is_grad_enabled():
+            raise _replay_eval_error()  # before anything goes out
         fused = self._fused
         if fused is not None:
-            return fused.notify(self)
-        handle = Join.notify_join_context(self)
-        if self._is_ddp and not isinstance(handle, dist.Work):
-            return None  # DDP's reducer accepts nothing but a torch Work
+            handle = fused.notify(self)
+        else:
+            if self._watch is not None:
+                self._watch.settle()
+            handle = Join.notify_join_context(self)
+            if self._heartbeat_work is not None:
+                # Not first: the first joinable sent this iteration's heartbeat.
+                handle = self._heartbeat_work.heartbeat_handle
+            if not isinstance(handle, dist.Work):
+                handle = None  # DDP's reducer accepts nothing but a torch Work
+        if not torch.is_grad_enabled():
+            # A joined rank's hook rebuilds DDP's buckets whenever a rebuild is
+            # due; DDP's forward does only with gradients on: here it does too.
+            ddp = self.obj
+            if ddp.reducer._rebuild_buckets():
+                ddp._has_rebuilt_buckets = True
         return handle
+
+    def join_leave_loop(self) -> None:
+        """Called by the Join as this rank leaves its loop: settle the last forward.
+
+        Raises:
+            LocalProtocolError: the last forward told joined ranks to shadow a
+                gradient all-reduce and no backward ran (module doc).
+        """
+        if self._watch is not None and _routes.get(self.key) is self:
+            self._watch.settle()
 
 
 # -- hooks ------------------------------------------------------------------------
@@ -435,8 +523,11 @@ class _FusedCheck:
     """
 
     def __init__(self, ddp: Any, divide_by_initial_world_size: bool,
-                 wait: Callable[[Any], Any] | None = None) -> None:
+                 wait: Callable[[Any], Any] | None = None,
+                 watch: _BackwardWatch | None = None) -> None:
         self.ddp = ddp
+        self.watch = watch or _BackwardWatch(ddp, None)
+        self.flagged = False  # this rank's latest send said "gradients are all-reduced"
         self.wait: Callable[[Any], Any] = wait or _plain_wait
         device = torch.device(ddp.join_device)
         self.on_cpu = device.type == "cpu"
@@ -476,8 +567,10 @@ class _FusedCheck:
         previous = self.works[index]
         if previous is not None:
             previous.wait()  # this buffer's last all-reduce
+        self.watch.settle()  # the last flagged forward, before anything goes out
         value = Join.fused_heartbeat(adapter)  # may raise PeerAborted
-        if self.ddp.require_backward_grad_sync:
+        self.flagged = self.ddp.require_backward_grad_sync and torch.is_grad_enabled()
+        if self.flagged:
             value += _SYNCS
         buf = self.buffers[index]
         view = self.views[index]
@@ -517,12 +610,135 @@ class _FusedCheck:
     def check(self, is_joined_rank: bool) -> bool | None:
         """DDP's ``_check_global_requires_backward_grad_sync``, already sent."""
         if not is_joined_rank:
-            return None  # the sync flag went out with the heartbeat
+            # The sync flag went out with the heartbeat; DDP's pre-forward
+            # collectives (buffer broadcast) are behind us.
+            self.watch.forwarded(self.flagged)
+            return None
         if self.own_latest is not None:
             # A completion round: the round of this rank's own last send.
             self.wait(self.works[self.own_latest])
             self._read(self.own_latest)
         return self.sync
+
+
+class _BackwardWatch:
+    """Whether a forward that announced a gradient all-reduce got its backward.
+
+    An active rank's forward tells the joined ranks whether a gradient
+    all-reduce follows (grad mode on and ``require_backward_grad_sync``); they
+    then shadow one all-reduce per bucket. A forward with gradients enabled and
+    no backward (``model.eval()`` without ``torch.no_grad()``, a validation
+    loss) would leave them in those all-reduces while this rank sends its next
+    heartbeat or count: a mismatch (gloo aborts the process). So after such a
+    forward's own collectives the watch notes the group's collective counter
+    (the Join backend's ``collectives_issued``, which counts DDP's C++
+    collectives); before this rank's next send (its next forward, or leaving
+    the loop) :meth:`settle` looks again. Unchanged means no bucket all-reduce
+    went out: the watch then sends the all-reduces the joined ranks are in
+    (zeros, as a joined rank does) and raises, and the Join's failure protocol
+    gives every rank a clear error. One counter read per forward; nothing
+    without a counter (a backend that keeps none).
+    """
+
+    def __init__(self, ddp: Any, counter: Callable[[], int | None] | None) -> None:
+        self.ddp = ddp
+        self.counter = counter
+        self.mark: int | None = None  # the counter after a flagged forward
+        # DDP after another joinable: Join.before_next_heartbeat.
+        self.before_heartbeat: Callable[[Callable[[], None]], bool] | None = None
+
+    def forwarded(self, flagged: bool) -> None:
+        """An active rank's forward sent its collectives; ``flagged``: it announced a backward."""
+        counter = self.counter
+        self.mark = counter() if flagged and counter is not None else None
+        if self.mark is not None and self.before_heartbeat is not None:
+            self.before_heartbeat(self.settle)
+
+    def settle(self) -> None:
+        """Before this rank's next send: refuse a flagged forward that had no backward.
+
+        Raises:
+            LocalProtocolError: it had none (the joined ranks' all-reduces were
+                matched first).
+        """
+        mark = self.mark
+        if mark is None:
+            return
+        self.mark = None
+        assert self.counter is not None
+        if self.counter() != mark:
+            return  # the backward's bucket all-reduces went out
+        ddp = self.ddp
+        # What a joined rank's hook does after "syncs" (torch's _DDPJoinHook).
+        ddp._match_all_reduce_for_bwd_pass()
+        if ddp.find_unused_parameters:
+            ddp._match_unused_params_allreduce()
+        if not ddp._has_rebuilt_buckets:
+            # A bucket rebuild is still due: this rank's drain rebuilds, as the
+            # joined ranks' next round does, once the reducer no longer waits
+            # for the backward that never came.
+            ddp.reducer._reset_state()
+        ddp.reducer._push_all_rebuilt_params()
+        raise LocalProtocolError(
+            "DistributedDataParallel ran a forward with gradients enabled and no backward "
+            "after it (e.g. evaluation in model.eval() without torch.no_grad()): inside a "
+            "Join, such a forward tells joined ranks to shadow its gradient all-reduce. "
+            "Run forward-only iterations under `with torch.no_grad():` (or "
+            "torch.inference_mode(), or model.no_sync()), and follow every other forward "
+            "by a backward. (joinkit matched the all-reduce the joined ranks were in, so "
+            "no collective mismatched.)"
+        )
+
+
+class _SyncCheck:
+    """DDP's own gradient-sync check, where the heartbeat is not fused (module doc).
+
+    torch's active side says "syncs" whenever ``require_backward_grad_sync``,
+    also under ``torch.no_grad()``, where no backward follows: its joined rank
+    then shadows a gradient all-reduce nobody sends. This one says "syncs"
+    only when grad mode is on as well (the same all-reduce, the same value
+    otherwise), and tells the :class:`_BackwardWatch`.
+    """
+
+    def __init__(self, ddp: Any, watch: _BackwardWatch) -> None:
+        self.ddp = ddp
+        self.watch = watch
+        self.original = type(ddp)._check_global_requires_backward_grad_sync.__get__(ddp)
+        ddp._check_global_requires_backward_grad_sync = self
+
+    def __call__(self, is_joined_rank: bool) -> bool | None:
+        ddp = self.ddp
+        if is_joined_rank:
+            return self.original(True)  # type: ignore[no-any-return]
+        requires = ddp.require_backward_grad_sync
+        flagged = requires and torch.is_grad_enabled()
+        if requires and not flagged:
+            ddp.require_backward_grad_sync = False
+            try:
+                self.original(False)
+            finally:
+                ddp.require_backward_grad_sync = requires
+        else:
+            self.original(False)
+        self.watch.forwarded(flagged)
+        return None
+
+    def close(self) -> None:
+        """Give DDP its own check back."""
+        if self.ddp.__dict__.get("_check_global_requires_backward_grad_sync") is self:
+            del self.ddp.__dict__["_check_global_requires_backward_grad_sync"]
+
+
+def _replay_eval_error() -> LocalProtocolError:
+    return LocalProtocolError(
+        "a forward without gradients (torch.no_grad() / torch.inference_mode()) of a "
+        "DistributedDataParallel model that joined ranks shadow by replaying it (it has "
+        "SyncBatchNorm or another module with collectives in forward, or Join(..., "
+        "replay=True)): a replay cannot tell a forward-only iteration from one with a "
+        "backward. Evaluate in a Join of its own with the model in eval mode (SyncBatchNorm "
+        "then sends nothing in forward): `model.eval()` then `with Join([model], "
+        "replay=False), torch.no_grad(): ...`"
+    )
 
 
 def _plain_wait(work: Any) -> Any:

@@ -154,6 +154,20 @@ class Joinable(abc.ABC):
     an iteration a failure struck, and fails fast instead (see :class:`Join`).
     A raw communicator as ``join_process_group`` needs no flag: its backend
     counts nothing.
+
+    *Announced iterations.* A joined rank runs every main hook once per
+    heartbeat, so a joinable after the first one must see a heartbeat between
+    two of its notifies (the first joinable's notify, before that joinable's
+    own collectives). A later joinable's notify with no heartbeat since its
+    previous one (or since entry) raises :class:`~joinkit.LocalProtocolError`
+    naming the first joinable, before any of its collectives can mismatch. A
+    later joinable whose main hook shadows several notifies per iteration sets
+    ``join_notifies_per_iteration = None`` to turn the check off for itself.
+
+    *Leaving the loop.* A joinable may define ``join_leave_loop()``: the Join
+    calls it on a rank that leaves its loop body without an exception, before
+    the rank joins, so the joinable can finish (or refuse) an iteration it
+    announced; an exception from it is handled as the loop body's own.
     """
 
     #: Opt in to the fused heartbeat (see the class docstring).
@@ -165,6 +179,9 @@ class Joinable(abc.ABC):
     #: without ``process_group``): the Join does not read its
     #: ``join_process_group`` and ``join_device`` to choose or compare groups.
     join_follows_group: bool = False
+    #: How many notifies of this joinable one heartbeat covers: 1, or ``None``
+    #: for any number (see "Announced iterations" in the class docstring).
+    join_notifies_per_iteration: int | None = 1
 
     @abc.abstractmethod
     def __init__(self) -> None:
@@ -364,6 +381,13 @@ class Join:
         self._aborted: str | None = None
         # Between __enter__ and __exit__ (a Join is single-use: see _reentered).
         self._inside = False
+        # Later joinables: the heartbeats counted at each one's latest notify
+        # (by id; see _later_notify).
+        self._notified: dict[int, int] = {}
+        # Checks to run before this rank's next heartbeat (before_next_heartbeat);
+        # while any waits, no standing order stands, so the fast path never looks.
+        self._checks: list[Callable[[], None]] = []
+        self._held_order: m.HeartbeatOrder | None = None
         # For the DEBUG log (_log_phase): since when the rank is in its phase,
         # and, across a drain's batches, its first round and its batches.
         self._phase_since: float | None = None
@@ -436,13 +460,23 @@ class Join:
                 self._watch.peers_inside = True  # every rank passed the agreement check
             # Not an activity: the loop body may take as long as it likes.
             self._post(_watchdog.LOOP_BODY)
-        for index, joinable in enumerate(self._joinables):
-            joinable._join_config = JoinConfig(
-                enable=self._enable,
-                throw_on_early_termination=self._throw_on_early_termination,
-                is_first_joinable=index == 0,
-                join=self,
-            )
+        try:
+            for index, joinable in enumerate(self._joinables):
+                joinable._join_config = JoinConfig(
+                    enable=self._enable,
+                    throw_on_early_termination=self._throw_on_early_termination,
+                    is_first_joinable=index == 0,
+                    join=self,
+                )
+        except BaseException:
+            # An adapter refused its config (every rank alike: the settings
+            # agree); nothing of the loop has run, so leave as if never entered.
+            for joinable in self._joinables:
+                joinable._join_config = _DISABLED
+            if self._enable:
+                _watchdog.unwatch(self._watch)
+                self._post(_watchdog.LEFT)
+            raise
         if self._enable:
             _active.joins = getattr(_active, "joins", 0) + 1
             self._inside = True
@@ -461,6 +495,9 @@ class Join:
                 # abort's) follows from it. A stall found later, while the rank
                 # shadows after its own failure, is a note on that failure.
                 stalled_in_body = self._stall
+                own: Exception | None = None
+                if exc is None:
+                    own = exc = self._leave_loop()
                 if isinstance(exc, Exception):
                     self._note_gone_peers(exc)
                 try:
@@ -474,6 +511,8 @@ class Join:
                         and exc is not stalled_in_body):
                     # The watchdog aborted the group: its report is the error.
                     raise stalled_in_body from exc
+                if own is not None:
+                    raise own  # a joinable refused the loop's last iteration
         finally:
             for joinable in self._joinables:
                 joinable._join_config = _DISABLED
@@ -482,6 +521,23 @@ class Join:
                 _active.joins -= 1
                 _watchdog.unwatch(self._watch)
                 self._post(_watchdog.LEFT)
+
+    def _leave_loop(self) -> Exception | None:
+        """Call each joinable's ``join_leave_loop()`` (the Joinable doc).
+
+        Returns:
+            The first exception one raised (then handled as the loop body's
+            own failure), else ``None``.
+        """
+        for joinable in self._joinables:
+            leave = getattr(joinable, "join_leave_loop", None)
+            if leave is None:
+                continue
+            try:
+                leave()
+            except Exception as error:
+                return error
+        return None
 
     def _note_gone_peers(self, error: Exception) -> None:
         """Name the peers whose process is gone on ``error`` leaving the Join.
@@ -660,6 +716,8 @@ class Join:
 
     def _notify(self) -> Any:
         order = self._order
+        if order is None and self._checks:
+            order = self._run_checks()
         if order is None:
             # No standing order (throw mode): the machine decides each notify.
             handle = self._feed(m.Notified(now=self._clock()))
@@ -683,6 +741,16 @@ class Join:
             self._collectives_at_heartbeat = self._backend.collectives_issued
         return handle
 
+    def _run_checks(self) -> m.HeartbeatOrder | None:
+        """Run the checks waiting for this heartbeat; give back the held order."""
+        checks, self._checks = self._checks, []
+        for check in checks:
+            check()  # may raise: the loop body's failure, before the heartbeat
+        # The standing order held while the checks waited (None in throw mode).
+        order, self._held_order = self._held_order, None
+        self._order = order
+        return order
+
     def _fused_beat(self, order: m.HeartbeatOrder) -> float:
         """The standing order for a fused heartbeat: the value for the slot."""
         total = self._fused_total
@@ -693,6 +761,37 @@ class Join:
         if self._counts_collectives:
             self._collectives_at_heartbeat = self._backend.collectives_issued
         return order.value
+
+    def _later_notify(self, joinable: Any) -> None:
+        """A later joinable's notify: refuse one that no heartbeat announced.
+
+        A joined rank runs each main hook once per heartbeat, so two notifies of
+        a later joinable with no heartbeat in between (or one before the first
+        heartbeat) mean the first joinable skipped its notify: the joined ranks
+        would pair this joinable's collectives with their counts. Only in the
+        loop body (a shadow round's own notifies are not inputs). Costs two
+        attribute reads, a dict look-up and a store per later notify.
+        """
+        state = self._state
+        if state is None or state.phase is not m.Phase.ACTIVE:
+            return
+        beats = state.heartbeats + self._beats
+        key = id(joinable)
+        if self._notified.get(key, 0) == beats and getattr(
+                joinable, "join_notifies_per_iteration", 1) is not None:
+            first = self._joinables[0]
+            since = "since the Join was entered" if beats == 0 else (
+                f"since its previous notify (after input {beats})")
+            raise LocalProtocolError(
+                f"{_name(joinable)} called notify_join_context with no heartbeat {since}: "
+                f"the Join's first joinable, {_name(first)}, must call "
+                "Join.notify_join_context(self) (or send its fused heartbeat) once per "
+                "iteration before its collectives, because a joined rank shadows every "
+                "joinable once per heartbeat. Add that call to "
+                f"{type(first).__qualname__}, or list a joinable that notifies every "
+                f"iteration first (e.g. Join([{_name(joinable)}, ...]))"
+            )
+        self._notified[key] = beats
 
     # -- observability -----------------------------------------------------------
 
@@ -705,6 +804,45 @@ class Join:
         abort can end (its optional ``wait(work)``).
         """
         return self._backend
+
+    def before_next_heartbeat(self, check: Callable[[], None]) -> bool:
+        """Run ``check`` on this rank right before its next heartbeat, once.
+
+        For a later joinable that must settle (or refuse) what it did in this
+        iteration before the first joinable announces the next one (DDP after
+        another joinable: a forward with gradients and no backward). While a
+        check waits, the next notify takes the machine's path instead of the
+        standing order's inline check (a branch, once); an exception from ``check``
+        leaves the first joinable's notify, in the loop body, before anything
+        is sent. Not with a fused heartbeat (it rides in the first joinable's
+        own collective, which the Join does not send).
+
+        Args:
+            check: called with no arguments.
+
+        Returns:
+            Whether the check was taken: ``False`` with a fused heartbeat or
+            outside the loop body.
+        """
+        state = self._state
+        if self._fused or state is None or state.phase is not m.Phase.ACTIVE:
+            return False
+        self._checks.append(check)
+        if self._order is not None:
+            self._order, self._held_order = None, self._order
+        return True
+
+    @property
+    def heartbeat_handle(self) -> Any:
+        """The async handle of the latest heartbeat this rank sent, or ``None``.
+
+        What the backend's ``heartbeat`` returned (a torch ``Work`` on a torch
+        group, whose result is the number of active ranks); ``None`` before
+        the first heartbeat and where heartbeats are fused. A later joinable
+        reads it after the first joinable's notify, in the same iteration
+        (DDP after another joinable, for ``divide_by_initial_world_size=False``).
+        """
+        return self._last_heartbeat
 
     @property
     def process_group(self) -> Any:
@@ -984,7 +1122,7 @@ class Join:
             before = self._state.phase
             # A standing order ends with the next observation; the transition
             # issues it again where it still stands.
-            self._order = None
+            self._order = self._held_order = None
             transition = m.step(self._state, pending)
             self._state = state = transition.state
             if state.phase is not before:
@@ -993,7 +1131,11 @@ class Join:
             for command in transition.commands:
                 match command:
                     case m.HeartbeatOrder():
-                        self._order = command
+                        if self._checks:
+                            # Pending checks: the next notify runs them first.
+                            self._order, self._held_order = None, command
+                        else:
+                            self._order = command
                     case m.Drain():
                         self._drain_batches += 1
                         pending, hook_error = self._drain(command)
@@ -1209,7 +1351,11 @@ def _heartbeat_owner(joinable: Any) -> Join | None:
         raise _ForeignConfig
     if config.is_first_joinable and config.enable:
         return config.join
-    if config.join is None and getattr(_active, "joins", 0) > 0:
+    if config.join is not None:
+        if config.enable:
+            config.join._later_notify(joinable)
+        return None
+    if getattr(_active, "joins", 0) > 0:
         # Outside any Join the call does nothing (as in torch). Inside one that
         # does not include this joinable, nobody would shadow its collectives
         # once a rank joins: a hang later, so an error now.

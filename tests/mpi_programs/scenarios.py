@@ -734,10 +734,28 @@ def _side_collective_not_listed(group: Any) -> None:
         raise AssertionError("a SideCollective missing from the Join was not refused")
 
 
+def _silent_first_joinable(group: Any) -> None:
+    """Issue 18 part 5 on MPI: ``tests/notify_cases.py``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    try:
+        import notify_cases
+    finally:
+        sys.path.pop(0)
+    size = group.world_size
+    for counts in ([3 + 2 * r for r in range(size)], [0] + [4] * (size - 1)):
+        for every in (0, 2):
+            notify_cases.check_rank(notify_cases.silent_first(group, counts, every))
+    counts = [2 + r for r in range(size)]
+    result = notify_cases.legitimate(group, counts)
+    total = expected_total(counts, group.rank)
+    assert result == {"first": total, "twice": 2 * total, "in_hook": total}, result
+
+
 JOIN_CASES: dict[str, Callable[[Any], None]] = {
     "side-collectives": lambda g: _side_collectives(g, raw=False),
     "side-collectives-alone-raw-comm": lambda g: _side_collectives(g, raw=True),
     "side-collective-not-listed": _side_collective_not_listed,
+    "silent-first-joinable": _silent_first_joinable,
     "uneven-1-joinable": lambda g: _uneven(g, 1, raw=False),
     "uneven-3-joinables": lambda g: _uneven(g, 3, raw=False),
     "uneven-1-joinable-raw-comm": lambda g: _uneven(g, 1, raw=True),
