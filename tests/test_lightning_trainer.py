@@ -33,7 +33,7 @@ pytest.importorskip("pytorch_lightning")
 LAUNCH_TIMEOUT = 300.0
 WORKER = Path(__file__).with_name("lightning_worker.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler"]
+SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler", "fsdp2"]
 
 pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 
@@ -138,7 +138,7 @@ def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
     }
 
 
-@pytest.mark.parametrize("name", ["ddp", "ddp_shard_sampler"])
+@pytest.mark.parametrize("name", ["ddp", "ddp_shard_sampler", "fsdp2"])
 def test_fit_with_uneven_ranks_matches_a_single_process(runs: Any, name: str) -> None:
     shards = name == "ddp_shard_sampler"
     want = reference(scheduler=not shards, shards=shards)
