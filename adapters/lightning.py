@@ -22,9 +22,8 @@ is the order of a joined rank's shadow round:
    real flag, so a SIGTERM still stops every rank).
 2. The DDP forward (training_step runs inside it): DDP's gradient-sync check;
    then the backward pass: DDP's gradient all-reduce. The DDP model
-   (``strategy.model``), adapted by ``adapters.torch``. (Only the DDP
-   strategies: FSDP1 cannot be shadowed, and ``ModelParallelStrategy`` is not
-   supported by this callback yet.)
+   (``strategy.model``), adapted by ``adapters.torch``. FSDP1
+   (``strategy="fsdp"``) cannot be shadowed and is refused; for FSDP2 see below.
 3. ``self.log(..., sync_dist=True)`` of a step value would all-reduce *inside*
    the forward, between DDP's collectives, where no shadow can sit. While the
    Join lasts, ``strategy.reduce`` (what ``self.log`` syncs with) defers the
@@ -68,6 +67,23 @@ sum of values by the synced number of samples, both "mean"-reduced; Lightning
 reduces the integer sample count in integers and truncates (11 samples on 2
 ranks count as 5), which only uneven ranks reach. Outside the Join the
 patched ``strategy.reduce`` reduces integer means in float64.
+
+*FSDP2 (ModelParallelStrategy).* Lightning calls ``training_step`` on the
+LightningModule itself, while joinkit's FSDP2 adapter hooks the forward of the
+root ``fully_shard`` module. So the callback finds the one root ``fully_shard``
+module inside the LightningModule (``configure_model`` made it; found at
+``on_fit_start``) and joins it in step 2's place: its step check rides that
+module's forward, which ``training_step`` calls once per batch, and a joined
+rank replays its forward and backward. Every rank owns parameter shards, so
+the optimizer and step-interval LR schedulers join as ``adapters.optim``
+joinables (the joined rank steps its shards each round) instead of the state
+syncs below. Each validation forward all-gathers parameters, so validation
+runs in a Join of the model too (entered at ``on_validation_epoch_start``,
+left at the rank's last validation batch). A forward without a backward leaves
+the root's parameters unsharded; ``reshard()`` at each epoch start puts back
+the sharded parameters that the optimizer steps (and the Join links to it).
+Refused at ``setup``/``on_fit_start``: tensor parallelism,
+``accumulate_grad_batches > 1``, no or several root ``fully_shard`` modules.
 
 *What it patches.* Instance attributes only, set in ``setup`` and removed in
 ``teardown``: the epoch loop's ``_broadcast_sigterm_tensor`` (private: checked
@@ -123,7 +139,9 @@ class UnevenInputs(Callback):
 
     Raises:
         TypeError: a ``side_collectives`` element is not a ``SideCollective``; at
-            ``fit``, the strategy is not one of Lightning's DDP strategies.
+            ``fit``, the strategy is neither one of Lightning's DDP strategies nor
+            ``ModelParallelStrategy``, or uses what the FSDP2 path does not support
+            (module doc).
         UnsupportedLightningError (at ``fit``): this Lightning changed a member
             joinkit relies on.
         LocalProtocolError: ``self.log(..., sync_dist=True, sync_dist_group=...)``
@@ -186,6 +204,7 @@ class UnevenInputs(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._leave_validation(None)
         self._leave(None)
+        self._fsdp_root, self._fsdp = None, False
         for obj, name in reversed(self._patched):
             with contextlib.suppress(AttributeError):
                 delattr(obj, name)
