@@ -19,7 +19,9 @@ is the order of a joined rank's shadow round:
    SIGTERM, before the batch is fetched. It stays on and becomes the Join's
    first joinable, a :class:`~joinkit.SideCollective` whose call sends the
    heartbeat; its shadow is Lightning's own method (a joined rank 0 sends its
-   real flag, so a SIGTERM still stops every rank).
+   real flag). Lightning's SIGTERM *handler* runs a broadcast of its own
+   wherever the signal lands, which nothing pairs during the Join: a real
+   SIGTERM hangs (docs/lightning.md, Limits).
 2. The DDP forward (training_step runs inside it): DDP's gradient-sync check;
    then the backward pass: DDP's gradient all-reduce. The DDP model
    (``strategy.model``), adapted by ``adapters.torch``. FSDP1
