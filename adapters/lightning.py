@@ -19,12 +19,13 @@ is the order of a joined rank's shadow round:
    SIGTERM, before the batch is fetched. It stays on and becomes the Join's
    first joinable, a :class:`~joinkit.SideCollective` whose call sends the
    heartbeat; its shadow is Lightning's own method (a joined rank 0 sends its
-   real flag, so a SIGTERM still stops every rank).
+   real flag). Lightning's SIGTERM *handler* runs a broadcast of its own
+   wherever the signal lands, which nothing pairs during the Join: a real
+   SIGTERM hangs (docs/lightning.md, Limits).
 2. The DDP forward (training_step runs inside it): DDP's gradient-sync check;
    then the backward pass: DDP's gradient all-reduce. The DDP model
-   (``strategy.model``), adapted by ``adapters.torch``. (Only the DDP
-   strategies: FSDP1 cannot be shadowed, and ``ModelParallelStrategy`` is not
-   supported by this callback yet.)
+   (``strategy.model``), adapted by ``adapters.torch``. FSDP1
+   (``strategy="fsdp"``) cannot be shadowed and is refused; for FSDP2 see below.
 3. ``self.log(..., sync_dist=True)`` of a step value would all-reduce *inside*
    the forward, between DDP's collectives, where no shadow can sit. While the
    Join lasts, ``strategy.reduce`` (what ``self.log`` syncs with) defers the
@@ -68,6 +69,23 @@ sum of values by the synced number of samples, both "mean"-reduced; Lightning
 reduces the integer sample count in integers and truncates (11 samples on 2
 ranks count as 5), which only uneven ranks reach. Outside the Join the
 patched ``strategy.reduce`` reduces integer means in float64.
+
+*FSDP2 (ModelParallelStrategy).* Lightning calls ``training_step`` on the
+LightningModule itself, while joinkit's FSDP2 adapter hooks the forward of the
+root ``fully_shard`` module. So the callback finds the one root ``fully_shard``
+module inside the LightningModule (``configure_model`` made it; found at
+``on_fit_start``) and joins it in step 2's place: its step check rides that
+module's forward, which ``training_step`` calls once per batch, and a joined
+rank replays its forward and backward. Every rank owns parameter shards, so
+the optimizer and step-interval LR schedulers join as ``adapters.optim``
+joinables (the joined rank steps its shards each round) instead of the state
+syncs below. Each validation forward all-gathers parameters, so validation
+runs in a Join of the model too (entered at ``on_validation_epoch_start``,
+left at the rank's last validation batch). A forward without a backward leaves
+the root's parameters unsharded; ``reshard()`` at each epoch start puts back
+the sharded parameters that the optimizer steps (and the Join links to it).
+Refused at ``setup``/``on_fit_start``: tensor parallelism,
+``accumulate_grad_batches > 1``, no or several root ``fully_shard`` modules.
 
 *What it patches.* Instance attributes only, set in ``setup`` and removed in
 ``teardown``: the epoch loop's ``_broadcast_sigterm_tensor`` (private: checked
@@ -123,7 +141,9 @@ class UnevenInputs(Callback):
 
     Raises:
         TypeError: a ``side_collectives`` element is not a ``SideCollective``; at
-            ``fit``, the strategy is not one of Lightning's DDP strategies.
+            ``fit``, the strategy is neither one of Lightning's DDP strategies nor
+            ``ModelParallelStrategy``, or uses what the FSDP2 path does not support
+            (module doc).
         UnsupportedLightningError (at ``fit``): this Lightning changed a member
             joinkit relies on.
         LocalProtocolError: ``self.log(..., sync_dist=True, sync_dist_group=...)``
@@ -147,6 +167,9 @@ class UnevenInputs(Callback):
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._patched: list[tuple[Any, str]] = []
         self._active = False
+        self._fsdp = False  # ModelParallelStrategy (FSDP2)
+        self._fsdp_root: Any = None  # its root fully_shard module, from on_fit_start
+        self._val_join: Join | None = None
         #: The Join of each finished epoch's training, for reports (``join.report``).
         self.joins: list[Join] = []
 
@@ -157,12 +180,17 @@ class UnevenInputs(Callback):
             return
         _lightning_private.check("Trainer")
         strategy = trainer.strategy
-        if not _is_ddp(strategy):
+        self._fsdp_root, self._fsdp = None, False
+        if _is_model_parallel(strategy):
+            _check_model_parallel(trainer)
+            self._fsdp = True  # its root module exists after configure_model: on_fit_start
+        elif not _is_ddp(strategy):
             raise TypeError(
-                f"UnevenInputs supports Lightning's DDP strategies ('ddp', 'ddp_spawn', ...), "
-                f"not {type(strategy).__qualname__}: FSDPStrategy builds FSDP1, which joinkit "
-                "cannot shadow, and ModelParallelStrategy (FSDP2) is not supported by the "
-                "Trainer callback yet (with Lightning Fabric it is: Join([model, optimizer]))"
+                f"UnevenInputs supports Lightning's DDP strategies ('ddp', 'ddp_spawn', ...) "
+                f"and ModelParallelStrategy (FSDP2, fully_shard), not "
+                f"{type(strategy).__qualname__}: FSDPStrategy builds FSDP1, which joinkit "
+                "cannot shadow; use ModelParallelStrategy(data_parallel_size=N, "
+                "tensor_parallel_size=1) and apply fully_shard in configure_model"
             )
         epoch_loop = trainer.fit_loop.epoch_loop
         original_sigterm = epoch_loop._broadcast_sigterm_tensor
@@ -176,11 +204,17 @@ class UnevenInputs(Callback):
         self._patch(strategy, "block_backward_sync", _syncing_block(self, block))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._leave_validation(None)
         self._leave(None)
+        self._fsdp_root, self._fsdp = None, False
         for obj, name in reversed(self._patched):
             with contextlib.suppress(AttributeError):
                 delattr(obj, name)
         self._patched.clear()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fsdp:
+            self._fsdp_root = _fsdp2_root(pl_module)
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
         setattr(obj, name, value)
@@ -192,10 +226,28 @@ class UnevenInputs(Callback):
         if self._sigterm is None or self._log_sync is None:
             return
         strategy = trainer.strategy
-        joinables: list[Any] = [self._sigterm, strategy.model]
-        joinables += [OptimizerStateSync(o) for o in trainer.optimizers]
-        joinables += [OptimizerStateSync(config.scheduler)
-                      for config in trainer.lr_scheduler_configs]
+        joinables: list[Any]
+        if self._fsdp_root is not None:
+            # FSDP2: every rank owns shards, so a joined rank steps its optimizer
+            # (and step-interval schedulers) in each shadow round (adapters.optim).
+            for config in trainer.lr_scheduler_configs:
+                if config.interval == "step" and config.frequency != 1:
+                    raise TypeError(
+                        "UnevenInputs with ModelParallelStrategy shadows step-interval LR "
+                        f"schedulers of frequency 1, got frequency={config.frequency}"
+                    )
+            # The root keeps its unsharded parameters after a forward without a
+            # backward (validation); reshard (local) so it holds the sharded
+            # parameters the optimizer steps, which the Join links to it.
+            self._fsdp_root.reshard()
+            joinables = [self._sigterm, self._fsdp_root, *trainer.optimizers]
+            joinables += [config.scheduler for config in trainer.lr_scheduler_configs
+                          if config.interval == "step"]
+        else:
+            joinables = [self._sigterm, strategy.model]
+            joinables += [OptimizerStateSync(o) for o in trainer.optimizers]
+            joinables += [OptimizerStateSync(config.scheduler)
+                          for config in trainer.lr_scheduler_configs]
         joinables += [*self._extra, self._log_sync]
         join = Join(joinables) if self._timeout is None else Join(joinables,
                                                                   timeout=self._timeout)
@@ -238,8 +290,49 @@ class UnevenInputs(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._leave(None)  # an epoch ended before its last batch (max_steps, a -1 hook)
 
+    # -- validation with FSDP2 ----------------------------------------------------------
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer,
+                                  pl_module: pl.LightningModule) -> None:
+        # Under FSDP2 every validation forward all-gathers parameters, so uneven
+        # validation batches are joined too: a rank that ran out replays the
+        # forward (no backward: gradients are off) until every rank has finished.
+        if self._fsdp_root is None or trainer.world_size < 2:
+            return
+        join = Join([self._fsdp_root]) if self._timeout is None else Join(
+            [self._fsdp_root], timeout=self._timeout)
+        join.__enter__()
+        self._val_join = join
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if self._val_join is None:
+            return
+        counts = (trainer.num_sanity_val_batches if trainer.sanity_checking
+                  else trainer.num_val_batches)
+        last = len(counts) - 1
+        while last > 0 and counts[last] == 0:
+            last -= 1
+        if dataloader_idx == last and batch_idx + 1 >= counts[last]:
+            self._leave_validation(None)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer,
+                                pl_module: pl.LightningModule) -> None:
+        self._leave_validation(None)
+
+    def _leave_validation(self, exception: BaseException | None) -> None:
+        join, self._val_join = self._val_join, None
+        if join is None:
+            return
+        if exception is None:
+            join.__exit__(None, None, None)
+        else:
+            join.__exit__(type(exception), exception, exception.__traceback__)
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
+        self._leave_validation(exception)
         self._leave(exception)
 
     def _leave(self, exception: BaseException | None) -> None:
@@ -383,3 +476,65 @@ def _is_ddp(strategy: Any) -> bool:
     return isinstance(strategy, DDPStrategy)
 
 
+
+
+def _is_model_parallel(strategy: Any) -> bool:
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def _check_model_parallel(trainer: pl.Trainer) -> None:
+    """What UnevenInputs supports of ModelParallelStrategy, checked in ``setup``."""
+    strategy: Any = trainer.strategy
+    if int(strategy._tensor_parallel_size) != 1:  # set by setup_environment, before setup
+        raise TypeError(
+            "UnevenInputs with ModelParallelStrategy supports data parallelism only "
+            f"(tensor_parallel_size=1), got tensor_parallel_size="
+            f"{strategy._tensor_parallel_size}: tensor-parallel ranks share their batches"
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise TypeError(
+            "UnevenInputs with ModelParallelStrategy does not support "
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches} (a joined rank's "
+            "shard would step every shadow round): use accumulate_grad_batches=1"
+        )
+
+
+def _fsdp2_root(pl_module: pl.LightningModule) -> Any:
+    """The one root ``fully_shard`` module inside the LightningModule (checked).
+
+    Lightning calls ``training_step`` on the LightningModule itself; the FSDP2
+    adapter hooks the forward of the root ``fully_shard`` module, which
+    ``training_step`` calls once per batch.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(pl_module, FSDPModule):
+        raise TypeError(
+            "UnevenInputs needs fully_shard applied to a submodule that training_step calls "
+            "(e.g. fully_shard(self.net, mesh=...) in configure_model), not to the "
+            "LightningModule itself: joinkit's FSDP2 adapter hooks the forward of the root "
+            "fully_shard module, and Lightning calls training_step, not forward"
+        )
+    roots = [module for name, module in pl_module.named_modules()
+             if isinstance(module, FSDPModule) and not any(
+                 isinstance(parent, FSDPModule)
+                 for parent in _parents(pl_module, name))]
+    if len(roots) != 1:
+        raise TypeError(
+            f"UnevenInputs with ModelParallelStrategy needs exactly one root fully_shard "
+            f"module in the LightningModule (the one training_step calls once per batch), "
+            f"found {len(roots)}: apply fully_shard to the layers and then to one module "
+            "around them in configure_model"
+        )
+    return roots[0]
+
+
+def _parents(root: Any, name: str) -> Iterator[Any]:
+    """The modules strictly between ``root`` and the submodule ``name``."""
+    parts = name.split(".") if name else []
+    module = root
+    for part in parts[:-1]:
+        module = getattr(module, part)
+        yield module

@@ -81,6 +81,21 @@ class Model(pl.LightningModule):
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class FSDPModel(Model):
+    """The same model under ModelParallelStrategy: ``fully_shard`` on ``self.net``, the
+    module training_step calls (Lightning's FSDP2)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)  # a DTensor shard (FSDP2): all-gathered
+    return full() if full is not None else tensor
+
+
 class ListLogger(Logger):
     """Every rank's logged metrics, in order."""
 
@@ -139,32 +154,33 @@ class ActiveRanks(pl.Callback):
 
 
 def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
-        validate: bool = True, shards: bool = False) -> dict[str, Any]:
+        validate: bool = True, shards: bool = False, fsdp: bool = False) -> dict[str, Any]:
     logger = ListLogger()
     active = ActiveRanks()
     uneven = UnevenInputs(side_collectives=[active.side])
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_epochs=EPOCHS, logger=logger,
+        accelerator="cpu", devices=2, strategy=_strategy(fsdp), max_epochs=EPOCHS, logger=logger,
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
         accumulate_grad_batches=accumulate,
         callbacks=[active, uneven],
         limit_val_batches=1.0 if validate else 0,
     )
-    model = Model(scheduler and not shards)
+    model = (FSDPModel if fsdp else Model)(scheduler and not shards)
     train = DataLoader(rows(rank, INPUTS[rank], 1), batch_size=BATCH)
     val = DataLoader(rows(rank, VAL_INPUTS[rank], 2), batch_size=BATCH)
     if shards:
         train, val = shard_loaders(rank)
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val if validate else None)
     return {
-        "params": [float(v) for p in model.net.parameters() for v in p.detach().reshape(-1)],
+        "params": [float(v) for p in model.net.parameters()
+                   for v in _full(p.detach()).reshape(-1)],
         "loss": [r["loss"] for r in logger.records if "loss" in r],
         "loss_max": [r["loss_max"] for r in logger.records if "loss_max" in r],
         "val_loss": [r["val_loss"] for r in logger.records if "val_loss" in r],
         "train_mse": [r["train_mse"] for r in logger.records if "train_mse" in r],
         "momentum": [float(v) for s in trainer.optimizers[0].state.values()
-                     for v in s["momentum_buffer"].reshape(-1)],
+                     for v in _full(s["momentum_buffer"]).reshape(-1)],
         "global_step": trainer.global_step,
         "active_ranks": active.counts,
         # Each epoch's Join: this rank's shadow rounds; and how many of them ran the
@@ -174,7 +190,16 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
     }
 
 
+def _strategy(fsdp: bool) -> Any:
+    if not fsdp:
+        return "ddp"
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+
+
 SCENARIOS = {
+    "fsdp2": lambda rank: fit(rank, scheduler=True, fsdp=True),
     "ddp": lambda rank: fit(rank, scheduler=True),
     "ddp_accumulate": lambda rank: fit(rank, accumulate=2, validate=False),
     "ddp_shard_sampler": lambda rank: fit(rank, shards=True),

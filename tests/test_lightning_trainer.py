@@ -1,18 +1,21 @@
 """Lightning's Trainer with ``UnevenInputs`` and per-rank uneven data, against a single process.
 
 One torchrun launch of ``tests/lightning_worker.py`` (2 CPU ranks, gloo, DDP;
-5 and 8 training batches, 3 and 2 validation batches, 2 epochs) runs two
+5 and 8 training batches, 3 and 2 validation batches, 2 epochs) runs four
 ``fit``s: with momentum, a step-interval LR scheduler, validation,
 ``self.log(..., sync_dist=True)`` per step (mean and max) and a torchmetrics
 metric; with ``accumulate_grad_batches=2``; and with one dataset split by
 joinkit's exact ``ShardSampler`` (``use_distributed_sampler=False``: 37 rows,
-no padding). Beside it,
-``examples/lightning_trainer.py`` runs under Lightning's own launcher. The
+no padding); and the first fit again under ``ModelParallelStrategy`` (FSDP2,
+``fully_shard`` in ``configure_model``). Beside it,
+``examples/lightning_trainer.py`` runs under Lightning's own launcher, and
+so does the same run without the callback (``tests/lightning_naive.py``,
+Lightning's own way: it hangs or trains wrongly; bounded by a timeout). The
 reference trains the same model in this process: at step t the ranks that
 still have a batch t, averaged over the world (DDP), then the optimizer (and
 scheduler) step. The first fit also runs a user's per-batch all-reduce
-(``side_collectives=``). Both launches start together; about 60-90 s on a loaded
-2-core machine.
+(``side_collectives=``). The three launches start together; about 110-180 s on a
+loaded 2-core machine (the run without the callback hangs until its timeout).
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ pytest.importorskip("pytorch_lightning")
 
 LAUNCH_TIMEOUT = 300.0
 WORKER = Path(__file__).with_name("lightning_worker.py")
+NAIVE = Path(__file__).with_name("lightning_naive.py")
+# The example's work takes 15-40 s on a loaded 2-core machine; a run still going after
+# this has hung (blocked in a collective: gloo's own timeout is 30 minutes).
+NAIVE_TIMEOUT = 100
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler"]
+SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler", "fsdp2"]
 
 pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 
@@ -49,15 +56,17 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("lightning")
-    worker, example = launch_ranks(
+    worker, example, naive = launch_ranks(
         [[TORCHRUN, "--standalone", "--nproc-per-node", "2", str(WORKER), str(out), *SCENARIOS],
-         [sys.executable, str(ROOT / "examples" / "lightning_trainer.py")]],
+         [sys.executable, str(ROOT / "examples" / "lightning_trainer.py")],
+         # Lightning alone, side by side: bounded by its own timeout (it may hang).
+         ["timeout", "-k", "5", str(NAIVE_TIMEOUT), sys.executable, str(NAIVE)]],
         LAUNCH_TIMEOUT, env=_env(), cwd=out)
     ranks = []
     for rank in range(2):
         path = out / f"rank{rank}.json"
         ranks.append(json.loads(path.read_text()) if path.exists() else {})
-    return {"worker": worker, "ranks": ranks, "example": example}
+    return {"worker": worker, "ranks": ranks, "example": example, "naive": naive}
 
 
 def result(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:
@@ -138,7 +147,7 @@ def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
     }
 
 
-@pytest.mark.parametrize("name", ["ddp", "ddp_shard_sampler"])
+@pytest.mark.parametrize("name", ["ddp", "ddp_shard_sampler", "fsdp2"])
 def test_fit_with_uneven_ranks_matches_a_single_process(runs: Any, name: str) -> None:
     shards = name == "ddp_shard_sampler"
     want = reference(scheduler=not shards, shards=shards)
@@ -184,6 +193,25 @@ def test_the_example_under_lightnings_own_launcher(runs: Any) -> None:
     want_val, want_checksum = example_reference()
     assert float(lines[0][2]) == pytest.approx(want_val, abs=2e-6)
     assert float(lines[0][3]) == pytest.approx(want_checksum, abs=2e-6)
+
+
+def test_lightning_alone_on_the_same_run_is_wrong_or_hangs(runs: Any) -> None:
+    """The example's run without UnevenInputs, under Lightning's own launcher (the
+    callback's run of it is exact: the test above)."""
+    run = runs["naive"]
+    lines = re.findall(r"Rank (\d) trained on (\d+) batches; parameters checksum "
+                       r"(-?\d+\.\d+)", run.stdout)
+    # Killed by its timeout: it hung. (SIGTERM does not stop it, since Lightning's handler
+    # swallows it, so `timeout -k` kills the process group, itself included: -9.)
+    if run.returncode in (124, 137, -9):
+        assert len(lines) < 2, run.stdout[-3000:]
+        return
+    # Or it exits 0 having trained wrongly: rank 0's second-epoch batches paired with
+    # rank 1's first-epoch leftovers.
+    assert run.returncode == 0, run.stdout[-3000:]
+    _, want_checksum = example_reference()
+    assert len(lines) == 2, run.stdout[-3000:]
+    assert any(abs(float(checksum) - want_checksum) > 1e-4 for *_, checksum in lines)
 
 
 def example_reference() -> tuple[float, float]:

@@ -103,3 +103,37 @@ def test_joinkit_imports_no_lightning_until_an_adapter_needs_it() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
+
+
+def test_model_parallel_strategy_limits_are_refused_before_any_collective() -> None:
+    from joinkit.adapters import lightning
+
+    class Strategy:
+        _tensor_parallel_size = 2
+
+    class Trainer:
+        strategy = Strategy()
+        accumulate_grad_batches = 1
+
+    with pytest.raises(TypeError, match="data parallelism only.*tensor_parallel_size=2"):
+        lightning._check_model_parallel(Trainer())  # type: ignore[arg-type]
+    Strategy._tensor_parallel_size = 1
+    Trainer.accumulate_grad_batches = 2
+    with pytest.raises(TypeError, match="accumulate_grad_batches=2"):
+        lightning._check_model_parallel(Trainer())  # type: ignore[arg-type]
+    Trainer.accumulate_grad_batches = 1
+    lightning._check_model_parallel(Trainer())  # type: ignore[arg-type]
+
+
+def test_model_parallel_needs_one_root_fully_shard_module() -> None:
+    import pytorch_lightning as pl
+
+    from joinkit.adapters import lightning
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(2, 2)
+
+    with pytest.raises(TypeError, match="exactly one root fully_shard module.*found 0"):
+        lightning._fsdp2_root(Module())

@@ -1,0 +1,41 @@
+"""``examples/lightning_trainer.py`` the way Lightning alone runs it: no ``UnevenInputs``.
+
+Run as ``python tests/lightning_naive.py`` (Lightning's own launcher starts the
+second process). Rank r has ``5 + 3 * r`` training batches for 2 epochs, as in
+the example; without a Join rank 0's second-epoch collectives pair with rank
+1's first-epoch leftovers, so the run either trains wrongly (and exits 0) or
+hangs. ``tests/test_lightning_trainer.py`` bounds it with a timeout and checks
+which, side by side with the example run with the callback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytorch_lightning as pl
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_trainer.py"
+
+
+def main() -> None:
+    spec = importlib.util.spec_from_file_location("lightning_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=2,
+        use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    model = example.Regression()
+    rank = trainer.global_rank
+    trainer.fit(model, train_dataloaders=example.loader(rank, 5 + 3 * rank, 1),
+                val_dataloaders=example.loader(rank, 2, 2))
+    checksum = sum(float(p.detach().sum()) for p in model.parameters())
+    print(f"Rank {rank} trained on {model.batches} batches; parameters checksum "
+          f"{checksum:.6f}\n", end="", flush=True)
+
+
+if __name__ == "__main__":
+    main()
