@@ -45,7 +45,7 @@ without statistics-exchanging layers, whose contribution the zero loss cancels.
 The autocast state of the first forward travels with the spec, so the replay
 runs under the same autocast as the active ranks.
 
-Requirements on the model (the README lists them):
+Requirements on the model (docs/guide/forward-collectives.md lists them):
 
 1. the collectives of an iteration do not depend on the input's values or its
    batch size (no data-dependent control flow around collectives);
@@ -87,7 +87,7 @@ _HINT = (
     "joinkit replays the model's forward and backward on a joined rank with an "
     "empty batch (0 rows along dim 0 of every input tensor) and a zero loss; if "
     "the model cannot take such a batch, pass Join(..., shadow_input=...) with an "
-    "input it accepts (see the README, 'Models whose collectives run inside forward')"
+    "input it accepts (see docs/guide/forward-collectives.md)"
 )
 
 
