@@ -141,3 +141,22 @@ def test_fsdp2_eval_mixed_and_divisor(results: dict[str, Any]) -> None:
         assert rank == {"worst": 0.0, "cases": 24}, rank
     for name in ("fsdp_train_eval_mixed", "fsdp_divisor_positions"):
         assert all(r["worst"] < 1e-6 for r in ranks_of(results, name)), name
+
+
+def test_ddp_after_a_fused_first_joinable(results: dict[str, Any]) -> None:
+    """Join([Gather, ddp]) / Join([FusedCounter, ddp]): the no-backward check runs
+    in the first joinable's fused_heartbeat, before its collective; every rank
+    leaves with a clear error, and no_grad evaluation and training are exact."""
+    for rank in ranks_of(results, "ddp_after_fused_first"):
+        assert rank["worst"] < 1e-5 and rank["cases"] == 12, rank
+    ranks = ranks_of(results, "ddp_after_fused_first")
+    for case in ranks[0]["errors"]:
+        counts = json.loads(case.split("-")[0])
+        for rank, result in enumerate(ranks):
+            error = result["errors"][case]
+            assert error is not None, (case, rank)
+            assert NO_BACKWARD in error["message"], (case, rank, error)
+            if counts[rank] >= 2:
+                assert error["type"] == "LocalProtocolError", (case, rank, error)
+            else:
+                assert error["type"] in ("PeerFailure", "LocalProtocolError"), error
