@@ -160,3 +160,22 @@ def test_ddp_after_a_fused_first_joinable(results: dict[str, Any]) -> None:
                 assert error["type"] == "LocalProtocolError", (case, rank, error)
             else:
                 assert error["type"] in ("PeerFailure", "LocalProtocolError"), error
+
+
+def test_fsdp2_grad_forward_without_backward(results: dict[str, Any]) -> None:
+    """FSDP2 in eval() with gradients and no backward (first, after a Ticker,
+    after a fused Gather; 3 vs 5, 0 vs 4, 0 vs 1 batches): the rank that made
+    the mistake raises LocalProtocolError (after running the backward the
+    joined ranks replay, from zeros), the others get PeerFailure; no hang."""
+    ranks = ranks_of(results, "fsdp_grad_forward_without_backward")
+    assert len(ranks[0]) == 12
+    for case in ranks[0]:
+        counts = json.loads(case.split("-")[0])
+        for rank, result in enumerate(ranks):
+            error = result[case]
+            assert error is not None and NO_BACKWARD in error["message"], (case, rank, error)
+            assert "FSDP model" in error["message"] and "torch.no_grad()" in error["message"]
+            if counts[rank] >= 2 or (counts[rank] == 1 and max(counts) == 1):
+                assert error["type"] == "LocalProtocolError", (case, rank, error)
+            else:
+                assert error["type"] == "PeerFailure", (case, rank, error)
