@@ -77,9 +77,9 @@ backward; an active rank that runs none (``model.eval()`` without
 ``torch.no_grad()``, a validation loss never backpropagated) would leave it
 in that backward's collectives. So after such a forward a forward hook puts
 an autograd pre-hook on its outputs' ``grad_fn`` nodes (the output tensors
-are held until then); before this rank's next step check (its next forward),
-before the first joinable's next heartbeat where the model is not first
-(``Join.before_next_heartbeat``), or when it leaves the loop
+are held until a backward reaches one of them); before this rank's next step
+check (its next forward), before the first joinable's next heartbeat where
+the model is not first (``Join.before_next_heartbeat``), or when it leaves the loop
 (``join_leave_loop``), :meth:`FSDPJoinable._settle` looks: no backward
 reached them means the rank runs that backward itself from zero output
 gradients (FSDP's own collectives, the ones the joined ranks replay; the
@@ -350,6 +350,7 @@ class FSDPJoinable(Joinable):
 
         def reached(grad_outputs: Any) -> None:
             seen[0] = True
+            tensors.clear()  # a backward ran: hold the outputs no longer
 
         nodes: list[Any] = []
         for tensor in tensors:

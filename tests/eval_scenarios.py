@@ -642,7 +642,18 @@ def fsdp_grad_forward_without_backward(ctx: Ctx) -> Any:
                 t = torch.ones(1, device=DEVICE)
                 dist.all_reduce(t, group=ctx.group)
                 assert t.item() == ctx.world
-    return out
+    # Training: once a backward reached the outputs, the adapter holds none of them.
+    from joinkit.adapters import fsdp
+
+    model = f.shard(f.net(), ctx.group)
+    held = []
+    with Join([model]):
+        for i in range(COUNTS[ctx.world][0][ctx.rank]):
+            x, y = f.data(ctx.rank, i)
+            f.mse_loss(model(x), y).backward()
+            pending = fsdp.adapt(model)._pending
+            held.append(-1 if pending is None else len(pending[0]))
+    return {"errors": out, "held": held}
 
 
 def main(argv: list[str]) -> None:

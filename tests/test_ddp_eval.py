@@ -22,6 +22,7 @@ WORKER = Path(__file__).with_name("eval_scenarios.py")
 LAUNCH_TIMEOUT = 240.0
 SILENT = "the Join's first joinable, Silent, must call Join.notify_join_context(self)"
 NO_BACKWARD = "ran a forward with gradients enabled and no backward"
+COUNTS_3_5 = {2: [3, 5], 3: [3, 5, 4]}  # eval_scenarios.COUNTS[world][0]
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -168,11 +169,13 @@ def test_fsdp2_grad_forward_without_backward(results: dict[str, Any]) -> None:
     the mistake raises LocalProtocolError (after running the backward the
     joined ranks replay, from zeros), the others get PeerFailure; no hang."""
     ranks = ranks_of(results, "fsdp_grad_forward_without_backward")
-    assert len(ranks[0]) == 12
-    for case in ranks[0]:
+    assert len(ranks[0]["errors"]) == 12
+    for rank, result in enumerate(ranks):  # training holds no outputs after backward
+        assert result["held"] == [0] * COUNTS_3_5[results["_world"][0]["world"]][rank], result
+    for case in ranks[0]["errors"]:
         counts = json.loads(case.split("-")[0])
         for rank, result in enumerate(ranks):
-            error = result[case]
+            error = result["errors"][case]
             assert error is not None and NO_BACKWARD in error["message"], (case, rank, error)
             assert "FSDP model" in error["message"] and "torch.no_grad()" in error["message"]
             if counts[rank] >= 2 or (counts[rank] == 1 and max(counts) == 1):
