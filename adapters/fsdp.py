@@ -71,6 +71,22 @@ a forward post-hook; joined ranks know ``A`` from their shadow), with sum
 reductions (gloo has no pre-multiplied sum), and the settings are restored on
 exit.
 
+*A forward with gradients and no backward.* The step check says "a
+backward follows" whenever gradients are enabled, so a joined rank replays a
+backward; an active rank that runs none (``model.eval()`` without
+``torch.no_grad()``, a validation loss never backpropagated) would leave it
+in that backward's collectives. So after such a forward a forward hook puts
+an autograd pre-hook on its outputs' ``grad_fn`` nodes (the output tensors
+are held until a backward reaches one of them); before this rank's next step
+check (its next forward), before the first joinable's next heartbeat where
+the model is not first (``Join.before_next_heartbeat``), or when it leaves the loop
+(``join_leave_loop``), :meth:`FSDPJoinable._settle` looks: no backward
+reached them means the rank runs that backward itself from zero output
+gradients (FSDP's own collectives, the ones the joined ranks replay; the
+reduced gradient it adds is zero) and raises ``LocalProtocolError``; the
+Join's failure protocol gives its peers ``PeerFailure``. Limit: a backward
+that does not reach the root's outputs counts as none.
+
 *Failures.* A rank whose loop raised shadows like a joined rank. If it raised
 right after its step check (before FSDP issued anything), the shell runs one
 completion round first, which reads the flags from that rank's own send;
@@ -172,6 +188,9 @@ class FSDPJoinable(Joinable):
         # This rank's own gradients while it shadows (module doc).
         self._own_gradients: list[tuple[Any, str, Any]] | None = None
         self._divisor: int | None = None
+        # A forward with gradients whose backward has not been seen yet: its
+        # output tensors, whether a backward reached them, the pre-hook handles.
+        self._pending: tuple[list[torch.Tensor], list[bool], list[Any]] | None = None
         #: Whether this rank's latest shadow round synced gradients: the
         #: optimizer's shadow steps after such a round (``adapters.optim``).
         self.shadow_synced = False
@@ -220,8 +239,10 @@ class FSDPJoinable(Joinable):
         self._groups = _param_groups(model)  # made by fully_shard; read per iteration
         self._checked_root = False
         # Before FSDP's own pre-forward (it prepends too, at fully_shard time).
+        self._pending = None
         self._handles = [model.register_forward_pre_hook(
-            self._pre_forward, prepend=True, with_kwargs=True)]
+            self._pre_forward, prepend=True, with_kwargs=True),
+            model.register_forward_hook(self._watch_backward)]
         if not self._divide_by_initial_world_size:
             self._handles.append(model.register_forward_hook(self._post_forward))
             self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms)
@@ -230,6 +251,7 @@ class FSDPJoinable(Joinable):
                 group.force_sum_reduction_for_comms = True  # gloo has no PREMUL_SUM
 
     def _leave(self) -> None:
+        self._forget_pending()
         model = self._model()
         if self._own_gradients is not None and model is not None:
             # After the hooks of every round: the shadow's gradients go, the
@@ -311,8 +333,76 @@ class FSDPJoinable(Joinable):
             self._checked_root = True
         if self._source.needs_record:
             self._source.record(tuple(args), dict(kwargs), self.join_device.type)
+        if self._pending is not None:
+            self._settle()  # the last forward's backward, before this step check
         self._check.send(self, _flags(self._groups))
         return None
+
+    def _watch_backward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After an active rank's forward with gradients: watch for its backward."""
+        if self._replaying or not torch.is_grad_enabled() or \
+                torch.is_inference_mode_enabled():
+            return None
+        tensors = [t for t in _tensors(output) if t.grad_fn is not None]
+        if not tensors:
+            return None  # nothing a backward could start from: not checked
+        seen = [False]
+
+        def reached(grad_outputs: Any) -> None:
+            seen[0] = True
+            tensors.clear()  # a backward ran: hold the outputs no longer
+
+        nodes: list[Any] = []
+        for tensor in tensors:
+            if all(tensor.grad_fn is not node for node in nodes):
+                nodes.append(tensor.grad_fn)
+        self._forget_pending()
+        self._pending = (tensors, seen, [node.register_prehook(reached) for node in nodes])
+        join = self._config.join
+        if not self._config.is_first_joinable and join is not None:
+            # The first joinable's next notify comes before this model's next step check.
+            join.before_next_heartbeat(self._settle)
+        return None
+
+    def _forget_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            for handle in pending[2]:
+                handle.remove()
+
+    def _settle(self) -> None:
+        """Before this rank's next send: refuse a forward with gradients and no backward.
+
+        Raises:
+            LocalProtocolError: it had none (the backward the joined ranks
+                replay was run first, from zero gradients: module doc).
+        """
+        pending = self._pending
+        if pending is None:
+            return
+        self._forget_pending()
+        tensors, seen, _ = pending
+        if seen[0]:
+            return
+        with torch.inference_mode(False), torch.enable_grad():
+            torch.autograd.backward(tensors, [torch.zeros_like(t) for t in tensors])
+        raise LocalProtocolError(
+            f"the FSDP model {type(self.model).__qualname__} ran a forward with gradients "
+            "enabled and no backward after it (e.g. evaluation in model.eval() without "
+            "torch.no_grad()): inside a Join, such a forward tells joined ranks to replay "
+            "its backward. Run forward-only iterations under `with torch.no_grad():` (or "
+            "torch.inference_mode()), and follow every other forward by a backward. "
+            "(joinkit ran that backward with zero gradients, so no collective mismatched.)"
+        )
+
+    def join_leave_loop(self) -> None:
+        """Called by the Join as this rank leaves its loop: settle the last forward.
+
+        Raises:
+            LocalProtocolError: the last forward had gradients enabled and no
+                backward (module doc).
+        """
+        self._settle()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._replaying:
@@ -484,6 +574,18 @@ class _StepCheck:
 
 def _plain_wait(work: Any) -> Any:
     return work.wait()
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    """The tensors in a forward's output (tensors, tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 # -- FSDP's state (private attributes of torch's fully_shard, read in one place; each

@@ -690,6 +690,10 @@ class Join:
             raise _foreign_error(joinable, "fused_heartbeat") from None
         if join is not None:
             order = join._order
+            if order is None and join._checks:
+                # Checks wait (before_next_heartbeat): they run before this
+                # collective; the held order comes back.
+                order = join._run_checks()
             if order is not None and order.fused:
                 # The standing order, inlined (this is the per-iteration path).
                 total = join._fused_total
@@ -813,19 +817,18 @@ class Join:
         another joinable: a forward with gradients and no backward). While a
         check waits, the next notify takes the machine's path instead of the
         standing order's inline check (a branch, once); an exception from ``check``
-        leaves the first joinable's notify, in the loop body, before anything
-        is sent. Not with a fused heartbeat (it rides in the first joinable's
-        own collective, which the Join does not send).
+        leaves the first joinable's notify (or its :meth:`fused_heartbeat`,
+        called before its own collective), in the loop body, before anything
+        is sent.
 
         Args:
             check: called with no arguments.
 
         Returns:
-            Whether the check was taken: ``False`` with a fused heartbeat or
-            outside the loop body.
+            Whether the check was taken: ``False`` outside the loop body.
         """
         state = self._state
-        if self._fused or state is None or state.phase is not m.Phase.ACTIVE:
+        if state is None or state.phase is not m.Phase.ACTIVE:
             return False
         self._checks.append(check)
         if self._order is not None:

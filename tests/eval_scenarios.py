@@ -420,6 +420,108 @@ def ddp_divisor_refused_after_a_fused_joinable(ctx: Ctx) -> Any:
     return {"error": error, "enabled": bool(config.enable)}
 
 
+class FusedCounter(Ticker):
+    """examples/counter.py's Counter: its all-reduce carries ``[1, heartbeat]``."""
+
+    join_fuses_heartbeat = True
+
+    def __call__(self) -> None:
+        t = torch.tensor([1.0, Join.fused_heartbeat(self)], device=DEVICE)
+        dist.all_reduce(t, group=self.group)
+        Join.record_heartbeat_total(self, float(t[1]))
+        self.count += float(t[0])
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        counter = self
+
+        class Hook(JoinHook):
+            def fused_shadow(self, heartbeat: float) -> float:
+                t = torch.tensor([0.0, heartbeat], device=DEVICE)
+                dist.all_reduce(t, group=counter.group)
+                return float(t[1])
+
+        return Hook()
+
+
+def fused_first(ctx: Ctx, kind: str) -> Any:
+    from joinkit.adapters.gather import Gather
+
+    return Gather(ctx.group) if kind == "gather" else FusedCounter(ctx.group)
+
+
+def call_first(first: Any, x: torch.Tensor) -> Any:
+    if isinstance(first, FusedCounter):
+        first()
+        return None
+    return first(x)
+
+
+@scenario
+def ddp_after_fused_first(ctx: Ctx) -> Any:
+    """Join([Gather, ddp]) and Join([FusedCounter, ddp]), whose first joinable
+    fuses the heartbeat into its own collective: a forward with gradients and
+    no backward gives every rank a clear error (checked before the first
+    joinable's next collective); no_grad evaluation and training are exact."""
+    errors: dict[str, Any] = {}
+    worst, cases = 0.0, 0
+    for first_kind in ("gather", "counter"):
+        for counts in ([3, 5, 4][: ctx.world], [0, 4, 2][: ctx.world]):
+            # A forward with gradients and no backward.
+            model = wrap(ctx, make("lin"))
+            model.eval()
+            first = fused_first(ctx, first_kind)
+            error: BaseException | None = None
+            try:
+                with Join([first, model]):
+                    for i in range(counts[ctx.rank]):
+                        x = batch(ctx.rank, i).to(DEVICE)
+                        call_first(first, x)
+                        model(x)
+            except (LocalProtocolError, PeerFailure) as caught:
+                error = caught
+            errors[f"{counts}-{first_kind}"] = outcome(error)
+            t = torch.ones(1, device=DEVICE)
+            dist.all_reduce(t, group=ctx.group)
+            assert t.item() == ctx.world
+            # no_grad evaluation: gathered rows and outputs against one process.
+            for mode in ("no_grad", "eval_no_grad"):
+                model = wrap(ctx, make("bn"))
+                reference = make("bn").to(DEVICE)
+                if mode == "eval_no_grad":
+                    model.eval()
+                    reference.eval()
+                first = fused_first(ctx, first_kind)
+                with Join([first, model]), torch.no_grad():
+                    for i in range(counts[ctx.rank]):
+                        x = batch(ctx.rank, i).to(DEVICE)
+                        rows = call_first(first, x)
+                        if rows is not None:
+                            union = torch.cat([batch(r, i) for r in range(ctx.world)
+                                               if counts[r] > i]).to(DEVICE)
+                            worst = max(worst, float((rows - union).abs().max()))
+                        out = model(x)
+                        worst = max(worst, float((out - reference(x)).abs().max()))
+                if isinstance(first, FusedCounter):
+                    want = sum(min(c, counts[ctx.rank]) for c in counts)
+                    worst = max(worst, abs(first.count - want))
+                cases += 1
+            # Training stays quiet and exact (the check sees every backward).
+            model = wrap(ctx, make("lin"))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            first = fused_first(ctx, first_kind)
+            with Join([first, model]):
+                for i in range(counts[ctx.rank]):
+                    x = batch(ctx.rank, i).to(DEVICE)
+                    call_first(first, x)
+                    optimizer.zero_grad()
+                    model(x).square().sum().backward()
+                    optimizer.step()
+            reference, _ = reference_train("lin", counts, ctx.world, True, False)
+            worst = max(worst, diff(params(model), params(reference)))
+            cases += 1
+    return {"errors": errors, "worst": worst, "cases": cases}
+
+
 # -- FSDP2 (fully_shard) ------------------------------------------------------------------
 
 
@@ -506,6 +608,52 @@ def fsdp_divisor_positions(ctx: Ctx) -> Any:
                 reference = f.reference(counts, f.sgd, divide_by_initial=divide)
                 worst = max(worst, f.deviation(model, reference))
     return {"worst": worst}
+
+
+@scenario
+def fsdp_grad_forward_without_backward(ctx: Ctx) -> Any:
+    """An FSDP2 model in eval() with gradients enabled and no backward, first,
+    after a Ticker and after a fused Gather: every rank leaves with a clear
+    error (its own LocalProtocolError, or PeerFailure), no abort, no hang."""
+    f = _fsdp()
+    out = {}
+    for counts in ([3, 5, 4][: ctx.world], [0, 4, 2][: ctx.world], [0, 1, 0][: ctx.world]):
+        for first in ("none", "ticker", "gather"):
+            for reshard in (True, False) if first == "none" else (True,):
+                if TRACE:
+                    print(ctx.rank, "case", counts, first, reshard, flush=True)
+                model = f.shard(f.net(), ctx.group, reshard=reshard)
+                model.eval()
+                head = None if first == "none" else (
+                    Ticker(ctx.group) if first == "ticker" else fused_first(ctx, "gather"))
+                error: BaseException | None = None
+                try:
+                    with Join([model] if head is None else [head, model]):
+                        for i in range(counts[ctx.rank]):
+                            x = f.data(ctx.rank, i)[0]
+                            if isinstance(head, Ticker):
+                                head()
+                            elif head is not None:
+                                head(x)
+                            model(x)
+                except (LocalProtocolError, PeerFailure) as caught:
+                    error = caught
+                out[f"{counts}-{first}-{reshard}"] = outcome(error)
+                t = torch.ones(1, device=DEVICE)
+                dist.all_reduce(t, group=ctx.group)
+                assert t.item() == ctx.world
+    # Training: once a backward reached the outputs, the adapter holds none of them.
+    from joinkit.adapters import fsdp
+
+    model = f.shard(f.net(), ctx.group)
+    held = []
+    with Join([model]):
+        for i in range(COUNTS[ctx.world][0][ctx.rank]):
+            x, y = f.data(ctx.rank, i)
+            f.mse_loss(model(x), y).backward()
+            pending = fsdp.adapt(model)._pending
+            held.append(-1 if pending is None else len(pending[0]))
+    return {"errors": out, "held": held}
 
 
 def main(argv: list[str]) -> None:

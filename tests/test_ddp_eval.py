@@ -22,6 +22,7 @@ WORKER = Path(__file__).with_name("eval_scenarios.py")
 LAUNCH_TIMEOUT = 240.0
 SILENT = "the Join's first joinable, Silent, must call Join.notify_join_context(self)"
 NO_BACKWARD = "ran a forward with gradients enabled and no backward"
+COUNTS_3_5 = {2: [3, 5], 3: [3, 5, 4]}  # eval_scenarios.COUNTS[world][0]
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -141,3 +142,43 @@ def test_fsdp2_eval_mixed_and_divisor(results: dict[str, Any]) -> None:
         assert rank == {"worst": 0.0, "cases": 24}, rank
     for name in ("fsdp_train_eval_mixed", "fsdp_divisor_positions"):
         assert all(r["worst"] < 1e-6 for r in ranks_of(results, name)), name
+
+
+def test_ddp_after_a_fused_first_joinable(results: dict[str, Any]) -> None:
+    """Join([Gather, ddp]) / Join([FusedCounter, ddp]): the no-backward check runs
+    in the first joinable's fused_heartbeat, before its collective; every rank
+    leaves with a clear error, and no_grad evaluation and training are exact."""
+    for rank in ranks_of(results, "ddp_after_fused_first"):
+        assert rank["worst"] < 1e-5 and rank["cases"] == 12, rank
+    ranks = ranks_of(results, "ddp_after_fused_first")
+    for case in ranks[0]["errors"]:
+        counts = json.loads(case.split("-")[0])
+        for rank, result in enumerate(ranks):
+            error = result["errors"][case]
+            assert error is not None, (case, rank)
+            assert NO_BACKWARD in error["message"], (case, rank, error)
+            if counts[rank] >= 2:
+                assert error["type"] == "LocalProtocolError", (case, rank, error)
+            else:
+                assert error["type"] in ("PeerFailure", "LocalProtocolError"), error
+
+
+def test_fsdp2_grad_forward_without_backward(results: dict[str, Any]) -> None:
+    """FSDP2 in eval() with gradients and no backward (first, after a Ticker,
+    after a fused Gather; 3 vs 5, 0 vs 4, 0 vs 1 batches): the rank that made
+    the mistake raises LocalProtocolError (after running the backward the
+    joined ranks replay, from zeros), the others get PeerFailure; no hang."""
+    ranks = ranks_of(results, "fsdp_grad_forward_without_backward")
+    assert len(ranks[0]["errors"]) == 12
+    for rank, result in enumerate(ranks):  # training holds no outputs after backward
+        assert result["held"] == [0] * COUNTS_3_5[results["_world"][0]["world"]][rank], result
+    for case in ranks[0]["errors"]:
+        counts = json.loads(case.split("-")[0])
+        for rank, result in enumerate(ranks):
+            error = result["errors"][case]
+            assert error is not None and NO_BACKWARD in error["message"], (case, rank, error)
+            assert "FSDP model" in error["message"] and "torch.no_grad()" in error["message"]
+            if counts[rank] >= 2 or (counts[rank] == 1 and max(counts) == 1):
+                assert error["type"] == "LocalProtocolError", (case, rank, error)
+            else:
+                assert error["type"] == "PeerFailure", (case, rank, error)

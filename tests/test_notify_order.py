@@ -78,3 +78,89 @@ def test_before_next_heartbeat_runs_once_before_the_first_joinables_notify(throw
                                                                      f"check {i - 1}")]
         assert events == expected
         assert taken is False and beats == n
+
+
+class _FusedCounter:
+    """examples/counter.py's Counter over a ThreadGroup: all-reduces [1, heartbeat]."""
+
+    @staticmethod
+    def make(group: ThreadGroup, events: list[str]) -> Any:
+        import numpy as np
+
+        from joinkit import Join, Joinable, JoinHook
+
+        class Hook(JoinHook):
+            def fused_shadow(self, heartbeat: float) -> float:
+                t = np.array([0.0, heartbeat])
+                group.all_reduce(t)
+                return float(t[1])
+
+        class FusedCounter(Joinable):
+            join_fuses_heartbeat = True
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.count = 0.0
+
+            def __call__(self) -> None:
+                t = np.array([1.0, Join.fused_heartbeat(self)])
+                events.append("collective")
+                group.all_reduce(t)
+                Join.record_heartbeat_total(self, float(t[1]))
+                self.count += float(t[0])
+
+            def join_hook(self, **kwargs: Any) -> JoinHook:
+                return Hook()
+
+            @property
+            def join_device(self) -> Any:
+                return group.device
+
+            @property
+            def join_process_group(self) -> Any:
+                return group
+
+        return FusedCounter()
+
+
+@pytest.mark.parametrize("options", [{}, {"check_agreement": False}])
+def test_before_next_heartbeat_runs_in_a_fused_heartbeat(options: dict[str, Any]) -> None:
+    """With a first joinable that fuses its heartbeat, a waiting check runs in
+    its Join.fused_heartbeat, before its collective, once; the counts are a
+    plain loop's (the slot carries the right value while a check waits); a
+    check that raises gives that rank its error and the peer PeerFailure."""
+    from support import AllReducer
+
+    from joinkit import Join, LocalProtocolError, PeerFailure
+
+    counts = [3, 5]
+
+    def rank_fn(group: ThreadGroup, fail: bool) -> Any:
+        events: list[str] = []
+        first, later = _FusedCounter.make(group, events), AllReducer(group)
+
+        def check(i: int) -> None:
+            events.append(f"check {i}")
+            if fail and i == 1:
+                raise LocalProtocolError("check 1 refused")
+
+        try:
+            with Join([first, later], **options) as join:
+                for i in range(counts[group.rank]):
+                    events.append(f"notify {i}")
+                    first()
+                    later()
+                    assert join.before_next_heartbeat(lambda i=i: check(i))
+        except (LocalProtocolError, PeerFailure) as error:
+            return type(error).__name__, str(error)
+        return first.count, later.total, events
+
+    for rank, (count, total, events) in enumerate(
+            spawn(lambda group: rank_fn(group, False), 2, timeout=TIMEOUT)):
+        n = counts[rank]
+        assert count == total == expected_total(counts, rank)
+        expected = ["notify 0", "collective"] + [
+            e for i in range(1, n) for e in (f"notify {i}", f"check {i - 1}", "collective")]
+        assert events == expected
+    for name, message in spawn(lambda group: rank_fn(group, True), 2, timeout=TIMEOUT):
+        assert name in ("LocalProtocolError", "PeerFailure") and "check 1 refused" in message
