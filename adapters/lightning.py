@@ -268,7 +268,7 @@ class UnevenInputs(Callback):
             return
         ours = _HandlersCompose([self._on_sigterm if handler == notifier else handler
                                  for handler in current.signal_handlers])
-        signal.signal(signal.SIGTERM, ours)
+        signal.signal(signal.SIGTERM, ours)  # type: ignore[arg-type]  # a callable object
         self._handlers = (current, ours)
 
     def _restore_handler(self) -> None:
