@@ -5,8 +5,8 @@ Theory of operation
 ``adapters.fabric`` and ``adapters.lightning`` use a few members Lightning does
 not promise to keep: Fabric's wrapper classes and the attribute holding the
 wrapped (DDP or ``fully_shard``) module; the Trainer's per-batch SIGTERM
-broadcast, which ``UnevenInputs`` routes through a
-:class:`joinkit.SideCollective` on the epoch loop object. A release that
+check, which ``UnevenInputs`` replaces with a :class:`joinkit.SideCollective`
+on the epoch loop object, and the SIGTERM handler whose broadcast it swaps out. A release that
 renamed one would make joinkit miss a collective (a hang) or unwrap nothing,
 so each is listed here, in the format of ``adapters._torch_private`` (whose
 checker this module reuses), and :func:`check` runs once per group and process
@@ -37,6 +37,8 @@ class UnsupportedLightningError(RuntimeError):
 
 _WRAPPERS = "lightning_fabric.wrappers"
 _EPOCH_LOOP = "pytorch_lightning.loops.training_epoch_loop"
+_SIGNALS = "pytorch_lightning.trainer.connectors.signal_connector"
+_TRAINER = "pytorch_lightning.trainer.trainer"
 
 
 def _m(module: str, name: str, need: Need, why: str, params: tuple[str, ...] = (),
@@ -57,8 +59,20 @@ GROUPS: dict[str, tuple[Member, ...]] = {
     ),
     "Trainer": (
         _m(_EPOCH_LOOP, "_TrainingEpochLoop._broadcast_sigterm_tensor", Need.CALLABLE,
-           "the per-batch SIGTERM broadcast from rank 0, which a joined rank must shadow",
+           "the per-batch SIGTERM check, which UnevenInputs replaces with an all-reduce "
+           "that a joined rank shadows",
            ("self",), (f"{_EPOCH_LOOP}:_TrainingEpochLoop.advance",)),
+        _m(_TRAINER, "Trainer._signal_connector", Need.ATTRIBUTE,
+           "the Trainer's signal connector, whose SIGTERM notifier UnevenInputs swaps"),
+        _m(_SIGNALS, "_SignalConnector._sigterm_notifier_fn", Need.CALLABLE,
+           "Lightning's SIGTERM handler, whose broadcast nothing pairs inside a Join",
+           ("self", "signum", "_"), (f"{_SIGNALS}:_SignalConnector.register_signal_handlers",)),
+        _m(_SIGNALS, "_SignalConnector.received_sigterm", Need.ATTRIBUTE,
+           "the flag behind trainer.received_sigterm, set once every rank knows"),
+        _m(_SIGNALS, "_HandlersCompose", Need.EXISTS,
+           "the SIGTERM handler Lightning registers, rebuilt with the notifier swapped"),
+        _m(_SIGNALS, "_HandlersCompose.signal_handlers", Need.ATTRIBUTE,
+           "the handlers it calls in turn"),
     ),
 }
 

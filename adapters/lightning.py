@@ -15,13 +15,25 @@ Lightning runs right after a rank's last batch, start on every rank together
 ``loops/optimization/automatic.py``), and its place in the Join's list, which
 is the order of a joined rank's shadow round:
 
-1. ``_broadcast_sigterm_tensor``: a broadcast from rank 0 of whether it got
-   SIGTERM, before the batch is fetched. It stays on and becomes the Join's
-   first joinable, a :class:`~joinkit.SideCollective` whose call sends the
-   heartbeat; its shadow is Lightning's own method (a joined rank 0 sends its
-   real flag). Lightning's SIGTERM *handler* runs a broadcast of its own
-   wherever the signal lands, which nothing pairs during the Join: a real
-   SIGTERM hangs (docs/lightning.md, Limits).
+1. ``_broadcast_sigterm_tensor``: Lightning's per-batch SIGTERM check, before
+   the batch is fetched. It stays on and becomes the Join's first joinable, a
+   :class:`~joinkit.SideCollective` whose call sends the heartbeat; its
+   collective is a MAX all-reduce of "this rank got SIGTERM" instead of
+   Lightning's broadcast from rank 0, and a joined rank's shadow round runs the
+   same all-reduce, so every rank, active or joined, learns of a SIGTERM to any
+   rank at the same batch. Then every rank raises Lightning's
+   ``SIGTERMException`` there: an active rank from the check, a joined rank
+   from its shadow round; a ``SystemExit`` leaves a Join at once, with no more
+   collectives, so no rank waits for another. Lightning's SIGTERM *handler*
+   broadcasts from rank 0 wherever the signal lands (nothing pairs it during
+   the Join) and sets ``trainer.received_sigterm``, which Lightning checks on
+   that rank alone after the batch; so from the first epoch's start to
+   ``teardown`` the callback swaps it for one that only records the signal
+   (and, as Lightning's does, passes it on to the processes Lightning's
+   launcher started). ``trainer.received_sigterm`` turns true when the ranks
+   agree: at the next batch's check, or, for a signal after a rank's last
+   check of the epoch, in one all-reduce when the epoch's Join ends (then
+   Lightning's own end-of-batch check stops every rank together).
 2. The DDP forward (training_step runs inside it): DDP's gradient-sync check;
    then the backward pass: DDP's gradient all-reduce. The DDP model
    (``strategy.model``), adapted by ``adapters.torch``. FSDP1
@@ -90,14 +102,19 @@ Refused at ``setup``/``on_fit_start``: tensor parallelism,
 *What it patches.* Instance attributes only, set in ``setup`` and removed in
 ``teardown``: the epoch loop's ``_broadcast_sigterm_tensor`` (private: checked
 by ``adapters._lightning_private``), the strategy's ``reduce`` and
-``block_backward_sync`` (public methods); each patch defers to the original
-outside the Join.
+``block_backward_sync`` (public methods); each of the last two defers to the
+original outside the Join. And the process's SIGTERM handler (Lightning's,
+with its ``_sigterm_notifier_fn`` swapped; the members are checked), put back
+in ``teardown``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -106,6 +123,7 @@ try:
     import torch
     import torch.distributed as dist
     from pytorch_lightning.callbacks import Callback
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
 except ImportError as error:  # pragma: no cover - the lightning extra is missing
     raise ImportError(
         "Could not find pytorch_lightning: joinkit.adapters.lightning needs it. Please run "
@@ -118,6 +136,8 @@ from . import _lightning_private
 from .fabric import OptimizerStateSync
 
 __all__ = ["UnevenInputs"]
+
+_log = logging.getLogger(__name__)
 
 _SUM_OPS = {"mean": "mean", "avg": "mean", "sum": "sum"}
 _OTHER_OPS = ("max", "min")
@@ -170,6 +190,9 @@ class UnevenInputs(Callback):
         self._fsdp = False  # ModelParallelStrategy (FSDP2)
         self._fsdp_root: Any = None  # its root fully_shard module, from on_fit_start
         self._val_join: Join | None = None
+        self._trainer: pl.Trainer | None = None
+        self._sigterm_seen = False  # this rank got SIGTERM (the swapped handler)
+        self._handlers: tuple[Any, Any] | None = None  # (Lightning's, ours)
         #: The Join of each finished epoch's training, for reports (``join.report``).
         self.joins: list[Join] = []
 
@@ -193,9 +216,9 @@ class UnevenInputs(Callback):
                 "tensor_parallel_size=1) and apply fully_shard in configure_model"
             )
         epoch_loop = trainer.fit_loop.epoch_loop
-        original_sigterm = epoch_loop._broadcast_sigterm_tensor
-        self._sigterm = SideCollective(original_sigterm, shadow=original_sigterm,
-                                       name="Lightning's SIGTERM broadcast")
+        self._trainer, self._sigterm_seen = trainer, False
+        self._sigterm = SideCollective(self._sigterm_check, shadow=self._sigterm_check,
+                                       name="Lightning's SIGTERM check")
         self._log_sync = SideCollective(self._sync_deferred, shadow=self._shadow_deferred,
                                         name="self.log(sync_dist=True) of the batch")
         self._patch(epoch_loop, "_broadcast_sigterm_tensor", self._sigterm)
@@ -206,6 +229,10 @@ class UnevenInputs(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._leave_validation(None)
         self._leave(None)
+        self._restore_handler()
+        if self._sigterm_seen and self._trainer is not None:
+            self._trainer._signal_connector.received_sigterm = True
+        self._trainer = None
         self._fsdp_root, self._fsdp = None, False
         for obj, name in reversed(self._patched):
             with contextlib.suppress(AttributeError):
@@ -220,11 +247,72 @@ class UnevenInputs(Callback):
         setattr(obj, name, value)
         self._patched.append((obj, name))
 
+    # -- SIGTERM ------------------------------------------------------------------------
+
+    def _swap_handler(self, trainer: pl.Trainer) -> None:
+        """Swap Lightning's SIGTERM notifier (a broadcast) for :meth:`_on_sigterm`.
+
+        Lightning registers its handler after ``on_fit_start``; called at each
+        epoch start, it swaps once. Where the handler is not Lightning's (not
+        the main thread, Windows, a user's own), it does nothing.
+        """
+        current = signal.getsignal(signal.SIGTERM)
+        if self._handlers is not None and current is self._handlers[1]:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return
+        from pytorch_lightning.trainer.connectors.signal_connector import _HandlersCompose
+
+        notifier = trainer._signal_connector._sigterm_notifier_fn
+        if not isinstance(current, _HandlersCompose) or notifier not in current.signal_handlers:
+            return
+        ours = _HandlersCompose([self._on_sigterm if handler == notifier else handler
+                                 for handler in current.signal_handlers])
+        signal.signal(signal.SIGTERM, ours)  # type: ignore[arg-type]  # a callable object
+        self._handlers = (current, ours)
+
+    def _restore_handler(self) -> None:
+        handlers, self._handlers = self._handlers, None
+        if handlers is None or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is handlers[1]:
+            signal.signal(signal.SIGTERM, handlers[0])
+
+    def _on_sigterm(self, signum: Any, frame: Any) -> None:
+        """Lightning's notifier without its broadcast: record the signal (no collective)."""
+        _log.info("joinkit UnevenInputs: received SIGTERM (%s); every rank stops at the next "
+                  "batch's SIGTERM check", signum)
+        trainer = self._trainer
+        if not self._sigterm_seen and trainer is not None:
+            launcher = trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)  # as Lightning's handler: its launcher's processes
+        self._sigterm_seen = True
+
+    def _sigterm_flag(self, group: Any) -> bool:
+        """Whether some rank got SIGTERM: a MAX all-reduce over ``group`` (every rank)."""
+        trainer = self._trainer
+        assert trainer is not None
+        seen = self._sigterm_seen or trainer.received_sigterm
+        flag = torch.tensor([1 if seen else 0], device=trainer.strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if int(flag.item()) == 0:
+            return False
+        trainer._signal_connector.received_sigterm = True
+        return True
+
+    def _sigterm_check(self) -> None:
+        """The per-batch SIGTERM check: on every rank (an active rank's call, a
+        joined rank's shadow round), raise ``SIGTERMException`` if any rank got SIGTERM."""
+        if self._sigterm_flag(self._group()):
+            raise SIGTERMException()
+
     # -- the Join of an epoch ---------------------------------------------------------
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sigterm is None or self._log_sync is None:
             return
+        self._swap_handler(trainer)
         strategy = trainer.strategy
         joinables: list[Any]
         if self._fsdp_root is not None:
@@ -344,6 +432,10 @@ class UnevenInputs(Callback):
         self.joins.append(join)
         if exception is None:
             join.__exit__(None, None, None)
+            # A SIGTERM after this rank's last check of the epoch: the ranks agree
+            # now, and Lightning's own end-of-batch check stops each of them.
+            if self._trainer is not None:
+                self._sigterm_flag(join.process_group)
         else:
             join.__exit__(type(exception), exception, exception.__traceback__)
 
