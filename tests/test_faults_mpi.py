@@ -46,13 +46,16 @@ HOOKS = ("main_hook", "post_hook")
 #: from the first rank starting the cell to mpirun's exit (its start-up and the
 #: interpreters' do not count: a loaded machine may take longer to start alone).
 RAW_DEADLINE = 10.0
+#: The stall cells' Join timeout: 4 ranks share 2 cores, so a shorter one lets a
+#: busy but healthy peer look silent (its beat is read as stale after half of it).
+STALL_TIMEOUT = 2
 
 
 def _command(ranks: int, out: Path, cells: str) -> list[str]:
     command = [mpirun(), "-n", str(ranks)]
     if ranks > (os.cpu_count() or 1) and is_open_mpi():
         command.append("--oversubscribe")
-    return command + [python(), *runner_args(out, cells, "--stall-timeout", "1")]
+    return command + [python(), *runner_args(out, cells, "--stall-timeout", str(STALL_TIMEOUT))]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +128,8 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
         assert set(launch.started) == set(range(world_size)), launch.explain()
     elif case == "stall":
         aborted = re.findall(r"joinkit: rank (\d+) aborts the MPI job: rank \1 made no "
-                             r"progress for [\d.]+ s \(timeout 1 s\) in phase DRAINING", output)
+                             r"progress for [\d.]+ s \(timeout "
+                             rf"{STALL_TIMEOUT} s\) in phase DRAINING", output)
         assert aborted and str(failing) not in aborted, launch.explain()
         # ... and says where every rank was: the peers' listener threads
         # answered while their ranks blocked in the count or slept in the loop.
