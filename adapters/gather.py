@@ -102,7 +102,7 @@ class _Layout:
     """What a call's arrays look like, checked once per kind of call (see :func:`_batch`)."""
 
     __slots__ = ("torch", "device", "wire_torch", "arrays", "row_bytes", "fingerprint",
-                 "description", "numpy_views", "numpy_dtypes")
+                 "description", "numpy_views", "numpy_dtypes", "cpu_views")
 
     def __init__(self, torch: bool, device: Any,
                  arrays: list[tuple[str, tuple[int, ...], int]], settings: tuple[Any, ...],
@@ -124,6 +124,10 @@ class _Layout:
         # CPU tensors whose dtype NumPy has: .numpy() gives their bytes directly.
         self.numpy_views = numpy_views
         self.numpy_dtypes = [_numpy_dtype(name) for name, _, _ in arrays]
+        # Results of CPU tensors whose dtypes NumPy has: decoded by _decode's
+        # fast path (each column's bytes concatenated once, viewed as a tensor).
+        self.cpu_views = (torch and device.type == "cpu" and numpy_views
+                          and all(per_row > 0 for _, _, per_row in arrays))
 
 
 class _Batch:
@@ -281,8 +285,7 @@ class Gather(Joinable):
         inline = batch.nbytes <= capacity
         wire = self._wire(batch, heartbeat, capacity, inline)
         parts = self._group.all_gather(wire)
-        heads = _headers(parts)
-        total = _heartbeat_total(parts)
+        heads, total = _headers_and_total(parts)
         Join.record_heartbeat_total(self, total)
         round_ = self._read(heads, capacity)
         if round_.mismatch:
@@ -434,11 +437,18 @@ class Gather(Joinable):
         """What the headers decide, the same on every rank; updates the capacity."""
         rows = [head[1] for head in heads]
         nbytes = [head[2] for head in heads]
-        active = [r for r, n in enumerate(rows) if n >= 0]
-        fingerprints = {heads[r][3] for r in active}
-        mismatch = len(fingerprints) > 1
-        fingerprint = min(fingerprints, default=0)
-        need = max((nbytes[r] for r in active), default=0)
+        if min(rows) >= 0:  # every rank active (the usual call): no filtering
+            fingerprint = heads[0][3]
+            mismatch = any(head[3] != fingerprint for head in heads)
+            if mismatch:
+                fingerprint = min(head[3] for head in heads)
+            need = max(nbytes)
+        else:
+            active = [r for r, n in enumerate(rows) if n >= 0]
+            fingerprints = {heads[r][3] for r in active}
+            mismatch = len(fingerprints) > 1
+            fingerprint = min(fingerprints, default=0)
+            need = max((nbytes[r] for r in active), default=0)
         inline = need <= capacity
         if not mismatch and self._dst is None and capacity < need <= INLINE_LIMIT:
             self._capacity = -(-need // 8) * 8
@@ -470,13 +480,22 @@ class Gather(Joinable):
 
     def _wire(self, batch: _Batch, heartbeat: float, capacity: int, inline: bool) -> Any:
         """This rank's header collective buffer: header, then the data where it fits."""
+        if not batch.layout.wire_torch:  # the per-call path on the CPU: no conversions
+            wire = np.zeros(_HEADER_BYTES + capacity, dtype=np.uint8)
+            head = wire[:_HEADER_BYTES].view(np.int64)
+            head[1:] = (batch.rows, batch.nbytes, batch.layout.fingerprint)
+            head.view(np.float64)[0] = heartbeat
+            if inline:
+                offset = _HEADER_BYTES
+                for flat in batch.flats:
+                    end = offset + flat.shape[0]
+                    wire[offset:end] = flat
+                    offset = end
+            return wire
         wire = self._buffer(batch, _HEADER_BYTES + capacity)
         header = _header(heartbeat, batch.rows, batch.nbytes, batch.layout.fingerprint)
-        if batch.layout.wire_torch:
-            torch = sys.modules["torch"]
-            wire[:_HEADER_BYTES] = torch.from_numpy(header).to(wire.device)
-        else:
-            wire[:_HEADER_BYTES] = header
+        torch = sys.modules["torch"]
+        wire[:_HEADER_BYTES] = torch.from_numpy(header).to(wire.device)
         if inline and batch.nbytes:
             _fill(wire, _HEADER_BYTES, batch)
         return wire
@@ -679,6 +698,16 @@ def _host(part: Any) -> np.ndarray:
     return part.cpu().numpy()  # type: ignore[no-any-return]
 
 
+def _headers_and_total(parts: Sequence[Any]) -> tuple[list[list[int]], float]:
+    """:func:`_headers` and :func:`_heartbeat_total` at once (the per-call path)."""
+    if not isinstance(parts[0], np.ndarray):
+        return _headers(parts), _heartbeat_total(parts)
+    block = np.concatenate([part[:_HEADER_BYTES] for part in parts]).view(np.int64)
+    block = block.reshape(len(parts), _FIELDS)
+    # The slot's values added in rank order from 0, as _heartbeat_total does.
+    return block.tolist(), float(sum(block[:, 0].view(np.float64).tolist()))
+
+
 def _headers(parts: Sequence[Any]) -> list[list[int]]:
     """The ranks' header fields as ints (the heartbeat's as its float64 bits)."""
     if isinstance(parts[0], np.ndarray):
@@ -725,6 +754,17 @@ def _decode(layout: _Layout, pieces: list[tuple[int, Any]], torch: bool, device:
         total += rows
     out = []
     start = 0
+    if (layout.cpu_views and torch and total and (device is None or device.type == "cpu")
+            and isinstance(pieces[0][1], np.ndarray)):
+        # The per-call path of CPU tensors: NumPy bytes in, tensors viewing them out.
+        from_numpy = sys.modules["torch"].from_numpy
+        for (_, shape, per_row), dtype in zip(layout.arrays, layout.numpy_dtypes, strict=True):
+            column = [data[start * rows:(start + per_row) * rows] for rows, data in pieces]
+            start += per_row
+            raw = np.concatenate(column) if len(column) > 1 else column[0].copy()
+            assert dtype is not None  # cpu_views: NumPy has every dtype
+            out.append(from_numpy(raw.view(dtype).reshape(total, *shape)))
+        return out
     for (name, shape, per_row), dtype in zip(layout.arrays, layout.numpy_dtypes, strict=True):
         column = []
         for rows, data in pieces:
