@@ -142,7 +142,8 @@ class Join:
             it. ``"finish"``: it counts as a rank that joined; the backend
             rebuilds the group over the survivors, who finish the loop and run
             the post hooks, and ``report.lost_ranks`` (plus one warning per
-            loss) names it and the iterations it completed. Needs a backend
+            loss) names it and the iterations it completed. A joinable that
+            fuses its heartbeat sends the classic one instead in this mode. Needs a backend
             that can rebuild its group (an MPIGroup under
             ``mpirun --with-ft ulfm``; docs/elastic.md), checked on entry
             before any collective. In this mode the watchdog does not read
@@ -246,7 +247,11 @@ class Join:
         # Fused only where the agreement check proves every rank fuses: torch's
         # Join (which a group shared with it needs, check_agreement=False)
         # speaks only the classic heartbeat.
-        self._fused = fuses[0] and not throw_on_early_termination and check_agreement
+        # Not with on_rank_loss="finish" either: a backend that rebuilds its group
+        # after a death must see every heartbeat (its sum says which ranks were
+        # active in each iteration, whence a lost rank's iterations).
+        self._fused = (fuses[0] and not throw_on_early_termination and check_agreement
+                       and on_rank_loss != "finish")
         self._fused_total: float | None = None
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
