@@ -297,7 +297,7 @@ class Join:
         self._on_rank_loss = on_rank_loss
         self._elastic = self._enable and on_rank_loss == "finish"
         self._read_lost: Callable[[], tuple[Any, ...]] = tuple
-        self._losses_seen = 0
+        self._losses_seen = self._losses_before = 0
         if self._enable:
             backend = _ports.resolve(process_group, self._device)
             self._backend = backend
@@ -367,6 +367,8 @@ class Join:
                 progress=self._recovery_progress, world_size=backend.world_size,
                 rank=backend.rank))
             self._read_lost = _ports.lost_ranks(backend)
+            # A group outlives its Joins: the losses of earlier ones are not this one's.
+            self._losses_seen = self._losses_before = len(self._read_lost())
         if self._enable:
             if self._timeout is not None:
                 _watchdog.watch(self._watch)
@@ -650,7 +652,8 @@ class Join:
         lost = self._read_lost()
         if len(lost) != self._losses_seen:
             self._losses_seen = len(lost)
-            self._feed(m.RanksLost(lost=tuple(lost), now=self._clock()))
+            mine = tuple(lost[self._losses_before:])
+            self._feed(m.RanksLost(lost=mine, now=self._clock()))
 
     def _notify(self) -> Any:
         if self._elastic:

@@ -289,3 +289,19 @@ def test_finish_mode_sends_the_classic_heartbeat_for_a_fused_joinable() -> None:
         for _ in range(3):
             assert Join.fused_heartbeat(step) == m.JOINED  # the heartbeat went out itself
     assert step.group.calls.count("heartbeat") == 3
+
+
+def test_a_later_join_reports_only_its_own_losses() -> None:
+    group = FakeElasticGroup()
+    group.lost = (LOST_1,)  # lost during an earlier Join on the same group
+    step = Step(group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        join = Join([step], on_rank_loss="finish")
+        with join:
+            step()
+            group.lost += (LOST_2,)
+            step()
+    assert join.report is not None and join.report.lost_ranks == (LOST_2,)
+    assert [str(w.message).split(" was lost")[0] for w in caught
+            if "was lost" in str(w.message)] == ["joinkit: rank 2"]
