@@ -530,6 +530,7 @@ class MPIGroup:
         self._last: Any = None  # the last one's result (a copy)
         self._heartbeats = 0
         self._rounds = _Rounds()
+        self._losses_before = 0  # the losses before the latest Join's entry
         self._progress: Callable[[], None] | None = None
         # Tests only: called with the attempt number inside each recovery.
         self._recovery_hook: Callable[[int], None] | None = None
@@ -1064,6 +1065,11 @@ class MPIGroup:
                 "or use on_rank_loss='raise'"
             )
         self._progress = getattr(config, "progress", None)
+        # A lost rank's iterations count this Join's rounds (every rank enters
+        # it at the same point): start them over, and the losses it knows of.
+        self._rounds = _Rounds()
+        self._heartbeats = 0
+        self._losses_before = len(self._lost)
         if self._elastic:
             return
         comm = self.comm.Dup()
@@ -1187,7 +1193,7 @@ class MPIGroup:
         survivors = [rank for rank, _, _ in facts]
         heartbeats = [beats for _, _, beats in facts]
         gone = sorted(set(self._members) - set(survivors))
-        earlier = [lost.iterations for lost in self._lost]
+        earlier = [lost.iterations for lost in self._lost[self._losses_before:]]
         iterations = self._rounds.lost_iterations(len(gone), heartbeats, earlier)
         if attempt:
             detected += f" (and {attempt} more death(s) during the recovery)"
@@ -1195,7 +1201,8 @@ class MPIGroup:
         for rank, done in zip(gone, iterations, strict=True):
             self._lost.append(LostRank(rank=rank, iterations=done, survivors=alive,
                                        detected=detected))
-        self._rounds.forget(heartbeats, [lost.iterations for lost in self._lost])
+        self._rounds.forget(heartbeats, [lost.iterations
+                                         for lost in self._lost[self._losses_before:]])
         self._use(comm, survivors)
         self._tick()
         return self._completed == before + 1
