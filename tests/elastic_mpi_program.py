@@ -153,6 +153,9 @@ def run_cell(group: MPIGroup, cell: dict[str, Any]) -> None:
 class RawCounter(Joinable):
     """A joinable whose group is the raw communicator (refused in finish mode)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return JoinHook()
 
