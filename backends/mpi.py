@@ -115,6 +115,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import faulthandler
 import itertools
 import os
 import sys
@@ -141,7 +142,7 @@ from joinkit import LostRank, backends
 from joinkit.backends._checks import Checks, contiguous, host_array, is_tensor, write_back
 from joinkit.backends._status import Post, Posted, board_entry, status_text
 
-__all__ = ["MPIGroup"]
+__all__ = ["MPIGroup", "finalize"]
 
 # numpy dtype -> MPI datatype, for every dtype of _checks.DTYPES. Explicit so
 # the wire type never depends on how a buffer spells its format ('l' vs 'q').
@@ -1397,6 +1398,33 @@ def any_rank(flag: bool) -> bool:
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (collective)."""
     return list(MPI.COMM_WORLD.allgather(obj))
+
+
+def finalize(grace: float = 5.0) -> None:
+    """``MPI.Finalize()``, bounded: for a survivor of a rank loss.
+
+    After a rank died under ULFM, Open MPI 5's ``MPI_Finalize`` sometimes
+    never returns (here about 1 run in 10, with plain mpi4py too, holding the
+    GIL); a survivor that has finished its work then hangs the job. This
+    finalizes under ``faulthandler``'s C-level timer: if ``MPI_Finalize`` has
+    not returned within ``grace`` seconds, the process ends with status 1
+    (its output flushed first; its work is done, only MPI's shutdown hung).
+    Call it last, once, on every rank. It replaces any
+    ``faulthandler.dump_traceback_later`` timer set before.
+
+    Args:
+        grace: seconds to wait for ``MPI_Finalize``.
+    """
+    if MPI.Is_finalized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(os.devnull, "w") as sink:
+        faulthandler.dump_traceback_later(grace, exit=True, file=sink)
+        try:
+            MPI.Finalize()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def abort_world() -> None:

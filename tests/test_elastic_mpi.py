@@ -15,12 +15,12 @@ benchmarks/elastic.py).
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import numpy as np
 import pytest
-
-from elastic_mpi_support import launch, reference
+from elastic_mpi_support import ROOT, launch, reference
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -91,7 +91,7 @@ def test_survivors_finish_with_the_reference_numbers(launch_name: str,
     assert sorted(results) == survivors, output
     consumed = {r: int(cell["inputs"][str(r)]) for r in survivors} | expect
     w_ref, count_ref = reference(consumed, len(members))
-    for rank, result in results.items():
+    for result in results.values():
         assert result["ok"], result.get("error")
         assert result["outcome"] == "joined"
         lost = {item["rank"]: item for item in result["lost"]}
@@ -137,3 +137,15 @@ def test_a_raw_communicator_is_refused_under_ulfm_too() -> None:
         assert group_error == "entered"
         assert "raw mpi4py communicator" in raw_error
         assert line["total"] == 2.0
+
+
+def test_the_example_prints_the_reference_next_to_the_survivors_parameters() -> None:
+    # examples/elastic.py: rank 1 of 3 SIGKILLs itself at its 3rd input.
+    _, output = launch("", 3, timeout=90, script=ROOT / "examples" / "elastic.py")
+    assert "rank 1 was lost after 2 iterations (ERR_" in output, output
+    assert "survivors 0, 2" in output
+    final = re.search(r"final parameters: +(\[.*\])", output)
+    expected = re.search(r"single-process reference: +(\[.*\])", output)
+    assert final is not None and expected is not None, output
+    assert final.group(1) == expected.group(1)
+    assert "equal: True" in output
