@@ -142,7 +142,7 @@ from joinkit import LostRank, backends
 from joinkit.backends._checks import Checks, contiguous, host_array, is_tensor, write_back
 from joinkit.backends._status import Post, Posted, board_entry, status_text
 
-__all__ = ["MPIGroup", "finalize"]
+__all__ = ["MPIGroup", "finalize_or_exit"]
 
 # numpy dtype -> MPI datatype, for every dtype of _checks.DTYPES. Explicit so
 # the wire type never depends on how a buffer spells its format ('l' vs 'q').
@@ -347,6 +347,8 @@ def _status_entry(key: int) -> tuple[str, float, int | None] | None:
     return None if posted is None else board_entry(posted, time.monotonic())
 
 
+# Whether an elastic group of this process lost a rank (finalize_or_exit).
+_lost_any = False
 #: How many times a recovery starts over when a rank dies during it.
 _MOST_RECOVERY_ATTEMPTS = 8
 #: The error classes a recovery handles (a dead peer, or a revoked communicator).
@@ -1202,6 +1204,8 @@ class MPIGroup:
         for rank, done in zip(gone, iterations, strict=True):
             self._lost.append(LostRank(rank=rank, iterations=done, survivors=alive,
                                        detected=detected))
+        global _lost_any
+        _lost_any = True
         self._rounds.forget(heartbeats, [lost.iterations
                                          for lost in self._lost[self._losses_before:]])
         self._use(comm, survivors)
@@ -1400,25 +1404,29 @@ def gather_objects(obj: Any) -> list[Any]:
     return list(MPI.COMM_WORLD.allgather(obj))
 
 
-def finalize(grace: float = 5.0) -> None:
-    """``MPI.Finalize()``, bounded: for a survivor of a rank loss.
+def finalize_or_exit(grace: float = 5.0) -> None:
+    """End MPI in a process that may have survived a rank loss; call it last.
 
-    After a rank died under ULFM, Open MPI 5's ``MPI_Finalize`` sometimes
-    never returns (here about 1 run in 10, with plain mpi4py too, holding the
-    GIL); a survivor that has finished its work then hangs the job. This
-    finalizes under ``faulthandler``'s C-level timer: if ``MPI_Finalize`` has
-    not returned within ``grace`` seconds, the process ends with status 1
-    (its output flushed first; its work is done, only MPI's shutdown hung).
-    Call it last, once, on every rank. It replaces any
-    ``faulthandler.dump_traceback_later`` timer set before.
+    After a rank died under ULFM, Open MPI 5's ``MPI_Finalize`` sometimes never
+    returns (here about 1 run in 10, with plain mpi4py too, on every
+    survivor), while a survivor that ends without it leaves ``mpirun`` with
+    status 0 (10 runs of 10). So: if an elastic group of this process lost a
+    rank, this stops the status board, flushes standard output and error and
+    ends the process at once with status 0, without ``MPI_Finalize`` (and
+    without ``atexit`` handlers: close your files first). Otherwise it calls
+    ``MPI.Finalize()`` and returns, and if that has not returned within
+    ``grace`` seconds, ``faulthandler``'s timer ends the process with status 1.
 
     Args:
-        grace: seconds to wait for ``MPI_Finalize``.
+        grace: seconds to wait for ``MPI_Finalize`` when no rank was lost.
     """
     if MPI.Is_finalized():
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    if _lost_any:
+        _close_board()
+        os._exit(0)
     with open(os.devnull, "w") as sink:
         faulthandler.dump_traceback_later(grace, exit=True, file=sink)
         try:

@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 
 def worker() -> None:
     from joinkit import Join, Joinable, JoinHook
-    from joinkit.backends.mpi import MPIGroup, finalize
+    from joinkit.backends.mpi import MPIGroup, finalize_or_exit
 
     class Hook(JoinHook):
         def __init__(self, model: Model) -> None:
@@ -82,7 +82,7 @@ def worker() -> None:
             Join.notify_join_context(model)
             model.apply(np.full(8, float(i)))
     print(json.dumps({"rank": rank, "ends": model.ends}), flush=True)
-    finalize()
+    finalize_or_exit()
 
 
 def launch(ranks: int, mode: str = "finish") -> tuple[float, float]:
@@ -104,7 +104,9 @@ def launch(ranks: int, mode: str = "finish") -> tuple[float, float]:
     death = next(line["death"] for line in lines if "rank" not in line)
     if len(survivors) != ranks - 1:
         raise RuntimeError(f"expected {ranks - 1} survivors:\n{done.stdout}\n{done.stderr}")
-    recovered = max(min(t for t in ends if t > death) for ends in survivors)
+    # Iteration DIES_AT is the first the victim never completed: its end on the
+    # slowest survivor (an earlier one may end just after the death, without it).
+    recovered = max(ends[DIES_AT - 1] for ends in survivors)
     before = [ends[1:DIES_AT - 1] for ends in survivors]
     steps = [b - a for ends in before for a, b in zip(ends, ends[1:], strict=False)]
     return recovered - death, statistics.median(steps)

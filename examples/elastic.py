@@ -102,7 +102,7 @@ def reference(consumed: dict[int, int], world_size: int) -> np.ndarray:
 
 
 def main() -> None:
-    from joinkit.backends.mpi import MPIGroup, finalize
+    from joinkit.backends.mpi import MPIGroup, finalize_or_exit
 
     group = MPIGroup()
     if group.world_size < 3:
@@ -132,7 +132,7 @@ def main() -> None:
         print(f"single-process reference: {np.array2string(expected, precision=6)}")
         print(f"equal: {bool(np.allclose(model.w, expected, rtol=1e-12, atol=1e-12))}",
               flush=True)
-    finalize()  # MPI.Finalize, bounded: after a rank loss it can hang (docs/elastic.md)
+    finalize_or_exit()  # after a rank loss MPI_Finalize can hang (docs/elastic.md)
 
 
 if __name__ == "__main__":

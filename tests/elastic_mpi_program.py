@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from elastic_mpi_support import DIM, LR, gradient  # noqa: E402
 
 from joinkit import Join, Joinable, JoinHook  # noqa: E402
-from joinkit.backends.mpi import MPIGroup, finalize  # noqa: E402
+from joinkit.backends.mpi import MPIGroup, finalize_or_exit  # noqa: E402
 
 
 def die(cell: str, rank: int, where: str) -> None:
@@ -184,7 +184,7 @@ def refusals() -> None:
     group.all_reduce(total)
     print(json.dumps({"rank": group.rank, "errors": errors, "total": float(total[0])}),
           flush=True)
-    finalize()
+    finalize_or_exit()
 
 
 def main() -> None:
@@ -197,7 +197,7 @@ def main() -> None:
     group = MPIGroup()
     for cell in cells:
         run_cell(group, cell)
-    finalize()  # MPI.Finalize, bounded: after a rank loss it can hang (docs/elastic.md)
+    finalize_or_exit()  # after a rank loss MPI_Finalize can hang (docs/elastic.md)
 
 
 if __name__ == "__main__":
