@@ -352,15 +352,21 @@ _lost_any = False
 #: How many times a recovery starts over when a rank dies during it.
 _MOST_RECOVERY_ATTEMPTS = 8
 #: The error classes a recovery handles (a dead peer, or a revoked communicator).
-_FAILED_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED})
+_FAILED_CLASSES = frozenset(
+    code for code in (getattr(MPI, "ERR_PROC_FAILED", None), getattr(MPI, "ERR_REVOKED", None))
+    if code is not None
+)
 #: A heartbeat or count sum at least this large carries a failure weight
 #: (joinkit's ``ALARM``), which hides the active count.
 _ALARM = 2.0**52
 
 
 def _error_name(error: MPI.Exception) -> str:
-    names = {MPI.ERR_PROC_FAILED: "ERR_PROC_FAILED", MPI.ERR_REVOKED: "ERR_REVOKED"}
-    return names.get(error.Get_error_class(), error.Get_error_string())
+    code = error.Get_error_class()
+    for name in ("ERR_PROC_FAILED", "ERR_REVOKED"):
+        if getattr(MPI, name, None) == code:
+            return name
+    return str(error.Get_error_string())
 
 
 def _first(run: tuple[int, int]) -> int:
@@ -520,6 +526,7 @@ class MPIGroup:
         #: last heartbeat to tell whether a failing rank left an iteration open.
         self.collectives_issued = 0
         self._board_key: int = comm.py2f()
+        self._hash = hash(("MPIGroup", self._board_key))
         self._checks = Checks(self.rank, self.world_size)
         #: This rank in the communicator the group was built over; ``rank``
         #: and ``world_size`` change when a rank loss shrinks the group.
@@ -552,7 +559,8 @@ class MPIGroup:
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(("MPIGroup", self.comm.py2f()))
+        # The communicator's at construction: a rank loss replaces self.comm.
+        return self._hash
 
     # -- join backend ------------------------------------------------------------
 
