@@ -153,6 +153,18 @@ def test_a_raw_communicator_is_refused_under_ulfm_too() -> None:
         assert line["total"] == 2.0
 
 
+def test_the_default_still_fails_promptly_under_ulfm_naming_the_dead_rank() -> None:
+    lines, output = launch("raise", 3, timeout=90)
+    assert [line["rank"] for line in lines if "death" in line] == [1], output
+    lines = [line for line in lines if "error" in line]
+    assert sorted(line["rank"] for line in lines) == [0, 2], output
+    for line in lines:
+        assert "ERR_PROC_FAILED" in line["error"] or "ERR_REVOKED" in line["error"], line
+        assert "rank 1 (reported failed by MPI's fault tolerance (ULFM)) is no longer " \
+            "running" in line["error"], line
+        assert line["seconds"] < 60
+
+
 def test_the_example_prints_the_reference_next_to_the_survivors_parameters() -> None:
     # examples/elastic.py: rank 1 of 3 SIGKILLs itself at its 3rd input.
     _, output = launch("", 3, timeout=90, script=ROOT / "examples" / "elastic.py")
