@@ -91,6 +91,9 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
         ("Exact evaluation, gloo (torchrun)",
          [*torchrun, str(b / "eval_gather.py"), *evaluation], 400),
         ("Exact evaluation, MPI", [*mpirun, PY, str(b / "eval_gather.py"), *evaluation], 400),
+        # Death to the survivors' next iteration, mpirun --with-ft ulfm (issue 20, Speed).
+        ("Elastic finish, MPI (ULFM)",
+         [PY, str(b / "elastic.py"), *(["2"] if quick else ["9"])], 600),
     ]
 
 

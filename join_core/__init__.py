@@ -19,7 +19,7 @@ from ._errors import (
     RankTimeout,
 )
 from ._join import Join, Joinable, JoinConfig, JoinHook
-from ._machine import HEARTBEAT_FLAG, JoinReport, split_heartbeat_flags
+from ._machine import HEARTBEAT_FLAG, JoinReport, LostRank, split_heartbeat_flags
 from ._ports import Adapter, JoinBackend, register_adapter
 from ._reports import format_reports, write_chart
 from ._side import SideCollective
@@ -31,6 +31,7 @@ __all__ = [
     "JoinConfig",
     "SideCollective",
     "JoinReport",
+    "LostRank",
     "JoinBackend",
     "Adapter",
     "register_adapter",

@@ -136,10 +136,26 @@ class Join:
             the timeout, also while this rank is in its loop body. An
             explicit ``timeout=`` is a hard limit on every join collective
             and round of hooks; ``None`` turns the watchdog off.
+        on_rank_loss: what a rank that dies inside the Join (SIGKILL, the
+            out-of-memory killer, a lost node) does to the others.
+            ``"raise"`` (the default): they leave promptly with an error naming
+            it. ``"finish"``: it counts as a rank that joined; the backend
+            rebuilds the group over the survivors, who finish the loop and run
+            the post hooks, and ``report.lost_ranks`` (plus one warning per
+            loss) names it and the iterations it completed. A joinable
+            that fuses its heartbeat sends the classic one in this mode.
+            Needs a backend that can rebuild its group (an MPIGroup under
+            ``mpirun --with-ft ulfm``; docs/elastic.md), checked on entry
+            before any collective. In this mode the watchdog does not read
+            the status board (ranks are renumbered after a loss): a stall is
+            judged by the hard timeout (by default six times ``timeout``).
         **kwargs: forwarded to every joinable's ``join_hook``.
 
     Raises:
-        ValueError: ``joinables`` is empty, the joinables use different
+        ValueError: ``on_rank_loss`` is neither ``"raise"`` nor ``"finish"``,
+            or ``"finish"`` comes with ``throw_on_early_termination``; on
+            entry, the backend cannot recover from a rank loss (the message
+            says what works). ``joinables`` is empty, the joinables use different
             process groups, every joinable follows the Join's group (a
             ``SideCollective`` without ``process_group`` alone), or the
             group has more than 2**24 ranks (the heartbeat's float32 sum
@@ -156,8 +172,21 @@ class Join:
         *,
         check_agreement: bool = True,
         timeout: float | None = DEFAULT_TIMEOUT,
+        on_rank_loss: str = "raise",
         **kwargs: Any,
     ) -> None:
+        if on_rank_loss not in m.ON_RANK_LOSS:
+            raise ValueError(
+                "on_rank_loss must be 'raise' (a dead rank ends the Join with an error "
+                "naming it) or 'finish' (the survivors treat it as joined and finish), "
+                f"not {on_rank_loss!r}"
+            )
+        if on_rank_loss == "finish" and throw_on_early_termination:
+            raise ValueError(
+                "on_rank_loss='finish' cannot be combined with "
+                "throw_on_early_termination=True: a lost rank counts as joined, which "
+                "throw mode would turn into an error on every rank; use one or the other"
+            )
         hard = timeout is not DEFAULT_TIMEOUT
         if not hard:
             timeout = _default_timeout()
@@ -218,7 +247,11 @@ class Join:
         # Fused only where the agreement check proves every rank fuses: torch's
         # Join (which a group shared with it needs, check_agreement=False)
         # speaks only the classic heartbeat.
-        self._fused = fuses[0] and not throw_on_early_termination and check_agreement
+        # Not with on_rank_loss="finish" either: a backend that rebuilds its group
+        # after a death must see every heartbeat (its sum says which ranks were
+        # active in each iteration, whence a lost rank's iterations).
+        self._fused = (fuses[0] and not throw_on_early_termination and check_agreement
+                       and on_rank_loss != "finish")
         self._fused_total: float | None = None
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
@@ -259,6 +292,12 @@ class Join:
         self._phase_since: float | None = None
         self._drain_from = 0
         self._drain_batches = 0
+        # on_rank_loss="finish": the backend's lost_ranks (read after each
+        # heartbeat and at the end) and how many of them the machine has seen.
+        self._on_rank_loss = on_rank_loss
+        self._elastic = self._enable and on_rank_loss == "finish"
+        self._read_lost: Callable[[], tuple[Any, ...]] = tuple
+        self._losses_seen = self._losses_before = 0
         if self._enable:
             backend = _ports.resolve(process_group, self._device)
             self._backend = backend
@@ -273,6 +312,10 @@ class Join:
             )
             if timeout is not None:
                 board = getattr(backend, "peer_board", None)
+                if self._elastic:
+                    # Ranks are renumbered when the group is rebuilt, and a
+                    # dead rank's silence is the backend's to handle: no board.
+                    board = None
                 read = None if board is None else functools.partial(_read_board, board)
                 if read is None and not hard:  # cannot tell slow from stalled
                     hard, timeout = True, timeout * _BOARDLESS_FACTOR
@@ -287,6 +330,7 @@ class Join:
                 ("throw_on_early_termination", self._throw_on_early_termination),
                 ("backend", type(backend).__name__),
                 ("fused_heartbeat", self._fused),
+                ("on_rank_loss", on_rank_loss),
             )
             self._state = m.initial_state(
                 m.MachineConfig(
@@ -297,6 +341,7 @@ class Join:
                     world_size=backend.world_size,
                     can_abort=hasattr(backend, "abort"),
                     progress_interval=m.PROGRESS_INTERVAL,
+                    on_rank_loss=on_rank_loss,
                 )
             )
 
@@ -314,6 +359,16 @@ class Join:
                     f"{_name(joinable)} is already inside another "
                     "enabled Join; Joins over the same joinable cannot be nested"
                 )
+        if self._elastic:
+            # Before any collective, on every rank alike: a backend that cannot
+            # rebuild its group says so here, not at the first death.
+            backend = self._backend
+            _ports.start_rank_loss_recovery(backend, _ports.RankLossConfig(
+                progress=self._recovery_progress, world_size=backend.world_size,
+                rank=backend.rank))
+            self._read_lost = _ports.lost_ranks(backend)
+            # A group outlives its Joins: the losses of earlier ones are not this one's.
+            self._losses_seen = self._losses_before = len(self._read_lost())
         if self._enable:
             if self._timeout is not None:
                 _watchdog.watch(self._watch)
@@ -369,6 +424,8 @@ class Join:
                 try:
                     finished = self._leave(exc)
                     self._settle_last_heartbeat(exc, finished)
+                    if self._elastic and finished:
+                        self._poll_losses()  # the losses seen while shadowing
                 except Exception as error:
                     if error is not exc:  # a join collective failed
                         self._note_gone_peers(error)
@@ -555,6 +612,7 @@ class Join:
         except _ForeignConfig:
             raise _foreign_error(joinable, "fused_heartbeat") from None
         if join is not None:
+            # (Never fused with on_rank_loss="finish": _notify below reads the losses.)
             order = join._order
             if order is None and join._checks:
                 # Checks wait (before_next_heartbeat): they run before this
@@ -584,7 +642,21 @@ class Join:
         if config.is_first_joinable and config.enable and config.join is not None:
             config.join._fused_total = total
 
+    def _recovery_progress(self) -> None:
+        """The backend's recovery made a step (``RankLossConfig.progress``)."""
+        self._watch.ticks += 1
+
+    def _poll_losses(self) -> None:
+        """Hand the machine the backend's losses, if any are new."""
+        lost = self._read_lost()
+        if len(lost) != self._losses_seen:
+            self._losses_seen = len(lost)
+            mine = tuple(lost[self._losses_before:])
+            self._feed(m.RanksLost(lost=mine, now=self._clock()))
+
     def _notify(self) -> Any:
+        if self._elastic:
+            self._poll_losses()  # those found since the previous heartbeat
         order = self._order
         if order is None and self._checks:
             order = self._run_checks()
@@ -1061,6 +1133,8 @@ class Join:
                     case m.WarnSkew():
                         # At the user's `with Join(...)` line, however deep the
                         # call that got here (its exit, or a hook's notify).
+                        warnings.warn(command.message, UserWarning, stacklevel=_user_stacklevel())
+                    case m.WarnRankLost():
                         warnings.warn(command.message, UserWarning, stacklevel=_user_stacklevel())
                     case m.ReportProgress():
                         _log.info("%s", m.progress_message(command, self._active_ranks()))

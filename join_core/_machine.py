@@ -82,6 +82,16 @@ negation). Only if the digests differ do they all-gather the signatures
 themselves (``CheckAgreement``), whose per-rank table the ``AgreementError``
 then shows on every rank instead of a later hang.
 
+*Rank loss* (``MachineConfig.on_rank_loss == "finish"``): a backend that can
+rebuild its group after a rank dies (MPI with ULFM, a gloo group over a store)
+does so inside its own collectives and keeps a list of ``LostRank`` values;
+the shell reads it after each heartbeat and at the end and hands new ones to
+the machine as ``RanksLost``. The machine records them (``JoinState.lost_ranks``,
+``JoinReport.lost_ranks``) and emits one ``WarnRankLost`` per loss. Nothing
+else changes: a dead rank contributes nothing to a heartbeat or a count, just
+as a joined rank contributes ``JOINED``, so the survivors' sums already treat
+it as joined, and the phase stays what it was.
+
 Phases (``Phase``)::
 
     IDLE        built, not entered
@@ -171,6 +181,11 @@ from ._errors import (
 )
 
 __all__ = [
+    "LostRank",
+    "RanksLost",
+    "WarnRankLost",
+    "ON_RANK_LOSS",
+    "lost_rank_message",
     "Phase",
     "Outcome",
     "Failure",
@@ -321,6 +336,54 @@ def split_heartbeat_flags(total: float, unit: float = HEARTBEAT_FLAG) -> tuple[f
     return total - flags * unit, flags
 
 
+#: The choices of ``Join(on_rank_loss=...)``.
+ON_RANK_LOSS = ("raise", "finish")
+
+
+@attrs.frozen(kw_only=True)
+class LostRank:
+    """A rank that died inside a Join with ``on_rank_loss="finish"``.
+
+    Attributes:
+        rank: its rank in the group as it was when the Join was built (the
+            *original* rank: reports and messages never use the rebuilt
+            group's numbering).
+        iterations: how many of its iterations completed with it, as the
+            survivors agree: the inputs it had processed whose collectives
+            include its contribution.
+        survivors: the original ranks still alive after the loss.
+        detected: how the loss was seen, e.g. ``"ERR_PROC_FAILED in
+            Iallreduce"``.
+    """
+
+    rank: int
+    iterations: int
+    survivors: tuple[int, ...]
+    detected: str
+
+
+def lost_rank_message(lost: LostRank, world_size: int | None) -> str:
+    """The warning for one loss: who, when, what was not seen, the divisor.
+
+    Args:
+        lost: the loss.
+        world_size: the group's initial size, where known.
+
+    Returns:
+        One sentence for ``WarnRankLost``.
+    """
+    survivors = ", ".join(str(rank) for rank in lost.survivors)
+    initial = "the initial world size" if world_size is None else (
+        f"the initial world size ({world_size})")
+    return (
+        f"joinkit: rank {lost.rank} was lost after {lost.iterations} iterations "
+        f"({lost.detected}); the Join goes on over ranks {survivors} and treats rank "
+        f"{lost.rank} as joined: its remaining inputs were not seen. Gradients keep "
+        f"being divided by {initial} where divide_by_initial_world_size=True (the "
+        "default), else by the number of ranks that contributed each iteration"
+    )
+
+
 class Phase(enum.Enum):
     # Enum's __hash__ is Python code and step hashes the phase on every call;
     # members are singletons, so identity hashing is equivalent and cheaper.
@@ -370,12 +433,14 @@ class MachineConfig:
     the number of shadow rounds after which a joined rank warns once about input
     skew (torch: 1000). ``progress_interval`` is the seconds between a draining
     rank's progress lines (``PROGRESS_INTERVAL``). ``world_size``, where known,
-    must not exceed ``MAX_WORLD_SIZE``. ``can_abort``: whether the shell can
+    must not exceed ``MAX_WORLD_SIZE``. ``on_rank_loss`` is ``Join``'s
+    (``ON_RANK_LOSS``); ``"finish"`` excludes throw mode. ``can_abort``: whether the shell can
     abort the group (``AbortGroup`` makes the peers fail); with it, a failure
     whose place in the iteration is unknown fails fast instead of guessing.
 
     Raises:
-        ValueError: a fused heartbeat in throw mode, or a world too large.
+        ValueError: a fused heartbeat in throw mode, a world too large, an
+            unknown ``on_rank_loss``, or ``"finish"`` in throw mode.
     """
 
     rank: int
@@ -386,8 +451,21 @@ class MachineConfig:
     world_size: int | None = None
     can_abort: bool = False
     progress_interval: float = PROGRESS_INTERVAL
+    on_rank_loss: str = "raise"
 
     def __attrs_post_init__(self) -> None:
+        if self.on_rank_loss not in ON_RANK_LOSS:
+            raise ValueError(
+                f"on_rank_loss must be 'raise' (a dead rank ends the Join with an error "
+                f"naming it) or 'finish' (the survivors treat it as joined and finish), "
+                f"not {self.on_rank_loss!r}"
+            )
+        if self.on_rank_loss == "finish" and self.throw_on_early_termination:
+            raise ValueError(
+                "on_rank_loss='finish' cannot be combined with "
+                "throw_on_early_termination=True: a lost rank counts as joined, which "
+                "throw mode would turn into an error on every rank; use one or the other"
+            )
         if self.fused_heartbeat and self.throw_on_early_termination:
             raise ValueError("a fused heartbeat cannot carry throw mode's termination check")
         if self.world_size is not None and self.world_size > MAX_WORLD_SIZE:
@@ -413,7 +491,8 @@ class JoinState:
     because its inputs ran out; ``peer_failures`` the other ranks' failures,
     from the exchange. ``drain_batch`` is the size of the latest drain batch
     (module doc; 0 before the first), ``progress_at`` when the latest progress
-    line went out (``None``: none yet).
+    line went out (``None``: none yet). ``lost_ranks``: the ranks lost so far
+    (``RanksLost``), in order of loss.
     """
 
     phase: Phase
@@ -429,6 +508,7 @@ class JoinState:
     peer_failures: tuple[Failure, ...] = ()
     drain_batch: int = 0
     progress_at: float | None = None
+    lost_ranks: tuple[LostRank, ...] = ()
     entered_at: float | None = None
     joined_at: float | None = None
     all_joined_at: float | None = None
@@ -475,6 +555,9 @@ class JoinReport:
             (its ``inputs`` are then not its share of the data).
         stopped_by: the ranks whose failure ended this Join for this rank, as
             the failure exchange reported them (empty without a failure).
+        lost_ranks: with ``on_rank_loss="finish"``, the ranks that died inside
+            the Join and were treated as joined, in order of loss (original
+            ranks, with the iterations each completed).
     """
 
     rank: int
@@ -487,6 +570,7 @@ class JoinReport:
     failure: Failure | None = None
     stopped_early: bool = False
     stopped_by: tuple[int, ...] = ()
+    lost_ranks: tuple[LostRank, ...] = ()
 
     @property
     def outcome(self) -> str:
@@ -505,6 +589,10 @@ class JoinReport:
         """This report as plain JSON-able data (``JoinReport.from_dict`` reads it back)."""
         data = attrs.asdict(self, recurse=True)
         data["stopped_by"] = list(self.stopped_by)
+        data["lost_ranks"] = [
+            {**attrs.asdict(lost), "survivors": list(lost.survivors)}
+            for lost in self.lost_ranks
+        ]
         return {"joinkit_report": REPORT_FORMAT, **data}
 
     @classmethod
@@ -522,7 +610,7 @@ class JoinReport:
                 f"{_preview(data)}"
             )
         fields = {f.name for f in attrs.fields(cls)}
-        missing = fields - {"failure", "stopped_early", "stopped_by"} - set(data)
+        missing = fields - {"failure", "stopped_early", "stopped_by", "lost_ranks"} - set(data)
         if missing:
             raise ValueError(f"join report is missing {sorted(missing)}: {_preview(data)}")
         values = {name: data[name] for name in fields if name in data}
@@ -530,6 +618,10 @@ class JoinReport:
         if failure is not None:
             values["failure"] = Failure(**failure)
         values["stopped_by"] = tuple(values.get("stopped_by", ()))
+        values["lost_ranks"] = tuple(
+            LostRank(**{**lost, "survivors": tuple(lost["survivors"])})
+            for lost in values.get("lost_ranks", ())
+        )
         return cls(**values)
 
 
@@ -562,6 +654,7 @@ def report(state: JoinState) -> JoinReport:
         failure=state.failure,
         stopped_early=state.stopped_early,
         stopped_by=stopped_by,
+        lost_ranks=state.lost_ranks,
     )
 
 
@@ -682,6 +775,18 @@ class FailuresExchanged:
     now: float = 0.0
 
 
+@attrs.frozen(kw_only=True)
+class RanksLost:
+    """The backend's ``lost_ranks()``: every rank lost so far, in order of loss.
+
+    The shell passes the whole tuple whenever it grew; the machine records
+    the ones it has not seen (by rank).
+    """
+
+    lost: tuple[LostRank, ...]
+    now: float = 0.0
+
+
 Observation: TypeAlias = (
     Entered
     | SignaturesCompared
@@ -694,6 +799,7 @@ Observation: TypeAlias = (
     | HooksDone
     | HookFailed
     | FailuresExchanged
+    | RanksLost
 )
 
 # -- commands -------------------------------------------------------------------
@@ -820,6 +926,14 @@ class WarnSkew:
 
 
 @attrs.frozen(kw_only=True)
+class WarnRankLost:
+    """Emit a ``UserWarning`` with ``message``: one per lost rank (``lost_rank_message``)."""
+
+    rank: int
+    message: str
+
+
+@attrs.frozen(kw_only=True)
 class ReportProgress:
     """Log at INFO that this draining rank is still shadowing (module doc).
 
@@ -894,6 +1008,7 @@ Command: TypeAlias = (
     | ExchangeFailures
     | AbortGroup
     | WarnSkew
+    | WarnRankLost
     | ReportProgress
     | Raise
 )
@@ -1227,6 +1342,19 @@ def _failures_exchanged(s: JoinState, o: FailuresExchanged) -> Transition:
     return _raise(s, Phase.DONE, error, done_at=o.now)
 
 
+def _ranks_lost(s: JoinState, o: RanksLost) -> Transition:
+    # Record the new losses, warn once each; the phase (and, in ACTIVE, the
+    # standing order) stays: a dead rank already sums like a joined one.
+    known = {lost.rank for lost in s.lost_ranks}
+    new = tuple(lost for lost in o.lost if lost.rank not in known)
+    warnings = tuple(
+        WarnRankLost(rank=lost.rank, message=lost_rank_message(lost, s.config.world_size))
+        for lost in new
+    )
+    orders = _orders(s.config) if s.phase is Phase.ACTIVE else ()
+    return Transition(_evolve(s, lost_ranks=s.lost_ranks + new), (*warnings, *orders))
+
+
 def _illegal(s: JoinState, o: Any) -> Transition:
     error = LocalProtocolError(
         f"join state machine of rank {s.config.rank} cannot accept "
@@ -1243,7 +1371,7 @@ def _still_errored(s: JoinState, o: Any) -> Transition:
 _P = Phase
 
 #: The protocol: (phase, observation type) -> (handler, the phases it may lead
-#: to). A pair missing here is illegal; DONE and ERRORED accept nothing.
+#: to). A pair missing here is illegal; ERRORED accepts nothing, DONE only ``RanksLost``.
 TRANSITIONS: dict[tuple[Phase, type], tuple[_Handler, tuple[Phase, ...]]] = {
     # phase           observation           handler                  next phases
     (_P.IDLE,         Entered):            (_enter,                  (_P.AGREEING, _P.ACTIVE)),
@@ -1267,6 +1395,12 @@ TRANSITIONS: dict[tuple[Phase, type], tuple[_Handler, tuple[Phase, ...]]] = {
     (_P.EXCHANGING,   FailuresExchanged):  (_failures_exchanged,     (_P.TERMINATED, _P.DONE)),
     (_P.POST_HOOKS,   HooksDone):          (_post_hooks_done,        (_P.DONE,)),
     (_P.POST_HOOKS,   HookFailed):         (_hooks_failed,           (_P.DONE,)),
+    # The shell reads the backend's losses after each heartbeat (ACTIVE) and
+    # once the protocol is over (DONE, or a phase the loop body must leave).
+    (_P.ACTIVE,       RanksLost):          (_ranks_lost,             (_P.ACTIVE,)),
+    (_P.ABORTING,     RanksLost):          (_ranks_lost,             (_P.ABORTING,)),
+    (_P.TERMINATED,   RanksLost):          (_ranks_lost,             (_P.TERMINATED,)),
+    (_P.DONE,         RanksLost):          (_ranks_lost,             (_P.DONE,)),
 }  # fmt: skip
 
 # What step looks up (the handlers alone: one dict probe per observation).

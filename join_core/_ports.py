@@ -23,6 +23,17 @@ backends and adapters come in through those same groups (declared in its
 heavy one (torch, mpi4py) once that library is already in use, so resolving
 never imports a framework by itself.
 
+*Rank loss.* With ``Join(..., on_rank_loss="finish")`` the shell calls the
+backend's optional ``start_rank_loss_recovery(config)`` once on entry, before
+any collective, with a :class:`RankLossConfig`; a backend without it (or one
+that raises from it: MPI without ULFM, nccl, threads) cannot rebuild its group
+after a death, and the Join refuses to start. A backend that can then repairs
+its own collectives when a rank dies (sequence them, rebuild the group over
+the survivors, agree on the last completed one, hand its result to those that
+lack it) and keeps ``lost_ranks()``, every :class:`~joinkit.LostRank` so far,
+which the shell polls after each heartbeat and at the end
+(:func:`lost_ranks`).
+
 Standard library and attrs only.
 """
 
@@ -52,6 +63,9 @@ __all__ = [
     "all_agree",
     "gather_object",
     "all_gather_sparse",
+    "RankLossConfig",
+    "start_rank_loss_recovery",
+    "lost_ranks",
 ]
 
 BACKEND_ENTRY_POINTS = "joinkit.backends"
@@ -79,6 +93,8 @@ class JoinBackend(Protocol):
     and failure exchange cost a rank O(1) instead of O(world size):
     :func:`all_agree`, :func:`gather_object`, :func:`all_gather_sparse`) are
     described in ``joinkit.backends`` and docs/guide/writing-a-backend.md.
+    For ``on_rank_loss="finish"``: ``start_rank_loss_recovery(config)`` and
+    ``lost_ranks()`` (the module doc, :class:`RankLossConfig`).
     """
 
     rank: int
@@ -95,6 +111,67 @@ class JoinBackend(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (blocking)."""
         ...
+
+
+@attrs.frozen(kw_only=True)
+class RankLossConfig:
+    """What a Join gives its backend's ``start_rank_loss_recovery``.
+
+    Attributes:
+        progress: call it (from the thread running the recovery) at every step
+            of a recovery: the Join's watchdog then sees progress and does not
+            take a recovery that repeats for a stall. Cheap (an increment).
+        world_size: the group's size when the Join was built.
+        rank: this rank in that group (its original rank).
+    """
+
+    progress: Callable[[], None]
+    world_size: int
+    rank: int
+
+
+def start_rank_loss_recovery(backend: JoinBackend, config: RankLossConfig) -> None:
+    """Turn on the backend's recovery from a dead rank, or say why it cannot.
+
+    Called on entering a Join with ``on_rank_loss="finish"``, before any
+    collective, on every rank.
+
+    Args:
+        backend: the Join's backend.
+        config: what the backend needs (:class:`RankLossConfig`).
+
+    Raises:
+        ValueError: the backend has no ``start_rank_loss_recovery``: it cannot
+            rebuild its group after a rank dies. A backend's own refusal (MPI
+            without ULFM, say) propagates as it raised it.
+    """
+    start = getattr(backend, "start_rank_loss_recovery", None)
+    if start is None:
+        kind = type(backend)
+        raise ValueError(
+            f"Join(on_rank_loss='finish') needs a backend that can rebuild its group "
+            f"after a rank dies, and {kind.__module__}.{kind.__qualname__} cannot (it "
+            "has no start_rank_loss_recovery). What works: an MPIGroup under "
+            "`mpirun --with-ft ulfm` (Open MPI 5 with ULFM), or a gloo TorchGroup "
+            "under a launcher that keeps the survivors (docs/elastic.md); otherwise "
+            "use on_rank_loss='raise' (the default), which ends the Join promptly "
+            "naming the dead rank"
+        )
+    start(config)
+
+
+def lost_ranks(backend: JoinBackend) -> Callable[[], tuple[Any, ...]]:
+    """The backend's ``lost_ranks`` method (after a successful
+    :func:`start_rank_loss_recovery`).
+
+    Returns:
+        A callable giving every ``LostRank`` so far, in order of loss; one that
+        gives ``()`` where the backend keeps none.
+    """
+    read = getattr(backend, "lost_ranks", None)
+    if read is None:
+        return tuple
+    return read  # type: ignore[no-any-return]
 
 
 Factory = Callable[[Any, Any], JoinBackend]

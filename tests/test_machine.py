@@ -26,6 +26,8 @@ from joinkit import _machine as m
 FAILURE = m.Failure(rank=9, exc_type="ValueError", message="bad batch")
 SIGNATURE = (("joinables", 1),)
 ORDER = m.HeartbeatOrder(value=m.ACTIVE, fused=False, alarm=m.ALARM)
+LOST = m.LostRank(rank=1, iterations=4, survivors=(0, 2, 3), detected="ERR_PROC_FAILED in test")
+WARN_LOST = m.WarnRankLost(rank=1, message=m.lost_rank_message(LOST, None))
 
 OBSERVATIONS = {
     m.Entered: m.Entered(now=1.0),
@@ -39,6 +41,7 @@ OBSERVATIONS = {
     m.HooksDone: m.HooksDone(now=1.0),
     m.HookFailed: m.HookFailed(failure=FAILURE, now=1.0),
     m.FailuresExchanged: m.FailuresExchanged(failures=(None, FAILURE), now=1.0),
+    m.RanksLost: m.RanksLost(lost=(LOST,), now=1.0),
 }
 
 
@@ -87,6 +90,12 @@ LEGAL: dict[tuple[m.Phase, type], tuple[m.Phase, Any]] = {
     (m.Phase.EXCHANGING, m.FailuresExchanged): (m.Phase.TERMINATED, "peer failure"),
     (m.Phase.POST_HOOKS, m.HooksDone): (m.Phase.DONE, ()),
     (m.Phase.POST_HOOKS, m.HookFailed): (m.Phase.DONE, "abort"),
+    # A rank loss is recorded and warned about; the phase (and the standing
+    # order) stays. Read in ACTIVE and at the end only.
+    (m.Phase.ACTIVE, m.RanksLost): (m.Phase.ACTIVE, (WARN_LOST, ORDER)),
+    (m.Phase.ABORTING, m.RanksLost): (m.Phase.ABORTING, (WARN_LOST,)),
+    (m.Phase.TERMINATED, m.RanksLost): (m.Phase.TERMINATED, (WARN_LOST,)),
+    (m.Phase.DONE, m.RanksLost): (m.Phase.DONE, (WARN_LOST,)),
 }
 
 
@@ -150,7 +159,9 @@ def test_every_phase_and_observation(phase: m.Phase, kind: type) -> None:
 
 
 def test_table_has_no_entry_for_errored_or_done() -> None:
-    assert not any(phase in (m.Phase.DONE, m.Phase.ERRORED) for phase, _ in m.TRANSITIONS)
+    assert not any(phase is m.Phase.ERRORED for phase, _ in m.TRANSITIONS)
+    # DONE records rank losses read at the end, nothing else.
+    assert {kind for phase, kind in m.TRANSITIONS if phase is m.Phase.DONE} == {m.RanksLost}
 
 
 # -- the table's target phases, over random states and observations ----------------
@@ -204,6 +215,7 @@ random_observations = st.one_of(
     st.builds(m.HooksDone, now=st.floats(0, 100)),
     st.builds(m.HookFailed, failure=st.just(FAILURE)),
     st.builds(m.FailuresExchanged, failures=st.sampled_from([(None,), (None, FAILURE)])),
+    st.builds(m.RanksLost, lost=st.sampled_from([(), (LOST,)])),
 )
 
 
@@ -257,6 +269,7 @@ def test_evolve_equals_attrs_evolve_over_every_field(
         "all_joined_at": st.one_of(st.none(), st.floats(0, 9)),
         "done_at": st.one_of(st.none(), st.floats(0, 9)),
         "error": st.one_of(st.none(), st.just(LocalProtocolError("x"))),
+        "lost_ranks": st.sampled_from([(), (LOST,)]),
     }
     assert set(values) == {field.name for field in attrs.fields(m.JoinState)}
     names = data.draw(st.sets(st.sampled_from(sorted(values))))
