@@ -91,6 +91,9 @@ _PATIENCE = 1.0
 _GRACE = 2.0
 #: How long a non-decider waits for the decision beyond ``_GRACE``.
 _DECISION_SLACK = 3.0
+#: How long the watcher's blocking wait for the failure key lasts before it
+#: starts another (a TCPStore logs a warning at each timeout).
+_WATCH_WAIT = datetime.timedelta(hours=1)
 #: Heartbeat value of an active rank (joinkit's ``ACTIVE``).
 _ACTIVE = 1.0
 #: Launchers that keep the survivors of a dead worker.
@@ -243,14 +246,14 @@ class Elastic:
             key = self.key(generation, "failed")
             try:
                 if blocking:
-                    store.wait([key], datetime.timedelta(seconds=0.1))
+                    store.wait([key], _WATCH_WAIT)
                     found = True
                 else:
                     found = bool(store.check([key]))
                     if not found:
                         time.sleep(_SLICE)
             except Exception:  # noqa: BLE001 - not there yet (a timeout), or no store
-                if self._stop.wait(0.0 if blocking else _SLICE):
+                if self._stop.wait(_SLICE):
                     return
                 continue
             if not found:
@@ -282,7 +285,7 @@ class Elastic:
                 return work.wait(slice_)
             except RuntimeError as exc:
                 if work.is_completed():
-                    raise GenerationFailed(f"gloo error: {str(exc).splitlines()[0]}") from exc
+                    raise GenerationFailed(_gloo_error(exc)) from exc
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + _PATIENCE / 2
@@ -429,7 +432,14 @@ class Elastic:
     def _build(self, generation: int, members: list[int]) -> Any:
         """A gloo group of ``members`` for ``generation``, or GenerationFailed."""
         rank = members.index(self.initial_rank)
-        store = dist.PrefixStore(self.key(generation, "pg/"), self.store)  # type: ignore[attr-defined]
+        # The group's rendezvous blocks on the store: a connection of its own,
+        # so this thread's store reads (who is gone, a new failure) go on.
+        try:
+            base = self.store.clone()
+        except Exception:  # noqa: BLE001 - a store without clone()
+            base = self.store
+        store = dist.PrefixStore(self.key(generation, "pg/"), base)  # type: ignore[attr-defined]
+        self._peer_processes()
         built: list[Any] = []
         errors: list[BaseException] = []
 
@@ -530,6 +540,16 @@ class Elastic:
     def _raw(self, work: Any, pg: Any) -> None:
         """Wait for a recovery collective on ``pg`` (the current generation)."""
         self.wait(work)
+
+
+def _gloo_error(exc: BaseException) -> str:
+    """A short name for a failed gloo collective's error."""
+    text = str(exc)
+    if "Connection closed by peer" in text:
+        return "gloo error (connection closed by peer)"
+    if "Connection reset by peer" in text:
+        return "gloo error (connection reset by peer)"
+    return f"gloo error ({text.splitlines()[0][:120] if text else type(exc).__name__})"
 
 
 def _tally(total: Any) -> float:

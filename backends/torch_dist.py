@@ -539,7 +539,7 @@ class TorchGroup:
         """
         elastic = self._elastic
         if elastic is not None and not elastic.inside:
-            return elastic.unit("count", lambda: self.count(value), buf=None)
+            return elastic.unit("count", lambda: self.count(value), beat=value)  # type: ignore[no-any-return]
         buf = self._tally
         buf.fill_(value)
         work = self._count_work = self._allreduce([buf], self._sum)

@@ -1,0 +1,261 @@
+"""Run elastic kill cells on gloo: ranks forked from a parent that hosts the store.
+
+Theory of operation
+-------------------
+``python tests/elastic_torch_runner.py --out DIR CELL [CELL ...]``: this
+process imports torch once, hosts a ``TCPStore`` (so the store outlives any
+rank, as a launcher's would) and, for each ``CELL``, forks its ranks, which
+initialise a gloo group over the store under a prefix of their own and run
+one Join with ``on_rank_loss="finish"`` over a :class:`Trainer` (a Counter
+and a small linear model in one joinable: per input, a heartbeat, then ONE
+all-reduce of the gradient and a 1, divided by the initial world size).
+
+A ``CELL`` is ``W:KILLS`` with ``KILLS`` a ``+``-joined list of
+``rank/point/at``: ``point`` one of ``body`` (in the loop body before input
+``at``'s notify), ``beat`` (after input ``at``'s heartbeat, before its
+all-reduce), ``drain`` (in its main hook, shadow round ``at``), ``post`` (in
+its post hook), ``recovery`` (on entering the recovery, after registering as
+alive: a kill during the recovery). Rank ``r`` has ``INPUTS + r`` inputs.
+Each rank writes ``DIR/cell{C}-rank{R}.json``: its result (count, parameters,
+the report's lost ranks, the wall-clock times of its completed all-reduces) or,
+for a killed rank, the time of its death. The parent gives each cell
+``--deadline`` s, kills what is left and records exit statuses in
+``DIR/cells.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+INPUTS = 8
+DIM = 4
+LR = 0.05
+POINTS = ("body", "beat", "drain", "post", "recovery")
+
+
+def parse(cell: str) -> tuple[int, list[tuple[int, str, int]]]:
+    world, _, kills = cell.partition(":")
+    out = []
+    for item in filter(None, kills.split("+")):
+        rank, point, at = item.split("/")
+        assert point in POINTS, point
+        out.append((int(rank), point, int(at)))
+    return int(world), out
+
+
+def sample(rank: int, index: int) -> tuple[np.ndarray, float]:
+    """Input ``index`` of ``rank``: a deterministic (x, y)."""
+    rng = np.random.default_rng(1000 * rank + index)
+    x = rng.standard_normal(DIM)
+    return x, float(x.sum() * 0.5 + rng.standard_normal() * 0.1)
+
+
+def reference(world: int, consumed: dict[int, int]) -> tuple[np.ndarray, dict[int, float]]:
+    """The single-process run over exactly the consumed inputs.
+
+    Args:
+        world: the initial world size (the divisor).
+        consumed: rank -> how many of its inputs were consumed.
+
+    Returns:
+        The final parameters and every rank's Counter total (over its inputs).
+    """
+    w = np.zeros(DIM)
+    counts = {rank: 0.0 for rank in consumed}
+    for t in range(max(consumed.values())):
+        contributors = [r for r, n in consumed.items() if t < n]
+        grad = np.zeros(DIM)
+        for r in contributors:
+            x, y = sample(r, t)
+            grad += (w @ x - y) * x
+        w = w - LR * grad / world
+        for r in contributors:
+            counts[r] += len(contributors)
+    return w, counts
+
+
+class _Die:
+    def __init__(self, rank: int, kills: list[tuple[int, str, int]], out: Path) -> None:
+        self.points = {(point, at) for r, point, at in kills if r == rank}
+        self.out = out
+
+    def maybe(self, point: str, at: int = 0) -> None:
+        if (point, at) in self.points:
+            self.now(point)
+
+    def now(self, point: str) -> None:
+        self.out.write_text(json.dumps({"killed": point, "time": time.time()}))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], host: str, port: int,
+             cell: int, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from joinkit import Join, Joinable, JoinHook
+    from joinkit.backends import _torch_elastic
+    from joinkit.backends.torch_dist import TorchGroup
+
+    path = out / f"cell{cell}-rank{rank}.json"
+    die = _Die(rank, kills, path)
+    if os.environ.get("ELASTIC_DEBUG"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["ELASTIC_DEBUG"]))
+    client = dist.TCPStore(host, port, world, False, datetime.timedelta(seconds=30))
+    store = dist.PrefixStore(f"cell{cell}/", client)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    group = TorchGroup(store_outlives_ranks=True)
+    if any(r == rank and p == "recovery" for r, p, _ in kills):
+        original = _torch_elastic.Elastic._decide
+
+        def decide_then_die(self: Any, generation: int, expected: list[int]) -> Any:
+            self.store.set(self.key(generation, f"alive/{self.initial_rank}"), "1")
+            die.now("recovery")
+            return original(self, generation, expected)
+
+        _torch_elastic.Elastic._decide = decide_then_die  # type: ignore[method-assign]
+
+    times: list[float] = []
+
+    class Hook(JoinHook):
+        def __init__(self, trainer: Trainer) -> None:
+            self.trainer = trainer
+            self.shadows = 0
+
+        def main_hook(self) -> None:
+            die.maybe("drain", self.shadows)
+            self.shadows += 1
+            self.trainer.sync(np.zeros(DIM + 1))
+
+        def post_hook(self, is_last_joiner: bool) -> None:
+            die.maybe("post")
+            ones = np.ones(1)
+            self.trainer.group.all_reduce(ones)
+            self.trainer.post_total = float(ones[0])
+
+    class Trainer(Joinable):
+        def __init__(self) -> None:
+            super().__init__()
+            self.group = group
+            self.w = np.zeros(DIM)
+            self.count = 0.0
+            self.post_total = 0.0
+
+        def sync(self, buf: np.ndarray) -> np.ndarray:
+            self.group.all_reduce(buf)
+            times.append(time.time())
+            self.w = self.w - LR * buf[:DIM] / world
+            return buf
+
+        def step(self, index: int) -> None:
+            die.maybe("body", index)
+            Join.notify_join_context(self)
+            die.maybe("beat", index)
+            x, y = sample(rank, index)
+            buf = np.concatenate([(self.w @ x - y) * x, [1.0]])
+            self.count += float(self.sync(buf)[DIM])
+
+        def join_hook(self, **kwargs: Any) -> JoinHook:
+            return Hook(self)
+
+        @property
+        def join_device(self) -> Any:
+            return torch.device("cpu")
+
+        @property
+        def join_process_group(self) -> Any:
+            return self.group
+
+    trainer = Trainer()
+    started = time.time()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Join([trainer], on_rank_loss="finish") as join:
+            for index in range(INPUTS + rank):
+                trainer.step(index)
+    report = join.report if hasattr(join, "report") else None
+    lost = [] if report is None else [
+        {"rank": lost.rank, "iterations": lost.iterations, "survivors": list(lost.survivors),
+         "detected": lost.detected} for lost in report.lost_ranks]
+    path.write_text(json.dumps({
+        "rank": rank, "count": trainer.count, "w": trainer.w.tolist(), "lost": lost,
+        "group_lost": [x.rank for x in group.lost_ranks()],
+        "post_total": trainer.post_total, "times": times, "started": started,
+        "size": group.world_size, "warnings": [str(w.message) for w in caught],
+        "ended": time.time(),
+    }))
+
+
+def run_cells(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60),
+                           wait_for_workers=False)
+    for cell, spec in enumerate(args.cells):
+        world, kills = parse(spec)
+        started = time.monotonic()
+        children = {}
+        for rank in range(world):
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    os.setpgid(0, 0)
+                    run_rank(rank, world, kills, "127.0.0.1", server.port, cell, out)
+                except BaseException:  # noqa: BLE001
+                    import traceback
+
+                    traceback.print_exc()
+                    code = 1
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children[pid] = rank
+        statuses: dict[int, Any] = {}
+        deadline = started + args.deadline
+        while children and time.monotonic() < deadline:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                time.sleep(0.005)
+                continue
+            statuses[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+        for pid, rank in children.items():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            statuses[rank] = "killed after deadline"
+        record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
+                  "exit": {str(r): statuses[r] for r in sorted(statuses)}}
+        with (out / "cells.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--deadline", type=float, default=40.0)
+    parser.add_argument("cells", nargs="+")
+    run_cells(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
