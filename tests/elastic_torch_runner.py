@@ -46,6 +46,8 @@ POINTS = ("body", "beat", "drain", "post", "recovery")
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]]]:
     world, _, kills = cell.partition(":")
+    if kills == "refusals":
+        return int(world), []
     out = []
     for item in filter(None, kills.split("+")):
         rank, point, at = item.split("/")
@@ -200,6 +202,73 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], host: str
     }))
 
 
+def run_refusals(rank: int, world: int, host: str, port: int, cell: int, out: Path) -> None:
+    """What ``on_rank_loss="finish"`` refuses or warns about, on every rank, before any
+    collective (the next collective after each refusal must still match)."""
+    import torch
+    import torch.distributed as dist
+
+    from joinkit import Join
+    from joinkit.backends.torch_dist import TorchGroup
+
+    client = dist.TCPStore(host, port, world, False, datetime.timedelta(seconds=30))
+    store = dist.PrefixStore(f"cell{cell}/", client)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    found: dict[str, Any] = {}
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+    try:
+        with Join([model], on_rank_loss="finish"):
+            pass
+    except ValueError as exc:
+        found["ddp"] = str(exc)
+    group = TorchGroup()  # a TCPStore: taken to live in rank 0
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"  # as under torchrun
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        counter = _counter(group)
+        with Join([counter], on_rank_loss="finish"):
+            counter.step()
+    del os.environ["TORCHELASTIC_RUN_ID"]
+    found["warnings"] = [str(w.message) for w in caught]
+    found["count"] = counter.count
+    found["lost"] = list(group.lost_ranks())
+    found["initial_rank"] = group.initial_rank
+    (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(found))
+
+
+def _counter(group: Any) -> Any:
+    from joinkit import Join, Joinable, JoinHook
+
+    class Hook(JoinHook):
+        def main_hook(self) -> None:
+            group.all_reduce(np.zeros(1))
+
+    class Counter(Joinable):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0.0
+
+        def step(self) -> None:
+            Join.notify_join_context(self)
+            one = np.ones(1)
+            group.all_reduce(one)
+            self.count += float(one[0])
+
+        def join_hook(self, **kwargs: Any) -> JoinHook:
+            return Hook()
+
+        @property
+        def join_device(self) -> Any:
+            return group.device
+
+        @property
+        def join_process_group(self) -> Any:
+            return group
+
+    return Counter()
+
+
 def run_cells(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -217,7 +286,10 @@ def run_cells(args: argparse.Namespace) -> None:
                 code = 0
                 try:
                     os.setpgid(0, 0)
-                    run_rank(rank, world, kills, "127.0.0.1", server.port, cell, out)
+                    if spec.endswith(":refusals"):
+                        run_refusals(rank, world, "127.0.0.1", server.port, cell, out)
+                    else:
+                        run_rank(rank, world, kills, "127.0.0.1", server.port, cell, out)
                 except BaseException:  # noqa: BLE001
                     import traceback
 

@@ -1,0 +1,156 @@
+"""The elastic kill matrix on gloo: ``Join(..., on_rank_loss="finish")`` over a TorchGroup.
+
+One launch of ``elastic_torch_runner.py`` runs every cell: the parent imports
+torch once, hosts the TCPStore (so it outlives any rank, as a launcher's
+would) and forks each cell's ranks; a cell's ranks SIGKILL themselves at one
+of the four kill points (in the loop body, between the heartbeat and the
+gradient all-reduce, while draining, in the post hook), in worlds of 3 and 4,
+two of them at different iterations, and one during the recovery from
+another's death. Each cell checks that every survivor left the Join normally,
+that the report names the dead ranks with the iterations they completed, and
+that the survivors' Counter totals and model parameters equal a
+single-process reference over exactly the consumed inputs (``reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elastic_torch_runner as runner  # noqa: E402
+
+DEADLINE = 40.0  # per cell, enforced by the runner (it kills what is left)
+CELLS = [
+    "3:",  # no death: the elastic path changes nothing
+    "3:1/body/3", "3:0/beat/2", "3:0/drain/0", "3:2/post/0",
+    "4:3/body/2", "4:2/beat/5", "4:1/drain/1", "4:0/post/0",
+    "4:1/body/2+2/beat/5",  # two deaths, at different iterations
+    "4:3/body/2+1/recovery/0",  # a death during the recovery
+    "3:0/body/0",  # before its first input
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("elastic_torch")
+    done = subprocess.run(
+        [sys.executable, str(Path(runner.__file__)), "--out", str(out), "--deadline",
+         str(DEADLINE), *CELLS],
+        capture_output=True, text=True, timeout=DEADLINE * len(CELLS) + 60,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
+    by_spec = {}
+    for record in records:
+        ranks = {}
+        for path in out.glob(f"cell{record['cell']}-rank*.json"):
+            data = json.loads(path.read_text())
+            ranks[int(path.stem.rpartition("rank")[2])] = data
+        by_spec[record["spec"]] = (record, ranks, done.stderr)
+    return by_spec
+
+
+def expected_iterations(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
+    """Dead rank -> the inputs it consumed (its all-reduces that completed with it)."""
+    out = {}
+    for rank, point, at in kills:
+        if point in ("body", "beat"):
+            out[rank] = at
+        elif point in ("drain", "post"):
+            out[rank] = runner.INPUTS + rank
+    for rank, point, _ in kills:
+        if point == "recovery":  # it died in the slot of the other death
+            out[rank] = next(at for _, p, at in kills if p in ("body", "beat"))
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("spec", CELLS)
+def test_kill_cell(results: dict[str, Any], spec: str) -> None:
+    record, ranks, stderr = results[spec]
+    world, kills = runner.parse(spec)
+    dead = {rank for rank, _, _ in kills}
+    survivors = [rank for rank in range(world) if rank not in dead]
+    assert record["seconds"] < DEADLINE, (record, stderr[-3000:])
+    for rank in range(world):  # every survivor left by itself; the dead were killed
+        assert record["exit"][str(rank)] == (-9 if rank in dead else 0), (record,
+                                                                          stderr[-3000:])
+    iterations = expected_iterations(world, kills)
+    consumed = {rank: iterations.get(rank, runner.INPUTS + rank) for rank in range(world)}
+    w, counts = runner.reference(world, consumed)
+    deaths = sorted(iterations)
+    for rank in survivors:
+        result = ranks[rank]
+        lost = {entry["rank"]: entry for entry in result["lost"]}
+        assert sorted(lost) == deaths, result["lost"]
+        assert sorted(result["group_lost"]) == deaths
+        for dead_rank, entry in lost.items():
+            assert entry["iterations"] == iterations[dead_rank], (dead_rank, result["lost"])
+            assert set(entry["survivors"]) >= set(survivors)
+            assert entry["detected"]
+        assert result["size"] == len(survivors)
+        assert result["count"] == counts[rank], (result["count"], counts[rank])
+        np.testing.assert_allclose(result["w"], w, rtol=1e-10, atol=1e-12)
+        assert result["post_total"] == len(survivors)
+        for dead_rank in deaths:
+            assert any(f"rank {dead_rank} was lost" in text for text in result["warnings"])
+
+
+@pytest.mark.timeout(600)
+def test_recovery_is_prompt(results: dict[str, Any]) -> None:
+    """From the death to the survivors' next completed all-reduce (recorded per cell)."""
+    seconds = {}
+    for spec in CELLS:
+        record, ranks, _ = results[spec]
+        world, kills = runner.parse(spec)
+        deaths = [ranks[rank]["time"] for rank, point, _ in kills if point != "post"]
+        if not deaths:
+            continue
+        died = max(deaths)
+        alive = [r for r in ranks.values() if "times" in r]
+        after = [min([t for t in r["times"] if t > died], default=None) for r in alive]
+        if None in after:
+            continue  # the survivors had joined already: no all-reduce after it
+        seconds[spec] = max(after) - died  # type: ignore[type-var,operator]
+    print("death -> next completed iteration:", {k: f"{v:.3f} s" for k, v in seconds.items()})
+    assert seconds
+    # Bounded, not a timing test (benchmarks/elastic_gloo.py measures): far
+    # below the gloo timeout (60 s) that a survivor without the store key
+    # would wait out.
+    assert max(seconds.values()) < 15.0, seconds
+
+
+@pytest.mark.timeout(600)
+def test_refusals_and_warnings(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(Path(runner.__file__)), "--out", str(tmp_path), "--deadline",
+         str(DEADLINE), "2:refusals"],
+        capture_output=True, text=True, timeout=DEADLINE + 60,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    record = json.loads((tmp_path / "cells.jsonl").read_text())
+    assert record["exit"] == {"0": 0, "1": 0}, done.stderr[-4000:]
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"cell0-rank{rank}.json").read_text())
+        # DDP's raw ProcessGroup: refused on entry, on every rank, before any
+        # collective (the next Join's collectives still match).
+        assert "raw ProcessGroup" in found["ddp"] and "FSDP2" in found["ddp"]
+        assert "ZeroRedundancyOptimizer" in found["ddp"]
+        assert found["count"] == 2.0 and found["lost"] == []
+        assert found["initial_rank"] == rank
+        if rank == 0:
+            texts = "\n".join(found["warnings"])
+            assert "the store seems to live in rank 0" in texts
+            assert "torchrun's agent kills every worker" in texts
+            assert "--with-ft ulfm" in texts
+        else:
+            assert found["warnings"] == []
