@@ -502,17 +502,17 @@ class Elastic:
         # whether the last unit (M, the same on every survivor now) was a
         # heartbeat in which a dead rank was active.
         own, totals = self.own_active, self.totals
-        last_kind, last_result = (self.last or (0, "", None))[1:]
+        last_result = (self.last or (0, "", None))[2]
         last_beat = self.last_beat
         if handed is not None:
-            last_kind, last_result, last_beat = kind, handed, self.current_beat
+            last_result, last_beat = handed, self.current_beat
             if last_beat is not None:
                 totals += _tally(handed)
                 own += 1 if last_beat == _ACTIVE else 0
         sums = torch.tensor([own, 1 if last_beat == _ACTIVE else 0], dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        self._raw(pg.allreduce([sums], opts), pg)
+        sum_opts = dist.AllreduceOptions()
+        sum_opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        self._raw(pg.allreduce([sums], sum_opts), pg)
         dead = [r for r in expected if r not in members]
         residual = int(round(totals)) - int(sums[0].item()) - self.counted
         share, extra = divmod(max(residual, 0), max(len(dead), 1))

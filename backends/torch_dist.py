@@ -374,7 +374,7 @@ class TorchGroup:
     @property
     def initial_rank(self) -> int:
         """This rank in the group as it was built (before any rank was lost)."""
-        return self._initial_rank
+        return int(self._initial_rank)
 
     def lost_ranks(self) -> tuple[Any, ...]:
         """Every rank lost so far in this group's life, in order of loss.
@@ -558,7 +558,7 @@ class TorchGroup:
         """
         elastic = self._elastic
         if elastic is not None and not elastic.inside:
-            return elastic.unit("all_gather_object", lambda: self.all_gather_object(obj), buf=None)
+            return elastic.unit("all_gather_object", lambda: self.all_gather_object(obj))  # type: ignore[no-any-return]
         payload = pickle.dumps(obj)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
@@ -588,7 +588,7 @@ class TorchGroup:
         """
         elastic = self._elastic
         if elastic is not None and not elastic.inside:
-            return elastic.unit("all_agree", lambda: self.all_agree(value), buf=None)
+            return bool(elastic.unit("all_agree", lambda: self.all_agree(value)))
         buf = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
         self.all_reduce(buf, "max")
         highest, negated_lowest = buf.tolist()
@@ -614,7 +614,8 @@ class TorchGroup:
         """
         elastic = self._elastic
         if elastic is not None and not elastic.inside:
-            return elastic.unit("gather_object", lambda: self.gather_object(obj, dst), buf=None)
+            return elastic.unit("gather_object",  # type: ignore[no-any-return]
+                                lambda: self.gather_object(obj, dst))
         dst = self._checks.root(dst, "dst", "gather_object")
         payload = pickle.dumps(obj)
         longest = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
@@ -648,7 +649,7 @@ class TorchGroup:
         """
         elastic = self._elastic
         if elastic is not None and not elastic.inside:
-            return elastic.unit("broadcast_object", lambda: self.broadcast_object(obj, src), buf=None)
+            return elastic.unit("broadcast_object", lambda: self.broadcast_object(obj, src))
         src = self._checks.root(src, "src", "broadcast_object")
         payload = pickle.dumps(obj) if self.rank == src else b""
         length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
