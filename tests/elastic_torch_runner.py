@@ -38,7 +38,9 @@ from typing import Any
 
 import numpy as np
 
-INPUTS = 8
+INPUTS = int(os.environ.get("ELASTIC_INPUTS", "8"))
+#: ``on_rank_loss`` of the cells' Joins (the benchmark times "raise" beside it).
+MODE = os.environ.get("ELASTIC_MODE", "finish")
 DIM = 4
 LR = 0.05
 POINTS = ("body", "beat", "drain", "post", "recovery")
@@ -186,7 +188,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], host: str
     started = time.time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with Join([trainer], on_rank_loss="finish") as join:
+        with Join([trainer], on_rank_loss=MODE) as join:
             for index in range(INPUTS + rank):
                 trainer.step(index)
     report = join.report if hasattr(join, "report") else None
