@@ -48,6 +48,7 @@ POINTS = ("body", "beat", "drain", "post", "recovery")
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]]]:
     world, _, kills = cell.partition(":")
+    kills = kills.removesuffix("@0")
     if kills == "refusals":
         return int(world), []
     out = []
@@ -114,15 +115,18 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], host: str
 
     path = out / f"cell{cell}-rank{rank}.json"
     die = _Die(rank, kills, path)
+    host0 = port < 0  # rank 0 hosts the store itself (init_process_group's way)
+    port = abs(port)
     if os.environ.get("ELASTIC_DEBUG"):
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["ELASTIC_DEBUG"]))
-    client = dist.TCPStore(host, port, world, False, datetime.timedelta(seconds=30))
+    client = dist.TCPStore(host, port, world, host0 and rank == 0,
+                           datetime.timedelta(seconds=30), wait_for_workers=False)
     store = dist.PrefixStore(f"cell{cell}/", client)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    group = TorchGroup(store_outlives_ranks=True)
+    group = TorchGroup(store_outlives_ranks=not host0)
     if any(r == rank and p == "recovery" for r, p, _ in kills):
         original = _torch_elastic.Elastic._decide
 
@@ -161,7 +165,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], host: str
 
         def sync(self, buf: np.ndarray) -> np.ndarray:
             self.group.all_reduce(buf)
-            times.append(time.time())
+            times.append((time.time(), self.group.world_size))
             self.w = self.w - LR * buf[:DIM] / world
             return buf
 
@@ -188,9 +192,14 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], host: str
     started = time.time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with Join([trainer], on_rank_loss=MODE) as join:
-            for index in range(INPUTS + rank):
-                trainer.step(index)
+        try:
+            with Join([trainer], on_rank_loss=MODE) as join:
+                for index in range(INPUTS + rank):
+                    trainer.step(index)
+        except Exception as exc:  # noqa: BLE001 - recorded for the test
+            path.write_text(json.dumps({"rank": rank, "error": type(exc).__name__,
+                                        "message": str(exc), "ended": time.time()}))
+            return
     report = join.report if hasattr(join, "report") else None
     lost = [] if report is None else [
         {"rank": lost.rank, "iterations": lost.iterations, "survivors": list(lost.survivors),
@@ -271,6 +280,14 @@ def _counter(group: Any) -> Any:
     return Counter()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_cells(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -282,6 +299,8 @@ def run_cells(args: argparse.Namespace) -> None:
         world, kills = parse(spec)
         started = time.monotonic()
         children = {}
+        # "@0": rank 0 hosts the cell's store (a negative port says so).
+        port = -_free_port() if spec.endswith("@0") else server.port
         for rank in range(world):
             pid = os.fork()
             if pid == 0:
@@ -291,7 +310,7 @@ def run_cells(args: argparse.Namespace) -> None:
                     if spec.endswith(":refusals"):
                         run_refusals(rank, world, "127.0.0.1", server.port, cell, out)
                     else:
-                        run_rank(rank, world, kills, "127.0.0.1", server.port, cell, out)
+                        run_rank(rank, world, kills, "127.0.0.1", port, cell, out)
                 except BaseException:  # noqa: BLE001
                     import traceback
 

@@ -36,7 +36,10 @@ CELLS = [
     "4:1/body/2+2/beat/5",  # two deaths, at different iterations
     "4:3/body/2+1/recovery/0",  # a death during the recovery
     "3:0/body/0",  # before its first input
+    "3:1/body/3@0",  # rank 0 hosts the store (init_process_group's way): others may die
 ]
+#: Rank 0 hosts the store and dies: no recovery, but a prompt, clear error.
+STORE_HOST_DIES = "3:0/body/3@0"
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("elastic_torch")
     done = subprocess.run(
         [sys.executable, str(Path(runner.__file__)), "--out", str(out), "--deadline",
-         str(DEADLINE), *CELLS],
+         str(DEADLINE), *CELLS, STORE_HOST_DIES],
         capture_output=True, text=True, timeout=DEADLINE * len(CELLS) + 60,
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -106,10 +109,25 @@ def test_kill_cell(results: dict[str, Any], spec: str) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_the_store_hosts_death_is_a_clear_error(results: dict[str, Any]) -> None:
+    record, ranks, stderr = results[STORE_HOST_DIES]
+    assert record["exit"] == {"0": -9, "1": 0, "2": 0}, (record, stderr[-3000:])
+    died = ranks[0]["time"]
+    for rank in (1, 2):
+        result = ranks[rank]
+        assert result["error"] == "PeerFailure", result
+        assert "rank 0 hosted it" in result["message"], result
+        assert "host the store outside the ranks" in result["message"], result
+        assert result["ended"] - died < 15.0, result  # not the gloo timeout (60 s)
+
+
+@pytest.mark.timeout(600)
 def test_recovery_is_prompt(results: dict[str, Any]) -> None:
     """From the death to the survivors' next completed all-reduce (recorded per cell)."""
     seconds = {}
     for spec in CELLS:
+        if spec == STORE_HOST_DIES:
+            continue
         record, ranks, _ = results[spec]
         world, kills = runner.parse(spec)
         deaths = [ranks[rank]["time"] for rank, point, _ in kills if point != "post"]
@@ -117,7 +135,9 @@ def test_recovery_is_prompt(results: dict[str, Any]) -> None:
             continue
         died = max(deaths)
         alive = [r for r in ranks.values() if "times" in r]
-        after = [min([t for t in r["times"] if t > died], default=None) for r in alive]
+        # The first all-reduce completed on the group rebuilt without it.
+        after = [min([t for t, size in r["times"] if t > died and size < world],
+                     default=None) for r in alive]
         if None in after:
             continue  # the survivors had joined already: no all-reduce after it
         seconds[spec] = max(after) - died  # type: ignore[type-var,operator]
