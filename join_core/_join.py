@@ -142,7 +142,8 @@ class Join:
             it. ``"finish"``: it counts as a rank that joined; the backend
             rebuilds the group over the survivors, who finish the loop and run
             the post hooks, and ``report.lost_ranks`` (plus one warning per
-            loss) names it and the iterations it completed. Needs a backend
+            loss) names it and the iterations it completed. A joinable that
+            fuses its heartbeat sends the classic one instead in this mode. Needs a backend
             that can rebuild its group (an MPIGroup under
             ``mpirun --with-ft ulfm``; docs/elastic.md), checked on entry
             before any collective. In this mode the watchdog does not read
@@ -246,7 +247,11 @@ class Join:
         # Fused only where the agreement check proves every rank fuses: torch's
         # Join (which a group shared with it needs, check_agreement=False)
         # speaks only the classic heartbeat.
-        self._fused = fuses[0] and not throw_on_early_termination and check_agreement
+        # Not with on_rank_loss="finish" either: a backend that rebuilds its group
+        # after a death must see every heartbeat (its sum says which ranks were
+        # active in each iteration, whence a lost rank's iterations).
+        self._fused = (fuses[0] and not throw_on_early_termination and check_agreement
+                       and on_rank_loss != "finish")
         self._fused_total: float | None = None
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
@@ -292,7 +297,7 @@ class Join:
         self._on_rank_loss = on_rank_loss
         self._elastic = self._enable and on_rank_loss == "finish"
         self._read_lost: Callable[[], tuple[Any, ...]] = tuple
-        self._losses_seen = 0
+        self._losses_seen = self._losses_before = 0
         if self._enable:
             backend = _ports.resolve(process_group, self._device)
             self._backend = backend
@@ -362,6 +367,8 @@ class Join:
                 progress=self._recovery_progress, world_size=backend.world_size,
                 rank=backend.rank))
             self._read_lost = _ports.lost_ranks(backend)
+            # A group outlives its Joins: the losses of earlier ones are not this one's.
+            self._losses_seen = self._losses_before = len(self._read_lost())
         if self._enable:
             if self._timeout is not None:
                 _watchdog.watch(self._watch)
@@ -645,7 +652,8 @@ class Join:
         lost = self._read_lost()
         if len(lost) != self._losses_seen:
             self._losses_seen = len(lost)
-            self._feed(m.RanksLost(lost=tuple(lost), now=self._clock()))
+            mine = tuple(lost[self._losses_before:])
+            self._feed(m.RanksLost(lost=mine, now=self._clock()))
 
     def _notify(self) -> Any:
         if self._elastic:

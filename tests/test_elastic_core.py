@@ -266,3 +266,42 @@ def test_threads_cannot_recover_and_says_so_on_every_rank() -> None:
     assert len(set(messages)) == 1
     (message,) = set(messages)
     assert "ThreadGroup cannot" in message and "mpirun --with-ft ulfm" in message
+
+
+class _FusedHook(_Hook):
+    def fused_shadow(self, heartbeat: float) -> float:
+        return heartbeat
+
+
+class FusedStep(Step):
+    join_fuses_heartbeat = True
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _FusedHook(self)
+
+
+def test_finish_mode_sends_the_classic_heartbeat_for_a_fused_joinable() -> None:
+    step = FusedStep(FakeElasticGroup())
+    assert Join([step]).fuses_heartbeat
+    join = Join([step], on_rank_loss="finish")
+    assert not join.fuses_heartbeat
+    with join:
+        for _ in range(3):
+            assert Join.fused_heartbeat(step) == m.JOINED  # the heartbeat went out itself
+    assert step.group.calls.count("heartbeat") == 3
+
+
+def test_a_later_join_reports_only_its_own_losses() -> None:
+    group = FakeElasticGroup()
+    group.lost = (LOST_1,)  # lost during an earlier Join on the same group
+    step = Step(group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        join = Join([step], on_rank_loss="finish")
+        with join:
+            step()
+            group.lost += (LOST_2,)
+            step()
+    assert join.report is not None and join.report.lost_ranks == (LOST_2,)
+    assert [str(w.message).split(" was lost")[0] for w in caught
+            if "was lost" in str(w.message)] == ["joinkit: rank 2"]

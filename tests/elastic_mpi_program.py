@@ -1,0 +1,201 @@
+"""One rank of the elastic MPI kill matrix (run by tests/test_elastic_mpi.py).
+
+Usage: ``mpirun --with-ft ulfm -n N python tests/elastic_mpi_program.py CELLS``
+where CELLS is a JSON list of cells, each::
+
+    {"name": str, "inputs": {"<original rank>": n, ...},
+     "kills": [{"rank": r, "where": "body" | "between" | "drain" | "post" |
+                "recovery", "at": k}]}
+
+``body`` kills rank r in its loop body before the heartbeat of input k;
+``between`` after that heartbeat, before the iteration's all-reduce;
+``drain`` in its main hook of shadow round k (it joined); ``post`` in its post
+hook; ``recovery`` inside the next recovery of the group (after the shrink).
+Kills are SIGKILL. Each survivor prints one JSON line per cell (its numbers,
+report and iteration times); each victim prints one line just before it dies.
+tests/elastic_mpi_support.py says the rest.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from elastic_mpi_support import DIM, LR, gradient  # noqa: E402
+
+from joinkit import Join, Joinable, JoinHook  # noqa: E402
+from joinkit.backends.mpi import MPIGroup  # noqa: E402
+
+
+def die(cell: str, rank: int, where: str) -> None:
+    print(json.dumps({"death": cell, "rank": rank, "where": where, "t": time.time()}),
+          flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TrainerHook(JoinHook):
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.rounds = 0
+
+    def main_hook(self) -> None:
+        # Shadow the iteration's one all-reduce with zeros (gradient and count).
+        self.rounds += 1
+        trainer = self.trainer
+        if trainer.kill == ("drain", self.rounds):
+            die(trainer.cell, trainer.me, "drain")
+        trainer.reduce(np.zeros(DIM + 1))
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        trainer = self.trainer
+        if trainer.kill is not None and trainer.kill[0] == "post":
+            die(trainer.cell, trainer.me, "post")
+        # Collectives after the loop: the counter's total and the parameters agree.
+        count = np.array([trainer.count])
+        trainer.group.all_reduce(count, op="max")
+        low, high = trainer.w.copy(), trainer.w.copy()
+        trainer.group.all_reduce(low, op="min")
+        trainer.group.all_reduce(high, op="max")
+        trainer.agree = bool(count[0] == trainer.count and (low == high).all())
+        trainer.ends.append(time.time())
+
+
+class Trainer(Joinable):
+    """A linear model and a counter: one all-reduce of [gradient, 1] per iteration."""
+
+    def __init__(self, group: MPIGroup, cell: str, kill: tuple[str, int] | None) -> None:
+        super().__init__()
+        self.group = group
+        self.cell = cell
+        self.me = group.initial_rank
+        self.kill = kill
+        self.divisor = group.world_size  # divide_by_initial_world_size
+        self.w = np.zeros(DIM)
+        self.count = 0.0
+        self.ends: list[float] = []
+        self.agree = False
+
+    def reduce(self, buf: np.ndarray) -> None:
+        self.group.all_reduce(buf)
+        self.w = self.w - LR * buf[:DIM] / self.divisor
+        self.count += float(buf[DIM])
+        self.ends.append(time.time())
+
+    def step(self, i: int) -> None:
+        if self.kill == ("body", i):
+            die(self.cell, self.me, "body")
+        Join.notify_join_context(self)
+        if self.kill == ("between", i):
+            die(self.cell, self.me, "between")
+        self.reduce(np.append(gradient(self.w, self.me, i), 1.0))
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return TrainerHook(self)
+
+    @property
+    def join_device(self) -> Any:
+        return "cpu"
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+
+def run_cell(group: MPIGroup, cell: dict[str, Any]) -> None:
+    me = group.initial_rank
+    name = cell["name"]
+    kill = None
+    for k in cell["kills"]:
+        if k["rank"] == me:
+            if k["where"] == "recovery":
+                group._recovery_hook = lambda attempt: die(name, me, "recovery")
+            else:
+                kill = (k["where"], int(k.get("at", 0)))
+    trainer = Trainer(group, name, kill)
+    out: dict[str, Any] = {"cell": name, "rank": me, "world": group.world_size}
+    started = time.time()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            join = Join([trainer], on_rank_loss="finish")
+            with join:
+                for i in range(1, int(cell["inputs"][str(me)]) + 1):
+                    trainer.step(i)
+        report = join.report
+        assert report is not None
+        out.update(
+            ok=True,
+            lost=[attrs.asdict(lost) for lost in report.lost_ranks],
+            outcome=report.outcome,
+            warnings=[str(w.message) for w in caught if "was lost" in str(w.message)],
+        )
+    except BaseException as error:  # noqa: BLE001 - reported to the test
+        out.update(ok=False, error="".join(traceback.format_exception(error)))
+    group._recovery_hook = None
+    out.update(w=trainer.w.tolist(), count=trainer.count, agree=trainer.agree,
+               ends=trainer.ends, started=started, size_after=group.world_size)
+    print(json.dumps(out), flush=True)
+
+
+class RawCounter(Joinable):
+    """A joinable whose group is the raw communicator (refused in finish mode)."""
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return JoinHook()
+
+    @property
+    def join_device(self) -> Any:
+        return "cpu"
+
+    @property
+    def join_process_group(self) -> Any:
+        return MPI.COMM_WORLD
+
+
+def refusals() -> None:
+    """The entry errors, each on every rank before any collective; then the
+    group still works (one all-reduce in step)."""
+    group = MPIGroup()
+    errors = []
+    for joinable in (Trainer(group, "refusal", None), RawCounter()):
+        try:
+            with Join([joinable], on_rank_loss="finish"):
+                pass
+            errors.append("entered")
+        except ValueError as error:
+            errors.append(str(error))
+    total = np.ones(1)
+    group.all_reduce(total)
+    print(json.dumps({"rank": group.rank, "errors": errors, "total": float(total[0])}),
+          flush=True)
+    MPI.Finalize()
+
+
+def main() -> None:
+    # A hang shows where, on standard error, well before the test's timeout.
+    faulthandler.dump_traceback_later(60, exit=True)
+    if sys.argv[1] == "refusals":
+        refusals()
+        return
+    cells = json.loads(sys.argv[1])
+    group = MPIGroup()
+    for cell in cells:
+        run_cell(group, cell)
+    MPI.Finalize()  # explicitly: without it a survivor can hang at exit
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The kill matrix of issue 20 on MPI with ULFM: a rank SIGKILLed inside
+``Join(..., on_rank_loss="finish")`` is treated as joined.
+
+Each launch (``mpirun --with-ft ulfm -n 4``, hard timeout) runs two cells in a
+row on one ``MPIGroup``: a world of 4, then, over its survivors, a world of 3
+(tests/elastic_mpi_support.py). Each cell checks that every survivor leaves
+the Join normally, that ``report.lost_ranks`` names the dead rank(s) with the
+right ``iterations`` and one warning each, and that the survivors' parameters
+and counter equal a single-process reference over exactly the inputs consumed.
+The time from each death to the survivors' next completed iteration is
+printed (``-s``) and bounded loosely (the benchmark measures it:
+benchmarks/elastic.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import pytest
+
+from elastic_mpi_support import launch, reference
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _kill(rank: int, where: str, at: int = 0) -> dict[str, Any]:
+    return {"rank": rank, "where": where, "at": at}
+
+
+def _cell(name: str, inputs: dict[int, int], kills: list[dict[str, Any]],
+          expect: dict[int, int]) -> dict[str, Any]:
+    return {"name": name, "inputs": {str(r): n for r, n in inputs.items()}, "kills": kills,
+            "expect": {str(r): n for r, n in expect.items()}}
+
+
+# launch -> its cells; expect: lost original rank -> its iterations.
+LAUNCHES: dict[str, list[dict[str, Any]]] = {
+    "a": [
+        # killed in the loop body before its 3rd heartbeat: 2 iterations done
+        _cell("w4-body", {0: 6, 1: 6, 2: 7, 3: 5}, [_kill(1, "body", 3)], {1: 2}),
+        # killed after its 4th heartbeat, before that iteration's all-reduce
+        _cell("w3-between", {0: 6, 2: 5, 3: 7}, [_kill(2, "between", 4)], {2: 3}),
+    ],
+    "b": [
+        _cell("w4-between", {0: 5, 1: 7, 2: 6, 3: 6}, [_kill(3, "between", 2)], {3: 1}),
+        # rank 0 (the root of everything) dies
+        _cell("w3-body", {0: 7, 1: 5, 2: 6}, [_kill(0, "body", 5)], {0: 4}),
+    ],
+    "c": [
+        # joined after 2 inputs, killed in its 2nd shadow round
+        _cell("w4-drain", {0: 6, 1: 2, 2: 7, 3: 5}, [_kill(1, "drain", 2)], {1: 2}),
+        _cell("w3-post", {0: 4, 2: 6, 3: 5}, [_kill(3, "post")], {3: 5}),
+    ],
+    "d": [
+        _cell("w4-post", {0: 5, 1: 6, 2: 4, 3: 6}, [_kill(2, "post")], {2: 4}),
+        _cell("w3-drain", {0: 3, 1: 6, 3: 7}, [_kill(0, "drain", 1)], {0: 3}),
+    ],
+    "e": [
+        # two ranks, at different iterations (two recoveries)
+        _cell("w4-two-kills", {0: 8, 1: 6, 2: 7, 3: 8},
+              [_kill(1, "body", 2), _kill(3, "between", 5)], {1: 1, 3: 4}),
+    ],
+    "f": [
+        # rank 0 dies inside the recovery from rank 2's death: it starts over
+        _cell("w4-kill-in-recovery", {0: 6, 1: 6, 2: 6, 3: 5},
+              [_kill(2, "body", 4), _kill(0, "recovery")], {2: 3, 0: 3}),
+    ],
+}
+CELLS = [(name, cell) for name, cells in LAUNCHES.items() for cell in cells]
+
+
+@functools.cache
+def _run(name: str) -> tuple[list[dict[str, Any]], str]:
+    cells = [{k: v for k, v in cell.items() if k != "expect"} for cell in LAUNCHES[name]]
+    return launch(cells, 4, timeout=120)
+
+
+@pytest.mark.parametrize(("launch_name", "cell"), CELLS, ids=[c["name"] for _, c in CELLS])
+def test_survivors_finish_with_the_reference_numbers(launch_name: str,
+                                                     cell: dict[str, Any]) -> None:
+    lines, output = _run(launch_name)
+    name = cell["name"]
+    members = sorted(int(r) for r in cell["inputs"])
+    expect = {int(r): n for r, n in cell["expect"].items()}
+    deaths = [line for line in lines if line.get("death") == name]
+    assert sorted(d["rank"] for d in deaths) == sorted(expect), output
+    survivors = [r for r in members if r not in expect]
+    results = {line["rank"]: line for line in lines if line.get("cell") == name}
+    assert sorted(results) == survivors, output
+    consumed = {r: int(cell["inputs"][str(r)]) for r in survivors} | expect
+    w_ref, count_ref = reference(consumed, len(members))
+    for rank, result in results.items():
+        assert result["ok"], result.get("error")
+        assert result["outcome"] == "joined"
+        lost = {item["rank"]: item for item in result["lost"]}
+        assert {r: item["iterations"] for r, item in lost.items()} == expect, result["lost"]
+        for item in lost.values():
+            assert set(item["survivors"]) >= set(survivors), item
+            assert item["rank"] not in item["survivors"], item
+            assert item["detected"].startswith(("ERR_PROC_FAILED", "ERR_REVOKED")), item
+        assert len(result["warnings"]) == len(expect)
+        for dead in expect:
+            assert any(f"rank {dead} was lost after {expect[dead]} iterations" in text
+                       for text in result["warnings"]), result["warnings"]
+        np.testing.assert_allclose(result["w"], w_ref, rtol=1e-12, atol=1e-12)
+        assert result["count"] == count_ref
+        assert result["agree"], "the post hook's collectives disagree"
+        assert result["size_after"] == len(survivors)
+    # From each death to the survivors' next completed iteration (or post hook).
+    for death in deaths:
+        after = [min((t for t in r["ends"] if t > death["t"]), default=None)
+                 for r in results.values()]
+        assert None not in after, "a survivor completed nothing after the death"
+        seconds = max(t for t in after if t is not None) - death["t"]
+        print(f"{name}: rank {death['rank']} ({death['where']}): {1000 * seconds:.1f} ms "
+              "to the survivors' next completed iteration")
+        assert seconds < 30.0
+
+
+def test_entry_errors_without_ulfm_and_for_a_raw_communicator() -> None:
+    lines, output = launch("refusals", 2, timeout=60, ulfm=False)
+    assert sorted(line["rank"] for line in lines) == [0, 1], output
+    for line in lines:
+        group_error, raw_error = line["errors"]
+        assert "mpirun --with-ft ulfm" in group_error
+        assert "raw mpi4py communicator" in raw_error and "MPIGroup(comm)" in raw_error
+        assert line["total"] == 2.0  # nothing was sent before the refusals
+
+
+def test_a_raw_communicator_is_refused_under_ulfm_too() -> None:
+    lines, output = launch("refusals", 2, timeout=60, ulfm=True)
+    assert len(lines) == 2, output
+    for line in lines:
+        group_error, raw_error = line["errors"]
+        assert group_error == "entered"
+        assert "raw mpi4py communicator" in raw_error
+        assert line["total"] == 2.0
