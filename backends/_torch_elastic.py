@@ -283,9 +283,14 @@ class Elastic:
                 raise GenerationFailed("store key")
             try:
                 return work.wait(slice_)
-            except RuntimeError as exc:
+            except RuntimeError:
                 if work.is_completed():
-                    raise GenerationFailed(_gloo_error(exc)) from exc
+                    # The slice may have ended as the work completed: only a
+                    # second wait tells a failure from a success.
+                    try:
+                        return work.wait()
+                    except RuntimeError as failed:
+                        raise GenerationFailed(_gloo_error(failed)) from failed
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + _PATIENCE / 2

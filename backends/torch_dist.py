@@ -848,13 +848,20 @@ class TorchGroup:
             while True:
                 try:
                     return work.wait(self._slice)
-                except RuntimeError as exc:
+                except RuntimeError as slice_error:
+                    exc = slice_error
                     aborted = self._abort
                     if aborted is None and work.is_completed():
+                        # The slice may have ended as the work completed: a
+                        # second wait returns at once, or raises its failure.
+                        try:
+                            return work.wait()
+                        except RuntimeError as failed:
+                            exc = failed
                         # It failed: did a rank abort (and its process exit)?
                         aborted = self._posted_abort()
                         if aborted is None:
-                            raise  # a real failure, not the end of a slice
+                            raise exc from None  # a real failure, not the end of a slice
                     if aborted is not None:
                         self._abort = aborted
                         raise GroupAborted(*aborted) from exc
