@@ -82,17 +82,25 @@ def test_kill_cell(results: dict[str, Any], spec: str) -> None:
     record, ranks, stderr = results[spec]
     world, kills = runner.parse(spec)
     dead = {rank for rank, _, _ in kills}
-    survivors = [rank for rank in range(world) if rank not in dead]
     assert record["seconds"] < DEADLINE, (record, stderr[-3000:])
     for rank in range(world):  # every survivor left by itself; the dead were killed
         assert record["exit"][str(rank)] == (-9 if rank in dead else 0), (record,
                                                                           stderr[-3000:])
+    check_survivors(spec, ranks)
+
+
+def check_survivors(spec: str, ranks: dict[int, Any]) -> None:
+    """The report, the Counter totals and the parameters of every survivor."""
+    world, kills = runner.parse(spec)
+    dead = {rank for rank, _, _ in kills}
+    survivors = [rank for rank in range(world) if rank not in dead]
     iterations = expected_iterations(world, kills)
     consumed = {rank: iterations.get(rank, runner.INPUTS + rank) for rank in range(world)}
     w, counts = runner.reference(world, consumed)
     deaths = sorted(iterations)
     for rank in survivors:
         result = ranks[rank]
+        assert "error" not in result, result
         lost = {entry["rank"]: entry for entry in result["lost"]}
         assert sorted(lost) == deaths, result["lost"]
         assert sorted(result["group_lost"]) == deaths
@@ -106,6 +114,31 @@ def test_kill_cell(results: dict[str, Any], spec: str) -> None:
         assert result["post_total"] == len(survivors)
         for dead_rank in deaths:
             assert any(f"rank {dead_rank} was lost" in text for text in result["warnings"])
+
+
+#: Under ``mpirun --with-ft ulfm`` (a launcher that keeps the survivors): gloo
+#: ranks that never initialise MPI, over the runner's store.
+MPIRUN_CELLS = ["3:1/beat/3", "4:2/drain/0"]
+
+
+@pytest.mark.timeout(600)
+def test_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(Path(runner.__file__)), "--mpirun", "--out", str(tmp_path),
+         "--deadline", str(DEADLINE + 30), *MPIRUN_CELLS],
+        capture_output=True, text=True, timeout=(DEADLINE + 30) * len(MPIRUN_CELLS) + 60,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert [r["spec"] for r in records] == MPIRUN_CELLS
+    for record in records:
+        assert record["mpirun"] != "killed after deadline", (record, done.stderr[-3000:])
+        world, kills = runner.parse(record["spec"])
+        ranks = {rank: json.loads((tmp_path / f"cell{record['cell']}-rank{rank}.json")
+                                  .read_text()) for rank in range(world)}
+        for rank, _, _ in kills:
+            assert "killed" in ranks[rank]
+        check_survivors(record["spec"], ranks)
 
 
 @pytest.mark.timeout(600)
