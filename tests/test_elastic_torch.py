@@ -207,3 +207,96 @@ def test_refusals_and_warnings(tmp_path: Path) -> None:
             assert "--with-ft ulfm" in texts
         else:
             assert found["warnings"] == []
+
+
+# -- the pieces, in this process (no process group) -------------------------------------
+
+
+def test_a_killed_process_is_gone_even_as_a_zombie() -> None:
+    import os
+    import signal
+    import time
+
+    from joinkit.backends import _status, _torch_elastic
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pid = child.pid
+        deadline = time.monotonic() + 30
+        process = _status.this_process()
+        process["pid"], process["started"] = pid, None
+        assert not _torch_elastic._process_gone(process)
+        os.kill(pid, signal.SIGKILL)
+        while not _torch_elastic._process_gone(process):  # a zombie until reaped
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
+    assert _torch_elastic._process_gone(process)  # reaped: no /proc entry at all
+    elsewhere = dict(process, host="another-host")
+    assert not _torch_elastic._process_gone(elsewhere)  # cannot tell: not gone
+
+
+def test_where_the_store_lives_is_guessed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from joinkit.backends import _torch_elastic
+
+    guess = _torch_elastic.store_outlives_ranks_guess
+    assert guess(dist.FileStore(str(tmp_path / "store"), 1))
+    assert guess(dist.HashStore())
+    tcp = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=5),
+                        wait_for_workers=False)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert not guess(tcp)  # init_process_group's: in rank 0
+    assert not guess(dist.PrefixStore("a/", dist.PrefixStore("b/", tcp)))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun's agent hosts it
+    assert guess(dist.PrefixStore("a/", tcp))
+
+
+def test_the_torchrun_warning_names_launchers_that_keep_survivors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from joinkit.backends import _torch_elastic
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert _torch_elastic.torchrun_warning() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    text = _torch_elastic.torchrun_warning()
+    assert text is not None
+    assert "kills every worker" in text and "--with-ft ulfm" in text and "--no-kill" in text
+
+
+def test_gloo_errors_get_short_names() -> None:
+    from joinkit.backends import _torch_elastic
+
+    closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is")
+    assert _torch_elastic._gloo_error(closed) == "gloo error (connection closed by peer)"
+    reset = RuntimeError("Connection reset by peer")
+    assert _torch_elastic._gloo_error(reset) == "gloo error (connection reset by peer)"
+    assert _torch_elastic._gloo_error(RuntimeError("x" * 500)) == f"gloo error ({'x' * 120})"
+
+
+_NCCL_REFUSAL = """
+import datetime, torch, torch.distributed as dist
+from joinkit import Join
+from joinkit.backends.torch_dist import TorchGroup
+from tests.support import Counter
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+group = TorchGroup()
+try:
+    with Join([Counter(group)], on_rank_loss="finish"):
+        pass
+except ValueError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (nccl)")
+def test_nccl_is_refused_on_entry() -> None:
+    done = subprocess.run([sys.executable, "-c", _NCCL_REFUSAL], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert "REFUSED" in done.stdout, done.stdout + done.stderr
+    assert "not available on nccl in this version" in done.stdout
