@@ -354,6 +354,15 @@ class Elastic:
         """
         first_detail = None
         expected = list(self.members)
+        first_generation = self.generation
+        try:
+            # This rank's heartbeats so far, should it die during the recovery
+            # (its share is then known, not guessed from the totals).
+            self.store.set(self.key(first_generation, f"state/{self.initial_rank}"),
+                           json.dumps({"beats": self.own_active,
+                                       "last_active": self.last_beat == _ACTIVE}))
+        except (RuntimeError, OSError, ValueError) as exc:
+            raise self._store_gone(exc) from exc
         while True:
             generation = self.generation
             me = self.initial_rank
@@ -379,7 +388,8 @@ class Elastic:
             self._advance(generation + 1)
             try:
                 pg = self._build(generation + 1, members)
-                handed = self._agree(pg, members, expected, first_detail or detail, kind)
+                handed = self._agree(pg, members, expected, first_detail or detail, kind,
+                                     first_generation)
             except GenerationFailed as failure:
                 # A member died during the recovery: wait for the others only.
                 detail = failure.detail
@@ -480,7 +490,7 @@ class Elastic:
             pass
 
     def _agree(self, pg: Any, members: list[int], expected: list[int], detail: str,
-               kind: str) -> Any:
+               kind: str, first_generation: int) -> Any:
         """Agree on the last completed unit over ``pg``; hand it over; record losses."""
         group = self.group
         rank, size = members.index(self.initial_rank), len(members)
@@ -520,20 +530,31 @@ class Elastic:
         self._raw(pg.allreduce([sums], sum_opts), pg)
         dead = [r for r in expected if r not in members]
         residual = int(round(totals)) - int(sums[0].item()) - self.counted
-        share, extra = divmod(max(residual, 0), max(len(dead), 1))
+        # A rank that died during the recovery posted its own count first.
+        posted = self._posted_states(first_generation, dead)
+        residual -= sum(state["beats"] for state in posted.values())
+        silent = [r for r in dead if r not in posted]
+        share, extra = divmod(max(residual, 0), max(len(silent), 1))
         dead_active_last = (last_beat is not None and
                             int(round(_tally(last_result))) - int(sums[1].item()) > 0)
         from joinkit import LostRank
 
-        for index, rank_lost in enumerate(dead):
-            beats = share + (1 if index < extra else 0)
+        for rank_lost in dead:
+            if rank_lost in posted:
+                beats = int(posted[rank_lost]["beats"])
+                active_last = bool(posted[rank_lost]["last_active"])
+                how = f"{detail}; rank {rank_lost} died during the recovery"
+            else:
+                index = silent.index(rank_lost)
+                beats = share + (1 if index < extra else 0)
+                active_last = dead_active_last and len(silent) == 1
+                how = detail if len(silent) == 1 else (
+                    f"{detail}; ranks {', '.join(map(str, silent))} died together: "
+                    "their heartbeats are shared out evenly")
             self.counted += beats
             # Its last completed unit an active heartbeat: that iteration's
             # collective never completed with it (module doc).
-            iterations = max(beats - 1, 0) if dead_active_last and len(dead) == 1 else beats
-            how = detail if len(dead) == 1 else (
-                f"{detail}; ranks {', '.join(map(str, dead))} died together: "
-                "their heartbeats are shared out evenly")
+            iterations = max(beats - 1, 0) if active_last else beats
             self.lost.append(LostRank(rank=rank_lost, iterations=iterations,
                                       survivors=tuple(members), detected=how))
         self.kept.append(group.process_group)
@@ -541,6 +562,18 @@ class Elastic:
         self._adopt_members(members)
         self.progress()
         return handed
+
+    def _posted_states(self, first_generation: int, dead: list[int]) -> dict[int, Any]:
+        """The counts that ``dead`` ranks posted on entering this recovery."""
+        found = {}
+        for rank in dead:
+            key = self.key(first_generation, f"state/{rank}")
+            try:
+                if self.store.check([key]):
+                    found[rank] = json.loads(self.store.get(key))
+            except (RuntimeError, OSError, ValueError):
+                continue
+        return found
 
     def _raw(self, work: Any, pg: Any) -> None:
         """Wait for a recovery collective on ``pg`` (the current generation)."""

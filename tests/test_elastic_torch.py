@@ -35,6 +35,7 @@ CELLS = [
     "4:3/body/2", "4:2/beat/5", "4:1/drain/1", "4:0/post/0",
     "4:1/body/2+2/beat/5",  # two deaths, at different iterations
     "4:3/body/2+1/recovery/0",  # a death during the recovery
+    "4:3/body/9+0/recovery/0",  # ... of a rank that had joined (8 inputs, not 9)
     "3:0/body/0",  # before its first input
     "3:1/body/3@0",  # rank 0 hosts the store (init_process_group's way): others may die
 ]
@@ -72,7 +73,8 @@ def expected_iterations(world: int, kills: list[tuple[int, str, int]]) -> dict[i
             out[rank] = runner.INPUTS + rank
     for rank, point, _ in kills:
         if point == "recovery":  # it died in the slot of the other death
-            out[rank] = next(at for _, p, at in kills if p in ("body", "beat"))
+            at = next(at for _, p, at in kills if p in ("body", "beat"))
+            out[rank] = min(at, runner.INPUTS + rank)
     return out
 
 
