@@ -15,6 +15,7 @@ single-process reference over exactly the consumed inputs (``reference``).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,43 @@ def test_kill_cell(results: dict[str, Any], spec: str) -> None:
         assert record["exit"][str(rank)] == (-9 if rank in dead else 0), (record,
                                                                           stderr[-3000:])
     check_survivors(spec, ranks)
+    record_cell(spec, "forked ranks" + (", store in rank 0" if spec.endswith("@0") else ""),
+                ranks, record["seconds"])
+
+
+def recovery_seconds(spec: str, ranks: dict[int, Any]) -> float | None:
+    """From the (last) death to the slowest survivor's first all-reduce on the rebuilt
+    group; ``None`` where the survivors had no all-reduce left (post hook deaths)."""
+    world, kills = runner.parse(spec)
+    deaths = [ranks[rank]["time"] for rank, point, _ in kills if point != "post"]
+    if not deaths:
+        return None
+    died = max(deaths)
+    alive = [r for r in ranks.values() if "times" in r]
+    after = [min([t for t, size in r["times"] if t > died and size < world], default=None)
+             for r in alive]
+    if not after or None in after:
+        return None
+    return max(after) - died  # type: ignore[type-var,operator]
+
+
+def record_cell(spec: str, launcher: str, ranks: dict[int, Any], seconds: float,
+                outcome: str | None = None) -> None:
+    """Append a passed cell to ``$JOINKIT_ELASTIC_MATRIX`` (JSON lines), if set
+    (``tests/elastic_torch_matrix_md.py`` writes them into docs/elastic-torch.md)."""
+    path = os.environ.get("JOINKIT_ELASTIC_MATRIX")
+    if not path:
+        return
+    world, kills = runner.parse(spec)
+    survivor = next((r for r in ranks.values() if "lost" in r), {"lost": [], "size": 0})
+    line = {"spec": spec, "launcher": launcher, "world": world,
+            "kills": [list(k) for k in kills],
+            "lost": [[e["rank"], e["iterations"]] for e in survivor["lost"]],
+            "survivors": survivor["size"], "seconds": seconds,
+            "recovery": None if outcome else recovery_seconds(spec, ranks),
+            "outcome": outcome}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def check_survivors(spec: str, ranks: dict[int, Any]) -> None:
@@ -141,6 +179,7 @@ def test_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
         for rank, _, _ in kills:
             assert "killed" in ranks[rank]
         check_survivors(record["spec"], ranks)
+        record_cell(record["spec"], "mpirun --with-ft ulfm", ranks, record["seconds"])
 
 
 @pytest.mark.timeout(600)
@@ -154,6 +193,10 @@ def test_the_store_hosts_death_is_a_clear_error(results: dict[str, Any]) -> None
         assert "rank 0 hosted it" in result["message"], result
         assert "host the store outside the ranks" in result["message"], result
         assert result["ended"] - died < 15.0, result  # not the gloo timeout (60 s)
+    took = max(ranks[rank]["ended"] for rank in (1, 2)) - died
+    record_cell(STORE_HOST_DIES, "forked ranks, store in rank 0", ranks, record["seconds"],
+                outcome=f"2 left with PeerFailure naming rank 0, the store's host, "
+                        f"{took * 1000:.0f} ms after its death")
 
 
 @pytest.mark.timeout(600)
@@ -163,19 +206,9 @@ def test_recovery_is_prompt(results: dict[str, Any]) -> None:
     for spec in CELLS:
         if spec == STORE_HOST_DIES:
             continue
-        record, ranks, _ = results[spec]
-        world, kills = runner.parse(spec)
-        deaths = [ranks[rank]["time"] for rank, point, _ in kills if point != "post"]
-        if not deaths:
-            continue
-        died = max(deaths)
-        alive = [r for r in ranks.values() if "times" in r]
-        # The first all-reduce completed on the group rebuilt without it.
-        after = [min([t for t, size in r["times"] if t > died and size < world],
-                     default=None) for r in alive]
-        if None in after:
-            continue  # the survivors had joined already: no all-reduce after it
-        seconds[spec] = max(after) - died  # type: ignore[type-var,operator]
+        took = recovery_seconds(spec, results[spec][1])
+        if took is not None:
+            seconds[spec] = took
     print("death -> next completed iteration:", {k: f"{v:.3f} s" for k, v in seconds.items()})
     assert seconds
     # Bounded, not a timing test (benchmarks/elastic_gloo.py measures): far
