@@ -38,6 +38,8 @@ CELLS = [
     "4:3/body/2+1/recovery/0",  # a death during the recovery
     "4:3/body/9+0/recovery/0",  # ... of a rank that had joined (8 inputs, not 9)
     "3:0/body/0",  # before its first input
+    "3:2/body/9",  # the last active rank: the survivors, all joined, finish at once
+    "3:1/body/2+2/beat/4",  # rank 0 is left alone
     "3:1/body/3@0",  # rank 0 hosts the store (init_process_group's way): others may die
 ]
 #: Rank 0 hosts the store and dies: no recovery, but a prompt, clear error.
