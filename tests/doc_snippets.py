@@ -8,6 +8,8 @@ language:
     (nothing), ```python        run with the venv's Python, from a temporary folder
     <!-- run: torchrun-2 -->    the Python block under torchrun --standalone --nproc-per-node 2
     <!-- run: mpirun-2 -->      the Python block under mpirun -n 2
+    <!-- run: mpirun-ulfm-3 --> the Python block under mpirun --with-ft ulfm -n 3 (MPI's
+                                fault tolerance: the survivors of a dead rank go on)
     <!-- run: shell -->         a ```sh block, with bash -e from the repository root,
                                 the venv's bin/ first on PATH
     <!-- run: continues -->     a Python block that continues the previous Python block
@@ -38,7 +40,7 @@ LAUNCH_TIMEOUT = 120.0
 
 _FENCE = re.compile(r"^(?P<indent> *)(?P<ticks>`{3,})(?P<info>[^`]*)$")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*(?P<word>[a-z -]+?)\s*(?::\s*(?P<arg>.*?))?\s*-->\s*$")
-RUNNERS = ("python", "torchrun-2", "mpirun-2", "shell")
+RUNNERS = ("python", "torchrun-2", "mpirun-2", "shell", "mpirun-ulfm-3")
 
 
 @dataclass
@@ -126,7 +128,7 @@ def how(block: Block) -> tuple[str, str]:
         if block.arg == "continues":
             return ("python", "") if block.lang == "python" else (
                 "error", "'continues' is for Python blocks")
-        if block.arg in ("torchrun-2", "mpirun-2"):
+        if block.arg in ("torchrun-2", "mpirun-2", "mpirun-ulfm-3"):
             return (block.arg, "") if block.lang == "python" else (
                 "error", f"{block.arg} runs Python blocks")
         if block.arg == "shell":
@@ -175,6 +177,9 @@ def run(block: Block) -> subprocess.CompletedProcess[str]:
                     str(script)]
         elif kind == "mpirun-2":
             argv = [str(VENV_BIN / "mpirun"), "-n", "2", "--oversubscribe",
+                    sys.executable, str(script)]
+        elif kind == "mpirun-ulfm-3":
+            argv = [str(VENV_BIN / "mpirun"), "--with-ft", "ulfm", "-n", "3", "--oversubscribe",
                     sys.executable, str(script)]
         else:
             raise ValueError(f"{block.id}: {kind} blocks are not run")

@@ -37,12 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from elastic_mpi_support import DIM, LR, gradient  # noqa: E402
 
 from joinkit import Join, Joinable, JoinHook  # noqa: E402
-from joinkit.backends.mpi import MPIGroup  # noqa: E402
+from joinkit.backends.mpi import MPIGroup, finalize_or_exit  # noqa: E402
 
 
-def die(cell: str, rank: int, where: str) -> None:
-    print(json.dumps({"death": cell, "rank": rank, "where": where, "t": time.time()}),
-          flush=True)
+def die(cell: str, rank: int, where: str, completed: int) -> None:
+    """SIGKILL this rank, after saying when and how many rounds it completed."""
+    print(json.dumps({"death": cell, "rank": rank, "where": where, "t": time.time(),
+                      "completed": completed}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -56,13 +57,13 @@ class TrainerHook(JoinHook):
         self.rounds += 1
         trainer = self.trainer
         if trainer.kill == ("drain", self.rounds):
-            die(trainer.cell, trainer.me, "drain")
+            die(trainer.cell, trainer.me, "drain", len(trainer.ends))
         trainer.reduce(np.zeros(DIM + 1))
 
     def post_hook(self, is_last_joiner: bool) -> None:
         trainer = self.trainer
         if trainer.kill is not None and trainer.kill[0] == "post":
-            die(trainer.cell, trainer.me, "post")
+            die(trainer.cell, trainer.me, "post", len(trainer.ends))
         # Collectives after the loop: the counter's total and the parameters agree.
         count = np.array([trainer.count])
         trainer.group.all_reduce(count, op="max")
@@ -96,10 +97,10 @@ class Trainer(Joinable):
 
     def step(self, i: int) -> None:
         if self.kill == ("body", i):
-            die(self.cell, self.me, "body")
+            die(self.cell, self.me, "body", len(self.ends))
         Join.notify_join_context(self)
         if self.kill == ("between", i):
-            die(self.cell, self.me, "between")
+            die(self.cell, self.me, "between", len(self.ends))
         self.reduce(np.append(gradient(self.w, self.me, i), 1.0))
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -118,13 +119,16 @@ def run_cell(group: MPIGroup, cell: dict[str, Any]) -> None:
     me = group.initial_rank
     name = cell["name"]
     kill = None
+    in_recovery = False
     for k in cell["kills"]:
         if k["rank"] == me:
             if k["where"] == "recovery":
-                group._recovery_hook = lambda attempt: die(name, me, "recovery")
+                in_recovery = True
             else:
                 kill = (k["where"], int(k.get("at", 0)))
     trainer = Trainer(group, name, kill)
+    if in_recovery:
+        group._recovery_hook = lambda attempt: die(name, me, "recovery", len(trainer.ends))
     out: dict[str, Any] = {"cell": name, "rank": me, "world": group.world_size}
     started = time.time()
     try:
@@ -152,6 +156,9 @@ def run_cell(group: MPIGroup, cell: dict[str, Any]) -> None:
 
 class RawCounter(Joinable):
     """A joinable whose group is the raw communicator (refused in finish mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return JoinHook()
@@ -181,7 +188,7 @@ def refusals() -> None:
     group.all_reduce(total)
     print(json.dumps({"rank": group.rank, "errors": errors, "total": float(total[0])}),
           flush=True)
-    MPI.Finalize()
+    finalize_or_exit()
 
 
 def main() -> None:
@@ -194,7 +201,7 @@ def main() -> None:
     group = MPIGroup()
     for cell in cells:
         run_cell(group, cell)
-    MPI.Finalize()  # explicitly: without it a survivor can hang at exit
+    finalize_or_exit()  # after a rank loss MPI_Finalize can hang (docs/elastic.md)
 
 
 if __name__ == "__main__":

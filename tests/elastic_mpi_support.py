@@ -81,7 +81,7 @@ def launch(cells: Sequence[dict[str, Any]] | str, ranks: int, timeout: float = 9
         The JSON lines it printed, and its whole output (for messages).
 
     Raises:
-        subprocess.TimeoutExpired: past ``timeout`` (a hang fails the test).
+        AssertionError: past ``timeout`` (a hang fails the test, with the output).
     """
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "JOINKIT_"))}
@@ -89,8 +89,15 @@ def launch(cells: Sequence[dict[str, Any]] | str, ranks: int, timeout: float = 9
     argument = cells if isinstance(cells, str) else json.dumps(list(cells))
     command = [mpirun(), *(["--with-ft", "ulfm"] if ulfm else []), "-n", str(ranks),
                "--oversubscribe", sys.executable, str(script), argument, *extra]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired as error:
+        def text(data: Any) -> str:
+            return data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+        raise AssertionError(
+            f"mpirun did not finish within {timeout:g} s:\n{text(error.stdout)}\n"
+            f"{text(error.stderr)}") from None
     lines = []
     for line in done.stdout.splitlines():
         if line.startswith("{"):

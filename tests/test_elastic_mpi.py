@@ -15,12 +15,12 @@ benchmarks/elastic.py).
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import numpy as np
 import pytest
-
-from elastic_mpi_support import launch, reference
+from elastic_mpi_support import ROOT, launch, reference
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -66,6 +66,8 @@ LAUNCHES: dict[str, list[dict[str, Any]]] = {
         # rank 0 dies inside the recovery from rank 2's death: it starts over
         _cell("w4-kill-in-recovery", {0: 6, 1: 6, 2: 6, 3: 5},
               [_kill(2, "body", 4), _kill(0, "recovery")], {2: 3, 0: 3}),
+        # the last active rank dies while the other drains: a world of 1 finishes
+        _cell("w2-last-active", {1: 3, 3: 6}, [_kill(3, "body", 5)], {3: 4}),
     ],
 }
 CELLS = [(name, cell) for name, cells in LAUNCHES.items() for cell in cells]
@@ -91,7 +93,7 @@ def test_survivors_finish_with_the_reference_numbers(launch_name: str,
     assert sorted(results) == survivors, output
     consumed = {r: int(cell["inputs"][str(r)]) for r in survivors} | expect
     w_ref, count_ref = reference(consumed, len(members))
-    for rank, result in results.items():
+    for result in results.values():
         assert result["ok"], result.get("error")
         assert result["outcome"] == "joined"
         lost = {item["rank"]: item for item in result["lost"]}
@@ -108,12 +110,13 @@ def test_survivors_finish_with_the_reference_numbers(launch_name: str,
         assert result["count"] == count_ref
         assert result["agree"], "the post hook's collectives disagree"
         assert result["size_after"] == len(survivors)
-    # From each death to the survivors' next completed iteration (or post hook).
+    # From each death to the survivors' next completed iteration (or post hook):
+    # every rank stamps each round's all-reduce (and its post hooks), so the
+    # first round the victim never completed has the same index on each.
     for death in deaths:
-        after = [min((t for t in r["ends"] if t > death["t"]), default=None)
-                 for r in results.values()]
-        assert None not in after, "a survivor completed nothing after the death"
-        seconds = max(t for t in after if t is not None) - death["t"]
+        next_round = death["completed"]
+        assert all(len(r["ends"]) > next_round for r in results.values()), output
+        seconds = max(r["ends"][next_round] for r in results.values()) - death["t"]
         print(f"{name}: rank {death['rank']} ({death['where']}): {1000 * seconds:.1f} ms "
               "to the survivors' next completed iteration")
         assert seconds < 30.0
@@ -137,3 +140,15 @@ def test_a_raw_communicator_is_refused_under_ulfm_too() -> None:
         assert group_error == "entered"
         assert "raw mpi4py communicator" in raw_error
         assert line["total"] == 2.0
+
+
+def test_the_example_prints_the_reference_next_to_the_survivors_parameters() -> None:
+    # examples/elastic.py: rank 1 of 3 SIGKILLs itself at its 3rd input.
+    _, output = launch("", 3, timeout=90, script=ROOT / "examples" / "elastic.py")
+    assert "rank 1 was lost after 2 iterations (ERR_" in output, output
+    assert "survivors 0, 2" in output
+    final = re.search(r"final parameters: +(\[.*\])", output)
+    expected = re.search(r"single-process reference: +(\[.*\])", output)
+    assert final is not None and expected is not None, output
+    assert final.group(1) == expected.group(1)
+    assert "equal: True" in output
