@@ -78,6 +78,7 @@ import torch.distributed as dist
 
 from joinkit import PeerFailure
 from joinkit.backends import _status
+from joinkit.backends import _torch_board as _board
 
 if TYPE_CHECKING:
     from joinkit.backends.torch_dist import TorchGroup
@@ -273,30 +274,52 @@ class Elastic:
     # -- waits ---------------------------------------------------------------------
 
     def wait(self, work: Any) -> Any:
-        """Wait for ``work`` of the current generation; raise GenerationFailed on failure."""
+        """Wait for ``work`` of the current generation.
+
+        Raises:
+            GenerationFailed: a rank died (this rank's collective failed, a
+                peer posted the failure key, or a peer's process is gone).
+            GroupAborted: a rank aborted the group (a join hook raised): that
+                is an error for every rank, as with ``on_rank_loss="raise"``,
+                not a death to recover from.
+        """
+        group = self.group
         generation = self.generation
         started = time.monotonic()
         next_look = started + _PATIENCE
         slice_ = datetime.timedelta(seconds=_SLICE)
-        while True:
-            if self.failed_seen >= generation:
-                raise GenerationFailed("store key")
-            try:
-                return work.wait(slice_)
-            except RuntimeError:
-                if work.is_completed():
-                    # The slice may have ended as the work completed: only a
-                    # second wait tells a failure from a success.
-                    try:
-                        return work.wait()
-                    except RuntimeError as failed:
-                        raise GenerationFailed(_gloo_error(failed)) from failed
-            now = time.monotonic()
-            if now >= next_look:
-                next_look = now + _PATIENCE / 2
-                gone = self.gone([r for r in self.members if r != self.initial_rank])
-                if gone:
-                    raise GenerationFailed(f"rank {gone[0]}'s process is gone")
+        watched = False
+        try:
+            while True:
+                if group._abort is not None:
+                    raise group._aborted_error()
+                if self.failed_seen >= generation:
+                    raise GenerationFailed("store key")
+                try:
+                    return work.wait(slice_)
+                except RuntimeError:
+                    if work.is_completed():
+                        # The slice may have ended as the work completed: only a
+                        # second wait tells a failure from a success.
+                        try:
+                            return work.wait()
+                        except RuntimeError as failed:
+                            aborted = group._posted_abort()
+                            if aborted is not None:  # the aborting rank left
+                                group._abort = aborted
+                                raise group._aborted_error() from failed
+                            raise GenerationFailed(_gloo_error(failed)) from failed
+                if not watched:  # a long wait: the abort watcher reads the abort key
+                    watched = _board._watch_aborts(group, +1)
+                now = time.monotonic()
+                if now >= next_look:
+                    next_look = now + _PATIENCE / 2
+                    gone = self.gone([r for r in self.members if r != self.initial_rank])
+                    if gone:
+                        raise GenerationFailed(f"rank {gone[0]}'s process is gone")
+        finally:
+            if watched:
+                _board._watch_aborts(group, -1)
 
     # -- units ---------------------------------------------------------------------
 

@@ -871,6 +871,10 @@ class TorchGroup:
             if watched:
                 _watch_aborts(self, -1)
 
+    def _aborted_error(self) -> GroupAborted:
+        assert self._abort is not None
+        return GroupAborted(*self._abort)
+
     def _posted_abort(self) -> tuple[int, str] | None:
         return _board._bounded(lambda store: _abort_posted(store, self._store_prefix))  # type: ignore[no-any-return]
 

@@ -15,7 +15,9 @@ A ``CELL`` is ``W:KILLS`` with ``KILLS`` a ``+``-joined list of
 ``at``'s notify), ``beat`` (after input ``at``'s heartbeat, before its
 all-reduce), ``drain`` (in its main hook, shadow round ``at``), ``post`` (in
 its post hook), ``recovery`` (on entering the recovery, after registering as
-alive: a kill during the recovery). Rank ``r`` has ``INPUTS + r`` inputs.
+alive: a kill during the recovery), or ``hookraise`` (its main hook raises at
+shadow round ``at``: an error, which ends the Join on every rank as with
+``on_rank_loss="raise"``). Rank ``r`` has ``INPUTS + r`` inputs.
 Each rank writes ``DIR/cell{C}-rank{R}.json``: its result (count, parameters,
 the report's lost ranks, the wall-clock times of its completed all-reduces) or,
 for a killed rank, the time of its death. The parent gives each cell
@@ -41,9 +43,11 @@ import numpy as np
 INPUTS = int(os.environ.get("ELASTIC_INPUTS", "8"))
 #: ``on_rank_loss`` of the cells' Joins (the benchmark times "raise" beside it).
 MODE = os.environ.get("ELASTIC_MODE", "finish")
+#: Seconds a rank whose hook raised stays alive after leaving the Join.
+HOLD_AFTER_RAISE = 10.0
 DIM = 4
 LR = 0.05
-POINTS = ("body", "beat", "drain", "post", "recovery")
+POINTS = ("body", "beat", "drain", "post", "recovery", "hookraise")
 
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]]]:
@@ -146,6 +150,8 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], host: str
 
         def main_hook(self) -> None:
             die.maybe("drain", self.shadows)
+            if ("hookraise", self.shadows) in die.points:  # an error, not a death
+                raise RuntimeError(f"injected main_hook fault on rank {rank}")
             self.shadows += 1
             self.trainer.sync(np.zeros(DIM + 1))
 
@@ -199,6 +205,10 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], host: str
         except Exception as exc:  # noqa: BLE001 - recorded for the test
             path.write_text(json.dumps({"rank": rank, "error": type(exc).__name__,
                                         "message": str(exc), "ended": time.time()}))
+            if any(r == rank and p == "hookraise" for r, p, _ in kills):
+                # Stay alive a while: the peers must learn of the abort from the
+                # store, not from this process's sockets closing.
+                time.sleep(HOLD_AFTER_RAISE)
             return
     report = join.report if hasattr(join, "report") else None
     lost = [] if report is None else [

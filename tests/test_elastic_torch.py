@@ -44,6 +44,8 @@ CELLS = [
 ]
 #: Rank 0 hosts the store and dies: no recovery, but a prompt, clear error.
 STORE_HOST_DIES = "3:0/body/3@0"
+#: A hook that raises is an error for every rank, not a death (it stays alive).
+HOOK_RAISES = "4:1/hookraise/0"
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("elastic_torch")
     done = subprocess.run(
         [sys.executable, str(Path(runner.__file__)), "--out", str(out), "--deadline",
-         str(DEADLINE), *CELLS, STORE_HOST_DIES],
+         str(DEADLINE), *CELLS, STORE_HOST_DIES, HOOK_RAISES],
         capture_output=True, text=True, timeout=DEADLINE * len(CELLS) + 60,
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -202,11 +204,25 @@ def test_the_store_hosts_death_is_a_clear_error(results: dict[str, Any]) -> None
 
 
 @pytest.mark.timeout(600)
+def test_a_hook_that_raises_ends_the_join_on_every_rank(results: dict[str, Any]) -> None:
+    record, ranks, stderr = results[HOOK_RAISES]
+    assert record["exit"] == {str(r): 0 for r in range(4)}, (record, stderr[-3000:])
+    assert ranks[1]["error"] == "RuntimeError"
+    for rank in (0, 2, 3):
+        result = ranks[rank]
+        assert result["error"] == "GroupAborted", result
+        assert "rank 1 failed in a join hook (main_hook)" in result["message"], result
+        # From the store's abort key, while rank 1 is still alive (it holds
+        # HOLD_AFTER_RAISE s): far below that and the gloo timeout.
+        assert result["ended"] - ranks[1]["ended"] < runner.HOLD_AFTER_RAISE / 2, result
+
+
+@pytest.mark.timeout(600)
 def test_recovery_is_prompt(results: dict[str, Any]) -> None:
     """From the death to the survivors' next completed all-reduce (recorded per cell)."""
     seconds = {}
     for spec in CELLS:
-        if spec == STORE_HOST_DIES:
+        if spec in (STORE_HOST_DIES, HOOK_RAISES):
             continue
         took = recovery_seconds(spec, results[spec][1])
         if took is not None:
