@@ -184,6 +184,7 @@ class Elastic:
         name = getattr(group.process_group, "group_name", "") or "default"
         self.root = f"joinkit/elastic/{name}/"
         self.seq = 0  # units completed on this rank
+        self.issued_other = 0  # units other than heartbeats and counts, issued
         self.inside = False
         self.last: tuple[int, str, Any] | None = None  # (seq, kind, result)
         # Heartbeat bookkeeping for the dead ranks' iterations (module doc).
@@ -304,10 +305,7 @@ class Elastic:
                         try:
                             return work.wait()
                         except RuntimeError as failed:
-                            aborted = group._posted_abort()
-                            if aborted is not None:  # the aborting rank left
-                                group._abort = aborted
-                                raise group._aborted_error() from failed
+                            self._raise_if_aborted()  # the aborting rank left
                             raise GenerationFailed(_gloo_error(failed)) from failed
                 if not watched:  # a long wait: the abort watcher reads the abort key
                     watched = _board._watch_aborts(group, +1)
@@ -316,10 +314,20 @@ class Elastic:
                     next_look = now + _PATIENCE / 2
                     gone = self.gone([r for r in self.members if r != self.initial_rank])
                     if gone:
+                        self._raise_if_aborted()  # a peer that aborted and left
                         raise GenerationFailed(f"rank {gone[0]}'s process is gone")
         finally:
             if watched:
                 _board._watch_aborts(group, -1)
+
+    def _raise_if_aborted(self) -> None:
+        """Raise GroupAborted if a rank aborted the group (the store's abort key):
+        an abort is an error for every rank, never a death to recover from."""
+        group = self.group
+        if group._abort is None:
+            group._abort = group._posted_abort()
+        if group._abort is not None:
+            raise group._aborted_error()
 
     # -- units ---------------------------------------------------------------------
 
@@ -336,6 +344,8 @@ class Elastic:
         """
         saved = _snapshot(buf)
         self.current_beat = beat
+        if beat is None:  # not a heartbeat or a count: collectives_issued
+            self.issued_other += 1
         self.inside = True
         try:
             while True:
@@ -375,6 +385,7 @@ class Elastic:
             PeerFailure: the store is gone (its host died), or this rank was
                 left out of the rebuilt group.
         """
+        self._raise_if_aborted()  # the failure may be a peer's abort, seen late
         first_detail = None
         expected = list(self.members)
         first_generation = self.generation

@@ -447,7 +447,6 @@ class TorchGroup:
                 UserWarning, stacklevel=4)
         if self.rank == 0:
             _elastic.warn_torchrun()
-        self._sequence = None  # collectives_issued: nothing known (units)
         self._elastic = _elastic.Elastic(self, config.progress, store, host)
 
     def _adopt(self, process_group: Any, rank: int, world_size: int) -> None:
@@ -502,6 +501,9 @@ class TorchGroup:
         heartbeat, before that iteration's collectives. ``None`` when the
         group's backend keeps no sequence number.
         """
+        elastic = self._elastic
+        if elastic is not None:  # units: the group's own count survives rebuilds
+            return elastic.issued_other
         if self._sequence is None:
             return None
         return self._sequence() - self._join_collectives

@@ -17,7 +17,8 @@ all-reduce), ``drain`` (in its main hook, shadow round ``at``), ``post`` (in
 its post hook), ``recovery`` (on entering the recovery, after registering as
 alive: a kill during the recovery), or ``hookraise`` (its main hook raises at
 shadow round ``at``: an error, which ends the Join on every rank as with
-``on_rank_loss="raise"``). Rank ``r`` has ``INPUTS + r`` inputs.
+``on_rank_loss="raise"``), ``bodyraise`` (its loop body raises before input
+``at``'s notify). Rank ``r`` has ``INPUTS + r`` inputs.
 Each rank writes ``DIR/cell{C}-rank{R}.json``: its result (count, parameters,
 the report's lost ranks, the wall-clock times of its completed all-reduces) or,
 for a killed rank, the time of its death. The parent gives each cell
@@ -47,7 +48,7 @@ MODE = os.environ.get("ELASTIC_MODE", "finish")
 HOLD_AFTER_RAISE = 10.0
 DIM = 4
 LR = 0.05
-POINTS = ("body", "beat", "drain", "post", "recovery", "hookraise")
+POINTS = ("body", "beat", "drain", "post", "recovery", "hookraise", "bodyraise")
 
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]]]:
@@ -177,6 +178,8 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], host: str
 
         def step(self, index: int) -> None:
             die.maybe("body", index)
+            if ("bodyraise", index) in die.points:  # the loop body's own error
+                raise ValueError(f"injected loop body fault on rank {rank}")
             Join.notify_join_context(self)
             die.maybe("beat", index)
             x, y = sample(rank, index)

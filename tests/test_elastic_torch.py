@@ -46,6 +46,8 @@ CELLS = [
 STORE_HOST_DIES = "3:0/body/3@0"
 #: A hook that raises is an error for every rank, not a death (it stays alive).
 HOOK_RAISES = "4:1/hookraise/0"
+#: The loop body's own error: the failure exchange names it on every rank.
+BODY_RAISES = "3:2/bodyraise/3"
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("elastic_torch")
     done = subprocess.run(
         [sys.executable, str(Path(runner.__file__)), "--out", str(out), "--deadline",
-         str(DEADLINE), *CELLS, STORE_HOST_DIES, HOOK_RAISES],
+         str(DEADLINE), *CELLS, STORE_HOST_DIES, HOOK_RAISES, BODY_RAISES],
         capture_output=True, text=True, timeout=DEADLINE * len(CELLS) + 60,
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -218,11 +220,22 @@ def test_a_hook_that_raises_ends_the_join_on_every_rank(results: dict[str, Any])
 
 
 @pytest.mark.timeout(600)
+def test_a_loop_body_that_raises_is_named_on_every_rank(results: dict[str, Any]) -> None:
+    record, ranks, stderr = results[BODY_RAISES]
+    assert record["exit"] == {str(r): 0 for r in range(3)}, (record, stderr[-3000:])
+    assert ranks[2]["error"] == "ValueError"
+    for rank in (0, 1):  # the failure exchange (units counted), not an abort
+        assert ranks[rank]["error"] == "PeerFailure", ranks[rank]
+        assert ranks[rank]["message"] == ("rank 2 failed inside the Join context with "
+                                          "ValueError: injected loop body fault on rank 2")
+
+
+@pytest.mark.timeout(600)
 def test_recovery_is_prompt(results: dict[str, Any]) -> None:
     """From the death to the survivors' next completed all-reduce (recorded per cell)."""
     seconds = {}
     for spec in CELLS:
-        if spec in (STORE_HOST_DIES, HOOK_RAISES):
+        if spec in (STORE_HOST_DIES, HOOK_RAISES, BODY_RAISES):
             continue
         took = recovery_seconds(spec, results[spec][1])
         if took is not None:
