@@ -18,7 +18,8 @@ from pathlib import Path
 
 START, END = "<!-- elastic-torch-matrix -->", "<!-- /elastic-torch-matrix -->"
 POINTS = {"body": "loop body", "beat": "after heartbeat", "drain": "draining",
-          "post": "post hook", "recovery": "during recovery"}
+          "post": "post hook", "recovery": "during recovery",
+          "hookraise": "RAISES in its main hook", "bodyraise": "RAISES in its loop body"}
 
 
 def table(cells: list[dict[str, object]]) -> str:
@@ -27,7 +28,8 @@ def table(cells: list[dict[str, object]]) -> str:
             "|---|---|---|---|---|---|---|"]
     for cell in cells:
         kills = "; ".join(f"{rank}: {POINTS[point]}" + (f" @ {at}" if point in
-                                                         ("body", "beat") else "")
+                                                         ("body", "beat", "bodyraise")
+                                             else "")
                           for rank, point, at in cell["kills"]) or "none"  # type: ignore[attr-defined]
         lost = ", ".join(f"{rank} ({its})" for rank, its in cell["lost"]) or "-"  # type: ignore[attr-defined]
         recovery = cell["recovery"]

@@ -217,6 +217,10 @@ def test_a_hook_that_raises_ends_the_join_on_every_rank(results: dict[str, Any])
         # From the store's abort key, while rank 1 is still alive (it holds
         # HOLD_AFTER_RAISE s): far below that and the gloo timeout.
         assert result["ended"] - ranks[1]["ended"] < runner.HOLD_AFTER_RAISE / 2, result
+    took = max(ranks[rank]["ended"] for rank in (0, 2, 3)) - ranks[1]["ended"]
+    record_cell(HOOK_RAISES, "forked ranks", ranks, record["seconds"],
+                outcome=f"an error, not a death: 3 left with GroupAborted naming rank 1 "
+                        f"{took * 1000:.0f} ms after it left (it stayed alive)")
 
 
 @pytest.mark.timeout(600)
@@ -228,6 +232,9 @@ def test_a_loop_body_that_raises_is_named_on_every_rank(results: dict[str, Any])
         assert ranks[rank]["error"] == "PeerFailure", ranks[rank]
         assert ranks[rank]["message"] == ("rank 2 failed inside the Join context with "
                                           "ValueError: injected loop body fault on rank 2")
+    record_cell(BODY_RAISES, "forked ranks", ranks, record["seconds"],
+                outcome="an error, not a death: 2 left with PeerFailure naming rank 2 "
+                        "and its ValueError")
 
 
 @pytest.mark.timeout(600)
