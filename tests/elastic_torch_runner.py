@@ -23,7 +23,11 @@ Each rank writes ``DIR/cell{C}-rank{R}.json``: its result (count, parameters,
 the report's lost ranks, the wall-clock times of its completed all-reduces) or,
 for a killed rank, the time of its death. The parent gives each cell
 ``--deadline`` s, kills what is left and records exit statuses in
-``DIR/cells.jsonl``.
+``DIR/cells.jsonl``. With ``--mpirun`` the parent still hosts the store but
+runs each cell under ``mpirun --with-ft ulfm`` (which keeps the survivors);
+the ranks never initialise MPI and read their rank from mpirun's environment.
+A cell ending in ``@0`` has rank 0 host its own store instead
+(``init_process_group``'s way), so rank 0's death cannot be recovered.
 """
 
 from __future__ import annotations
