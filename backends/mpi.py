@@ -1097,6 +1097,25 @@ class MPIGroup:
         """
         return tuple(self._lost)
 
+    def gone_peers(self) -> dict[int, str]:
+        """The peers ULFM reports as failed (original ranks), for the Join's note
+        on an error that leaves it (``on_rank_loss="raise"`` under
+        ``mpirun --with-ft ulfm``); empty without ULFM. Never raises.
+
+        Returns:
+            original rank -> what is known of it.
+        """
+        if not _ulfm_on():
+            return {}
+        try:
+            failed = self.comm.Get_failed()
+            ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())),
+                                              self.comm.Get_group())
+        except Exception:  # noqa: BLE001 - a hint only
+            return {}
+        return {self._members[rank]: "reported failed by MPI's fault tolerance (ULFM)"
+                for rank in ranks if rank is not None and rank >= 0}
+
     def _use(self, comm: MPI.Intracomm, members: list[int]) -> None:
         """Run the group over ``comm`` from now on (its ranks' original ranks: ``members``)."""
         self.comm = comm

@@ -142,9 +142,9 @@ class Join:
             it. ``"finish"``: it counts as a rank that joined; the backend
             rebuilds the group over the survivors, who finish the loop and run
             the post hooks, and ``report.lost_ranks`` (plus one warning per
-            loss) names it and the iterations it completed. A joinable that
-            fuses its heartbeat sends the classic one instead in this mode. Needs a backend
-            that can rebuild its group (an MPIGroup under
+            loss) names it and the iterations it completed. A joinable
+            that fuses its heartbeat sends the classic one in this mode.
+            Needs a backend that can rebuild its group (an MPIGroup under
             ``mpirun --with-ft ulfm``; docs/elastic.md), checked on entry
             before any collective. In this mode the watchdog does not read
             the status board (ranks are renumbered after a loss): a stall is
@@ -612,8 +612,7 @@ class Join:
         except _ForeignConfig:
             raise _foreign_error(joinable, "fused_heartbeat") from None
         if join is not None:
-            if join._elastic:
-                join._poll_losses()
+            # (Never fused with on_rank_loss="finish": _notify below reads the losses.)
             order = join._order
             if order is None and join._checks:
                 # Checks wait (before_next_heartbeat): they run before this

@@ -191,11 +191,33 @@ def refusals() -> None:
     finalize_or_exit()
 
 
+def raise_mode() -> None:
+    """The default, on_rank_loss="raise", under ULFM: rank 1 dies at its 3rd input;
+    each survivor prints the error that left its Join, with its notes."""
+    group = MPIGroup()
+    trainer = Trainer(group, "raise", ("body", 3) if group.rank == 1 else None)
+    started = time.time()
+    try:
+        with Join([trainer]):
+            for i in range(1, 7):
+                trainer.step(i)
+        text = "no error"
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        text = "".join(traceback.format_exception_only(error))
+        text += "\n".join(getattr(error, "__notes__", []))
+    print(json.dumps({"rank": group.rank, "error": text, "seconds": time.time() - started}),
+          flush=True)
+    finalize_or_exit()
+
+
 def main() -> None:
     # A hang shows where, on standard error, well before the test's timeout.
     faulthandler.dump_traceback_later(60, exit=True)
     if sys.argv[1] == "refusals":
         refusals()
+        return
+    if sys.argv[1] == "raise":
+        raise_mode()
         return
     cells = json.loads(sys.argv[1])
     group = MPIGroup()

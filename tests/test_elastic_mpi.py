@@ -15,6 +15,8 @@ benchmarks/elastic.py).
 from __future__ import annotations
 
 import functools
+import json
+import os
 import re
 from typing import Any
 
@@ -23,6 +25,8 @@ import pytest
 from elastic_mpi_support import ROOT, launch, reference
 
 pytestmark = pytest.mark.timeout(150)
+#: Names a file to which each passed cell appends a JSON line (the docs' table).
+RECORD = "ELASTIC_MPI_RECORD"
 
 
 def _kill(rank: int, where: str, at: int = 0) -> dict[str, Any]:
@@ -113,6 +117,7 @@ def test_survivors_finish_with_the_reference_numbers(launch_name: str,
     # From each death to the survivors' next completed iteration (or post hook):
     # every rank stamps each round's all-reduce (and its post hooks), so the
     # first round the victim never completed has the same index on each.
+    times = []
     for death in deaths:
         next_round = death["completed"]
         assert all(len(r["ends"]) > next_round for r in results.values()), output
@@ -120,6 +125,12 @@ def test_survivors_finish_with_the_reference_numbers(launch_name: str,
         print(f"{name}: rank {death['rank']} ({death['where']}): {1000 * seconds:.1f} ms "
               "to the survivors' next completed iteration")
         assert seconds < 30.0
+        times.append((death["rank"], death["where"], 1000 * seconds))
+    record = os.environ.get(RECORD)
+    if record:  # for tests/elastic_mpi_table.py (docs/elastic.md's table)
+        with open(record, "a") as f:
+            f.write(json.dumps({"cell": name, "world": len(members), "deaths": times,
+                                "lost": expect, "survivors": survivors}) + "\n")
 
 
 def test_entry_errors_without_ulfm_and_for_a_raw_communicator() -> None:
@@ -142,6 +153,18 @@ def test_a_raw_communicator_is_refused_under_ulfm_too() -> None:
         assert line["total"] == 2.0
 
 
+def test_the_default_still_fails_promptly_under_ulfm_naming_the_dead_rank() -> None:
+    lines, output = launch("raise", 3, timeout=90)
+    assert [line["rank"] for line in lines if "death" in line] == [1], output
+    lines = [line for line in lines if "error" in line]
+    assert sorted(line["rank"] for line in lines) == [0, 2], output
+    for line in lines:
+        assert "ERR_PROC_FAILED" in line["error"] or "ERR_REVOKED" in line["error"], line
+        assert "rank 1 (reported failed by MPI's fault tolerance (ULFM)) is no longer " \
+            "running" in line["error"], line
+        assert line["seconds"] < 60
+
+
 def test_the_example_prints_the_reference_next_to_the_survivors_parameters() -> None:
     # examples/elastic.py: rank 1 of 3 SIGKILLs itself at its 3rd input.
     _, output = launch("", 3, timeout=90, script=ROOT / "examples" / "elastic.py")
@@ -152,3 +175,18 @@ def test_the_example_prints_the_reference_next_to_the_survivors_parameters() -> 
     assert final is not None and expected is not None, output
     assert final.group(1) == expected.group(1)
     assert "equal: True" in output
+
+
+def test_the_docs_table_is_written_between_its_markers() -> None:
+    import elastic_mpi_table as table
+
+    cells = [{"cell": "w4-body", "world": 4, "deaths": [[1, "body", 25.8]],
+              "lost": {"1": 2}, "survivors": [0, 2, 3]}]
+    page = f"intro\n{table.START}\nold\n{table.END}\nrest\n"
+    text = table.render(cells, page)
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("\nrest\n")
+    assert "| w4-body | 4 | 1 (body) | 1: 2 | 0, 2, 3 | yes | 26 ms |" in text
+    with pytest.raises(ValueError, match="markers"):
+        table.render(cells, "no markers")
+    # The page has its markers.
+    assert table.START in (ROOT / "docs" / "elastic.md").read_text()
