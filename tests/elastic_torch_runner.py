@@ -259,6 +259,17 @@ def run_refusals(rank: int, world: int, host: str, port: int, cell: int, out: Pa
             counter.step()
     del os.environ["TORCHELASTIC_RUN_ID"]
     found["warnings"] = [str(w.message) for w in caught]
+    # DDP beside a joinable whose TorchGroup could be rebuilt (same default
+    # group): the adapter refuses as the Join hands out its config.
+    try:
+        with Join([_counter(group), model], on_rank_loss="finish"):
+            pass
+    except ValueError as exc:
+        found["mixed"] = str(exc)
+    after = _counter(group)  # the next Join's collectives still match
+    with Join([after], on_rank_loss="finish"):
+        after.step()
+    found["after"] = after.count
     found["count"] = counter.count
     found["lost"] = list(group.lost_ranks())
     found["initial_rank"] = group.initial_rank
