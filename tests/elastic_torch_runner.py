@@ -266,6 +266,15 @@ def run_refusals(rank: int, world: int, host: str, port: int, cell: int, out: Pa
             pass
     except ValueError as exc:
         found["mixed"] = str(exc)
+    # FSDP2 (a shard of the parameters per rank) beside the same Counter.
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = fully_shard(torch.nn.Linear(2, 2))
+    try:
+        with Join([_counter(group), sharded], on_rank_loss="finish"):
+            pass
+    except ValueError as exc:
+        found["fsdp"] = str(exc)
     after = _counter(group)  # the next Join's collectives still match
     with Join([after], on_rank_loss="finish"):
         after.step()

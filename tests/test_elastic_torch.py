@@ -276,6 +276,9 @@ def test_refusals_and_warnings(tmp_path: Path) -> None:
             "Join(on_rank_loss='finish') cannot hold DistributedDataParallel: "), found
         assert "not in this version" in found["mixed"]
         assert found["after"] == 2.0
+        assert found["fsdp"].startswith(
+            "Join(on_rank_loss='finish') cannot hold an FSDP2 model: "), found
+        assert "a dead rank's shard is lost" in found["fsdp"]
         assert found["count"] == 2.0 and found["lost"] == []
         assert found["initial_rank"] == rank
         if rank == 0:
