@@ -275,6 +275,15 @@ def run_refusals(rank: int, world: int, host: str, port: int, cell: int, out: Pa
             pass
     except ValueError as exc:
         found["fsdp"] = str(exc)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    zero = ZeroRedundancyOptimizer(torch.nn.Linear(2, 2).parameters(),
+                                   optimizer_class=torch.optim.Adam, lr=0.1)
+    try:
+        with Join([_counter(group), zero], on_rank_loss="finish"):
+            pass
+    except ValueError as exc:
+        found["zero"] = str(exc)
     after = _counter(group)  # the next Join's collectives still match
     with Join([after], on_rank_loss="finish"):
         after.step()

@@ -279,6 +279,9 @@ def test_refusals_and_warnings(tmp_path: Path) -> None:
         assert found["fsdp"].startswith(
             "Join(on_rank_loss='finish') cannot hold an FSDP2 model: "), found
         assert "a dead rank's shard is lost" in found["fsdp"]
+        assert found["zero"].startswith(
+            "Join(on_rank_loss='finish') cannot hold ZeroRedundancyOptimizer: "), found
+        assert "shard of the optimizer state" in found["zero"]
         assert found["count"] == 2.0 and found["lost"] == []
         assert found["initial_rank"] == rank
         if rank == 0:
