@@ -221,6 +221,11 @@ class FSDPJoinable(Joinable):
     def _join_config(self, config: Any) -> None:
         was_active = self._config.enable and self._config.join is not None
         active = config.enable and config.join is not None
+        if active and not was_active and getattr(config.join, "on_rank_loss", "") == "finish":
+            raise ValueError(
+                "Join(on_rank_loss='finish') cannot hold an FSDP2 model: each rank holds a "
+                "shard of the parameters, and a dead rank's shard is lost with it. Use "
+                "on_rank_loss='raise' (the default) and restart from a checkpoint")
         self._config = config
         if active and not was_active:
             self._enter(config.join)

@@ -268,6 +268,8 @@ class TorchJoinable(Joinable):
     def _join_config(self, config: Any) -> None:
         was_active = self._config.enable and self._config.join is not None
         active = config.enable and config.join is not None
+        if active and not was_active and rank_loss_finish(config.join):
+            raise rank_loss_refusal(self.obj)
         self._config = config
         if active:
             self.obj._join_config = _TorchJoinConfig(
@@ -425,6 +427,38 @@ class TorchJoinable(Joinable):
 
 
 # -- hooks ------------------------------------------------------------------------
+
+
+def rank_loss_finish(join: Any) -> bool:
+    """Whether ``join`` was built with ``on_rank_loss="finish"``."""
+    return getattr(join, "on_rank_loss", "raise") == "finish"
+
+
+def rank_loss_refusal(obj: Any) -> ValueError:
+    """Why ``Join(..., on_rank_loss="finish")`` cannot hold ``obj`` (a framework object).
+
+    Raised by the adapter as the Join hands it its config, on every rank alike
+    and before the loop (the Join then leaves as if never entered); it covers a
+    framework object that shares its process group with a joinable whose group
+    can be rebuilt (a Counter on a ``TorchGroup``), where the group alone would
+    not refuse.
+    """
+    name = type(obj).__name__
+    if _is_zero(obj):
+        why = ("ZeroRedundancyOptimizer keeps a shard of the optimizer state on each "
+               "rank, and a dead rank's shard is lost with it (a stateless optimizer "
+               "could be rebuilt: not in this version)")
+    elif isinstance(obj, DistributedDataParallel):
+        why = ("DistributedDataParallel keeps its own reference to the process group (its "
+               "reducer, its buffer broadcasts, its gradient-sync check), so it cannot go "
+               "on over the rebuilt group: not in this version (docs/elastic-torch.md says "
+               "what it would take); all-reduce the flattened gradients through the "
+               "TorchGroup in your own joinable instead")
+    else:
+        why = f"{name} keeps its own reference to the process group"
+    return ValueError(
+        f"Join(on_rank_loss='finish') cannot hold {name}: {why}. Use on_rank_loss='raise' "
+        "(the default) and restart from a checkpoint")
 
 
 class _Shadow(JoinHook):

@@ -120,6 +120,7 @@ import json
 import os
 import pickle
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -131,6 +132,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 from joinkit import LocalProtocolError, PeerFailure, backends
 from joinkit.backends import _status
 from joinkit.backends import _torch_board as _board
+from joinkit.backends import _torch_elastic as _elastic
 from joinkit.backends._checks import Checks
 from joinkit.backends._status import Post
 
@@ -287,6 +289,12 @@ class TorchGroup:
         device: where the group's collectives run; default: the CPU, or for an
             nccl group the group's bound device, else ``cuda:LOCAL_RANK``, else
             the current CUDA device.
+        store_outlives_ranks: for ``Join(..., on_rank_loss="finish")``: whether
+            the default group's store lives outside the ranks (a launcher's or
+            your own ``TCPStore`` server, a ``FileStore``), so that any rank's
+            death can be recovered. ``None``: guessed (a ``TCPStore`` is taken
+            to live in rank 0 unless torchrun's agent hosts it);
+            docs/elastic-torch.md.
 
     Raises:
         LocalProtocolError: torch.distributed is not initialised, or the group
@@ -294,7 +302,8 @@ class TorchGroup:
             a member).
     """
 
-    def __init__(self, process_group: Any = None, device: Any = None) -> None:
+    def __init__(self, process_group: Any = None, device: Any = None, *,
+                 store_outlives_ranks: bool | None = None) -> None:
         group = _live_group(process_group)
         self.process_group = group
         self.device = _usable_device(device) if device is not None else _default_device(group)
@@ -334,6 +343,13 @@ class TorchGroup:
         self._store_prefix = f"joinkit/{getattr(group, 'group_name', '')}/"
         # This rank's board entry; peers compute its age, so wall-clock time.
         self._post = Post(time.time)
+        # on_rank_loss="finish" (backends._torch_elastic): the recovery state,
+        # set on Join entry; whether the registry made this group for a raw
+        # ProcessGroup (DDP's, ZeRO's, FSDP2's: they keep their own reference).
+        self._elastic: _elastic.Elastic | None = None
+        self._store_outlives_ranks = store_outlives_ranks
+        self._for_raw_group = False
+        self._initial_rank = self.rank
         _groups.add(self)
 
     def __repr__(self) -> str:
@@ -355,6 +371,95 @@ class TorchGroup:
 
     # -- join backend ------------------------------------------------------------
 
+    @property
+    def initial_rank(self) -> int:
+        """This rank in the group as it was built (before any rank was lost)."""
+        return int(self._initial_rank)
+
+    def lost_ranks(self) -> tuple[Any, ...]:
+        """Every rank lost so far in this group's life, in order of loss.
+
+        Returns:
+            ``joinkit.LostRank`` values (original ranks); ``()`` unless a
+            ``Join(..., on_rank_loss="finish")`` over this group lost one.
+        """
+        elastic = self._elastic
+        return () if elastic is None else tuple(elastic.lost)
+
+    def start_rank_loss_recovery(self, config: Any) -> None:
+        """Turn on recovery from dead ranks (``Join(..., on_rank_loss="finish")``).
+
+        Called by the Join on entry, before any collective. From then on every
+        collective of this group is a unit that survives a dead rank: the
+        group is rebuilt over the survivors (``backends._torch_elastic``).
+
+        Args:
+            config: the Join's ``RankLossConfig`` (its ``progress`` callback).
+
+        Raises:
+            ValueError: recovery cannot work here: an nccl group or a CUDA
+                device, a group the registry made for a raw ProcessGroup
+                (DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2), or
+                no store. The message says why and what works.
+        """
+        elastic = self._elastic
+        if elastic is not None:  # a later Join over the same group
+            elastic.progress = config.progress
+            elastic.reset_counts()
+            return
+        backend = _backend_name(self.process_group)
+        if self._on_cuda or "nccl" in backend:
+            raise _elastic.ElasticUnavailable(
+                "Join(on_rank_loss='finish') is not available on nccl in this version: "
+                "gloo's trick (leave the broken group and build a new one over the "
+                "store) would need every CUDA stream and communicator of the dead "
+                "generation aborted first, and torch's in-place shrink_group (nccl "
+                "only) does not hand the survivors the last completed collective. "
+                "What works: a gloo group (backend='gloo', tensors on the CPU), or "
+                "on_rank_loss='raise'. docs/elastic-torch.md says what it would take")
+        if self._for_raw_group:
+            raise _elastic.ElasticUnavailable(
+                "Join(on_rank_loss='finish') works with joinables whose "
+                "join_process_group is a joinkit TorchGroup (your own joinable, such "
+                "as a Counter): the group is rebuilt in place. This Join's group is a "
+                "raw ProcessGroup, as DistributedDataParallel, ZeroRedundancyOptimizer "
+                "and FSDP2 return, and those keep their own reference to it. Not in "
+                "this version: DDP on the rebuilt group; refused for good: FSDP2 (a "
+                "dead rank's parameter shard is lost) and ZeroRedundancyOptimizer with "
+                "a stateful optimizer (its shard of the optimizer state is lost). Use "
+                "on_rank_loss='raise' and restart from a checkpoint")
+        try:
+            store = _board._store()
+        except Exception as exc:  # noqa: BLE001
+            raise _elastic.ElasticUnavailable(
+                f"Join(on_rank_loss='finish') needs the default group's store: {exc}"
+            ) from exc
+        outlives = self._store_outlives_ranks
+        if outlives is None:
+            outlives = _elastic.store_outlives_ranks_guess(store)
+        host = None if outlives else 0
+        if host is not None and self.rank == 0:
+            warnings.warn(
+                "joinkit: Join(on_rank_loss='finish'): the store seems to live in rank 0 "
+                "(a TCPStore from init_process_group): if rank 0 dies the survivors cannot "
+                "rebuild and fail naming it; host the store outside the ranks and pass "
+                "TorchGroup(..., store_outlives_ranks=True) (docs/elastic-torch.md)",
+                UserWarning, stacklevel=4)
+        if self.rank == 0:
+            _elastic.warn_torchrun()
+        self._elastic = _elastic.Elastic(self, config.progress, store, host)
+
+    def _adopt(self, process_group: Any, rank: int, world_size: int) -> None:
+        """Go on over a rebuilt group (``_torch_elastic``): same object, new group."""
+        self.process_group = process_group
+        self.rank, self.world_size = rank, world_size
+        self._checks = Checks(rank, world_size, self.device)
+        self._allreduce = process_group.allreduce
+        self._beat_works = [None, None]
+        self._count_work = self._barrier_work = None
+        assert self._elastic is not None
+        self._store_prefix = self._elastic.key(self._elastic.generation, "board/")
+
     def heartbeat(self, value: float) -> Any:
         """Start the 1-element float32 SUM all-reduce contributing ``value``.
 
@@ -363,8 +468,14 @@ class TorchGroup:
 
         Returns:
             The ``torch.distributed.Work`` of the all-reduce (DDP's reducer
-            reads the number of active ranks from it).
+            reads the number of active ranks from it); in elastic mode a
+            handle that has completed (module doc of ``_torch_elastic``).
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            total = elastic.unit("heartbeat", lambda: self.heartbeat_total(self.heartbeat(value)),
+                                 beat=value)
+            return _elastic._Done(None, total)
         index = self._next_beat
         self._next_beat = 1 - index
         previous = self._beat_works[index]
@@ -390,6 +501,9 @@ class TorchGroup:
         heartbeat, before that iteration's collectives. ``None`` when the
         group's backend keeps no sequence number.
         """
+        elastic = self._elastic
+        if elastic is not None:  # units: the group's own count survives rebuilds
+            return elastic.issued_other
         if self._sequence is None:
             return None
         return self._sequence() - self._join_collectives
@@ -405,6 +519,8 @@ class TorchGroup:
             reading it would synchronise the device every iteration, or when the
             heartbeat's buffer has been reused since.
         """
+        if isinstance(handle, _elastic._Done):
+            return handle.total
         views = self._beat_views
         if views is None:  # CUDA
             return 0.0
@@ -423,6 +539,9 @@ class TorchGroup:
         Returns:
             The sum over all ranks.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            return elastic.unit("count", lambda: self.count(value), beat=value)  # type: ignore[no-any-return]
         buf = self._tally
         buf.fill_(value)
         work = self._count_work = self._allreduce([buf], self._sum)
@@ -439,6 +558,9 @@ class TorchGroup:
         Returns:
             The objects in rank order.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            return elastic.unit("all_gather_object", lambda: self.all_gather_object(obj))  # type: ignore[no-any-return]
         payload = pickle.dumps(obj)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
@@ -466,6 +588,9 @@ class TorchGroup:
         Returns:
             The same answer on every rank.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            return bool(elastic.unit("all_agree", lambda: self.all_agree(value)))
         buf = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
         self.all_reduce(buf, "max")
         highest, negated_lowest = buf.tolist()
@@ -489,6 +614,10 @@ class TorchGroup:
         Raises:
             ValueError: ``dst`` is not a rank of the group.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            return elastic.unit("gather_object",  # type: ignore[no-any-return]
+                                lambda: self.gather_object(obj, dst))
         dst = self._checks.root(dst, "dst", "gather_object")
         payload = pickle.dumps(obj)
         longest = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
@@ -520,6 +649,9 @@ class TorchGroup:
         Raises:
             ValueError: ``src`` is not a rank of the group.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            return elastic.unit("broadcast_object", lambda: self.broadcast_object(obj, src))
         src = self._checks.root(src, "src", "broadcast_object")
         payload = pickle.dumps(obj) if self.rank == src else b""
         length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
@@ -703,6 +835,12 @@ class TorchGroup:
         Raises:
             GroupAborted: a rank aborted the group.
         """
+        elastic = self._elastic
+        if elastic is not None:
+            if isinstance(work, _elastic._Done):
+                return work.wait()
+            if elastic.inside:
+                return elastic.wait(work)
         if self._abort is not None:
             raise GroupAborted(*self._abort)
         if self._slice is None:
@@ -712,13 +850,20 @@ class TorchGroup:
             while True:
                 try:
                     return work.wait(self._slice)
-                except RuntimeError as exc:
+                except RuntimeError as slice_error:
+                    exc = slice_error
                     aborted = self._abort
                     if aborted is None and work.is_completed():
+                        # The slice may have ended as the work completed: a
+                        # second wait returns at once, or raises its failure.
+                        try:
+                            return work.wait()
+                        except RuntimeError as failed:
+                            exc = failed
                         # It failed: did a rank abort (and its process exit)?
                         aborted = self._posted_abort()
                         if aborted is None:
-                            raise  # a real failure, not the end of a slice
+                            raise exc from None  # a real failure, not the end of a slice
                     if aborted is not None:
                         self._abort = aborted
                         raise GroupAborted(*aborted) from exc
@@ -727,6 +872,10 @@ class TorchGroup:
         finally:
             if watched:
                 _watch_aborts(self, -1)
+
+    def _aborted_error(self) -> GroupAborted:
+        assert self._abort is not None
+        return GroupAborted(*self._abort)
 
     def _posted_abort(self) -> tuple[int, str] | None:
         return _board._bounded(lambda store: _abort_posted(store, self._store_prefix))  # type: ignore[no-any-return]
@@ -748,6 +897,10 @@ class TorchGroup:
             TypeError: unsupported buffer type, or ``op`` undefined for its dtype.
             ValueError: unknown ``op``.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            done = elastic.unit("all_reduce", lambda: self.all_reduce(buf, op), buf=buf)
+            return _elastic._Done(done) if async_op else done
         dtype = self._checks.all_reduce(buf, op)
         staged = self._stage(buf)
         opts = dist.AllreduceOptions()
@@ -771,6 +924,10 @@ class TorchGroup:
             TypeError: unsupported buffer type.
             ValueError: ``src`` is not a rank of the group.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            done = elastic.unit("broadcast", lambda: self.broadcast(buf, src), buf=buf)
+            return _elastic._Done(done) if async_op else done
         opts = dist.BroadcastOptions()
         opts.rootRank = self._checks.broadcast(buf, src)
         staged = self._stage(buf)
@@ -792,6 +949,10 @@ class TorchGroup:
         Raises:
             TypeError: unsupported buffer type.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            done = elastic.unit("all_gather", lambda: self.all_gather(buf), buf=None)
+            return _elastic._Done(done) if async_op else done
         self._checks.all_gather(buf)
         staged = self._stage(buf)
         parts = [torch.empty_like(staged.tensor) for _ in range(self.world_size)]
@@ -818,6 +979,10 @@ class TorchGroup:
             TypeError: unsupported buffer type, or ``op`` undefined for its dtype.
             ValueError: unknown ``op``, or ``dst`` is not a rank of the group.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            done = elastic.unit("reduce", lambda: self.reduce(buf, dst, op), buf=buf)
+            return _elastic._Done(done) if async_op else done
         opts = dist.ReduceOptions()
         dst, dtype = self._checks.reduce(buf, dst, op)
         opts.rootRank = dst
@@ -846,6 +1011,10 @@ class TorchGroup:
             TypeError: unsupported buffer type.
             ValueError: ``dst`` is not a rank of the group.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            done = elastic.unit("gather", lambda: self.gather(buf, dst), buf=None)
+            return _elastic._Done(done) if async_op else done
         opts = dist.GatherOptions()
         opts.rootRank = dst = self._checks.gather(buf, dst)
         staged = self._stage(buf)
@@ -878,6 +1047,10 @@ class TorchGroup:
             ValueError: ``src`` is not a rank, or ``chunks`` missing on ``src``
                 or of the wrong number or shape.
         """
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            done = elastic.unit("scatter", lambda: self.scatter(buf, src, chunks), buf=buf)
+            return _elastic._Done(done) if async_op else done
         opts = dist.ScatterOptions()
         opts.rootRank, parts = self._checks.scatter(buf, src, chunks)
         staged = self._stage(buf)
@@ -892,6 +1065,9 @@ class TorchGroup:
 
     def barrier(self) -> None:
         """Return once every rank of the group has called ``barrier``."""
+        elastic = self._elastic
+        if elastic is not None and not elastic.inside:
+            return elastic.unit("barrier", self.barrier)  # type: ignore[no-any-return]
         # An all-reduce is a barrier on every backend (nccl's barrier() guesses a
         # device); reading the result blocks the host on CUDA too.
         self._barrier_buf.zero_()
@@ -1026,7 +1202,9 @@ def _live_group(process_group: Any) -> Any:
 
 
 def _backend_for_process_group(group: Any, device: Any) -> TorchGroup:
-    return TorchGroup(group, device)
+    made = TorchGroup(group, device)
+    made._for_raw_group = True  # DDP's, ZeRO's, FSDP2's: cannot be rebuilt in place
+    return made
 
 
 def _backend_for_group(group: TorchGroup, device: Any) -> TorchGroup:

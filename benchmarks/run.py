@@ -94,6 +94,9 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
         # Death to the survivors' next iteration, mpirun --with-ft ulfm (issue 20, Speed).
         ("Elastic finish, MPI (ULFM)",
          [PY, str(b / "elastic.py"), *(["2"] if quick else ["9"])], 600),
+        # Elastic finish on gloo: death -> survivors' next iteration (issue 20, Speed).
+        ("Elastic finish, gloo (forked ranks)",
+         [PY, str(b / "elastic_gloo.py"), *(["4", "40"] if quick else ["12", "400"])], 600),
     ]
 
 

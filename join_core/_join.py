@@ -820,6 +820,11 @@ class Join:
         return self._state
 
     @property
+    def on_rank_loss(self) -> str:
+        """``"raise"`` or ``"finish"``, as given (adapters refuse what cannot finish)."""
+        return self._on_rank_loss
+
+    @property
     def report(self) -> m.JoinReport | None:
         """What this rank did: inputs, join round, shadow rounds and time, last joiner.
 
