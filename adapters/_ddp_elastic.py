@@ -133,8 +133,9 @@ def _plain_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     group = ddp.process_group
     tensor = bucket.buffer()
     tensor.div_(group.size())
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    assert work is not None
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    work = group.allreduce([tensor], opts)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
@@ -166,6 +167,7 @@ class ElasticDDP:
         self.ddp = ddp
         self.group = group
         self.world = group.world_size  # at the Join's entry
+        self.backend = group.process_group
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.in_hook = in_hook
         self.expecting = False  # a forward announced a backward that has not come yet
@@ -192,8 +194,13 @@ class ElasticDDP:
             ddp.reducer = self.reducer
         if ddp.__dict__.get("_check_global_requires_backward_grad_sync") == self.check:
             del ddp.__dict__["_check_global_requires_backward_grad_sync"]
-        pg = self.group.process_group
-        if pg is not ddp.process_group:
+        backend = self.group.process_group
+        if backend is not self.backend:
+            # DDP's reducer takes a c10d ProcessGroup: the rebuilt gloo backend, wrapped.
+            pg = dist.ProcessGroup(backend.rank(), backend.size())
+            gloo = dist.ProcessGroup.BackendType.GLOO
+            pg._set_default_backend(gloo)
+            pg._register_backend(torch.device("cpu"), gloo, backend)
             ddp._update_process_group(pg)  # also resets the reducer
         elif self.deferred:
             self.reducer._reset_state()  # forget the parameters pushed meanwhile

@@ -381,7 +381,7 @@ class TorchJoinable(Joinable):
                 f"{type(self.obj).__qualname__}.join_hook() returned "
                 f"{type(hook).__qualname__}, not a JoinHook"
             )
-        _elastic_vouch(self, self._is_ddp)
+        _elastic_vouch(self, self._is_ddp, kwargs.get("store_outlives_ranks"))
         if self._is_ddp:
             # A model with collectives in forward is shadowed by replaying it.
             from ._ddp_replay import replay_shadow
@@ -856,13 +856,16 @@ def _steps_shards_with(adapter: TorchJoinable) -> bool:
     )
 
 
-def _elastic_vouch(adapter: TorchJoinable, ddp: bool | None) -> None:
+def _elastic_vouch(adapter: TorchJoinable, ddp: bool | None,
+                   store_outlives_ranks: bool | None = None) -> None:
     """Tell the torch backend whether this joinable's raw group may be rebuilt.
 
     ``ddp`` True (a DDP's join_hook): its group may recover with
     ``on_rank_loss="finish"`` (``adapters._ddp_elastic`` routes DDP's
     collectives); False (any other torch joinable, e.g. ZeroRedundancyOptimizer):
-    it may not; ``None`` (the Join is over): forget it.
+    it may not; ``None`` (the Join is over): forget it. ``store_outlives_ranks``:
+    the Join's keyword of that name (``Join(..., store_outlives_ranks=True)``),
+    which the raw group's TorchGroup then uses instead of its guess.
     """
     torch_dist = sys.modules.get("joinkit.backends.torch_dist")
     if torch_dist is None:
@@ -871,11 +874,11 @@ def _elastic_vouch(adapter: TorchJoinable, ddp: bool | None) -> None:
         key = id(adapter.join_process_group)
     except Exception:  # noqa: BLE001 - no live group: nothing to vouch for
         return
-    groups: set[int] = torch_dist.elastic_raw_groups
+    groups: dict[int, bool | None] = torch_dist.elastic_raw_groups
     if ddp:
-        groups.add(key)
+        groups[key] = None if store_outlives_ranks is None else bool(store_outlives_ranks)
     else:
-        groups.discard(key)
+        groups.pop(key, None)
 
 
 def _forget_join(adapter: TorchJoinable) -> None:

@@ -435,6 +435,8 @@ class TorchGroup:
                 f"Join(on_rank_loss='finish') needs the default group's store: {exc}"
             ) from exc
         outlives = self._store_outlives_ranks
+        if outlives is None and self._for_raw_group:
+            outlives = elastic_raw_groups.get(id(self.process_group))
         if outlives is None:
             outlives = _elastic.store_outlives_ranks_guess(store)
         host = None if outlives else 0
@@ -1203,7 +1205,8 @@ def _live_group(process_group: Any) -> Any:
 #: over a rebuilt group: a DistributedDataParallel, which ``adapters.torch``
 #: registers in its ``join_hook`` (ZeroRedundancyOptimizer's unregisters it);
 #: ``start_rank_loss_recovery`` then lets the raw group's TorchGroup recover.
-elastic_raw_groups: set[int] = set()
+#: The value: the ``store_outlives_ranks`` the Join was given (``None``: guess).
+elastic_raw_groups: dict[int, bool | None] = {}
 
 
 def _backend_for_process_group(group: Any, device: Any) -> TorchGroup:

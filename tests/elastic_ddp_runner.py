@@ -97,11 +97,8 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.nn.parallel import distributed as ddp_module
 
     from joinkit import Join
-    from joinkit.backends.torch_dist import TorchGroup
-
     path = out / f"cell{cell}-rank{rank}.json"
     mine = {point: at for r, point, at in kills if r == rank}
     client = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=30),
@@ -109,30 +106,33 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     store = dist.PrefixStore(f"cell{cell}/", client)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    # The Join's group is made from DDP's raw group; its store lives in the parent.
-    TorchGroup(store_outlives_ranks=True)
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(DIM, 1))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     init = torch.cat([model.module.weight.detach().reshape(-1),
                       model.module.bias.detach()]).tolist()
     if "drain" in mine:
-        original = ddp_module._DDPJoinHook.main_hook
+        # DDP's join hook asks the check first in each shadow round.
+        from joinkit.adapters import _ddp_elastic
+
+        original = _ddp_elastic.ElasticDDP.check
         rounds = [0]
 
-        def main_hook(self: Any) -> None:
-            if rounds[0] == mine["drain"]:
-                _die()
-            rounds[0] += 1
-            original(self)
+        def check(self: Any, is_joined_rank: bool) -> bool | None:
+            if is_joined_rank:
+                if rounds[0] == mine["drain"]:
+                    _die()
+                rounds[0] += 1
+            return original(self, is_joined_rank)
 
-        ddp_module._DDPJoinHook.main_hook = main_hook  # type: ignore[method-assign]
+        _ddp_elastic.ElasticDDP.check = check  # type: ignore[method-assign]
     mode = "raise" if option == "raise" else "finish"
     kwargs = {"divide_by_initial_world_size": False} if option == "count" else {}
     started = time.time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with Join([model], on_rank_loss=mode, **kwargs) as join:
+        # The store lives in the parent: any rank may die.
+        with Join([model], on_rank_loss=mode, store_outlives_ranks=True, **kwargs) as join:
             for index in range(INPUTS + rank):
                 if mine.get("body") == index:
                     _die()
@@ -149,13 +149,13 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     # The model goes on over the survivors after the Join: one more all-reduce.
     after = model.process_group.size()
     probe = torch.ones(1)
-    dist.all_reduce(probe, group=model.process_group)
+    model.process_group.allreduce([probe]).wait()
     lost = [{"rank": x.rank, "iterations": x.iterations, "survivors": list(x.survivors)}
             for x in join.report.lost_ranks]
     path.write_text(json.dumps({
         "rank": rank, "init": init, "final": final, "lost": lost, "size_after": after,
         "probe": float(probe.item()), "started": started, "ended": time.time(),
-        "warnings": [str(w.message) for w in caught],
+        "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],
     }))
 
 
@@ -167,14 +167,12 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from joinkit import Join
-    from joinkit.backends.torch_dist import TorchGroup
 
     client = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=30),
                            wait_for_workers=False)
     store = dist.PrefixStore(f"cell{cell}/", client)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    TorchGroup(store_outlives_ranks=True)
     torch.manual_seed(0)
 
     class WithBuffer(torch.nn.Module):
@@ -200,7 +198,7 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
     for name, make in cases.items():
         joinables = make()
         try:
-            with Join(joinables, on_rank_loss="finish"):
+            with Join(joinables, on_rank_loss="finish", store_outlives_ranks=True):
                 pass
         except ValueError as exc:
             found[name] = str(exc)
@@ -208,7 +206,7 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
             found[name] = "(not refused)"
     # The group still matches: a Join that works, with one input per rank.
     model = DDP(torch.nn.Linear(DIM, 1), broadcast_buffers=False)
-    with Join([model], on_rank_loss="finish"):
+    with Join([model], on_rank_loss="finish", store_outlives_ranks=True):
         model(torch.ones(1, DIM)).sum().backward()
     (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "refusals": found, "after": "ok"}))
