@@ -127,19 +127,25 @@ class _HookState:
 _states: dict[int, _HookState] = {}
 
 
-def _plain_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _plain_hook(state: _HookState,
+                bucket: dist.GradBucket,  # type: ignore[name-defined]
+                ) -> torch.futures.Future[torch.Tensor]:
     """torch's ``allreduce_hook`` on DDP's group (what DDP does without a hook)."""
     ddp = state.ddp()
     group = ddp.process_group
     tensor = bucket.buffer()
     tensor.div_(group.size())
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
     work = group.allreduce([tensor], opts)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    future: torch.futures.Future[torch.Tensor] = work.get_future().then(
+        lambda fut: fut.value()[0])
+    return future
 
 
-def _hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _hook(state: _HookState,
+          bucket: dist.GradBucket,  # type: ignore[name-defined]
+          ) -> torch.futures.Future[torch.Tensor]:
     """The comm hook: plain outside finish-mode Joins, else one unit per backward."""
     elastic = state.elastic
     if elastic is None:
@@ -197,7 +203,7 @@ class ElasticDDP:
         backend = self.group.process_group
         if backend is not self.backend:
             # DDP's reducer takes a c10d ProcessGroup: the rebuilt gloo backend, wrapped.
-            pg = dist.ProcessGroup(backend.rank(), backend.size())
+            pg = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
             gloo = dist.ProcessGroup.BackendType.GLOO
             pg._set_default_backend(gloo)
             pg._register_backend(torch.device("cpu"), gloo, backend)

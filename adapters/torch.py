@@ -867,9 +867,8 @@ def _elastic_vouch(adapter: TorchJoinable, ddp: bool | None,
     the Join's keyword of that name (``Join(..., store_outlives_ranks=True)``),
     which the raw group's TorchGroup then uses instead of its guess.
     """
-    torch_dist = sys.modules.get("joinkit.backends.torch_dist")
-    if torch_dist is None:
-        from joinkit.backends import torch_dist
+    from joinkit.backends import torch_dist
+
     try:
         key = id(adapter.join_process_group)
     except Exception:  # noqa: BLE001 - no live group: nothing to vouch for

@@ -34,7 +34,7 @@ import elastic_ddp_runner as runner  # noqa: E402
 DEADLINE = 40.0  # per cell, enforced by the runner (it kills what is left)
 KILL_CELLS = [
     "3:1/body/3", "3:0/beat/2", "3:0/drain/1",
-    "4:3/body/2", "4:2/beat/4", "4:1/drain/2",
+    "4:3/body/2", "4:2/beat/4", "4:1/drain/1",
     "3:1/beat/3~count",  # the divisor: the ranks that contributed
 ]
 CELLS = ["3:", "3:~raise", "3:~count", *KILL_CELLS, "3:refusals"]
