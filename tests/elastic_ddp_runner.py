@@ -20,7 +20,8 @@ join hook, shadow round ``at``); ``OPTION`` ``raise`` (the default
 ``DIR/cell{C}-rank{R}.json`` (its initial and final parameters, the report's
 lost ranks, the group's size) and the parent, which gives each cell
 ``--deadline`` s and kills what is left, appends the exit statuses to
-``DIR/cells.jsonl``. The reference is :func:`reference`.
+``DIR/cells.jsonl``; a killed rank writes the time of its death to
+``DIR/cell{C}-rank{R}.died``. The reference is :func:`reference`.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def reference(init: list[float], world: int, consumed: dict[int, int],
     return p
 
 
-def _die() -> None:
+def _die(path: Path) -> None:
+    path.with_suffix(".died").write_text(json.dumps({"died": time.time()}))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -121,7 +123,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
         def check(self: Any, is_joined_rank: bool) -> bool | None:
             if is_joined_rank:
                 if rounds[0] == mine["drain"]:
-                    _die()
+                    _die(path)
                 rounds[0] += 1
             return original(self, is_joined_rank)
 
@@ -129,21 +131,23 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     mode = "raise" if option == "raise" else "finish"
     kwargs = {"divide_by_initial_world_size": False} if option == "count" else {}
     started = time.time()
+    times: list[float] = []  # when each of this rank's iterations completed
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # The store lives in the parent: any rank may die.
         with Join([model], on_rank_loss=mode, store_outlives_ranks=True, **kwargs) as join:
             for index in range(INPUTS + rank):
                 if mine.get("body") == index:
-                    _die()
+                    _die(path)
                 x, y = sample(rank, index)
                 pred = model(torch.tensor(x, dtype=torch.float32).reshape(1, DIM))
                 if mine.get("beat") == index:
-                    _die()
+                    _die(path)
                 loss = ((pred - y) ** 2).sum()
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
+                times.append(time.time())
     final = torch.cat([model.module.weight.detach().reshape(-1),
                        model.module.bias.detach()]).tolist()
     # The model goes on over the survivors after the Join: one more all-reduce.
@@ -154,7 +158,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
             for x in join.report.lost_ranks]
     path.write_text(json.dumps({
         "rank": rank, "init": init, "final": final, "lost": lost, "size_after": after,
-        "probe": float(probe.item()), "started": started, "ended": time.time(),
+        "probe": float(probe.item()), "started": started, "times": times, "ended": time.time(),
         "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],
     }))
 
