@@ -66,7 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ElasticDDP", "refusal"]
+__all__ = ["ElasticDDP", "has_hook", "refusal"]
 
 
 def refusal(ddp: Any, replays: bool) -> str | None:
@@ -112,6 +112,12 @@ def refusal(ddp: Any, replays: bool) -> str | None:
                 f"({', '.join(sorted(map(str, dtypes)))}): one unit per backward needs one "
                 "dtype. Cast the model to one dtype, or use on_rank_loss='raise'")
     return None
+
+
+def has_hook(ddp: Any) -> bool:
+    """Whether ``ddp`` carries joinkit's comm hook (it had a finish-mode Join)."""
+    state = _states.get(id(ddp))
+    return state is not None and state.ddp() is ddp
 
 
 class _HookState:

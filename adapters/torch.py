@@ -305,6 +305,16 @@ class TorchJoinable(Joinable):
         if getattr(join, "_on_rank_loss", "raise") == "finish":
             self._enter_elastic_ddp(join)
             return
+        elastic_module = sys.modules.get(f"{__package__}._ddp_elastic")
+        if (elastic_module is not None and not self._divide_by_initial_world_size
+                and elastic_module.has_hook(self.obj)):
+            raise ValueError(
+                "Join(..., divide_by_initial_world_size=False) with a DistributedDataParallel "
+                "model that was in a Join with on_rank_loss='finish' before: that Join "
+                "registered joinkit's comm hook on it (DDP allows one, for good), and a comm "
+                "hook cannot divide by the number of active ranks. Use "
+                "on_rank_loss='finish' again (it divides by the ranks that contributed), "
+                "or divide_by_initial_world_size=True")
         counter: Callable[[], int | None] | None = None
         if hasattr(backend, "collectives_issued"):
             def counter() -> int | None:

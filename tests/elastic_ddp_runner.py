@@ -212,8 +212,27 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
     model = DDP(torch.nn.Linear(DIM, 1), broadcast_buffers=False)
     with Join([model], on_rank_loss="finish", store_outlives_ranks=True):
         model(torch.ones(1, DIM)).sum().backward()
+    # Forward-only iterations (a zero unit each) between trained ones, uneven.
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with Join([model], on_rank_loss="finish", store_outlives_ranks=True):
+        for index in range(2 + rank):
+            if index % 2 == 0:
+                with torch.no_grad():
+                    model(torch.ones(1, DIM))
+                continue
+            model(torch.full((1, DIM), float(index))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    # The model now carries joinkit's comm hook: a later Join that divides by the
+    # active ranks is refused (a hook cannot read them).
+    try:
+        with Join([model], divide_by_initial_world_size=False):
+            pass
+    except ValueError as exc:
+        found["count_after_hook"] = str(exc)
     (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "refusals": found, "after": "ok"}))
+        {"rank": rank, "refusals": found, "after": "ok", "params": params}))
 
 
 def _allreduce_future(bucket: Any) -> Any:

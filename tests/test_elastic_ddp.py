@@ -129,3 +129,8 @@ def test_refusals(results: dict[str, Any]) -> None:
         assert "already has a comm hook" in found["hook"], found
         assert "ZeroRedundancyOptimizer" in found["zero"], found
         assert data["after"] == "ok"  # the next Join's collectives matched
+        assert "a comm hook cannot divide" in found["count_after_hook"], found
+    # No-grad forwards among trained ones: every rank ends with the same model.
+    params = [np.array(data["params"]) for data in ranks.values()]
+    for other in params[1:]:
+        np.testing.assert_allclose(other, params[0], rtol=0, atol=TOLERANCE)
