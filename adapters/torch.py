@@ -94,6 +94,15 @@ torch's hook unchanged. On exit DDP's reducer also forgets the last
 heartbeat's ``Work``: left in place, a later backward outside the Join would
 divide by that stale count of active ranks.
 
+*A rank that dies* (``Join(..., on_rank_loss="finish")``). DDP alone: its
+``join_hook`` tells the torch backend that DDP's raw group may be rebuilt
+(``torch_dist.elastic_raw_groups``, with the Join's ``store_outlives_ranks``
+keyword), and on entry ``adapters._ddp_elastic`` routes every collective DDP
+sends through the Join's elastic TorchGroup (one gradient unit per backward
+through a comm hook, no sync-check collective, the post hook as a unit) or
+refuses what it cannot route; the fused check and the backward watch are off.
+Any other torch joinable (ZeroRedundancyOptimizer) in such a Join is refused.
+
 *torch's internals.* Most of the above uses members torch does not promise to
 keep (DDP's join-hook methods, reducer methods, ``_JoinConfig``...). Each is
 listed in ``adapters._torch_private``, and :func:`adapt` checks them once per
