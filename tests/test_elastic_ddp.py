@@ -36,6 +36,7 @@ KILL_CELLS = [
     "3:1/body/3", "3:0/beat/2", "3:0/drain/1",
     "4:3/body/2", "4:2/beat/4", "4:1/drain/1",
     "3:1/beat/3~count",  # the divisor: the ranks that contributed
+    "4:1/body/2+2/beat/4",  # two deaths, at different iterations
 ]
 CELLS = ["3:", "3:~raise", "3:~count", *KILL_CELLS, "3:refusals"]
 TOLERANCE = 1e-6
@@ -86,17 +87,19 @@ def test_kill(results: dict[str, Any], spec: str) -> None:
     ranks, stderr = _survivors(results, spec)
     world, kills, option = runner.parse(spec)
     used = consumed(world, kills)
-    ((dead, _, _),) = kills
+    dead = {r for r, _, _ in kills}
     survivors = sorted(ranks)
     init = ranks[survivors[0]]["init"]
     want = runner.reference(init, world, used, divide_by_initial_world_size=option != "count")
     for rank, data in ranks.items():
-        assert data["lost"] == [{"rank": dead, "iterations": used[dead],
-                                 "survivors": survivors}], (spec, rank)
+        assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
+            r: used[r] for r in dead}, (spec, rank, data["lost"])
+        assert data["lost"][-1]["survivors"] == survivors, (spec, rank, data["lost"])
         np.testing.assert_allclose(data["final"], want, rtol=0, atol=TOLERANCE,
                                    err_msg=f"{spec} rank {rank}")
         # The model follows the rebuilt group after the Join.
-        assert data["size_after"] == world - 1 and data["probe"] == world - 1, (spec, data)
+        left = world - len(dead)
+        assert data["size_after"] == left and data["probe"] == left, (spec, data)
         assert any("was lost after" in w for w in data["warnings"]), data["warnings"]
 
 
