@@ -21,7 +21,9 @@ join hook, shadow round ``at``); ``OPTION`` ``raise`` (the default
 lost ranks, the group's size) and the parent, which gives each cell
 ``--deadline`` s and kills what is left, appends the exit statuses to
 ``DIR/cells.jsonl``; a killed rank writes the time of its death to
-``DIR/cell{C}-rank{R}.died``. The reference is :func:`reference`.
+``DIR/cell{C}-rank{R}.died``. The reference is :func:`reference`. With
+``--mpirun`` each cell runs under ``mpirun --with-ft ulfm`` instead (a
+launcher that keeps the survivors), the store still hosted by this process.
 """
 
 from __future__ import annotations
@@ -294,12 +296,63 @@ def run_cells(args: argparse.Namespace) -> None:
             f.write(json.dumps(record) + "\n")
 
 
+def run_under_mpirun(args: argparse.Namespace) -> None:
+    """Host the store; run each cell under ``mpirun --with-ft ulfm`` (gloo ranks).
+
+    Open MPI's ULFM mode keeps the survivors of a dead process; the ranks never
+    initialise MPI: they take their rank from mpirun's environment and build a
+    gloo group over this process's TCPStore (as ``elastic_torch_runner.py`` does).
+    """
+    import subprocess
+
+    import torch.distributed as dist
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60),
+                           wait_for_workers=False)
+    mpirun = Path(sys.executable).with_name("mpirun")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "JOINKIT_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1")
+    for cell, spec in enumerate(args.cells):
+        world, _, _ = parse(spec)
+        started = time.monotonic()
+        command = [str(mpirun) if mpirun.exists() else "mpirun", "--with-ft", "ulfm",
+                   "-n", str(world), "--oversubscribe", sys.executable, __file__,
+                   "--out", str(out), "--as-rank", str(server.port), "--cell", str(cell), spec]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=args.deadline)
+            code: Any = done.returncode
+            errors = done.stderr[-3000:]
+        except subprocess.TimeoutExpired:
+            code, errors = "killed after deadline", ""
+        record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
+                  "mpirun": code, "stderr": errors}
+        with (out / "cells.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--deadline", type=float, default=40.0)
+    parser.add_argument("--mpirun", action="store_true",
+                        help="run each cell under mpirun --with-ft ulfm")
+    parser.add_argument("--as-rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--cell", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("cells", nargs="+")
-    run_cells(parser.parse_args())
+    args = parser.parse_args()
+    if args.as_rank:  # one rank under mpirun: the port of the parent's store
+        world, kills, option = parse(args.cells[0])
+        run_rank(int(os.environ["OMPI_COMM_WORLD_RANK"]), world, kills, option,
+                 args.as_rank, args.cell, Path(args.out))
+    elif args.mpirun:
+        run_under_mpirun(args)
+    else:
+        run_cells(args)
 
 
 if __name__ == "__main__":

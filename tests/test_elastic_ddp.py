@@ -84,7 +84,12 @@ def _survivors(results: dict[str, Any], spec: str) -> tuple[dict[int, Any], str]
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("spec", KILL_CELLS)
 def test_kill(results: dict[str, Any], spec: str) -> None:
-    ranks, stderr = _survivors(results, spec)
+    ranks, _ = _survivors(results, spec)
+    check_kill(spec, ranks)
+
+
+def check_kill(spec: str, ranks: dict[int, Any]) -> None:
+    """Every survivor: the report, the parameters against the reference, the group after."""
     world, kills, option = runner.parse(spec)
     used = consumed(world, kills)
     dead = {r for r, _, _ in kills}
@@ -137,3 +142,29 @@ def test_refusals(results: dict[str, Any]) -> None:
     params = [np.array(data["params"]) for data in ranks.values()]
     for other in params[1:]:
         np.testing.assert_allclose(other, params[0], rtol=0, atol=TOLERANCE)
+
+
+#: Under ``mpirun --with-ft ulfm`` (a launcher that keeps the survivors): gloo
+#: ranks that never initialise MPI, the store hosted by the runner.
+MPIRUN_CELLS = ["3:1/beat/3", "4:1/drain/1"]
+
+
+@pytest.mark.timeout(600)
+def test_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(Path(runner.__file__)), "--mpirun", "--out", str(tmp_path),
+         "--deadline", str(DEADLINE), *MPIRUN_CELLS],
+        capture_output=True, text=True, timeout=(DEADLINE + 30) * len(MPIRUN_CELLS) + 60,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert [r["spec"] for r in records] == MPIRUN_CELLS
+    for record in records:
+        assert record["mpirun"] != "killed after deadline", record
+        world, kills, _ = runner.parse(record["spec"])
+        killed = {r for r, _, _ in kills}
+        ranks = {}
+        for path in tmp_path.glob(f"cell{record['cell']}-rank*.json"):
+            ranks[int(path.stem.rpartition("rank")[2])] = json.loads(path.read_text())
+        assert set(ranks) == set(range(world)) - killed, record
+        check_kill(record["spec"], ranks)
