@@ -13,8 +13,8 @@ iteration (forward, squared-error loss, backward, step).
 A ``CELL`` is ``W:KILLS[~OPTION]``: ``KILLS`` a ``+``-joined list of
 ``rank/point/at`` with ``point`` one of ``body`` (in the loop body before
 input ``at``'s forward), ``beat`` (after input ``at``'s forward, whose
-heartbeat went out, before its backward's all-reduce) or ``drain`` (in DDP's
-join hook, shadow round ``at``); ``OPTION`` ``raise`` (the default
+heartbeat went out, before its backward's all-reduce), ``drain`` (in DDP's
+join hook, shadow round ``at``) or ``post`` (in DDP's post hook); ``OPTION`` ``raise`` (the default
 ``on_rank_loss``), ``count`` (``divide_by_initial_world_size=False``).
 ``W:refusals`` runs the refused configurations instead. Each rank writes
 ``DIR/cell{C}-rank{R}.json`` (its initial and final parameters, the report's
@@ -44,7 +44,7 @@ import numpy as np
 INPUTS = 6
 DIM = 4
 LR = 0.05
-POINTS = ("body", "beat", "drain")
+POINTS = ("body", "beat", "drain", "post")
 
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
@@ -130,6 +130,13 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
             return original(self, is_joined_rank)
 
         _ddp_elastic.ElasticDDP.check = check  # type: ignore[method-assign]
+    if "post" in mine:
+        from joinkit.adapters import _ddp_elastic
+
+        def sync_final_model(self: Any, is_last_joiner: bool) -> None:
+            _die(path)
+
+        _ddp_elastic.ElasticDDP.sync_final_model = sync_final_model  # type: ignore[method-assign]
     mode = "raise" if option == "raise" else "finish"
     kwargs = {"divide_by_initial_world_size": False} if option == "count" else {}
     started = time.time()

@@ -38,7 +38,10 @@ KILL_CELLS = [
     "3:1/beat/3~count",  # the divisor: the ranks that contributed
     "4:1/body/2+2/beat/4",  # two deaths, at different iterations
 ]
-CELLS = ["3:", "3:~raise", "3:~count", *KILL_CELLS, "3:refusals"]
+#: The last joiner dies in the post hook: the survivors, all joined earlier, take
+#: the model of rank 0 of the rebuilt group (a documented limit).
+POST_CELL = "3:2/post/0"
+CELLS = ["3:", "3:~raise", "3:~count", *KILL_CELLS, POST_CELL, "3:refusals"]
 TOLERANCE = 1e-6
 
 
@@ -168,3 +171,16 @@ def test_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
             ranks[int(path.stem.rpartition("rank")[2])] = json.loads(path.read_text())
         assert set(ranks) == set(range(world)) - killed, record
         check_kill(record["spec"], ranks)
+
+
+@pytest.mark.timeout(600)
+def test_last_joiner_dies_in_post_hook(results: dict[str, Any]) -> None:
+    ranks, _ = _survivors(results, POST_CELL)
+    init = ranks[0]["init"]
+    # Rank 0's model: it joined after its INPUTS inputs, while every rank was active.
+    want = runner.reference(init, 3, {r: runner.INPUTS for r in range(3)})
+    for data in ranks.values():
+        assert data["lost"] == [{"rank": 2, "iterations": runner.INPUTS + 2,
+                                 "survivors": [0, 1]}], data["lost"]
+        np.testing.assert_allclose(data["final"], want, rtol=0, atol=TOLERANCE)
+        assert data["size_after"] == 2 and data["probe"] == 2
