@@ -156,6 +156,26 @@ DDP_MEMBERS = (
        ("self", "work", "divide_by_initial_world_size"), called_by=(_DDP_FORWARD,)),
     _m(_C10D, "_create_work_from_future", _CALL,
        "a Work for the reducer from a future", ("future",)),
+    # on_rank_loss="finish" (adapters._ddp_elastic).
+    _m(_DDP, "DistributedDataParallel._update_process_group", _CALL,
+       "finish mode: the model follows the group rebuilt over the survivors",
+       ("self", "new_process_group")),
+    _m(_DDP, "DistributedDataParallel.register_comm_hook", _CALL,
+       "finish mode: each backward's buckets go out as one unit", ("self", "state", "hook")),
+    _m(_DDP, "DistributedDataParallel._comm_hooks", _ATTR,
+       "finish mode: a model with a comm hook of its own is refused"),
+    _m(_DDP, "DistributedDataParallel._has_rebuilt_buckets", _ATTR,
+       "finish mode: whether the bucket rebuild is still due"),
+    _m(_DDP, "DistributedDataParallel.forward_sync_buffers", _ATTR,
+       "finish mode: buffers broadcast in forward are refused"),
+    _m(_DDP, "DistributedDataParallel.modules_buffers", _ATTR,
+       "finish mode: buffers broadcast in forward are refused"),
+    _m(_C10D, "Reducer._rebuild_buckets", _CALL,
+       "finish mode: the bucket rebuild (a broadcast on DDP's group) is put off "
+       "while the Join lasts", ("self",),
+       called_by=(_DDP_HOOK, _DDP_FORWARD)),
+    _m(_C10D, "Reducer._reset_state", _CALL,
+       "finish mode: the parameters pushed for a put-off rebuild are forgotten", ("self",)),
 )
 
 #: Members the ZeroRedundancyOptimizer adapter relies on (``adapters.torch``).

@@ -94,6 +94,15 @@ torch's hook unchanged. On exit DDP's reducer also forgets the last
 heartbeat's ``Work``: left in place, a later backward outside the Join would
 divide by that stale count of active ranks.
 
+*A rank that dies* (``Join(..., on_rank_loss="finish")``). DDP alone: its
+``join_hook`` tells the torch backend that DDP's raw group may be rebuilt
+(``torch_dist.elastic_raw_groups``, with the Join's ``store_outlives_ranks``
+keyword), and on entry ``adapters._ddp_elastic`` routes every collective DDP
+sends through the Join's elastic TorchGroup (one gradient unit per backward
+through a comm hook, no sync-check collective, the post hook as a unit) or
+refuses what it cannot route; the fused check and the backward watch are off.
+Any other torch joinable (ZeroRedundancyOptimizer) in such a Join is refused.
+
 *torch's internals.* Most of the above uses members torch does not promise to
 keep (DDP's join-hook methods, reducer methods, ``_JoinConfig``...). Each is
 listed in ``adapters._torch_private``, and :func:`adapt` checks them once per
@@ -245,6 +254,8 @@ class TorchJoinable(Joinable):
         # the Join whose heartbeat Work DDP's reducer reads (module doc).
         self._heartbeat_work: Any = None
         self._replays = False  # DDP shadowed by replay (adapters._ddp_replay)
+        # DDP in a Join with on_rank_loss="finish" (adapters._ddp_elastic).
+        self._elastic_ddp: Any = None
         self._divide_by_initial_world_size = True  # DDP's join_hook default
 
     def __repr__(self) -> str:
@@ -293,11 +304,28 @@ class TorchJoinable(Joinable):
                 self._sync_check = None
             if self._is_ddp:
                 _forget_join(self)
+            if self._elastic_ddp is not None:
+                elastic, self._elastic_ddp = self._elastic_ddp, None
+                elastic.close()
+            _elastic_vouch(self, None)
 
     def _enter_ddp(self, config: Any) -> None:
         """Install DDP's gradient-sync check for this Join (module doc)."""
         join = config.join
         backend = join.backend
+        if getattr(join, "_on_rank_loss", "raise") == "finish":
+            self._enter_elastic_ddp(join)
+            return
+        elastic_module = sys.modules.get(f"{__package__}._ddp_elastic")
+        if (elastic_module is not None and not self._divide_by_initial_world_size
+                and elastic_module.has_hook(self.obj)):
+            raise ValueError(
+                "Join(..., divide_by_initial_world_size=False) with a DistributedDataParallel "
+                "model that was in a Join with on_rank_loss='finish' before: that Join "
+                "registered joinkit's comm hook on it (DDP allows one, for good), and a comm "
+                "hook cannot divide by the number of active ranks. Use "
+                "on_rank_loss='finish' again (it divides by the ranks that contributed), "
+                "or divide_by_initial_world_size=True")
         counter: Callable[[], int | None] | None = None
         if hasattr(backend, "collectives_issued"):
             def counter() -> int | None:
@@ -328,6 +356,33 @@ class TorchJoinable(Joinable):
                     )
                 self._heartbeat_work = join
 
+    def _enter_elastic_ddp(self, join: Any) -> None:
+        """DDP in a finish-mode Join: route its collectives through the group's units.
+
+        Raises:
+            ValueError: what cannot be routed (``adapters._ddp_elastic.refusal``),
+                or another kind of torch joinable in the same Join.
+        """
+        from . import _ddp_elastic
+
+        ddp = self.obj
+        message = _ddp_elastic.refusal(ddp, self._replays)
+        if message is None:
+            others = [j for j in getattr(join, "_joinables", ())
+                      if isinstance(j, TorchJoinable) and not j._is_ddp]
+            if others:
+                message = (
+                    "Join(on_rank_loss='finish') with DistributedDataParallel and "
+                    f"{type(others[0].obj).__qualname__}: only DDP follows a rebuilt group "
+                    "in this version. Use on_rank_loss='raise'")
+        if message is not None:
+            raise ValueError(message)
+        self._watch = None
+        self._heartbeat_work = None
+        self._elastic_ddp = _ddp_elastic.ElasticDDP(
+            ddp, join.backend, self._divide_by_initial_world_size,
+            lambda: self._in_hook)
+
     # -- Joinable ------------------------------------------------------------------
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -347,6 +402,7 @@ class TorchJoinable(Joinable):
                 f"{type(self.obj).__qualname__}.join_hook() returned "
                 f"{type(hook).__qualname__}, not a JoinHook"
             )
+        _elastic_vouch(self, self._is_ddp, kwargs.get("store_outlives_ranks"))
         if self._is_ddp:
             # A model with collectives in forward is shadowed by replaying it.
             from ._ddp_replay import replay_shadow
@@ -396,7 +452,12 @@ class TorchJoinable(Joinable):
         if self._replays and not torch.is_grad_enabled():
             raise _replay_eval_error()  # before anything goes out
         fused = self._fused
-        if fused is not None:
+        if self._elastic_ddp is not None:
+            self._elastic_ddp.settle()
+            handle = Join.notify_join_context(self)
+            if not isinstance(handle, dist.Work):
+                handle = None
+        elif fused is not None:
             handle = fused.notify(self)
         else:
             if self._watch is not None:
@@ -424,6 +485,8 @@ class TorchJoinable(Joinable):
         """
         if self._watch is not None and _routes.get(self.key) is self:
             self._watch.settle()
+        if self._elastic_ddp is not None and _routes.get(self.key) is self:
+            self._elastic_ddp.settle()
 
 
 # -- hooks ------------------------------------------------------------------------
@@ -492,6 +555,18 @@ _averaged: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
 
 class _DDPShadow(_Shadow):
     """DDP's hook; with a ZeRO in the Join, its shadow all-reduce keeps the average."""
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        elastic = self.adapter._elastic_ddp
+        if elastic is None:
+            super().post_hook(is_last_joiner)
+            return
+        # on_rank_loss="finish": torch's final-model sync as one unit of the group.
+        self.adapter._in_hook = True
+        try:
+            elastic.sync_final_model(is_last_joiner)
+        finally:
+            self.adapter._in_hook = False
 
     def fused_shadow(self, heartbeat: float) -> float:
         """The joined rank's half of ``[heartbeat, requires sync]`` (module doc).
@@ -832,6 +907,30 @@ def _steps_shards_with(adapter: TorchJoinable) -> bool:
     return any(
         other._is_zero and other._config.join is join for other in list(_routes.values())
     )
+
+
+def _elastic_vouch(adapter: TorchJoinable, ddp: bool | None,
+                   store_outlives_ranks: bool | None = None) -> None:
+    """Tell the torch backend whether this joinable's raw group may be rebuilt.
+
+    ``ddp`` True (a DDP's join_hook): its group may recover with
+    ``on_rank_loss="finish"`` (``adapters._ddp_elastic`` routes DDP's
+    collectives); False (any other torch joinable, e.g. ZeroRedundancyOptimizer):
+    it may not; ``None`` (the Join is over): forget it. ``store_outlives_ranks``:
+    the Join's keyword of that name (``Join(..., store_outlives_ranks=True)``),
+    which the raw group's TorchGroup then uses instead of its guess.
+    """
+    from joinkit.backends import torch_dist
+
+    try:
+        key = id(adapter.join_process_group)
+    except Exception:  # noqa: BLE001 - no live group: nothing to vouch for
+        return
+    groups: dict[int, bool | None] = torch_dist.elastic_raw_groups
+    if ddp:
+        groups[key] = None if store_outlives_ranks is None else bool(store_outlives_ranks)
+    else:
+        groups.pop(key, None)
 
 
 def _forget_join(adapter: TorchJoinable) -> None:

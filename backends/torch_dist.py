@@ -417,14 +417,14 @@ class TorchGroup:
                 "only) does not hand the survivors the last completed collective. "
                 "What works: a gloo group (backend='gloo', tensors on the CPU), or "
                 "on_rank_loss='raise'. docs/elastic-torch.md says what it would take")
-        if self._for_raw_group:
+        if self._for_raw_group and id(self.process_group) not in elastic_raw_groups:
             raise _elastic.ElasticUnavailable(
                 "Join(on_rank_loss='finish') works with joinables whose "
                 "join_process_group is a joinkit TorchGroup (your own joinable, such "
                 "as a Counter): the group is rebuilt in place. This Join's group is a "
                 "raw ProcessGroup, as DistributedDataParallel, ZeroRedundancyOptimizer "
-                "and FSDP2 return, and those keep their own reference to it. Not in "
-                "this version: DDP on the rebuilt group; refused for good: FSDP2 (a "
+                "and FSDP2 return, and those keep their own reference to it. DDP alone "
+                "works (adapters.torch follows the rebuilt group); refused for good: FSDP2 (a "
                 "dead rank's parameter shard is lost) and ZeroRedundancyOptimizer with "
                 "a stateful optimizer (its shard of the optimizer state is lost). Use "
                 "on_rank_loss='raise' and restart from a checkpoint")
@@ -435,6 +435,8 @@ class TorchGroup:
                 f"Join(on_rank_loss='finish') needs the default group's store: {exc}"
             ) from exc
         outlives = self._store_outlives_ranks
+        if outlives is None and self._for_raw_group:
+            outlives = elastic_raw_groups.get(id(self.process_group))
         if outlives is None:
             outlives = _elastic.store_outlives_ranks_guess(store)
         host = None if outlives else 0
@@ -1199,6 +1201,14 @@ def _live_group(process_group: Any) -> Any:
             "this rank is not a member of the joinable's process group"
         )
     return group
+
+
+#: Raw process groups (by id) whose joinables in the Join being built can go on
+#: over a rebuilt group: a DistributedDataParallel, which ``adapters.torch``
+#: registers in its ``join_hook`` (ZeroRedundancyOptimizer's unregisters it);
+#: ``start_rank_loss_recovery`` then lets the raw group's TorchGroup recover.
+#: The value: the ``store_outlives_ranks`` the Join was given (``None``: guess).
+elastic_raw_groups: dict[int, bool | None] = {}
 
 
 def _backend_for_process_group(group: Any, device: Any) -> TorchGroup:

@@ -244,7 +244,10 @@ def run_refusals(rank: int, world: int, host: str, port: int, cell: int, out: Pa
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     found: dict[str, Any] = {}
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+    # A raw ProcessGroup (ZeroRedundancyOptimizer's; DDP alone works: test_elastic_ddp.py).
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = ZeroRedundancyOptimizer(torch.nn.Linear(2, 1).parameters(), torch.optim.SGD, lr=0.1)
     try:
         with Join([model], on_rank_loss="finish"):
             pass

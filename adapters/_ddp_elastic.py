@@ -1,0 +1,332 @@
+"""DistributedDataParallel in a Join with ``on_rank_loss="finish"`` (gloo, CPU).
+
+Theory of operation
+-------------------
+The elastic TorchGroup (``backends._torch_elastic``) survives a dead rank
+only for collectives that go through its methods: each is a *unit* that
+detects the death, rebuilds the group over the survivors, agrees on the last
+completed unit, hands it over and re-runs what nobody completed. DDP issues
+its collectives on its own ``process_group``; while a finish-mode Join lasts,
+:class:`ElasticDDP` routes every one of them through the Join's TorchGroup,
+or refuses on entry what it cannot route:
+
+- *Gradients.* A DDP comm hook (registered once per model, on the first
+  finish-mode Join: DDP allows one hook, forever) collects the reducer's
+  buckets and, on ``bucket.is_last()``, all-reduces their concatenation plus
+  one element (1 from an active rank, 0 from a joined rank's shadow) as ONE
+  unit, then completes every bucket's future. So an iteration's gradient is
+  all-or-nothing for a rank that dies in it, and a joined rank's shadow
+  (DDP's ``_match_all_reduce_for_bwd_pass`` runs the same hook on zero
+  buckets) issues the same unit. The divisor: the world size at the Join's
+  entry (``divide_by_initial_world_size=True``) or the extra element, the
+  ranks that contributed (``False``). Outside finish-mode Joins the hook is
+  torch's ``allreduce_hook`` (divide by the group's size, all-reduce on
+  ``ddp.process_group``), which is what DDP does without a hook.
+- *One unit per iteration after the heartbeat.* DDP's gradient-sync check
+  (``_check_global_requires_backward_grad_sync``, an all-reduce per forward
+  telling joined ranks whether a gradient all-reduce follows) is replaced for
+  the Join by one that sends nothing: a joined rank always shadows exactly one
+  gradient unit, and an active rank whose forward will not all-reduce
+  gradients (``torch.no_grad()``, ``no_sync()``) sends a zero unit (counted
+  as no contribution) from its forward. So every iteration is a heartbeat and
+  one gradient unit, and the elastic group's count of a dead rank's
+  iterations holds: a rank that died after its heartbeat and before its
+  gradient unit completed did not consume that input. A forward with
+  gradients and no backward is found before this rank's next heartbeat: the
+  zero unit is sent (the joined ranks are in it) and a ``LocalProtocolError``
+  says what to do.
+- *The bucket rebuild* (a broadcast on DDP's group, once, after the first
+  backward) is put off while the Join lasts: ``ddp.reducer`` is a proxy
+  whose ``_rebuild_buckets`` answers "not now"; on exit the real reducer is
+  back and reset, so the rebuild happens at the next iteration outside.
+- *The post hook* (torch syncs the final model from the last joiner with a
+  raw all-reduce and broadcasts) is one unit: an all-reduce of every last
+  joiner's parameters and buffers and a 1, divided by the count.
+- *After a loss* DDP's ``process_group`` is the dead one; on exit the model
+  is moved onto the rebuilt group with ``DistributedDataParallel._update_process_group``
+  (which also resets the reducer), so the next iteration and the next Join
+  run on the survivors.
+- *Refused on entry* (a ``ValueError`` on every rank, before any collective):
+  a DDP that already has a comm hook; buffers synchronised in forward
+  (``broadcast_buffers=True`` and a model with buffers: pass
+  ``broadcast_buffers=False``); ``find_unused_parameters=True`` and
+  ``static_graph=True`` (their extra all-reduces and delayed reductions run
+  on DDP's group); a model shadowed by replay (SyncBatchNorm); a CUDA model;
+  parameters of more than one dtype.
+
+Standard library, torch and joinkit; imported by ``adapters.torch`` only in
+finish mode. No ``from __future__ import annotations`` here: DDP checks the
+comm hook's annotations as objects.
+"""
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ElasticDDP", "has_hook", "refusal"]
+
+
+def refusal(ddp: Any, replays: bool) -> str | None:
+    """Why ``ddp`` cannot be in a finish-mode Join, or ``None`` when it can.
+
+    Args:
+        ddp: the DistributedDataParallel model.
+        replays: whether its joined ranks are shadowed by replay.
+
+    Returns:
+        The message (what is wrong and how to fix it), or ``None``.
+    """
+    head = "Join(on_rank_loss='finish') with DistributedDataParallel: "
+    state = _states.get(id(ddp))
+    if (state is None or state.ddp() is not ddp) and getattr(ddp, "_comm_hooks", None):
+        return (head + "the model already has a comm hook (register_comm_hook); joinkit "
+                "needs its own to send each backward's buckets as one unit that survives "
+                "a dead rank. Build the model without a comm hook, or use "
+                "on_rank_loss='raise'")
+    if ddp.forward_sync_buffers and len(getattr(ddp, "modules_buffers", [])) > 0:
+        return (head + "the model has buffers and broadcast_buffers=True: DDP broadcasts "
+                "them on its own group in each forward, which cannot survive a dead rank. "
+                "Pass DistributedDataParallel(..., broadcast_buffers=False) (each rank "
+                "keeps its own buffers), or use on_rank_loss='raise'")
+    if ddp.find_unused_parameters:
+        return (head + "find_unused_parameters=True sends an extra all-reduce on DDP's "
+                "group in each backward, which cannot survive a dead rank: build the model "
+                "with find_unused_parameters=False, or use on_rank_loss='raise'")
+    if getattr(ddp, "static_graph", False):
+        return (head + "static_graph=True is not in this version (its delayed reductions "
+                "run on DDP's group): build the model with static_graph=False, or use "
+                "on_rank_loss='raise'")
+    if replays:
+        return (head + "the model has modules with collectives in forward (SyncBatchNorm) "
+                "or Join(..., replay=True): joined ranks would replay them on DDP's group. "
+                "Not in this version: use on_rank_loss='raise'")
+    if ddp.device_type != "cpu":
+        return (head + "the model is on a CUDA device; finish mode is gloo on the CPU only "
+                "(docs/elastic-torch.md). Use on_rank_loss='raise'")
+    dtypes = {p.dtype for p in ddp.parameters() if p.requires_grad}
+    if len(dtypes) > 1:
+        return (head + f"the parameters have {len(dtypes)} dtypes "
+                f"({', '.join(sorted(map(str, dtypes)))}): one unit per backward needs one "
+                "dtype. Cast the model to one dtype, or use on_rank_loss='raise'")
+    return None
+
+
+def has_hook(ddp: Any) -> bool:
+    """Whether ``ddp`` carries joinkit's comm hook (it had a finish-mode Join)."""
+    state = _states.get(id(ddp))
+    return state is not None and state.ddp() is ddp
+
+
+class _HookState:
+    """The comm hook's state: plain mode, or a finish-mode Join's routing."""
+
+    def __init__(self, ddp: Any) -> None:
+        self.ddp: Callable[[], Any] = weakref.ref(ddp)
+        self.elastic: ElasticDDP | None = None
+        self.pending: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
+
+
+# id(ddp) -> its hook's state (a model gets the hook once: DDP allows one).
+_states: dict[int, _HookState] = {}
+
+
+def _plain_hook(state: _HookState,
+                bucket: dist.GradBucket,  # type: ignore[name-defined]
+                ) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``allreduce_hook`` on DDP's group (what DDP does without a hook)."""
+    ddp = state.ddp()
+    group = ddp.process_group
+    tensor = bucket.buffer()
+    tensor.div_(group.size())
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+    work = group.allreduce([tensor], opts)
+    future: torch.futures.Future[torch.Tensor] = work.get_future().then(
+        lambda fut: fut.value()[0])
+    return future
+
+
+def _hook(state: _HookState,
+          bucket: dist.GradBucket,  # type: ignore[name-defined]
+          ) -> torch.futures.Future[torch.Tensor]:
+    """The comm hook: plain outside finish-mode Joins, else one unit per backward."""
+    elastic = state.elastic
+    if elastic is None:
+        return _plain_hook(state, bucket)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    state.pending.append((bucket.buffer(), future))
+    if bucket.is_last():
+        pending, state.pending = state.pending, []
+        elastic.reduce(pending)
+    return future
+
+
+class ElasticDDP:
+    """One DDP model inside one finish-mode Join (module doc).
+
+    Args:
+        ddp: the model (already checked by :func:`refusal`).
+        group: the Join's TorchGroup (elastic).
+        divide_by_initial_world_size: the Join's argument.
+        in_hook: whether the adapter is running a shadow round now.
+    """
+
+    def __init__(self, ddp: Any, group: Any, divide_by_initial_world_size: bool,
+                 in_hook: Callable[[], bool]) -> None:
+        self.ddp = ddp
+        self.group = group
+        self.world = group.world_size  # at the Join's entry
+        self.backend = group.process_group
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+        self.in_hook = in_hook
+        self.expecting = False  # a forward announced a backward that has not come yet
+        state = _states.get(id(ddp))
+        if state is None or state.ddp() is not ddp:
+            state = _HookState(ddp)
+            ddp.register_comm_hook(state, _hook)
+            _states[id(ddp)] = state
+            weakref.finalize(ddp, _states.pop, id(ddp), None)
+        state.pending = []
+        state.elastic = self
+        self.state = state
+        self.reducer = ddp.reducer
+        self.deferred = not ddp._has_rebuilt_buckets
+        ddp.reducer = _Reducer(self.reducer)
+        ddp._check_global_requires_backward_grad_sync = self.check
+
+    def close(self) -> None:
+        """The Join is over: give DDP back its reducer and check; follow a rebuilt group."""
+        ddp = self.ddp
+        self.state.elastic = None
+        self.state.pending = []
+        if isinstance(ddp.__dict__.get("reducer"), _Reducer):
+            ddp.reducer = self.reducer
+        if ddp.__dict__.get("_check_global_requires_backward_grad_sync") == self.check:
+            del ddp.__dict__["_check_global_requires_backward_grad_sync"]
+        backend = self.group.process_group
+        if backend is not self.backend:
+            # DDP's reducer takes a c10d ProcessGroup: the rebuilt gloo backend, wrapped.
+            pg = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
+            gloo = dist.ProcessGroup.BackendType.GLOO
+            pg._set_default_backend(gloo)
+            pg._register_backend(torch.device("cpu"), gloo, backend)
+            ddp._update_process_group(pg)  # also resets the reducer
+        elif self.deferred:
+            self.reducer._reset_state()  # forget the parameters pushed meanwhile
+
+    # -- the gradient unit -----------------------------------------------------------
+
+    def reduce(self, pending: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]],
+               ) -> None:
+        """All-reduce every bucket of this backward as one unit; complete their futures."""
+        contributes = not self.in_hook()
+        if contributes:
+            self.expecting = False
+        flat = self._unit([b for b, _ in pending], contributes)
+        start = 0
+        for buffer, future in pending:
+            n = buffer.numel()
+            future.set_result(flat[start:start + n].view_as(buffer).to(buffer.dtype))
+            start += n
+
+    def _unit(self, buffers: list[torch.Tensor], contributes: bool) -> torch.Tensor:
+        """The gradient unit: SUM of the buckets and a count, divided (module doc)."""
+        dtype = buffers[0].dtype
+        flat = torch.cat([b.reshape(-1).to(dtype) for b in buffers]
+                         + [torch.full((1,), 1.0 if contributes else 0.0, dtype=dtype)])
+        self.group.all_reduce(flat)
+        divisor = float(self.world) if self.divide_by_initial_world_size else (
+            max(float(flat[-1].item()), 1.0))
+        return flat[:-1].div_(divisor)
+
+    def _zero_unit(self) -> None:
+        """The unit a joined rank is in, sent by a rank that contributes nothing."""
+        buckets = self.reducer._get_zeros_like_grad_buckets()
+        self._unit([b.buffer() for b in buckets], False)
+
+    # -- the gradient-sync check -----------------------------------------------------
+
+    def check(self, is_joined_rank: bool) -> bool | None:
+        """DDP's ``_check_global_requires_backward_grad_sync``: sends no collective.
+
+        A joined rank always shadows one gradient unit (True); an active rank
+        whose forward announces no backward all-reduce sends the zero unit now.
+        """
+        if is_joined_rank:
+            return True
+        if self.ddp.require_backward_grad_sync and torch.is_grad_enabled():
+            self.expecting = True
+        else:
+            self._zero_unit()
+        return None
+
+    def settle(self) -> None:
+        """Before this rank's next heartbeat: refuse a forward that got no backward.
+
+        Raises:
+            LocalProtocolError: the last forward had gradients enabled and no
+                backward followed (the joined ranks' unit was matched first).
+        """
+        if not self.expecting:
+            return
+        self.expecting = False
+        self._zero_unit()
+        from joinkit import LocalProtocolError
+
+        raise LocalProtocolError(
+            "DistributedDataParallel ran a forward with gradients enabled and no backward "
+            "after it inside Join(on_rank_loss='finish'): joined ranks shadow one gradient "
+            "all-reduce per forward. Run forward-only iterations under `with "
+            "torch.no_grad():` and follow every other forward by a backward. (joinkit "
+            "matched the all-reduce the joined ranks were in.)")
+
+    # -- the post hook -----------------------------------------------------------------
+
+    def sync_final_model(self, is_last_joiner: bool) -> None:
+        """DDP's ``_sync_final_model`` as one unit: the last joiners' model, averaged.
+
+        Every rank that joined in the last round holds the same model (it was
+        active in the last iteration); a SUM of theirs with a count gives it.
+        If none of them survived, the survivors take the model of the lowest
+        rank of the rebuilt group (limit: docs/elastic-torch.md).
+        """
+        ddp = self.ddp
+        tensors = [p.data for p in ddp.module.parameters()] + [
+            b.data for b in ddp.module.buffers() if b.is_floating_point()]
+        if not tensors:
+            return
+        mine = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        weight = 1.0 if is_last_joiner else 0.0
+        flat = torch.cat([mine * weight, torch.full((1,), weight, dtype=torch.float64)])
+        self.group.all_reduce(flat)
+        count = float(flat[-1].item())
+        if count > 0:
+            values = flat[:-1] / count
+        else:
+            values = mine.clone()
+            self.group.broadcast(values, 0)
+        start = 0
+        with torch.no_grad():
+            for tensor in tensors:
+                n = tensor.numel()
+                tensor.copy_(values[start:start + n].view_as(tensor).to(tensor.dtype))
+                start += n
+
+
+class _Reducer:
+    """DDP's reducer with its bucket rebuild put off while the Join lasts (module doc)."""
+
+    def __init__(self, reducer: Any) -> None:
+        object.__setattr__(self, "_reducer", reducer)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_reducer"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_reducer"), name, value)

@@ -1,0 +1,366 @@
+"""Run elastic DDP kill cells on gloo: ranks forked from a parent that hosts the store.
+
+Theory of operation
+-------------------
+``python tests/elastic_ddp_runner.py --out DIR CELL [CELL ...]``: this process
+imports torch once, hosts a ``TCPStore`` (the store outlives any rank, as a
+launcher's would) and, for each ``CELL``, forks its ranks, which initialise a
+gloo group over the store under a prefix of their own and train a
+``DistributedDataParallel(Linear(4, 1))`` with SGD in one Join with
+``on_rank_loss="finish"``: rank ``r`` has ``INPUTS + r`` inputs, one per
+iteration (forward, squared-error loss, backward, step).
+
+A ``CELL`` is ``W:KILLS[~OPTION]``: ``KILLS`` a ``+``-joined list of
+``rank/point/at`` with ``point`` one of ``body`` (in the loop body before
+input ``at``'s forward), ``beat`` (after input ``at``'s forward, whose
+heartbeat went out, before its backward's all-reduce), ``drain`` (in DDP's
+join hook, shadow round ``at``) or ``post`` (in DDP's post hook); ``OPTION`` ``raise`` (the default
+``on_rank_loss``), ``count`` (``divide_by_initial_world_size=False``).
+``W:refusals`` runs the refused configurations instead. Each rank writes
+``DIR/cell{C}-rank{R}.json`` (its initial and final parameters, the report's
+lost ranks, the group's size) and the parent, which gives each cell
+``--deadline`` s and kills what is left, appends the exit statuses to
+``DIR/cells.jsonl``; a killed rank writes the time of its death to
+``DIR/cell{C}-rank{R}.died``. The reference is :func:`reference`. With
+``--mpirun`` each cell runs under ``mpirun --with-ft ulfm`` instead (a
+launcher that keeps the survivors), the store still hosted by this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+INPUTS = 6
+DIM = 4
+LR = 0.05
+POINTS = ("body", "beat", "drain", "post")
+
+
+def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
+    spec, _, option = cell.partition("~")
+    world, _, kills = spec.partition(":")
+    out = []
+    if kills != "refusals":
+        for item in filter(None, kills.split("+")):
+            rank, point, at = item.split("/")
+            assert point in POINTS, point
+            out.append((int(rank), point, int(at)))
+    return int(world), out, option
+
+
+def sample(rank: int, index: int) -> tuple[np.ndarray, float]:
+    """Input ``index`` of ``rank``: a deterministic (x, y)."""
+    rng = np.random.default_rng(1000 * rank + index)
+    x = rng.standard_normal(DIM)
+    return x, float(x.sum() * 0.5 + rng.standard_normal() * 0.1)
+
+
+def reference(init: list[float], world: int, consumed: dict[int, int],
+              divide_by_initial_world_size: bool = True) -> np.ndarray:
+    """The single-process run (float64) over exactly the consumed inputs.
+
+    Args:
+        init: the initial parameters, weight then bias.
+        world: the initial world size (the divisor by default).
+        consumed: rank -> how many of its inputs were consumed (its first ones).
+        divide_by_initial_world_size: else divide by the ranks that contributed.
+
+    Returns:
+        The final parameters, weight then bias.
+    """
+    p = np.array(init, dtype=np.float64)
+    for t in range(max(consumed.values(), default=0)):
+        active = [r for r, n in consumed.items() if t < n]
+        grad = np.zeros_like(p)
+        for r in active:
+            x, y = sample(r, t)
+            xb = np.concatenate([x, [1.0]])
+            grad += 2.0 * (p @ xb - y) * xb
+        p -= LR * grad / (world if divide_by_initial_world_size else len(active))
+    return p
+
+
+def _die(path: Path) -> None:
+    path.with_suffix(".died").write_text(json.dumps({"died": time.time()}))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: str,
+             port: int, cell: int, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from joinkit import Join
+    path = out / f"cell{cell}-rank{rank}.json"
+    mine = {point: at for r, point, at in kills if r == rank}
+    client = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    store = dist.PrefixStore(f"cell{cell}/", client)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(DIM, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    init = torch.cat([model.module.weight.detach().reshape(-1),
+                      model.module.bias.detach()]).tolist()
+    if "drain" in mine:
+        # DDP's join hook asks the check first in each shadow round.
+        from joinkit.adapters import _ddp_elastic
+
+        original = _ddp_elastic.ElasticDDP.check
+        rounds = [0]
+
+        def check(self: Any, is_joined_rank: bool) -> bool | None:
+            if is_joined_rank:
+                if rounds[0] == mine["drain"]:
+                    _die(path)
+                rounds[0] += 1
+            return original(self, is_joined_rank)
+
+        _ddp_elastic.ElasticDDP.check = check  # type: ignore[method-assign]
+    if "post" in mine:
+        from joinkit.adapters import _ddp_elastic
+
+        def sync_final_model(self: Any, is_last_joiner: bool) -> None:
+            _die(path)
+
+        _ddp_elastic.ElasticDDP.sync_final_model = sync_final_model  # type: ignore[method-assign]
+    mode = "raise" if option == "raise" else "finish"
+    kwargs = {"divide_by_initial_world_size": False} if option == "count" else {}
+    started = time.time()
+    times: list[float] = []  # when each of this rank's iterations completed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # The store lives in the parent: any rank may die.
+        with Join([model], on_rank_loss=mode, store_outlives_ranks=True, **kwargs) as join:
+            for index in range(INPUTS + rank):
+                if mine.get("body") == index:
+                    _die(path)
+                x, y = sample(rank, index)
+                pred = model(torch.tensor(x, dtype=torch.float32).reshape(1, DIM))
+                if mine.get("beat") == index:
+                    _die(path)
+                loss = ((pred - y) ** 2).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                times.append(time.time())
+    final = torch.cat([model.module.weight.detach().reshape(-1),
+                       model.module.bias.detach()]).tolist()
+    # The model goes on over the survivors after the Join: one more all-reduce.
+    after = model.process_group.size()
+    probe = torch.ones(1)
+    model.process_group.allreduce([probe]).wait()
+    lost = [{"rank": x.rank, "iterations": x.iterations, "survivors": list(x.survivors)}
+            for x in join.report.lost_ranks]
+    path.write_text(json.dumps({
+        "rank": rank, "init": init, "final": final, "lost": lost, "size_after": after,
+        "probe": float(probe.item()), "started": started, "times": times, "ended": time.time(),
+        "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],
+    }))
+
+
+def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None:
+    """Each refused configuration, on every rank; then a Join that works, to prove no mismatch."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from joinkit import Join
+
+    client = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    store = dist.PrefixStore(f"cell{cell}/", client)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+
+    class WithBuffer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(DIM, 1)
+            self.register_buffer("seen", torch.zeros(1))
+
+        def forward(self, x: Any) -> Any:
+            return self.lin(x)
+
+    hooked = DDP(torch.nn.Linear(DIM, 1))
+    hooked.register_comm_hook(None, lambda _, bucket: _allreduce_future(bucket))
+    plain = DDP(torch.nn.Linear(DIM, 1))
+    cases = {
+        "buffers": lambda: [DDP(WithBuffer())],
+        "unused": lambda: [DDP(torch.nn.Linear(DIM, 1), find_unused_parameters=True)],
+        "hook": lambda: [hooked],
+        "zero": lambda: [plain, ZeroRedundancyOptimizer(plain.parameters(),
+                                                        torch.optim.SGD, lr=LR)],
+    }
+    found: dict[str, str] = {}
+    for name, make in cases.items():
+        joinables = make()
+        try:
+            with Join(joinables, on_rank_loss="finish", store_outlives_ranks=True):
+                pass
+        except ValueError as exc:
+            found[name] = str(exc)
+        else:
+            found[name] = "(not refused)"
+    # The group still matches: a Join that works, with one input per rank.
+    model = DDP(torch.nn.Linear(DIM, 1), broadcast_buffers=False)
+    with Join([model], on_rank_loss="finish", store_outlives_ranks=True):
+        model(torch.ones(1, DIM)).sum().backward()
+    # Forward-only iterations (a zero unit each) between trained ones, uneven.
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with Join([model], on_rank_loss="finish", store_outlives_ranks=True):
+        for index in range(2 + rank):
+            if index % 2 == 0:
+                with torch.no_grad():
+                    model(torch.ones(1, DIM))
+                continue
+            model(torch.full((1, DIM), float(index))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    # The model now carries joinkit's comm hook: a later Join that divides by the
+    # active ranks is refused (a hook cannot read them).
+    try:
+        with Join([model], divide_by_initial_world_size=False):
+            pass
+    except ValueError as exc:
+        found["count_after_hook"] = str(exc)
+    (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "refusals": found, "after": "ok", "params": params}))
+
+
+def _allreduce_future(bucket: Any) -> Any:
+    import torch.distributed as dist
+
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def run_cells(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60),
+                           wait_for_workers=False)
+    for cell, spec in enumerate(args.cells):
+        world, kills, option = parse(spec)
+        started = time.monotonic()
+        children = {}
+        for rank in range(world):
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    os.setpgid(0, 0)
+                    if spec.endswith(":refusals"):
+                        run_refusals(rank, world, server.port, cell, out)
+                    else:
+                        run_rank(rank, world, kills, option, server.port, cell, out)
+                except BaseException:  # noqa: BLE001
+                    import traceback
+
+                    traceback.print_exc()
+                    code = 1
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children[pid] = rank
+        statuses: dict[int, Any] = {}
+        deadline = started + args.deadline
+        while children and time.monotonic() < deadline:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                time.sleep(0.005)
+                continue
+            statuses[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+        for pid, rank in children.items():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            statuses[rank] = "killed after deadline"
+        record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
+                  "exit": {str(r): statuses[r] for r in sorted(statuses)}}
+        with (out / "cells.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def run_under_mpirun(args: argparse.Namespace) -> None:
+    """Host the store; run each cell under ``mpirun --with-ft ulfm`` (gloo ranks).
+
+    Open MPI's ULFM mode keeps the survivors of a dead process; the ranks never
+    initialise MPI: they take their rank from mpirun's environment and build a
+    gloo group over this process's TCPStore (as ``elastic_torch_runner.py`` does).
+    """
+    import subprocess
+
+    import torch.distributed as dist
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60),
+                           wait_for_workers=False)
+    mpirun = Path(sys.executable).with_name("mpirun")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "JOINKIT_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1")
+    for cell, spec in enumerate(args.cells):
+        world, _, _ = parse(spec)
+        started = time.monotonic()
+        command = [str(mpirun) if mpirun.exists() else "mpirun", "--with-ft", "ulfm",
+                   "-n", str(world), "--oversubscribe", sys.executable, __file__,
+                   "--out", str(out), "--as-rank", str(server.port), "--cell", str(cell), spec]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=args.deadline)
+            code: Any = done.returncode
+            errors = done.stderr[-3000:]
+        except subprocess.TimeoutExpired:
+            code, errors = "killed after deadline", ""
+        record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
+                  "mpirun": code, "stderr": errors}
+        with (out / "cells.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--deadline", type=float, default=40.0)
+    parser.add_argument("--mpirun", action="store_true",
+                        help="run each cell under mpirun --with-ft ulfm")
+    parser.add_argument("--as-rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--cell", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("cells", nargs="+")
+    args = parser.parse_args()
+    if args.as_rank:  # one rank under mpirun: the port of the parent's store
+        world, kills, option = parse(args.cells[0])
+        run_rank(int(os.environ["OMPI_COMM_WORLD_RANK"]), world, kills, option,
+                 args.as_rank, args.cell, Path(args.out))
+    elif args.mpirun:
+        run_under_mpirun(args)
+    else:
+        run_cells(args)
+
+
+if __name__ == "__main__":
+    main()
