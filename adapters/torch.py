@@ -280,7 +280,15 @@ class TorchJoinable(Joinable):
         was_active = self._config.enable and self._config.join is not None
         active = config.enable and config.join is not None
         if active and not was_active and rank_loss_finish(config.join):
-            raise rank_loss_refusal(self.obj)
+            if not self._is_ddp:
+                raise rank_loss_refusal(self.obj)
+            # DDP follows a rebuilt group (adapters._ddp_elastic, on entry), alone:
+            # beside another joinable the two could wrap the group twice.
+            if len(getattr(config.join, "_joinables", ())) > 1:
+                raise ValueError(
+                    "Join(on_rank_loss='finish') holds a DistributedDataParallel model "
+                    "only alone in this version: pass Join([model], on_rank_loss='finish'), "
+                    "or use on_rank_loss='raise' (the default) with other joinables")
         self._config = config
         if active:
             self.obj._join_config = _TorchJoinConfig(
@@ -511,12 +519,6 @@ def rank_loss_refusal(obj: Any) -> ValueError:
         why = ("ZeroRedundancyOptimizer keeps a shard of the optimizer state on each "
                "rank, and a dead rank's shard is lost with it (a stateless optimizer "
                "could be rebuilt: not in this version)")
-    elif isinstance(obj, DistributedDataParallel):
-        why = ("DistributedDataParallel keeps its own reference to the process group (its "
-               "reducer, its buffer broadcasts, its gradient-sync check), so it cannot go "
-               "on over the rebuilt group: not in this version (docs/elastic-torch.md says "
-               "what it would take); all-reduce the flattened gradients through the "
-               "TorchGroup in your own joinable instead")
     else:
         why = f"{name} keeps its own reference to the process group"
     return ValueError(

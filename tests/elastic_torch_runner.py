@@ -269,6 +269,15 @@ def run_refusals(rank: int, world: int, host: str, port: int, cell: int, out: Pa
             pass
     except ValueError as exc:
         found["mixed"] = str(exc)
+    # DDP follows a rebuilt group only alone (two wrappers of one group otherwise).
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(torch.nn.Linear(2, 1))
+    try:
+        with Join([_counter(group), ddp], on_rank_loss="finish"):
+            pass
+    except ValueError as exc:
+        found["ddp_mixed"] = str(exc)
     # FSDP2 (a shard of the parameters per rank) beside the same Counter.
     from torch.distributed.fsdp import fully_shard
 

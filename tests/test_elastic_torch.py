@@ -271,10 +271,11 @@ def test_refusals_and_warnings(tmp_path: Path) -> None:
         # collective (the next Join's collectives still match).
         assert "raw ProcessGroup" in found["ddp"] and "FSDP2" in found["ddp"]
         assert "ZeroRedundancyOptimizer" in found["ddp"]
-        # Beside a Counter on a TorchGroup of the same group: the DDP adapter refuses.
+        # Beside a Counter on a TorchGroup of the same group: the ZeRO adapter refuses.
         assert found["mixed"].startswith(
-            "Join(on_rank_loss='finish') cannot hold DistributedDataParallel: "), found
+            "Join(on_rank_loss='finish') cannot hold ZeroRedundancyOptimizer: "), found
         assert "not in this version" in found["mixed"]
+        assert "only alone" in found["ddp_mixed"], found
         assert found["after"] == 2.0
         assert found["fsdp"].startswith(
             "Join(on_rank_loss='finish') cannot hold an FSDP2 model: "), found
