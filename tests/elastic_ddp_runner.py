@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import signal
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from elastic_fork import fork_ranks
 
 INPUTS = 6
 DIM = 4
@@ -251,6 +253,15 @@ def _allreduce_future(bucket: Any) -> Any:
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def _cell(rank: int, *, spec: str, world: int, kills: list[tuple[int, str, int]],
+          option: str, cell: int, out: Path, port: int) -> None:
+    """One forked rank of a cell."""
+    if spec.endswith(":refusals"):
+        run_refusals(rank, world, port, cell, out)
+    else:
+        run_rank(rank, world, kills, option, port, cell, out)
+
+
 def run_cells(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -261,42 +272,10 @@ def run_cells(args: argparse.Namespace) -> None:
     for cell, spec in enumerate(args.cells):
         world, kills, option = parse(spec)
         started = time.monotonic()
-        children = {}
-        for rank in range(world):
-            pid = os.fork()
-            if pid == 0:
-                code = 0
-                try:
-                    os.setpgid(0, 0)
-                    if spec.endswith(":refusals"):
-                        run_refusals(rank, world, server.port, cell, out)
-                    else:
-                        run_rank(rank, world, kills, option, server.port, cell, out)
-                except BaseException:  # noqa: BLE001
-                    import traceback
 
-                    traceback.print_exc()
-                    code = 1
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            children[pid] = rank
-        statuses: dict[int, Any] = {}
-        deadline = started + args.deadline
-        while children and time.monotonic() < deadline:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                time.sleep(0.005)
-                continue
-            statuses[children.pop(pid)] = os.waitstatus_to_exitcode(status)
-        for pid, rank in children.items():
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(pid, 0)
-            statuses[rank] = "killed after deadline"
+        statuses = fork_ranks(world, args.deadline, functools.partial(
+            _cell, spec=spec, world=world, kills=kills, option=option, cell=cell, out=out,
+            port=server.port))
         record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
                   "exit": {str(r): statuses[r] for r in sorted(statuses)}}
         with (out / "cells.jsonl").open("a") as f:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import signal
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from elastic_fork import fork_ranks
 
 INPUTS = int(os.environ.get("ELASTIC_INPUTS", "8"))
 #: ``on_rank_loss`` of the cells' Joins (the benchmark times "raise" beside it).
@@ -346,6 +348,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _cell(rank: int, *, spec: str, world: int, kills: list[tuple[int, str, int]], port: int,
+          cell: int, out: Path, store_port: int) -> None:
+    """One forked rank of a cell."""
+    if spec.endswith(":refusals"):
+        run_refusals(rank, world, "127.0.0.1", store_port, cell, out)
+    else:
+        run_rank(rank, world, kills, "127.0.0.1", port, cell, out)
+
+
 def run_cells(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -356,44 +367,12 @@ def run_cells(args: argparse.Namespace) -> None:
     for cell, spec in enumerate(args.cells):
         world, kills = parse(spec)
         started = time.monotonic()
-        children = {}
         # "@0": rank 0 hosts the cell's store (a negative port says so).
         port = -_free_port() if spec.endswith("@0") else server.port
-        for rank in range(world):
-            pid = os.fork()
-            if pid == 0:
-                code = 0
-                try:
-                    os.setpgid(0, 0)
-                    if spec.endswith(":refusals"):
-                        run_refusals(rank, world, "127.0.0.1", server.port, cell, out)
-                    else:
-                        run_rank(rank, world, kills, "127.0.0.1", port, cell, out)
-                except BaseException:  # noqa: BLE001
-                    import traceback
 
-                    traceback.print_exc()
-                    code = 1
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            children[pid] = rank
-        statuses: dict[int, Any] = {}
-        deadline = started + args.deadline
-        while children and time.monotonic() < deadline:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                time.sleep(0.005)
-                continue
-            statuses[children.pop(pid)] = os.waitstatus_to_exitcode(status)
-        for pid, rank in children.items():
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(pid, 0)
-            statuses[rank] = "killed after deadline"
+        statuses = fork_ranks(world, args.deadline, functools.partial(
+            _cell, spec=spec, world=world, kills=kills, port=port, cell=cell, out=out,
+            store_port=server.port))
         record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
                   "exit": {str(r): statuses[r] for r in sorted(statuses)}}
         with (out / "cells.jsonl").open("a") as f:
