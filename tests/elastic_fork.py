@@ -7,15 +7,22 @@ for them; a child still running at the deadline is SIGKILLed with its process
 group and recorded as ``"killed after deadline"``. A child that raised exits 1
 after printing its traceback; a SIGKILLed one (the cells kill ranks on purpose)
 gives ``-9``.
+
+:func:`run_under_mpirun` runs each cell's ranks under ``mpirun --with-ft ulfm``
+instead (ULFM keeps the survivors), over a store this process hosts.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -66,3 +73,49 @@ def fork_ranks(world: int, seconds: float, run: Callable[[int], None]) -> dict[i
         os.waitpid(pid, 0)
         statuses[rank] = "killed after deadline"
     return statuses
+
+
+def run_under_mpirun(script: str, out: Path, cells: list[str], deadline: float,
+                     world_of: Callable[[str], int]) -> None:
+    """Host the store; run each cell under ``mpirun --with-ft ulfm`` (gloo ranks).
+
+    Open MPI's ULFM mode keeps the survivors of a dead process (torchrun's
+    agent would kill them); the ranks never initialise MPI: ``script`` runs
+    each with ``--as-rank PORT --cell N SPEC``, and it takes its rank from
+    mpirun's environment and builds a gloo group over this process's TCPStore.
+    Each cell's record (``mpirun``'s exit code, its stderr's tail) goes to
+    ``out/cells.jsonl``.
+
+    Args:
+        script: the runner to launch per rank.
+        out: the folder for the records.
+        cells: the cells' specs.
+        deadline: seconds per cell.
+        world_of: a spec's world size.
+    """
+    import torch.distributed as dist
+
+    out.mkdir(parents=True, exist_ok=True)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60),
+                           wait_for_workers=False)
+    mpirun = Path(sys.executable).with_name("mpirun")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "JOINKIT_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1")
+    for cell, spec in enumerate(cells):
+        started = time.monotonic()
+        command = [str(mpirun) if mpirun.exists() else "mpirun", "--with-ft", "ulfm",
+                   "-n", str(world_of(spec)), "--oversubscribe", sys.executable, script,
+                   "--out", str(out), "--as-rank", str(server.port), "--cell", str(cell), spec]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=deadline)
+            code: Any = done.returncode
+            errors = done.stderr[-3000:]
+        except subprocess.TimeoutExpired:
+            code, errors = "killed after deadline", ""
+        record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
+                  "mpirun": code, "stderr": errors}
+        with (out / "cells.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")

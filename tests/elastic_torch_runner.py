@@ -38,14 +38,13 @@ import functools
 import json
 import os
 import signal
-import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from elastic_fork import fork_ranks
+from elastic_fork import fork_ranks, run_under_mpirun
 
 INPUTS = int(os.environ.get("ELASTIC_INPUTS", "8"))
 #: ``on_rank_loss`` of the cells' Joins (the benchmark times "raise" beside it).
@@ -379,45 +378,6 @@ def run_cells(args: argparse.Namespace) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def run_under_mpirun(args: argparse.Namespace) -> None:
-    """Host the store; run each cell under ``mpirun --with-ft ulfm`` (gloo ranks).
-
-    Open MPI's ULFM mode keeps the survivors of a dead process (torchrun's
-    agent would kill them); the ranks never initialise MPI: they take their
-    rank and world size from mpirun's environment and build a gloo group over
-    this process's TCPStore.
-    """
-    import subprocess
-
-    import torch.distributed as dist
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60),
-                           wait_for_workers=False)
-    mpirun = Path(sys.executable).with_name("mpirun")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "JOINKIT_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1")
-    for cell, spec in enumerate(args.cells):
-        world, _ = parse(spec)
-        started = time.monotonic()
-        command = [str(mpirun) if mpirun.exists() else "mpirun", "--with-ft", "ulfm",
-                   "-n", str(world), "--oversubscribe", sys.executable, __file__,
-                   "--out", str(out), "--as-rank", str(server.port), "--cell", str(cell), spec]
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True,
-                                  timeout=args.deadline)
-            code: Any = done.returncode
-        except subprocess.TimeoutExpired:
-            code = "killed after deadline"
-        record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
-                  "mpirun": code}
-        with (out / "cells.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -433,7 +393,8 @@ def main() -> None:
         run_rank(int(os.environ["OMPI_COMM_WORLD_RANK"]), world, kills, "127.0.0.1",
                  args.as_rank, args.cell, Path(args.out))
     elif args.mpirun:
-        run_under_mpirun(args)
+        run_under_mpirun(__file__, Path(args.out), args.cells, args.deadline,
+                         lambda spec: parse(spec)[0])
     else:
         run_cells(args)
 
