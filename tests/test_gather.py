@@ -332,3 +332,43 @@ def test_keep_a_call_of_zero_rows_is_the_same_everywhere() -> None:
                                   rows=lambda r, c: 0)
 
     assert [r["checked"] for r in spawn(worker, 2)] == [1000, 1001]
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_keep_across_joins_and_epochs_returns_fresh_copies(kind: str) -> None:
+    """keep=True over two Joins (the second with other dtypes' rows: a new
+    layout) before one collected(), then a second epoch: each collected() has
+    exactly its epoch's rows in call order, later epochs reuse the kept buffer
+    without touching what an earlier collected() returned, and writing into a
+    returned array changes nothing kept."""
+    import torch
+
+    def make(values: Any) -> Any:
+        array = np.asarray(values, dtype=np.int64)
+        return torch.from_numpy(array) if kind == "torch" else array
+
+    def worker(group: Any) -> Any:
+        rank = group.rank
+        gather = Gather(group, keep=True)
+        with Join([gather]):
+            for call in range(2 + rank):  # rank 1 makes one call more
+                got = gather(make([10 * rank + call] * (rank + 1)))
+                got[:] = -1  # the caller's array is its own: collected() is unmoved
+        with Join([gather]):
+            for call in range(1 if rank else 2):
+                gather(make([100 + 10 * rank + call]))
+        first = gather.collected()
+        snapshot = np.array(gs.as_numpy(first))
+        with Join([gather]):
+            for call in range(3 if rank == 0 else 1):
+                gather(make([200 + 10 * rank + call] * 40000))  # grows the buffer
+        second = gather.collected()
+        return gs.as_numpy(first), snapshot, gs.as_numpy(second), gather.collected()
+
+    results = spawn(worker, 2)
+    want_first = [0, 10, 10, 1, 11, 11, 12, 12, 100, 110, 101]
+    want_second = [200] * 40000 + [210] * 40000 + [201] * 40000 + [202] * 40000
+    for first, snapshot, second, third in results:
+        assert first.tolist() == want_first and snapshot.tolist() == want_first
+        assert second.tolist() == want_second
+        assert third is None  # nothing kept since the last collected()
