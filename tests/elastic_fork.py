@@ -1,6 +1,7 @@
 """Fork the ranks of one elastic cell and reap them within a deadline.
 
-Shared by ``tests/elastic_torch_runner.py`` and ``tests/elastic_ddp_runner.py``:
+Shared by ``tests/elastic_torch_runner.py``, ``tests/elastic_ddp_runner.py`` and
+``tests/fault_runner.py`` (its ``--fork`` launcher):
 the parent (which hosts the store, so it outlives every rank) forks ``world``
 children, each in its own process group, runs ``run(rank)`` in each, and waits
 for them; a child still running at the deadline is SIGKILLed with its process

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fault_scenarios as fs  # noqa: E402
+from elastic_fork import fork_ranks  # noqa: E402
 
 #: The gloo groups' own timeout in --fork mode: far above every cell's, so a
 #: cell that only ends through it shows up as too slow.
@@ -159,40 +159,13 @@ def fork_launches(args: argparse.Namespace) -> None:
         cells = parse_cells(spec, world_size)
         store = out / f"store{launch}"
         started = time.monotonic()
-        children = {}
-        for rank in range(world_size):
-            pid = os.fork()
-            if pid == 0:  # the child: never return into the parent's loop
-                code = 0
-                try:
-                    os.setpgid(0, 0)
-                    fork_child(rank, world_size, str(store), cells, out, launch, args.timeout,
-                               args.stall_timeout)
-                except BaseException:  # noqa: BLE001
-                    import traceback
 
-                    traceback.print_exc()
-                    code = 1
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            children[pid] = rank
-        statuses: dict[int, Any] = {}
-        deadline = started + args.deadline
-        while children and time.monotonic() < deadline:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                time.sleep(0.02)
-                continue
-            statuses[children.pop(pid)] = os.waitstatus_to_exitcode(status)
-        for pid, rank in children.items():  # past the deadline: hung
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(pid, 0)
-            statuses[rank] = "killed after deadline"
+        def run(rank: int, cells: list[tuple[str, str]] = cells, launch: int = launch,
+                store: Path = store) -> None:
+            fork_child(rank, world_size, str(store), cells, out, launch, args.timeout,
+                       args.stall_timeout)
+
+        statuses = fork_ranks(world_size, args.deadline, run)
         record = {"launch": launch, "cells": spec, "world_size": world_size,
                   "seconds": time.monotonic() - started,
                   "exit": {str(r): statuses[r] for r in sorted(statuses)}}
