@@ -285,6 +285,10 @@ class TorchJoinable(Joinable):
             # The same answer on every rank (the settings agree), before any collective.
             message = _finish_refusal(self, config.join)
             if message is not None:
+                # The Join leaves as if never entered: DDP's vouch goes too.
+                for joinable in getattr(config.join, "_joinables", ()):
+                    if isinstance(joinable, TorchJoinable):
+                        _elastic_vouch(joinable, None)
                 raise ValueError(message)
         self._config = config
         if active:
@@ -561,10 +565,10 @@ def rank_loss_refusal(obj: Any) -> ValueError:
         stateful = _zero_elastic.stateful(obj)
         if stateful is not None:
             return ValueError(_zero_elastic.stateful_message(stateful))
-        why = ("ZeroRedundancyOptimizer follows a rebuilt group only as "
-               "Join([ddp_model, zero], on_rank_loss='finish'), right after the "
-               "DistributedDataParallel model whose parameters it steps; beside other "
-               "joinables it is not in this version")
+        why = ("ZeroRedundancyOptimizer follows a rebuilt group only listed right after "
+               "the DistributedDataParallel model whose parameters it steps, and alone "
+               "with it: Join([ddp_model, zero], on_rank_loss='finish'); alone or beside "
+               "other joinables it is not in this version")
     else:
         why = f"{name} keeps its own reference to the process group"
     return ValueError(
