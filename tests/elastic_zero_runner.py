@@ -33,6 +33,7 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
 
 
 def reference(init: list[float], world: int, consumed: dict[int, int],
-              after: list[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+              after: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
     """The single-process run (float64) over exactly the consumed inputs, then the later steps.
 
     Args:
