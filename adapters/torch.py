@@ -101,7 +101,12 @@ keyword), and on entry ``adapters._ddp_elastic`` routes every collective DDP
 sends through the Join's elastic TorchGroup (one gradient unit per backward
 through a comm hook, no sync-check collective, the post hook as a unit) or
 refuses what it cannot route; the fused check and the backward watch are off.
-Any other torch joinable (ZeroRedundancyOptimizer) in such a Join is refused.
+DDP with its ZeroRedundancyOptimizer right after it, ``[model, zero]``, over a
+stateless optimizer (SGD, momentum 0): ``adapters._zero_elastic`` has every
+active rank step every parameter (no broadcasts), a joined rank's ZeRO shadows
+nothing, and on exit ZeRO follows DDP onto the rebuilt group (ZeRO's join_hook
+leaves DDP's vouch in place). Every other combination with a torch joinable,
+and a stateful ZeRO, is refused on entry (:func:`_finish_refusal`).
 
 *torch's internals.* Most of the above uses members torch does not promise to
 keep (DDP's join-hook methods, reducer methods, ``_JoinConfig``...). Each is
@@ -973,8 +978,9 @@ def _elastic_vouch(adapter: TorchJoinable, ddp: bool | None,
 
     ``ddp`` True (a DDP's join_hook): its group may recover with
     ``on_rank_loss="finish"`` (``adapters._ddp_elastic`` routes DDP's
-    collectives); False (any other torch joinable, e.g. ZeroRedundancyOptimizer):
-    it may not; ``None`` (the Join is over): forget it. ``store_outlives_ranks``:
+    collectives); False (any other torch joinable but ZeroRedundancyOptimizer,
+    which follows its DDP model and leaves the vouch as it is): it may not;
+    ``None`` (the Join is over, or refused): forget it. ``store_outlives_ranks``:
     the Join's keyword of that name (``Join(..., store_outlives_ranks=True)``),
     which the raw group's TorchGroup then uses instead of its guess.
     """

@@ -173,6 +173,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
             _ddp_elastic.ElasticDDP.sync_final_model = (  # type: ignore[method-assign]
                 sync_final_model)
     mode = "raise" if option == "raise" else "finish"
+    times: list[float] = []  # when each of this rank's iterations completed
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with Join([model, zero], on_rank_loss=mode, store_outlives_ranks=True) as join:
@@ -188,6 +189,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
                     _die(path)
                 zero.step()
                 zero.zero_grad()
+                times.append(time.time())
     at_exit = model.module.flat()
     shadowing = "_sync_params" in zero.__dict__ or zero.optim is None
     # ZeRO over the survivors, outside any Join: its own broadcasts on the new group.
@@ -201,7 +203,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
         "zero_group": zero.process_group.size(), "same_group": zero.process_group is
         model.process_group, "owned_before": owned,
         "owned_after": sum(p.numel() for g in zero.optim.param_groups for p in g["params"]),
-        "left_patched": shadowing,
+        "left_patched": shadowing, "times": times,
         "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],
     }))
 
