@@ -10,8 +10,9 @@ reuses), this process hosts a ``TCPStore`` and forks each cell's ranks
 ``Join([model, zero], on_rank_loss="finish")``: rank ``r`` has ``INPUTS + r``
 inputs. ``Split`` is the linear model of the DDP runner with its weight in
 three parameters (so every rank of a world of 4 owns a shard). After the
-Join every survivor takes ``AFTER`` more ZeRO steps outside any Join, on the
-survivors' group (proving the rebuild).
+Join every survivor takes ``AFTER`` more ZeRO steps on the survivors' group
+(proving the rebuild): outside any Join, and the last in a later default-mode
+Join over the rebuilt group.
 
 A ``CELL`` is ``W:KILLS[~OPTION]`` as in the DDP runner, with one more point:
 ``step`` (after input ``at``'s backward, whose gradient unit completed, before
@@ -192,9 +193,12 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
                 times.append(time.time())
     at_exit = model.module.flat()
     shadowing = "_sync_params" in zero.__dict__ or zero.optim is None
-    # ZeRO over the survivors, outside any Join: its own broadcasts on the new group.
-    for k in range(AFTER):
+    # ZeRO over the survivors: its own broadcasts on the new group, outside any
+    # Join, then in a later (default-mode) Join over the rebuilt group.
+    for k in range(AFTER - 1):
         _iterate(model, zero, rank, 100 + k)
+    with Join([model, zero]):
+        _iterate(model, zero, rank, 100 + AFTER - 1)
     lost = [{"rank": x.rank, "iterations": x.iterations, "survivors": list(x.survivors)}
             for x in join.report.lost_ranks]
     path.write_text(json.dumps({
