@@ -14,9 +14,10 @@ exit equal a single-process float64 reference over exactly the consumed
 inputs (within 1e-6), and that ZeRO was rebuilt on the survivors: two ZeRO
 steps after the Join (its own broadcasts, on the rebuilt group; the second in
 a later default-mode Join over that group) still equal the reference.
-Also: no death equals the reference and the default mode; the refusals (stateful optimizers, ``overlap_with_ddp``, bucket views, foreign
-parameters, other combinations), after which the group still matches; and two
-cells under ``mpirun --with-ft ulfm``.
+Also: no death equals the reference and the default mode; the refusals
+(stateful optimizers, ``overlap_with_ddp``, bucket views, foreign parameters,
+other combinations), after which the group still matches; and two cells under
+``mpirun --with-ft ulfm``.
 """
 
 from __future__ import annotations
