@@ -113,6 +113,9 @@ def check_kill(spec: str, ranks: dict[int, Any], used: dict[int, int] | None = N
         assert data["zero_rank"] == survivors.index(rank), (spec, data)
         assert data["same_group"] and not data["left_patched"], (spec, data)
         assert any("was lost after" in w for w in data["warnings"]), data["warnings"]
+    # One model on every survivor, bit for bit (DDP's post hook, then ZeRO's broadcasts).
+    for key in ("at_exit", "final"):
+        assert len({tuple(data[key]) for data in ranks.values()}) == 1, (spec, key)
     # The new partition covers every parameter (5 elements), once.
     assert sum(data["owned_after"] for data in ranks.values()) == 5, spec
 
