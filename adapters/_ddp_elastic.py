@@ -180,6 +180,8 @@ class ElasticDDP:
         self.group = group
         self.world = group.world_size  # at the Join's entry
         self.backend = group.process_group
+        self.entry_process_group = ddp.process_group  # DDP's group at the Join's entry
+        self._rebuilt: tuple[Any, Any] | None = None  # (backend, its c10d ProcessGroup)
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.in_hook = in_hook
         self.expecting = False  # a forward announced a backward that has not come yet
@@ -206,16 +208,37 @@ class ElasticDDP:
             ddp.reducer = self.reducer
         if ddp.__dict__.get("_check_global_requires_backward_grad_sync") == self.check:
             del ddp.__dict__["_check_global_requires_backward_grad_sync"]
-        backend = self.group.process_group
-        if backend is not self.backend:
-            # DDP's reducer takes a c10d ProcessGroup: the rebuilt gloo backend, wrapped.
-            pg = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
-            gloo = dist.ProcessGroup.BackendType.GLOO
-            pg._set_default_backend(gloo)
-            pg._register_backend(torch.device("cpu"), gloo, backend)
+        pg = self.rebuilt_process_group()
+        if pg is not None:
             ddp._update_process_group(pg)  # also resets the reducer
         elif self.deferred:
             self.reducer._reset_state()  # forget the parameters pushed meanwhile
+
+    def rebuilt_process_group(self) -> Any:
+        """The c10d ProcessGroup over the survivors after a loss (made once), else ``None``.
+
+        DDP's reducer takes a c10d ProcessGroup: the rebuilt gloo backend, wrapped.
+        It is registered with c10d (the global ranks of the survivors, in their
+        new order), so ``dist.get_rank(group)`` and ``dist.broadcast(group=...)``
+        work on it: ZeroRedundancyOptimizer moves onto the same object
+        (``adapters._zero_elastic``), and a later Join over the model finds it live.
+        """
+        backend = self.group.process_group
+        if backend is self.backend:
+            return None
+        if self._rebuilt is not None and self._rebuilt[0] is backend:
+            return self._rebuilt[1]
+        pg = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
+        gloo = dist.ProcessGroup.BackendType.GLOO
+        pg._set_default_backend(gloo)
+        pg._register_backend(torch.device("cpu"), gloo, backend)
+        c10d: Any = dist.distributed_c10d
+        survivors = self.group.lost_ranks()[-1].survivors  # entry ranks, in new order
+        c10d._world.pg_group_ranks[pg] = {
+            c10d.get_global_rank(self.entry_process_group, old): new
+            for new, old in enumerate(survivors)}
+        self._rebuilt = (backend, pg)
+        return pg
 
     # -- the gradient unit -----------------------------------------------------------
 

@@ -183,6 +183,35 @@ ZERO_MEMBERS = (
     _m(_ZERO, "ZeroRedundancyOptimizer.step", _CALL,
        "ZeRO's join hook steps with the .grad the adapter puts in place",
        ("self",), called_by=(f"{_ZERO}:_ZeROJoinHook.main_hook",)),
+    # on_rank_loss="finish" beside DDP (adapters._zero_elastic).
+    _m(_ZERO, "ZeroRedundancyOptimizer._sync_params", _CALL,
+       "finish mode: the parameter broadcasts after a step are skipped (every rank "
+       "steps every parameter)", ("self",), called_by=(f"{_ZERO}:ZeroRedundancyOptimizer.step",)),
+    _m(_ZERO, "ZeroRedundancyOptimizer.optim", _ATTR,
+       "finish mode: the local optimizer, swapped for one over every parameter"),
+    _m(_ZERO, "ZeroRedundancyOptimizer._optim_constructor", _ATTR,
+       "finish mode: the optimizer class, for the optimizer over every parameter"),
+    _m(_ZERO, "ZeroRedundancyOptimizer._optim_defaults", _ATTR,
+       "finish mode: the optimizer's arguments"),
+    _m(_ZERO, "ZeroRedundancyOptimizer._overlap_with_ddp", _ATTR,
+       "finish mode: overlap_with_ddp=True is refused"),
+    _m(_ZERO, "ZeroRedundancyOptimizer.parameters_as_bucket_view", _ATTR,
+       "finish mode: parameters_as_bucket_view=True is refused"),
+    _m(_ZERO, "ZeroRedundancyOptimizer.process_group", _ATTR,
+       "finish mode: ZeRO follows the group rebuilt over the survivors"),
+    _m(_ZERO, "ZeroRedundancyOptimizer.rank", _ATTR, "finish mode: the rebuilt group"),
+    _m(_ZERO, "ZeroRedundancyOptimizer.world_size", _ATTR, "finish mode: the rebuilt group"),
+    _m(_ZERO, "ZeroRedundancyOptimizer.global_rank", _ATTR, "finish mode: the rebuilt group"),
+    _m(_ZERO, "ZeroRedundancyOptimizer._all_state_dicts", _ATTR,
+       "finish mode: consolidated states of the old partition are dropped"),
+    _m(_ZERO, "ZeroRedundancyOptimizer._clear_cache", _CALL,
+       "finish mode: the partition over the survivors is computed afresh", ("self",)),
+    _m(_ZERO, "ZeroRedundancyOptimizer._init_local_optimizer", _CALL,
+       "finish mode: the local optimizer over this rank's new partition", ("self",)),
+    _m(_DIST, "_World.pg_group_ranks", _ATTR,
+       "finish mode: the rebuilt group is registered, so that ZeRO's broadcasts "
+       "(dist.broadcast(group=...)) and dist.get_rank(group) map its ranks"),
+    _m(_DIST, "_world", Need.EXISTS, "finish mode: the registry of process groups"),
 )
 
 #: Members of torch that a replay relies on (``adapters._replay``: FSDP2, DDP).

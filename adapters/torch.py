@@ -101,7 +101,12 @@ keyword), and on entry ``adapters._ddp_elastic`` routes every collective DDP
 sends through the Join's elastic TorchGroup (one gradient unit per backward
 through a comm hook, no sync-check collective, the post hook as a unit) or
 refuses what it cannot route; the fused check and the backward watch are off.
-Any other torch joinable (ZeroRedundancyOptimizer) in such a Join is refused.
+DDP with its ZeroRedundancyOptimizer right after it, ``[model, zero]``, over a
+stateless optimizer (SGD, momentum 0): ``adapters._zero_elastic`` has every
+active rank step every parameter (no broadcasts), a joined rank's ZeRO shadows
+nothing, and on exit ZeRO follows DDP onto the rebuilt group (ZeRO's join_hook
+leaves DDP's vouch in place). Every other combination with a torch joinable,
+and a stateful ZeRO, is refused on entry (:func:`_finish_refusal`).
 
 *torch's internals.* Most of the above uses members torch does not promise to
 keep (DDP's join-hook methods, reducer methods, ``_JoinConfig``...). Each is
@@ -256,6 +261,8 @@ class TorchJoinable(Joinable):
         self._replays = False  # DDP shadowed by replay (adapters._ddp_replay)
         # DDP in a Join with on_rank_loss="finish" (adapters._ddp_elastic).
         self._elastic_ddp: Any = None
+        # ZeRO beside that DDP (adapters._zero_elastic).
+        self._elastic_zero: Any = None
         self._divide_by_initial_world_size = True  # DDP's join_hook default
 
     def __repr__(self) -> str:
@@ -280,15 +287,14 @@ class TorchJoinable(Joinable):
         was_active = self._config.enable and self._config.join is not None
         active = config.enable and config.join is not None
         if active and not was_active and rank_loss_finish(config.join):
-            if not self._is_ddp:
-                raise rank_loss_refusal(self.obj)
-            # DDP follows a rebuilt group (adapters._ddp_elastic, on entry), alone:
-            # beside another joinable the two could wrap the group twice.
-            if len(getattr(config.join, "_joinables", ())) > 1:
-                raise ValueError(
-                    "Join(on_rank_loss='finish') holds a DistributedDataParallel model "
-                    "only alone in this version: pass Join([model], on_rank_loss='finish'), "
-                    "or use on_rank_loss='raise' (the default) with other joinables")
+            # The same answer on every rank (the settings agree), before any collective.
+            message = _finish_refusal(self, config.join)
+            if message is not None:
+                # The Join leaves as if never entered: DDP's vouch goes too.
+                for joinable in getattr(config.join, "_joinables", ()):
+                    if isinstance(joinable, TorchJoinable):
+                        _elastic_vouch(joinable, None)
+                raise ValueError(message)
         self._config = config
         if active:
             self.obj._join_config = _TorchJoinConfig(
@@ -299,6 +305,8 @@ class TorchJoinable(Joinable):
             if not was_active:
                 if self._is_ddp:
                     self._enter_ddp(config)
+                elif self._is_zero and rank_loss_finish(config.join):
+                    self._enter_elastic_zero(config.join)
                 _route(self)
             return
         self.obj._join_config = _TORCH_DISABLED
@@ -315,6 +323,9 @@ class TorchJoinable(Joinable):
             if self._elastic_ddp is not None:
                 elastic, self._elastic_ddp = self._elastic_ddp, None
                 elastic.close()
+            if self._elastic_zero is not None:
+                elastic_zero, self._elastic_zero = self._elastic_zero, None
+                elastic_zero.close()
             _elastic_vouch(self, None)
 
     def _enter_ddp(self, config: Any) -> None:
@@ -375,14 +386,6 @@ class TorchJoinable(Joinable):
 
         ddp = self.obj
         message = _ddp_elastic.refusal(ddp, self._replays)
-        if message is None:
-            others = [j for j in getattr(join, "_joinables", ())
-                      if isinstance(j, TorchJoinable) and not j._is_ddp]
-            if others:
-                message = (
-                    "Join(on_rank_loss='finish') with DistributedDataParallel and "
-                    f"{type(others[0].obj).__qualname__}: only DDP follows a rebuilt group "
-                    "in this version. Use on_rank_loss='raise'")
         if message is not None:
             raise ValueError(message)
         self._watch = None
@@ -390,6 +393,20 @@ class TorchJoinable(Joinable):
         self._elastic_ddp = _ddp_elastic.ElasticDDP(
             ddp, join.backend, self._divide_by_initial_world_size,
             lambda: self._in_hook)
+
+    def _enter_elastic_zero(self, join: Any) -> None:
+        """ZeRO beside its DDP model in a finish-mode Join (``adapters._zero_elastic``).
+
+        :func:`_finish_refusal` let it in: the Join is ``[ddp, zero]``, and the
+        DDP adapter (entered first) routes the gradients.
+        """
+        from . import _zero_elastic
+
+        ddp_adapter = join._joinables[0]
+        elastic_ddp = ddp_adapter._elastic_ddp
+        if elastic_ddp is None:  # pragma: no cover - _finish_refusal guarantees it
+            raise LocalProtocolError("ZeroRedundancyOptimizer entered before its DDP model")
+        self._elastic_zero = _zero_elastic.ElasticZeRO(self.obj, elastic_ddp)
 
     # -- Joinable ------------------------------------------------------------------
 
@@ -410,7 +427,10 @@ class TorchJoinable(Joinable):
                 f"{type(self.obj).__qualname__}.join_hook() returned "
                 f"{type(hook).__qualname__}, not a JoinHook"
             )
-        _elastic_vouch(self, self._is_ddp, kwargs.get("store_outlives_ranks"))
+        if not self._is_zero:
+            # A ZeRO leaves the vouch as it is: after its DDP model (the only
+            # order check_order accepts) it follows that model's rebuilt group.
+            _elastic_vouch(self, self._is_ddp, kwargs.get("store_outlives_ranks"))
         if self._is_ddp:
             # A model with collectives in forward is shadowed by replaying it.
             from ._ddp_replay import replay_shadow
@@ -505,6 +525,35 @@ def rank_loss_finish(join: Any) -> bool:
     return getattr(join, "on_rank_loss", "raise") == "finish"
 
 
+def _finish_refusal(adapter: TorchJoinable, join: Any) -> str | None:
+    """Why a finish-mode Join cannot hold ``adapter``'s object here, or ``None``.
+
+    Accepted: a DDP model alone (``adapters._ddp_elastic`` refuses what it
+    cannot route), or exactly ``[ddp, zero]`` with a ZeroRedundancyOptimizer
+    that ``adapters._zero_elastic.refusal`` accepts. Every other combination
+    with a torch joinable is refused: two adapters would wrap one group twice.
+    Asked by each torch adapter of the Join as it is entered, so the first one
+    refuses, before DDP registers anything.
+    """
+    joinables = list(getattr(join, "_joinables", ()))
+    pair = (len(joinables) == 2
+            and all(isinstance(j, TorchJoinable) for j in joinables)
+            and joinables[0]._is_ddp and joinables[1]._is_zero)
+    if pair:
+        from . import _zero_elastic
+
+        return _zero_elastic.refusal(joinables[1].obj, joinables[0].obj)
+    if adapter._is_ddp:
+        if len(joinables) == 1:
+            return None
+        return ("Join(on_rank_loss='finish') holds a DistributedDataParallel model "
+                "only alone, or with its ZeroRedundancyOptimizer right after it, in this "
+                "version: pass Join([model], on_rank_loss='finish') or Join([model, zero], "
+                "on_rank_loss='finish'), or use on_rank_loss='raise' (the default) with "
+                "other joinables")
+    return str(rank_loss_refusal(adapter.obj))
+
+
 def rank_loss_refusal(obj: Any) -> ValueError:
     """Why ``Join(..., on_rank_loss="finish")`` cannot hold ``obj`` (a framework object).
 
@@ -516,9 +565,15 @@ def rank_loss_refusal(obj: Any) -> ValueError:
     """
     name = type(obj).__name__
     if _is_zero(obj):
-        why = ("ZeroRedundancyOptimizer keeps a shard of the optimizer state on each "
-               "rank, and a dead rank's shard is lost with it (a stateless optimizer "
-               "could be rebuilt: not in this version)")
+        from . import _zero_elastic
+
+        stateful = _zero_elastic.stateful(obj)
+        if stateful is not None:
+            return ValueError(_zero_elastic.stateful_message(stateful))
+        why = ("ZeroRedundancyOptimizer follows a rebuilt group only listed right after "
+               "the DistributedDataParallel model whose parameters it steps, and alone "
+               "with it: Join([ddp_model, zero], on_rank_loss='finish'); alone or beside "
+               "other joinables it is not in this version")
     else:
         why = f"{name} keeps its own reference to the process group"
     return ValueError(
@@ -868,6 +923,10 @@ class _ZeROShadow(_Shadow):
     """
 
     def main_hook(self) -> None:
+        if self.adapter._elastic_zero is not None:
+            # Finish mode: every active rank steps every parameter itself
+            # (adapters._zero_elastic), so a joined rank has nothing to match.
+            return
         average: dict[int, torch.Tensor] = {}
         for buckets in _averaged.values():
             for params, grads in buckets:
@@ -905,6 +964,8 @@ _completed_work: Any = None
 
 def _steps_shards_with(adapter: TorchJoinable) -> bool:
     """Whether a ZeroRedundancyOptimizer is in the same (active) Join as ``adapter``."""
+    if adapter._elastic_ddp is not None:
+        return False  # finish mode: a joined rank's ZeRO shadows nothing (_zero_elastic)
     join = adapter._config.join
     return any(
         other._is_zero and other._config.join is join for other in list(_routes.values())
@@ -917,8 +978,9 @@ def _elastic_vouch(adapter: TorchJoinable, ddp: bool | None,
 
     ``ddp`` True (a DDP's join_hook): its group may recover with
     ``on_rank_loss="finish"`` (``adapters._ddp_elastic`` routes DDP's
-    collectives); False (any other torch joinable, e.g. ZeroRedundancyOptimizer):
-    it may not; ``None`` (the Join is over): forget it. ``store_outlives_ranks``:
+    collectives); False (any other torch joinable but ZeroRedundancyOptimizer,
+    which follows its DDP model and leaves the vouch as it is): it may not;
+    ``None`` (the Join is over, or refused): forget it. ``store_outlives_ranks``:
     the Join's keyword of that name (``Join(..., store_outlives_ranks=True)``),
     which the raw group's TorchGroup then uses instead of its guess.
     """

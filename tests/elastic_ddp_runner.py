@@ -205,8 +205,9 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
         "buffers": lambda: [DDP(WithBuffer())],
         "unused": lambda: [DDP(torch.nn.Linear(DIM, 1), find_unused_parameters=True)],
         "hook": lambda: [hooked],
+        # A stateful optimizer (SGD with momentum 0 works: test_elastic_zero.py).
         "zero": lambda: [plain, ZeroRedundancyOptimizer(plain.parameters(),
-                                                        torch.optim.SGD, lr=LR)],
+                                                        torch.optim.Adam, lr=LR)],
     }
     found: dict[str, str] = {}
     for name, make in cases.items():

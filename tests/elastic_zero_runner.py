@@ -1,0 +1,322 @@
+"""Run elastic DDP + ZeroRedundancyOptimizer kill cells on gloo (forked ranks).
+
+Theory of operation
+-------------------
+``python tests/elastic_zero_runner.py --out DIR CELL [CELL ...]``: as
+``elastic_ddp_runner.py`` (whose inputs, cell syntax and death helper this
+reuses), this process hosts a ``TCPStore`` and forks each cell's ranks
+(``elastic_fork.fork_ranks``), which train ``DDP(Split())`` with a
+``ZeroRedundancyOptimizer(SGD, lr=LR, weight_decay=DECAY)`` in one
+``Join([model, zero], on_rank_loss="finish")``: rank ``r`` has ``INPUTS + r``
+inputs. ``Split`` is the linear model of the DDP runner with its weight in
+three parameters (so every rank of a world of 4 owns a shard). After the
+Join every survivor takes ``AFTER`` more ZeRO steps on the survivors' group
+(proving the rebuild): outside any Join, and the last in a later default-mode
+Join over the rebuilt group.
+
+A ``CELL`` is ``W:KILLS[~OPTION]`` as in the DDP runner, with one more point:
+``step`` (after input ``at``'s backward, whose gradient unit completed, before
+``zero.step()``). ``OPTION`` ``raise``: the default ``on_rank_loss``.
+``W:refusals`` runs the refused configurations. Each rank writes
+``DIR/cell{C}-rank{R}.json`` (initial parameters, parameters at the Join's
+exit and after the later steps, the report's lost ranks, ZeRO's group size
+and rank after the Join); the parent appends the exit statuses to
+``DIR/cells.jsonl``. With ``--mpirun`` each cell runs under
+``mpirun --with-ft ulfm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from elastic_ddp_runner import DIM, INPUTS, LR, _die, sample
+from elastic_fork import fork_ranks, run_under_mpirun
+
+DECAY = 0.01
+AFTER = 2  # ZeRO steps after the Join, on the survivors
+POINTS = ("body", "beat", "step", "drain", "post")
+
+
+def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
+    spec, _, option = cell.partition("~")
+    world, _, kills = spec.partition(":")
+    out = []
+    if kills != "refusals":
+        for item in filter(None, kills.split("+")):
+            rank, point, at = item.split("/")
+            assert point in POINTS, point
+            out.append((int(rank), point, int(at)))
+    return int(world), out, option
+
+
+def reference(init: list[float], world: int, consumed: dict[int, int],
+              after: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """The single-process run (float64) over exactly the consumed inputs, then the later steps.
+
+    Args:
+        init: the initial parameters, weight then bias.
+        world: the initial world size (the Join's divisor).
+        consumed: rank -> how many of its inputs were consumed (its first ones).
+        after: the survivors, which take ``AFTER`` steps after the Join
+            (dividing by their number, DDP's group size then).
+
+    Returns:
+        The parameters at the Join's exit, and after the later steps.
+    """
+    p = np.array(init, dtype=np.float64)
+
+    def step(grad: np.ndarray, divisor: int) -> None:
+        p[:] = p - LR * (grad / divisor + DECAY * p)
+
+    def grad_of(rank: int, index: int) -> np.ndarray:
+        x, y = sample(rank, index)
+        xb = np.concatenate([x, [1.0]])
+        return 2.0 * (p @ xb - y) * xb
+
+    for t in range(max(consumed.values(), default=0)):
+        step(sum((grad_of(r, t) for r, n in consumed.items() if t < n),
+                 np.zeros_like(p)), world)
+    at_exit = p.copy()
+    for k in range(AFTER):
+        step(sum((grad_of(r, 100 + k) for r in after), np.zeros_like(p)), len(after))
+    return at_exit, p
+
+
+def _split() -> Any:
+    import torch
+
+    class Split(torch.nn.Module):
+        """``Linear(4, 1)`` with its weight in three parameters (1, 1 and 2 columns)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.randn(1, 1))
+            self.b = torch.nn.Parameter(torch.randn(1, 1))
+            self.c = torch.nn.Parameter(torch.randn(2, 1))
+            self.bias = torch.nn.Parameter(torch.randn(1))
+
+        def forward(self, x: Any) -> Any:
+            return x[:, :1] @ self.a + x[:, 1:2] @ self.b + x[:, 2:] @ self.c + self.bias
+
+        def flat(self) -> list[float]:
+            return torch.cat([self.a.detach().reshape(-1), self.b.detach().reshape(-1),
+                              self.c.detach().reshape(-1), self.bias.detach()]).tolist()
+
+    return Split()
+
+
+def _init(rank: int, world: int, port: int, cell: int) -> None:
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    store = dist.PrefixStore(f"cell{cell}/", client)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+
+
+def _iterate(model: Any, zero: Any, rank: int, index: int) -> None:
+    import torch
+
+    x, y = sample(rank, index)
+    pred = model(torch.tensor(x, dtype=torch.float32).reshape(1, DIM))
+    ((pred - y) ** 2).sum().backward()
+    zero.step()
+    zero.zero_grad()
+
+
+def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: str,
+             port: int, cell: int, out: Path) -> None:
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from joinkit import Join
+
+    path = out / f"cell{cell}-rank{rank}.json"
+    mine = {point: at for r, point, at in kills if r == rank}
+    _init(rank, world, port, cell)
+    torch.manual_seed(0)
+    model = DDP(_split())
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=LR,
+                                   weight_decay=DECAY)
+    init = model.module.flat()
+    owned = sum(p.numel() for g in zero.optim.param_groups for p in g["params"])
+    if "drain" in mine or "post" in mine:
+        from joinkit.adapters import _ddp_elastic
+
+        if "drain" in mine:
+            original = _ddp_elastic.ElasticDDP.check
+            rounds = [0]
+
+            def check(self: Any, is_joined_rank: bool) -> bool | None:
+                if is_joined_rank:
+                    if rounds[0] == mine["drain"]:
+                        _die(path)
+                    rounds[0] += 1
+                return original(self, is_joined_rank)
+
+            _ddp_elastic.ElasticDDP.check = check  # type: ignore[method-assign]
+        else:
+            def sync_final_model(self: Any, is_last_joiner: bool) -> None:
+                _die(path)
+
+            _ddp_elastic.ElasticDDP.sync_final_model = (  # type: ignore[method-assign]
+                sync_final_model)
+    mode = "raise" if option == "raise" else "finish"
+    times: list[float] = []  # when each of this rank's iterations completed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Join([model, zero], on_rank_loss=mode, store_outlives_ranks=True) as join:
+            for index in range(INPUTS + rank):
+                if mine.get("body") == index:
+                    _die(path)
+                x, y = sample(rank, index)
+                pred = model(torch.tensor(x, dtype=torch.float32).reshape(1, DIM))
+                if mine.get("beat") == index:
+                    _die(path)
+                ((pred - y) ** 2).sum().backward()
+                if mine.get("step") == index:
+                    _die(path)
+                zero.step()
+                zero.zero_grad()
+                times.append(time.time())
+    at_exit = model.module.flat()
+    shadowing = "_sync_params" in zero.__dict__ or zero.optim is None
+    # ZeRO over the survivors: its own broadcasts on the new group, outside any
+    # Join, then in a later (default-mode) Join over the rebuilt group.
+    for k in range(AFTER - 1):
+        _iterate(model, zero, rank, 100 + k)
+    with Join([model, zero]):
+        _iterate(model, zero, rank, 100 + AFTER - 1)
+    lost = [{"rank": x.rank, "iterations": x.iterations, "survivors": list(x.survivors)}
+            for x in join.report.lost_ranks]
+    path.write_text(json.dumps({
+        "rank": rank, "init": init, "at_exit": at_exit, "final": model.module.flat(),
+        "lost": lost, "zero_world": zero.world_size, "zero_rank": zero.rank,
+        "zero_group": zero.process_group.size(), "same_group": zero.process_group is
+        model.process_group, "owned_before": owned,
+        "owned_after": sum(p.numel() for g in zero.optim.param_groups for p in g["params"]),
+        "left_patched": shadowing, "times": times,
+        "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],
+    }))
+
+
+def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None:
+    """Each refused configuration, on every rank; then a Join that works (no mismatch)."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from joinkit import Join
+
+    _init(rank, world, port, cell)
+    torch.manual_seed(0)
+    model = DDP(_split())
+
+    def zero(cls: Any = torch.optim.SGD, params: Any = None, **kwargs: Any) -> Any:
+        return ZeroRedundancyOptimizer(model.parameters() if params is None else params,
+                                       cls, lr=LR, **kwargs)
+
+    cases = {
+        "adam": lambda: [model, zero(torch.optim.Adam)],
+        "momentum": lambda: [model, zero(momentum=0.9)],
+        "overlap": lambda: [model, zero(overlap_with_ddp=True)],
+        "bucket_view": lambda: [model, zero(parameters_as_bucket_view=True)],
+        "foreign": lambda: [model, zero(params=torch.nn.Linear(2, 1).parameters())],
+        "alone": lambda: [zero()],
+        "three": lambda: [model, zero(), zero()],
+    }
+    found: dict[str, Any] = {}
+    for name, make in cases.items():
+        joinables = make()
+        try:
+            with Join(joinables, on_rank_loss="finish", store_outlives_ranks=True):
+                pass
+        except ValueError as exc:
+            found[name] = str(exc)
+        else:
+            found[name] = "(not refused)"
+    # Refused before DDP registered its comm hook (DDP allows one, for good).
+    found["hooked_by_refusals"] = bool(getattr(model, "_comm_hooks", None))
+    # Momentum set inside the Join: the step that created state is refused
+    # (every rank alike: the same error, and the Join ends on every rank).
+    optimizer = zero()
+    try:
+        with Join([model, optimizer], on_rank_loss="finish", store_outlives_ranks=True):
+            optimizer.param_groups[0]["momentum"] = 0.9
+            _iterate(model, optimizer, rank, 0)
+    except Exception as exc:  # noqa: BLE001
+        found["momentum_inside"] = f"{type(exc).__name__}: {exc}"
+    else:
+        found["momentum_inside"] = "(not refused)"
+    # The group still matches: a Join that works, uneven inputs.
+    optimizer = zero()
+    with Join([model, optimizer], on_rank_loss="finish", store_outlives_ranks=True):
+        for index in range(1 + rank):
+            _iterate(model, optimizer, rank, index)
+    (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "refusals": found, "after": "ok", "params": model.module.flat()}))
+
+
+def _cell(rank: int, *, spec: str, world: int, kills: list[tuple[int, str, int]],
+          option: str, cell: int, out: Path, port: int) -> None:
+    """One forked rank of a cell."""
+    if spec.endswith(":refusals"):
+        run_refusals(rank, world, port, cell, out)
+    else:
+        run_rank(rank, world, kills, option, port, cell, out)
+
+
+def run_cells(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60),
+                           wait_for_workers=False)
+    for cell, spec in enumerate(args.cells):
+        world, kills, option = parse(spec)
+        started = time.monotonic()
+        statuses = fork_ranks(world, args.deadline, functools.partial(
+            _cell, spec=spec, world=world, kills=kills, option=option, cell=cell, out=out,
+            port=server.port))
+        record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
+                  "exit": {str(r): statuses[r] for r in sorted(statuses)}}
+        with (out / "cells.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--deadline", type=float, default=40.0)
+    parser.add_argument("--mpirun", action="store_true",
+                        help="run each cell under mpirun --with-ft ulfm")
+    parser.add_argument("--as-rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--cell", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("cells", nargs="+")
+    args = parser.parse_args()
+    if args.as_rank:  # one rank under mpirun: the port of the parent's store
+        world, kills, option = parse(args.cells[0])
+        run_rank(int(os.environ["OMPI_COMM_WORLD_RANK"]), world, kills, option,
+                 args.as_rank, args.cell, Path(args.out))
+    elif args.mpirun:
+        run_under_mpirun(__file__, Path(args.out), args.cells, args.deadline,
+                         lambda spec: parse(spec)[0])
+    else:
+        run_cells(args)
+
+
+if __name__ == "__main__":
+    main()

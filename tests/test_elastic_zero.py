@@ -1,0 +1,203 @@
+"""DDP + ZeroRedundancyOptimizer in ``Join(..., on_rank_loss="finish")`` on gloo: the kill matrix.
+
+One launch of ``elastic_zero_runner.py`` runs every cell: the parent hosts the
+TCPStore and forks each cell's ranks, which train ``DDP(Split())`` (a linear
+model whose weight is three parameters, so each rank of a world of 4 owns a
+shard) with ``ZeroRedundancyOptimizer(SGD, lr, weight_decay)`` in
+``Join([model, zero], on_rank_loss="finish")`` on uneven inputs; one rank
+SIGKILLs itself in its loop body, between its forward's heartbeat and its
+backward's gradient unit, between the gradient unit and ``zero.step()``,
+while draining (joined), or in the post hook, in worlds of 3 and 4. Each cell
+checks that every survivor left normally, that the report names the dead rank
+with the inputs it consumed, that every survivor's parameters at the Join's
+exit equal a single-process float64 reference over exactly the consumed
+inputs (within 1e-6), and that ZeRO was rebuilt on the survivors: two ZeRO
+steps after the Join (its own broadcasts, on the rebuilt group; the second in
+a later default-mode Join over that group) still equal the reference.
+Also: no death equals the reference and the default mode; the refusals
+(stateful optimizers, ``overlap_with_ddp``, bucket views, foreign parameters,
+other combinations), after which the group still matches; and two cells under
+``mpirun --with-ft ulfm``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elastic_zero_runner as runner  # noqa: E402
+
+DEADLINE = 40.0  # per cell, enforced by the runner (it kills what is left)
+KILL_CELLS = [
+    "3:1/body/3", "3:0/beat/2", "3:2/step/4", "3:0/drain/1",
+    "4:3/body/2", "4:1/step/3", "4:1/drain/1",
+]
+#: The last joiner dies in the post hook: the survivors, all joined earlier, take
+#: the model of rank 0 of the rebuilt group (DDP's documented limit).
+POST_CELL = "3:2/post/0"
+CELLS = ["3:", "3:~raise", *KILL_CELLS, POST_CELL, "3:refusals"]
+TOLERANCE = 1e-6
+
+
+def _load(out: Path, record: dict[str, Any]) -> dict[int, Any]:
+    ranks = {}
+    for path in out.glob(f"cell{record['cell']}-rank*.json"):
+        ranks[int(path.stem.rpartition("rank")[2])] = json.loads(path.read_text())
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("elastic_zero")
+    done = subprocess.run(
+        [sys.executable, str(Path(runner.__file__)), "--out", str(out), "--deadline",
+         str(DEADLINE), *CELLS],
+        capture_output=True, text=True, timeout=DEADLINE * len(CELLS) + 60,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
+    return {record["spec"]: (record, _load(out, record), done.stderr) for record in records}
+
+
+def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
+    """Rank -> the inputs it consumed (a dead rank: those whose gradient unit completed)."""
+    out = {r: runner.INPUTS + r for r in range(world)}
+    for rank, point, at in kills:
+        if point in ("body", "beat"):
+            out[rank] = at
+        elif point == "step":
+            out[rank] = at + 1  # its gradient unit completed: the survivors applied it
+    return out
+
+
+def _survivors(results: dict[str, Any], spec: str) -> dict[int, Any]:
+    record, ranks, stderr = results[spec]
+    world, kills, _ = runner.parse(spec)
+    killed = {r for r, _, _ in kills}
+    for rank in range(world):
+        expected = -9 if rank in killed else 0
+        assert record["exit"][str(rank)] == expected, (spec, record, stderr[-3000:])
+    assert set(ranks) == set(range(world)) - killed, (spec, stderr[-3000:])
+    return ranks
+
+
+def check_kill(spec: str, ranks: dict[int, Any], used: dict[int, int] | None = None) -> None:
+    """Every survivor: the report, the parameters at exit and after two ZeRO steps, ZeRO's group."""
+    world, kills, _ = runner.parse(spec)
+    dead = {r for r, _, _ in kills}
+    if used is None:
+        used = consumed(world, kills)
+    survivors = sorted(ranks)
+    init = ranks[survivors[0]]["init"]
+    at_exit, final = runner.reference(init, world, used, survivors)
+    lost_iterations = consumed(world, kills)
+    for rank, data in ranks.items():
+        assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
+            r: lost_iterations[r] for r in dead}, (spec, rank, data["lost"])
+        assert data["lost"][-1]["survivors"] == survivors, (spec, rank, data["lost"])
+        np.testing.assert_allclose(data["at_exit"], at_exit, rtol=0, atol=TOLERANCE,
+                                   err_msg=f"{spec} rank {rank} at exit")
+        # ZeRO after the Join: rebuilt on the survivors, its broadcasts on their group.
+        np.testing.assert_allclose(data["final"], final, rtol=0, atol=TOLERANCE,
+                                   err_msg=f"{spec} rank {rank} after the Join")
+        assert data["zero_world"] == data["zero_group"] == len(survivors), (spec, data)
+        assert data["zero_rank"] == survivors.index(rank), (spec, data)
+        assert data["same_group"] and not data["left_patched"], (spec, data)
+        assert any("was lost after" in w for w in data["warnings"]), data["warnings"]
+    # One model on every survivor, bit for bit (DDP's post hook, then ZeRO's broadcasts).
+    for key in ("at_exit", "final"):
+        assert len({tuple(data[key]) for data in ranks.values()}) == 1, (spec, key)
+    # The new partition covers every parameter (5 elements), once.
+    assert sum(data["owned_after"] for data in ranks.values()) == 5, spec
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("spec", KILL_CELLS)
+def test_kill(results: dict[str, Any], spec: str) -> None:
+    check_kill(spec, _survivors(results, spec))
+
+
+@pytest.mark.timeout(600)
+def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> None:
+    finish = _survivors(results, "3:")
+    default = _survivors(results, "3:~raise")
+    init = finish[0]["init"]
+    at_exit, final = runner.reference(init, 3, consumed(3, []), [0, 1, 2])
+    for rank in range(3):
+        data = finish[rank]
+        assert data["lost"] == [] and data["zero_world"] == 3 and data["zero_rank"] == rank
+        assert not data["left_patched"] and data["owned_after"] == data["owned_before"]
+        for key, want in (("at_exit", at_exit), ("final", final)):
+            np.testing.assert_allclose(data[key], want, rtol=0, atol=TOLERANCE)
+            # torch's ZeRO (owner steps, broadcasts) in joinkit's default mode.
+            np.testing.assert_allclose(data[key], default[rank][key], rtol=0,
+                                       atol=TOLERANCE)
+    # Every rank stepped every parameter: bitwise the same model on every rank.
+    assert finish[1]["at_exit"] == finish[0]["at_exit"] == finish[2]["at_exit"]
+
+
+@pytest.mark.timeout(600)
+def test_last_joiner_dies_in_post_hook(results: dict[str, Any]) -> None:
+    ranks = _survivors(results, POST_CELL)
+    # Rank 0's model: it joined after its INPUTS inputs, while every rank was active.
+    check_kill(POST_CELL, ranks, used={r: runner.INPUTS for r in range(3)})
+
+
+@pytest.mark.timeout(600)
+def test_refusals(results: dict[str, Any]) -> None:
+    ranks = _survivors(results, "3:refusals")
+    head = "Join(on_rank_loss='finish') cannot hold ZeroRedundancyOptimizer: "
+    for data in ranks.values():
+        found = data["refusals"]
+        for name in ("adam", "momentum"):
+            assert found[name].startswith(head), found
+            assert "shard of the optimizer state" in found[name], found
+            assert "torch.optim.SGD with momentum=0" in found[name], found
+        assert "torch.optim.adam.Adam" in found["adam"]
+        assert "SGD with momentum=0.9" in found["momentum"]
+        assert "overlap_with_ddp=False" in found["overlap"], found
+        assert "parameters_as_bucket_view=False" in found["bucket_view"], found
+        assert "does not hold" in found["foreign"], found
+        # ZeRO alone: its raw group is not DDP's to rebuild (the backend says so first).
+        assert "raw ProcessGroup" in found["alone"], found
+        assert "Join([model, zero])" in found["alone"], found
+        assert "only alone, or with its ZeroRedundancyOptimizer" in found["three"], found
+        assert found["hooked_by_refusals"] is False  # refused before DDP registered anything
+        assert found["momentum_inside"].startswith("LocalProtocolError: "), found
+        assert "Keep momentum=0" in found["momentum_inside"], found
+        assert data["after"] == "ok"  # the next Join's collectives matched
+    params = [np.array(data["params"]) for data in ranks.values()]
+    for other in params[1:]:
+        np.testing.assert_array_equal(other, params[0])
+
+
+#: Under ``mpirun --with-ft ulfm`` (a launcher that keeps the survivors): gloo
+#: ranks that never initialise MPI, the store hosted by the runner.
+MPIRUN_CELLS = ["3:1/step/3", "4:2/beat/4"]
+
+
+@pytest.mark.timeout(600)
+def test_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(Path(runner.__file__)), "--mpirun", "--out", str(tmp_path),
+         "--deadline", str(DEADLINE), *MPIRUN_CELLS],
+        capture_output=True, text=True, timeout=(DEADLINE + 30) * len(MPIRUN_CELLS) + 60,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert [r["spec"] for r in records] == MPIRUN_CELLS
+    for record in records:
+        assert record["mpirun"] != "killed after deadline", record
+        world, kills, _ = runner.parse(record["spec"])
+        ranks = _load(tmp_path, record)
+        assert set(ranks) == set(range(world)) - {r for r, _, _ in kills}, record
+        check_kill(record["spec"], ranks)
