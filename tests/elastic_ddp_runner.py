@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from elastic_fork import fork_ranks, run_under_mpirun
+from elastic_fork import fork_ranks, hosted_store, run_under_mpirun
 
 INPUTS = 6
 DIM = 4
@@ -263,12 +263,11 @@ def _cell(rank: int, *, spec: str, world: int, kills: list[tuple[int, str, int]]
 
 
 def run_cells(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
+    import torch.distributed  # noqa: F401  (imported once, before forking)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60),
-                           wait_for_workers=False)
+    server = hosted_store()  # not a thread of this process: it forks
     for cell, spec in enumerate(args.cells):
         world, kills, option = parse(spec)
         started = time.monotonic()

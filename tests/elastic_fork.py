@@ -9,6 +9,12 @@ group and recorded as ``"killed after deadline"``. A child that raised exits 1
 after printing its traceback; a SIGKILLed one (the cells kill ranks on purpose)
 gives ``-9``.
 
+:func:`hosted_store` hosts the cells' ``TCPStore`` in a forked child of its
+own, not in this process: a TCPStore server runs a thread, and a process that
+forks while one of its threads holds a lock gives its children that lock held
+forever (a rank then hung in its TCPStore client, 1 run in ~20 on a loaded
+machine). With the server elsewhere, this process forks with no thread.
+
 :func:`run_under_mpirun` runs each cell's ranks under ``mpirun --with-ft ulfm``
 instead (ULFM keeps the survivors), over a store this process hosts.
 """
@@ -25,6 +31,66 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+class HostedStore:
+    """A ``TCPStore`` server in a forked child process; ``port`` is where it listens.
+
+    The child exits when :meth:`close` kills it, or by itself once this
+    process is gone (it polls its parent), so it never outlives a test.
+    """
+
+    def __init__(self, timeout: float = 60.0) -> None:
+        parent = os.getpid()
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the store's process: host, say the port, wait for the parent
+            code = 0
+            try:
+                os.close(read_end)
+                import torch.distributed as dist
+
+                server = dist.TCPStore("127.0.0.1", 0, 1, True,
+                                       datetime.timedelta(seconds=timeout),
+                                       wait_for_workers=False)
+                os.write(write_end, f"{server.port}\n".encode())
+                os.close(write_end)
+                while os.getppid() == parent:
+                    time.sleep(0.2)
+            except BaseException:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        with os.fdopen(read_end) as said:
+            line = said.readline()
+        if not line.strip():
+            os.waitpid(pid, 0)
+            raise RuntimeError("the store's process did not start (its traceback is above)")
+        self.port = int(line)
+        self._pid: int | None = pid
+
+    def close(self) -> None:
+        """Stop the store's process (idempotent)."""
+        if self._pid is not None:
+            try:
+                os.kill(self._pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(self._pid, 0)
+            self._pid = None
+
+
+def hosted_store(timeout: float = 60.0) -> HostedStore:
+    """A :class:`HostedStore`, closed when this process exits normally."""
+    import atexit
+
+    store = HostedStore(timeout)
+    atexit.register(store.close)
+    return store
 
 
 def fork_ranks(world: int, seconds: float, run: Callable[[int], None]) -> dict[int, Any]:
@@ -94,11 +160,8 @@ def run_under_mpirun(script: str, out: Path, cells: list[str], deadline: float,
         deadline: seconds per cell.
         world_of: a spec's world size.
     """
-    import torch.distributed as dist
-
     out.mkdir(parents=True, exist_ok=True)
-    server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60),
-                           wait_for_workers=False)
+    server = hosted_store()
     mpirun = Path(sys.executable).with_name("mpirun")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "JOINKIT_"))}

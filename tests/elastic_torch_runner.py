@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from elastic_fork import fork_ranks, run_under_mpirun
+from elastic_fork import fork_ranks, hosted_store, run_under_mpirun
 
 INPUTS = int(os.environ.get("ELASTIC_INPUTS", "8"))
 #: ``on_rank_loss`` of the cells' Joins (the benchmark times "raise" beside it).
@@ -357,12 +357,11 @@ def _cell(rank: int, *, spec: str, world: int, kills: list[tuple[int, str, int]]
 
 
 def run_cells(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
+    import torch.distributed  # noqa: F401  (imported once, before forking)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60),
-                           wait_for_workers=False)
+    server = hosted_store()  # not a thread of this process: it forks
     for cell, spec in enumerate(args.cells):
         world, kills = parse(spec)
         started = time.monotonic()
