@@ -183,3 +183,58 @@ def run_under_mpirun(script: str, out: Path, cells: list[str], deadline: float,
                   "mpirun": code, "stderr": errors}
         with (out / "cells.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def cells_main(script: str, parse: Callable[[str], tuple[int, Any, str]],
+               run_rank: Callable[..., None], run_refusals: Callable[..., None]) -> None:
+    """The command line of a model runner (DDP's, ZeRO's): every cell, forked or under mpirun.
+
+    ``script --out DIR [--deadline S] [--mpirun] CELLS...``; a cell ``"W:refusals"``
+    runs ``run_refusals(rank, world, port, cell, out)`` on each rank, any other
+    ``run_rank(rank, world, kills, option, port, cell, out)`` (``parse`` gives
+    the world, kills and option of a cell's spec). Each cell's record goes to
+    ``out/cells.jsonl``.
+    """
+    import argparse
+    import functools
+
+    parser = argparse.ArgumentParser(description=f"the elastic cells of {Path(script).name}")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--deadline", type=float, default=40.0)
+    parser.add_argument("--mpirun", action="store_true",
+                        help="run each cell under mpirun --with-ft ulfm")
+    parser.add_argument("--as-rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--cell", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("cells", nargs="+")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.as_rank:  # one rank under mpirun: the port of the parent's store
+        world, kills, option = parse(args.cells[0])
+        run_rank(int(os.environ["OMPI_COMM_WORLD_RANK"]), world, kills, option,
+                 args.as_rank, args.cell, out)
+        return
+    if args.mpirun:
+        run_under_mpirun(script, out, args.cells, args.deadline, lambda spec: parse(spec)[0])
+        return
+
+    def one_rank(rank: int, *, spec: str, world: int, kills: Any, option: str, cell: int,
+                 port: int) -> None:
+        if spec.endswith(":refusals"):
+            run_refusals(rank, world, port, cell, out)
+        else:
+            run_rank(rank, world, kills, option, port, cell, out)
+
+    import torch.distributed  # noqa: F401  (imported once, before forking)
+
+    out.mkdir(parents=True, exist_ok=True)
+    server = hosted_store()  # not a thread of this process: it forks
+    for cell, spec in enumerate(args.cells):
+        world, kills, option = parse(spec)
+        started = time.monotonic()
+        statuses = fork_ranks(world, args.deadline, functools.partial(
+            one_rank, spec=spec, world=world, kills=kills, option=option, cell=cell,
+            port=server.port))
+        record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
+                  "exit": {str(r): statuses[r] for r in sorted(statuses)}}
+        with (out / "cells.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -27,11 +27,8 @@ and rank after the Join); the parent appends the exit statuses to
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import functools
 import json
-import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -40,7 +37,7 @@ from typing import Any
 
 import numpy as np
 from elastic_ddp_runner import DIM, INPUTS, LR, _die, sample
-from elastic_fork import fork_ranks, hosted_store, run_under_mpirun
+from elastic_fork import cells_main
 
 DECAY = 0.01
 AFTER = 2  # ZeRO steps after the Join, on the survivors
@@ -269,52 +266,8 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
         {"rank": rank, "refusals": found, "after": "ok", "params": model.module.flat()}))
 
 
-def _cell(rank: int, *, spec: str, world: int, kills: list[tuple[int, str, int]],
-          option: str, cell: int, out: Path, port: int) -> None:
-    """One forked rank of a cell."""
-    if spec.endswith(":refusals"):
-        run_refusals(rank, world, port, cell, out)
-    else:
-        run_rank(rank, world, kills, option, port, cell, out)
-
-
-def run_cells(args: argparse.Namespace) -> None:
-    import torch.distributed  # noqa: F401  (imported once, before forking)
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    server = hosted_store()  # not a thread of this process: it forks
-    for cell, spec in enumerate(args.cells):
-        world, kills, option = parse(spec)
-        started = time.monotonic()
-        statuses = fork_ranks(world, args.deadline, functools.partial(
-            _cell, spec=spec, world=world, kills=kills, option=option, cell=cell, out=out,
-            port=server.port))
-        record = {"cell": cell, "spec": spec, "seconds": time.monotonic() - started,
-                  "exit": {str(r): statuses[r] for r in sorted(statuses)}}
-        with (out / "cells.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--deadline", type=float, default=40.0)
-    parser.add_argument("--mpirun", action="store_true",
-                        help="run each cell under mpirun --with-ft ulfm")
-    parser.add_argument("--as-rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--cell", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("cells", nargs="+")
-    args = parser.parse_args()
-    if args.as_rank:  # one rank under mpirun: the port of the parent's store
-        world, kills, option = parse(args.cells[0])
-        run_rank(int(os.environ["OMPI_COMM_WORLD_RANK"]), world, kills, option,
-                 args.as_rank, args.cell, Path(args.out))
-    elif args.mpirun:
-        run_under_mpirun(__file__, Path(args.out), args.cells, args.deadline,
-                         lambda spec: parse(spec)[0])
-    else:
-        run_cells(args)
+    cells_main(__file__, parse, run_rank, run_refusals)
 
 
 if __name__ == "__main__":
