@@ -95,29 +95,23 @@ def _die(path: Path) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: str,
-             port: int, cell: int, out: Path) -> None:
-    import torch
+def init_cell(rank: int, world: int, port: int, cell: int) -> None:
+    """This rank's gloo default group for ``cell``, over the parent's store."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from joinkit import Join
-    path = out / f"cell{cell}-rank{rank}.json"
-    mine = {point: at for r, point, at in kills if r == rank}
     client = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=30),
                            wait_for_workers=False)
     store = dist.PrefixStore(f"cell{cell}/", client)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(DIM, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    init = torch.cat([model.module.weight.detach().reshape(-1),
-                      model.module.bias.detach()]).tolist()
+
+
+def arm_model_kills(mine: dict[str, int], path: Path) -> None:
+    """Make this rank die at its ``"drain"`` shadow round or in its ``"post"`` hook."""
+    from joinkit.adapters import _ddp_elastic
+
     if "drain" in mine:
         # DDP's join hook asks the check first in each shadow round.
-        from joinkit.adapters import _ddp_elastic
-
         original = _ddp_elastic.ElasticDDP.check
         rounds = [0]
 
@@ -130,12 +124,27 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
 
         _ddp_elastic.ElasticDDP.check = check  # type: ignore[method-assign]
     if "post" in mine:
-        from joinkit.adapters import _ddp_elastic
-
         def sync_final_model(self: Any, is_last_joiner: bool) -> None:
             _die(path)
 
         _ddp_elastic.ElasticDDP.sync_final_model = sync_final_model  # type: ignore[method-assign]
+
+
+def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: str,
+             port: int, cell: int, out: Path) -> None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from joinkit import Join
+    path = out / f"cell{cell}-rank{rank}.json"
+    mine = {point: at for r, point, at in kills if r == rank}
+    init_cell(rank, world, port, cell)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(DIM, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    init = torch.cat([model.module.weight.detach().reshape(-1),
+                      model.module.bias.detach()]).tolist()
+    arm_model_kills(mine, path)
     mode = "raise" if option == "raise" else "finish"
     kwargs = {"divide_by_initial_world_size": False} if option == "count" else {}
     started = time.time()
@@ -174,17 +183,12 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
 def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None:
     """Each refused configuration, on every rank; then a Join that works, to prove no mismatch."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from joinkit import Join
 
-    client = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=30),
-                           wait_for_workers=False)
-    store = dist.PrefixStore(f"cell{cell}/", client)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    init_cell(rank, world, port, cell)
     torch.manual_seed(0)
 
     class WithBuffer(torch.nn.Module):

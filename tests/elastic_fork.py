@@ -238,3 +238,30 @@ def cells_main(script: str, parse: Callable[[str], tuple[int, Any, str]],
                   "exit": {str(r): statuses[r] for r in sorted(statuses)}}
         with (out / "cells.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def run_runner(script: str, out: Path, cells: list[str], deadline: float, *,
+               mpirun: bool = False) -> tuple[list[dict[str, Any]], str]:
+    """Run a runner's ``cells`` (forked, or under mpirun); its records and stderr.
+
+    The runner gives every cell ``deadline`` seconds (and kills what is left);
+    this call is bounded too. Asserts the runner itself exited 0 and recorded
+    every cell in order.
+    """
+    done = subprocess.run(
+        [sys.executable, script, *(["--mpirun"] if mpirun else []), "--out", str(out),
+         "--deadline", str(deadline), *cells],
+        capture_output=True, text=True, timeout=(deadline + 30) * len(cells) + 60,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
+    assert [r["spec"] for r in records] == cells, records
+    return records, done.stderr
+
+
+def rank_results(out: Path, record: dict[str, Any]) -> dict[int, Any]:
+    """Rank -> what that rank of ``record``'s cell wrote (the ranks that finished)."""
+    ranks = {}
+    for path in out.glob(f"cell{record['cell']}-rank*.json"):
+        ranks[int(path.stem.rpartition("rank")[2])] = json.loads(path.read_text())
+    return ranks

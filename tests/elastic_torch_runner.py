@@ -236,6 +236,7 @@ def run_refusals(rank: int, world: int, host: str, port: int, cell: int, out: Pa
     collective (the next collective after each refusal must still match)."""
     import torch
     import torch.distributed as dist
+    from support import Counter
 
     from joinkit import Join
     from joinkit.backends.torch_dist import TorchGroup
@@ -245,98 +246,54 @@ def run_refusals(rank: int, world: int, host: str, port: int, cell: int, out: Pa
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     found: dict[str, Any] = {}
+
+    def refusal(joinables: list[Any]) -> str:
+        """The ValueError a finish-mode Join over ``joinables`` raises on entry."""
+        try:
+            with Join(joinables, on_rank_loss="finish"):
+                pass
+        except ValueError as exc:
+            return str(exc)
+        return "(not refused)"
+
     # A raw ProcessGroup (ZeroRedundancyOptimizer's; DDP alone works: test_elastic_ddp.py).
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     model = ZeroRedundancyOptimizer(torch.nn.Linear(2, 1).parameters(), torch.optim.SGD, lr=0.1)
-    try:
-        with Join([model], on_rank_loss="finish"):
-            pass
-    except ValueError as exc:
-        found["ddp"] = str(exc)
+    found["ddp"] = refusal([model])
     group = TorchGroup()  # a TCPStore: taken to live in rank 0
     os.environ["TORCHELASTIC_RUN_ID"] = "test"  # as under torchrun
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        counter = _counter(group)
+        counter = Counter(group)
         with Join([counter], on_rank_loss="finish"):
-            counter.step()
+            counter()
     del os.environ["TORCHELASTIC_RUN_ID"]
     found["warnings"] = [str(w.message) for w in caught]
     # DDP beside a joinable whose TorchGroup could be rebuilt (same default
     # group): the adapter refuses as the Join hands out its config.
-    try:
-        with Join([_counter(group), model], on_rank_loss="finish"):
-            pass
-    except ValueError as exc:
-        found["mixed"] = str(exc)
+    found["mixed"] = refusal([Counter(group), model])
     # DDP follows a rebuilt group only alone (two wrappers of one group otherwise).
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(torch.nn.Linear(2, 1))
-    try:
-        with Join([_counter(group), ddp], on_rank_loss="finish"):
-            pass
-    except ValueError as exc:
-        found["ddp_mixed"] = str(exc)
+    found["ddp_mixed"] = refusal([Counter(group), ddp])
     # FSDP2 (a shard of the parameters per rank) beside the same Counter.
     from torch.distributed.fsdp import fully_shard
 
     sharded = fully_shard(torch.nn.Linear(2, 2))
-    try:
-        with Join([_counter(group), sharded], on_rank_loss="finish"):
-            pass
-    except ValueError as exc:
-        found["fsdp"] = str(exc)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
+    found["fsdp"] = refusal([Counter(group), sharded])
     zero = ZeroRedundancyOptimizer(torch.nn.Linear(2, 2).parameters(),
                                    optimizer_class=torch.optim.Adam, lr=0.1)
-    try:
-        with Join([_counter(group), zero], on_rank_loss="finish"):
-            pass
-    except ValueError as exc:
-        found["zero"] = str(exc)
-    after = _counter(group)  # the next Join's collectives still match
+    found["zero"] = refusal([Counter(group), zero])
+    after = Counter(group)  # the next Join's collectives still match
     with Join([after], on_rank_loss="finish"):
-        after.step()
+        after()
     found["after"] = after.count
     found["count"] = counter.count
     found["lost"] = list(group.lost_ranks())
     found["initial_rank"] = group.initial_rank
     (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(found))
-
-
-def _counter(group: Any) -> Any:
-    from joinkit import Join, Joinable, JoinHook
-
-    class Hook(JoinHook):
-        def main_hook(self) -> None:
-            group.all_reduce(np.zeros(1))
-
-    class Counter(Joinable):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0.0
-
-        def step(self) -> None:
-            Join.notify_join_context(self)
-            one = np.ones(1)
-            group.all_reduce(one)
-            self.count += float(one[0])
-
-        def join_hook(self, **kwargs: Any) -> JoinHook:
-            return Hook()
-
-        @property
-        def join_device(self) -> Any:
-            return group.device
-
-        @property
-        def join_process_group(self) -> Any:
-            return group
-
-    return Counter()
 
 
 def _free_port() -> int:

@@ -27,7 +27,6 @@ and rank after the Join); the parent appends the exit statuses to
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 import warnings
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from elastic_ddp_runner import DIM, INPUTS, LR, _die, sample
+from elastic_ddp_runner import DIM, INPUTS, LR, _die, arm_model_kills, init_cell, sample
 from elastic_fork import cells_main
 
 DECAY = 0.01
@@ -112,16 +111,6 @@ def _split() -> Any:
     return Split()
 
 
-def _init(rank: int, world: int, port: int, cell: int) -> None:
-    import torch.distributed as dist
-
-    client = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=30),
-                           wait_for_workers=False)
-    store = dist.PrefixStore(f"cell{cell}/", client)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-
-
 def _iterate(model: Any, zero: Any, rank: int, index: int) -> None:
     import torch
 
@@ -142,34 +131,14 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
 
     path = out / f"cell{cell}-rank{rank}.json"
     mine = {point: at for r, point, at in kills if r == rank}
-    _init(rank, world, port, cell)
+    init_cell(rank, world, port, cell)
     torch.manual_seed(0)
     model = DDP(_split())
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=LR,
                                    weight_decay=DECAY)
     init = model.module.flat()
     owned = sum(p.numel() for g in zero.optim.param_groups for p in g["params"])
-    if "drain" in mine or "post" in mine:
-        from joinkit.adapters import _ddp_elastic
-
-        if "drain" in mine:
-            original = _ddp_elastic.ElasticDDP.check
-            rounds = [0]
-
-            def check(self: Any, is_joined_rank: bool) -> bool | None:
-                if is_joined_rank:
-                    if rounds[0] == mine["drain"]:
-                        _die(path)
-                    rounds[0] += 1
-                return original(self, is_joined_rank)
-
-            _ddp_elastic.ElasticDDP.check = check  # type: ignore[method-assign]
-        else:
-            def sync_final_model(self: Any, is_last_joiner: bool) -> None:
-                _die(path)
-
-            _ddp_elastic.ElasticDDP.sync_final_model = (  # type: ignore[method-assign]
-                sync_final_model)
+    arm_model_kills(mine, path)
     mode = "raise" if option == "raise" else "finish"
     times: list[float] = []  # when each of this rank's iterations completed
     with warnings.catch_warnings(record=True) as caught:
@@ -217,7 +186,7 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
 
     from joinkit import Join
 
-    _init(rank, world, port, cell)
+    init_cell(rank, world, port, cell)
     torch.manual_seed(0)
     model = DDP(_split())
 

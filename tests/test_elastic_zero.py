@@ -22,8 +22,6 @@ other combinations), after which the group still matches; and two cells under
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ pytest.importorskip("torch.distributed")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import elastic_zero_runner as runner  # noqa: E402
+from elastic_fork import rank_results, run_runner  # noqa: E402
 
 DEADLINE = 40.0  # per cell, enforced by the runner (it kills what is left)
 KILL_CELLS = [
@@ -48,24 +47,11 @@ CELLS = ["3:", "3:~raise", *KILL_CELLS, POST_CELL, "3:refusals"]
 TOLERANCE = 1e-6
 
 
-def _load(out: Path, record: dict[str, Any]) -> dict[int, Any]:
-    ranks = {}
-    for path in out.glob(f"cell{record['cell']}-rank*.json"):
-        ranks[int(path.stem.rpartition("rank")[2])] = json.loads(path.read_text())
-    return ranks
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("elastic_zero")
-    done = subprocess.run(
-        [sys.executable, str(Path(runner.__file__)), "--out", str(out), "--deadline",
-         str(DEADLINE), *CELLS],
-        capture_output=True, text=True, timeout=DEADLINE * len(CELLS) + 60,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    records = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
-    return {record["spec"]: (record, _load(out, record), done.stderr) for record in records}
+    records, stderr = run_runner(runner.__file__, out, CELLS, DEADLINE)
+    return {record["spec"]: (record, rank_results(out, record), stderr) for record in records}
 
 
 def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
@@ -187,17 +173,10 @@ MPIRUN_CELLS = ["3:1/step/3", "4:2/beat/4"]
 
 @pytest.mark.timeout(600)
 def test_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(Path(runner.__file__)), "--mpirun", "--out", str(tmp_path),
-         "--deadline", str(DEADLINE), *MPIRUN_CELLS],
-        capture_output=True, text=True, timeout=(DEADLINE + 30) * len(MPIRUN_CELLS) + 60,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    records = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
-    assert [r["spec"] for r in records] == MPIRUN_CELLS
+    records, _ = run_runner(runner.__file__, tmp_path, MPIRUN_CELLS, DEADLINE, mpirun=True)
     for record in records:
         assert record["mpirun"] != "killed after deadline", record
         world, kills, _ = runner.parse(record["spec"])
-        ranks = _load(tmp_path, record)
+        ranks = rank_results(tmp_path, record)
         assert set(ranks) == set(range(world)) - {r for r, _, _ in kills}, record
         check_kill(record["spec"], ranks)
