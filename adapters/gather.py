@@ -177,17 +177,25 @@ class _Arena:
         self.buffer = np.empty(0, dtype=np.uint8)
         self.fill = 0
 
-    def add(self, data: np.ndarray) -> tuple[int, int]:
-        """Append ``data`` (1-D uint8); its (start, end) in :attr:`buffer`."""
-        start = self.fill
-        end = start + int(data.shape[0])
-        if end > self.buffer.shape[0]:
-            grown = np.empty(max(end, 2 * self.buffer.shape[0], 1 << 16), dtype=np.uint8)
-            grown[:start] = self.buffer[:start]
-            self.buffer = grown
-        self.buffer[start:end] = data
-        self.fill = end
-        return start, end
+    def add(self, pieces: Sequence[tuple[int, np.ndarray]]) -> list[tuple[int, int, int]]:
+        """Append each piece's bytes (rows, 1-D uint8), one after the other;
+        each piece's (rows, start, end) in :attr:`buffer`."""
+        fill = self.fill
+        end = fill
+        for _, data in pieces:
+            end += data.shape[0]
+        buffer = self.buffer
+        if end > buffer.shape[0]:
+            grown = np.empty(max(end, 2 * buffer.shape[0], 1 << 16), dtype=np.uint8)
+            grown[:fill] = buffer[:fill]
+            self.buffer = buffer = grown
+        spans = []
+        for rows, data in pieces:
+            start, fill = fill, fill + data.shape[0]
+            buffer[start:fill] = data
+            spans.append((rows, start, fill))
+        self.fill = fill
+        return spans
 
     def clear(self) -> None:
         self.fill = 0
@@ -321,7 +329,7 @@ class Gather(Joinable):
         inline = batch.nbytes <= capacity
         wire = self._wire(batch, heartbeat, capacity, inline)
         parts = self._group.all_gather(wire)
-        heads, total = _headers_and_total(parts)
+        heads, total = _headers(parts)
         Join.record_heartbeat_total(self, total)
         round_ = self._read(heads, capacity)
         if round_.mismatch:
@@ -387,7 +395,7 @@ class Gather(Joinable):
         columns: list[list[Any]] = []
         # Consecutive calls of one layout are decoded together: one
         # concatenation per array, straight from the arena's bytes.
-        run: list[tuple[int, Any]] = []
+        run: list[tuple[int, int, int]] = []
         run_layout: _Layout | None = None
         shared = False
 
@@ -400,7 +408,7 @@ class Gather(Joinable):
         def flush() -> None:
             nonlocal run, run_layout
             if run_layout is not None:
-                add(_decode(run_layout, run, bool(torch), device))
+                add(_decode_kept(run_layout, self._arena.buffer, run, bool(torch), device))
             run, run_layout = [], None
 
         for entry in kept:
@@ -423,8 +431,7 @@ class Gather(Joinable):
             if layout is not run_layout:
                 flush()
                 run_layout = layout
-            buffer = self._arena.buffer
-            run.extend((rows, buffer[start:end]) for rows, start, end in spans)
+            run.extend(spans)
         flush()
         if len(columns[0]) == 1 and not shared:  # decoded above: already a copy
             joined = [column[0] for column in columns]
@@ -445,7 +452,7 @@ class Gather(Joinable):
         # decode yet (see _share_layouts).
         wire[:_HEADER_BYTES] = _header(heartbeat, _NO_ROWS, int(self._unknown > 0), 0)
         parts = self._group.all_gather(wire)
-        heads = _headers(parts)
+        heads, total = _headers(parts)
         self._someone_unknown = any(head[1] < 0 and head[2] for head in heads)
         round_ = self._read(heads, capacity)
         if round_.mismatch:
@@ -456,7 +463,7 @@ class Gather(Joinable):
                 self._pending_keep = round_
             else:
                 self._keep_raw(round_, parts, _HEADER_BYTES)
-        return _heartbeat_total(parts)
+        return total
 
     def _keep_raw(self, round_: _Round, parts: Sequence[Any], offset: int) -> None:
         """Keep the bytes a joined rank received of one call (``keep=True``)."""
@@ -470,8 +477,7 @@ class Gather(Joinable):
 
     def _keep_bytes(self, fingerprint: int, pieces: Sequence[tuple[int, np.ndarray]]) -> None:
         """Keep one call's bytes (rows, uint8 per rank) in the arena (``keep=True``)."""
-        add = self._arena.add
-        self._kept.append(("bytes", fingerprint, [(rows, *add(data)) for rows, data in pieces]))
+        self._kept.append(("bytes", fingerprint, self._arena.add(pieces)))
 
     def _shadow_data(self) -> None:
         """A joined rank's part of the call's data collective, if it has one."""
@@ -506,7 +512,7 @@ class Gather(Joinable):
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _read(self, heads: list[list[int]], capacity: int) -> _Round:
+    def _read(self, heads: list[_Head], capacity: int) -> _Round:
         """What the headers decide, the same on every rank; updates the capacity."""
         rows = [head[1] for head in heads]
         nbytes = [head[2] for head in heads]
@@ -528,7 +534,7 @@ class Gather(Joinable):
         data_bytes = 0 if mismatch or inline else need
         return _Round(rows, nbytes, inline, data_bytes, mismatch, fingerprint)
 
-    def _explain(self, description: str, heads: list[list[int]], fail: bool) -> None:
+    def _explain(self, description: str, heads: list[_Head], fail: bool) -> None:
         """Every rank's description of its arrays (one collective); raise if ``fail``."""
         text = np.zeros(_DESCRIPTION_BYTES, dtype=np.uint8)
         encoded = description.encode()[:_DESCRIPTION_BYTES]
@@ -555,9 +561,8 @@ class Gather(Joinable):
         """This rank's header collective buffer: header, then the data where it fits."""
         if not batch.layout.wire_torch:  # the per-call path on the CPU: no conversions
             wire = np.zeros(_HEADER_BYTES + capacity, dtype=np.uint8)
-            head = wire[:_HEADER_BYTES].view(np.int64)
-            head[1:] = (batch.rows, batch.nbytes, batch.layout.fingerprint)
-            head.view(np.float64)[0] = heartbeat
+            _HEADER.pack_into(wire, 0, heartbeat,  # type: ignore[arg-type]
+                              batch.rows, batch.nbytes, batch.layout.fingerprint)
             if inline:
                 offset = _HEADER_BYTES
                 for flat in batch.flats:
@@ -756,7 +761,8 @@ def _cpu_numpy(tensor: Any) -> np.ndarray:
 
 
 _HEADER = struct.Struct("<dqqq")  # heartbeat, rows, nbytes, fingerprint
-_FLOAT = struct.Struct("<d")
+#: One rank's header, unpacked.
+_Head = tuple[float, int, int, int]
 
 
 def _header(heartbeat: float, rows: int, nbytes: int, fingerprint: int) -> np.ndarray:
@@ -771,36 +777,19 @@ def _host(part: Any) -> np.ndarray:
     return part.cpu().numpy()  # type: ignore[no-any-return]
 
 
-def _headers_and_total(parts: Sequence[Any]) -> tuple[list[list[int]], float]:
-    """:func:`_headers` and :func:`_heartbeat_total` at once (the per-call path)."""
-    if not isinstance(parts[0], np.ndarray):
-        return _headers(parts), _heartbeat_total(parts)
-    block = np.concatenate([part[:_HEADER_BYTES] for part in parts]).view(np.int64)
-    block = block.reshape(len(parts), _FIELDS)
-    # The slot's values added in rank order from 0, as _heartbeat_total does.
-    return block.tolist(), float(sum(block[:, 0].view(np.float64).tolist()))
-
-
-def _headers(parts: Sequence[Any]) -> list[list[int]]:
-    """The ranks' header fields as ints (the heartbeat's as its float64 bits)."""
-    if isinstance(parts[0], np.ndarray):
-        return [part[:_HEADER_BYTES].view(np.int64).tolist() for part in parts]
-    torch = sys.modules["torch"]
-    heads = torch.stack([p[:_HEADER_BYTES] for p in parts]).cpu().numpy()
-    return heads.view(np.int64).tolist()  # type: ignore[no-any-return]
-
-
-def _heartbeat_total(parts: Sequence[Any]) -> float:
-    """The heartbeat slot's sum, in rank order (so the same on every rank)."""
+def _headers(parts: Sequence[Any]) -> tuple[list[_Head], float]:
+    """The ranks' headers (heartbeat, rows, nbytes, fingerprint), and the
+    heartbeat slot's sum added in rank order from 0 (so the same on every rank)."""
+    if isinstance(parts[0], np.ndarray):  # the per-call path: no NumPy work
+        heads = [_HEADER.unpack_from(part) for part in parts]
+    else:  # bytes on a device: one copy of the headers to the host
+        torch = sys.modules["torch"]
+        block = torch.stack([p[:_HEADER_BYTES] for p in parts]).cpu().numpy()
+        heads = [_HEADER.unpack_from(row) for row in block]
     total = 0.0
-    if isinstance(parts[0], np.ndarray):
-        for part in parts:
-            total += _FLOAT.unpack(part[:8].tobytes())[0]
-        return total
-    torch = sys.modules["torch"]
-    for value in torch.stack([p[:8] for p in parts]).cpu().numpy().view(np.float64).ravel():
-        total += float(value)
-    return total
+    for head in heads:
+        total += head[0]
+    return heads, total
 
 
 def _fill(buffer: Any, offset: int, batch: _Batch) -> None:
@@ -815,6 +804,60 @@ def _fill(buffer: Any, offset: int, batch: _Batch) -> None:
 
 def _host_array(value: Any) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else np.asarray(value)
+
+
+def _decode_kept(layout: _Layout, buffer: np.ndarray, spans: list[tuple[int, int, int]],
+                 torch: bool, device: Any) -> list[Any]:
+    """Each array's rows from kept calls: ``spans`` are (rows, start, end) of
+    ``buffer``, each one rank's bytes of one call (as :func:`_decode` reads them).
+
+    Spans kept one after the other with the same rows (the full batches of an
+    epoch: every call, every rank) form one 2-D block, [span, bytes], whose
+    columns of one array are copied at once: a few NumPy operations per array
+    for a whole epoch, not a few per call.
+    """
+    stretches: list[list[int]] = []  # [rows, start, spans]
+    for rows, start, end in spans:
+        last = stretches[-1] if stretches else None
+        if last is not None and last[0] == rows and last[1] + last[2] * (end - start) == start:
+            last[2] += 1
+        else:
+            stretches.append([rows, start, 1])
+    total = 0
+    for rows, _, count in stretches:
+        total += rows * count
+    out = []
+    offset = 0  # this array's first byte within a row of every array
+    for name, shape, per_row in layout.arrays:
+        raw = np.empty(total * per_row, dtype=np.uint8)
+        at = 0
+        for rows, start, count in stretches:
+            width = rows * layout.row_bytes
+            block = buffer[start:start + count * width].reshape(count, width)
+            size = count * rows * per_row
+            raw[at:at + size].reshape(count, rows * per_row)[...] = (
+                block[:, rows * offset:rows * (offset + per_row)])
+            at += size
+        offset += per_row
+        out.append(_typed(raw, total, name, shape, torch, device))
+    return out
+
+
+def _typed(raw: np.ndarray, total: int, name: str, shape: tuple[int, ...], torch: bool,
+           device: Any) -> Any:
+    """``raw`` (fresh uint8 bytes of ``total`` rows) as the array it encodes."""
+    dtype = _numpy_dtype(name)
+    if not torch:
+        assert dtype is not None  # NumPy results come from NumPy arrays
+        return raw.view(dtype).reshape(total, *shape)
+    module = sys.modules["torch"]
+    if dtype is not None and raw.size:
+        tensor = module.from_numpy(raw.view(dtype).reshape(total, *shape))
+    elif raw.size:
+        tensor = module.from_numpy(raw).view(getattr(module, name)).reshape(total, *shape)
+    else:  # from_numpy gives an empty array stride 0, which view refuses
+        tensor = module.empty((total, *shape), dtype=getattr(module, name))
+    return tensor if device is None or device.type == "cpu" else tensor.to(device)
 
 
 def _decode(layout: _Layout, pieces: list[tuple[int, Any]], torch: bool, device: Any
@@ -838,7 +881,7 @@ def _decode(layout: _Layout, pieces: list[tuple[int, Any]], torch: bool, device:
             assert dtype is not None  # cpu_views: NumPy has every dtype
             out.append(from_numpy(raw.view(dtype).reshape(total, *shape)))
         return out
-    for (name, shape, per_row), dtype in zip(layout.arrays, layout.numpy_dtypes, strict=True):
+    for name, shape, per_row in layout.arrays:
         column = []
         for rows, data in pieces:
             column.append(data[start * rows:(start + per_row) * rows])
@@ -852,16 +895,5 @@ def _decode(layout: _Layout, pieces: list[tuple[int, Any]], torch: bool, device:
             raw = np.concatenate(column)
         else:
             raw = column[0].copy() if column else np.empty(0, dtype=np.uint8)
-        if not torch:
-            assert dtype is not None  # NumPy results come from NumPy arrays
-            out.append(raw.view(dtype).reshape(total, *shape))
-            continue
-        module = sys.modules["torch"]
-        if dtype is not None and raw.size:
-            tensor = module.from_numpy(raw.view(dtype).reshape(total, *shape))
-        elif raw.size:
-            tensor = module.from_numpy(raw).view(getattr(module, name)).reshape(total, *shape)
-        else:  # from_numpy gives an empty array stride 0, which view refuses
-            tensor = module.empty((total, *shape), dtype=getattr(module, name))
-        out.append(tensor if device is None or device.type == "cpu" else tensor.to(device))
+        out.append(_typed(raw, total, name, shape, torch, device))
     return out
