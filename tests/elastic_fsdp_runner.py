@@ -241,6 +241,14 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
         else:
             found[name] = "(not refused)"
 
+    if world % 2 == 0:  # HSDP: a 2-D mesh (replicate, shard)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        hsdp = _mlp()
+        fully_shard(hsdp, mesh=init_device_mesh("cpu", (2, world // 2),
+                                                mesh_dim_names=("replicate", "shard")))
+        attempt("hsdp", [hsdp, torch.optim.SGD(hsdp.parameters(), lr=LR)])
     attempt("adam", [model, stateful])
     attempt("momentum", [model, momentum])
     attempt("scheduler", [model, optimizer, scheduler])
