@@ -291,7 +291,7 @@ class ElasticFSDP:
         self.earlier = [p.grad for p in self.params]
         for param in self.params:
             param.grad = None
-        engine: Any = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+        engine: Any = torch.autograd.Variable._execution_engine
         engine.queue_callback(self._backward_ends)
         return None
 
@@ -453,7 +453,8 @@ class ElasticFSDP:
                 # The old parameter object takes the new shard: the optimizer's and
                 # the user's references stay the model's parameters.
                 param = old.sharded_param
-                torch.utils.swap_tensors(param, new.sharded_param)
+                swap: Any = torch.utils.swap_tensors
+                swap(param, new.sharded_param)
                 new.sharded_param = param
                 new._setattr_on_modules(param)
                 with torch.no_grad():
@@ -475,7 +476,7 @@ def _write_shard(fsdp_param: Any, param: Any, rank: int, full: Any = None) -> No
     """``rank``'s slice of the full parameter (and its gradient) into ``param``'s shard."""
     if full is None:
         full = fsdp_param._unsharded_param
-    local = param._local_tensor
+    local = param.to_local()  # a view of the shard: copy_ writes it
     rows = local.shape[0] if local.dim() else 0
     start = rank * fsdp_param.padded_sharded_param_size[0]
     if local.numel() > 0:

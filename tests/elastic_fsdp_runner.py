@@ -223,6 +223,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
 def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None:
     """Each refused configuration, on every rank; then a Join that works (no mismatch)."""
     import torch
+
     from joinkit import Join
 
     init_cell(rank, world, port, cell)
