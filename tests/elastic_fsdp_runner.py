@@ -44,6 +44,8 @@ LR = 0.05
 WEIGHT_DECAY = 0.01
 HIDDEN = 8
 AFTER = 2  # plain FSDP steps after the Join, on every survivor
+LATER = 1  # then a default-mode Join over the survivors: LATER inputs each, one more on
+#            the lowest survivor
 POINTS = ("body", "beat", "drain", "post")
 
 
@@ -84,7 +86,7 @@ def _loss(model: Any, rank: int, index: int, dtype: Any) -> Any:
 
 def reference(init: list[list[float]], world: int, consumed: dict[int, int],
               after: list[int], divide_by_initial_world_size: bool = True,
-              ) -> tuple[np.ndarray, np.ndarray]:
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The single-process run (float64) over exactly the consumed inputs, then ``AFTER``.
 
     Args:
@@ -97,7 +99,9 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
             contributed.
 
     Returns:
-        The flat parameters at the Join's exit, and after the steps that follow.
+        The flat parameters at the Join's exit, after the plain steps that
+        follow, and after the later default-mode Join (``LATER`` inputs per
+        survivor, one more on the lowest).
     """
     import torch
 
@@ -125,7 +129,11 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
     at_exit = flat()
     for k in range(AFTER):
         step([(r, INPUTS + r + k) for r in after], float(len(after)))
-    return at_exit, flat()
+    plain = flat()
+    for k in range(LATER + 1):
+        active = [r for r in after if k < LATER + (r == min(after))]
+        step([(r, INPUTS + r + AFTER + k) for r in active], float(len(after)))
+    return at_exit, plain, flat()
 
 
 def arm_fsdp_kills(mine: dict[str, int], path: Path) -> None:
@@ -211,10 +219,20 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
         optimizer.zero_grad()
     after = full_parameters(model)
     size = model.first.weight.device_mesh.size()
+    # A later default-mode Join over the survivors (joinkit's FSDP replay on the
+    # new group), uneven: the lowest survivor has one input more.
+    lowest = min(r for r in range(world) if r not in {k for k, _, _ in kills})
+    with Join([model, optimizer]):
+        for k in range(LATER + (rank == lowest)):
+            _loss(model, rank, INPUTS + rank + AFTER + k, torch.float32).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    later = full_parameters(model)
     lost = [{"rank": x.rank, "iterations": x.iterations, "survivors": list(x.survivors)}
             for x in join.report.lost_ranks]
     path.write_text(json.dumps({
-        "rank": rank, "init": init, "final": final, "after": after, "lost": lost,
+        "rank": rank, "init": init, "final": final, "after": after, "later": later,
+        "lost": lost,
         "size_after": size, "same_objects": same, "times": times, "ended": time.time(),
         "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],
     }))

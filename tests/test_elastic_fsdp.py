@@ -84,8 +84,8 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
     dead = {r for r, _, _ in kills}
     survivors = sorted(ranks)
     init = ranks[survivors[0]]["init"]
-    want, want_after = runner.reference(init, world, used, survivors,
-                                        divide_by_initial_world_size=option != "count")
+    want, want_after, want_later = runner.reference(
+        init, world, used, survivors, divide_by_initial_world_size=option != "count")
     for rank, data in ranks.items():
         assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
             r: used[r] for r in dead}, (spec, rank, data["lost"])
@@ -99,6 +99,9 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
         assert data["same_objects"], spec  # the optimizer still holds the model's parameters
         np.testing.assert_allclose(_flat(data["after"]), want_after, rtol=0, atol=TOLERANCE,
                                    err_msg=f"{spec} rank {rank} after the Join")
+        # And a later default-mode Join over the survivors (uneven).
+        np.testing.assert_allclose(_flat(data["later"]), want_later, rtol=0, atol=TOLERANCE,
+                                   err_msg=f"{spec} rank {rank} in a later Join")
 
 
 @pytest.mark.timeout(900)
@@ -116,9 +119,9 @@ def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> 
     check_cell("3:~count", _survivors(results, "3:~count"))
     init = finish[0]["init"]
     used = consumed(3, [])
-    want, _ = runner.reference(init, 3, used, [0, 1, 2])
-    want_count, _ = runner.reference(init, 3, used, [0, 1, 2],
-                                     divide_by_initial_world_size=False)
+    want = runner.reference(init, 3, used, [0, 1, 2])[0]
+    want_count = runner.reference(init, 3, used, [0, 1, 2],
+                                  divide_by_initial_world_size=False)[0]
     assert not np.allclose(want, want_count)  # the two divisors differ here
     for rank in range(3):
         np.testing.assert_allclose(_flat(finish[rank]["final"]),
