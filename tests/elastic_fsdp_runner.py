@@ -45,7 +45,7 @@ WEIGHT_DECAY = 0.01
 HIDDEN = 8
 AFTER = 2  # plain FSDP steps after the Join, on every survivor
 LATER = 1  # then a default-mode Join over the survivors: LATER inputs each, one more on
-#            the lowest survivor
+#            the lowest survivor; then a finish-mode Join, one input each
 POINTS = ("body", "beat", "drain", "post")
 
 
@@ -86,7 +86,7 @@ def _loss(model: Any, rank: int, index: int, dtype: Any) -> Any:
 
 def reference(init: list[list[float]], world: int, consumed: dict[int, int],
               after: list[int], divide_by_initial_world_size: bool = True,
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The single-process run (float64) over exactly the consumed inputs, then ``AFTER``.
 
     Args:
@@ -100,8 +100,9 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
 
     Returns:
         The flat parameters at the Join's exit, after the plain steps that
-        follow, and after the later default-mode Join (``LATER`` inputs per
-        survivor, one more on the lowest).
+        follow, after the later default-mode Join (``LATER`` inputs per
+        survivor, one more on the lowest), and after a later finish-mode Join
+        (one input per survivor).
     """
     import torch
 
@@ -133,7 +134,9 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
     for k in range(LATER + 1):
         active = [r for r in after if k < LATER + (r == min(after))]
         step([(r, INPUTS + r + AFTER + k) for r in active], float(len(after)))
-    return at_exit, plain, flat()
+    later = flat()
+    step([(r, INPUTS + r + AFTER + LATER + 1) for r in after], float(len(after)))
+    return at_exit, plain, later, flat()
 
 
 def arm_fsdp_kills(mine: dict[str, int], path: Path) -> None:
@@ -228,10 +231,17 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
             optimizer.step()
             optimizer.zero_grad()
     later = full_parameters(model)
+    # And a later finish-mode Join over the survivors (no death): one input each.
+    with Join([model, optimizer], on_rank_loss="finish", store_outlives_ranks=True):
+        _loss(model, rank, INPUTS + rank + AFTER + LATER + 1, torch.float32).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    again = full_parameters(model)
     lost = [{"rank": x.rank, "iterations": x.iterations, "survivors": list(x.survivors)}
             for x in join.report.lost_ranks]
     path.write_text(json.dumps({
         "rank": rank, "init": init, "final": final, "after": after, "later": later,
+        "again": again,
         "lost": lost,
         "size_after": size, "same_objects": same, "times": times, "ended": time.time(),
         "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],

@@ -12,7 +12,8 @@ every survivor left the Join normally, that the report names the dead rank
 with the inputs it consumed, that every survivor's full parameters equal a
 single-process float64 reference over exactly the consumed inputs (within
 1e-6), and that two plain FSDP steps after the Join (FSDP's own all-gathers
-and reduce-scatters, re-sharded over the survivors) still equal it. Also: no
+and reduce-scatters, re-sharded over the survivors), a later default-mode
+Join and a later finish-mode Join over the survivors still equal it. Also: no
 death in finish mode equals the reference and the default mode (joinkit's
 FSDP replay); the divisor ``divide_by_initial_world_size=False``; the
 refusals, after which the group still matches; one cell under ``mpirun
@@ -84,7 +85,7 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
     dead = {r for r, _, _ in kills}
     survivors = sorted(ranks)
     init = ranks[survivors[0]]["init"]
-    want, want_after, want_later = runner.reference(
+    want, want_after, want_later, want_again = runner.reference(
         init, world, used, survivors, divide_by_initial_world_size=option != "count")
     for rank, data in ranks.items():
         assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
@@ -102,6 +103,9 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
         # And a later default-mode Join over the survivors (uneven).
         np.testing.assert_allclose(_flat(data["later"]), want_later, rtol=0, atol=TOLERANCE,
                                    err_msg=f"{spec} rank {rank} in a later Join")
+        # And a later finish-mode Join over them.
+        np.testing.assert_allclose(_flat(data["again"]), want_again, rtol=0,
+                                   atol=TOLERANCE, err_msg=f"{spec} rank {rank} finish again")
 
 
 @pytest.mark.timeout(900)
