@@ -21,7 +21,8 @@ A ``CELL`` is ``W:KILLS[~OPTION]``, ``KILLS`` a ``+``-joined list of
 backward's gradient unit), ``drain`` (in the joined rank's shadow round
 ``at``) or ``post`` (in the post hook); ``OPTION`` ``raise`` (the default
 ``on_rank_loss``: joinkit's FSDP replay) or ``count``
-(``divide_by_initial_world_size=False``). ``W:refusals`` runs the refused
+(``divide_by_initial_world_size=False``) or ``accum`` (two forwards and
+backwards per input, accumulated before the step). ``W:refusals`` runs the refused
 configurations. Each rank writes ``DIR/cell{C}-rank{R}.json``: the initial
 full parameters, the full parameters right after the Join and after the
 steps that follow, the report's lost ranks, the mesh size after. The
@@ -86,7 +87,7 @@ def _loss(model: Any, rank: int, index: int, dtype: Any) -> Any:
 
 def reference(init: list[list[float]], world: int, consumed: dict[int, int],
               after: list[int], divide_by_initial_world_size: bool = True,
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+              repeat: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The single-process run (float64) over exactly the consumed inputs, then ``AFTER``.
 
     Args:
@@ -97,6 +98,7 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
             ``INPUTS + rank + k``), divided by their number.
         divide_by_initial_world_size: else the Join divides by the ranks that
             contributed.
+        repeat: backward passes per input in the Join (``~accum``: 2, accumulated).
 
     Returns:
         The flat parameters at the Join's exit, after the plain steps that
@@ -111,10 +113,11 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
         for param, values in zip(model.parameters(), init, strict=True):
             param.copy_(torch.tensor(values, dtype=torch.float64).reshape(param.shape))
 
-    def step(items: list[tuple[int, int]], divisor: float) -> None:
+    def step(items: list[tuple[int, int]], divisor: float, repeat: int = 1) -> None:
         model.zero_grad()
         for rank, index in items:
-            _loss(model, rank, index, torch.float64).backward()
+            for _ in range(repeat):
+                _loss(model, rank, index, torch.float64).backward()
         with torch.no_grad():
             for param in model.parameters():
                 grad = param.grad / divisor + WEIGHT_DECAY * param
@@ -126,7 +129,7 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
     for t in range(max(consumed.values(), default=0)):
         active = [r for r, n in consumed.items() if t < n]
         step([(r, t) for r in active],
-             float(world if divide_by_initial_world_size else len(active)))
+             float(world if divide_by_initial_world_size else len(active)), repeat)
     at_exit = flat()
     for k in range(AFTER):
         step([(r, INPUTS + r + k) for r in after], float(len(after)))
@@ -209,6 +212,8 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
                 if mine.get("beat") == index:
                     _die(path)
                 ((pred - y) ** 2).sum().backward()
+                if option == "accum":  # a second forward and backward, accumulated
+                    _loss(model, rank, index, torch.float32).backward()
                 optimizer.step()
                 optimizer.zero_grad()
                 times.append(time.time())

@@ -42,7 +42,7 @@ KILL_CELLS = [
     "3:1/beat/3~count",  # the divisor: the ranks that contributed
     "4:1/body/2+2/beat/4",  # two deaths, at different iterations
 ]
-CELLS = ["3:", "3:~raise", "3:~count", *KILL_CELLS, "4:refusals"]
+CELLS = ["3:", "3:~raise", "3:~count", "3:~accum", *KILL_CELLS, "4:refusals"]
 MPIRUN_CELL = "3:1/beat/3"
 TOLERANCE = 1e-6
 
@@ -86,7 +86,8 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
     survivors = sorted(ranks)
     init = ranks[survivors[0]]["init"]
     want, want_after, want_later, want_again = runner.reference(
-        init, world, used, survivors, divide_by_initial_world_size=option != "count")
+        init, world, used, survivors, divide_by_initial_world_size=option != "count",
+        repeat=2 if option == "accum" else 1)
     for rank, data in ranks.items():
         assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
             r: used[r] for r in dead}, (spec, rank, data["lost"])
@@ -121,6 +122,7 @@ def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> 
     check_cell("3:", finish)
     check_cell("3:~raise", default)  # joinkit's FSDP replay: the same numbers
     check_cell("3:~count", _survivors(results, "3:~count"))
+    check_cell("3:~accum", _survivors(results, "3:~accum"))  # two backwards per step
     init = finish[0]["init"]
     used = consumed(3, [])
     want = runner.reference(init, 3, used, [0, 1, 2])[0]
