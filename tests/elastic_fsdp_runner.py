@@ -306,6 +306,20 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
             optimizer.step()
             optimizer.zero_grad()
     params = [p for values in full_parameters(model) for p in values]
+    # A forward with gradients and no backward (an evaluation without no_grad), on
+    # every rank as its last input: each raises, no collective mismatched.
+    try:
+        with Join([model, optimizer], on_rank_loss="finish", store_outlives_ranks=True):
+            for index in range(1 + rank):
+                loss = _loss(model, rank, index, torch.float32)
+                if index < rank:
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+    except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
+        found["no_backward"] = f"{type(exc).__name__}: {exc}"
+    else:
+        found["no_backward"] = "(not raised)"
     (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "refusals": found, "after": "ok", "params": params}))
 

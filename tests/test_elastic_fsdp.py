@@ -152,6 +152,10 @@ def test_refusals(results: dict[str, Any]) -> None:
             assert words in found[name], (rank, name, found[name])
             assert name == "gradients" or "What works" in found[name], found[name]
         assert ranks[rank]["after"] == "ok"
+        # A forward with gradients and no backward: an error on every rank, no hang.
+        error = found["no_backward"]
+        assert error.startswith(("LocalProtocolError: ", "PeerFailure: ")), error
+        assert "ran a forward with gradients enabled and no backward" in error, error
         # After the refusals the group still matched, and every rank holds the same model.
         np.testing.assert_array_equal(ranks[rank]["params"], ranks[0]["params"])
 
