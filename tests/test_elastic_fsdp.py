@@ -170,3 +170,35 @@ def test_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
     ranks = rank_results(tmp_path, record)
     assert set(ranks) == {0, 2}, (record, stderr[-3000:])
     check_cell(MPIRUN_CELL, ranks)
+
+
+_CUDA_PROGRAM = """
+import os, tempfile, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from joinkit import Join
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+model = torch.nn.Linear(4, 2, device="cuda")
+fully_shard(model, mesh=init_device_mesh("cuda", (1,)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    with Join([model, optimizer], on_rank_loss="finish"):
+        pass
+except ValueError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_cuda_model_is_refused() -> None:
+    """A CUDA FSDP2 model in a finish-mode Join: refused on entry (gloo on the CPU only)."""
+    import subprocess
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA-only: a CUDA FSDP2 model")
+    done = subprocess.run([sys.executable, "-c", _CUDA_PROGRAM], capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REFUSED" in done.stdout and "CPU" in done.stdout, done.stdout
