@@ -18,7 +18,8 @@ all-gathers and reduce-scatters on the rebuilt group.
 A ``CELL`` is ``W:KILLS[~OPTION]``, ``KILLS`` a ``+``-joined list of
 ``rank/point/at``: ``body`` (in the loop body before input ``at``'s forward),
 ``beat`` (after input ``at``'s forward, whose heartbeat went out, before its
-backward's gradient unit), ``drain`` (in the joined rank's shadow round
+backward's gradient unit), ``step`` (after input ``at``'s gradient unit,
+before the optimizer's step), ``drain`` (in the joined rank's shadow round
 ``at``) or ``post`` (in the post hook); ``OPTION`` ``raise`` (the default
 ``on_rank_loss``: joinkit's FSDP replay) or ``count``
 (``divide_by_initial_world_size=False``) or ``accum`` (two forwards and
@@ -47,7 +48,7 @@ HIDDEN = 8
 AFTER = 2  # plain FSDP steps after the Join, on every survivor
 LATER = 1  # then a default-mode Join over the survivors: LATER inputs each, one more on
 #            the lowest survivor; then a finish-mode Join, one input each
-POINTS = ("body", "beat", "drain", "post")
+POINTS = ("body", "beat", "step", "drain", "post")
 
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
@@ -214,6 +215,8 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
                 ((pred - y) ** 2).sum().backward()
                 if option == "accum":  # a second forward and backward, accumulated
                     _loss(model, rank, index, torch.float32).backward()
+                if mine.get("step") == index:
+                    _die(path)
                 optimizer.step()
                 optimizer.zero_grad()
                 times.append(time.time())

@@ -38,11 +38,14 @@ from elastic_fork import rank_results, run_runner  # noqa: E402
 DEADLINE = 40.0  # per cell, enforced by the runner (it kills what is left)
 KILL_CELLS = [
     "3:1/body/3", "3:0/beat/2", "3:0/drain/1", "3:0/post/0",
-    "4:3/body/2", "4:2/beat/4", "4:1/drain/1",
+    "4:3/body/2", "4:2/beat/4", "4:1/drain/1", "4:0/step/3",
     "3:1/beat/3~count",  # the divisor: the ranks that contributed
     "4:1/body/2+2/beat/4",  # two deaths, at different iterations
 ]
-CELLS = ["3:", "3:~raise", "3:~count", "3:~accum", *KILL_CELLS, "4:refusals"]
+#: The last joiner dies in the post hook: the survivors, all joined earlier, take
+#: the model of rank 0 of the rebuilt group, as of its join (a documented limit).
+POST_CELL = "3:2/post/0"
+CELLS = ["3:", "3:~raise", "3:~count", "3:~accum", *KILL_CELLS, POST_CELL, "4:refusals"]
 MPIRUN_CELL = "3:1/beat/3"
 TOLERANCE = 1e-6
 
@@ -60,6 +63,8 @@ def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
     for rank, point, at in kills:
         if point in ("body", "beat"):
             out[rank] = at
+        elif point == "step":  # its gradient unit completed: the survivors applied it
+            out[rank] = at + 1
     return out
 
 
@@ -113,6 +118,23 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
 @pytest.mark.parametrize("spec", KILL_CELLS)
 def test_kill(results: dict[str, Any], spec: str) -> None:
     check_cell(spec, _survivors(results, spec))
+
+
+@pytest.mark.timeout(900)
+def test_last_joiner_dies_in_post_hook(results: dict[str, Any]) -> None:
+    ranks = _survivors(results, POST_CELL)
+    world = 3
+    # Its later iterations are counted, but the survivors (joined at INPUTS and
+    # INPUTS + 1) hold rank 0's model as of its join: every rank's first INPUTS inputs.
+    survivors = sorted(ranks)
+    as_of_join = {r: runner.INPUTS for r in range(world)}
+    want = runner.reference(ranks[0]["init"], world, as_of_join, survivors)[0]
+    for rank, data in ranks.items():
+        assert [(x["rank"], x["iterations"]) for x in data["lost"]] == [
+            (2, runner.INPUTS + 2)], (rank, data["lost"])
+        np.testing.assert_allclose(_flat(data["final"]), want, rtol=0, atol=TOLERANCE,
+                                   err_msg=f"rank {rank}")
+        assert data["size_after"] == 2 and data["same_objects"]
 
 
 @pytest.mark.timeout(900)
