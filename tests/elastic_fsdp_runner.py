@@ -323,6 +323,20 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
         found["no_backward"] = f"{type(exc).__name__}: {exc}"
     else:
         found["no_backward"] = "(not raised)"
+    # An error is not a death: rank 1 raises between a forward and its backward.
+    try:
+        with Join([model, optimizer], on_rank_loss="finish", store_outlives_ranks=True):
+            for index in range(3 + rank):
+                loss = _loss(model, rank, index, torch.float32)
+                if rank == 1 and index == 1:
+                    raise KeyError("raised between a forward and its backward")
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
+        found["raised"] = f"{type(exc).__name__}: {exc}"
+    else:
+        found["raised"] = "(not raised)"
     (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "refusals": found, "after": "ok", "params": params}))
 

@@ -178,6 +178,14 @@ def test_refusals(results: dict[str, Any]) -> None:
         error = found["no_backward"]
         assert error.startswith(("LocalProtocolError: ", "PeerFailure: ")), error
         assert "ran a forward with gradients enabled and no backward" in error, error
+        # An error is not a death: the raising rank gets its own, the others a
+        # PeerFailure naming it (the failure protocol), promptly.
+        raised = found["raised"]
+        if rank == 1:
+            assert raised.startswith("KeyError: "), raised
+        else:
+            assert raised.startswith("PeerFailure: rank 1 failed") and "KeyError" in raised, \
+                raised
         # After the refusals the group still matched, and every rank holds the same model.
         np.testing.assert_array_equal(ranks[rank]["params"], ranks[0]["params"])
 
