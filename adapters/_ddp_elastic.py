@@ -66,7 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ElasticDDP", "has_hook", "refusal"]
+__all__ = ["ElasticDDP", "c10d_group", "has_hook", "refusal"]
 
 
 def refusal(ddp: Any, replays: bool) -> str | None:
@@ -228,15 +228,7 @@ class ElasticDDP:
             return None
         if self._rebuilt is not None and self._rebuilt[0] is backend:
             return self._rebuilt[1]
-        pg = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
-        gloo = dist.ProcessGroup.BackendType.GLOO
-        pg._set_default_backend(gloo)
-        pg._register_backend(torch.device("cpu"), gloo, backend)
-        c10d: Any = dist.distributed_c10d
-        survivors = self.group.lost_ranks()[-1].survivors  # entry ranks, in new order
-        c10d._world.pg_group_ranks[pg] = {
-            c10d.get_global_rank(self.entry_process_group, old): new
-            for new, old in enumerate(survivors)}
+        pg = c10d_group(self.group, self.entry_process_group)
         self._rebuilt = (backend, pg)
         return pg
 
@@ -353,3 +345,28 @@ class _Reducer:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(object.__getattribute__(self, "_reducer"), name, value)
+
+
+def c10d_group(group: Any, entry_process_group: Any) -> Any:
+    """A c10d ProcessGroup over ``group``'s rebuilt gloo backend, registered with c10d.
+
+    Args:
+        group: the Join's elastic TorchGroup, after a loss.
+        entry_process_group: the c10d group it stood for at the Join's entry
+            (its ranks map the survivors to global ranks).
+
+    Returns:
+        The new ProcessGroup: ``dist.get_rank(pg)``, ``dist.broadcast(group=pg)``
+        and ``DeviceMesh.from_group(pg, "cpu")`` work on it.
+    """
+    backend = group.process_group
+    pg = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
+    gloo = dist.ProcessGroup.BackendType.GLOO
+    pg._set_default_backend(gloo)
+    pg._register_backend(torch.device("cpu"), gloo, backend)
+    c10d: Any = dist.distributed_c10d
+    survivors = group.lost_ranks()[-1].survivors  # entry ranks, in new order
+    c10d._world.pg_group_ranks[pg] = {
+        c10d.get_global_rank(entry_process_group, old): new
+        for new, old in enumerate(survivors)}
+    return pg

@@ -87,6 +87,16 @@ reduced gradient it adds is zero) and raises ``LocalProtocolError``; the
 Join's failure protocol gives its peers ``PeerFailure``. Limit: a backward
 that does not reach the root's outputs counts as none.
 
+*A rank that dies* (``Join([model, optimizer], on_rank_loss="finish")``): none
+of the above runs. The model's ``join_hook`` vouches for FSDP's group
+(``torch_dist.elastic_raw_groups``), and on entry ``adapters._fsdp_elastic``
+unshards the model for the length of the Join (no FSDP collective in forward
+or backward; one gradient unit per backward through the Join's elastic
+TorchGroup; every active rank steps the full parameters with SGD, momentum 0)
+and shards it again on exit, over the survivors after a loss; it refuses on
+entry what it cannot do. A joined rank's shadow is that module's zero unit,
+and its post hook syncs the last joiners' model.
+
 *Failures.* A rank whose loop raised shadows like a joined rank. If it raised
 right after its step check (before FSDP issued anything), the shell runs one
 completion round first, which reads the flags from that rank's own send;
@@ -194,6 +204,8 @@ class FSDPJoinable(Joinable):
         #: Whether this rank's latest shadow round synced gradients: the
         #: optimizer's shadow steps after such a round (``adapters.optim``).
         self.shadow_synced = False
+        # Join(..., on_rank_loss="finish"): adapters._fsdp_elastic, while one lasts.
+        self._elastic: Any = None
 
     def __repr__(self) -> str:
         return f"FSDPJoinable({type(self.model).__qualname__})"
@@ -222,15 +234,47 @@ class FSDPJoinable(Joinable):
         was_active = self._config.enable and self._config.join is not None
         active = config.enable and config.join is not None
         if active and not was_active and getattr(config.join, "on_rank_loss", "") == "finish":
-            raise ValueError(
-                "Join(on_rank_loss='finish') cannot hold an FSDP2 model: each rank holds a "
-                "shard of the parameters, and a dead rank's shard is lost with it. Use "
-                "on_rank_loss='raise' (the default) and restart from a checkpoint")
+            self._enter_elastic(config.join)  # may refuse: before any collective
+            self._config = config
+            return
         self._config = config
         if active and not was_active:
             self._enter(config.join)
         elif was_active and not active:
-            self._leave()
+            if self._elastic is not None:
+                elastic, self._elastic = self._elastic, None
+                try:
+                    elastic.close()
+                finally:
+                    _vouch(self, False)
+            else:
+                self._leave()
+                _vouch(self, False)
+
+    def _enter_elastic(self, join: Join) -> None:
+        """``Join(..., on_rank_loss="finish")``: unsharded while it lasts (``_fsdp_elastic``).
+
+        Raises:
+            ValueError: a refused configuration (``_fsdp_elastic.refusal``), the
+                same on every rank; the Join leaves as if never entered.
+        """
+        from . import _fsdp_elastic
+        from .optim import OptimizerJoinable
+
+        joinables = list(getattr(join, "_joinables", ()))
+        message = _fsdp_elastic.refusal(self.model, joinables, self)
+        if message is not None:
+            _vouch(self, False)
+            raise ValueError(message)
+        optimizer = next((j.obj for j in joinables if isinstance(j, OptimizerJoinable)),
+                         None)
+        try:
+            self._elastic = _fsdp_elastic.ElasticFSDP(
+                self, join, optimizer, self._divide_by_initial_world_size,
+                lambda: self._replaying)
+        except BaseException:
+            _vouch(self, False)
+            raise
 
     def _enter(self, join: Join) -> None:
         model = self.model
@@ -292,6 +336,8 @@ class FSDPJoinable(Joinable):
             kwargs.get("divide_by_initial_world_size", True))
         self._source = _replay.InputSource(self.join_process_group,
                                            kwargs.get(_replay.SHADOW_INPUT))
+        # Its group may be rebuilt in a finish-mode Join (adapters._fsdp_elastic).
+        _vouch(self, True, kwargs.get("store_outlives_ranks"))
         return _FSDPShadow(self)
 
     @property
@@ -407,6 +453,9 @@ class FSDPJoinable(Joinable):
             LocalProtocolError: the last forward had gradients enabled and no
                 backward (module doc).
         """
+        if self._elastic is not None:
+            self._elastic.settle()
+            return
         self._settle()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -467,12 +516,23 @@ class _FSDPShadow(JoinHook):
 
     def fused_shadow(self, heartbeat: float) -> float:
         """The joined rank's half of the step check; returns the heartbeat sum."""
+        if self.adapter._elastic is not None:
+            return 0.0  # finish mode never fuses: the Join sent the classic heartbeat
         check = self.adapter._check
         assert check is not None
         return check.shadow(heartbeat)
 
     def main_hook(self) -> None:
+        elastic = self.adapter._elastic
+        if elastic is not None:
+            elastic.shadow()  # finish mode: the zero gradient unit, no replay
+            return
         self.adapter._shadow_round()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        elastic = self.adapter._elastic
+        if elastic is not None:
+            elastic.sync_final_model(is_last_joiner)
 
 
 # -- the step check ---------------------------------------------------------------------
@@ -575,6 +635,26 @@ class _StepCheck:
                 "the same way on every rank"
             )
         return slot, active, summed // active if active else 0
+
+
+def _vouch(adapter: FSDPJoinable, on: bool, store_outlives_ranks: bool | None = None) -> None:
+    """Tell the torch backend whether the model's raw group may be rebuilt (finish mode).
+
+    ``on`` (the model's join_hook): a finish-mode Join over it may rebuild the
+    group (``adapters._fsdp_elastic`` moves FSDP onto the survivors); off (the
+    Join is over, or refused): forget it.
+    """
+    from joinkit.backends import torch_dist
+
+    try:
+        key = id(adapter.join_process_group)
+    except Exception:  # noqa: BLE001 - no live group: nothing to vouch for
+        return
+    if on:
+        torch_dist.elastic_raw_groups[key] = (
+            None if store_outlives_ranks is None else bool(store_outlives_ranks))
+    else:
+        torch_dist.elastic_raw_groups.pop(key, None)
 
 
 def _plain_wait(work: Any) -> Any:

@@ -424,11 +424,11 @@ class TorchGroup:
                 "as a Counter): the group is rebuilt in place. This Join's group is a "
                 "raw ProcessGroup, as DistributedDataParallel, ZeroRedundancyOptimizer "
                 "and FSDP2 return, and those keep their own reference to it. DDP alone "
-                "works (adapters.torch follows the rebuilt group), and so does DDP with "
-                "its ZeroRedundancyOptimizer over SGD with momentum=0, Join([model, zero]); "
-                "refused (not built): FSDP2 (a dead rank's parameter shard is lost) and "
-                "ZeroRedundancyOptimizer with a stateful optimizer (its shard of the "
-                "optimizer state is lost). Use "
+                "works (adapters.torch follows the rebuilt group), and so do DDP with "
+                "its ZeroRedundancyOptimizer over SGD with momentum=0, Join([model, zero]), "
+                "and an FSDP2 model with SGD (momentum=0), Join([model, optimizer]); "
+                "refused (not built): ZeroRedundancyOptimizer or FSDP2 with a stateful "
+                "optimizer (a dead rank's shard of the optimizer state is lost). Use "
                 "on_rank_loss='raise' and restart from a checkpoint")
         try:
             store = _board._store()

@@ -278,7 +278,7 @@ def run_refusals(rank: int, world: int, host: str, port: int, cell: int, out: Pa
 
     ddp = DistributedDataParallel(torch.nn.Linear(2, 1))
     found["ddp_mixed"] = refusal([Counter(group), ddp])
-    # FSDP2 (a shard of the parameters per rank) beside the same Counter.
+    # FSDP2 beside the same Counter (it works only as [model] or [model, optimizer]).
     from torch.distributed.fsdp import fully_shard
 
     sharded = fully_shard(torch.nn.Linear(2, 2))

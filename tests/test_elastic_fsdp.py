@@ -1,0 +1,234 @@
+"""FSDP2 in ``Join([model, optimizer], on_rank_loss="finish")`` on gloo: the kill matrix.
+
+One launch of ``elastic_fsdp_runner.py`` runs every forked cell: the parent
+imports torch once, hosts the TCPStore (it outlives any rank, as a launcher's
+would) and forks each cell's ranks, which train a 2-layer MLP with
+``fully_shard`` on each layer and the root (a 1-D CPU mesh) with
+``SGD(momentum=0, weight_decay=0.01)`` on uneven inputs (rank ``r`` has
+``INPUTS + r``); one rank SIGKILLs itself in its loop body, between its
+forward's heartbeat and its backward's gradient unit, while draining
+(joined), or in the post hook, in worlds of 3 and 4. Each cell checks that
+every survivor left the Join normally, that the report names the dead rank
+with the inputs it consumed, that every survivor's full parameters equal a
+single-process float64 reference over exactly the consumed inputs (within
+1e-6), and that two plain FSDP steps after the Join (FSDP's own all-gathers
+and reduce-scatters, re-sharded over the survivors), a later default-mode
+Join and a later finish-mode Join over the survivors still equal it. Also: no
+death in finish mode equals the reference and the default mode (joinkit's
+FSDP replay); the divisor ``divide_by_initial_world_size=False``; the
+refusals, after which the group still matches; one cell under ``mpirun
+--with-ft ulfm``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import elastic_fsdp_runner as runner  # noqa: E402
+from elastic_fork import rank_results, run_runner  # noqa: E402
+
+DEADLINE = 40.0  # per cell, enforced by the runner (it kills what is left)
+KILL_CELLS = [
+    "3:1/body/3", "3:0/beat/2", "3:0/drain/1", "3:0/post/0",
+    "4:3/body/2", "4:2/beat/4", "4:1/drain/1", "4:0/step/3",
+    "3:1/beat/3~count",  # the divisor: the ranks that contributed
+    "4:1/body/2+2/beat/4",  # two deaths, at different iterations
+]
+#: The last joiner dies in the post hook: the survivors, all joined earlier, take
+#: the model of rank 0 of the rebuilt group, as of its join (a documented limit).
+POST_CELL = "3:2/post/0"
+CELLS = ["3:", "3:~raise", "3:~count", "3:~accum", *KILL_CELLS, POST_CELL, "4:refusals"]
+MPIRUN_CELL = "3:1/beat/3"
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("elastic_fsdp")
+    records, stderr = run_runner(runner.__file__, out, CELLS, DEADLINE)
+    return {record["spec"]: (record, rank_results(out, record), stderr) for record in records}
+
+
+def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
+    """Rank -> the inputs it consumed (a dead rank: those whose gradient unit completed)."""
+    out = {r: runner.INPUTS + r for r in range(world)}
+    for rank, point, at in kills:
+        if point in ("body", "beat"):
+            out[rank] = at
+        elif point == "step":  # its gradient unit completed: the survivors applied it
+            out[rank] = at + 1
+    return out
+
+
+def _survivors(results: dict[str, Any], spec: str) -> dict[int, Any]:
+    record, ranks, stderr = results[spec]
+    world, kills, _ = runner.parse(spec)
+    killed = {r for r, _, _ in kills}
+    for rank in range(world):
+        expected = -9 if rank in killed else 0
+        assert record["exit"][str(rank)] == expected, (spec, record, stderr[-3000:])
+    assert set(ranks) == set(range(world)) - killed, (spec, stderr[-3000:])
+    return ranks
+
+
+def _flat(values: list[list[float]]) -> np.ndarray:
+    return np.concatenate([np.asarray(v, dtype=np.float64) for v in values])
+
+
+def check_cell(spec: str, ranks: dict[int, Any]) -> None:
+    """Every survivor: the report, the parameters at exit and after, the new mesh."""
+    world, kills, option = runner.parse(spec)
+    used = consumed(world, kills)
+    dead = {r for r, _, _ in kills}
+    survivors = sorted(ranks)
+    init = ranks[survivors[0]]["init"]
+    want, want_after, want_later, want_again = runner.reference(
+        init, world, used, survivors, divide_by_initial_world_size=option != "count",
+        repeat=2 if option == "accum" else 1)
+    for rank, data in ranks.items():
+        assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
+            r: used[r] for r in dead}, (spec, rank, data["lost"])
+        if dead:
+            assert data["lost"][-1]["survivors"] == survivors, (spec, rank, data["lost"])
+            assert any("was lost after" in w for w in data["warnings"]), data["warnings"]
+        np.testing.assert_allclose(_flat(data["final"]), want, rtol=0, atol=TOLERANCE,
+                                   err_msg=f"{spec} rank {rank} at the Join's exit")
+        # FSDP again after the Join, sharded over the survivors.
+        assert data["size_after"] == world - len(dead), (spec, data["size_after"])
+        assert data["same_objects"], spec  # the optimizer still holds the model's parameters
+        np.testing.assert_allclose(_flat(data["after"]), want_after, rtol=0, atol=TOLERANCE,
+                                   err_msg=f"{spec} rank {rank} after the Join")
+        # And a later default-mode Join over the survivors (uneven).
+        np.testing.assert_allclose(_flat(data["later"]), want_later, rtol=0, atol=TOLERANCE,
+                                   err_msg=f"{spec} rank {rank} in a later Join")
+        # And a later finish-mode Join over them.
+        np.testing.assert_allclose(_flat(data["again"]), want_again, rtol=0,
+                                   atol=TOLERANCE, err_msg=f"{spec} rank {rank} finish again")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("spec", KILL_CELLS)
+def test_kill(results: dict[str, Any], spec: str) -> None:
+    check_cell(spec, _survivors(results, spec))
+
+
+@pytest.mark.timeout(900)
+def test_last_joiner_dies_in_post_hook(results: dict[str, Any]) -> None:
+    ranks = _survivors(results, POST_CELL)
+    world = 3
+    # Its later iterations are counted, but the survivors (joined at INPUTS and
+    # INPUTS + 1) hold rank 0's model as of its join: every rank's first INPUTS inputs.
+    survivors = sorted(ranks)
+    as_of_join = {r: runner.INPUTS for r in range(world)}
+    want = runner.reference(ranks[0]["init"], world, as_of_join, survivors)[0]
+    for rank, data in ranks.items():
+        assert [(x["rank"], x["iterations"]) for x in data["lost"]] == [
+            (2, runner.INPUTS + 2)], (rank, data["lost"])
+        np.testing.assert_allclose(_flat(data["final"]), want, rtol=0, atol=TOLERANCE,
+                                   err_msg=f"rank {rank}")
+        assert data["size_after"] == 2 and data["same_objects"]
+
+
+@pytest.mark.timeout(900)
+def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> None:
+    finish = _survivors(results, "3:")
+    default = _survivors(results, "3:~raise")
+    check_cell("3:", finish)
+    check_cell("3:~raise", default)  # joinkit's FSDP replay: the same numbers
+    check_cell("3:~count", _survivors(results, "3:~count"))
+    check_cell("3:~accum", _survivors(results, "3:~accum"))  # two backwards per step
+    init = finish[0]["init"]
+    used = consumed(3, [])
+    want = runner.reference(init, 3, used, [0, 1, 2])[0]
+    want_count = runner.reference(init, 3, used, [0, 1, 2],
+                                  divide_by_initial_world_size=False)[0]
+    assert not np.allclose(want, want_count)  # the two divisors differ here
+    for rank in range(3):
+        np.testing.assert_allclose(_flat(finish[rank]["final"]),
+                                   _flat(default[rank]["final"]), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.timeout(900)
+def test_refusals(results: dict[str, Any]) -> None:
+    record, ranks, stderr = results["4:refusals"]
+    assert record["exit"] == {str(r): 0 for r in range(4)}, (record, stderr[-3000:])
+    expected = {
+        "hsdp": "HSDP and 2-D meshes",
+        "adam": "torch.optim.adam.Adam) keeps state",
+        "momentum": "SGD with momentum=0.9) keeps state",
+        "scheduler": "exactly [model] or [model, optimizer]",
+        "gradients": "1 rank(s) hold gradients at the Join's entry",
+        "no_sync": "set_requires_gradient_sync(True) before the Join",
+    }
+    for rank in range(4):
+        found = ranks[rank]["refusals"]
+        for name, words in expected.items():
+            assert words in found[name], (rank, name, found[name])
+            assert name == "gradients" or "What works" in found[name], found[name]
+        assert ranks[rank]["after"] == "ok"
+        # A forward with gradients and no backward: an error on every rank, no hang.
+        error = found["no_backward"]
+        assert error.startswith(("LocalProtocolError: ", "PeerFailure: ")), error
+        assert "ran a forward with gradients enabled and no backward" in error, error
+        # An error is not a death: the raising rank gets its own, the others a
+        # PeerFailure naming it (the failure protocol), promptly.
+        raised = found["raised"]
+        if rank == 1:
+            assert raised.startswith("KeyError: "), raised
+        else:
+            assert raised.startswith("PeerFailure: rank 1 failed") and "KeyError" in raised, \
+                raised
+        # After the refusals the group still matched, and every rank holds the same model.
+        np.testing.assert_array_equal(ranks[rank]["params"], ranks[0]["params"])
+
+
+@pytest.mark.timeout(300)
+def test_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
+    """One cell under ``mpirun --with-ft ulfm`` (gloo ranks that never initialise MPI)."""
+    records, stderr = run_runner(runner.__file__, tmp_path, [MPIRUN_CELL], DEADLINE,
+                                 mpirun=True)
+    (record,) = records
+    assert record["mpirun"] != "killed after deadline", record
+    ranks = rank_results(tmp_path, record)
+    assert set(ranks) == {0, 2}, (record, stderr[-3000:])
+    check_cell(MPIRUN_CELL, ranks)
+
+
+_CUDA_PROGRAM = """
+import os, tempfile, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from joinkit import Join
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+model = torch.nn.Linear(4, 2, device="cuda")
+fully_shard(model, mesh=init_device_mesh("cuda", (1,)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    with Join([model, optimizer], on_rank_loss="finish"):
+        pass
+except ValueError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_cuda_model_is_refused() -> None:
+    """A CUDA FSDP2 model in a finish-mode Join: refused on entry (gloo on the CPU only)."""
+    import subprocess
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA-only: a CUDA FSDP2 model")
+    done = subprocess.run([sys.executable, "-c", _CUDA_PROGRAM], capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REFUSED" in done.stdout and "CPU" in done.stdout, done.stdout
