@@ -185,6 +185,9 @@ class ElasticDDP:
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.in_hook = in_hook
         self.expecting = False  # a forward announced a backward that has not come yet
+        # How many ranks contributed to the latest gradient unit (a joined rank's
+        # ZeRO steps in its shadow round only if some did: adapters._zero_elastic).
+        self.last_count = 0.0
         state = _states.get(id(ddp))
         if state is None or state.ddp() is not ddp:
             state = _HookState(ddp)
@@ -261,8 +264,9 @@ class ElasticDDP:
         flat = torch.cat([b.reshape(-1).to(dtype) for b in buffers]
                          + [torch.full((1,), 1.0 if contributes else 0.0, dtype=dtype)])
         self.group.all_reduce(flat)
+        self.last_count = float(flat[-1].item())
         divisor = float(self.world) if self.divide_by_initial_world_size else (
-            max(float(flat[-1].item()), 1.0))
+            max(self.last_count, 1.0))
         return flat[:-1].div_(divisor)
 
     def _zero_unit(self) -> None:

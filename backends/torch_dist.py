@@ -425,10 +425,8 @@ class TorchGroup:
                 "raw ProcessGroup, as DistributedDataParallel, ZeroRedundancyOptimizer "
                 "and FSDP2 return, and those keep their own reference to it. DDP alone "
                 "works (adapters.torch follows the rebuilt group), and so does DDP with "
-                "its ZeroRedundancyOptimizer over SGD with momentum=0, Join([model, zero]); "
-                "refused (not built): FSDP2 (a dead rank's parameter shard is lost) and "
-                "ZeroRedundancyOptimizer with a stateful optimizer (its shard of the "
-                "optimizer state is lost). Use "
+                "its ZeroRedundancyOptimizer, Join([model, zero]); refused (not built): "
+                "FSDP2 (a dead rank's parameter shard is lost). Use "
                 "on_rank_loss='raise' and restart from a checkpoint")
         try:
             store = _board._store()
