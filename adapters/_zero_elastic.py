@@ -100,7 +100,7 @@ def refusal(zero: Any, ddp: Any) -> str | None:
 
 
 def _params(zero: Any) -> list[torch.Tensor]:
-    """Every parameter ZeRO steps, in the order of ``zero.param_groups`` (the same on every rank)."""
+    """Every parameter ZeRO steps, in ``zero.param_groups``' order (the same on every rank)."""
     return [p for group in zero.param_groups for p in group["params"]]
 
 
@@ -160,7 +160,7 @@ class ElasticZeRO:
         """ZeRO's ``_sync_params`` in finish mode: nothing to broadcast (module doc)."""
 
     def close(self) -> None:
-        """The Join is over: give ZeRO its shard back with its state, or rebuild it on the survivors."""
+        """The Join is over: ZeRO's shard back with its state, or rebuilt on the survivors."""
         zero = self.zero
         if zero.__dict__.get("_sync_params") == self.after_step:
             del zero.__dict__["_sync_params"]

@@ -22,9 +22,9 @@ A ``CELL`` is ``W:KILLS[~OPTION]`` as in the DDP runner, with one more point:
 ``SGD`` without momentum).
 ``W:refusals`` runs the refused configurations. Each rank writes
 ``DIR/cell{C}-rank{R}.json`` (initial parameters, parameters and its shard
-of the optimizer state at the Join's exit and after the later steps, the report's lost ranks, ZeRO's group size
-and rank after the Join); the parent appends the exit statuses to
-``DIR/cells.jsonl``. With ``--mpirun`` each cell runs under
+of the optimizer state at the Join's exit and after the later steps, the
+report's lost ranks, ZeRO's group size and rank after the Join); the parent
+appends the exit statuses to ``DIR/cells.jsonl``. With ``--mpirun`` each cell runs under
 ``mpirun --with-ft ulfm``.
 """
 
