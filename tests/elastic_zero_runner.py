@@ -16,10 +16,12 @@ Join over the rebuilt group.
 
 A ``CELL`` is ``W:KILLS[~OPTION]`` as in the DDP runner, with one more point:
 ``step`` (after input ``at``'s backward, whose gradient unit completed, before
-``zero.step()``). ``OPTION``, comma-separated: ``raise`` (the default
-``on_rank_loss``), ``adam`` or ``momentum`` (ZeRO's optimizer: ``Adam``, or
-``SGD`` with ``momentum=MOMENTUM``, each with ``weight_decay=DECAY``; else
-``SGD`` without momentum).
+``zero.step()``), and ``entry`` (at the Join's entry, as the shards' state is
+gathered: the survivors must refuse to start, :func:`entry_cell`).
+``OPTION``, comma-separated: ``raise`` (the default ``on_rank_loss``),
+``adam`` or ``momentum`` (ZeRO's optimizer: ``Adam``, or ``SGD`` with
+``momentum=MOMENTUM``, each with ``weight_decay=DECAY``; else ``SGD``
+without momentum).
 ``W:refusals`` runs the refused configurations. Each rank writes
 ``DIR/cell{C}-rank{R}.json`` (initial parameters, parameters and its shard
 of the optimizer state at the Join's exit and after the later steps, the
@@ -43,7 +45,7 @@ from elastic_fork import cells_main
 
 DECAY = 0.01
 AFTER = 2  # ZeRO steps after the Join, on the survivors
-POINTS = ("body", "beat", "step", "drain", "post")
+POINTS = ("body", "beat", "step", "drain", "post", "entry")
 #: The cell options that pick ZeRO's optimizer (default: SGD without momentum).
 OPTIMIZERS = ("sgd", "adam", "momentum")
 MOMENTUM = 0.9
@@ -218,6 +220,9 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     owned = sum(p.numel() for g in zero.optim.param_groups for p in g["params"])
     arm_model_kills(mine, path)
     mode = "raise" if raising else "finish"
+    if any(point == "entry" for _, point, _ in kills):
+        entry_cell(model, zero, rank, mine, path)
+        return
     times: list[float] = []  # when each of this rank's iterations completed
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -257,6 +262,34 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
         "left_patched": shadowing, "times": times,
         "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],
     }))
+
+
+def entry_cell(model: Any, zero: Any, rank: int, mine: dict[str, int], path: Path) -> None:
+    """A rank dies at the Join's entry, before it hands over its shard of the state.
+
+    One ZeRO step first (every shard has state); the dying rank is SIGKILLed
+    as it would gather the shards. The survivors' Join must refuse to start,
+    each with the same ``LocalProtocolError``, and leave ZeRO as it was.
+    """
+    from joinkit import Join
+    from joinkit.adapters import _zero_elastic
+
+    _iterate(model, zero, rank, 50)
+    if "entry" in mine:
+        def gather(self: Any, params: Any) -> Any:
+            _die(path)
+
+        _zero_elastic.ElasticZeRO._gather = gather  # type: ignore[method-assign]
+    shard = zero.optim
+    try:
+        with Join([model, zero], on_rank_loss="finish", store_outlives_ranks=True):
+            error = "(entered)"
+    except Exception as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}"
+    path.write_text(json.dumps({
+        "rank": rank, "entry_error": error, "shard_back": zero.optim is shard,
+        "left_patched": "_sync_params" in zero.__dict__,
+        "state_kept": bool(shard.state)}))
 
 
 def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None:

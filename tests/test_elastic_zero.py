@@ -18,10 +18,11 @@ that ZeRO was rebuilt on the survivors with that state: two ZeRO steps after
 the Join (its own broadcasts, on the rebuilt group; the second in a later
 default-mode Join over that group) still equal the reference, parameters and
 state. Also: no death equals the reference and the default mode, for each
-optimizer; the refusals (``overlap_with_ddp``, bucket views, foreign
-parameters, other combinations), after which the group still matches (with
-momentum switched on inside the Join); and two cells under ``mpirun --with-ft
-ulfm``.
+optimizer; a rank that dies at the Join's entry before handing over its
+shard of the state (every survivor refuses to start alike); the refusals
+(``overlap_with_ddp``, bucket views, foreign parameters, other combinations),
+after which the group still matches (with momentum switched on inside the
+Join); and two cells under ``mpirun --with-ft ulfm``.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ KILL_CELLS = [
 #: (and the optimizer state) of every consumed input.
 POST_CELLS = ["3:2/post/0", "3:2/post/0~adam"]
 NO_DEATH = ["sgd", "adam", "momentum"]
+#: A rank dies at the Join's entry, before it handed over its shard of the state.
+ENTRY_CELL = "3:1/entry/0~adam"
 CELLS = [*(f"3:~{o}" for o in NO_DEATH), *(f"3:~{o},raise" for o in NO_DEATH),
-         *KILL_CELLS, *POST_CELLS, "3:refusals"]
+         *KILL_CELLS, *POST_CELLS, ENTRY_CELL, "3:refusals"]
 TOLERANCE = 1e-6
 
 
@@ -186,6 +189,19 @@ def test_no_death_equals_reference_and_default_mode(results: dict[str, Any],
 def test_last_joiner_dies_in_post_hook(results: dict[str, Any], spec: str) -> None:
     # Every consumed input (the dead rank's too: it died after its last iteration).
     check_kill(spec, _survivors(results, spec))
+
+
+@pytest.mark.timeout(600)
+def test_death_while_the_state_is_gathered_at_entry(results: dict[str, Any]) -> None:
+    # Its shard of the optimizer state reached no survivor: every survivor's
+    # Join refuses to start with the same error, and ZeRO is left as it was.
+    ranks = _survivors(results, ENTRY_CELL)
+    for data in ranks.values():
+        assert data["entry_error"].startswith("LocalProtocolError: "), data
+        assert "rank(s) [1] died while every rank's shard" in data["entry_error"], data
+        assert "Restart from a checkpoint" in data["entry_error"], data
+        assert data["shard_back"] and not data["left_patched"] and data["state_kept"], data
+    assert len({data["entry_error"] for data in ranks.values()}) == 1
 
 
 @pytest.mark.timeout(600)
