@@ -178,8 +178,11 @@ class ElasticDDP:
                  in_hook: Callable[[], bool]) -> None:
         self.ddp = ddp
         self.group = group
-        self.world = group.world_size  # at the Join's entry
-        self.backend = group.process_group
+        # The group DDP runs on, and its size at the Join's entry: normally the
+        # TorchGroup's own, but a survivor that saw a death in the Join's entry
+        # agreement holds the rebuilt one already, and its peers may not yet.
+        self.world = ddp.process_group.size()
+        self.backend = ddp.process_group
         self.entry_process_group = ddp.process_group  # DDP's group at the Join's entry
         self._rebuilt: tuple[Any, Any] | None = None  # (backend, its c10d ProcessGroup)
         self.divide_by_initial_world_size = divide_by_initial_world_size
@@ -227,7 +230,7 @@ class ElasticDDP:
         (``adapters._zero_elastic``), and a later Join over the model finds it live.
         """
         backend = self.group.process_group
-        if backend is self.backend:
+        if backend is self.backend or not self.group.lost_ranks():
             return None
         if self._rebuilt is not None and self._rebuilt[0] is backend:
             return self._rebuilt[1]

@@ -289,7 +289,7 @@ def entry_cell(model: Any, zero: Any, rank: int, mine: dict[str, int], path: Pat
     path.write_text(json.dumps({
         "rank": rank, "entry_error": error, "shard_back": zero.optim is shard,
         "left_patched": "_sync_params" in zero.__dict__,
-        "state_kept": bool(shard.state)}))
+        "state_kept": bool(shard.state), "ddp_group": model.process_group.size()}))
 
 
 def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None:

@@ -201,6 +201,7 @@ def test_death_while_the_state_is_gathered_at_entry(results: dict[str, Any]) -> 
         assert "rank(s) [1] died while every rank's shard" in data["entry_error"], data
         assert "Restart from a checkpoint" in data["entry_error"], data
         assert data["shard_back"] and not data["left_patched"] and data["state_kept"], data
+        assert data["ddp_group"] == 2, data  # DDP followed the rebuilt group
     assert len({data["entry_error"] for data in ranks.values()}) == 1
 
 
