@@ -131,6 +131,16 @@ def reference(init: list[float], world: int, consumed: dict[int, int],
     return at_exit, p, state_at_exit, snapshot()
 
 
+def optimizer_of(optimizer: str, params: Any) -> Any:
+    """The cell's optimizer (``OPTIMIZERS``) over ``params``, without ZeRO."""
+    import torch
+
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+    momentum = MOMENTUM if optimizer == "momentum" else 0.0
+    return torch.optim.SGD(params, lr=LR, momentum=momentum, weight_decay=DECAY)
+
+
 def make_zero(params: Any, optimizer: str, **kwargs: Any) -> Any:
     """``ZeroRedundancyOptimizer`` over ``params`` with the cell's optimizer (``OPTIMIZERS``)."""
     import torch
@@ -329,13 +339,24 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
     found["hooked_by_refusals"] = bool(getattr(model, "_comm_hooks", None))
     # The group still matches: a Join that works, uneven inputs, momentum
     # switched on inside it (the state is replicated: nothing to refuse).
+    # A scheduler stepped on every rank alike reaches the optimizer that steps
+    # every parameter during the Join (ZeRO syncs the hyper-parameters into it).
     optimizer = zero()
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
     with Join([model, optimizer], on_rank_loss="finish", store_outlives_ranks=True):
         optimizer.param_groups[0]["momentum"] = 0.9
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
+            scheduler.step()
         for index in range(1 + rank):
             _iterate(model, optimizer, rank, index)
+        inside = optimizer.optim.param_groups[0]
+        found["inside"] = {"lr": inside["lr"], "momentum": inside["momentum"],
+                           "params": len(inside["params"])}
+    found["shard_state"] = len(optimizer.optim.state)
     (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "refusals": found, "after": "ok", "params": model.module.flat()}))
+        {"rank": rank, "refusals": found, "after": "ok", "params": model.module.flat(),
+         "owned_params": sum(len(g["params"]) for g in optimizer.optim.param_groups)}))
 
 
 def main() -> None:

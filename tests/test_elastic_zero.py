@@ -205,6 +205,36 @@ def test_death_while_the_state_is_gathered_at_entry(results: dict[str, Any]) -> 
     assert len({data["entry_error"] for data in ranks.values()}) == 1
 
 
+def test_one_optimizer_over_every_parameter_steps_the_shards_bits() -> None:
+    """torch on the CPU: stepping all parameters at once gives each shard's bits.
+
+    What makes every rank's step (adapters._zero_elastic) equal the owner's
+    sharded step: one optimizer over every parameter against one per shard, the
+    same gradients, a few steps, bit for bit, for each optimizer of the cells.
+    """
+    import torch
+
+    for optimizer in runner.OPTIMIZERS:
+        torch.manual_seed(1)
+        whole = [torch.randn(n, requires_grad=True) for n in (1, 1, 2, 1, 7)]
+        shards = [p.detach().clone().requires_grad_() for p in whole]
+        one = runner.optimizer_of(optimizer, whole)
+        parts = [runner.optimizer_of(optimizer, shards[:2]),
+                 runner.optimizer_of(optimizer, shards[2:])]
+        for _ in range(4):
+            for p, q in zip(whole, shards, strict=True):
+                p.grad = torch.randn(p.shape)
+                q.grad = p.grad.clone()
+            one.step()
+            for part in parts:
+                part.step()
+        for p, q in zip(whole, shards, strict=True):
+            assert torch.equal(p, q), optimizer
+            for key, value in one.state[p].items():
+                part = parts[0] if any(q is r for r in shards[:2]) else parts[1]
+                assert torch.equal(value, part.state[q][key]), (optimizer, key)
+
+
 @pytest.mark.timeout(600)
 def test_refusals(results: dict[str, Any]) -> None:
     ranks = _survivors(results, "3:refusals")
@@ -219,6 +249,10 @@ def test_refusals(results: dict[str, Any]) -> None:
         assert "only alone, or with its ZeroRedundancyOptimizer" in found["three"], found
         assert found["hooked_by_refusals"] is False  # refused before DDP registered anything
         assert data["after"] == "ok"  # the next Join's collectives matched
+        # Inside: the optimizer over every parameter, with the scheduler's lr and
+        # the momentum set in the Join; after: each shard kept its momentum buffers.
+        assert found["inside"] == {"lr": runner.LR / 2, "momentum": 0.9, "params": 4}
+        assert found["shard_state"] == data["owned_params"] > 0, (found, data)
     params = [np.array(data["params"]) for data in ranks.values()]
     for other in params[1:]:
         np.testing.assert_array_equal(other, params[0])
