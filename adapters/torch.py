@@ -916,7 +916,9 @@ class _ZeROShadow(_Shadow):
     has no gradient of its own: it contributes zero, as it does to DDP's
     average); a parameter without a gradient keeps none. Afterwards every
     parameter gets back the very ``.grad`` it had, so nothing of the shadow
-    step reaches the user's next iteration.
+    step reaches the user's next iteration. In finish mode the same step runs
+    over every parameter (``adapters._zero_elastic``), and only in a round whose
+    gradient unit some rank contributed to.
     """
 
     def main_hook(self) -> None:
