@@ -178,13 +178,19 @@ class ElasticDDP:
                  in_hook: Callable[[], bool]) -> None:
         self.ddp = ddp
         self.group = group
-        self.world = group.world_size  # at the Join's entry
-        self.backend = group.process_group
+        # The group DDP runs on, and its size at the Join's entry: normally the
+        # TorchGroup's own, but a survivor that saw a death in the Join's entry
+        # agreement holds the rebuilt one already, and its peers may not yet.
+        self.world = ddp.process_group.size()
+        self.backend = ddp.process_group
         self.entry_process_group = ddp.process_group  # DDP's group at the Join's entry
         self._rebuilt: tuple[Any, Any] | None = None  # (backend, its c10d ProcessGroup)
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.in_hook = in_hook
         self.expecting = False  # a forward announced a backward that has not come yet
+        # How many ranks contributed to the latest gradient unit (a joined rank's
+        # ZeRO steps in its shadow round only if some did: adapters._zero_elastic).
+        self.last_count = 0.0
         state = _states.get(id(ddp))
         if state is None or state.ddp() is not ddp:
             state = _HookState(ddp)
@@ -224,7 +230,7 @@ class ElasticDDP:
         (``adapters._zero_elastic``), and a later Join over the model finds it live.
         """
         backend = self.group.process_group
-        if backend is self.backend:
+        if backend is self.backend or not self.group.lost_ranks():
             return None
         if self._rebuilt is not None and self._rebuilt[0] is backend:
             return self._rebuilt[1]
@@ -253,8 +259,9 @@ class ElasticDDP:
         flat = torch.cat([b.reshape(-1).to(dtype) for b in buffers]
                          + [torch.full((1,), 1.0 if contributes else 0.0, dtype=dtype)])
         self.group.all_reduce(flat)
+        self.last_count = float(flat[-1].item())
         divisor = float(self.world) if self.divide_by_initial_world_size else (
-            max(float(flat[-1].item()), 1.0))
+            max(self.last_count, 1.0))
         return flat[:-1].div_(divisor)
 
     def _zero_unit(self) -> None:

@@ -101,12 +101,14 @@ keyword), and on entry ``adapters._ddp_elastic`` routes every collective DDP
 sends through the Join's elastic TorchGroup (one gradient unit per backward
 through a comm hook, no sync-check collective, the post hook as a unit) or
 refuses what it cannot route; the fused check and the backward watch are off.
-DDP with its ZeroRedundancyOptimizer right after it, ``[model, zero]``, over a
-stateless optimizer (SGD, momentum 0): ``adapters._zero_elastic`` has every
-active rank step every parameter (no broadcasts), a joined rank's ZeRO shadows
-nothing, and on exit ZeRO follows DDP onto the rebuilt group (ZeRO's join_hook
-leaves DDP's vouch in place). Every other combination with a torch joinable,
-and a stateful ZeRO, is refused on entry (:func:`_finish_refusal`).
+DDP with its ZeroRedundancyOptimizer right after it, ``[model, zero]``, any
+optimizer class: ``adapters._zero_elastic`` gives every rank the full
+optimizer state on entry and has every rank step every parameter (no
+broadcasts; a joined rank with the averaged gradient of DDP's shadow unit, as
+above, when some rank contributed to it), and on exit ZeRO gets its shard's
+state back or follows DDP onto the rebuilt group with its new partition's
+state (ZeRO's join_hook leaves DDP's vouch in place). Every other combination
+with a torch joinable is refused on entry (:func:`_finish_refusal`).
 
 *torch's internals.* Most of the above uses members torch does not promise to
 keep (DDP's join-hook methods, reducer methods, ``_JoinConfig``...). Each is
@@ -565,11 +567,6 @@ def rank_loss_refusal(obj: Any) -> ValueError:
     """
     name = type(obj).__name__
     if _is_zero(obj):
-        from . import _zero_elastic
-
-        stateful = _zero_elastic.stateful(obj)
-        if stateful is not None:
-            return ValueError(_zero_elastic.stateful_message(stateful))
         why = ("ZeroRedundancyOptimizer follows a rebuilt group only listed right after "
                "the DistributedDataParallel model whose parameters it steps, and alone "
                "with it: Join([ddp_model, zero], on_rank_loss='finish'); alone or beside "
@@ -919,13 +916,16 @@ class _ZeROShadow(_Shadow):
     has no gradient of its own: it contributes zero, as it does to DDP's
     average); a parameter without a gradient keeps none. Afterwards every
     parameter gets back the very ``.grad`` it had, so nothing of the shadow
-    step reaches the user's next iteration.
+    step reaches the user's next iteration. In finish mode the same step runs
+    over every parameter (``adapters._zero_elastic``), and only in a round whose
+    gradient unit some rank contributed to.
     """
 
     def main_hook(self) -> None:
-        if self.adapter._elastic_zero is not None:
-            # Finish mode: every active rank steps every parameter itself
-            # (adapters._zero_elastic), so a joined rank has nothing to match.
+        elastic = self.adapter._elastic_zero
+        if elastic is not None and not elastic.elastic_ddp.last_count:
+            # Finish mode (adapters._zero_elastic): no rank contributed to this
+            # round's gradient unit, so no active rank steps; neither does this one.
             return
         average: dict[int, torch.Tensor] = {}
         for buckets in _averaged.values():
@@ -964,8 +964,6 @@ _completed_work: Any = None
 
 def _steps_shards_with(adapter: TorchJoinable) -> bool:
     """Whether a ZeroRedundancyOptimizer is in the same (active) Join as ``adapter``."""
-    if adapter._elastic_ddp is not None:
-        return False  # finish mode: a joined rank's ZeRO shadows nothing (_zero_elastic)
     join = adapter._config.join
     return any(
         other._is_zero and other._config.join is join for other in list(_routes.values())

@@ -425,10 +425,10 @@ class TorchGroup:
                 "raw ProcessGroup, as DistributedDataParallel, ZeroRedundancyOptimizer "
                 "and FSDP2 return, and those keep their own reference to it. DDP alone "
                 "works (adapters.torch follows the rebuilt group), and so do DDP with "
-                "its ZeroRedundancyOptimizer over SGD with momentum=0, Join([model, zero]), "
-                "and an FSDP2 model with SGD (momentum=0), Join([model, optimizer]); "
-                "refused (not built): ZeroRedundancyOptimizer or FSDP2 with a stateful "
-                "optimizer (a dead rank's shard of the optimizer state is lost). Use "
+                "its ZeroRedundancyOptimizer (any optimizer), Join([model, zero]), and an "
+                "FSDP2 model with SGD (momentum=0), Join([model, optimizer]); refused (not "
+                "built): FSDP2 with a stateful optimizer (a dead rank's shard of the "
+                "optimizer state is lost). Use "
                 "on_rank_loss='raise' and restart from a checkpoint")
         try:
             store = _board._store()

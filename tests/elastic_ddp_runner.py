@@ -207,9 +207,10 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
         "buffers": lambda: [DDP(WithBuffer())],
         "unused": lambda: [DDP(torch.nn.Linear(DIM, 1), find_unused_parameters=True)],
         "hook": lambda: [hooked],
-        # A stateful optimizer (SGD with momentum 0 works: test_elastic_zero.py).
+        # ZeRO stepping in DDP's comm hook (ZeRO beside DDP works: test_elastic_zero.py).
         "zero": lambda: [plain, ZeroRedundancyOptimizer(plain.parameters(),
-                                                        torch.optim.Adam, lr=LR)],
+                                                        torch.optim.Adam, lr=LR,
+                                                        overlap_with_ddp=True)],
     }
     found: dict[str, str] = {}
     for name, make in cases.items():

@@ -16,12 +16,17 @@ Join over the rebuilt group.
 
 A ``CELL`` is ``W:KILLS[~OPTION]`` as in the DDP runner, with one more point:
 ``step`` (after input ``at``'s backward, whose gradient unit completed, before
-``zero.step()``). ``OPTION`` ``raise``: the default ``on_rank_loss``.
+``zero.step()``), and ``entry`` (at the Join's entry, as the shards' state is
+gathered: the survivors must refuse to start, :func:`entry_cell`).
+``OPTION``, comma-separated: ``raise`` (the default ``on_rank_loss``),
+``adam`` or ``momentum`` (ZeRO's optimizer: ``Adam``, or ``SGD`` with
+``momentum=MOMENTUM``, each with ``weight_decay=DECAY``; else ``SGD``
+without momentum).
 ``W:refusals`` runs the refused configurations. Each rank writes
-``DIR/cell{C}-rank{R}.json`` (initial parameters, parameters at the Join's
-exit and after the later steps, the report's lost ranks, ZeRO's group size
-and rank after the Join); the parent appends the exit statuses to
-``DIR/cells.jsonl``. With ``--mpirun`` each cell runs under
+``DIR/cell{C}-rank{R}.json`` (initial parameters, parameters and its shard
+of the optimizer state at the Join's exit and after the later steps, the
+report's lost ranks, ZeRO's group size and rank after the Join); the parent
+appends the exit statuses to ``DIR/cells.jsonl``. With ``--mpirun`` each cell runs under
 ``mpirun --with-ft ulfm``.
 """
 
@@ -40,7 +45,20 @@ from elastic_fork import cells_main
 
 DECAY = 0.01
 AFTER = 2  # ZeRO steps after the Join, on the survivors
-POINTS = ("body", "beat", "step", "drain", "post")
+POINTS = ("body", "beat", "step", "drain", "post", "entry")
+#: The cell options that pick ZeRO's optimizer (default: SGD without momentum).
+OPTIMIZERS = ("sgd", "adam", "momentum")
+MOMENTUM = 0.9
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+
+
+def options(option: str) -> tuple[str, bool]:
+    """A cell's ``OPTION`` (comma-separated): ZeRO's optimizer, and whether on_rank_loss='raise'."""
+    names = set(filter(None, option.split(",")))
+    chosen = [name for name in OPTIMIZERS if name in names]
+    assert names <= {*OPTIMIZERS, "raise"} and len(chosen) <= 1, option
+    return (chosen[0] if chosen else "sgd"), "raise" in names
 
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
@@ -56,8 +74,12 @@ def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
 
 
 def reference(init: list[float], world: int, consumed: dict[int, int],
-              after: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+              after: Sequence[int] = (), optimizer: str = "sgd",
+              ) -> tuple[np.ndarray, np.ndarray, dict[str, Any], dict[str, Any]]:
     """The single-process run (float64) over exactly the consumed inputs, then the later steps.
+
+    torch's single-tensor ``SGD`` (``momentum`` 0 or ``MOMENTUM``) or ``Adam``
+    (``BETAS``, ``EPS``), each with ``weight_decay=DECAY``, written out in NumPy.
 
     Args:
         init: the initial parameters, weight then bias.
@@ -65,27 +87,96 @@ def reference(init: list[float], world: int, consumed: dict[int, int],
         consumed: rank -> how many of its inputs were consumed (its first ones).
         after: the survivors, which take ``AFTER`` steps after the Join
             (dividing by their number, DDP's group size then).
+        optimizer: one of ``OPTIMIZERS``.
 
     Returns:
-        The parameters at the Join's exit, and after the later steps.
+        The parameters at the Join's exit and after the later steps, and the
+        optimizer state at both (``state_of``'s layout).
     """
     p = np.array(init, dtype=np.float64)
+    state: dict[str, Any] = {}
 
     def step(grad: np.ndarray, divisor: int) -> None:
-        p[:] = p - LR * (grad / divisor + DECAY * p)
+        g = grad / divisor + DECAY * p
+        if optimizer == "sgd":
+            p[:] = p - LR * g
+        elif optimizer == "momentum":
+            buf = g.copy() if "momentum_buffer" not in state else (
+                MOMENTUM * state["momentum_buffer"] + g)
+            state["momentum_buffer"] = buf
+            p[:] = p - LR * buf
+        else:
+            t = state.get("step", 0.0) + 1.0
+            m = BETAS[0] * state.get("exp_avg", 0.0) + (1 - BETAS[0]) * g
+            v = BETAS[1] * state.get("exp_avg_sq", 0.0) + (1 - BETAS[1]) * g * g
+            state.update(step=t, exp_avg=m, exp_avg_sq=v)
+            denom = np.sqrt(v) / np.sqrt(1 - BETAS[1] ** t) + EPS
+            p[:] = p - (LR / (1 - BETAS[0] ** t)) * m / denom
 
     def grad_of(rank: int, index: int) -> np.ndarray:
         x, y = sample(rank, index)
         xb = np.concatenate([x, [1.0]])
         return 2.0 * (p @ xb - y) * xb
 
+    def snapshot() -> dict[str, Any]:
+        return {k: (v.tolist() if isinstance(v, np.ndarray) else [v] * len(p))
+                for k, v in state.items()}
+
     for t in range(max(consumed.values(), default=0)):
         step(sum((grad_of(r, t) for r, n in consumed.items() if t < n),
                  np.zeros_like(p)), world)
-    at_exit = p.copy()
+    at_exit, state_at_exit = p.copy(), snapshot()
     for k in range(AFTER):
         step(sum((grad_of(r, 100 + k) for r in after), np.zeros_like(p)), len(after))
-    return at_exit, p
+    return at_exit, p, state_at_exit, snapshot()
+
+
+def optimizer_of(optimizer: str, params: Any) -> Any:
+    """The cell's optimizer (``OPTIMIZERS``) over ``params``, without ZeRO."""
+    import torch
+
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+    momentum = MOMENTUM if optimizer == "momentum" else 0.0
+    return torch.optim.SGD(params, lr=LR, momentum=momentum, weight_decay=DECAY)
+
+
+def make_zero(params: Any, optimizer: str, **kwargs: Any) -> Any:
+    """``ZeroRedundancyOptimizer`` over ``params`` with the cell's optimizer (``OPTIMIZERS``)."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if optimizer == "adam":
+        return ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=LR, betas=BETAS,
+                                       eps=EPS, weight_decay=DECAY, **kwargs)
+    momentum = MOMENTUM if optimizer == "momentum" else 0.0
+    return ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=LR, momentum=momentum,
+                                   weight_decay=DECAY, **kwargs)
+
+
+def state_of(zero: Any, model: Any) -> dict[str, dict[str, float]]:
+    """This rank's shard of ZeRO's optimizer state: element of ``Split.flat()`` -> key -> value.
+
+    A scalar entry (Adam's ``step``) is given for every element of its parameter.
+    """
+    import torch
+
+    offsets, start = {}, 0
+    for param in model.parameters():
+        offsets[id(param)] = start
+        start += param.numel()
+    out: dict[str, dict[str, float]] = {}
+    for group in zero.optim.param_groups:
+        for param in group["params"]:
+            for key, value in zero.optim.state.get(param, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                values = value.detach().reshape(-1).tolist()
+                if len(values) == 1 and param.numel() > 1:
+                    values = values * param.numel()
+                for i, v in enumerate(values):
+                    out.setdefault(str(offsets[id(param)] + i), {})[key] = float(v)
+    return out
 
 
 def _split() -> Any:
@@ -124,7 +215,6 @@ def _iterate(model: Any, zero: Any, rank: int, index: int) -> None:
 def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: str,
              port: int, cell: int, out: Path) -> None:
     import torch
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from joinkit import Join
@@ -134,12 +224,15 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     init_cell(rank, world, port, cell)
     torch.manual_seed(0)
     model = DDP(_split())
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=LR,
-                                   weight_decay=DECAY)
+    optimizer, raising = options(option)
+    zero = make_zero(model.parameters(), optimizer)
     init = model.module.flat()
     owned = sum(p.numel() for g in zero.optim.param_groups for p in g["params"])
     arm_model_kills(mine, path)
-    mode = "raise" if option == "raise" else "finish"
+    mode = "raise" if raising else "finish"
+    if any(point == "entry" for _, point, _ in kills):
+        entry_cell(model, zero, rank, mine, path)
+        return
     times: list[float] = []  # when each of this rank's iterations completed
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -158,6 +251,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
                 zero.zero_grad()
                 times.append(time.time())
     at_exit = model.module.flat()
+    state_at_exit = state_of(zero, model)
     shadowing = "_sync_params" in zero.__dict__ or zero.optim is None
     # ZeRO over the survivors: its own broadcasts on the new group, outside any
     # Join, then in a later (default-mode) Join over the rebuilt group.
@@ -169,6 +263,8 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
             for x in join.report.lost_ranks]
     path.write_text(json.dumps({
         "rank": rank, "init": init, "at_exit": at_exit, "final": model.module.flat(),
+        "optimizer": optimizer, "state_at_exit": state_at_exit,
+        "state_final": state_of(zero, model),
         "lost": lost, "zero_world": zero.world_size, "zero_rank": zero.rank,
         "zero_group": zero.process_group.size(), "same_group": zero.process_group is
         model.process_group, "owned_before": owned,
@@ -176,6 +272,34 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
         "left_patched": shadowing, "times": times,
         "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],
     }))
+
+
+def entry_cell(model: Any, zero: Any, rank: int, mine: dict[str, int], path: Path) -> None:
+    """A rank dies at the Join's entry, before it hands over its shard of the state.
+
+    One ZeRO step first (every shard has state); the dying rank is SIGKILLed
+    as it would gather the shards. The survivors' Join must refuse to start,
+    each with the same ``LocalProtocolError``, and leave ZeRO as it was.
+    """
+    from joinkit import Join
+    from joinkit.adapters import _zero_elastic
+
+    _iterate(model, zero, rank, 50)
+    if "entry" in mine:
+        def gather(self: Any, params: Any) -> Any:
+            _die(path)
+
+        _zero_elastic.ElasticZeRO._gather = gather  # type: ignore[method-assign]
+    shard = zero.optim
+    try:
+        with Join([model, zero], on_rank_loss="finish", store_outlives_ranks=True):
+            error = "(entered)"
+    except Exception as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}"
+    path.write_text(json.dumps({
+        "rank": rank, "entry_error": error, "shard_back": zero.optim is shard,
+        "left_patched": "_sync_params" in zero.__dict__,
+        "state_kept": bool(shard.state), "ddp_group": model.process_group.size()}))
 
 
 def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None:
@@ -195,12 +319,10 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
                                        cls, lr=LR, **kwargs)
 
     cases = {
-        "adam": lambda: [model, zero(torch.optim.Adam)],
-        "momentum": lambda: [model, zero(momentum=0.9)],
         "overlap": lambda: [model, zero(overlap_with_ddp=True)],
         "bucket_view": lambda: [model, zero(parameters_as_bucket_view=True)],
         "foreign": lambda: [model, zero(params=torch.nn.Linear(2, 1).parameters())],
-        "alone": lambda: [zero()],
+        "alone": lambda: [zero(torch.optim.Adam)],
         "three": lambda: [model, zero(), zero()],
     }
     found: dict[str, Any] = {}
@@ -215,24 +337,26 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
             found[name] = "(not refused)"
     # Refused before DDP registered its comm hook (DDP allows one, for good).
     found["hooked_by_refusals"] = bool(getattr(model, "_comm_hooks", None))
-    # Momentum set inside the Join: the step that created state is refused
-    # (every rank alike: the same error, and the Join ends on every rank).
+    # The group still matches: a Join that works, uneven inputs, momentum
+    # switched on inside it (the state is replicated: nothing to refuse).
+    # A scheduler stepped on every rank alike reaches the optimizer that steps
+    # every parameter during the Join (ZeRO syncs the hyper-parameters into it).
     optimizer = zero()
-    try:
-        with Join([model, optimizer], on_rank_loss="finish", store_outlives_ranks=True):
-            optimizer.param_groups[0]["momentum"] = 0.9
-            _iterate(model, optimizer, rank, 0)
-    except Exception as exc:  # noqa: BLE001
-        found["momentum_inside"] = f"{type(exc).__name__}: {exc}"
-    else:
-        found["momentum_inside"] = "(not refused)"
-    # The group still matches: a Join that works, uneven inputs.
-    optimizer = zero()
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
     with Join([model, optimizer], on_rank_loss="finish", store_outlives_ranks=True):
+        optimizer.param_groups[0]["momentum"] = 0.9
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()"
+            scheduler.step()
         for index in range(1 + rank):
             _iterate(model, optimizer, rank, index)
+        inside = optimizer.optim.param_groups[0]
+        found["inside"] = {"lr": inside["lr"], "momentum": inside["momentum"],
+                           "params": len(inside["params"])}
+    found["shard_state"] = len(optimizer.optim.state)
     (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "refusals": found, "after": "ok", "params": model.module.flat()}))
+        {"rank": rank, "refusals": found, "after": "ok", "params": model.module.flat(),
+         "owned_params": sum(len(g["params"]) for g in optimizer.optim.param_groups)}))
 
 
 def main() -> None:
