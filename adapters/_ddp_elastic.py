@@ -66,7 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ElasticDDP", "c10d_group", "has_hook", "refusal"]
+__all__ = ["ElasticDDP", "c10d_group", "has_hook", "refusal", "take_last_joiners"]
 
 
 def refusal(ddp: Any, replays: bool) -> str | None:
@@ -318,24 +318,7 @@ class ElasticDDP:
         ddp = self.ddp
         tensors = [p.data for p in ddp.module.parameters()] + [
             b.data for b in ddp.module.buffers() if b.is_floating_point()]
-        if not tensors:
-            return
-        mine = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-        weight = 1.0 if is_last_joiner else 0.0
-        flat = torch.cat([mine * weight, torch.full((1,), weight, dtype=torch.float64)])
-        self.group.all_reduce(flat)
-        count = float(flat[-1].item())
-        if count > 0:
-            values = flat[:-1] / count
-        else:
-            values = mine.clone()
-            self.group.broadcast(values, 0)
-        start = 0
-        with torch.no_grad():
-            for tensor in tensors:
-                n = tensor.numel()
-                tensor.copy_(values[start:start + n].view_as(tensor).to(tensor.dtype))
-                start += n
+        take_last_joiners(self.group, tensors, is_last_joiner)
 
 
 class _Reducer:
@@ -377,3 +360,31 @@ def c10d_group(group: Any, entry_process_group: Any) -> Any:
         c10d.get_global_rank(entry_process_group, old): new
         for new, old in enumerate(survivors)}
     return pg
+
+
+def take_last_joiners(group: Any, tensors: list[torch.Tensor], is_last_joiner: bool) -> None:
+    """Give every survivor the last joiners' ``tensors``, as one unit on ``group``.
+
+    The ranks that joined in the last round hold the same values (they were
+    active in the last iteration); a float64 SUM of theirs with a count gives
+    them exactly. If none of them survived, every rank takes the values of
+    rank 0 of the (rebuilt) group.
+    """
+    if not tensors:
+        return
+    mine = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+    weight = 1.0 if is_last_joiner else 0.0
+    flat = torch.cat([mine * weight, torch.full((1,), weight, dtype=torch.float64)])
+    group.all_reduce(flat)
+    count = float(flat[-1].item())
+    if count > 0:
+        values = flat[:-1] / count
+    else:
+        values = mine.clone()
+        group.broadcast(values, 0)
+    start = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            n = tensor.numel()
+            tensor.copy_(values[start:start + n].view_as(tensor).to(tensor.dtype))
+            start += n

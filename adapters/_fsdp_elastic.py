@@ -77,24 +77,15 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from ._ddp_elastic import take_last_joiners
+from .fsdp import _param_groups
+
 __all__ = ["ElasticFSDP", "refusal", "stateful"]
 
 _HEAD = "Join(on_rank_loss='finish') with an FSDP2 model: "
 _FULLY_SHARD = "torch.distributed.fsdp._fully_shard"
 
 
-def _states(model: nn.Module) -> list[Any]:
-    seen: list[Any] = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            if all(state is not s for s in seen):
-                seen.append(state)
-    return seen
-
-
-def _param_groups(model: nn.Module) -> list[Any]:
-    return [group for state in _states(model) for group in state._fsdp_param_groups]
 
 
 def stateful(optimizer: Any) -> str | None:
@@ -371,24 +362,7 @@ class ElasticFSDP:
         the model of the lowest rank of the rebuilt group (as DDP's).
         """
         tensors = [p._unsharded_param.data for p in self.fsdp_params]
-        if not tensors:
-            return
-        mine = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
-        weight = 1.0 if is_last_joiner else 0.0
-        flat = torch.cat([mine * weight, torch.full((1,), weight, dtype=torch.float64)])
-        self.group.all_reduce(flat)
-        count = float(flat[-1].item())
-        if count > 0:
-            values = flat[:-1] / count
-        else:
-            values = mine.clone()
-            self.group.broadcast(values, 0)
-        start = 0
-        with torch.no_grad():
-            for tensor in tensors:
-                n = tensor.numel()
-                tensor.copy_(values[start:start + n].view_as(tensor).to(tensor.dtype))
-                start += n
+        take_last_joiners(self.group, tensors, is_last_joiner)
 
     # -- exit ------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from elastic_fork import cells_main
+from elastic_fork import cells_main, parse_cell
 
 INPUTS = 6
 DIM = 4
@@ -47,15 +47,7 @@ POINTS = ("body", "beat", "drain", "post")
 
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
-    spec, _, option = cell.partition("~")
-    world, _, kills = spec.partition(":")
-    out = []
-    if kills != "refusals":
-        for item in filter(None, kills.split("+")):
-            rank, point, at = item.split("/")
-            assert point in POINTS, point
-            out.append((int(rank), point, int(at)))
-    return int(world), out, option
+    return parse_cell(cell, POINTS)
 
 
 def sample(rank: int, index: int) -> tuple[np.ndarray, float]:

@@ -265,3 +265,56 @@ def rank_results(out: Path, record: dict[str, Any]) -> dict[int, Any]:
     for path in out.glob(f"cell{record['cell']}-rank*.json"):
         ranks[int(path.stem.rpartition("rank")[2])] = json.loads(path.read_text())
     return ranks
+
+
+def parse_cell(cell: str, points: tuple[str, ...]) -> tuple[int, list[tuple[int, str, int]], str]:
+    """A model runner's cell, ``WORLD:RANK/POINT/AT[+...][~OPTION]`` (or
+    ``WORLD:refusals[~OPTION]``): the world, the kills (rank, point, input) and
+    the option."""
+    spec, _, option = cell.partition("~")
+    world, _, kills = spec.partition(":")
+    out = []
+    if kills != "refusals":
+        for item in filter(None, kills.split("+")):
+            rank, point, at = item.split("/")
+            assert point in points, point
+            out.append((int(rank), point, int(at)))
+    return int(world), out, option
+
+
+def cell_results(runner_file: str, out: Path, cells: list[str], deadline: float
+                 ) -> dict[str, Any]:
+    """Run a model runner's cells (:func:`run_runner`); spec -> (record, the
+    surviving ranks' results, the runner's stderr)."""
+    records, stderr = run_runner(runner_file, out, cells, deadline)
+    return {record["spec"]: (record, rank_results(out, record), stderr) for record in records}
+
+
+def consumed_inputs(world: int, kills: list[tuple[int, str, int]], inputs: int
+                    ) -> dict[int, int]:
+    """Rank -> the inputs it consumed, rank r having ``inputs + r``: a rank killed
+    in its loop body or after its heartbeat did not consume that input; one
+    killed at its step did (its gradient unit completed: the survivors applied it)."""
+    out = {r: inputs + r for r in range(world)}
+    for rank, point, at in kills:
+        if point in ("body", "beat"):
+            out[rank] = at
+        elif point == "step":
+            out[rank] = at + 1
+    return out
+
+
+def survivors(results: dict[str, Any], spec: str,
+              parse: Callable[[str], tuple[int, list[tuple[int, str, int]], str]]
+              ) -> dict[int, Any]:
+    """The surviving ranks' results of cell ``spec``, after checking that exactly
+    the killed ranks died by SIGKILL and every other rank exited 0."""
+    record, ranks, stderr = results[spec]
+    world, kills, _ = parse(spec)
+    killed = {r for r, _, _ in kills}
+    for rank in range(world):
+        expected = -9 if rank in killed else 0
+        assert record["exit"][str(rank)] == expected, (spec, record, stderr[-3000:])
+    assert set(ranks) == set(range(world)) - killed, (spec, stderr[-3000:])
+    return ranks  # type: ignore[no-any-return]
+

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 from elastic_ddp_runner import DIM, INPUTS, _die, init_cell, sample
-from elastic_fork import cells_main
+from elastic_fork import cells_main, parse_cell
 
 LR = 0.05
 WEIGHT_DECAY = 0.01
@@ -52,15 +52,7 @@ POINTS = ("body", "beat", "step", "drain", "post")
 
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
-    spec, _, option = cell.partition("~")
-    world, _, kills = spec.partition(":")
-    out = []
-    if kills != "refusals":
-        for item in filter(None, kills.split("+")):
-            rank, point, at = item.split("/")
-            assert point in POINTS, point
-            out.append((int(rank), point, int(at)))
-    return int(world), out, option
+    return parse_cell(cell, POINTS)
 
 
 def _mlp() -> Any:

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 from elastic_ddp_runner import DIM, INPUTS, LR, _die, arm_model_kills, init_cell, sample
-from elastic_fork import cells_main
+from elastic_fork import cells_main, parse_cell
 
 DECAY = 0.01
 AFTER = 2  # ZeRO steps after the Join, on the survivors
@@ -62,15 +62,7 @@ def options(option: str) -> tuple[str, bool]:
 
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
-    spec, _, option = cell.partition("~")
-    world, _, kills = spec.partition(":")
-    out = []
-    if kills != "refusals":
-        for item in filter(None, kills.split("+")):
-            rank, point, at = item.split("/")
-            assert point in POINTS, point
-            out.append((int(rank), point, int(at)))
-    return int(world), out, option
+    return parse_cell(cell, POINTS)
 
 
 def reference(init: list[float], world: int, consumed: dict[int, int],

@@ -28,7 +28,13 @@ pytest.importorskip("torch.distributed")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import elastic_ddp_runner as runner  # noqa: E402
-from elastic_fork import rank_results, run_runner  # noqa: E402
+from elastic_fork import (  # noqa: E402
+    cell_results,
+    consumed_inputs,
+    rank_results,
+    run_runner,
+    survivors,
+)
 
 DEADLINE = 40.0  # per cell, enforced by the runner (it kills what is left)
 KILL_CELLS = [
@@ -46,35 +52,17 @@ TOLERANCE = 1e-6
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("elastic_ddp")
-    records, stderr = run_runner(runner.__file__, out, CELLS, DEADLINE)
-    return {record["spec"]: (record, rank_results(out, record), stderr) for record in records}
+    return cell_results(runner.__file__, tmp_path_factory.mktemp("elastic_ddp"), CELLS, DEADLINE)
 
 
 def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
-    """Rank -> the inputs it consumed (a dead rank: those whose all-reduce completed)."""
-    out = {r: runner.INPUTS + r for r in range(world)}
-    for rank, point, at in kills:
-        if point in ("body", "beat"):
-            out[rank] = at
-    return out
-
-
-def _survivors(results: dict[str, Any], spec: str) -> tuple[dict[int, Any], str]:
-    record, ranks, stderr = results[spec]
-    world, kills, _ = runner.parse(spec)
-    killed = {r for r, _, _ in kills}
-    for rank in range(world):
-        expected = -9 if rank in killed else 0
-        assert record["exit"][str(rank)] == expected, (spec, record, stderr[-3000:])
-    assert set(ranks) == set(range(world)) - killed, (spec, stderr[-3000:])
-    return ranks, stderr
+    return consumed_inputs(world, kills, runner.INPUTS)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("spec", KILL_CELLS)
 def test_kill(results: dict[str, Any], spec: str) -> None:
-    ranks, _ = _survivors(results, spec)
+    ranks = survivors(results, spec, runner.parse)
     check_kill(spec, ranks)
 
 
@@ -83,13 +71,13 @@ def check_kill(spec: str, ranks: dict[int, Any]) -> None:
     world, kills, option = runner.parse(spec)
     used = consumed(world, kills)
     dead = {r for r, _, _ in kills}
-    survivors = sorted(ranks)
-    init = ranks[survivors[0]]["init"]
+    alive = sorted(ranks)
+    init = ranks[alive[0]]["init"]
     want = runner.reference(init, world, used, divide_by_initial_world_size=option != "count")
     for rank, data in ranks.items():
         assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
             r: used[r] for r in dead}, (spec, rank, data["lost"])
-        assert data["lost"][-1]["survivors"] == survivors, (spec, rank, data["lost"])
+        assert data["lost"][-1]["survivors"] == alive, (spec, rank, data["lost"])
         np.testing.assert_allclose(data["final"], want, rtol=0, atol=TOLERANCE,
                                    err_msg=f"{spec} rank {rank}")
         # The model follows the rebuilt group after the Join.
@@ -100,9 +88,9 @@ def check_kill(spec: str, ranks: dict[int, Any]) -> None:
 
 @pytest.mark.timeout(600)
 def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> None:
-    finish, _ = _survivors(results, "3:")
-    default, _ = _survivors(results, "3:~raise")
-    counted, _ = _survivors(results, "3:~count")
+    finish = survivors(results, "3:", runner.parse)
+    default = survivors(results, "3:~raise", runner.parse)
+    counted = survivors(results, "3:~count", runner.parse)
     used = consumed(3, [])
     init = finish[0]["init"]
     want = runner.reference(init, 3, used)
@@ -119,7 +107,7 @@ def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> 
 
 @pytest.mark.timeout(600)
 def test_refusals(results: dict[str, Any]) -> None:
-    ranks, _ = _survivors(results, "3:refusals")
+    ranks = survivors(results, "3:refusals", runner.parse)
     for data in ranks.values():
         found = data["refusals"]
         assert "broadcast_buffers=False" in found["buffers"], found
@@ -153,7 +141,7 @@ def test_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_last_joiner_dies_in_post_hook(results: dict[str, Any]) -> None:
-    ranks, _ = _survivors(results, POST_CELL)
+    ranks = survivors(results, POST_CELL, runner.parse)
     init = ranks[0]["init"]
     # Rank 0's model: it joined after its INPUTS inputs, while every rank was active.
     want = runner.reference(init, 3, {r: runner.INPUTS for r in range(3)})

@@ -33,7 +33,13 @@ pytest.importorskip("torch.distributed")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import elastic_fsdp_runner as runner  # noqa: E402
-from elastic_fork import rank_results, run_runner  # noqa: E402
+from elastic_fork import (  # noqa: E402
+    cell_results,
+    consumed_inputs,
+    rank_results,
+    run_runner,
+    survivors,
+)
 
 DEADLINE = 40.0  # per cell, enforced by the runner (it kills what is left)
 KILL_CELLS = [
@@ -52,31 +58,13 @@ TOLERANCE = 1e-6
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("elastic_fsdp")
-    records, stderr = run_runner(runner.__file__, out, CELLS, DEADLINE)
-    return {record["spec"]: (record, rank_results(out, record), stderr) for record in records}
+    return cell_results(runner.__file__, tmp_path_factory.mktemp("elastic_fsdp"), CELLS, DEADLINE)
 
 
 def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
-    """Rank -> the inputs it consumed (a dead rank: those whose gradient unit completed)."""
-    out = {r: runner.INPUTS + r for r in range(world)}
-    for rank, point, at in kills:
-        if point in ("body", "beat"):
-            out[rank] = at
-        elif point == "step":  # its gradient unit completed: the survivors applied it
-            out[rank] = at + 1
-    return out
+    return consumed_inputs(world, kills, runner.INPUTS)
 
 
-def _survivors(results: dict[str, Any], spec: str) -> dict[int, Any]:
-    record, ranks, stderr = results[spec]
-    world, kills, _ = runner.parse(spec)
-    killed = {r for r, _, _ in kills}
-    for rank in range(world):
-        expected = -9 if rank in killed else 0
-        assert record["exit"][str(rank)] == expected, (spec, record, stderr[-3000:])
-    assert set(ranks) == set(range(world)) - killed, (spec, stderr[-3000:])
-    return ranks
 
 
 def _flat(values: list[list[float]]) -> np.ndarray:
@@ -88,16 +76,16 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
     world, kills, option = runner.parse(spec)
     used = consumed(world, kills)
     dead = {r for r, _, _ in kills}
-    survivors = sorted(ranks)
-    init = ranks[survivors[0]]["init"]
+    alive = sorted(ranks)
+    init = ranks[alive[0]]["init"]
     want, want_after, want_later, want_again = runner.reference(
-        init, world, used, survivors, divide_by_initial_world_size=option != "count",
+        init, world, used, alive, divide_by_initial_world_size=option != "count",
         repeat=2 if option == "accum" else 1)
     for rank, data in ranks.items():
         assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
             r: used[r] for r in dead}, (spec, rank, data["lost"])
         if dead:
-            assert data["lost"][-1]["survivors"] == survivors, (spec, rank, data["lost"])
+            assert data["lost"][-1]["survivors"] == alive, (spec, rank, data["lost"])
             assert any("was lost after" in w for w in data["warnings"]), data["warnings"]
         np.testing.assert_allclose(_flat(data["final"]), want, rtol=0, atol=TOLERANCE,
                                    err_msg=f"{spec} rank {rank} at the Join's exit")
@@ -117,18 +105,18 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("spec", KILL_CELLS)
 def test_kill(results: dict[str, Any], spec: str) -> None:
-    check_cell(spec, _survivors(results, spec))
+    check_cell(spec, survivors(results, spec, runner.parse))
 
 
 @pytest.mark.timeout(900)
 def test_last_joiner_dies_in_post_hook(results: dict[str, Any]) -> None:
-    ranks = _survivors(results, POST_CELL)
+    ranks = survivors(results, POST_CELL, runner.parse)
     world = 3
     # Its later iterations are counted, but the survivors (joined at INPUTS and
     # INPUTS + 1) hold rank 0's model as of its join: every rank's first INPUTS inputs.
-    survivors = sorted(ranks)
+    alive = sorted(ranks)
     as_of_join = {r: runner.INPUTS for r in range(world)}
-    want = runner.reference(ranks[0]["init"], world, as_of_join, survivors)[0]
+    want = runner.reference(ranks[0]["init"], world, as_of_join, alive)[0]
     for rank, data in ranks.items():
         assert [(x["rank"], x["iterations"]) for x in data["lost"]] == [
             (2, runner.INPUTS + 2)], (rank, data["lost"])
@@ -139,12 +127,12 @@ def test_last_joiner_dies_in_post_hook(results: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(900)
 def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> None:
-    finish = _survivors(results, "3:")
-    default = _survivors(results, "3:~raise")
+    finish = survivors(results, "3:", runner.parse)
+    default = survivors(results, "3:~raise", runner.parse)
     check_cell("3:", finish)
     check_cell("3:~raise", default)  # joinkit's FSDP replay: the same numbers
-    check_cell("3:~count", _survivors(results, "3:~count"))
-    check_cell("3:~accum", _survivors(results, "3:~accum"))  # two backwards per step
+    check_cell("3:~count", survivors(results, "3:~count", runner.parse))
+    check_cell("3:~accum", survivors(results, "3:~accum", runner.parse))  # two backwards per step
     init = finish[0]["init"]
     used = consumed(3, [])
     want = runner.reference(init, 3, used, [0, 1, 2])[0]

@@ -38,7 +38,13 @@ pytest.importorskip("torch.distributed")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import elastic_zero_runner as runner  # noqa: E402
-from elastic_fork import rank_results, run_runner  # noqa: E402
+from elastic_fork import (  # noqa: E402
+    cell_results,
+    consumed_inputs,
+    rank_results,
+    run_runner,
+    survivors,
+)
 
 DEADLINE = 40.0  # per cell, enforced by the runner (it kills what is left)
 KILL_CELLS = [
@@ -62,31 +68,11 @@ TOLERANCE = 1e-6
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("elastic_zero")
-    records, stderr = run_runner(runner.__file__, out, CELLS, DEADLINE)
-    return {record["spec"]: (record, rank_results(out, record), stderr) for record in records}
+    return cell_results(runner.__file__, tmp_path_factory.mktemp("elastic_zero"), CELLS, DEADLINE)
 
 
 def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
-    """Rank -> the inputs it consumed (a dead rank: those whose gradient unit completed)."""
-    out = {r: runner.INPUTS + r for r in range(world)}
-    for rank, point, at in kills:
-        if point in ("body", "beat"):
-            out[rank] = at
-        elif point == "step":
-            out[rank] = at + 1  # its gradient unit completed: the survivors applied it
-    return out
-
-
-def _survivors(results: dict[str, Any], spec: str) -> dict[int, Any]:
-    record, ranks, stderr = results[spec]
-    world, kills, _ = runner.parse(spec)
-    killed = {r for r, _, _ in kills}
-    for rank in range(world):
-        expected = -9 if rank in killed else 0
-        assert record["exit"][str(rank)] == expected, (spec, record, stderr[-3000:])
-    assert set(ranks) == set(range(world)) - killed, (spec, stderr[-3000:])
-    return ranks
+    return consumed_inputs(world, kills, runner.INPUTS)
 
 
 def check_state(spec: str, ranks: dict[int, Any], key: str, want: dict[str, Any]) -> None:
@@ -116,23 +102,23 @@ def check_kill(spec: str, ranks: dict[int, Any], used: dict[int, int] | None = N
     dead = {r for r, _, _ in kills}
     if used is None:
         used = consumed(world, kills)
-    survivors = sorted(ranks)
-    init = ranks[survivors[0]]["init"]
+    alive = sorted(ranks)
+    init = ranks[alive[0]]["init"]
     at_exit, final, state_at_exit, state_final = runner.reference(
-        init, world, used, survivors, optimizer)
+        init, world, used, alive, optimizer)
     lost_iterations = consumed(world, kills)
     for rank, data in ranks.items():
         assert data["optimizer"] == optimizer
         assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
             r: lost_iterations[r] for r in dead}, (spec, rank, data["lost"])
-        assert data["lost"][-1]["survivors"] == survivors, (spec, rank, data["lost"])
+        assert data["lost"][-1]["survivors"] == alive, (spec, rank, data["lost"])
         np.testing.assert_allclose(data["at_exit"], at_exit, rtol=0, atol=TOLERANCE,
                                    err_msg=f"{spec} rank {rank} at exit")
         # ZeRO after the Join: rebuilt on the survivors, its broadcasts on their group.
         np.testing.assert_allclose(data["final"], final, rtol=0, atol=TOLERANCE,
                                    err_msg=f"{spec} rank {rank} after the Join")
-        assert data["zero_world"] == data["zero_group"] == len(survivors), (spec, data)
-        assert data["zero_rank"] == survivors.index(rank), (spec, data)
+        assert data["zero_world"] == data["zero_group"] == len(alive), (spec, data)
+        assert data["zero_rank"] == alive.index(rank), (spec, data)
         assert data["same_group"] and not data["left_patched"], (spec, data)
         assert any("was lost after" in w for w in data["warnings"]), data["warnings"]
     # The state moved with the rebuild: each survivor's new shard holds its
@@ -149,15 +135,15 @@ def check_kill(spec: str, ranks: dict[int, Any], used: dict[int, int] | None = N
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("spec", KILL_CELLS)
 def test_kill(results: dict[str, Any], spec: str) -> None:
-    check_kill(spec, _survivors(results, spec))
+    check_kill(spec, survivors(results, spec, runner.parse))
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("optimizer", NO_DEATH)
 def test_no_death_equals_reference_and_default_mode(results: dict[str, Any],
                                                     optimizer: str) -> None:
-    finish = _survivors(results, f"3:~{optimizer}")
-    default = _survivors(results, f"3:~{optimizer},raise")
+    finish = survivors(results, f"3:~{optimizer}", runner.parse)
+    default = survivors(results, f"3:~{optimizer},raise", runner.parse)
     init = finish[0]["init"]
     at_exit, final, state_at_exit, state_final = runner.reference(
         init, 3, consumed(3, []), [0, 1, 2], optimizer)
@@ -188,14 +174,14 @@ def test_no_death_equals_reference_and_default_mode(results: dict[str, Any],
 @pytest.mark.parametrize("spec", POST_CELLS)
 def test_last_joiner_dies_in_post_hook(results: dict[str, Any], spec: str) -> None:
     # Every consumed input (the dead rank's too: it died after its last iteration).
-    check_kill(spec, _survivors(results, spec))
+    check_kill(spec, survivors(results, spec, runner.parse))
 
 
 @pytest.mark.timeout(600)
 def test_death_while_the_state_is_gathered_at_entry(results: dict[str, Any]) -> None:
     # Its shard of the optimizer state reached no survivor: every survivor's
     # Join refuses to start with the same error, and ZeRO is left as it was.
-    ranks = _survivors(results, ENTRY_CELL)
+    ranks = survivors(results, ENTRY_CELL, runner.parse)
     for data in ranks.values():
         assert data["entry_error"].startswith("LocalProtocolError: "), data
         assert "rank(s) [1] died while every rank's shard" in data["entry_error"], data
@@ -237,7 +223,7 @@ def test_one_optimizer_over_every_parameter_steps_the_shards_bits() -> None:
 
 @pytest.mark.timeout(600)
 def test_refusals(results: dict[str, Any]) -> None:
-    ranks = _survivors(results, "3:refusals")
+    ranks = survivors(results, "3:refusals", runner.parse)
     for data in ranks.values():
         found = data["refusals"]
         assert "overlap_with_ddp=False" in found["overlap"], found
