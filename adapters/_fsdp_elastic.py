@@ -80,7 +80,7 @@ from torch.distributed.fsdp import FSDPModule
 from ._ddp_elastic import take_last_joiners
 from .fsdp import _param_groups
 
-__all__ = ["ElasticFSDP", "refusal", "stateful"]
+__all__ = ["ElasticFSDP", "refusal"]
 
 _HEAD = "Join(on_rank_loss='finish') with an FSDP2 model: "
 _FULLY_SHARD = "torch.distributed.fsdp._fully_shard"
@@ -88,22 +88,39 @@ _FULLY_SHARD = "torch.distributed.fsdp._fully_shard"
 
 
 
-def stateful(optimizer: Any) -> str | None:
-    """What makes ``optimizer`` keep state, or ``None`` for SGD with ``momentum=0``.
+def _odd_state(model: Any, optimizer: Any) -> str | None:
+    """The first optimizer state entry that cannot be gathered, or ``None``.
+
+    Gathered: a DTensor shaped like its parameter, sharded ``Shard(0)`` on the
+    parameter's mesh (Adam's moments, SGD's momentum buffer). Kept as it is: a
+    0-dim tensor (``step``) and any non-tensor value. The same on every rank
+    (global shapes and placements agree across ranks).
 
     Args:
-        optimizer: a ``torch.optim.Optimizer``.
+        model: the root ``fully_shard`` module.
+        optimizer: the optimizer listed after it.
 
     Returns:
-        A short description (``"torch.optim.adam.Adam"``, ``"SGD with
-        momentum=0.9"``), or ``None``.
+        ``"'key' of parameter NAME (...)"``, or ``None``.
     """
-    if type(optimizer) is not torch.optim.SGD:
-        cls = type(optimizer)
-        return f"{cls.__module__}.{cls.__qualname__}"
+    from torch.distributed.tensor import DTensor
+
+    names = {id(p): name for name, p in model.named_parameters()}
     for group in optimizer.param_groups:
-        if group.get("momentum", 0) != 0:
-            return f"SGD with momentum={group['momentum']}"
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if not isinstance(value, torch.Tensor) or (
+                        value.dim() == 0 and not isinstance(value, DTensor)):
+                    continue
+                if (isinstance(value, DTensor) and isinstance(param, DTensor)
+                        and value.shape == param.shape
+                        and value.placements == param.placements
+                        and value.device_mesh == param.device_mesh):
+                    continue
+                what = (f"a DTensor {tuple(value.shape)} {value.placements}"
+                        if isinstance(value, DTensor) else
+                        f"a plain tensor {tuple(value.shape)}")
+                return f"{key!r} of parameter {names.get(id(param), '?')} ({what})"
     return None
 
 
@@ -123,8 +140,9 @@ def refusal(model: Any, joinables: list[Any], adapter: Any) -> str | None:
     from .optim import OptimizerJoinable
 
     works = ("What works: Join([model, optimizer], on_rank_loss='finish') with a "
-             "fully_shard model over a 1-D CPU mesh (gloo) and torch.optim.SGD with "
-             "momentum=0; or use on_rank_loss='raise' (the default) and restart from a "
+             "fully_shard model over a 1-D CPU mesh (gloo) and an optimizer whose state "
+             "is per-parameter tensors shaped like the parameter plus scalars (SGD, "
+             "SGD with momentum, Adam, AdamW); or use on_rank_loss='raise' (the default) and restart from a "
              "checkpoint")
     if not joinables or joinables[0] is not adapter or len(joinables) > 2 or (
             len(joinables) == 2 and not isinstance(joinables[1], OptimizerJoinable)):
@@ -161,10 +179,11 @@ def refusal(model: Any, joinables: list[Any], adapter: Any) -> str | None:
                 "needs one dtype. " + works)
     if len(joinables) == 2:
         optimizer = joinables[1].obj
-        what = stateful(optimizer)
-        if what is not None:
-            return (_HEAD + f"its optimizer ({what}) keeps state, and each rank would "
-                    "keep it for its own shard only: a dead rank's shard of it is lost. "
+        odd = _odd_state(model, optimizer)
+        if odd is not None:
+            return (_HEAD + f"its optimizer's state entry {odd} is neither a tensor "
+                    "sharded like its parameter (Shard(0), the parameter's shape) nor a "
+                    "scalar: it cannot be gathered into the full state the Join steps. "
                     + works)
         mine = {id(p) for p in model.parameters()}
         if any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
@@ -238,10 +257,64 @@ class ElasticFSDP:
                 self.saved_optimizer.append(list(param_group["params"]))
                 param_group["params"] = [self.full.get(id(p), p)
                                          for p in param_group["params"]]
+            self._gather_state()
         self.handles = [
             model.register_forward_pre_hook(self.pre_forward, prepend=True),
             model.register_forward_hook(self.post_forward),
         ]
+
+    def _gather_state(self) -> None:
+        """Each sharded parameter's optimizer state becomes full state: ONE unit.
+
+        Every rank writes its shard of every gathered entry (``_odd_state``)
+        into zeros at the shard's offset and one flag at its entry rank; a
+        SUM in float64 gives the full tensors exactly (each element has one
+        writer). A rank that died in the unit before any survivor received its
+        part leaves its flag at 0 on every survivor alike: the Join is left
+        with a ``LocalProtocolError`` before its loop.
+        """
+        from torch.distributed.tensor import DTensor
+
+        state = self.optimizer.state
+        moved: list[tuple[Any, Any, dict[str, Any]]] = []
+        for fsdp_param in self.fsdp_params:
+            sharded = fsdp_param.sharded_param
+            if sharded in state:
+                moved.append((fsdp_param, self.full[id(sharded)], state.pop(sharded)))
+        parts: list[torch.Tensor] = []
+        slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+        for fsdp_param, full, entries in moved:
+            for key, value in entries.items():
+                if not isinstance(value, DTensor):
+                    continue
+                local = value.to_local()
+                buffer = torch.zeros(full.shape, dtype=torch.float64)
+                if local.numel() > 0:
+                    start = fsdp_param.mesh_info.shard_mesh_rank * \
+                        fsdp_param.padded_sharded_param_size[0]
+                    buffer.narrow(0, start, local.shape[0]).copy_(local.detach())
+                parts.append(buffer.reshape(-1))
+                slots.append((entries, key, value))
+        flags = torch.zeros(self.world, dtype=torch.float64)
+        flags[self.fsdp_params[0].mesh_info.shard_mesh_rank] = 1.0
+        flat = torch.cat([*parts, flags])
+        self.group.all_reduce(flat)
+        missing = [r for r in range(self.world) if float(flat[-self.world + r].item()) < 1]
+        if missing:
+            from joinkit import LocalProtocolError
+
+            raise LocalProtocolError(
+                _HEAD + f"rank(s) {missing} died while the optimizer state's shards were "
+                "gathered at the Join's entry, before any survivor received them: that "
+                "state is lost. Restart from a checkpoint")
+        start = 0
+        for entries, key, value in slots:
+            full_shape = value.shape
+            n = full_shape.numel()
+            entries[key] = flat[start:start + n].view(full_shape).to(value.dtype).clone()
+            start += n
+        for _, full, entries in moved:
+            state[full] = entries
 
     # -- an active rank's iteration --------------------------------------------------
 
@@ -362,7 +435,52 @@ class ElasticFSDP:
         the model of the lowest rank of the rebuilt group (as DDP's).
         """
         tensors = [p._unsharded_param.data for p in self.fsdp_params]
+        if self.optimizer is not None:
+            tensors += self._agree_state(is_last_joiner)
         take_last_joiners(self.group, tensors, is_last_joiner)
+
+    def _agree_state(self, is_last_joiner: bool) -> list[torch.Tensor]:
+        """Every survivor's optimizer state laid out as the last joiners': one unit.
+
+        A joined rank's state is as of its join (it steps nothing); the last
+        joiners' may have more entries (a parameter's first gradient came
+        later). Every rank sends its layout; every rank takes the layout (and
+        non-tensor values) of the first last joiner, or of rank 0 of the group
+        if none survived (as :func:`take_last_joiners`), with zeros where it
+        lacked a tensor; the tensors' values come in the post hook's unit.
+
+        Returns:
+            The state tensors, in the agreed order.
+        """
+        state = self.optimizer.state
+        layout = []
+        for index, fsdp_param in enumerate(self.fsdp_params):
+            for key, value in state.get(fsdp_param._unsharded_param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    layout.append((index, key, tuple(value.shape), str(value.dtype), None))
+                else:
+                    layout.append((index, key, None, None, value))
+        parts = self.group.all_gather_object((is_last_joiner, layout))
+        chosen = next((lay for last, lay in parts if last), parts[0][1])
+        tensors = []
+        fresh: dict[int, dict[str, Any]] = {}
+        for index, key, shape, dtype, value in chosen:
+            full = self.fsdp_params[index]._unsharded_param
+            mine = state.get(full, {}).get(key)
+            entries = fresh.setdefault(index, {})
+            if shape is None:
+                entries[key] = value
+                continue
+            if not (isinstance(mine, torch.Tensor) and tuple(mine.shape) == shape
+                    and str(mine.dtype) == dtype):
+                mine = torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]))
+            entries[key] = mine
+            tensors.append(mine)
+        for fsdp_param in self.fsdp_params:
+            state.pop(fsdp_param._unsharded_param, None)
+        for index, entries in fresh.items():
+            state[self.fsdp_params[index]._unsharded_param] = entries
+        return tensors
 
     # -- exit ------------------------------------------------------------------------
 
@@ -392,6 +510,9 @@ class ElasticFSDP:
             for fsdp_param in self.fsdp_params:
                 _write_shard(fsdp_param, fsdp_param.sharded_param,
                              fsdp_param.mesh_info.shard_mesh_rank)
+                self._shard_state(fsdp_param, fsdp_param.sharded_param,
+                                  fsdp_param.mesh_info.shard_mesh_rank,
+                                  fsdp_param._unsharded_param)
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -434,6 +555,7 @@ class ElasticFSDP:
                 with torch.no_grad():
                     full.grad = grad
                     _write_shard(new, param, info.shard_mesh_rank, full=full)
+                    self._shard_state(new, param, info.shard_mesh_rank, full)
                 fresh.append(new)
             group.fsdp_params = fresh
             group.mesh_info = info
@@ -444,6 +566,23 @@ class ElasticFSDP:
             group._reset_sharded_params = False
             group.lazy_init()
         self.adapter._group = None  # the Join's group is the new mesh's from now on
+
+
+    def _shard_state(self, fsdp_param: Any, param: Any, rank: int, full: Any) -> None:
+        """``rank``'s slice of ``full``'s optimizer state, as DTensor shards of ``param``."""
+        if self.optimizer is None or full not in self.optimizer.state:
+            return
+        entries = self.optimizer.state.pop(full)
+        local = param.to_local()
+        rows = local.shape[0] if local.dim() else 0
+        start = rank * fsdp_param.padded_sharded_param_size[0]
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 \
+                    and value.shape == full.shape:
+                piece = (value.detach().narrow(0, start, rows).clone() if local.numel() > 0
+                         else value.new_empty(local.shape))
+                entries[key] = fsdp_param.to_sharded_dtensor(piece)
+        self.optimizer.state[param] = entries
 
 
 def _write_shard(fsdp_param: Any, param: Any, rank: int, full: Any = None) -> None:

@@ -80,7 +80,8 @@ def _loss(model: Any, rank: int, index: int, dtype: Any) -> Any:
 
 def reference(init: list[list[float]], world: int, consumed: dict[int, int],
               after: list[int], divide_by_initial_world_size: bool = True,
-              repeat: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+              repeat: int = 1, optim: str = "sgd", states: list[Any] | None = None,
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The single-process run (float64) over exactly the consumed inputs, then ``AFTER``.
 
     Args:
@@ -92,6 +93,10 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
         divide_by_initial_world_size: else the Join divides by the ranks that
             contributed.
         repeat: backward passes per input in the Join (``~accum``: 2, accumulated).
+        optim: ``"sgd"``, ``"adam"`` or ``"momentum"`` (:func:`make_optimizer`,
+            torch's own optimizer over the float64 model).
+        states: if a list, the optimizer state (:func:`state_of`) at the Join's
+            exit and after the plain steps are appended to it.
 
     Returns:
         The flat parameters at the Join's exit, after the plain steps that
@@ -106,15 +111,22 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
         for param, values in zip(model.parameters(), init, strict=True):
             param.copy_(torch.tensor(values, dtype=torch.float64).reshape(param.shape))
 
+    optimizer = make_optimizer(model, optim)
+    if optim != "sgd":  # the runner's step before the Join, zero gradients
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+
     def step(items: list[tuple[int, int]], divisor: float, repeat: int = 1) -> None:
-        model.zero_grad()
+        optimizer.zero_grad()
         for rank, index in items:
             for _ in range(repeat):
                 _loss(model, rank, index, torch.float64).backward()
         with torch.no_grad():
             for param in model.parameters():
-                grad = param.grad / divisor + WEIGHT_DECAY * param
-                param -= LR * grad
+                if param.grad is not None:
+                    param.grad /= divisor
+        optimizer.step()
 
     def flat() -> np.ndarray:
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
@@ -124,9 +136,13 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
         step([(r, t) for r in active],
              float(world if divide_by_initial_world_size else len(active)), repeat)
     at_exit = flat()
+    if states is not None:
+        states.append(state_of(model, optimizer))
     for k in range(AFTER):
         step([(r, INPUTS + r + k) for r in after], float(len(after)))
     plain = flat()
+    if states is not None:
+        states.append(state_of(model, optimizer))
     for k in range(LATER + 1):
         active = [r for r in after if k < LATER + (r == min(after))]
         step([(r, INPUTS + r + AFTER + k) for r in active], float(len(after)))
@@ -157,8 +173,40 @@ def arm_fsdp_kills(mine: dict[str, int], path: Path) -> None:
         _fsdp_elastic.ElasticFSDP.sync_final_model = sync_final_model  # type: ignore[method-assign]
 
 
-def build(world: int) -> tuple[Any, Any]:
-    """The FSDP2 MLP over a 1-D CPU mesh of the default group, and its SGD."""
+def make_optimizer(model: Any, optim: str) -> Any:
+    """``SGD(lr, weight_decay)`` (``"sgd"``), with ``momentum=0.9`` (``"momentum"``), or
+    ``Adam(lr, weight_decay)`` (``"adam"``)."""
+    import torch
+
+    if optim == "adam":
+        return torch.optim.Adam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    momentum = 0.9 if optim == "momentum" else 0.0
+    return torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                           momentum=momentum)
+
+
+def state_of(model: Any, optimizer: Any) -> list[list[float]]:
+    """The optimizer's state, full: per parameter, its entries by sorted key, flat.
+
+    A DTensor entry is gathered (``full_tensor``: an all-gather on FSDP's group).
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for param in model.parameters():
+        entries = optimizer.state.get(param, {})
+        values: list[float] = []
+        for key in sorted(entries):
+            value = entries[key]
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            values += [float(v) for v in value.detach().reshape(-1).tolist()]
+        out.append(values)
+    return out
+
+
+def build(world: int, optim: str = "sgd") -> tuple[Any, Any]:
+    """The FSDP2 MLP over a 1-D CPU mesh of the default group, and its optimizer."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -169,8 +217,7 @@ def build(world: int) -> tuple[Any, Any]:
     fully_shard(model.first, mesh=mesh)
     fully_shard(model.second, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    return model, optimizer
+    return model, make_optimizer(model, optim)
 
 
 def full_parameters(model: Any) -> list[list[float]]:
@@ -187,11 +234,18 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     path = out / f"cell{cell}-rank{rank}.json"
     mine = {point: at for r, point, at in kills if r == rank}
     init_cell(rank, world, port, cell)
-    model, optimizer = build(world)
+    options = set(option.split("."))
+    optim = "adam" if "adam" in options else "momentum" if "momentum" in options else "sgd"
+    model, optimizer = build(world, optim)
     init = full_parameters(model)
+    if optim != "sgd":  # a step (zero gradients) before the Join: sharded state at entry
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+        optimizer.step()
+        optimizer.zero_grad()
     arm_fsdp_kills(mine, path)
-    mode = "raise" if option == "raise" else "finish"
-    kwargs = {"divide_by_initial_world_size": False} if option == "count" else {}
+    mode = "raise" if "raise" in options else "finish"
+    kwargs = {"divide_by_initial_world_size": False} if "count" in options else {}
     times: list[float] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -205,7 +259,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
                 if mine.get("beat") == index:
                     _die(path)
                 ((pred - y) ** 2).sum().backward()
-                if option == "accum":  # a second forward and backward, accumulated
+                if "accum" in options:  # a second forward and backward, accumulated
                     _loss(model, rank, index, torch.float32).backward()
                 if mine.get("step") == index:
                     _die(path)
@@ -213,6 +267,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
                 optimizer.zero_grad()
                 times.append(time.time())
     final = full_parameters(model)
+    state_final = state_of(model, optimizer)
     same = all(a is b for a, b in zip(optimizer.param_groups[0]["params"],
                                       model.parameters(), strict=True))
     # Plain FSDP over the survivors: its all-gathers and reduce-scatters.
@@ -221,6 +276,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
         optimizer.step()
         optimizer.zero_grad()
     after = full_parameters(model)
+    state_after = state_of(model, optimizer)
     size = model.first.weight.device_mesh.size()
     # A later default-mode Join over the survivors (joinkit's FSDP replay on the
     # new group), uneven: the lowest survivor has one input more.
@@ -241,7 +297,7 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
             for x in join.report.lost_ranks]
     path.write_text(json.dumps({
         "rank": rank, "init": init, "final": final, "after": after, "later": later,
-        "again": again,
+        "again": again, "state_final": state_final, "state_after": state_after,
         "lost": lost,
         "size_after": size, "same_objects": same, "times": times, "ended": time.time(),
         "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],
