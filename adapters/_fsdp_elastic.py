@@ -303,6 +303,13 @@ class ElasticFSDP:
         if missing:
             from joinkit import LocalProtocolError
 
+            # The optimizer as it was (its shards' state, its sharded parameters).
+            for fsdp_param, _, entries in moved:
+                state[fsdp_param.sharded_param] = entries
+            for param_group, params in zip(self.optimizer.param_groups,
+                                           self.saved_optimizer, strict=True):
+                param_group["params"] = params
+
             raise LocalProtocolError(
                 _HEAD + f"rank(s) {missing} died while the optimizer state's shards were "
                 "gathered at the Join's entry, before any survivor received them: that "

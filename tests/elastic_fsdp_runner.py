@@ -48,7 +48,7 @@ HIDDEN = 8
 AFTER = 2  # plain FSDP steps after the Join, on every survivor
 LATER = 1  # then a default-mode Join over the survivors: LATER inputs each, one more on
 #            the lowest survivor; then a finish-mode Join, one input each
-POINTS = ("body", "beat", "step", "drain", "post")
+POINTS = ("body", "beat", "step", "drain", "post", "entry")
 
 
 def parse(cell: str) -> tuple[int, list[tuple[int, str, int]], str]:
@@ -166,6 +166,11 @@ def arm_fsdp_kills(mine: dict[str, int], path: Path) -> None:
             original(self)
 
         _fsdp_elastic.ElasticFSDP.shadow = shadow  # type: ignore[method-assign]
+    if "entry" in mine:  # in the entry's optimizer-state unit, before sending its part
+        def gather_state(self: Any) -> None:
+            _die(path)
+
+        _fsdp_elastic.ElasticFSDP._gather_state = gather_state  # type: ignore[method-assign]
     if "post" in mine:
         def sync_final_model(self: Any, is_last_joiner: bool) -> None:
             _die(path)
@@ -247,6 +252,16 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     mode = "raise" if "raise" in options else "finish"
     kwargs = {"divide_by_initial_world_size": False} if "count" in options else {}
     times: list[float] = []
+    if any(point == "entry" for _, point, _ in kills):
+        try:  # every survivor: a clear error before the loop, no hang
+            with Join([model, optimizer], on_rank_loss=mode, store_outlives_ranks=True):
+                times.append(time.time())
+        except Exception as exc:  # noqa: BLE001 - recorded and checked by the test
+            path.write_text(json.dumps({"rank": rank, "entry_error":
+                                        f"{type(exc).__name__}: {exc}", "looped": times}))
+            return
+        path.write_text(json.dumps({"rank": rank, "entry_error": "(not raised)"}))
+        return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with Join([model, optimizer], on_rank_loss=mode, store_outlives_ranks=True,
@@ -312,8 +327,9 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
 
     init_cell(rank, world, port, cell)
     model, optimizer = build(world)
-    stateful = torch.optim.Adam(model.parameters(), lr=LR)
-    momentum = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    # An optimizer state entry that is neither sharded like its parameter nor a scalar.
+    odd = torch.optim.SGD(model.parameters(), lr=LR)
+    odd.state[model.first.weight]["odd"] = torch.zeros(3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
     found: dict[str, str] = {}
 
@@ -334,8 +350,7 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
         fully_shard(hsdp, mesh=init_device_mesh("cpu", (2, world // 2),
                                                 mesh_dim_names=("replicate", "shard")))
         attempt("hsdp", [hsdp, torch.optim.SGD(hsdp.parameters(), lr=LR)])
-    attempt("adam", [model, stateful])
-    attempt("momentum", [model, momentum])
+    attempt("odd_state", [model, odd])
     attempt("scheduler", [model, optimizer, scheduler])
     # Gradients held at entry (on rank 0 only): refused on every rank.
     if rank == 0:

@@ -51,7 +51,15 @@ KILL_CELLS = [
 #: The last joiner dies in the post hook: the survivors, all joined earlier, take
 #: the model of rank 0 of the rebuilt group, as of its join (a documented limit).
 POST_CELL = "3:2/post/0"
-CELLS = ["3:", "3:~raise", "3:~count", "3:~accum", *KILL_CELLS, POST_CELL, "4:refusals"]
+#: A stateful optimizer (Adam; SGD with momentum=0.9): parameters AND state checked.
+STATE_CELLS = [
+    "3:1/body/3~adam", "4:2/beat/4~adam", "4:0/step/3~adam", "4:1/drain/1~adam",
+    "3:0/post/0~adam", "4:1/body/2~momentum",
+]
+#: A rank dies in the entry's optimizer-state unit: a clear error on every survivor.
+ENTRY_CELL = "3:1/entry/0~adam"
+CELLS = ["3:", "3:~raise", "3:~count", "3:~accum", "3:~adam", "3:~adam.raise", "3:~momentum",
+         *KILL_CELLS, *STATE_CELLS, ENTRY_CELL, POST_CELL, "4:refusals"]
 MPIRUN_CELL = "3:1/beat/3"
 TOLERANCE = 1e-6
 
@@ -74,13 +82,21 @@ def _flat(values: list[list[float]]) -> np.ndarray:
 def check_cell(spec: str, ranks: dict[int, Any]) -> None:
     """Every survivor: the report, the parameters at exit and after, the new mesh."""
     world, kills, option = runner.parse(spec)
+    options = set(option.split("."))
+    optim = "adam" if "adam" in options else "momentum" if "momentum" in options else "sgd"
     used = consumed(world, kills)
     dead = {r for r, _, _ in kills}
     alive = sorted(ranks)
     init = ranks[alive[0]]["init"]
+    states: list[Any] = []
     want, want_after, want_later, want_again = runner.reference(
-        init, world, used, alive, divide_by_initial_world_size=option != "count",
-        repeat=2 if option == "accum" else 1)
+        init, world, used, alive, divide_by_initial_world_size="count" not in options,
+        repeat=2 if "accum" in options else 1, optim=optim, states=states)
+    want_state, want_state_after = (_flat(s) for s in states)
+    if optim == "sgd":
+        assert want_state.size == 0, spec
+    else:
+        assert want_state.size > 0, spec
     for rank, data in ranks.items():
         assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
             r: used[r] for r in dead}, (spec, rank, data["lost"])
@@ -89,6 +105,14 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
             assert any("was lost after" in w for w in data["warnings"]), data["warnings"]
         np.testing.assert_allclose(_flat(data["final"]), want, rtol=0, atol=TOLERANCE,
                                    err_msg=f"{spec} rank {rank} at the Join's exit")
+        # The optimizer's state, gathered full (Adam's second moments are small: also
+        # a nearly relative check).
+        for got, expected, when in ((data["state_final"], want_state, "at the exit"),
+                                    (data["state_after"], want_state_after, "after")):
+            np.testing.assert_allclose(_flat(got), expected, rtol=0, atol=TOLERANCE,
+                                       err_msg=f"{spec} rank {rank} state {when}")
+            np.testing.assert_allclose(_flat(got), expected, rtol=1e-3, atol=5e-8,
+                                       err_msg=f"{spec} rank {rank} state {when}")
         # FSDP again after the Join, sharded over the survivors.
         assert data["size_after"] == world - len(dead), (spec, data["size_after"])
         assert data["same_objects"], spec  # the optimizer still holds the model's parameters
@@ -106,6 +130,23 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
 @pytest.mark.parametrize("spec", KILL_CELLS)
 def test_kill(results: dict[str, Any], spec: str) -> None:
     check_cell(spec, survivors(results, spec, runner.parse))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("spec", STATE_CELLS)
+def test_kill_with_a_stateful_optimizer(results: dict[str, Any], spec: str) -> None:
+    check_cell(spec, survivors(results, spec, runner.parse))
+
+
+@pytest.mark.timeout(900)
+def test_death_while_the_state_is_gathered_at_entry(results: dict[str, Any]) -> None:
+    """The state unit at entry lost a rank's shards: every survivor raises, none loops."""
+    ranks = survivors(results, ENTRY_CELL, runner.parse)
+    for rank, data in ranks.items():
+        error = data["entry_error"]
+        assert error.startswith("LocalProtocolError: "), (rank, error)
+        assert "rank(s) [1] died while the optimizer state's shards were gathered" in error
+        assert data["looped"] == []
 
 
 @pytest.mark.timeout(900)
@@ -133,6 +174,18 @@ def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> 
     check_cell("3:~raise", default)  # joinkit's FSDP replay: the same numbers
     check_cell("3:~count", survivors(results, "3:~count", runner.parse))
     check_cell("3:~accum", survivors(results, "3:~accum", runner.parse))  # two backwards per step
+    # A stateful optimizer: finish mode, joinkit's FSDP replay (default mode), the reference.
+    adam = survivors(results, "3:~adam", runner.parse)
+    adam_default = survivors(results, "3:~adam.raise", runner.parse)
+    check_cell("3:~adam", adam)
+    check_cell("3:~adam.raise", adam_default)
+    check_cell("3:~momentum", survivors(results, "3:~momentum", runner.parse))
+    for rank in range(3):
+        for key in ("final", "state_final"):
+            np.testing.assert_allclose(_flat(adam[rank][key]), _flat(adam_default[rank][key]),
+                                       rtol=0, atol=TOLERANCE)
+        # Every rank holds the same bits (every rank stepped every full parameter).
+        assert adam[rank]["final"] == adam[0]["final"]
     init = finish[0]["init"]
     used = consumed(3, [])
     want = runner.reference(init, 3, used, [0, 1, 2])[0]
@@ -150,8 +203,7 @@ def test_refusals(results: dict[str, Any]) -> None:
     assert record["exit"] == {str(r): 0 for r in range(4)}, (record, stderr[-3000:])
     expected = {
         "hsdp": "HSDP and 2-D meshes",
-        "adam": "torch.optim.adam.Adam) keeps state",
-        "momentum": "SGD with momentum=0.9) keeps state",
+        "odd_state": "entry 'odd' of parameter first.weight (a plain tensor (3,))",
         "scheduler": "exactly [model] or [model, optimizer]",
         "gradients": "1 rank(s) hold gradients at the Join's entry",
         "no_sync": "set_requires_gradient_sync(True) before the Join",
