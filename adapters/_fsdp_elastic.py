@@ -142,8 +142,8 @@ def refusal(model: Any, joinables: list[Any], adapter: Any) -> str | None:
     works = ("What works: Join([model, optimizer], on_rank_loss='finish') with a "
              "fully_shard model over a 1-D CPU mesh (gloo) and an optimizer whose state "
              "is per-parameter tensors shaped like the parameter plus scalars (SGD, "
-             "SGD with momentum, Adam, AdamW); or use on_rank_loss='raise' (the default) and restart from a "
-             "checkpoint")
+             "SGD with momentum, Adam, AdamW); or use on_rank_loss='raise' (the default) "
+             "and restart from a checkpoint")
     if not joinables or joinables[0] is not adapter or len(joinables) > 2 or (
             len(joinables) == 2 and not isinstance(joinables[1], OptimizerJoinable)):
         return (_HEAD + "the Join must be exactly [model] or [model, optimizer] in this "
@@ -460,7 +460,7 @@ class ElasticFSDP:
             The state tensors, in the agreed order.
         """
         state = self.optimizer.state
-        layout = []
+        layout: list[tuple[int, Any, tuple[int, ...] | None, str | None, Any]] = []
         for index, fsdp_param in enumerate(self.fsdp_params):
             for key, value in state.get(fsdp_param._unsharded_param, {}).items():
                 if isinstance(value, torch.Tensor):
