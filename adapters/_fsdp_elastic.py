@@ -7,8 +7,9 @@ FSDP2's per-unit all-gathers (forward, backward prefetch) and reduce-scatters
 TorchGroup's units (``backends._torch_elastic``), so a death inside one could
 not be recovered; and each rank holds the only copy of its parameter shard.
 While a finish-mode Join lasts, this module takes FSDP's collectives away
-instead, exactly, for a *stateless* optimizer: the model is *unsharded while
-the Join lasts*.
+instead, exactly, for any optimizer whose state is per-parameter tensors
+shaped like the parameter plus scalars (SGD with or without momentum, Adam,
+AdamW): the model and its optimizer state are *full while the Join lasts*.
 
 - *Entry* (every rank, before the loop): one unit (a SUM of "this rank has
   gradients") refuses a model that still holds sharded gradients (their other
@@ -17,7 +18,15 @@ the Join lasts*.
   and gradient reduction are switched off in every parameter group
   (``post_forward_mesh_info = None``, ``reduce_grads = False``,
   ``reshard_after_backward = False``), and the optimizer's parameter groups
-  hold the *unsharded* parameters instead of the sharded ones. From then on a
+  hold the *unsharded* parameters instead of the sharded ones. The optimizer's
+  state becomes full state for them (``ElasticFSDP._gather_state``): each
+  rank writes its shard of every ``Shard(0)`` state tensor at the shard's
+  offset into zeros, plus a flag at its rank, and ONE float64 SUM unit
+  through the Join's TorchGroup gives every rank the full tensors exactly
+  (each element has one writer); scalars (``step``) stay as they are. A rank
+  that died in that unit before any survivor received its part leaves its
+  flag at 0 on every survivor alike: each raises ``LocalProtocolError``
+  before the loop (the optimizer gets its shards' state back). From then on a
   forward and a backward send no FSDP collective at all: FSDP finds its
   parameters unsharded and leaves the unsharded gradients in place.
 - *One iteration is a heartbeat and one gradient unit*, as with DDP
@@ -36,14 +45,18 @@ the Join lasts*.
   heartbeat and its unit has not consumed that input; one that dies after
   the unit has (the survivors applied its gradient).
 - *Every active rank steps every full parameter.* The averaged gradient is the
-  same, bit for bit, on every active rank, and so are the parameters, so
-  ``optimizer.step()`` (SGD, ``momentum=0``: no state) gives every rank the
-  same full parameters. A joined rank's shadow sends the zero unit and steps
-  nothing; the post hook (one unit: the last joiners' parameters and a count,
-  summed, in float64) gives every survivor the last joiners' model, as DDP's
-  does.
+  same, bit for bit, on every active rank, and so are the parameters and the
+  full optimizer state, so ``optimizer.step()`` gives every rank the same
+  full parameters and state. A joined rank's shadow sends the zero unit and
+  steps nothing; the post hook gives every survivor the last joiners' model
+  and optimizer state, as DDP's does for the model: one
+  ``all_gather_object`` of each rank's state layout (every rank takes the
+  first last joiner's, or rank 0's if none survived, with zeros for an entry
+  it lacked), then one unit of the last joiners' parameters, state tensors
+  and a count, summed in float64.
 - *Exit without a loss*: each rank copies its own slice of every full
-  parameter (and gradient) into its shard, the optimizer gets the sharded
+  parameter (and gradient, and optimizer state tensor, as a ``Shard(0)``
+  DTensor of the parameter's spec) into its shard, the optimizer gets the sharded
   parameters back, FSDP's settings come back and every unit reshards. *After
   a loss*: every survivor holds the full parameters, so FSDP is re-sharded
   over the survivors: a ``DeviceMesh.from_group`` over the rebuilt group
@@ -51,18 +64,21 @@ the Join lasts*.
   parameter group built from the full parameters, and each new sharded
   parameter swapped into the old parameter object
   (``torch.utils.swap_tensors``), so the optimizer and the user's references
-  go on holding the model's parameters. Steps after the Join are FSDP again,
-  over the survivors.
+  go on holding the model's parameters; the optimizer state is sliced as the
+  parameters are, into DTensors of the new mesh. Steps after the Join are
+  FSDP again, over the survivors.
 - *Refused on entry* (a ``ValueError`` on every rank, before any collective):
-  a stateful optimizer (anything but ``torch.optim.SGD`` with ``momentum=0``),
+  an optimizer state entry that is a tensor but neither a ``Shard(0)``
+  DTensor shaped like its parameter nor a 0-dim plain tensor,
   an optimizer over parameters the model does not hold, any joinable but
   ``[model]`` or ``[model, optimizer]``, HSDP or a 2-D mesh, a shard placement
   other than ``Shard(0)``, ``reshard_after_forward`` given as an int, mixed
   precision or CPU offload, a CUDA model, parameters of more than one dtype,
   gradient sync switched off at entry (``set_requires_gradient_sync(False)``).
 
-The memory while the Join lasts: the full parameters and gradients on every
-rank, as DDP (not FSDP's shards).
+The memory while the Join lasts: the full parameters, gradients and optimizer
+state on every rank, as DDP (not FSDP's shards); the entry's state unit is
+float64, the state's full size.
 
 Standard library, torch and joinkit; imported by ``adapters.fsdp`` only in
 finish mode. Every FSDP member it uses is listed in ``adapters._torch_private``.

@@ -92,10 +92,11 @@ of the above runs. The model's ``join_hook`` vouches for FSDP's group
 (``torch_dist.elastic_raw_groups``), and on entry ``adapters._fsdp_elastic``
 unshards the model for the length of the Join (no FSDP collective in forward
 or backward; one gradient unit per backward through the Join's elastic
-TorchGroup; every active rank steps the full parameters with SGD, momentum 0)
-and shards it again on exit, over the survivors after a loss; it refuses on
-entry what it cannot do. A joined rank's shadow is that module's zero unit,
-and its post hook syncs the last joiners' model.
+TorchGroup; every active rank steps the full parameters with the full
+optimizer state, gathered from its shards at entry) and shards both again on
+exit, over the survivors after a loss; it refuses on entry what it cannot do.
+A joined rank's shadow is that module's zero unit, and its post hook syncs the
+last joiners' model and optimizer state.
 
 *Failures.* A rank whose loop raised shadows like a joined rank. If it raised
 right after its step check (before FSDP issued anything), the shell runs one

@@ -20,10 +20,15 @@ A ``CELL`` is ``W:KILLS[~OPTION]``, ``KILLS`` a ``+``-joined list of
 ``beat`` (after input ``at``'s forward, whose heartbeat went out, before its
 backward's gradient unit), ``step`` (after input ``at``'s gradient unit,
 before the optimizer's step), ``drain`` (in the joined rank's shadow round
-``at``) or ``post`` (in the post hook); ``OPTION`` ``raise`` (the default
-``on_rank_loss``: joinkit's FSDP replay) or ``count``
-(``divide_by_initial_world_size=False``) or ``accum`` (two forwards and
-backwards per input, accumulated before the step). ``W:refusals`` runs the refused
+``at``), ``post`` (in the post hook) or ``entry`` (in the entry's
+optimizer-state unit: every survivor's Join raises, recorded as
+``entry_error``); ``OPTION`` a ``.``-joined set of ``raise`` (the default
+``on_rank_loss``: joinkit's FSDP replay), ``count``
+(``divide_by_initial_world_size=False``), ``accum`` (two forwards and
+backwards per input, accumulated before the step), ``adam`` or ``momentum``
+(the optimizer: ``Adam`` or ``SGD(momentum=0.9)``, with one zero-gradient step
+before the Join so that it starts from sharded state; also recorded: the
+full optimizer state after the Join and after the plain steps). ``W:refusals`` runs the refused
 configurations. Each rank writes ``DIR/cell{C}-rank{R}.json``: the initial
 full parameters, the full parameters right after the Join and after the
 steps that follow, the report's lost ranks, the mesh size after. The

@@ -17,7 +17,13 @@ Join and a later finish-mode Join over the survivors still equal it. Also: no
 death in finish mode equals the reference and the default mode (joinkit's
 FSDP replay); the divisor ``divide_by_initial_world_size=False``; the
 refusals, after which the group still matches; one cell under ``mpirun
---with-ft ulfm``.
+--with-ft ulfm``. With a stateful optimizer (``Adam``; ``SGD(momentum=0.9)``),
+after one step before the Join: no death (finish = reference = default mode)
+and kills in the body, after the heartbeat, after the unit, while draining and
+in the post hook, where every survivor's optimizer state (gathered full) also
+equals the reference's (torch's optimizer over the float64 model) at the exit
+and after the plain steps; and a death in the entry's state unit (a
+``LocalProtocolError`` on every survivor).
 """
 
 from __future__ import annotations
