@@ -86,6 +86,7 @@ finish mode. Every FSDP member it uses is listed in ``adapters._torch_private``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -273,7 +274,11 @@ class ElasticFSDP:
                 self.saved_optimizer.append(list(param_group["params"]))
                 param_group["params"] = [self.full.get(id(p), p)
                                          for p in param_group["params"]]
-            self._gather_state()
+            try:
+                self._gather_state()
+            except BaseException:
+                self._undo_entry()
+                raise
         self.handles = [
             model.register_forward_pre_hook(self.pre_forward, prepend=True),
             model.register_forward_hook(self.post_forward),
@@ -311,6 +316,19 @@ class ElasticFSDP:
                     buffer.narrow(0, start, local.shape[0]).copy_(local.detach())
                 parts.append(buffer.reshape(-1))
                 slots.append((entries, key, value))
+        # The ranks must hold state of the same layout (the unit's size follows
+        # from it): one agreement first, so that a difference is an error on
+        # every rank, not a collective of mismatched sizes.
+        layout = repr([(index, key, tuple(value.shape))
+                       for index, (entries, key, value) in enumerate(slots)]).encode()
+        digest = int.from_bytes(hashlib.blake2b(layout, digest_size=8).digest(), "big") >> 1
+        if not self.group.all_agree(digest):
+            self._restore_optimizer(moved)
+            raise ValueError(
+                _HEAD + "the ranks' optimizers hold state for different parameters or of "
+                "different shapes at the Join's entry (one rank stepped parameters another "
+                "did not): step the optimizer alike on every rank before the Join (e.g. a "
+                "step on every rank, or none)")
         flags = torch.zeros(self.world, dtype=torch.float64)
         flags[self.fsdp_params[0].mesh_info.shard_mesh_rank] = 1.0
         flat = torch.cat([*parts, flags])
@@ -319,13 +337,7 @@ class ElasticFSDP:
         if missing:
             from joinkit import LocalProtocolError
 
-            # The optimizer as it was (its shards' state, its sharded parameters).
-            for fsdp_param, _, entries in moved:
-                state[fsdp_param.sharded_param] = entries
-            for param_group, params in zip(self.optimizer.param_groups,
-                                           self.saved_optimizer, strict=True):
-                param_group["params"] = params
-
+            self._restore_optimizer(moved)
             raise LocalProtocolError(
                 _HEAD + f"rank(s) {missing} died while the optimizer state's shards were "
                 "gathered at the Join's entry, before any survivor received them: that "
@@ -338,6 +350,27 @@ class ElasticFSDP:
             start += n
         for _, full, entries in moved:
             state[full] = entries
+
+    def _restore_optimizer(self, moved: list[tuple[Any, Any, dict[str, Any]]]) -> None:
+        """The optimizer's state as it was before :meth:`_gather_state` (its shards')."""
+        state = self.optimizer.state
+        for fsdp_param, _, entries in moved:
+            state[fsdp_param.sharded_param] = entries
+
+    def _undo_entry(self) -> None:
+        """The entry failed before the loop: the optimizer's sharded parameters and
+        FSDP's settings back, every unit resharded (local: no collective), so that
+        FSDP outside the Join reduces its gradients as before."""
+        for param_group, params in zip(self.optimizer.param_groups,
+                                       self.saved_optimizer, strict=True):
+            param_group["params"] = params
+        for group, reduce_grads, after_backward, post_forward in self.saved:
+            group.reduce_grads = reduce_grads
+            group.reshard_after_backward = after_backward
+            group.post_forward_mesh_info = post_forward
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     # -- an active rank's iteration --------------------------------------------------
 

@@ -356,6 +356,21 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
                                                 mesh_dim_names=("replicate", "shard")))
         attempt("hsdp", [hsdp, torch.optim.SGD(hsdp.parameters(), lr=LR)])
     attempt("odd_state", [model, odd])
+    # Optimizer state on rank 0 only (one Adam step of zero gradients there): the
+    # ranks' entry units would differ in size; refused on every rank instead, and
+    # FSDP is left as it was: a plain step after it reduces gradients again.
+    adam = torch.optim.Adam(model.parameters(), lr=LR)
+    if rank == 0:
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+        adam.step()
+        adam.zero_grad()
+    attempt("uneven_state", [model, adam])
+    found["before_uneven_state"] = json.dumps(full_parameters(model))
+    _loss(model, rank, 0, torch.float32).backward()  # uneven data: reduced, or not
+    optimizer.step()
+    optimizer.zero_grad()
+    found["after_uneven_state"] = json.dumps(full_parameters(model))
     attempt("scheduler", [model, optimizer, scheduler])
     # Gradients held at entry (on rank 0 only): refused on every rank.
     if rank == 0:

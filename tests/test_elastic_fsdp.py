@@ -210,6 +210,7 @@ def test_refusals(results: dict[str, Any]) -> None:
     expected = {
         "hsdp": "HSDP and 2-D meshes",
         "odd_state": "entry 'odd' of parameter first.weight (a plain tensor (3,))",
+        "uneven_state": "hold state for different parameters or of different shapes",
         "scheduler": "exactly [model] or [model, optimizer]",
         "gradients": "1 rank(s) hold gradients at the Join's entry",
         "no_sync": "set_requires_gradient_sync(True) before the Join",
@@ -218,8 +219,12 @@ def test_refusals(results: dict[str, Any]) -> None:
         found = ranks[rank]["refusals"]
         for name, words in expected.items():
             assert words in found[name], (rank, name, found[name])
-            assert name == "gradients" or "What works" in found[name], found[name]
+            assert name in ("gradients", "uneven_state") or "What works" in found[name], (
+                found[name])
         assert ranks[rank]["after"] == "ok"
+        # After the refused entry, FSDP reduced a plain step's gradients again.
+        assert found["after_uneven_state"] == ranks[0]["refusals"]["after_uneven_state"]
+        assert found["after_uneven_state"] != found["before_uneven_state"]  # it stepped
         # A forward with gradients and no backward: an error on every rank, no hang.
         error = found["no_backward"]
         assert error.startswith(("LocalProtocolError: ", "PeerFailure: ")), error
