@@ -1212,8 +1212,10 @@ def _drain_batch(s: JoinState, now: float) -> int:
     if elapsed <= 0.0 or s.shadow_rounds == 0:
         return 2 * previous
     due = (start if s.progress_at is None else s.progress_at) + s.config.progress_interval
-    rounds_until_due = math.ceil(s.shadow_rounds / elapsed * (due - now))
-    return min(2 * previous, max(1, rounds_until_due))
+    rounds = s.shadow_rounds / elapsed * (due - now)
+    if not math.isfinite(rounds):  # a clock step too small for a rate (a subnormal)
+        return 2 * previous
+    return min(2 * previous, max(1, math.ceil(rounds)))
 
 
 def _progress(s: JoinState, active: int | None, now: float) -> tuple[ReportProgress, ...]:

@@ -219,6 +219,18 @@ random_observations = st.one_of(
 )
 
 
+def test_a_subnormal_clock_step_does_not_break_the_drain_batch() -> None:
+    """Found by the property test below: a shadow round done a subnormal time
+    after the join made the drain rate infinite (an OverflowError in
+    ``math.ceil``); the batch then only doubles."""
+    config = m.MachineConfig(rank=0, skew_warn_threshold=0, progress_interval=0.0)
+    before = m.JoinState(phase=m.Phase.SHADOWING, config=config, drain_batch=1,
+                         joined_at=0.0)
+    transition = m.step(before, m.HooksDone(now=2.2250738585e-313))
+    assert transition.state.phase is m.Phase.DRAINING
+    assert transition.state.drain_batch == 2
+
+
 @settings(max_examples=1000, deadline=None)
 @given(before=random_states(), observation=random_observations)
 def test_every_transition_goes_where_its_row_says(
