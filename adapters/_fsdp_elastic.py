@@ -361,13 +361,7 @@ class ElasticFSDP:
         """The entry failed before the loop: the optimizer's sharded parameters and
         FSDP's settings back, every unit resharded (local: no collective), so that
         FSDP outside the Join reduces its gradients as before."""
-        for param_group, params in zip(self.optimizer.param_groups,
-                                       self.saved_optimizer, strict=True):
-            param_group["params"] = params
-        for group, reduce_grads, after_backward, post_forward in self.saved:
-            group.reduce_grads = reduce_grads
-            group.reshard_after_backward = after_backward
-            group.post_forward_mesh_info = post_forward
+        self._restore_settings()
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -540,11 +534,8 @@ class ElasticFSDP:
 
     # -- exit ------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """The Join is over: shard again, over the entry group or the survivors."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+    def _restore_settings(self) -> None:
+        """The optimizer's sharded parameters and FSDP's settings, as at entry."""
         if self.optimizer is not None:
             for param_group, params in zip(self.optimizer.param_groups,
                                            self.saved_optimizer, strict=True):
@@ -553,6 +544,13 @@ class ElasticFSDP:
             group.reduce_grads = reduce_grads
             group.reshard_after_backward = after_backward
             group.post_forward_mesh_info = post_forward
+
+    def close(self) -> None:
+        """The Join is over: shard again, over the entry group or the survivors."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self._restore_settings()
         if self.group.process_group is self.backend:
             self._shard_in_place()
         else:
