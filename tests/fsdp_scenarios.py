@@ -972,13 +972,22 @@ def ddp_sync_batch_norm(ctx: Ctx) -> Any:
 
 @scenario
 def cuda_sync_batch_norm(ctx: Ctx) -> Any:
-    """The real torch.nn.SyncBatchNorm (CUDA only): every rank on cuda:0, gloo."""
+    """The real torch.nn.SyncBatchNorm (CUDA only): every rank on cuda:0, gloo; plain,
+    in no_sync() windows, and with a ZeroRedundancyOptimizer in the Join."""
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA"}
     n = {2: [0, 3], 4: [2, 0, 4, 3]}[ctx.world]
     device = torch.device("cuda", 0)
-    return {"plain": _sync_bn_run(ctx, nn.SyncBatchNorm(6, process_group=ctx.group), n, 1,
-                                  device)}
+
+    def norm() -> nn.Module:
+        return nn.SyncBatchNorm(6, process_group=ctx.group)
+
+    return {
+        "plain": _sync_bn_run(ctx, norm(), n, 1, device),
+        "no_sync": _sync_bn_run(ctx, norm(), {2: [2, 4], 4: [2, 4, 0, 4]}[ctx.world], 2,
+                                device),
+        "zero": _sync_bn_run(ctx, norm(), n, 1, device, zero=True),
+    }
 
 
 # -- DDP + ZeRO + an LR scheduler ----------------------------------------------------------

@@ -116,7 +116,11 @@ def run_gather_loop(group: Any, inputs: list[int], *, kind: str = "numpy",
         if dst is not None and rank != dst or not every:
             assert kept is None, kept
         else:
-            assert type(kept[0]).__module__.split(".")[0] == kind.replace("numpy", "numpy")
+            assert type(kept[0]).__module__.split(".")[0] == {"cuda": "torch"}.get(kind, kind)
+            if kind != "numpy":  # on this rank's inputs' device; no call made: the group's
+                device = (batch_of(rank, 0, 1, kind)[0].device if inputs[rank]
+                          else getattr(group, "device", "cpu"))
+                assert str(kept[0].device) == str(device), (kept[0], device)
             np.testing.assert_array_equal(as_numpy(kept[0]),
                                           np.concatenate([e[0] for e in every]))
             np.testing.assert_array_equal(as_numpy(kept[1]),
