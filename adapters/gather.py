@@ -280,6 +280,11 @@ class Gather(Joinable):
         # shadow of the header (fused_shadow) showed one: its bytes per rank.
         self._pending = 0
         self._pending_keep: _Round | None = None
+        # The per-call path on the CPU where the group has all_gather_into
+        # (TorchGroup): the header collective's two buffers, made again when
+        # the capacity grows, instead of new ones and conversions each call.
+        self._into = getattr(self._group, "all_gather_into", None) if dst is None else None
+        self._rows: tuple[np.ndarray, np.ndarray] | None = None
 
     def __repr__(self) -> str:
         return (f"Gather(rank={self._rank}, world_size={self._world}, dst={self._dst}, "
@@ -328,7 +333,10 @@ class Gather(Joinable):
         capacity = self._capacity
         inline = batch.nbytes <= capacity
         wire = self._wire(batch, heartbeat, capacity, inline)
-        parts = self._group.all_gather(wire)
+        if self._into is not None and not layout.wire_torch:
+            parts = self._into(wire, self._rows[1])  # type: ignore[index]  # _wire made them
+        else:
+            parts = self._group.all_gather(wire)
         heads, total = _headers(parts)
         Join.record_heartbeat_total(self, total)
         round_ = self._read(heads, capacity)
@@ -560,7 +568,16 @@ class Gather(Joinable):
     def _wire(self, batch: _Batch, heartbeat: float, capacity: int, inline: bool) -> Any:
         """This rank's header collective buffer: header, then the data where it fits."""
         if not batch.layout.wire_torch:  # the per-call path on the CPU: no conversions
-            wire = np.zeros(_HEADER_BYTES + capacity, dtype=np.uint8)
+            if self._into is None:
+                wire = np.zeros(_HEADER_BYTES + capacity, dtype=np.uint8)
+            else:  # all_gather_into's buffers (bytes past the call's are never read)
+                rows = self._rows
+                world = self._group.world_size
+                if rows is None or rows[1].shape != (world, _HEADER_BYTES + capacity):
+                    self._rows = rows = (np.zeros(_HEADER_BYTES + capacity, dtype=np.uint8),
+                                         np.zeros((world, _HEADER_BYTES + capacity),
+                                                  dtype=np.uint8))
+                wire = rows[0]
             _HEADER.pack_into(wire, 0, heartbeat,  # type: ignore[arg-type]
                               batch.rows, batch.nbytes, batch.layout.fingerprint)
             if inline:
@@ -875,9 +892,18 @@ def _decode(layout: _Layout, pieces: list[tuple[int, Any]], torch: bool, device:
         # The per-call path of CPU tensors: NumPy bytes in, tensors viewing them out.
         from_numpy = sys.modules["torch"].from_numpy
         for (_, shape, per_row), dtype in zip(layout.arrays, layout.numpy_dtypes, strict=True):
-            column = [data[start * rows:(start + per_row) * rows] for rows, data in pieces]
+            if len(pieces) == 1:
+                rows, data = pieces[0]
+                raw = data[start * rows:(start + per_row) * rows].copy()
+            else:  # piece by piece into one new array: fewer calls than a concatenate
+                raw = np.empty(total * per_row, dtype=np.uint8)
+                at = 0
+                for rows, data in pieces:
+                    size = rows * per_row
+                    first = start * rows
+                    raw[at:at + size] = data[first:first + size]
+                    at += size
             start += per_row
-            raw = np.concatenate(column) if len(column) > 1 else column[0].copy()
             assert dtype is not None  # cpu_views: NumPy has every dtype
             out.append(from_numpy(raw.view(dtype).reshape(total, *shape)))
         return out

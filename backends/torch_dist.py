@@ -348,6 +348,8 @@ class TorchGroup:
         # ProcessGroup (DDP's, ZeRO's, FSDP2's: they keep their own reference).
         self._elastic: _elastic.Elastic | None = None
         self._store_outlives_ranks = store_outlives_ranks
+        # all_gather_into's tensors for its latest buffers (buf, out, wire, rows).
+        self._into: tuple[Any, ...] | None = None
         self._for_raw_group = False
         self._initial_rank = self.rank
         _groups.add(self)
@@ -964,6 +966,38 @@ class TorchGroup:
         work = _hold(self.process_group.allgather([outputs], [wire], AllgatherOptions()),
                      wire, *outputs)
         return self._finish(work, async_op, None, lambda: [_like(buf, p) for p in parts])
+
+    def all_gather_into(self, buf: np.ndarray, out: np.ndarray) -> Any:
+        """Gather every rank's ``buf`` into row ``rank`` of ``out``, on every rank.
+
+        The optional per-call path of ``Gather``, which calls it with the same
+        two buffers until it needs larger ones: they are not checked, and on a
+        CPU group no buffer is made. A rank may call :meth:`all_gather` with a
+        buffer of ``buf``'s size instead: the collective is the same.
+
+        Args:
+            buf: a 1-D contiguous, writeable uint8 NumPy array of the same size
+                on every rank.
+            out: a contiguous, writeable uint8 NumPy array of shape
+                ``(world_size, buf.size)``.
+
+        Returns:
+            ``out``; or, where the group does not gather into it (a CUDA group,
+            or a recovery unit of a Join with ``on_rank_loss="finish"``, after
+            which the group may have fewer ranks), what :meth:`all_gather`
+            returns.
+        """
+        elastic = self._elastic
+        if self._on_cuda or (elastic is not None and not elastic.inside):
+            return self.all_gather(buf)
+        into = self._into
+        if into is None or into[0] is not buf or into[1] is not out:
+            rows = [torch.from_numpy(row) for row in out]
+            self._into = into = (buf, out, torch.from_numpy(buf), rows)
+        wire, rows = into[2], into[3]
+        self.wait(_hold(self.process_group.allgather([rows], [wire], AllgatherOptions()),
+                        wire, *rows))
+        return out
 
     def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
         """Reduce ``buf`` over all ranks into ``buf`` of rank ``dst``.

@@ -448,6 +448,44 @@ def accelerate_metrics(ctx: Ctx) -> Any:
 
 
 @scenario
+def fresh_results(ctx: Ctx) -> Any:
+    """Each call returns arrays of its own (NumPy, and torch where it is), with
+    uneven calls, calls where one rank alone gives rows, and the capacity
+    growing: the results of every call, held to the end, still hold that call's
+    rows, and so does collected() (on a TorchGroup the header collective reuses
+    two buffers, through all_gather_into)."""
+    group = ctx.group
+    into = getattr(group, "all_gather_into", None)
+    used = []
+    if into is not None:
+        def counted(buf: Any, out: Any) -> Any:
+            used.append(1)
+            return into(buf, out)
+        group.all_gather_into = counted
+    sizes = [[4, 1, 2, 0, 6, 1], [4, 0, 3, 2, 0, 2], [2, 0, 0, 1, 0, 3]]
+    calls = [6, 5, 4][:ctx.world]
+
+    def rows(rank: int, call: int, kind: str) -> Any:
+        return batch_of(rank, call, sizes[rank % 3][call], kind)[0]
+
+    checked = 0
+    for kind in ("numpy", "torch") if _has_torch() else ("numpy",):
+        gather = Gather(group, keep=True)
+        held = []
+        with Join([gather]):
+            for call in range(calls[ctx.rank]):
+                held.append(gather(rows(ctx.rank, call, kind)))
+        for call, got in enumerate(held):
+            want = [as_numpy(rows(r, call, "numpy")) for r in range(ctx.world) if calls[r] > call]
+            np.testing.assert_array_equal(as_numpy(got), np.concatenate(want))
+            checked += 1
+        every = [as_numpy(rows(r, c, "numpy")) for c in range(max(calls))
+                 for r in range(ctx.world) if calls[r] > c]
+        np.testing.assert_array_equal(as_numpy(gather.collected()), np.concatenate(every))
+    return {"checked": checked, "into": into is not None, "into_calls": len(used)}
+
+
+@scenario
 def cuda_tensors(ctx: Ctx) -> Any:
     """CUDA tensors (on the group's GPU for nccl, moved through the CPU for
     gloo): results are CUDA tensors on the input's device, exact, with keep."""

@@ -52,6 +52,10 @@ def check(name: str, results: list[Any], world: int) -> None:
                 # keep (with Gather first): collected() had every call's rows.
                 want += 1000 if first and receives and any(inputs) else 0
                 assert checked == want, (rank, inputs, dst)
+    elif name == "fresh_results":
+        assert [r["checked"] for r in results] == [2 * c for c in [6, 5, 4][:world]]
+        for result in results:  # TorchGroup's per-call path was taken
+            assert not result["into"] or result["into_calls"] > 0, result
     elif name == "unfused":
         inputs = gs.uneven_inputs(world)[0]
         rows = sum(gs.rows_of(r, c) for r in range(world) for c in range(inputs[r]))
@@ -264,7 +268,10 @@ def gloo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 @pytest.mark.parametrize("name", NAMES)
 def test_gloo(gloo: tuple[int, dict[str, list[dict[str, Any]]]], name: str) -> None:
     world, records = gloo
-    check(name, [r["result"] for r in scenario_records(records, name)], world)
+    results = [r["result"] for r in scenario_records(records, name)]
+    check(name, results, world)
+    if name == "fresh_results":
+        assert all(r["into"] for r in results)  # a TorchGroup has all_gather_into
 
 
 @pytest.fixture(scope="module", params=[2, 3])

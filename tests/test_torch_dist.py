@@ -313,6 +313,8 @@ def test_torch_group_collectives(results: Any) -> None:
         assert got["broadcast"] == [w - 1, w - 1]
         assert got["all_gather"] == [[k, 10 * k] for k in range(w)]
         assert got["all_gather_numpy_type"] == "ndarray"
+        assert got["all_gather_into"] == [[[k + first] * 3 for k in range(w)] for first in (1, 5)] \
+            + [[[k + 9] * 2 for k in range(w)]]
         assert got["gather"] == ([[k * 1.5] for k in range(w)] if r == 1 else None)
         assert got["reduce"] == ([float(w)] if r == 0 else [float(r + 1)])
         assert got["scatter"] == [float(r), float(r)]

@@ -998,6 +998,20 @@ def torch_group_collectives(ctx: Ctx) -> Any:
     out["broadcast"] = b.tolist()
     out["all_gather"] = [x.tolist() for x in g.all_gather(torch.tensor([r, 10 * r]))]
     out["all_gather_numpy_type"] = type(g.all_gather(np.zeros(1))[0]).__name__
+    # all_gather_into (Gather's per-call path): the same buffers twice (its tensors
+    # are kept), then new ones; rank 0 calls all_gather instead the last time.
+    into = []
+    wire, rows = np.zeros(3, dtype=np.uint8), np.zeros((w, 3), dtype=np.uint8)
+    for value in (r + 1, r + 5):
+        wire[:] = value
+        assert g.all_gather_into(wire, rows) is rows
+        into.append(rows.tolist())
+    wire, rows = np.full(2, r + 9, dtype=np.uint8), np.zeros((w, 2), dtype=np.uint8)
+    if r == 0:
+        rows[...] = np.stack(g.all_gather(wire))
+    else:
+        g.all_gather_into(wire, rows)
+    out["all_gather_into"] = [*into, rows.tolist()]
     gathered = g.gather(np.array([r * 1.5]), dst=1)
     out["gather"] = None if gathered is None else [x.tolist() for x in gathered]
     red = torch.tensor([float(r + 1)])
