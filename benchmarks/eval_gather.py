@@ -19,6 +19,10 @@ tensors on both. Variants:
   keep=True)`` alone in a ``Join``, the epoch's rows from ``collected()``
   (every sample exactly once on every rank);
 - ``exact, no keep``: the same, each call's rows used and dropped;
+- ``padded, raw``: the padded loop with the collective library's own
+  all-gather (``torch.distributed.all_gather`` into a list of tensors, or
+  mpi4py's ``Allgather`` into one array) instead of the joinkit group's, as a
+  user writes it: for the record (no target);
 - ``padded, no model`` and ``exact, no model``: the same loops with the
   labels standing in for the predictions (no forward): what the gathering
   itself costs, for the record (no target).
@@ -62,6 +66,11 @@ def main() -> None:
 
         group: Any = MPIGroup(MPI.COMM_WORLD)
         name = "MPI (mpirun)"
+
+        def raw_all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+            out = torch.empty((group.world_size, *t.shape), dtype=t.dtype)
+            MPI.COMM_WORLD.Allgather(t.contiguous().numpy(), out.numpy())
+            return list(out)
     else:
         import torch.distributed as dist
 
@@ -70,6 +79,11 @@ def main() -> None:
         backends.init_torch("gloo")
         group = TorchGroup(dist.group.WORLD)
         name = f"gloo ({launcher})"
+
+        def raw_all_gather(t: torch.Tensor) -> list[torch.Tensor]:
+            parts = [torch.empty_like(t) for _ in range(group.world_size)]
+            dist.all_gather(parts, t)
+            return parts
     rank, world = group.rank, group.world_size
     samples = world * BATCHES * BATCH + 37
     generator = torch.Generator().manual_seed(0)
@@ -100,7 +114,8 @@ def main() -> None:
     def labels(index: torch.Tensor) -> torch.Tensor:
         return y[index]
 
-    def padded(predict: Callable[[torch.Tensor], torch.Tensor], name: str
+    def padded(predict: Callable[[torch.Tensor], torch.Tensor], name: str,
+               all_gather: Callable[[torch.Tensor], list[Any]] = group.all_gather
                ) -> Callable[[int], None]:
         def loop(n: int) -> None:
             for _ in range(n):
@@ -108,7 +123,7 @@ def main() -> None:
                 with torch.no_grad():
                     for index in padded_batches:
                         pred = predict(index)
-                        parts += group.all_gather(torch.stack([pred, y[index]], 1))
+                        parts += all_gather(torch.stack([pred, y[index]], 1))
                 both = torch.cat(parts)
                 results[name] = int(both.shape[0])
         return loop
@@ -136,15 +151,17 @@ def main() -> None:
         "padded": padded(model, "padded"),
         "exact": exact(model, True, "exact"),
         "exact, no keep": exact(model, False, "exact, no keep"),
+        "padded, raw": padded(model, "padded, raw", raw_all_gather),
         "padded, no model": padded(labels, "padded, no model"),
         "exact, no model": exact(labels, True, "exact, no model"),
     }, epochs, repeats, slowest, group.barrier)
     assert results["exact"] == samples, results  # every sample exactly once
-    assert results["padded"] == -(-samples // world) * world, results
+    assert results["padded"] == results["padded, raw"] == -(-samples // world) * world, results
     if rank == 0:
         _bench.report(f"Exact evaluation, {name}", times, [
             ("exact", "padded", 1.05),
             ("exact, no keep", "padded", None),
+            ("exact", "padded, raw", None),
             ("exact, no model", "padded, no model", None),
         ], info)
     # The same loops by CPU time (the process's, gloo's threads included; MPI's
@@ -153,12 +170,14 @@ def main() -> None:
     times = _bench.timed({
         "padded": cpu(padded(model, "padded")),
         "exact": cpu(exact(model, True, "exact")),
+        "padded, raw": cpu(padded(model, "padded, raw", raw_all_gather)),
         "padded, no model": cpu(padded(labels, "padded, no model")),
         "exact, no model": cpu(exact(labels, True, "exact, no model")),
     }, epochs, repeats, slowest, group.barrier)
     if rank == 0:
         _bench.report(f"Exact evaluation, {name}, CPU time", times, [
             ("exact", "padded", None),
+            ("exact", "padded, raw", None),
             ("exact, no model", "padded, no model", None),
         ], info)
 
