@@ -22,14 +22,14 @@ WORKER = Path(__file__).with_name("gather_scenarios.py")
 LAUNCH_TIMEOUT = 150.0
 
 
-def _run(backend: str, world: int, out: Path) -> list[Any]:
+def _run(backend: str, world: int, out: Path, name: str = "cuda_tensors") -> list[Any]:
     runs = launch_ranks(
         [[sys.executable, str(WORKER), backend, str(rank), str(world), str(out / "store"),
-          str(out), "cuda_tensors"] for rank in range(world)], LAUNCH_TIMEOUT)
+          str(out), name] for rank in range(world)], LAUNCH_TIMEOUT)
     records = records_by_name(out, world)
     records["_logs"] = [{"log": run.stdout} for run in runs]
     records["_world"] = [{"world": world}]
-    return [r["result"] for r in scenario_records(records, "cuda_tensors")]
+    return [r["result"] for r in scenario_records(records, name)]
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
@@ -41,3 +41,13 @@ def test_cuda_tensors_on_nccl(tmp_path: Path) -> None:
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
 def test_cuda_tensors_on_gloo(tmp_path: Path) -> None:
     check("cuda_tensors", _run("gloo", 2, tmp_path), 2)
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
+def test_cpu_arrays_on_nccl(tmp_path: Path) -> None:
+    """NumPy arrays and CPU tensors on an nccl group: the bytes go through the GPU
+    (TorchGroup.all_gather_into falls back to all_gather there), results stay fresh."""
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    results = _run("nccl", world, tmp_path, "fresh_results")
+    check("fresh_results", results, world)
+    assert all(r["into"] for r in results)
