@@ -388,7 +388,8 @@ def watch(item: Watch) -> None:
     global _thread, _interval
     with _lock:
         _watched.add(item)
-        _interval = min(_interval, max(0.01, item.look_every))
+        interval = min(_interval, max(0.01, item.look_every))
+        shorter, _interval = interval < _interval, interval
         if _stopping:
             return
         if _thread is None or not _thread.is_alive():
@@ -396,7 +397,11 @@ def watch(item: Watch) -> None:
                 atexit.register(_stop)
             _thread = threading.Thread(target=_run, name="joinkit-watchdog", daemon=True)
             _thread.start()
-        _wakeup.notify()
+        elif shorter:
+            # Only a shorter interval needs the thread now (to wait less); a
+            # new watch's first look (a beat) can wait for its next round, so
+            # a Join per epoch does not wake it (and take the GIL) every time.
+            _wakeup.notify()
 
 
 def unwatch(item: Watch) -> None:
