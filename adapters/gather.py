@@ -102,7 +102,7 @@ class _Layout:
     """What a call's arrays look like, checked once per kind of call (see :func:`_batch`)."""
 
     __slots__ = ("torch", "device", "wire_torch", "arrays", "row_bytes", "fingerprint",
-                 "description", "numpy_views", "numpy_dtypes", "cpu_views")
+                 "description", "numpy_views", "numpy_dtypes", "cpu_views", "block_views")
 
     def __init__(self, torch: bool, device: Any,
                  arrays: list[tuple[str, tuple[int, ...], int]], settings: tuple[Any, ...],
@@ -128,6 +128,11 @@ class _Layout:
         # fast path (each column's bytes concatenated once, viewed as a tensor).
         self.cpu_views = (torch and device.type == "cpu" and numpy_views
                           and all(per_row > 0 for _, _, per_row in arrays))
+        # Results decoded by _decode_block from the gathered rows' block, one
+        # strided copy per array (NumPy arrays, CPU tensors that view as NumPy).
+        self.block_views = (self.cpu_views if torch else
+                            all(per_row > 0 for _, _, per_row in arrays)
+                            and None not in self.numpy_dtypes)
 
 
 class _Batch:
@@ -196,6 +201,21 @@ class _Arena:
             spans.append((rows, start, fill))
         self.fill = fill
         return spans
+
+    def add_block(self, rows: int, block: np.ndarray) -> list[tuple[int, int, int]]:
+        """Append a ``(ranks, bytes)`` block of pieces of ``rows`` rows each (one
+        copy); each piece's (rows, start, end) in :attr:`buffer`."""
+        count, width = block.shape
+        fill = self.fill
+        end = fill + count * width
+        buffer = self.buffer
+        if end > buffer.shape[0]:
+            grown = np.empty(max(end, 2 * buffer.shape[0], 1 << 16), dtype=np.uint8)
+            grown[:fill] = buffer[:fill]
+            self.buffer = buffer = grown
+        buffer[fill:end].reshape(count, width)[...] = block
+        self.fill = end
+        return [(rows, start, start + width) for start in range(fill, end, width)]
 
     def clear(self) -> None:
         self.fill = 0
@@ -357,6 +377,18 @@ class Gather(Joinable):
         if self._dst is not None and self._rank != self._dst:
             return None
         assert parts is not None
+        rows = batch.rows
+        if (offset and rows and layout.block_views and isinstance(parts, np.ndarray)
+                and round_.rows.count(rows) == len(round_.rows)):
+            # The usual call: every rank gave as many rows inline, in the rows
+            # of one array (all_gather_into): a copy per array, none per rank.
+            block = parts[:, offset:offset + batch.nbytes]
+            out = _decode_block(layout, block, rows)
+            if self._keep:
+                self._kept_kind = self._kept_kind or (layout.torch, layout.device)
+                self._kept.append(("bytes", layout.fingerprint,
+                                   self._arena.add_block(rows, block)))
+            return out[0] if len(out) == 1 else tuple(out)
         pieces = [(rows, parts[rank][offset:offset + round_.nbytes[rank]])
                   for rank, rows in enumerate(round_.rows) if rows > 0]
         out = _decode(layout, pieces, layout.torch, layout.device)
@@ -455,11 +487,17 @@ class Gather(Joinable):
     def _shadow_header(self, heartbeat: float) -> float:
         """A joined rank's part of a call's header collective; return the slot's sum."""
         capacity = self._capacity
-        wire = np.zeros(_HEADER_BYTES + capacity, dtype=np.uint8)
         # A joined rank's nbytes field says whether it kept rows it cannot
         # decode yet (see _share_layouts).
-        wire[:_HEADER_BYTES] = _header(heartbeat, _NO_ROWS, int(self._unknown > 0), 0)
-        parts = self._group.all_gather(wire)
+        header = (heartbeat, _NO_ROWS, int(self._unknown > 0), 0)
+        if self._into is not None:  # the same collective as a call's, into its buffers
+            wire, received = self._into_buffers(capacity)
+            _HEADER.pack_into(wire, 0, *header)  # type: ignore[arg-type]
+            parts = self._into(wire, received)
+        else:
+            wire = np.zeros(_HEADER_BYTES + capacity, dtype=np.uint8)
+            wire[:_HEADER_BYTES] = _header(*header)
+            parts = self._group.all_gather(wire)
         heads, total = _headers(parts)
         self._someone_unknown = any(head[1] < 0 and head[2] for head in heads)
         round_ = self._read(heads, capacity)
@@ -571,13 +609,7 @@ class Gather(Joinable):
             if self._into is None:
                 wire = np.zeros(_HEADER_BYTES + capacity, dtype=np.uint8)
             else:  # all_gather_into's buffers (bytes past the call's are never read)
-                rows = self._rows
-                world = self._group.world_size
-                if rows is None or rows[1].shape != (world, _HEADER_BYTES + capacity):
-                    self._rows = rows = (np.zeros(_HEADER_BYTES + capacity, dtype=np.uint8),
-                                         np.zeros((world, _HEADER_BYTES + capacity),
-                                                  dtype=np.uint8))
-                wire = rows[0]
+                wire = self._into_buffers(capacity)[0]
             _HEADER.pack_into(wire, 0, heartbeat,  # type: ignore[arg-type]
                               batch.rows, batch.nbytes, batch.layout.fingerprint)
             if inline:
@@ -594,6 +626,16 @@ class Gather(Joinable):
         if inline and batch.nbytes:
             _fill(wire, _HEADER_BYTES, batch)
         return wire
+
+    def _into_buffers(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        """all_gather_into's buffers for ``capacity``: this rank's wire and the
+        ``(world, bytes)`` rows it gathers into, made again when either changes."""
+        rows = self._rows
+        size = _HEADER_BYTES + capacity
+        if rows is None or rows[1].shape != (self._group.world_size, size):
+            self._rows = rows = (np.zeros(size, dtype=np.uint8),
+                                 np.zeros((self._group.world_size, size), dtype=np.uint8))
+        return rows
 
     def _buffer(self, batch: _Batch, size: int) -> Any:
         if batch.layout.wire_torch:
@@ -672,7 +714,7 @@ def _batch(arrays: Sequence[Any], settings: tuple[Any, ...],
     reads its rows and bytes.
     """
     try:
-        key = tuple([(type(a), a.dtype, a.shape[1:], len(a.shape), getattr(a, "device", None))
+        key = tuple([(type(a), a.dtype, a.shape[1:], a.ndim, getattr(a, "device", None))
                      for a in arrays])
     except (AttributeError, TypeError):
         key = None
@@ -689,19 +731,20 @@ def _batch(arrays: Sequence[Any], settings: tuple[Any, ...],
                 f"{[int(a.shape[0]) for a in arrays]}: every array must have one row per "
                 "sample (the same shape[0])"
             )
+    # (ravel() copies an array that is not contiguous: its bytes, in order.)
     if not layout.torch:
-        flats = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+        flats = [a.ravel().view(np.uint8) for a in arrays]
     elif layout.wire_torch:
         flats = [_device_bytes(a) for a in arrays]
     elif layout.numpy_views:
         try:
-            flats = [np.ascontiguousarray(a.detach().numpy() if a.requires_grad else a.numpy())
-                     .reshape(-1).view(np.uint8) for a in arrays]
+            flats = [(a.detach().numpy() if a.requires_grad else a.numpy())
+                     .ravel().view(np.uint8) for a in arrays]
         except RuntimeError:  # a lazy conjugate or negation
-            flats = [np.ascontiguousarray(_cpu_numpy(a)).reshape(-1).view(np.uint8)
+            flats = [_cpu_numpy(a).ravel().view(np.uint8)
                      for a in arrays]
     else:
-        flats = [np.ascontiguousarray(_cpu_numpy(a)).reshape(-1).view(np.uint8) for a in arrays]
+        flats = [_cpu_numpy(a).ravel().view(np.uint8) for a in arrays]
     return _Batch(layout, flats, rows)
 
 
@@ -875,6 +918,25 @@ def _typed(raw: np.ndarray, total: int, name: str, shape: tuple[int, ...], torch
     else:  # from_numpy gives an empty array stride 0, which view refuses
         tensor = module.empty((total, *shape), dtype=getattr(module, name))
     return tensor if device is None or device.type == "cpu" else tensor.to(device)
+
+
+def _decode_block(layout: _Layout, block: np.ndarray, rows: int) -> list[Any]:
+    """Each array's rows from ``block`` (uint8, one row per rank: its ``rows``
+    rows' bytes, each array after the previous), for a ``block_views`` layout.
+
+    An array's bytes of every rank are one column range of the block: copied
+    at once, they are the concatenation in rank order.
+    """
+    total = block.shape[0] * rows
+    from_numpy = sys.modules["torch"].from_numpy if layout.torch else None
+    out = []
+    start = 0
+    for (_, shape, per_row), dtype in zip(layout.arrays, layout.numpy_dtypes, strict=True):
+        end = start + rows * per_row
+        array = block[:, start:end].copy().view(dtype).reshape(total, *shape)
+        start = end
+        out.append(array if from_numpy is None else from_numpy(array))
+    return out
 
 
 def _decode(layout: _Layout, pieces: list[tuple[int, Any]], torch: bool, device: Any

@@ -486,6 +486,59 @@ def fresh_results(ctx: Ctx) -> Any:
 
 
 @scenario
+def even_batches(ctx: Ctx) -> Any:
+    """An evaluation loop's calls: full batches of the same rows on every rank
+    (each call's data inline once the capacity is known), then each rank's own
+    last batch, and one rank with a batch more; two arrays of rows that name
+    their rank, call and row, also given as views that are not contiguous.
+    Every call's result, held to the end, and collected() are the active
+    ranks' rows in rank order (NumPy and torch; with and without keep)."""
+    full = 4
+    calls = [5 + (r == 1) for r in range(ctx.world)]
+
+    def rows(rank: int, call: int) -> int:
+        return full if call < 4 else [3, 1, 2][rank % 3] if call == 4 else 2
+
+    def arrays(rank: int, call: int, kind: str) -> tuple[Any, Any]:
+        x, y = batch_of(rank, call, rows(rank, call))
+        if call % 2:  # views with other strides: the same rows
+            x = np.ascontiguousarray(x.transpose(0, 2, 1)).transpose(0, 2, 1)
+            y = (np.ascontiguousarray(y[::-1])[::-1] if kind == "numpy"  # negative stride
+                 else np.stack([y, y], 1)[:, 0])  # (torch has none)
+        if kind == "torch":
+            import torch
+            return torch.from_numpy(x), torch.from_numpy(y)
+        return x, y
+
+    checked = 0
+    for kind in ("numpy", "torch") if _has_torch() else ("numpy",):
+        for keep in (True, False):
+            gather = Gather(ctx.group, keep=keep)
+            held = []
+            with Join([gather]):
+                for call in range(calls[ctx.rank]):
+                    held.append(gather(*arrays(ctx.rank, call, kind)))
+            every: list[tuple[np.ndarray, ...]] = []
+            for call, got in enumerate(held):
+                want = [batch_of(r, call, rows(r, call)) for r in range(ctx.world)
+                        if calls[r] > call]
+                every += want
+                for index, array in enumerate(got):
+                    assert type(array).__module__.split(".")[0] == kind, type(array)
+                    np.testing.assert_array_equal(
+                        as_numpy(array), np.concatenate([w[index] for w in want]))
+                    checked += 1
+            if keep:  # and the calls this rank shadowed: the last one of rank 1
+                every += [batch_of(r, c, rows(r, c)) for c in range(calls[ctx.rank], max(calls))
+                          for r in range(ctx.world) if calls[r] > c]
+                for index, array in enumerate(gather.collected()):
+                    np.testing.assert_array_equal(
+                        as_numpy(array), np.concatenate([w[index] for w in every]))
+                    checked += 1
+    return {"checked": checked}
+
+
+@scenario
 def cuda_tensors(ctx: Ctx) -> Any:
     """CUDA tensors (on the group's GPU for nccl, moved through the CPU for
     gloo): results are CUDA tensors on the input's device, exact, with keep."""

@@ -56,6 +56,11 @@ def check(name: str, results: list[Any], world: int) -> None:
         assert [r["checked"] for r in results] == [2 * c for c in [6, 5, 4][:world]]
         for result in results:  # TorchGroup's per-call path was taken
             assert not result["into"] or result["into_calls"] > 0, result
+    elif name == "even_batches":
+        calls = [5 + (r == 1) for r in range(world)]
+        kinds = 2  # numpy, torch
+        # Each call's two arrays, with and without keep; collected()'s two.
+        assert [r["checked"] for r in results] == [kinds * (2 * 2 * c + 2) for c in calls]
     elif name == "unfused":
         inputs = gs.uneven_inputs(world)[0]
         rows = sum(gs.rows_of(r, c) for r in range(world) for c in range(inputs[r]))
