@@ -922,6 +922,29 @@ class MPIGroup:
         request = self.comm.Iallgather([arr, datatype], [out, datatype])
         return self._finish(request, parts, async_op, (arr, out))
 
+    def all_gather_into(self, buf: np.ndarray, out: np.ndarray) -> Any:
+        """Gather every rank's ``buf`` into row ``rank`` of ``out``, on every rank.
+
+        The optional per-call path of ``Gather``, which calls it with the same
+        two buffers until it needs larger ones: they are not checked, and no
+        buffer is made. A rank may call :meth:`all_gather` with a buffer of
+        ``buf``'s size instead: the collective is the same.
+
+        Args:
+            buf: a 1-D contiguous uint8 NumPy array of the same size on every rank.
+            out: a contiguous, writeable uint8 NumPy array of shape
+                ``(world_size, buf.size)``.
+
+        Returns:
+            ``out``; or, with ``on_rank_loss="finish"`` (where the group may
+            lose ranks), what :meth:`all_gather` returns.
+        """
+        if self._elastic:
+            return self.all_gather(buf)
+        self.collectives_issued += 1
+        self.comm.Iallgather([buf, MPI.BYTE], [out, MPI.BYTE]).Wait()
+        return out
+
     def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
         """Reduce ``buf`` over all ranks into ``buf`` of rank ``dst``.
 

@@ -349,6 +349,25 @@ def _object_and_join_collectives(group: Any) -> None:
     assert total == group.world_size - 1, total
 
 
+def _all_gather_into(group: Any) -> None:
+    """all_gather_into (Gather's per-call path): the same buffers twice, then new
+    ones; rank 0 calls all_gather instead the last time (the same collective)."""
+    rank, size = group.rank, group.world_size
+    wire, rows = np.zeros(3, dtype=np.uint8), np.zeros((size, 3), dtype=np.uint8)
+    for first in (1, 5):
+        wire[:] = rank + first
+        assert group.all_gather_into(wire, rows) is rows
+        check_equal(rows, np.array([[r + first] * 3 for r in range(size)], np.uint8),
+                    f"all_gather_into, call {first}")
+    wire, rows = np.full(2, rank + 9, dtype=np.uint8), np.zeros((size, 2), dtype=np.uint8)
+    if rank == 0:
+        rows[...] = np.stack(group.all_gather(wire))
+    else:
+        group.all_gather_into(wire, rows)
+    check_equal(rows, np.array([[r + 9] * 2 for r in range(size)], np.uint8),
+                "all_gather_into mixed with all_gather")
+
+
 def _group_equality(group: Any) -> None:
     from mpi4py import MPI
 
@@ -424,6 +443,7 @@ BUFFER_CASES: dict[str, Callable[[Any], None]] = {
     "numpy-in-place": _numpy_in_place,
     "rejects-bad-buffers": _rejects_bad_buffers,
     "object-and-join-collectives": _object_and_join_collectives,
+    "all-gather-into": _all_gather_into,
     "group-equality": _group_equality,
     "status-board": _status_board,
 }
