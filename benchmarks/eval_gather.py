@@ -23,6 +23,9 @@ tensors on both. Variants:
   all-gather (``torch.distributed.all_gather`` into a list of tensors, or
   mpi4py's ``Allgather`` into one array) instead of the joinkit group's, as a
   user writes it: for the record (no target);
+- ``padded, raw, again``: ``padded, raw`` a second time: its ratio to the
+  first (an A/A comparison, 1 but for noise) shows how far this run's
+  ratios scatter on the machine (no target);
 - ``padded, no model`` and ``exact, no model``: the same loops with the
   labels standing in for the predictions (no forward): what the gathering
   itself costs, for the record (no target).
@@ -152,6 +155,7 @@ def main() -> None:
         "exact": exact(model, True, "exact"),
         "exact, no keep": exact(model, False, "exact, no keep"),
         "padded, raw": padded(model, "padded, raw", raw_all_gather),
+        "padded, raw, again": padded(model, "padded, raw, again", raw_all_gather),
         "padded, no model": padded(labels, "padded, no model"),
         "exact, no model": exact(labels, True, "exact, no model"),
     }, epochs, repeats, slowest, group.barrier)
@@ -162,6 +166,7 @@ def main() -> None:
             ("exact", "padded", 1.05),
             ("exact, no keep", "padded", None),
             ("exact", "padded, raw", None),
+            ("padded, raw, again", "padded, raw", None),
             ("exact, no model", "padded, no model", None),
         ], info)
     # The same loops by CPU time (the process's, gloo's threads included; MPI's
