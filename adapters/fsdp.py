@@ -129,6 +129,7 @@ from joinkit import (
 )
 
 from . import _replay, _torch_private
+from ._identity import AdapterCache
 
 __all__ = ["adapt", "check", "FSDPJoinable"]
 
@@ -159,16 +160,10 @@ def adapt(model: Any) -> FSDPJoinable:
             f"{type(model).__qualname__}"
         )
     _torch_private.check(model)  # once per process
-    adapter = _adapters.get(id(model))
-    if adapter is not None and adapter._model() is model:
-        return adapter
-    adapter = FSDPJoinable(model)
-    weakref.finalize(model, _adapters.pop, id(model), None)
-    _adapters[id(model)] = adapter
-    return adapter
+    return _adapters.get(model, FSDPJoinable)
 
 
-_adapters: dict[int, FSDPJoinable] = {}
+_adapters: AdapterCache[FSDPJoinable] = AdapterCache()
 
 
 class FSDPJoinable(Joinable):

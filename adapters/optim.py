@@ -54,6 +54,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from joinkit import Joinable, JoinHook, LocalProtocolError
 
+from ._identity import AdapterCache
+
 __all__ = ["adapt", "check", "OptimizerJoinable", "SchedulerJoinable", "ScalerJoinable"]
 
 _ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
@@ -67,27 +69,22 @@ def adapt(obj: Any) -> Joinable:
     Raises:
         TypeError: ``obj`` is none of these.
     """
-    adapter = _adapters.get(id(obj))
-    if adapter is not None and adapter._obj() is obj:
-        return adapter
-    new: _StepJoinable
+    kind: Callable[[Any], _StepJoinable]
     if isinstance(obj, Optimizer):
-        new = OptimizerJoinable(obj)
+        kind = OptimizerJoinable
     elif isinstance(obj, LRScheduler):
-        new = SchedulerJoinable(obj)
+        kind = SchedulerJoinable
     elif isinstance(obj, GradScaler):
-        new = ScalerJoinable(obj)
+        kind = ScalerJoinable
     else:
         raise TypeError(
             "joinkit.adapters.optim.adapt expects an optimizer, an LR scheduler or a "
             f"GradScaler, got {type(obj).__qualname__}"
         )
-    weakref.finalize(obj, _adapters.pop, id(obj), None)
-    _adapters[id(obj)] = new
-    return new
+    return _adapters.get(obj, kind)
 
 
-_adapters: dict[int, _StepJoinable] = {}
+_adapters: AdapterCache[_StepJoinable] = AdapterCache()
 
 
 class _StepJoinable(Joinable):

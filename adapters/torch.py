@@ -141,6 +141,7 @@ from joinkit import (
 )
 
 from . import _torch_private
+from ._identity import AdapterCache
 
 __all__ = ["adapt", "TorchJoinable"]
 
@@ -185,18 +186,7 @@ def adapt(obj: Any) -> TorchJoinable:
             "torch.distributed.algorithms.join.Joinable.__init__(self) (e.g. "
             "super().__init__())"
         )
-    adapter = _adapters.get(id(obj))
-    if adapter is not None and adapter._obj() is obj:
-        return adapter
-    adapter = TorchJoinable(obj)
-    try:
-        # Keyed by identity (a torch Joinable may define __eq__), and dropped
-        # with the object: the adapter refers to it only weakly.
-        weakref.finalize(obj, _adapters.pop, id(obj), None)
-    except TypeError:  # not weak-referenceable: a fresh adapter every time
-        return adapter
-    _adapters[id(obj)] = adapter
-    return adapter
+    return _adapters.get(obj, TorchJoinable)
 
 
 def check_order(joinables: Sequence[Joinable]) -> None:
@@ -1014,7 +1004,7 @@ def _forget_join(adapter: TorchJoinable) -> None:
 
 # -- routing torch's notify_join_context ------------------------------------------
 
-_adapters: dict[int, TorchJoinable] = {}  # id(torch object) -> its adapter
+_adapters: AdapterCache[TorchJoinable] = AdapterCache()
 # id(torch object) -> its active adapter (the adapter keeps the object alive).
 _routes: dict[int, TorchJoinable] = {}
 _routes_lock = threading.Lock()

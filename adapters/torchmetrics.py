@@ -83,6 +83,7 @@ except ImportError as _error:  # pragma: no cover - the message is the point
 from joinkit import Join, Joinable, JoinConfig, JoinHook, LocalProtocolError
 
 from . import UnsupportedTorchmetricsError, _torchmetrics_private
+from ._identity import AdapterCache
 
 __all__ = ["adapt", "check", "gather_states", "MetricJoinable"]
 
@@ -119,16 +120,10 @@ def adapt(obj: Any) -> Joinable:
             f"MetricCollection, got {type(obj).__qualname__}"
         )
     _torchmetrics_private.check()
-    adapter = _adapters.get(id(obj))
-    if adapter is not None and adapter._obj() is obj:
-        return adapter
-    new = MetricJoinable(obj)
-    weakref.finalize(obj, _adapters.pop, id(obj), None)
-    _adapters[id(obj)] = new
-    return new
+    return _adapters.get(obj, MetricJoinable)
 
 
-_adapters: dict[int, MetricJoinable] = {}
+_adapters: AdapterCache[MetricJoinable] = AdapterCache()
 
 
 class MetricJoinable(Joinable):
