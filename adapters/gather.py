@@ -189,11 +189,7 @@ class _Arena:
         end = fill
         for _, data in pieces:
             end += data.shape[0]
-        buffer = self.buffer
-        if end > buffer.shape[0]:
-            grown = np.empty(max(end, 2 * buffer.shape[0], 1 << 16), dtype=np.uint8)
-            grown[:fill] = buffer[:fill]
-            self.buffer = buffer = grown
+        buffer = self._room(end)
         spans = []
         for rows, data in pieces:
             start, fill = fill, fill + data.shape[0]
@@ -208,14 +204,19 @@ class _Arena:
         count, width = block.shape
         fill = self.fill
         end = fill + count * width
-        buffer = self.buffer
-        if end > buffer.shape[0]:
-            grown = np.empty(max(end, 2 * buffer.shape[0], 1 << 16), dtype=np.uint8)
-            grown[:fill] = buffer[:fill]
-            self.buffer = buffer = grown
+        buffer = self._room(end)
         buffer[fill:end].reshape(count, width)[...] = block
         self.fill = end
         return [(rows, start, start + width) for start in range(fill, end, width)]
+
+    def _room(self, end: int) -> np.ndarray:
+        """The buffer, grown (at least doubled) to hold ``end`` bytes, the kept ones copied."""
+        buffer = self.buffer
+        if end > buffer.shape[0]:
+            grown = np.empty(max(end, 2 * buffer.shape[0], 1 << 16), dtype=np.uint8)
+            grown[:self.fill] = buffer[:self.fill]
+            self.buffer = buffer = grown
+        return buffer
 
     def clear(self) -> None:
         self.fill = 0
