@@ -19,10 +19,10 @@ from ._errors import (
     RankTimeout,
 )
 from ._join import Join, Joinable, JoinConfig, JoinHook
-from ._machine import HEARTBEAT_FLAG, JoinReport, LostRank, split_heartbeat_flags
 from ._ports import Adapter, JoinBackend, register_adapter
-from ._reports import format_reports, write_chart
+from ._reports import JoinReport, LostRank, format_reports, write_chart
 from ._side import SideCollective
+from ._wire import HEARTBEAT_FLAG, split_heartbeat_flags
 
 __all__ = [
     "Join",

@@ -23,8 +23,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from ._machine import JoinReport
-from ._reports import format_reports, write_chart
+from ._reports import JoinReport, format_reports, write_chart
 
 __all__ = ["main", "COMMAND_ENTRY_POINTS", "read_reports"]
 

@@ -35,9 +35,12 @@ from typing import Any
 import attrs
 
 from . import _machine as m
+from . import _messages as text
 from . import _ports, _watchdog
+from . import _wire as wire
 from ._errors import LocalProtocolError, PeerAborted, PeerFailure, RankTimeout
 from ._joinable import _DISABLED, Joinable, JoinConfig, JoinHook  # the joinable side
+from ._reports import Failure, JoinReport
 
 __all__ = ["Join", "Joinable", "JoinHook", "JoinConfig"]
 
@@ -175,18 +178,7 @@ class Join:
         on_rank_loss: str = "raise",
         **kwargs: Any,
     ) -> None:
-        if on_rank_loss not in m.ON_RANK_LOSS:
-            raise ValueError(
-                "on_rank_loss must be 'raise' (a dead rank ends the Join with an error "
-                "naming it) or 'finish' (the survivors treat it as joined and finish), "
-                f"not {on_rank_loss!r}"
-            )
-        if on_rank_loss == "finish" and throw_on_early_termination:
-            raise ValueError(
-                "on_rank_loss='finish' cannot be combined with "
-                "throw_on_early_termination=True: a lost rank counts as joined, which "
-                "throw mode would turn into an error on every rank; use one or the other"
-            )
+        m.check_on_rank_loss(on_rank_loss, throw_on_early_termination)
         hard = timeout is not DEFAULT_TIMEOUT
         if not hard:
             timeout = _default_timeout()
@@ -623,13 +615,13 @@ class Join:
                 total = join._fused_total
                 if total is not None and total >= order.alarm:
                     join._feed(m.HeartbeatSeen(total=total, now=join._clock()))  # PeerAborted
-                    return m.JOINED
+                    return wire.JOINED
                 join._beats += 1
                 if join._counts_collectives:
                     join._collectives_at_heartbeat = join._backend.collectives_issued
                 return order.value
             join._notify()
-        return m.JOINED
+        return wire.JOINED
 
     @staticmethod
     def record_heartbeat_total(joinable: Joinable, total: float) -> None:
@@ -698,7 +690,7 @@ class Join:
         total = self._fused_total
         if total is not None and total >= order.alarm:
             self._feed(m.HeartbeatSeen(total=total, now=self._clock()))  # raises PeerAborted
-            return m.JOINED
+            return wire.JOINED
         self._beats += 1
         if self._counts_collectives:
             self._collectives_at_heartbeat = self._backend.collectives_issued
@@ -825,7 +817,7 @@ class Join:
         return self._on_rank_loss
 
     @property
-    def report(self) -> m.JoinReport | None:
+    def report(self) -> JoinReport | None:
         """What this rank did: inputs, join round, shadow rounds and time, last joiner.
 
         ``None`` when the Join is not enabled.
@@ -833,7 +825,7 @@ class Join:
         state = self.state
         return None if state is None else m.report(state)
 
-    def gather_report(self, dst: int = 0) -> list[m.JoinReport] | None:
+    def gather_report(self, dst: int = 0) -> list[JoinReport] | None:
         """Collect every rank's report on rank ``dst`` (a collective: call it on all ranks).
 
         Args:
@@ -892,11 +884,11 @@ class Join:
         if stall.silent:
             # Inputs the loop body has notified but not yet reported (it runs on).
             state = attrs.evolve(self._state, heartbeats=self._state.heartbeats + self._beats)
-            message = m.silence_message(state, stall.what, stall.ticks,
+            message = text.silence_message(state, stall.what, stall.ticks,
                                         stall.silent, self._timeout, stall.board_error)
         else:
             assert stall.what is not None
-            message = m.stall_message(self._state, stall.what, stall.ticks, stall.idle,
+            message = text.stall_message(self._state, stall.what, stall.ticks, stall.idle,
                                       self._timeout)
             if stall.board_error is not None and self._watch.read is not None:
                 message += (f" (no peer could be shown alive: its last read of the status "
@@ -945,7 +937,7 @@ class Join:
         if self._post_status is not None:
             failure = None if self._state is None else self._state.failure
             if failure is not None:
-                what = f"{what}; {m.failure_text(failure)}"
+                what = f"{what}; {text.failure_text(failure)}"
             self._post_status(what)
 
     def _active_ranks(self) -> list[int] | None:
@@ -999,7 +991,7 @@ class Join:
         plan: list[Callable[[], Any]] = []
         for index, (hook, fuses) in enumerate(zip(self._hooks, self._fuses_slot, strict=True)):
             if fuses and not (index == 0 and first_shadowed):
-                plan.append(functools.partial(hook.fused_shadow, m.JOINED))
+                plan.append(functools.partial(hook.fused_shadow, wire.JOINED))
             main_hook = hook.main_hook
             if getattr(main_hook, "__func__", None) is not JoinHook.main_hook:
                 plan.append(main_hook)
@@ -1032,7 +1024,7 @@ class Join:
         assert state is not None
         watch = self._watch
         self._doing(
-            m.drain_activity(state, 0),
+            text.drain_activity(state, 0),
             f"shadowing from shadow round {state.shadow_rounds} on (counting non-joined "
             "ranks, then main hooks, round after round)",
         )
@@ -1142,7 +1134,7 @@ class Join:
                     case m.WarnRankLost():
                         warnings.warn(command.message, UserWarning, stacklevel=_user_stacklevel())
                     case m.ReportProgress():
-                        _log.info("%s", m.progress_message(command, self._active_ranks()))
+                        _log.info("%s", text.progress_message(command, self._active_ranks()))
                     case m.Raise():
                         raise command.error
                     case _:  # pragma: no cover - a new command without a handler
@@ -1253,8 +1245,8 @@ def _default_timeout() -> float:
         raise ValueError(f"{_DEFAULT_TIMEOUT_ENV}={knob!r} is not a number of seconds") from None
 
 
-def _failure(error: BaseException, rank: int) -> m.Failure:
-    return m.Failure(rank=rank, exc_type=type(error).__qualname__, message=str(error))
+def _failure(error: BaseException, rank: int) -> Failure:
+    return Failure(rank=rank, exc_type=type(error).__qualname__, message=str(error))
 
 
 def _add_note(error: BaseException, note: str) -> None:

@@ -20,34 +20,24 @@ With ``throw_on_early_termination`` an active rank follows its heartbeat with a
 rank that sees active ranks *signals termination* on that same all-reduce
 (contributing 1) and raises; the active ranks see a non-zero check and raise.
 
-Failures ride on the same collectives, in three weights (*wire values*)::
+Failures ride on the same collectives, as *wire values* (``_wire``: ACTIVE 1,
+JOINED 0, a failed rank's FAILING 2**53 once and FAILED 2**-100 after; a sum
+is read by ``decode_tally``). What the protocol does with them:
 
-    ACTIVE   1        an active rank's heartbeat
-    JOINED   0        a joined rank's count
-    FAILING  2**53    a failed rank's first join collective after it failed
-    FAILED   2**-100  each later one
-
-A float32 sum counts active ranks exactly up to ``MAX_WORLD_SIZE`` = 2**24
-(bigger worlds are refused), so no weight can carry an exact failure count
-beside it. The protocol needs less (``decode_tally``):
-
-- *A sum of at least* ``ALARM`` (2**52) says that a rank failed in this
-  round; the FAILING weights swamp the active count, which is then unknown.
-  Active ranks read each heartbeat's sum at their next notify: seeing the
-  alarm they stop (``PeerAborted`` inside the loop) and drain like joined
-  ranks. Draining ranks take an alarmed count for "some rank may be active"
-  and shadow one more round; all of them do the same, so collectives match
-  whether or not anyone was active.
-- *With some rank active*, FAILED weights round away (2**-100 is below half a
-  float32 unit of 1): the sum is the exact active count.
-- *With no rank active*, the sum is 0 if nobody failed and ``f * 2**-100``
-  (positive, below 0.5) if f ranks did. A failing rank keeps counting to the
-  end, so the final count tells every rank, including one that never saw the
-  alarm, whether to run the post hooks or to *exchange failures* (one
-  all-gather of ``Failure`` values, which names them exactly): every rank
-  then raises ``PeerFailure`` naming the failing rank, except the failing
-  ranks, which re-raise their own exception. Post hooks never run after a
-  failure.
+- *A sum of at least* ``ALARM`` says that a rank failed in this round (the
+  active count is then unknown). Active ranks read each heartbeat's sum at
+  their next notify: seeing the alarm they stop (``PeerAborted`` inside the
+  loop) and drain like joined ranks. Draining ranks take an alarmed count for
+  "some rank may be active" and shadow one more round; all of them do the
+  same, so collectives match whether or not anyone was active.
+- *With some rank active* the sum is the exact active count; *with none* it
+  is 0, or a positive sum below 0.5 if some ranks failed. A failing rank
+  keeps counting to the end, so the final count tells every rank, including
+  one that never saw the alarm, whether to run the post hooks or to
+  *exchange failures* (one all-gather of ``Failure`` values, which names them
+  exactly): every rank then raises ``PeerFailure`` naming the failing rank,
+  except the failing ranks, which re-raise their own exception. Post hooks
+  never run after a failure.
 
 A rank whose loop body raised right after its heartbeat, before any other
 collective of that iteration, first runs one *completion round* of main hooks
@@ -70,13 +60,12 @@ active iteration costs no extra collective; a drain's counts are then that
 joinable's shadow of the same collective (``Drain(fused=True)``), which stops
 the joined ranks before any other side effect of the round. Throw mode needs
 its separate check and so never fuses. A float64 slot can carry one more
-per-rank flag beside the heartbeat, ``HEARTBEAT_FLAG`` (2**28) per flagged
-rank: exact up to 2**24 ranks, between the active count and the FAILING
-weight (``split_heartbeat_flags``; DDP's fused gradient-sync check).
+per-rank flag beside the heartbeat (``_wire.split_heartbeat_flags``; DDP's fused
+gradient-sync check).
 
 On entry, ranks may first *check agreement* on their ``signature`` (number of
 joinables, throw mode, backend): they *compare signatures* by a stable digest
-(``signature_digest``), one collective that costs every rank O(1) where the
+(``_wire.signature_digest``), one collective that costs every rank O(1) where the
 backend can (``CompareSignatures``; e.g. a MAX all-reduce of the digest and its
 negation). Only if the digests differ do they all-gather the signatures
 themselves (``CheckAgreement``), whose per-rank table the ``AgreementError``
@@ -158,18 +147,24 @@ Invariants:
 - after a failure, post hooks never run and every rank leaves with an error;
 - the machine never raises: an illegal (phase, observation) pair moves it to
   ERRORED and emits ``Raise(LocalProtocolError(...))``.
+
+Rules of this room: this module decides, and only this module. Phases,
+observations, commands and the transition table live here; the wire values are
+``_wire``, the reported values (``Failure``, ``LostRank``, ``JoinReport``) are
+``_reports`` and every message's words are ``_messages``: this module chooses
+which, those say how. Standard library and attrs only; no clock, no I/O.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import attrs
 
+from . import _messages as text
 from ._errors import (
     AgreementError,
     EarlyTermination,
@@ -179,19 +174,28 @@ from ._errors import (
     PeerError,
     PeerFailure,
 )
+from ._reports import Failure, JoinReport, LostRank
+from ._wire import (
+    ACTIVE,
+    ALARM,
+    FAILED,
+    FAILING,
+    JOINED,
+    MAX_WORLD_SIZE,
+    NOBODY_ACTIVE_BELOW,
+    decode_tally,
+    signature_digest,
+)
 
 __all__ = [
-    "LostRank",
     "RanksLost",
     "WarnRankLost",
     "ON_RANK_LOSS",
-    "lost_rank_message",
+    "check_on_rank_loss",
     "Phase",
     "Outcome",
-    "Failure",
     "MachineConfig",
     "JoinState",
-    "JoinReport",
     "Transition",
     "Entered",
     "SignaturesCompared",
@@ -218,52 +222,14 @@ __all__ = [
     "WarnSkew",
     "ReportProgress",
     "Raise",
-    "ACTIVE",
-    "JOINED",
-    "FAILING",
-    "FAILED",
-    "ALARM",
-    "NOBODY_ACTIVE_BELOW",
-    "MAX_WORLD_SIZE",
-    "HEARTBEAT_FLAG",
-    "decode_tally",
-    "signature_digest",
-    "split_heartbeat_flags",
     "initial_state",
     "step",
     "report",
-    "drain_activity",
-    "silence_message",
-    "stall_message",
-    "failure_text",
     "TRANSITIONS",
     "SKEW_WARN_THRESHOLD",
     "PROGRESS_INTERVAL",
     "FIRST_DRAIN_BATCH",
-    "progress_message",
-    "ACTIVE_RANK_MESSAGE",
-    "joined_rank_message",
 ]
-
-# -- wire values (module doc) ---------------------------------------------------
-
-ACTIVE = 1.0
-JOINED = 0.0
-# A failed rank's first join collective: 2**24 of them still sum exactly in
-# float32 (2**77) and far above any active count; in float64, 2**53 sits just
-# above the flag lane (HEARTBEAT_FLAG).
-FAILING = 2.0**53
-# Each later one: below half a float32 unit of 1, so it rounds away as soon as
-# one rank is active, and 2**24 of them still sum exactly (2**-76).
-FAILED = 2.0**-100
-#: A sum at least this large includes a FAILING weight.
-ALARM = 2.0**52
-#: A count below this shows no rank active (0, or FAILED weights only).
-NOBODY_ACTIVE_BELOW = 0.5
-#: The largest world whose active count a float32 sum holds exactly.
-MAX_WORLD_SIZE = 2**24
-#: One flagged rank's weight in a float64 heartbeat slot (``split_heartbeat_flags``).
-HEARTBEAT_FLAG = 2.0**28
 
 SKEW_WARN_THRESHOLD = 1000
 #: Seconds between a draining rank's progress lines (``ReportProgress``, logged
@@ -276,112 +242,20 @@ PROGRESS_INTERVAL = 30.0
 #: ``step`` calls, so a short drain has none; the first progress line comes
 #: after this many rounds at the earliest.
 FIRST_DRAIN_BATCH = 16
-ACTIVE_RANK_MESSAGE = (
-    "Detected at least one rank that exhausted inputs. Throwing across all ranks."
-)
-
-
-def joined_rank_message(rank: int) -> str:
-    """torch's message for the rank that exhausted its inputs in throw mode."""
-    return f"Rank {rank} exhausted all inputs."
-
-
-def signature_digest(signature: tuple[tuple[str, Any], ...]) -> int:
-    """A digest of an agreement signature, the same in every process: an int
-    in ``[0, 2**63)`` (it fits a signed 64-bit all-reduce, negated too).
-
-    ``hash()`` would not do: string hashes differ between processes.
-    """
-    data = repr(signature).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") >> 1
-
-
-def decode_tally(total: float) -> tuple[int | None, bool]:
-    """Read a heartbeat, count or termination-check sum (module doc).
-
-    Returns:
-        ``(active, failure)``: the number of active ranks, ``None`` when a
-        FAILING weight hides it; whether the sum shows a failure (with some
-        rank active and no FAILING weight, failed ranks do not show).
-    """
-    if total >= ALARM:
-        return None, True
-    if total >= NOBODY_ACTIVE_BELOW:
-        return int(round(total)), False
-    return 0, total > 0.0
-
-
-def split_heartbeat_flags(total: float, unit: float = HEARTBEAT_FLAG) -> tuple[float, int]:
-    """Split a float64 slot's sum of ``heartbeat + HEARTBEAT_FLAG * flag``.
-
-    Each rank puts its heartbeat value (``ACTIVE``, ``JOINED``, ``FAILING``,
-    ``FAILED``) plus ``HEARTBEAT_FLAG`` if its flag is set into one float64
-    element; the sum splits into the heartbeat sum (read it with
-    :func:`decode_tally`) and the number of flagged ranks. Exact for every
-    world up to ``MAX_WORLD_SIZE``: the active count stays below 2**25, the
-    flags below 2**53, and where FAILING weights push the sum above 2**53 the
-    rounding stays far below one flag (tested in every summation order).
-
-    Args:
-        total: the slot's sum.
-        unit: the weight of one flag. A smaller power of two (above every
-            heartbeat sum the world can make, e.g. 2**24 for worlds below
-            2**24 ranks) leaves room for per-rank counts above one, as long as
-            their sum times ``unit`` stays below 2**53 (FAILING's lane).
-
-    Returns:
-        ``(heartbeat sum, flags)``: the flags (or counts) summed over the ranks.
-    """
-    flags = math.floor(math.fmod(total, FAILING) / unit)
-    return total - flags * unit, flags
-
-
 #: The choices of ``Join(on_rank_loss=...)``.
 ON_RANK_LOSS = ("raise", "finish")
 
 
-@attrs.frozen(kw_only=True)
-class LostRank:
-    """A rank that died inside a Join with ``on_rank_loss="finish"``.
+def check_on_rank_loss(on_rank_loss: str, throw_on_early_termination: bool) -> None:
+    """Refuse an ``on_rank_loss`` that is not a choice, or ``"finish"`` in throw mode.
 
-    Attributes:
-        rank: its rank in the group as it was when the Join was built (the
-            *original* rank: reports and messages never use the rebuilt
-            group's numbering).
-        iterations: how many of its iterations completed with it, as the
-            survivors agree: the inputs it had processed whose collectives
-            include its contribution.
-        survivors: the original ranks still alive after the loss.
-        detected: how the loss was seen, e.g. ``"ERR_PROC_FAILED in
-            Iallreduce"``.
+    Raises:
+        ValueError: saying which and what to pass instead.
     """
-
-    rank: int
-    iterations: int
-    survivors: tuple[int, ...]
-    detected: str
-
-
-def lost_rank_message(lost: LostRank, world_size: int | None) -> str:
-    """The warning for one loss: who, when, what was not seen, the divisor.
-
-    Args:
-        lost: the loss.
-        world_size: the group's initial size, where known.
-
-    Returns:
-        One sentence for ``WarnRankLost``.
-    """
-    survivors = ", ".join(str(rank) for rank in lost.survivors)
-    initial = "the initial world size" if world_size is None else (
-        f"the initial world size ({world_size})")
-    return (
-        f"joinkit: rank {lost.rank} was lost after {lost.iterations} iterations "
-        f"({lost.detected}); the Join goes on over ranks {survivors} and treats rank "
-        f"{lost.rank} as joined: its remaining inputs were not seen. Gradients keep "
-        f"being divided by {initial} where divide_by_initial_world_size=True (the "
-        "default), else by the number of ranks that contributed each iteration"
-    )
+    if on_rank_loss not in ON_RANK_LOSS:
+        raise ValueError(text.unknown_on_rank_loss_message(on_rank_loss))
+    if on_rank_loss == "finish" and throw_on_early_termination:
+        raise ValueError(text.finish_in_throw_mode_message())
 
 
 class Phase(enum.Enum):
@@ -416,15 +290,6 @@ class Outcome(enum.Enum):
 
 
 @attrs.frozen(kw_only=True)
-class Failure:
-    """A rank's exception, as data that can cross the wire."""
-
-    rank: int
-    exc_type: str
-    message: str
-
-
-@attrs.frozen(kw_only=True)
 class MachineConfig:
     """What a rank's machine needs to know about its Join.
 
@@ -454,27 +319,11 @@ class MachineConfig:
     on_rank_loss: str = "raise"
 
     def __attrs_post_init__(self) -> None:
-        if self.on_rank_loss not in ON_RANK_LOSS:
-            raise ValueError(
-                f"on_rank_loss must be 'raise' (a dead rank ends the Join with an error "
-                f"naming it) or 'finish' (the survivors treat it as joined and finish), "
-                f"not {self.on_rank_loss!r}"
-            )
-        if self.on_rank_loss == "finish" and self.throw_on_early_termination:
-            raise ValueError(
-                "on_rank_loss='finish' cannot be combined with "
-                "throw_on_early_termination=True: a lost rank counts as joined, which "
-                "throw mode would turn into an error on every rank; use one or the other"
-            )
+        check_on_rank_loss(self.on_rank_loss, self.throw_on_early_termination)
         if self.fused_heartbeat and self.throw_on_early_termination:
             raise ValueError("a fused heartbeat cannot carry throw mode's termination check")
         if self.world_size is not None and self.world_size > MAX_WORLD_SIZE:
-            raise ValueError(
-                f"joinkit's Join supports worlds of at most 2**24 = {MAX_WORLD_SIZE} ranks, "
-                f"and this process group has {self.world_size}: the heartbeat is a float32 "
-                "sum, which counts active ranks exactly only up to 2**24 (as torch's Join's "
-                "does); join a subgroup of at most 2**24 ranks"
-            )
+            raise ValueError(text.world_too_large_message(self.world_size, MAX_WORLD_SIZE))
 
 
 @attrs.frozen(kw_only=True, slots=False)
@@ -533,105 +382,6 @@ def _evolve(state: JoinState, **changes: Any) -> JoinState:
 def initial_state(config: MachineConfig) -> JoinState:
     """The state of a machine that has been built but not entered."""
     return JoinState(phase=Phase.IDLE, config=config)
-
-
-@attrs.frozen(kw_only=True)
-class JoinReport:
-    """What one rank did in one Join (``join.report``).
-
-    Attributes:
-        rank: this rank.
-        inputs: inputs processed (heartbeats sent) before leaving the loop.
-        joined_at_round: the round at which it joined because its inputs ran
-            out (``None`` if it failed, was stopped early or never left its loop).
-        shadow_rounds: main-hook rounds run after leaving the loop.
-        seconds_shadowing: from leaving the loop until every rank had joined.
-        is_last_joiner: whether it was among the last to join (never after a
-            failure: no post hooks ran).
-        phase: the machine's final phase name.
-        failure: this rank's own failure, if any.
-        stopped_early: whether it left its loop before its inputs ran out:
-            a peer failed (``PeerAborted``) or, in throw mode, a peer ran out
-            (its ``inputs`` are then not its share of the data).
-        stopped_by: the ranks whose failure ended this Join for this rank, as
-            the failure exchange reported them (empty without a failure).
-        lost_ranks: with ``on_rank_loss="finish"``, the ranks that died inside
-            the Join and were treated as joined, in order of loss (original
-            ranks, with the iterations each completed).
-    """
-
-    rank: int
-    inputs: int
-    joined_at_round: int | None
-    shadow_rounds: int
-    seconds_shadowing: float
-    is_last_joiner: bool
-    phase: str
-    failure: Failure | None = None
-    stopped_early: bool = False
-    stopped_by: tuple[int, ...] = ()
-    lost_ranks: tuple[LostRank, ...] = ()
-
-    @property
-    def outcome(self) -> str:
-        """``"failed"``, ``"stopped early"``, ``"stopped"`` (it had joined when a
-        peer failed), ``"joined"``, or ``"unfinished"`` (it never left its loop:
-        interrupted, or the Join is still running)."""
-        if self.failure is not None:
-            return "failed"
-        if self.stopped_early:
-            return "stopped early"
-        if self.stopped_by:
-            return "stopped"
-        return "joined" if self.joined_at_round is not None else "unfinished"
-
-    def to_dict(self) -> dict[str, Any]:
-        """This report as plain JSON-able data (``JoinReport.from_dict`` reads it back)."""
-        data = attrs.asdict(self, recurse=True)
-        data["stopped_by"] = list(self.stopped_by)
-        data["lost_ranks"] = [
-            {**attrs.asdict(lost), "survivors": list(lost.survivors)}
-            for lost in self.lost_ranks
-        ]
-        return {"joinkit_report": REPORT_FORMAT, **data}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JoinReport:
-        """Read back what :meth:`to_dict` wrote.
-
-        Raises:
-            ValueError: ``data`` is not a joinkit report (the message says what
-                is missing or wrong).
-        """
-        if not isinstance(data, dict) or data.get("joinkit_report") != REPORT_FORMAT:
-            raise ValueError(
-                "not a joinkit join report: expected a JSON object with "
-                f'"joinkit_report": {REPORT_FORMAT} (from JoinReport.to_dict()), got '
-                f"{_preview(data)}"
-            )
-        fields = {f.name for f in attrs.fields(cls)}
-        missing = fields - {"failure", "stopped_early", "stopped_by", "lost_ranks"} - set(data)
-        if missing:
-            raise ValueError(f"join report is missing {sorted(missing)}: {_preview(data)}")
-        values = {name: data[name] for name in fields if name in data}
-        failure = values.get("failure")
-        if failure is not None:
-            values["failure"] = Failure(**failure)
-        values["stopped_by"] = tuple(values.get("stopped_by", ()))
-        values["lost_ranks"] = tuple(
-            LostRank(**{**lost, "survivors": tuple(lost["survivors"])})
-            for lost in values.get("lost_ranks", ())
-        )
-        return cls(**values)
-
-
-#: The version of :meth:`JoinReport.to_dict`'s format.
-REPORT_FORMAT = 1
-
-
-def _preview(data: Any) -> str:
-    text = repr(data)
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def report(state: JoinState) -> JoinReport:
@@ -958,36 +708,6 @@ class ReportProgress:
     active: int | None
 
 
-#: At most this many active ranks are named in a progress line (a big world's
-#: line stays one short line).
-_NAMED_RANKS = 8
-
-
-def progress_message(command: ReportProgress, active_ranks: Sequence[int] | None = None) -> str:
-    """The progress line for ``command``, e.g. ``rank 0 joined after 1,204 inputs;
-    shadowing rank(s) 3, 7 for 42 s (3,118 rounds)``.
-
-    Args:
-        command: what the machine reported.
-        active_ranks: the ranks the backend's status board shows in their loop
-            body (the first 8 are named); ``None`` or empty: unknown, and the
-            line gives the count.
-    """
-    if active_ranks:
-        who = "rank(s) " + ", ".join(str(rank) for rank in active_ranks[:_NAMED_RANKS])
-        if len(active_ranks) > _NAMED_RANKS:
-            who += f" and {len(active_ranks) - _NAMED_RANKS:,} more"
-    elif command.active is None:
-        who = "possibly active ranks (a count showed a failed rank)"
-    else:
-        who = f"{command.active} active rank(s)"
-    return (
-        f"rank {command.rank} {command.ended} after {command.inputs:,} inputs; "
-        f"shadowing {who} for {command.seconds:.0f} s ({command.rounds:,} "
-        f"{'round' if command.rounds == 1 else 'rounds'})"
-    )
-
-
 @attrs.frozen(kw_only=True)
 class Raise:
     """Raise ``error`` on this rank."""
@@ -1065,16 +785,7 @@ def _signatures_compared(s: JoinState, o: SignaturesCompared) -> Transition:
 def _agreement_checked(s: JoinState, o: AgreementChecked) -> Transition:
     if all(signature == s.config.signature for signature in o.signatures):
         return _active(s)
-    names = [name for name, _ in s.config.signature or ()]
-    rows = [f"  rank | {' | '.join(names)}"]
-    for rank, signature in enumerate(o.signatures):
-        values = dict(signature) if signature is not None else {}
-        rows.append(f"  {rank:>4} | {' | '.join(repr(values.get(n)) for n in names)}")
-    error = AgreementError(
-        "ranks entered the Join with different settings; every rank must pass the "
-        "same number of joinables and the same throw_on_early_termination, on the "
-        "same backend:\n" + "\n".join(rows)
-    )
+    error = AgreementError(text.agreement_table(s.config.signature or (), o.signatures))
     return _raise(s, Phase.DONE, error, done_at=o.now)
 
 
@@ -1090,11 +801,7 @@ def _notify(s: JoinState, o: Notified) -> Transition:
 def _heartbeat_seen(s: JoinState, o: HeartbeatSeen) -> Transition:
     if o.total < ALARM:
         return Transition(s, _orders(s.config))  # nothing changed; the order stands
-    error = PeerAborted(
-        f"rank {s.config.rank} stopped: another rank failed inside the Join context; "
-        "let this error leave the `with Join(...)` block, which then names the "
-        "failing rank"
-    )
+    error = PeerAborted(text.peer_aborted_message(s.config.rank))
     return _raise(s, Phase.ABORTING, error, failure_seen=True)
 
 
@@ -1103,7 +810,7 @@ def _termination_checked(s: JoinState, o: TerminationChecked) -> Transition:
     if failure:
         return _exchange(s)
     if active:
-        return _raise(s, Phase.TERMINATED, EarlyTermination(ACTIVE_RANK_MESSAGE))
+        return _raise(s, Phase.TERMINATED, EarlyTermination(text.ACTIVE_RANK_MESSAGE))
     return _go(s, Phase.ACTIVE)
 
 
@@ -1147,12 +854,7 @@ def _terminated_loop_exited(s: JoinState, o: LoopExited) -> Transition:
     if o.outcome is not Outcome.NORMAL:
         # Throw mode (or a peer's failure seen by its check) ended the loop.
         return _go(s, Phase.DONE, done_at=o.now, stopped_early=True)
-    error = LocalProtocolError(
-        "the loop body swallowed the early-termination error that "
-        "throw_on_early_termination=True raised inside the Join context; "
-        "let it propagate out of the `with Join(...)` block (every other "
-        "rank raised too)"
-    )
+    error = LocalProtocolError(text.swallowed_termination_message())
     return _raise(s, Phase.ERRORED, error)
 
 
@@ -1171,15 +873,7 @@ def _fail_fast(s: JoinState, failure: Failure, now: float) -> Transition:
     # Draining could meet the peers in their own collectives of the iteration
     # (a mismatch, or a hang until a watchdog); a completion round could meet
     # their next heartbeat. Ending the group now is the only safe move.
-    message = (
-        f"rank {failure.rank} failed inside the Join context with {failure.exc_type}: "
-        f"{failure.message}; the Join cannot tell whether its peers wait in the "
-        "collectives of that iteration (the backend does not count the joinables' "
-        "own collectives, e.g. they go to a raw communicator), so it aborts the group "
-        "rather than leave them waiting (issue them through the joinkit group, e.g. an "
-        "MPIGroup, and a failure leaves the group usable)"
-    )
-    return _go(s, Phase.DONE, AbortGroup(message=message), done_at=now)
+    return _go(s, Phase.DONE, AbortGroup(message=text.fail_fast_message(failure)), done_at=now)
 
 
 def _drain(s: JoinState, now: float) -> Transition:
@@ -1261,7 +955,7 @@ def _drained(s: JoinState, o: Drained) -> Transition:
             signal = SignalTermination(value=FAILING if s.failure else ACTIVE)
             exchange = _exchange(s)
             return Transition(exchange.state, (signal, *exchange.commands))
-        error = EarlyTermination(joined_rank_message(s.config.rank))
+        error = EarlyTermination(text.joined_rank_message(s.config.rank))
         return Transition(
             _evolve(s, phase=Phase.DONE, error=error, done_at=o.now),
             (SignalTermination(), Raise(error=error)),
@@ -1280,14 +974,7 @@ def _shadow_round_done(s: JoinState, o: HooksDone) -> Transition:
     s = _evolve(s, shadow_rounds=s.shadow_rounds + 1)
     threshold = s.config.skew_warn_threshold
     if s.shadow_rounds > threshold and not s.warned_skew:
-        warning = WarnSkew(
-            message=(
-                f"Detected uneven input skew of greater than {threshold}. "
-                f"This means that rank {s.config.rank} has at least {threshold} "
-                "fewer inputs than other currently-active ranks. This level of "
-                "skew could lead to performance degradation during training."
-            )
-        )
+        warning = WarnSkew(message=text.skew_message(threshold, s.config.rank))
         drain = _drain(_evolve(s, warned_skew=True), o.now)
         return Transition(drain.state, (warning, *drain.commands))
     return _drain(s, o.now)
@@ -1302,16 +989,8 @@ def _hook_failed(s: JoinState, failure: Failure, now: float) -> Transition:
     # protocol can do keeps peers in step any more, so make them fail fast.
     failure = attrs.evolve(failure, rank=s.config.rank)
     hook = "post_hook" if s.phase is Phase.POST_HOOKS else "main_hook"
-    message = (
-        f"rank {failure.rank} failed in a join hook ({hook}) with "
-        f"{failure.exc_type}: {failure.message}"
-    )
-    if s.failure is not None:
-        # It was shadowing after its own failure in the loop body: name that too.
-        message += (
-            f", after it failed inside the Join context with {s.failure.exc_type}: "
-            f"{s.failure.message}"
-        )
+    # Shadowing after its own failure in the loop body: the message names that too.
+    message = text.hook_failed_message(hook, failure, s.failure)
     return _go(s, Phase.DONE, AbortGroup(message=message), failure=failure, done_at=now)
 
 
@@ -1331,9 +1010,7 @@ def _failures_exchanged(s: JoinState, o: FailuresExchanged) -> Transition:
         return _go(s, Phase.DONE, done_at=o.now, peer_failures=peers)
     s = _evolve(s, peer_failures=peers)
     if not failures:
-        error: PeerError = PeerError(
-            "a count showed a failed rank, but no rank reported a failure"
-        )
+        error: PeerError = PeerError(text.no_reported_failure_message())
     else:
         first = failures[0]
         error = PeerFailure(first.rank, first.exc_type, first.message)
@@ -1350,7 +1027,7 @@ def _ranks_lost(s: JoinState, o: RanksLost) -> Transition:
     known = {lost.rank for lost in s.lost_ranks}
     new = tuple(lost for lost in o.lost if lost.rank not in known)
     warnings = tuple(
-        WarnRankLost(rank=lost.rank, message=lost_rank_message(lost, s.config.world_size))
+        WarnRankLost(rank=lost.rank, message=text.lost_rank_message(lost, s.config.world_size))
         for lost in new
     )
     orders = _orders(s.config) if s.phase is Phase.ACTIVE else ()
@@ -1359,9 +1036,7 @@ def _ranks_lost(s: JoinState, o: RanksLost) -> Transition:
 
 def _illegal(s: JoinState, o: Any) -> Transition:
     error = LocalProtocolError(
-        f"join state machine of rank {s.config.rank} cannot accept "
-        f"{type(o).__name__} in phase {s.phase.name}"
-    )
+        text.illegal_message(s.config.rank, type(o).__name__, s.phase.name))
     return _raise(s, Phase.ERRORED, error)
 
 
@@ -1409,95 +1084,6 @@ TRANSITIONS: dict[tuple[Phase, type], tuple[_Handler, tuple[Phase, ...]]] = {
 _HANDLERS: dict[tuple[Phase, type], _Handler] = {
     key: handler for key, (handler, _) in TRANSITIONS.items()
 }
-
-
-def drain_activity(state: JoinState, ticks: int) -> str:
-    """What a draining rank is blocked in, ``ticks`` steps into its drain.
-
-    The shell counts a step when a count returns and when a round of main
-    hooks finishes, so an even ``ticks`` means counting, an odd one hooks.
-    """
-    rounds = state.shadow_rounds + ticks // 2
-    if ticks % 2:
-        return f"main hooks of shadow round {rounds}"
-    return f"counting non-joined ranks (shadow round {rounds})"
-
-
-def stall_message(
-    state: JoinState, doing: str, ticks: int, idle: float, timeout: float
-) -> str:
-    """Describe a rank that made no progress for ``idle`` seconds.
-
-    Pure: the shell passes the state, what it was blocked in (``doing``; in a
-    drain the round comes from ``ticks``, see :func:`drain_activity`) and the
-    idle time its watchdog measured.
-
-    Returns:
-        The diagnostic: phase, what it was doing, inputs and shadow rounds,
-        and the rank's own failure if it had one (it was shadowing after it).
-    """
-    rounds = state.shadow_rounds
-    if state.phase is Phase.DRAINING:
-        doing = drain_activity(state, ticks)
-        rounds += ticks // 2
-    message = (
-        f"rank {state.config.rank} made no progress for {idle:.1f} s "
-        f"(timeout {timeout:g} s) in phase {state.phase.name}, {doing}; "
-        f"it had processed {state.heartbeats} inputs and run {rounds} "
-        "shadow rounds"
-    )
-    if state.failure is not None:
-        message += f"; {failure_text(state.failure)}"
-    return message
-
-
-def failure_text(failure: Failure) -> str:
-    """A rank's own failure in words, for every message that follows it."""
-    return (
-        f"rank {failure.rank} had failed inside the Join context with "
-        f"{failure.exc_type}: {failure.message}"
-    )
-
-
-def silence_message(
-    state: JoinState,
-    doing: str | None,
-    ticks: int,
-    silent: tuple[tuple[int, float, str], ...],
-    timeout: float,
-    board_error: str | None = None,
-) -> str:
-    """Describe peers whose liveness beat stopped (dead, frozen, holding the GIL).
-
-    Pure: the shell passes the state, what this rank was blocked in (``None``:
-    its loop body), the silent peers as ``(rank, seconds silent, last status)``
-    and why the last read of the status board failed, if it did.
-
-    Returns:
-        The diagnostic: the silent ranks first, then where this rank was.
-    """
-    ranks = ", ".join(str(rank) for rank, _, _ in silent)
-    peers = "; ".join(
-        f"rank {rank}: silent for {seconds:.1f} s, last seen {what!r}"
-        for rank, seconds, what in silent
-    )
-    if doing is None:
-        where = "in its loop body"
-    elif state.phase is Phase.DRAINING:
-        where = drain_activity(state, ticks)
-    else:
-        where = doing
-    message = (
-        f"rank {state.config.rank} has seen no sign of life from rank{'s' * (len(silent) > 1)} "
-        f"{ranks} on the status board within the timeout ({timeout:g} s): {peers}. "
-        "A rank inside a Join beats on the board from its watchdog thread whatever "
-        "its loop does, so a silent one is dead, frozen (e.g. SIGSTOP) or holding "
-        f"the GIL. Rank {state.config.rank} was in phase {state.phase.name}, {where}; "
-        f"it had processed {state.heartbeats} inputs"
-    )
-    if board_error is not None:
-        message += f" (its last read of the status board failed: {board_error})"
-    return message
 
 
 def step(state: JoinState, observation: Observation) -> Transition:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import attrs
 
 if TYPE_CHECKING:
-    from ._join import Joinable
+    from ._joinable import Joinable
 
 __all__ = [
     "Handle",

@@ -1,25 +1,173 @@
-"""Join reports for people: the skew table, a text bar chart, SVG and PNG.
+"""What a Join reports, as data and for people.
 
+Rules of this room: frozen values and pure functions; the standard library and
+attrs only (a PNG imports matplotlib when asked for one). The machine builds
+these values; nothing here decides anything about the protocol.
+
+The values: :class:`Failure` (a rank's exception as data that crosses the
+wire), :class:`LostRank` (a rank that died in a finish-mode Join) and
+:class:`JoinReport` (what one rank did in one Join), with its JSON form
+(``to_dict`` / ``from_dict``, format ``REPORT_FORMAT``).
+
+For people: the skew table, a text bar chart, SVG and PNG.
 A :class:`~joinkit.JoinReport` is what one rank did in one Join. Rendering
 works on a list of them, one per rank (``join.gather_report()``, or reports a
 training script saved with ``JoinReport.to_dict`` and ``python -m joinkit
 report`` reads back). It tells the truth after a failure: the failing rank and
 its exception, which ranks the failure stopped early, and the input skew only
 over the ranks whose inputs ran out (a stopped rank's count says nothing about
-its share of the data).
-
-Standard library only; a PNG needs matplotlib (``pip install 'joinkit[plot]'``).
+its share of the data). A PNG needs matplotlib (``pip install 'joinkit[plot]'``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 from xml.sax.saxutils import escape
 
-from ._machine import JoinReport
+import attrs
 
-__all__ = ["format_reports", "chart_lines", "svg_chart", "write_chart"]
+__all__ = [
+    "Failure",
+    "LostRank",
+    "JoinReport",
+    "REPORT_FORMAT",
+    "format_reports",
+    "chart_lines",
+    "svg_chart",
+    "write_chart",
+]
+
+
+@attrs.frozen(kw_only=True)
+class Failure:
+    """A rank's exception, as data that can cross the wire."""
+
+    rank: int
+    exc_type: str
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class LostRank:
+    """A rank that died inside a Join with ``on_rank_loss="finish"``.
+
+    Attributes:
+        rank: its rank in the group as it was when the Join was built (the
+            *original* rank: reports and messages never use the rebuilt
+            group's numbering).
+        iterations: how many of its iterations completed with it, as the
+            survivors agree: the inputs it had processed whose collectives
+            include its contribution.
+        survivors: the original ranks still alive after the loss.
+        detected: how the loss was seen, e.g. ``"ERR_PROC_FAILED in
+            Iallreduce"``.
+    """
+
+    rank: int
+    iterations: int
+    survivors: tuple[int, ...]
+    detected: str
+
+
+@attrs.frozen(kw_only=True)
+class JoinReport:
+    """What one rank did in one Join (``join.report``).
+
+    Attributes:
+        rank: this rank.
+        inputs: inputs processed (heartbeats sent) before leaving the loop.
+        joined_at_round: the round at which it joined because its inputs ran
+            out (``None`` if it failed, was stopped early or never left its loop).
+        shadow_rounds: main-hook rounds run after leaving the loop.
+        seconds_shadowing: from leaving the loop until every rank had joined.
+        is_last_joiner: whether it was among the last to join (never after a
+            failure: no post hooks ran).
+        phase: the machine's final phase name.
+        failure: this rank's own failure, if any.
+        stopped_early: whether it left its loop before its inputs ran out:
+            a peer failed (``PeerAborted``) or, in throw mode, a peer ran out
+            (its ``inputs`` are then not its share of the data).
+        stopped_by: the ranks whose failure ended this Join for this rank, as
+            the failure exchange reported them (empty without a failure).
+        lost_ranks: with ``on_rank_loss="finish"``, the ranks that died inside
+            the Join and were treated as joined, in order of loss (original
+            ranks, with the iterations each completed).
+    """
+
+    rank: int
+    inputs: int
+    joined_at_round: int | None
+    shadow_rounds: int
+    seconds_shadowing: float
+    is_last_joiner: bool
+    phase: str
+    failure: Failure | None = None
+    stopped_early: bool = False
+    stopped_by: tuple[int, ...] = ()
+    lost_ranks: tuple[LostRank, ...] = ()
+
+    @property
+    def outcome(self) -> str:
+        """``"failed"``, ``"stopped early"``, ``"stopped"`` (it had joined when a
+        peer failed), ``"joined"``, or ``"unfinished"`` (it never left its loop:
+        interrupted, or the Join is still running)."""
+        if self.failure is not None:
+            return "failed"
+        if self.stopped_early:
+            return "stopped early"
+        if self.stopped_by:
+            return "stopped"
+        return "joined" if self.joined_at_round is not None else "unfinished"
+
+    def to_dict(self) -> dict[str, Any]:
+        """This report as plain JSON-able data (``JoinReport.from_dict`` reads it back)."""
+        data = attrs.asdict(self, recurse=True)
+        data["stopped_by"] = list(self.stopped_by)
+        data["lost_ranks"] = [
+            {**attrs.asdict(lost), "survivors": list(lost.survivors)}
+            for lost in self.lost_ranks
+        ]
+        return {"joinkit_report": REPORT_FORMAT, **data}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JoinReport:
+        """Read back what :meth:`to_dict` wrote.
+
+        Raises:
+            ValueError: ``data`` is not a joinkit report (the message says what
+                is missing or wrong).
+        """
+        if not isinstance(data, dict) or data.get("joinkit_report") != REPORT_FORMAT:
+            raise ValueError(
+                "not a joinkit join report: expected a JSON object with "
+                f'"joinkit_report": {REPORT_FORMAT} (from JoinReport.to_dict()), got '
+                f"{_preview(data)}"
+            )
+        fields = {f.name for f in attrs.fields(cls)}
+        missing = fields - {"failure", "stopped_early", "stopped_by", "lost_ranks"} - set(data)
+        if missing:
+            raise ValueError(f"join report is missing {sorted(missing)}: {_preview(data)}")
+        values = {name: data[name] for name in fields if name in data}
+        failure = values.get("failure")
+        if failure is not None:
+            values["failure"] = Failure(**failure)
+        values["stopped_by"] = tuple(values.get("stopped_by", ()))
+        values["lost_ranks"] = tuple(
+            LostRank(**{**lost, "survivors": tuple(lost["survivors"])})
+            for lost in values.get("lost_ranks", ())
+        )
+        return cls(**values)
+
+
+#: The version of :meth:`JoinReport.to_dict`'s format.
+REPORT_FORMAT = 1
+
+
+def _preview(data: Any) -> str:
+    text = repr(data)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 #: Width of each bar column of the text chart, in characters.
 BAR_WIDTH = 30

@@ -22,12 +22,14 @@ from joinkit import (
     PeerFailure,
 )
 from joinkit import _machine as m
+from joinkit import _messages as text
+from joinkit import _wire as wire
 
 FAILURE = m.Failure(rank=9, exc_type="ValueError", message="bad batch")
 SIGNATURE = (("joinables", 1),)
 ORDER = m.HeartbeatOrder(value=m.ACTIVE, fused=False, alarm=m.ALARM)
 LOST = m.LostRank(rank=1, iterations=4, survivors=(0, 2, 3), detected="ERR_PROC_FAILED in test")
-WARN_LOST = m.WarnRankLost(rank=1, message=m.lost_rank_message(LOST, None))
+WARN_LOST = m.WarnRankLost(rank=1, message=text.lost_rank_message(LOST, None))
 
 OBSERVATIONS = {
     m.Entered: m.Entered(now=1.0),
@@ -458,21 +460,21 @@ def test_progress_line_once_per_interval_at_batch_boundaries() -> None:
                                 rounds=3118, active=2)
     assert t.commands == (progress, m.RunMainHooks(round=3118))
     assert t.state.progress_at == 42.0
-    assert m.progress_message(progress, [3, 7]) == (
+    assert text.progress_message(progress, [3, 7]) == (
         "rank 3 joined after 1,204 inputs; shadowing rank(s) 3, 7 for 42 s (3,118 rounds)"
     )
-    assert m.progress_message(progress, list(range(100))).startswith(
+    assert text.progress_message(progress, list(range(100))).startswith(
         "rank 3 joined after 1,204 inputs; shadowing rank(s) 0, 1, 2, 3, 4, 5, 6, 7 and 92 "
         "more for 42 s"
     )
     # Without the board's names: the count.
     for names in (None, []):
-        assert m.progress_message(progress, names) == (
+        assert text.progress_message(progress, names) == (
             "rank 3 joined after 1,204 inputs; shadowing 2 active rank(s) for 42 s "
             "(3,118 rounds)"
         )
     one = attrs.evolve(progress, rounds=1)
-    assert m.progress_message(one, [3]).endswith("shadowing rank(s) 3 for 42 s (1 round)")
+    assert text.progress_message(one, [3]).endswith("shadowing rank(s) 3 for 42 s (1 round)")
     # The next line is due one interval after this one.
     s = attrs.evolve(t.state, phase=m.Phase.DRAINING)
     assert m.step(s, m.Drained(rounds=1, total=2.0, now=71.9)).commands == (
@@ -484,7 +486,7 @@ def test_progress_line_once_per_interval_at_batch_boundaries() -> None:
     failing = attrs.evolve(s, failure=FAILURE, failure_announced=True)
     (line, _) = m.step(failing, m.Drained(rounds=1, total=m.FAILING + 1, now=80.0)).commands
     assert isinstance(line, m.ReportProgress) and line.active is None
-    assert m.progress_message(line).startswith("rank 3 failed after 1,204 inputs; shadowing "
+    assert text.progress_message(line).startswith("rank 3 failed after 1,204 inputs; shadowing "
                                                "possibly active ranks")
 
 
@@ -525,15 +527,15 @@ def test_importing_the_core_imports_no_framework() -> None:
 
 def test_drain_activity_and_stall_message_name_the_round() -> None:
     s = state(m.Phase.DRAINING, heartbeats=4, shadow_rounds=2)
-    assert m.drain_activity(s, 0) == "counting non-joined ranks (shadow round 2)"
-    assert m.drain_activity(s, 1) == "main hooks of shadow round 2"
-    assert m.drain_activity(s, 6) == "counting non-joined ranks (shadow round 5)"
-    assert m.stall_message(s, "ignored in a drain", 7, 3.25, 2.0) == (
+    assert text.drain_activity(s, 0) == "counting non-joined ranks (shadow round 2)"
+    assert text.drain_activity(s, 1) == "main hooks of shadow round 2"
+    assert text.drain_activity(s, 6) == "counting non-joined ranks (shadow round 5)"
+    assert text.stall_message(s, "ignored in a drain", 7, 3.25, 2.0) == (
         "rank 3 made no progress for 3.2 s (timeout 2 s) in phase DRAINING, main hooks of "
         "shadow round 5; it had processed 4 inputs and run 5 shadow rounds"
     )
     post = state(m.Phase.POST_HOOKS, heartbeats=4, shadow_rounds=2)
-    assert m.stall_message(post, "post hooks", 0, 9.0, 2.0).endswith(
+    assert text.stall_message(post, "post hooks", 0, 9.0, 2.0).endswith(
         "in phase POST_HOOKS, post hooks; it had processed 4 inputs and run 2 shadow rounds"
     )
 
@@ -632,10 +634,10 @@ def test_flags_beside_the_heartbeat_stay_exact_in_a_float64_slot(world: int, ord
         active = int(rng.integers(0, world - failing + 1))
         flagged = int(rng.integers(0, active + 1))
         joined = world - failing - active
-        counts = [(m.ACTIVE + m.HEARTBEAT_FLAG, flagged), (m.ACTIVE, active - flagged),
+        counts = [(m.ACTIVE + wire.HEARTBEAT_FLAG, flagged), (m.ACTIVE, active - flagged),
                   (m.FAILED, announced), (m.FAILING, failing - announced), (m.JOINED, joined)]
         total = flagged_sum(counts, order, seed=failing)
-        heartbeat, flags = m.split_heartbeat_flags(total)
+        heartbeat, flags = wire.split_heartbeat_flags(total)
         assert flags == flagged, (world, failing, announced, active, flagged, order)
         if failing > announced:
             assert m.decode_tally(heartbeat) == (None, True)
@@ -654,11 +656,11 @@ def test_flags_at_2_24_ranks() -> None:
     ]
     for flagged, unflagged, failing, announced in cases:
         joined = world - flagged - unflagged - failing - announced
-        counts = [(m.ACTIVE + m.HEARTBEAT_FLAG, flagged), (m.ACTIVE, unflagged),
+        counts = [(m.ACTIVE + wire.HEARTBEAT_FLAG, flagged), (m.ACTIVE, unflagged),
                   (m.FAILING, failing), (m.FAILED, announced), (m.JOINED, joined)]
         for total in (flagged_sum(counts, "pairwise"), flagged_sum(counts, "sequential"),
                       flagged_sum(counts, "reversed")):
-            heartbeat, flags = m.split_heartbeat_flags(total)
+            heartbeat, flags = wire.split_heartbeat_flags(total)
             assert flags == flagged, (flagged, unflagged, failing, announced)
             active = flagged + unflagged
             expected = (None, True) if failing else (active, False) if active else (
@@ -767,7 +769,7 @@ def test_a_known_place_never_fails_fast() -> None:
 def test_messages_after_a_failure_name_it() -> None:
     own = attrs.evolve(FAILURE, rank=3)
     draining = state(m.Phase.DRAINING, heartbeats=2, failure=own, failure_announced=True)
-    assert m.stall_message(draining, "", 0, 3.0, 2.0).endswith(
+    assert text.stall_message(draining, "", 0, 3.0, 2.0).endswith(
         "; rank 3 had failed inside the Join context with ValueError: bad batch"
     )
     hook = m.Failure(rank=3, exc_type="KeyError", message="'w'")
@@ -899,6 +901,6 @@ def test_split_heartbeat_flags_with_a_smaller_unit_carries_counts() -> None:
     # 3 active ranks counting 5, 0 and 7 in units of 2**24, one rank failing.
     unit = 2.0**24
     total = 3 * m.ACTIVE + (5 + 0 + 7) * unit + m.FAILING
-    heartbeat, counts = m.split_heartbeat_flags(total, unit)
+    heartbeat, counts = wire.split_heartbeat_flags(total, unit)
     assert counts == 12 and m.decode_tally(heartbeat) == (None, True)
-    assert m.split_heartbeat_flags(3 * m.ACTIVE + 12 * unit, unit) == (3.0, 12)
+    assert wire.split_heartbeat_flags(3 * m.ACTIVE + 12 * unit, unit) == (3.0, 12)
