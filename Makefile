@@ -4,10 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The folders that map into the joinkit namespace (pyproject.toml): the strict
-# editable install links each module, so adding or removing one (which touches
-# its folder) reinstalls.
-PACKAGE_DIRS := join_core backends adapters
+# The folders that map into the joinkit namespace (pyproject.toml), with their
+# sub-packages: the strict editable install links each module, so adding or
+# removing one (which touches its folder) reinstalls.
+PACKAGE_DIRS := $(shell find join_core backends adapters -type d -not -name __pycache__)
 
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1

@@ -72,8 +72,7 @@ from typing import Any
 import numpy as np
 
 from joinkit import Join, Joinable, JoinHook, LocalProtocolError
-from joinkit.backends import resolve
-from joinkit.backends._checks import is_tensor
+from joinkit.backends import is_tensor, resolve
 
 __all__ = ["Gather", "GatherMismatch", "INLINE_LIMIT"]
 

@@ -57,8 +57,8 @@ Without the last three the Join uses ``all_gather_object``, which costs every
 rank O(world size) bytes and unpickling; with them a rank's entry, report and
 failure exchange cost O(1) (the root of a gather excepted).
 
-The registry, which the core owns (``joinkit._ports``; :func:`register` and
-:func:`resolve` here are the same functions), maps a joinable's
+The registry, which the core owns (``joinkit.lowlevel``; :func:`register` and
+:func:`resolve` here are its ``register_backend`` and ``resolve_backend``), maps a joinable's
 ``join_process_group`` (plus ``join_device``) to such a backend. Backends that
 ship with joinkit register themselves when their module is imported; the
 registry reaches them through this package's entry point
@@ -84,14 +84,14 @@ import sys
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from joinkit._ports import (
+from joinkit.lowlevel import (
     BACKEND_ENTRY_POINTS,
     Handle,
     JoinBackend,
-    find_registered,
-    register,
-    resolve,
 )
+from joinkit.lowlevel import find_registered_backend as find_registered
+from joinkit.lowlevel import register_backend as register
+from joinkit.lowlevel import resolve_backend as resolve
 
 __all__ = [
     "Handle",
@@ -106,6 +106,7 @@ __all__ = [
     "init",
     "init_torch",
     "gloo_interface",
+    "is_tensor",
 ]
 
 ENTRY_POINT_GROUP = BACKEND_ENTRY_POINTS
@@ -245,14 +246,14 @@ def resolve_builtin(process_group: Any, device: Any) -> JoinBackend | None:
 
 
 def __getattr__(name: str) -> Any:
-    # init/init_torch live in _launch, which imports this package: load it on
-    # first use.
-    if name in ("init", "init_torch"):
-        from . import _launch
+    # init/init_torch/gloo_interface live in the launch package, and is_tensor
+    # in _checks (NumPy), which import this package: load them on first use.
+    if name in ("init", "init_torch", "gloo_interface"):
+        from . import launch
 
-        return getattr(_launch, name)
-    if name == "gloo_interface":
-        from . import _network
+        return getattr(launch, name)
+    if name == "is_tensor":
+        from ._checks import is_tensor
 
-        return _network.gloo_interface
+        return is_tensor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

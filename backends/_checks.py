@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from joinkit.backends import REDUCE_OPS
+from . import REDUCE_OPS
 
 __all__ = ["Checks", "DTYPES", "contiguous", "host_array", "is_tensor", "write_back"]
 

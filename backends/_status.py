@@ -15,13 +15,12 @@ This module holds what does not depend on the transport: :class:`Posted` (one
 entry: the text, when it was posted, the latest beat), its encoding for a
 key-value store (:func:`encode`, :func:`decode`: JSON ``{"what", "at",
 "beat"}``), the age, the text and the board tuple of an entry
-(:func:`status_text`, :func:`board_entry`), a rank's own record of what it
-posted (:class:`Post`), and the whole board of the threads backend
-(:class:`ThreadsBoard`), which is shared memory. The transports stay with
-their libraries: ``backends.torch_dist`` publishes entries to the store from a
-daemon thread and reads them back; ``backends.mpi`` answers point-to-point
-queries from a listener thread. So this module imports neither torch nor
-mpi4py.
+(:func:`status_text`, :func:`board_entry`), and a rank's own record of what it
+posted (:class:`Post`). The transports stay with their backends:
+``backends.torch_dist`` publishes entries to the store from a daemon thread and
+reads them back; ``backends.mpi`` answers point-to-point queries from a
+listener thread; ``backends.threads`` shares one dict between its threads. So
+this module imports neither torch nor mpi4py.
 
 *Clocks.* An entry's time is read by the posting rank's clock. Over a store
 (torch) the reader computes the age, so that clock is ``time.time()``, which
@@ -45,8 +44,7 @@ import json
 import os
 import socket
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import attrs
 
@@ -149,39 +147,6 @@ class Post:
     def published(self, posted: Posted) -> None:
         """Note that the peers can now read ``posted`` (it was stored)."""
         self._published = posted
-
-
-class ThreadsBoard:
-    """The threads backend's board: the ranks are threads sharing this object.
-
-    One dict item assignment per post, atomic under the GIL, so no lock. The
-    ranks cannot fall silent while one of them runs, so there are no beats.
-    """
-
-    def __init__(self) -> None:
-        # rank -> (what its Join last said it was doing, time.monotonic() then)
-        self._statuses: dict[int, tuple[str, float]] = {}
-
-    def post(self, rank: int, what: str) -> None:
-        """Record what the Join of ``rank`` is doing."""
-        self._statuses[rank] = (what, time.monotonic())
-
-    def _posted(self, rank: int) -> Posted | None:
-        status = self._statuses.get(rank)
-        return None if status is None else Posted(what=status[0], at=status[1])
-
-    def note(self, rank: int, now: float) -> str:
-        """What the Join of ``rank`` posted, for the end of its whereabouts
-        (``"; its Join: ... (1.5 s ago)"``); empty if it posted nothing."""
-        posted = self._posted(rank)
-        return "" if posted is None else f"; its Join: {status_text(posted, now)}"
-
-    def entries(self, ranks: Sequence[int]) -> dict[int, tuple[str, float, None]]:
-        """rank -> (its last posted status, seconds since, ``None``), for the
-        ``ranks`` that posted one."""
-        now = time.monotonic()
-        return {rank: (posted.what, age(posted, now), None)
-                for rank in ranks if (posted := self._posted(rank)) is not None}
 
 
 def _started(pid: int) -> int | None:

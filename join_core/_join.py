@@ -251,6 +251,8 @@ class Join:
         self._device = leader.join_device
         self._clock: Callable[[], float] = time.monotonic
         self._backend: Any = None
+        # The backend's optional members, looked up once (_ports.capabilities).
+        self._caps = _ports.BackendCapabilities()
         self._post_status: Callable[[str], None] | None = None
         self._state: m.JoinState | None = None
         # The machine's standing heartbeat order (m.HeartbeatOrder), while one
@@ -293,17 +295,17 @@ class Join:
         if self._enable:
             backend = _ports.resolve(process_group, self._device)
             self._backend = backend
+            caps = self._caps = _ports.capabilities(backend)
             self._heartbeat = backend.heartbeat
-            self._heartbeat_total = getattr(backend, "heartbeat_total", None)
-            self._post_status = getattr(backend, "post_status", None)
-            # Read per heartbeat only where it exists (getattr's default costs
-            # a caught AttributeError on every call) and sees every collective
+            self._heartbeat_total = caps.heartbeat_total
+            self._post_status = caps.post_status
+            # Read per heartbeat only where it exists and sees every collective
             # of the joinables (else a failure's place is unknown: None).
-            self._counts_collectives = hasattr(backend, "collectives_issued") and not any(
+            self._counts_collectives = caps.counts_collectives and not any(
                 getattr(j, "join_raw_collectives", False) for j in joinable_list
             )
             if timeout is not None:
-                board = getattr(backend, "peer_board", None)
+                board = caps.peer_board
                 if self._elastic:
                     # Ranks are renumbered when the group is rebuilt, and a
                     # dead rank's silence is the backend's to handle: no board.
@@ -315,7 +317,7 @@ class Join:
                 self._watch = _watchdog.Watch(
                     timeout, self._on_stall, hard=hard, rank=backend.rank,
                     world_size=backend.world_size, read=read,
-                    beat=getattr(backend, "post_beat", None), on_wait=self._on_wait,
+                    beat=caps.post_beat, on_wait=self._on_wait,
                 )
             signature = (
                 ("joinables", len(joinable_list)),
@@ -331,7 +333,7 @@ class Join:
                     signature=signature if check_agreement else None,
                     fused_heartbeat=self._fused,
                     world_size=backend.world_size,
-                    can_abort=hasattr(backend, "abort"),
+                    can_abort=caps.abort is not None,
                     progress_interval=m.PROGRESS_INTERVAL,
                     on_rank_loss=on_rank_loss,
                 )
@@ -355,10 +357,10 @@ class Join:
             # Before any collective, on every rank alike: a backend that cannot
             # rebuild its group says so here, not at the first death.
             backend = self._backend
-            _ports.start_rank_loss_recovery(backend, _ports.RankLossConfig(
+            _ports.start_rank_loss_recovery(backend, self._caps, _ports.RankLossConfig(
                 progress=self._recovery_progress, world_size=backend.world_size,
                 rank=backend.rank))
-            self._read_lost = _ports.lost_ranks(backend)
+            self._read_lost = _ports.lost_ranks(self._caps)
             # A group outlives its Joins: the losses of earlier ones are not this one's.
             self._losses_seen = self._losses_before = len(self._read_lost())
         if self._enable:
@@ -464,7 +466,7 @@ class Join:
         (torchrun SIGTERMs the survivors). An error that names its rank (a
         peer's failure or abort) needs no note. Never raises.
         """
-        gone_peers = getattr(self._backend, "gone_peers", None)
+        gone_peers = self._caps.gone_peers
         if gone_peers is None or isinstance(error, (PeerFailure, PeerAborted)):
             return
         try:
@@ -488,7 +490,7 @@ class Join:
         handle, self._last_heartbeat = self._last_heartbeat, None
         if handle is None or not finished:
             return
-        wait = getattr(self._backend, "wait", None)
+        wait = self._caps.wait
         try:
             if wait is not None:
                 wait(handle)
@@ -849,7 +851,7 @@ class Join:
                 f"an int from 0 to {world - 1}"
             )
         # To dst only: an all-gather would cost every rank O(world size).
-        return _ports.gather_object(self._backend, self.report, dst)
+        return _ports.gather_object(self._backend, self._caps, self.report, dst)
 
     # -- driving the machine ---------------------------------------------------
 
@@ -877,7 +879,7 @@ class Join:
     def _on_stall(self, stall: _watchdog.Stall) -> None:
         """Called by the watchdog thread, once, on a stall or a silent peer."""
         assert self._state is not None and self._timeout is not None
-        if stall.silent and getattr(self._backend, "aborted", None) is not None:
+        if stall.silent and self._caps.knows_aborts and self._backend.aborted is not None:
             # A rank aborted the group (and may have left since, so it beats
             # no more): the blocked or next collective raises that abort.
             return
@@ -893,7 +895,7 @@ class Join:
             if stall.board_error is not None and self._watch.read is not None:
                 message += (f" (no peer could be shown alive: its last read of the status "
                             f"board failed: {stall.board_error})")
-        peer_status = getattr(self._backend, "peer_status", None)
+        peer_status = self._caps.peer_status
         if peer_status is not None:
             try:
                 lines = peer_status_lines(peer_status())
@@ -904,7 +906,7 @@ class Join:
             message += "\n(this backend cannot tell what the other ranks were doing)"
         self._stall = RankTimeout(message)
         _log.error("%s", message)
-        abort = getattr(self._backend, "abort", None)
+        abort = self._caps.abort
         if abort is not None:
             abort(message)
 
@@ -946,7 +948,7 @@ class Join:
         progress line must never break the drain). Called only when a line is
         due (the machine rate-limits them), so the board's own bound on its
         read (a store or peer round trip) is paid at most once per interval."""
-        peer_status = getattr(self._backend, "peer_status", None)
+        peer_status = self._caps.peer_status
         if peer_status is None:
             return None
         try:
@@ -1103,7 +1105,7 @@ class Join:
                             pending = m.HooksDone(now=self._clock())
                     case m.CompareSignatures():
                         self._doing("the agreement check at entry")
-                        same = _ports.all_agree(backend, command.digest)
+                        same = _ports.all_agree(backend, self._caps, command.digest)
                         pending = m.SignaturesCompared(same=same, now=self._clock())
                     case m.CheckAgreement():
                         self._doing("the agreement check at entry (gathering the settings)")
@@ -1113,13 +1115,14 @@ class Join:
                         )
                     case m.ExchangeFailures():
                         self._doing("exchanging failures")
-                        failures = _ports.all_gather_sparse(backend, command.failure)
+                        failures = _ports.all_gather_sparse(backend, self._caps,
+                                                            command.failure)
                         self._watch.silence = False  # every rank now leaves (and may exit)
                         pending = m.FailuresExchanged(
                             failures=tuple(failures), now=self._clock()
                         )
                     case m.AbortGroup():
-                        abort = getattr(backend, "abort", None)
+                        abort = self._caps.abort
                         if abort is not None:
                             abort(command.message)  # MPI: ends the job here
                         if hook_error is not None:

@@ -51,6 +51,16 @@ if TYPE_CHECKING:
 __all__ = [
     "Handle",
     "JoinBackend",
+    "BackendCapabilities",
+    "capabilities",
+    "SupportsHeartbeatTotal",
+    "SupportsCollectiveCount",
+    "SupportsAbort",
+    "SupportsWait",
+    "SupportsStatusBoard",
+    "SupportsGonePeers",
+    "SupportsObjectCollectives",
+    "SupportsRankLossRecovery",
     "Adapter",
     "BACKEND_ENTRY_POINTS",
     "ADAPTER_ENTRY_POINTS",
@@ -83,18 +93,11 @@ class Handle(Protocol):
 class JoinBackend(Protocol):
     """What the Join shell needs from a collective library.
 
-    The required members are below; the optional ones (``heartbeat_total``,
-    ``collectives_issued``, ``abort``, ``post_status``, ``peer_status``,
-    ``wait``, ``post_beat``, ``peer_board``, ``aborted``, ``gone_peers``
-    (rank -> a text such as ``"pid 4242 on node0"`` for the peers whose process
-    no longer runs; asked once when an error leaves the Join, and noted on
-    it; must answer within about a second and never raise), and ``all_agree``,
-    ``gather_object``, ``broadcast_object``, which make the entry check, reports
-    and failure exchange cost a rank O(1) instead of O(world size):
-    :func:`all_agree`, :func:`gather_object`, :func:`all_gather_sparse`) are
-    described in ``joinkit.backends`` and docs/guide/writing-a-backend.md.
-    For ``on_rank_loss="finish"``: ``start_rank_loss_recovery(config)`` and
-    ``lost_ranks()`` (the module doc, :class:`RankLossConfig`).
+    The required members are below; the optional ones are the ``Supports...``
+    protocols (heartbeat sums, a collective counter, abort, wait, the status
+    board, gone peers, O(1) object collectives, rank-loss recovery), looked up
+    once per Join into a :class:`BackendCapabilities`; docs/guide/writing-a-backend.md
+    describes each.
     """
 
     rank: int
@@ -111,6 +114,152 @@ class JoinBackend(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (blocking)."""
         ...
+
+
+# -- the optional members, as types ----------------------------------------------
+#
+# A backend offers any subset of these beside the required JoinBackend members;
+# each makes the Join better where it can (docs/guide/writing-a-backend.md says
+# how). They are looked up once, when a Join is built (:func:`capabilities`):
+# the shell reads a BackendCapabilities value, never the backend's attributes.
+
+
+@runtime_checkable
+class SupportsHeartbeatTotal(Protocol):
+    """Read a heartbeat's sum: an active rank learns of a failed peer at its next notify."""
+
+    def heartbeat_total(self, handle: Handle) -> float: ...
+
+
+@runtime_checkable
+class SupportsCollectiveCount(Protocol):
+    """Count the group's own collectives (not heartbeats or counts), so that a
+    failure right after a heartbeat is told from one later in the iteration."""
+
+    collectives_issued: int
+
+
+@runtime_checkable
+class SupportsAbort(Protocol):
+    """Make the peers' pending and future collectives fail; ``aborted`` is
+    ``(rank, reason)`` of an abort this rank knows of (no I/O), or ``None``."""
+
+    def abort(self, message: str) -> None: ...
+
+
+@runtime_checkable
+class SupportsWait(Protocol):
+    """Wait for a handle the backend's own way (e.g. in slices, giving up on an abort)."""
+
+    def wait(self, handle: Handle) -> Any: ...
+
+
+@runtime_checkable
+class SupportsStatusBoard(Protocol):
+    """The status board: what each rank's Join is doing, and its liveness beat.
+
+    ``post_status`` is called on entry, per join collective and on exit (keep
+    it cheap); ``post_beat`` by the watchdog thread every tenth of the timeout
+    (no I/O on the caller's thread); ``peer_status`` and ``peer_board`` are read
+    out of band by the watchdog thread.
+    """
+
+    def post_status(self, what: str) -> None: ...
+
+    def peer_status(self) -> dict[int, str]: ...
+
+    def post_beat(self) -> None: ...
+
+    def peer_board(
+        self, ranks: Sequence[int]
+    ) -> dict[int, tuple[str, float, int | None]]: ...
+
+
+@runtime_checkable
+class SupportsGonePeers(Protocol):
+    """rank -> e.g. ``"pid 4242 on node0"`` for the peers whose process no longer
+    runs; asked once when an error leaves the Join (about a second; never raises)."""
+
+    def gone_peers(self) -> dict[int, str]: ...
+
+
+@runtime_checkable
+class SupportsObjectCollectives(Protocol):
+    """Object collectives that cost a rank O(1) instead of ``all_gather_object``'s
+    O(world size): the entry check, reports and the failure exchange."""
+
+    def all_agree(self, value: int) -> bool: ...
+
+    def gather_object(self, obj: Any, dst: int) -> list[Any] | None: ...
+
+    def broadcast_object(self, obj: Any, src: int) -> Any: ...
+
+
+@runtime_checkable
+class SupportsRankLossRecovery(Protocol):
+    """Rebuild the group after a rank dies (``Join(on_rank_loss="finish")``)."""
+
+    def start_rank_loss_recovery(self, config: RankLossConfig) -> None: ...
+
+    def lost_ranks(self) -> tuple[Any, ...]: ...
+
+
+@attrs.frozen(kw_only=True)
+class BackendCapabilities:
+    """What a join backend offers beyond the required members, looked up once.
+
+    Built by :func:`capabilities` when a Join is built; every optional member
+    the shell uses is a field here (the bound method, or ``None`` where the
+    backend lacks it), so the shell never probes a backend. The protocols
+    ``Supports...`` above say what each member must do.
+
+    Attributes:
+        heartbeat_total, abort, wait, post_status, peer_status, post_beat,
+        peer_board, gone_peers, all_agree, gather_object, broadcast_object,
+        start_rank_loss_recovery, lost_ranks: the backend's bound method, or
+            ``None``.
+        counts_collectives: it has ``collectives_issued``.
+        knows_aborts: it has ``aborted`` (read by the watchdog thread).
+    """
+
+    heartbeat_total: Callable[[Any], float] | None = None
+    counts_collectives: bool = False
+    abort: Callable[[str], None] | None = None
+    knows_aborts: bool = False
+    wait: Callable[[Any], Any] | None = None
+    post_status: Callable[[str], None] | None = None
+    peer_status: Callable[[], dict[int, str]] | None = None
+    post_beat: Callable[[], None] | None = None
+    peer_board: Callable[..., Any] | None = None
+    gone_peers: Callable[[], dict[int, str]] | None = None
+    all_agree: Callable[[int], bool] | None = None
+    gather_object: Callable[[Any, int], Any] | None = None
+    broadcast_object: Callable[[Any, int], Any] | None = None
+    start_rank_loss_recovery: Callable[[Any], None] | None = None
+    lost_ranks: Callable[[], tuple[Any, ...]] | None = None
+
+
+_METHODS = tuple(
+    field.name for field in attrs.fields(BackendCapabilities)
+    if field.name not in ("counts_collectives", "knows_aborts")
+)
+
+
+def capabilities(backend: JoinBackend) -> BackendCapabilities:
+    """Look up the optional members ``backend`` offers (once per Join).
+
+    Args:
+        backend: a join backend.
+
+    Returns:
+        Its :class:`BackendCapabilities`.
+    """
+    found = {name: getattr(backend, name, None) for name in _METHODS}
+    return BackendCapabilities(
+        counts_collectives=hasattr(backend, "collectives_issued"),
+        knows_aborts=hasattr(backend, "aborted"),
+        **found,
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -130,7 +279,8 @@ class RankLossConfig:
     rank: int
 
 
-def start_rank_loss_recovery(backend: JoinBackend, config: RankLossConfig) -> None:
+def start_rank_loss_recovery(backend: JoinBackend, caps: BackendCapabilities,
+                             config: RankLossConfig) -> None:
     """Turn on the backend's recovery from a dead rank, or say why it cannot.
 
     Called on entering a Join with ``on_rank_loss="finish"``, before any
@@ -138,6 +288,7 @@ def start_rank_loss_recovery(backend: JoinBackend, config: RankLossConfig) -> No
 
     Args:
         backend: the Join's backend.
+        caps: its capabilities.
         config: what the backend needs (:class:`RankLossConfig`).
 
     Raises:
@@ -145,7 +296,7 @@ def start_rank_loss_recovery(backend: JoinBackend, config: RankLossConfig) -> No
             rebuild its group after a rank dies. A backend's own refusal (MPI
             without ULFM, say) propagates as it raised it.
     """
-    start = getattr(backend, "start_rank_loss_recovery", None)
+    start = caps.start_rank_loss_recovery
     if start is None:
         kind = type(backend)
         raise ValueError(
@@ -160,7 +311,7 @@ def start_rank_loss_recovery(backend: JoinBackend, config: RankLossConfig) -> No
     start(config)
 
 
-def lost_ranks(backend: JoinBackend) -> Callable[[], tuple[Any, ...]]:
+def lost_ranks(caps: BackendCapabilities) -> Callable[[], tuple[Any, ...]]:
     """The backend's ``lost_ranks`` method (after a successful
     :func:`start_rank_loss_recovery`).
 
@@ -168,10 +319,7 @@ def lost_ranks(backend: JoinBackend) -> Callable[[], tuple[Any, ...]]:
         A callable giving every ``LostRank`` so far, in order of loss; one that
         gives ``()`` where the backend keeps none.
     """
-    read = getattr(backend, "lost_ranks", None)
-    if read is None:
-        return tuple
-    return read  # type: ignore[no-any-return]
+    return tuple if caps.lost_ranks is None else caps.lost_ranks
 
 
 Factory = Callable[[Any, Any], JoinBackend]
@@ -329,29 +477,32 @@ def _backend_entry_points() -> list[Resolver]:
 # which costs every rank O(world size) bytes and unpickling.
 
 
-def all_agree(backend: JoinBackend, value: int) -> bool:
+def all_agree(backend: JoinBackend, caps: BackendCapabilities, value: int) -> bool:
     """Whether every rank passed the same ``value`` (a collective).
 
     Args:
         backend: the join backend.
+        caps: its capabilities.
         value: an int in ``[0, 2**63)``.
 
     Returns:
         The same answer on every rank: the backend's ``all_agree(value)`` (one
         small all-reduce), else a comparison of all-gathered values.
     """
-    agree = getattr(backend, "all_agree", None)
+    agree = caps.all_agree
     if agree is not None:
         return bool(agree(value))
     values = backend.all_gather_object(value)
     return all(other == value for other in values)
 
 
-def gather_object(backend: JoinBackend, obj: Any, dst: int) -> list[Any] | None:
+def gather_object(backend: JoinBackend, caps: BackendCapabilities, obj: Any,
+                  dst: int) -> list[Any] | None:
     """Every rank's picklable ``obj`` on rank ``dst`` only (a collective).
 
     Args:
         backend: the join backend.
+        caps: its capabilities.
         obj: this rank's object.
         dst: the rank that receives them.
 
@@ -359,7 +510,7 @@ def gather_object(backend: JoinBackend, obj: Any, dst: int) -> list[Any] | None:
         The objects in rank order on ``dst``, ``None`` elsewhere: through the
         backend's ``gather_object(obj, dst)``, else its ``all_gather_object``.
     """
-    gather = getattr(backend, "gather_object", None)
+    gather = caps.gather_object
     if gather is not None:
         gathered = gather(obj, dst)
         return None if gathered is None else list(gathered)
@@ -367,7 +518,7 @@ def gather_object(backend: JoinBackend, obj: Any, dst: int) -> list[Any] | None:
     return list(objects) if backend.rank == dst else None
 
 
-def all_gather_sparse(backend: JoinBackend, obj: Any) -> list[Any]:
+def all_gather_sparse(backend: JoinBackend, caps: BackendCapabilities, obj: Any) -> list[Any]:
     """The ranks' objects that are not ``None``, in rank order, on every rank.
 
     For values that few ranks have (failures): with the backend's
@@ -377,13 +528,13 @@ def all_gather_sparse(backend: JoinBackend, obj: Any) -> list[Any]:
 
     Args:
         backend: the join backend.
+        caps: its capabilities.
         obj: this rank's object, or ``None``.
 
     Returns:
         The objects that are not ``None``, in rank order.
     """
-    gather = getattr(backend, "gather_object", None)
-    broadcast = getattr(backend, "broadcast_object", None)
+    gather, broadcast = caps.gather_object, caps.broadcast_object
     if gather is None or broadcast is None:
         return [o for o in backend.all_gather_object(obj) if o is not None]
     gathered = gather(obj, 0)

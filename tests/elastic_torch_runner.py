@@ -120,8 +120,8 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], host: str
     import torch.distributed as dist
 
     from joinkit import Join, Joinable, JoinHook
-    from joinkit.backends import _torch_elastic
     from joinkit.backends.torch_dist import TorchGroup
+    from joinkit.backends.torch_dist import _elastic as _torch_elastic
 
     path = out / f"cell{cell}-rank{rank}.json"
     die = _Die(rank, kills, path)

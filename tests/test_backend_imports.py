@@ -1,10 +1,11 @@
-"""Each library is imported by its backend module only (style: tiny backends).
+"""Each library is imported by its backend's package only (style: tiny backends).
 
-Only the torch backend imports torch (``backends/torch_dist.py`` and its
-private parts ``backends/_torch_*.py``: the store side and the exit guard) and
-only ``backends/mpi.py`` imports mpi4py, at module level or inside a function;
-the launcher and the doctor call functions of those modules instead. A scan of the source, so the
-rule holds whatever is installed here.
+Only the torch backend's package (``backends/torch_dist/``) imports torch and
+only the MPI backend's (``backends/mpi/``) imports mpi4py, at module level or
+inside a function; the launcher and the doctor (``backends/launch/``) call
+functions those packages export instead. A scan of the source, so the rule
+holds whatever is installed here; ``make lint`` checks the same walls (and
+more) with import-linter's contracts in ``pyproject.toml``.
 """
 
 from __future__ import annotations
@@ -15,15 +16,12 @@ from pathlib import Path
 import pytest
 
 BACKENDS = Path(__file__).resolve().parents[1] / "backends"
-#: library -> the one backend module that may import it
-OWNER = {"torch": "torch_dist.py", "mpi4py": "mpi.py"}
-#: library -> the prefix of that backend's private parts, which may import it too
-PARTS = {"torch": "_torch_"}
+#: library -> the one backend package that may import it
+OWNER = {"torch": "torch_dist", "mpi4py": "mpi"}
 
 
 def _owns(library: str, path: Path) -> bool:
-    prefix = PARTS.get(library)
-    return path.name == OWNER[library] or (prefix is not None and path.name.startswith(prefix))
+    return OWNER[library] in path.relative_to(BACKENDS).parts[:-1]
 
 
 def _imported(path: Path) -> set[str]:
@@ -37,12 +35,20 @@ def _imported(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted(BACKENDS.glob("*.py")), ids=lambda p: p.name)
-def test_only_the_backend_module_imports_its_library(path: Path) -> None:
+@pytest.mark.parametrize("path", sorted(BACKENDS.rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(BACKENDS)))
+def test_only_the_backend_package_imports_its_library(path: Path) -> None:
     strays = {library for library in OWNER
               if library in _imported(path) and not _owns(library, path)}
-    assert not strays, f"{path.name} imports {sorted(strays)}: move that code into " + \
-        ", ".join(f"backends/{OWNER[library]}" for library in sorted(strays))
+    assert not strays, f"{path.relative_to(BACKENDS)} imports {sorted(strays)}: move that " \
+        "code into " + ", ".join(f"backends/{OWNER[library]}/" for library in sorted(strays))
+
+
+def test_each_owner_is_a_package_that_imports_its_library() -> None:
+    for library, package in OWNER.items():
+        modules = sorted((BACKENDS / package).glob("*.py"))
+        assert modules, f"backends/{package}/ has no modules"
+        assert any(library in _imported(path) for path in modules)
 
 
 def test_the_scan_sees_imports_inside_functions(tmp_path: Path) -> None:

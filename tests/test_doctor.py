@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from joinkit.backends._doctor import Finding, _spans, collect, render
+from joinkit.backends.launch._doctor import Finding, _spans, collect, render
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 BIN = Path(sys.executable).parent

@@ -304,7 +304,8 @@ def test_a_killed_process_is_gone_even_as_a_zombie() -> None:
     import signal
     import time
 
-    from joinkit.backends import _status, _torch_elastic
+    from joinkit.backends import _status
+    from joinkit.backends.torch_dist import _elastic as _torch_elastic
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -330,7 +331,7 @@ def test_where_the_store_lives_is_guessed(tmp_path: Path, monkeypatch: pytest.Mo
 
     import torch.distributed as dist
 
-    from joinkit.backends import _torch_elastic
+    from joinkit.backends.torch_dist import _elastic as _torch_elastic
 
     guess = _torch_elastic.store_outlives_ranks_guess
     assert guess(dist.FileStore(str(tmp_path / "store"), 1))
@@ -346,7 +347,7 @@ def test_where_the_store_lives_is_guessed(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_the_torchrun_warning_names_launchers_that_keep_survivors(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from joinkit.backends import _torch_elastic
+    from joinkit.backends.torch_dist import _elastic as _torch_elastic
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert _torch_elastic.torchrun_warning() is None
@@ -357,7 +358,7 @@ def test_the_torchrun_warning_names_launchers_that_keep_survivors(
 
 
 def test_gloo_errors_get_short_names() -> None:
-    from joinkit.backends import _torch_elastic
+    from joinkit.backends.torch_dist import _elastic as _torch_elastic
 
     closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is")
     assert _torch_elastic._gloo_error(closed) == "gloo error (connection closed by peer)"

@@ -3,7 +3,7 @@
 On gloo a process could abort after its work was done: a gloo worker thread
 freed the last collective's tensors while the interpreter finalized
 ("terminate called without an active exception", see
-``backends/torch_dist.py``, "Leaving the interpreter"). The cases are the
+``backends/torch_dist/_group.py``, "Leaving the interpreter"). The cases are the
 issue's: a failure in the loop body, a group shared by a torch-Join rank and a
 joinkit rank (throw mode; several joinables), a group kept at module level
 under torchrun's variables, ``init_torch()`` under a real ``mpirun``, and a

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from joinkit import backends
-from joinkit.backends._launch import (
+from joinkit.backends.launch._plan import (
     LaunchPlan,
     first_host,
     plan_launch,

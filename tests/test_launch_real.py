@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from mpi_support import PROGRAMS, ROOT, child_env, explain, run_mpi, tagged
 
-from joinkit.backends._launch import _slurm_port
+from joinkit.backends.launch._plan import _slurm_port
 
 SHOW = PROGRAMS / "show_init.py"
 COUNTER = ROOT / "examples" / "counter.py"

@@ -16,8 +16,8 @@ import attrs
 import pytest
 
 from joinkit import backends
-from joinkit.backends import _launch
-from joinkit.backends._network import (
+from joinkit.backends.launch import _plan as _launch
+from joinkit.backends.launch._network import (
     GlooInterface,
     HostFacts,
     InterfaceAddress,

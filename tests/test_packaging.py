@@ -106,7 +106,7 @@ def test_sdist_carries_license_tests_and_examples(dists: dict[str, Path]) -> Non
         "tests/mpi_programs/scenarios.py",
         "examples/counter.py",
         "join_core/_machine.py",
-        "backends/threads.py",
+        "backends/threads/_world.py",
         "adapters/torch.py",
     ):
         assert needed in names, needed

@@ -18,7 +18,6 @@ from joinkit.backends._status import (
     NO_STATUS,
     Post,
     Posted,
-    ThreadsBoard,
     age,
     board_entry,
     decode,
@@ -27,6 +26,7 @@ from joinkit.backends._status import (
     status_text,
     this_process,
 )
+from joinkit.backends.threads._board import ThreadsBoard
 
 
 def test_an_entry_survives_the_store_encoding() -> None:

@@ -32,7 +32,8 @@ from joinkit import (
     RankTimeout,
     backends,
 )
-from joinkit.backends.threads import SpawnAborted, ThreadGroup, ThreadWork, _root_cause, spawn
+from joinkit.backends.threads import SpawnAborted, ThreadGroup, ThreadWork, spawn
+from joinkit.backends.threads._world import _root_cause
 
 TIMEOUT = 10.0
 WORLD_SIZES = [1, 2, 4]

@@ -2,7 +2,7 @@
 
 No timing is asserted here (``benchmarks/threads_scale.py`` measures it); these
 guard the relay that wakes a slot's waiting ranks one after another (see
-``backends/threads.py``): every rank must still wake, also when some of them
+``backends/threads/_world.py``): every rank must still wake, also when some of them
 wait for an async call only later.
 """
 

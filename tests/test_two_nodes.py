@@ -57,8 +57,8 @@ from two_nodes import (
     unavailable,
 )
 
-from joinkit.backends._launch import _slurm_port
-from joinkit.backends._network import host_facts
+from joinkit.backends.launch._network import host_facts
+from joinkit.backends.launch._plan import _slurm_port
 
 pytestmark = pytest.mark.needs_torch
 

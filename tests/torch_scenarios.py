@@ -1065,8 +1065,8 @@ def object_collectives_and_long_waits(ctx: Ctx) -> Any:
     }
     # A wait of ~3 slices that completes: the store is read by the watcher
     # thread alone (no _bounded helper per slice).
-    # (_torch_board holds the store side; every caller looks _bounded up there.)
-    from joinkit.backends import _torch_board
+    # (torch_dist._board holds the store side; every caller looks _bounded up there.)
+    from joinkit.backends.torch_dist import _board as _torch_board
 
     helpers: list[int] = []
     bounded = _torch_board._bounded
@@ -1088,7 +1088,7 @@ def object_collectives_and_long_waits(ctx: Ctx) -> Any:
     if r == 0:
         time.sleep(1.5)
         reason = json.dumps({"rank": 0, "reason": "test abort"})
-        torch_dist._store().compare_set(g._store_prefix + "abort", "", reason)
+        torch_dist._board._store().compare_set(g._store_prefix + "abort", "", reason)
         time.sleep(6.0)  # until the others gave up; then complete their count
         try:
             g.count(0.0)

@@ -78,7 +78,7 @@ def finalize() -> None:
     group.post_status("posted")
     seen = group.peer_status(patience=120.0)  # returns at the last answer
     group.barrier()
-    from joinkit.backends import mpi
+    from joinkit.backends.mpi import _board as mpi
 
     assert mpi._listener is not None and mpi._listener.is_alive()
     MPI.Finalize()

@@ -15,7 +15,7 @@ beside a group's collectives, on threads of its own:
   that, while some wait of a CPU group is past its first slice, reads those
   groups' abort keys and sets their abort flag.
 
-``stop_threads`` stops all of them; the exit guard (``_torch_exit``) calls it.
+``stop_threads`` stops all of them; the exit guard (``_exit``) calls it.
 It reads and writes a few of ``TorchGroup``'s members (``_abort``,
 ``_store_prefix``, ``_post``, ``rank``, ``world_size``): this is the group's
 own machinery, kept apart only to be read apart.
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from joinkit.backends import _status
+from .. import _status
 
 if TYPE_CHECKING:
-    from joinkit.backends.torch_dist import TorchGroup
+    from ._group import TorchGroup
 
 #: Seconds a blocking wait on a CPU group waits before it looks for an abort.
 _WAIT_SLICE = 1.0

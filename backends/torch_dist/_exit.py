@@ -5,7 +5,7 @@ has the why). Every collective's tensors are held here (``_hold``) until torch
 lets go of them; every ``TorchGroup`` registers in ``_groups``. The exit
 guard, ``settle_at_exit`` (registered with ``atexit`` when this module is
 imported, so before finalization), stops the store threads
-(``_torch_board.stop_threads``), keeps every tensor still held alive through
+(``_board.stop_threads``), keeps every tensor still held alive through
 exit, and waits, the GIL released, until gloo's worker threads are idle
 (``_runloops_idle`` reads each ``pt_gloo_runloop`` thread's system call from
 ``/proc``). If a collective is still pending it keeps every process group
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from joinkit.backends import _torch_board
+from . import _board
 
 if TYPE_CHECKING:
-    from joinkit.backends.torch_dist import TorchGroup
+    from ._group import TorchGroup
 
 #: worker threads to finish their collectives (module doc).
 _EXIT_PATIENCE = 5.0
@@ -163,7 +163,7 @@ def settle_at_exit(patience: float = _EXIT_PATIENCE) -> bool:
     if _settled is not None:
         return _settled
     deadline = time.monotonic() + patience
-    _torch_board.stop_threads(deadline)
+    _board.stop_threads(deadline)
     with _held_lock:
         entries = list(_held)
         _held.clear()

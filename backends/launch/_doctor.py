@@ -41,9 +41,8 @@ from typing import Any
 
 import attrs
 
-from joinkit import backends
-
-from . import _launch
+from .. import detect_launcher
+from . import _plan
 from ._network import gloo_interface
 
 __all__ = ["Finding", "collect", "render", "add_command", "GATHER_TIMEOUT"]
@@ -117,18 +116,18 @@ def collect(environ: Mapping[str, str] | None = None) -> list[Finding]:
 
 
 def _launch_findings(env: Mapping[str, str]) -> list[Finding]:
-    launcher = backends.detect_launcher(env)
+    launcher = detect_launcher(env)
     out = [Finding(section="launch", name="launcher",
                    value=_LAUNCHER_NAMES.get(launcher or "", launcher or "")
                    or "none (a single process)")]
     try:
-        plan = _launch.plan_launch(env)
+        plan = _plan.plan_launch(env)
     except (ValueError, ModuleNotFoundError) as error:
         return [*out, Finding(section="launch", name="plan", value=str(error),
                               level="problem")]
     why = {
         "launcher": f"{launcher}'s usual backend" if launcher else "no launcher",
-        _launch.ENV_VAR: f"{_launch.ENV_VAR}={env.get(_launch.ENV_VAR, '')}",
+        _plan.ENV_VAR: f"{_plan.ENV_VAR}={env.get(_plan.ENV_VAR, '')}",
     }.get(plan.chosen_by, plan.chosen_by)
     out.append(Finding(section="launch", name="backend", value=f"{plan.backend} ({why})"))
     if plan.launched_size is not None:
@@ -162,7 +161,7 @@ def _launch_findings(env: Mapping[str, str]) -> list[Finding]:
             section="launch", name="warning", level="note",
             value="srun without PMI variables: MPI may see a world of one on every "
             "task (srun --mpi=pmix or pmi2 wires MPI to Slurm; joinkit falls back to "
-            f"torch.distributed, or set {_launch.ENV_VAR}=torch)",
+            f"torch.distributed, or set {_plan.ENV_VAR}=torch)",
         ))
     return out
 
@@ -172,7 +171,7 @@ def _torch_findings(env: Mapping[str, str]) -> list[Finding]:
         return [Finding(section="torch", name="torch", value="not installed "
                         "(pip install 'joinkit[torch]' for torch.distributed)", level="note")]
     try:
-        from joinkit.backends import torch_dist
+        from .. import torch_dist
     except Exception as error:  # a broken install (or no torch.distributed) is worth
         # showing, not a crash
         return [Finding(section="torch", name="torch", value=f"import failed: {error!r}",
@@ -208,7 +207,7 @@ def _mpi_findings() -> list[Finding]:
         return [Finding(section="mpi", name="mpi4py", value="not installed "
                         "(pip install 'joinkit[mpi]' and an MPI library)", level="note")]
     try:
-        from joinkit.backends import mpi
+        from .. import mpi
     except Exception as error:  # no libmpi: the backend raises ImportError saying so
         first = str(error).splitlines()[0] if str(error) else repr(error)
         return [Finding(section="mpi", name="library", value=f"cannot load: {first} "
@@ -289,7 +288,7 @@ def _spans(ranks: Sequence[int]) -> str:
 def run(args: argparse.Namespace) -> int:
     """The ``doctor`` command: print the view(s); 1 if any rank found a problem."""
     view = collect()
-    launcher = backends.detect_launcher()
+    launcher = detect_launcher()
     if launcher is None:
         view.append(Finding(section="world", name="built",
                             value="a world of one (no launcher: run under torchrun, "
@@ -301,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     done = _give_up_after(timeout, view, stage, launcher)
     try:
         try:
-            group = backends.init()
+            group = _plan.init()
         except Exception as error:
             view.append(Finding(section="world", name="built",
                                 value=f"{type(error).__name__}: {error}", level="problem"))

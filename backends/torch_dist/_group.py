@@ -104,12 +104,13 @@ reduce with logical ops like the other backends: ``sum``/``max``/``bor`` are
 OR, ``prod``/``min``/``band`` are AND, ``bxor`` is XOR. ``async_op=True``
 returns a handle whose ``wait()`` returns what the blocking call returns.
 
-*Where the parts live.* This module holds ``TorchGroup`` (the collectives,
-the waits in slices, the board's and abort's methods) and the registry's
-factories. The threads that work beside it over the store (the status
-publisher, the abort watcher, bounded store access) are in
-``backends._torch_board``, and the exit guard (``_hold``, ``settle_at_exit``)
-in ``backends._torch_exit``; their names are importable from here too.
+*Where the parts live* (the package ``joinkit.backends.torch_dist``): this
+module holds ``TorchGroup`` (the collectives, the waits in slices, the board's
+and abort's methods) and the registry's factories. The threads that work
+beside it over the store (the status publisher, the abort watcher, bounded
+store access) are ``_board``, the exit guard (``_hold``, ``settle_at_exit``)
+``_exit``, the recovery from a lost rank ``_elastic``, and what the launcher
+and the doctor need of torch ``_launcher``.
 """
 
 from __future__ import annotations
@@ -129,40 +130,28 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from joinkit import LocalProtocolError, PeerFailure, backends
-from joinkit.backends import _status
-from joinkit.backends import _torch_board as _board
-from joinkit.backends import _torch_elastic as _elastic
-from joinkit.backends._checks import Checks
-from joinkit.backends._status import Post
+from joinkit import LocalProtocolError, PeerFailure
 
-# The store side (status board, abort watcher) and the exit guard live in
-# their own modules; their names stay importable from here, as before.
-from joinkit.backends._torch_board import (  # noqa: F401
-    _ABORT_POLLS_PER_SECOND,
+from .. import _status
+from .. import register as register_backend
+from .._checks import Checks
+from .._status import Post
+from . import _board, _elastic
+from ._board import (
     _GONE_PATIENCE,
-    _PROCESS,
-    _STATUS_INTERVAL,
     _STORE_PATIENCE,
     _WAIT_SLICE,
     _abort_posted,
-    _bounded,
     _publish_statuses,
     _publishing,
-    _store,
     _watch_aborts,
 )
-from joinkit.backends._torch_exit import (  # noqa: F401
-    _EXIT_PATIENCE,
+from ._exit import (
     _groups,
-    _held,
     _hold,
-    _keep_through_exit,
-    _runloops_idle,
-    settle_at_exit,
 )
 
-__all__ = ["TorchGroup", "GroupAborted", "settle_at_exit"]
+__all__ = ["TorchGroup", "GroupAborted", "elastic_raw_groups"]
 
 #: Bytes of the length prefix of each pickle ``gather_object`` sends.
 _LENGTH_BYTES = 8
@@ -343,7 +332,7 @@ class TorchGroup:
         self._store_prefix = f"joinkit/{getattr(group, 'group_name', '')}/"
         # This rank's board entry; peers compute its age, so wall-clock time.
         self._post = Post(time.time)
-        # on_rank_loss="finish" (backends._torch_elastic): the recovery state,
+        # on_rank_loss="finish" (_elastic): the recovery state,
         # set on Join entry; whether the registry made this group for a raw
         # ProcessGroup (DDP's, ZeRO's, FSDP2's: they keep their own reference).
         self._elastic: _elastic.Elastic | None = None
@@ -393,7 +382,7 @@ class TorchGroup:
 
         Called by the Join on entry, before any collective. From then on every
         collective of this group is a unit that survives a dead rank: the
-        group is rebuilt over the survivors (``backends._torch_elastic``).
+        group is rebuilt over the survivors (``_elastic``).
 
         Args:
             config: the Join's ``RankLossConfig`` (its ``progress`` callback).
@@ -456,7 +445,7 @@ class TorchGroup:
         self._elastic = _elastic.Elastic(self, config.progress, store, host)
 
     def _adopt(self, process_group: Any, rank: int, world_size: int) -> None:
-        """Go on over a rebuilt group (``_torch_elastic``): same object, new group."""
+        """Go on over a rebuilt group (``_elastic``): same object, new group."""
         self.process_group = process_group
         self.rank, self.world_size = rank, world_size
         self._checks = Checks(rank, world_size, self.device)
@@ -475,7 +464,7 @@ class TorchGroup:
         Returns:
             The ``torch.distributed.Work`` of the all-reduce (DDP's reducer
             reads the number of active ranks from it); in elastic mode a
-            handle that has completed (module doc of ``_torch_elastic``).
+            handle that has completed (module doc of ``_elastic``).
         """
         elastic = self._elastic
         if elastic is not None and not elastic.inside:
@@ -1261,74 +1250,6 @@ def _backend_for_group(group: TorchGroup, device: Any) -> TorchGroup:
     return TorchGroup(group.process_group, device)
 
 
-# -- what the launcher and the doctor need of torch ------------------------------------
-# Only this module imports torch (tests/test_backend_imports.py): backends._launch
-# and backends._doctor call these instead.
-
-
-def library_facts() -> dict[str, Any]:
-    """What ``python -m joinkit doctor`` reports of torch.distributed here."""
-    return {
-        "gloo": dist.is_gloo_available(),
-        "nccl": dist.is_nccl_available(),
-        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-    }
-
-
-def is_initialized() -> bool:
-    """Whether torch.distributed's default group exists."""
-    return dist.is_initialized()
-
-
-def default_backend_name() -> str:
-    """``"nccl"`` where CUDA is available, else ``"gloo"``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def hash_store() -> Any:
-    """An in-process store, for a world of one."""
-    return dist.HashStore()  # type: ignore[attr-defined]
-
-
-def tcp_store(host: str, port: int, world_size: int, is_master: bool,
-              timeout: datetime.timedelta, wait_for_workers: bool = True) -> Any:
-    """A ``TCPStore`` (rank 0's listens on every interface whatever ``host``)."""
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        host, port, world_size, is_master, timeout, wait_for_workers=wait_for_workers
-    )
-
-
-def prefix_store(prefix: str, store: Any) -> Any:
-    """``store`` with every key under ``prefix`` (a world of its own in a shared store)."""
-    return dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
-
-
-def init_default_group(dist_backend: str, rank: int, world_size: int, local_rank: int,
-                       store: Any, timeout: datetime.timedelta | None) -> None:
-    """``init_process_group`` over ``store`` (``None``: ``env://``, torchrun's)."""
-    kwargs: dict[str, Any] = {"backend": dist_backend, "rank": rank, "world_size": world_size}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    if store is None:
-        kwargs["init_method"] = "env://"
-    else:
-        kwargs["store"] = store
-    if dist_backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group(**kwargs)
-
-
-def destroy_default_group() -> None:
-    """Destroy the default group, once the exit guard has settled its collectives.
-
-    Destroying the group while a gloo worker thread still holds a finished
-    collective can deadlock or abort the process; with a collective still
-    pending (a frozen peer) the guard keeps the group alive instead.
-    """
-    if settle_at_exit() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-backends.register(lambda group: group is None, _backend_for_process_group)
-backends.register(dist.ProcessGroup, _backend_for_process_group)
-backends.register(TorchGroup, _backend_for_group)
+register_backend(lambda group: group is None, _backend_for_process_group)
+register_backend(dist.ProcessGroup, _backend_for_process_group)
+register_backend(TorchGroup, _backend_for_group)

@@ -76,12 +76,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from joinkit import PeerFailure
-from joinkit.backends import _status
-from joinkit.backends import _torch_board as _board
+from joinkit import LostRank, PeerFailure
+from joinkit.lowlevel import ACTIVE
+
+from .. import _status
+from . import _board
 
 if TYPE_CHECKING:
-    from joinkit.backends.torch_dist import TorchGroup
+    from ._group import TorchGroup
 
 #: Seconds a wait of a unit waits before it looks at the failure flag.
 _SLICE = 0.01
@@ -95,8 +97,6 @@ _DECISION_SLACK = 3.0
 #: How long the watcher's blocking wait for the failure key lasts before it
 #: starts another (a TCPStore logs a warning at each timeout).
 _WATCH_WAIT = datetime.timedelta(hours=1)
-#: Heartbeat value of an active rank (joinkit's ``ACTIVE``).
-_ACTIVE = 1.0
 #: Launchers that keep the survivors of a dead worker.
 KEEPING_LAUNCHERS = "`mpirun --with-ft ulfm` (Open MPI 5), `srun --no-kill` (Slurm)"
 
@@ -373,7 +373,7 @@ class Elastic:
         self.last_beat = beat
         if beat is not None:
             self.totals += _tally(result)
-            if beat == _ACTIVE:
+            if beat == ACTIVE:
                 self.own_active += 1
 
     # -- recovery ------------------------------------------------------------------
@@ -394,7 +394,7 @@ class Elastic:
             # (its share is then known, not guessed from the totals).
             self.store.set(self.key(first_generation, f"state/{self.initial_rank}"),
                            json.dumps({"beats": self.own_active,
-                                       "last_active": self.last_beat == _ACTIVE}))
+                                       "last_active": self.last_beat == ACTIVE}))
         except (RuntimeError, OSError, ValueError) as exc:
             raise self._store_gone(exc) from exc
         while True:
@@ -557,8 +557,8 @@ class Elastic:
             last_result, last_beat = handed, self.current_beat
             if last_beat is not None:
                 totals += _tally(handed)
-                own += 1 if last_beat == _ACTIVE else 0
-        sums = torch.tensor([own, 1 if last_beat == _ACTIVE else 0], dtype=torch.int64)
+                own += 1 if last_beat == ACTIVE else 0
+        sums = torch.tensor([own, 1 if last_beat == ACTIVE else 0], dtype=torch.int64)
         sum_opts = dist.AllreduceOptions()
         sum_opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         self._raw(pg.allreduce([sums], sum_opts), pg)
@@ -571,7 +571,6 @@ class Elastic:
         share, extra = divmod(max(residual, 0), max(len(silent), 1))
         dead_active_last = (last_beat is not None and
                             int(round(_tally(last_result))) - int(sums[1].item()) > 0)
-        from joinkit import LostRank
 
         for rank_lost in dead:
             if rank_lost in posted:

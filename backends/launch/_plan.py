@@ -88,9 +88,9 @@ from typing import Any
 
 import attrs
 
-from joinkit import backends
-from joinkit.backends._checks import Checks, host_array, write_back
-from joinkit.backends._network import (
+from .. import detect_launcher, register
+from .._checks import Checks, host_array, write_back
+from ._network import (
     DEFAULT_RENDEZVOUS_TIMEOUT,
     HostFacts,
     gloo_interface,
@@ -207,7 +207,7 @@ def plan_launch(
         ModuleNotFoundError: the backend's library is not installed.
     """
     env = os.environ if environ is None else environ
-    launcher = backends.detect_launcher(env)
+    launcher = detect_launcher(env)
     requested, chosen_by = backend, "argument"
     if requested is None and env.get(ENV_VAR, "").strip():
         requested, chosen_by = env[ENV_VAR], ENV_VAR
@@ -519,7 +519,7 @@ def init(backend: str | None = None) -> Any:
     """
     plan = plan_launch(os.environ, backend)
     if plan.backend == "mpi":
-        from joinkit.backends.mpi import MPIGroup
+        from ..mpi import MPIGroup
 
         group = MPIGroup()
         fallback = verify_world(plan, group.world_size, "MPI's COMM_WORLD")
@@ -584,7 +584,7 @@ def init_torch(
 
 
 def _init_torch(plan: LaunchPlan, dist_backend: str | None, timeout: timedelta | None) -> Any:
-    from joinkit.backends import torch_dist
+    from .. import torch_dist
 
     if torch_dist.is_initialized():
         group = torch_dist.TorchGroup()
@@ -648,10 +648,10 @@ class _Rendezvous:
 
 def _rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
     """Carry out the plan's torch rendezvous (opening stores: not pure)."""
-    from joinkit.backends import torch_dist
+    from .. import torch_dist
 
     if plan.launcher == "mpirun" and _importable("mpi4py"):
-        from joinkit.backends import mpi
+        from .. import mpi
 
         size = mpi.world_size()
         if size == (plan.launched_size or size):
@@ -712,7 +712,7 @@ def _ray_worker_store(where: _Rendezvous, plan: LaunchPlan, store_timeout: timed
     subprocess world of each rank meets the n-th of the others, and never a
     stale one's keys.
     """
-    from joinkit.backends import torch_dist
+    from .. import torch_dist
 
     assert where.addr is not None and where.port is not None
     failure = probe_tcp(where.addr, where.port, plan.rendezvous_timeout)
@@ -795,7 +795,7 @@ def _mpi_rendezvous(plan: LaunchPlan, store_timeout: timedelta) -> _Rendezvous:
     error, naming the address, why it was chosen and what failed, instead of
     retrying until the store's timeout.
     """
-    from joinkit.backends import mpi, torch_dist
+    from .. import mpi, torch_dist
 
     rank, world_size, local_rank, hosts = mpi.world_layout(socket.gethostname())
     one_node = len(set(hosts)) == 1
@@ -875,7 +875,7 @@ def abort_on_unhandled_exception() -> None:
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         previous(kind, value, tb)
-        from joinkit.backends import mpi
+        from .. import mpi
 
         mpi.abort_world()
 
@@ -987,4 +987,4 @@ def _solo_backend(group: _SoloGroup, device: Any) -> _SoloGroup:
     return group
 
 
-backends.register(_SoloGroup, _solo_backend)
+register(_SoloGroup, _solo_backend)

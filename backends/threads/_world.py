@@ -63,7 +63,7 @@ run that returns plausible totals.
   ``PeerFailure``/``PeerAborted``) is never the root cause.
 
 *The status board* (``post_status``, ``peer_status``, ``peer_board``) is
-``backends._status.ThreadsBoard``, one dict the ranks' threads share;
+``_board.ThreadsBoard``, one dict the ranks' threads share;
 ``peer_status`` puts each rank's entry after where it was last seen.
 
 A call site is the first frame outside this module and outside the core
@@ -91,10 +91,10 @@ import numpy as np
 
 from joinkit import CollectiveMismatch, PeerAborted, PeerFailure, RankTimeout
 
-from . import REDUCE_OPS, register
-from ._checks import Checks, host_array, is_tensor, write_back
+from .. import REDUCE_OPS, register
+from .._checks import Checks, host_array, is_tensor, write_back
+from ._board import ThreadsBoard
 from ._mismatch import _JOIN, _USER, _format_site, _ranks, _Signature, _Site, mismatch_table
-from ._status import ThreadsBoard
 
 __all__ = ["ThreadGroup", "ThreadWork", "SpawnAborted", "spawn"]
 
