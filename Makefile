@@ -34,9 +34,12 @@ test: setup lint
 	@echo "== the MPI backend without torch (a second venv with only the mpi extra)"
 	bash .ci/notorch.sh
 
+# ruff, strict mypy, and the walls of the house: the import contracts in
+# pyproject.toml ([tool.importlinter]; tests/import_rules.py adds one).
 lint: setup
 	$(VENV)/bin/ruff check join_core backends adapters examples tests benchmarks docs/_hooks
 	$(VENV)/bin/mypy -p joinkit
+	$(VENV)/bin/lint-imports --no-cache
 
 # The documentation site, offline; --strict: any warning (a broken link or
 # reference) fails. `make test` runs the same build (tests/test_docs.py).

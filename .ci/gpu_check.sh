@@ -13,7 +13,7 @@ if [ "${GPU_CHECK_UNGUARDED:-0}" = 1 ]; then
     # Only for a machine whose torch is outside joinkit's range (its guard refuses the
     # adapters there): every process skips the guard, so the tests show what else breaks.
     cat > /tmp/site/sitecustomize.py <<'PY'
-import joinkit.adapters._torch_private as _guard
+import joinkit.adapters.torch._private as _guard
 _guard.check = lambda obj: None
 PY
 fi

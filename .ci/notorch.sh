@@ -17,10 +17,12 @@ esac
 STAMP=$VENV/.installed
 
 stale=0
-for input in pyproject.toml constraints.txt join_core backends adapters; do
-    # A module added to a package folder needs the link tree rebuilt (Makefile).
-    [ -f "$STAMP" ] && [ ! "$input" -nt "$STAMP" ] || stale=1
-done
+# A module added to a package folder (or a sub-package's) needs the link tree
+# rebuilt (Makefile).
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ constraints.txt -nt "$STAMP" ] \
+        || [ -n "$(find join_core backends adapters -type d -newer "$STAMP" -print -quit)" ]; then
+    stale=1
+fi
 if [ "$stale" = 1 ]; then
     "$PYTHON" -m venv "$VENV"
     echo '*' > "$VENV/.gitignore"  # keep the venv out of git status

@@ -8,15 +8,24 @@ imports torch:
 - :data:`TORCH`: torch's own Joinables (DDP, ZeroRedundancyOptimizer, any
   ``torch.distributed.algorithms.join.Joinable``), ``joinkit.adapters.torch``;
 - :data:`FSDP`: root ``torch.distributed.fsdp.fully_shard`` modules,
-  ``joinkit.adapters.fsdp``;
+  ``joinkit.adapters.torch.fsdp``;
 - :data:`OPTIM`: plain ``torch.optim`` optimizers, LR schedulers and
   ``torch.amp.GradScaler`` (the rest of a training step on a joined rank),
-  ``joinkit.adapters.optim``;
+  ``joinkit.adapters.torch.optim``;
 - :data:`METRICS`: torchmetrics ``Metric`` and ``MetricCollection`` objects,
   ``joinkit.adapters.torchmetrics`` (the ``metrics`` extra);
 - :data:`FABRIC`: what Lightning Fabric's ``fabric.setup`` returns (its model
   and optimizer wrappers), unwrapped for the adapters above,
-  ``joinkit.adapters.fabric``.
+  ``joinkit.adapters.lightning.fabric``.
+
+*The house.* One sub-package per outside library, holding all of that
+library's code, private helpers and guard table included: ``torch/``,
+``lightning/`` (Trainer and Fabric), ``torchmetrics/``, ``ray/``,
+``accelerate/``. What no library owns sits here: ``gather`` (exact gathering
+inside a Join, any backend) and ``_guards`` (the guard-table checker every
+room's ``_private`` uses). The old module paths ``joinkit.adapters.fsdp``,
+``optim``, ``data``, ``collectives`` and ``fabric`` still import, with a
+``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ class UnsupportedTorchError(RuntimeError):
     Raised when an adapter adapts an object (so when ``Join`` is built), once
     per kind of object and process; the message names the torch version, each
     member that changed and the torch versions this joinkit supports
-    (``joinkit.adapters._torch_private``).
+    (``joinkit.adapters.torch._private``).
     """
 
 
@@ -46,15 +55,15 @@ class UnsupportedTorchmetricsError(RuntimeError):
 
     Raised when ``Join`` adapts a torchmetrics object (once per process); the
     message names the torchmetrics version, each member that changed and the
-    versions this joinkit supports (``joinkit.adapters._torchmetrics_private``).
+    versions this joinkit supports (``joinkit.adapters.torchmetrics._private``).
     """
 
 
 _TORCH_JOIN = "torch.distributed.algorithms.join"
-_TORCH_ADAPTER = "joinkit.adapters.torch"
+_TORCH_ADAPTER = "joinkit.adapters.torch._joinables"
 _FSDP = "torch.distributed.fsdp"
-_FSDP_ADAPTER = "joinkit.adapters.fsdp"
-_OPTIM_ADAPTER = "joinkit.adapters.optim"
+_FSDP_ADAPTER = "joinkit.adapters.torch.fsdp"
+_OPTIM_ADAPTER = "joinkit.adapters.torch.optim"
 # module -> class: the objects OPTIM stands for.
 _STEP_CLASSES = (
     ("torch.optim.optimizer", "Optimizer"),
@@ -69,18 +78,16 @@ def _is_torch_joinable(obj: Any) -> bool:
 
 
 def _adapt_torch(obj: Any) -> Joinable:
-    from . import _torch_private
-
-    _torch_private.check(obj)  # before the adapter's module reads torch internals
-    from . import torch as torch_adapter
+    from . import torch as torch_adapter  # checks torch's internals first
 
     return torch_adapter.adapt(obj)
 
 
 def _check_torch(joinables: Sequence[Joinable]) -> None:
-    adapter_module = sys.modules.get(_TORCH_ADAPTER)
-    if adapter_module is not None:  # loaded once a torch joinable was adapted
-        adapter_module.check_order(joinables)
+    if _TORCH_ADAPTER in sys.modules:  # loaded once a torch joinable was adapted
+        from . import torch as torch_adapter
+
+        torch_adapter.check_order(joinables)
 
 
 def _is_fsdp_module(obj: Any) -> bool:
@@ -90,10 +97,7 @@ def _is_fsdp_module(obj: Any) -> bool:
 
 
 def _adapt_fsdp(obj: Any) -> Joinable:
-    from . import _torch_private
-
-    _torch_private.check(obj)
-    from . import fsdp
+    from .torch import fsdp  # its adapt checks torch's FSDP internals
 
     return fsdp.adapt(obj)
 
@@ -115,7 +119,7 @@ def _is_step_object(obj: Any) -> bool:
 
 
 def _adapt_step(obj: Any) -> Joinable:
-    from . import optim
+    from .torch import optim
 
     return optim.adapt(obj)
 
@@ -168,7 +172,7 @@ def _is_fabric_object(obj: Any) -> bool:
 
 
 def _adapt_fabric(obj: Any) -> Joinable:
-    from . import fabric
+    from .lightning import fabric
 
     return fabric.adapt(obj)
 
@@ -176,10 +180,10 @@ def _adapt_fabric(obj: Any) -> Joinable:
 #: torch's Joinables, through ``joinkit.adapters.torch`` (the entry point).
 TORCH = Adapter(name="torch", matches=_is_torch_joinable, adapt=_adapt_torch, check=_check_torch)
 
-#: Root FSDP2 modules, through ``joinkit.adapters.fsdp``.
+#: Root FSDP2 modules, through ``joinkit.adapters.torch.fsdp``.
 FSDP = Adapter(name="fsdp", matches=_is_fsdp_module, adapt=_adapt_fsdp, check=_check_fsdp)
 
-#: Optimizers, LR schedulers and GradScalers, through ``joinkit.adapters.optim``.
+#: Optimizers, LR schedulers and GradScalers, through ``joinkit.adapters.torch.optim``.
 OPTIM = Adapter(name="torch.optim", matches=_is_step_object, adapt=_adapt_step,
                 check=_check_step)
 
@@ -187,5 +191,6 @@ OPTIM = Adapter(name="torch.optim", matches=_is_step_object, adapt=_adapt_step,
 METRICS = Adapter(name="torchmetrics", matches=_is_metric, adapt=_adapt_metric,
                   check=_check_metric)
 
-#: Lightning Fabric's model and optimizer wrappers, through ``joinkit.adapters.fabric``.
+#: Lightning Fabric's model and optimizer wrappers, through
+#: ``joinkit.adapters.lightning.fabric``.
 FABRIC = Adapter(name="lightning_fabric", matches=_is_fabric_object, adapt=_adapt_fabric)

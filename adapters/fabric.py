@@ -1,176 +1,19 @@
-"""Lightning Fabric: ``Join([model, optimizer])`` with what ``fabric.setup`` returns.
+"""Moved: ``joinkit.adapters.fabric`` is now ``joinkit.adapters.lightning.fabric``
+(one room per library).
 
-Theory of operation
--------------------
-``fabric.setup(model, optimizer)`` returns wrappers: a ``_FabricModule`` whose
-``_forward_module`` is the module the strategy built (a
-``DistributedDataParallel`` under ``strategy="ddp"``, the ``fully_shard``
-(FSDP2) root module under ``ModelParallelStrategy``), and a
-``_FabricOptimizer`` around the optimizer (``.optimizer``). :func:`adapt` hands
-the inner objects to the adapters that already know them (``adapters.torch``
-for DDP, ``adapters.fsdp`` for FSDP2, ``adapters.optim`` for an optimizer of
-sharded parameters), so the forward's heartbeat, the shadow rounds and the post
-hooks are theirs; ``fabric.backward(loss)`` is ``loss.backward()`` for these
-strategies and needs nothing.
-
-*An optimizer beside DDP.* A joined DDP rank does not step: DDP's post hook
-broadcasts the last joiner's parameters. Its optimizer *state* (momentum, Adam's
-moments and step count) would stay behind, and the next epoch's steps would
-differ across ranks. So the optimizer of plain (not sharded) parameters
-becomes an :class:`OptimizerStateSync`: no shadow, and a post hook that
-broadcasts the last joiner's ``optimizer.state_dict()`` to every rank, so the
-replicas stay identical, as after a single process's epoch.
-
-*Refused.* Lightning's ``strategy="fsdp"`` builds FSDP1
-(``FullyShardedDataParallel``), which joinkit cannot shadow: a clear
-``TypeError`` says to use ``ModelParallelStrategy`` with ``fully_shard``.
-Fabric's private members are checked by ``adapters._lightning_private``.
+This path keeps working: it re-exports that module's public names and warns
+once (a ``DeprecationWarning``) when first imported.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-from typing import Any
+import warnings
 
-try:
-    import torch
-    import torch.distributed as dist
-    from lightning_fabric import wrappers
-except ImportError as error:  # pragma: no cover - the lightning extra is missing
-    raise ImportError(
-        "Could not find lightning_fabric: joinkit's Fabric adapter needs it. Please run "
-        "`pip install 'joinkit[lightning]'`"
-    ) from error
+from .lightning.fabric import *  # noqa: F403
+from .lightning.fabric import __all__  # noqa: F401
 
-from joinkit import Joinable, JoinHook, LocalProtocolError
-from joinkit import _ports as ports
-
-from . import _lightning_private
-
-__all__ = ["adapt", "is_fabric_object", "OptimizerStateSync"]
-
-
-def is_fabric_object(obj: Any) -> bool:
-    """Whether ``obj`` is a Fabric model or optimizer wrapper."""
-    return isinstance(obj, (wrappers._FabricModule, wrappers._FabricOptimizer))
-
-
-def adapt(obj: Any) -> Joinable:
-    """The joinable for a ``_FabricModule`` or ``_FabricOptimizer`` (module doc).
-
-    Raises:
-        UnsupportedLightningError: Fabric's wrappers changed.
-        TypeError: the model is not one joinkit can shadow (FSDP1, no DDP or
-            ``fully_shard`` module inside: a single-device strategy).
-    """
-    _lightning_private.check("Fabric")
-    if isinstance(obj, wrappers._FabricModule):
-        inner = obj._forward_module
-        joinable = ports.adapt(inner)
-        if joinable is not None:
-            return joinable
-        if _is_fsdp1(inner):
-            raise TypeError(
-                "Join got a Fabric model set up by Lightning's FSDPStrategy, which wraps it in "
-                "torch's FSDP1 (FullyShardedDataParallel); joinkit shadows FSDP2: use "
-                "Fabric(strategy=ModelParallelStrategy(parallelize_fn=...)) whose parallelize_fn "
-                "applies torch.distributed.fsdp.fully_shard, or strategy='ddp'"
-            )
-        raise TypeError(
-            f"Join got a Fabric model whose strategy built a {type(inner).__qualname__}, not a "
-            "DistributedDataParallel or fully_shard module: joinkit supports Fabric's 'ddp' "
-            "strategies and ModelParallelStrategy (FSDP2). On one device there is nothing "
-            "to join: Join(..., enable=False)"
-        )
-    optimizer = obj.optimizer
-    if any(_is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
-        found = ports.adapt(optimizer)  # adapters.optim: steps the joined rank's shards
-        assert found is not None
-        return found
-    return _state_syncs.get(optimizer)
-
-
-class OptimizerStateSync(Joinable):
-    """The optimizer of a DDP model: its post hook gives every rank the last joiner's state."""
-
-    join_follows_group = True
-
-    def __init__(self, optimizer: Any) -> None:
-        super().__init__()
-        self._optimizer: Callable[[], Any] = weakref.ref(optimizer)
-
-    def __repr__(self) -> str:
-        return f"OptimizerStateSync({type(self.optimizer).__qualname__})"
-
-    @property
-    def optimizer(self) -> Any:
-        optimizer = self._optimizer()
-        if optimizer is None:
-            raise LocalProtocolError("the optimizer behind OptimizerStateSync was deleted")
-        return optimizer
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _StateSyncHook(self)
-
-    @property
-    def join_device(self) -> Any:
-        join = self._join_config.join
-        return None if join is None else join.device
-
-    @property
-    def join_process_group(self) -> Any:
-        join = self._join_config.join
-        return None if join is None else join.process_group
-
-    def sync_state(self, is_last_joiner: bool) -> None:
-        """Broadcast the optimizer state of one last joiner to every rank (a collective)."""
-        group = self.join_process_group
-        candidate = torch.tensor([dist.get_rank(group) if is_last_joiner else -1])
-        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=group)
-        source = dist.get_global_rank(group, int(candidate[0])) if group is not None else int(
-            candidate[0])
-        optimizer = self.optimizer
-        box = [optimizer.state_dict() if source == dist.get_rank() else None]
-        dist.broadcast_object_list(box, src=source, group=group)
-        if source != dist.get_rank():
-            optimizer.load_state_dict(box[0])
-
-
-class _StateSyncHook(JoinHook):
-    def __init__(self, adapter: OptimizerStateSync) -> None:
-        self.adapter = adapter
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.adapter.sync_state(is_last_joiner)
-
-
-class _Cache:
-    """One OptimizerStateSync per optimizer (weakly keyed)."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, OptimizerStateSync] = {}
-
-    def get(self, optimizer: Any) -> OptimizerStateSync:
-        found = self._by_id.get(id(optimizer))
-        if found is not None and found._optimizer() is optimizer:
-            return found
-        new = OptimizerStateSync(optimizer)
-        self._by_id[id(optimizer)] = new
-        weakref.finalize(optimizer, self._by_id.pop, id(optimizer), None)
-        return new
-
-
-_state_syncs = _Cache()
-
-
-def _is_fsdp1(module: Any) -> bool:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return isinstance(module, FullyShardedDataParallel)
-
-
-def _is_dtensor(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
+warnings.warn(
+    "joinkit.adapters.fabric moved to joinkit.adapters.lightning.fabric; import it from there",
+    DeprecationWarning,
+    stacklevel=2,
+)

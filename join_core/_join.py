@@ -780,6 +780,16 @@ class Join:
         return self._last_heartbeat
 
     @property
+    def joinables(self) -> tuple[Joinable, ...]:
+        """The Join's joinables in their order, framework objects as their adapters.
+
+        An adapter reads the others of its Join here to refuse a combination
+        it cannot shadow (e.g. on entry), or to find the joinable whose
+        heartbeat it follows.
+        """
+        return tuple(self._joinables)
+
+    @property
     def process_group(self) -> Any:
         """The process group of the Join: the one its joinables share.
 

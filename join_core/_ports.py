@@ -58,6 +58,7 @@ __all__ = [
     "SupportsAbort",
     "SupportsWait",
     "SupportsStatusBoard",
+    "SupportsLivenessBeat",
     "SupportsGonePeers",
     "SupportsObjectCollectives",
     "SupportsRankLossRecovery",
@@ -156,23 +157,30 @@ class SupportsWait(Protocol):
 
 @runtime_checkable
 class SupportsStatusBoard(Protocol):
-    """The status board: what each rank's Join is doing, and its liveness beat.
+    """The status board: what each rank's Join is doing, read by the peers.
 
     ``post_status`` is called on entry, per join collective and on exit (keep
-    it cheap); ``post_beat`` by the watchdog thread every tenth of the timeout
-    (no I/O on the caller's thread); ``peer_status`` and ``peer_board`` are read
-    out of band by the watchdog thread.
+    it cheap); ``peer_status`` and ``peer_board`` (rank -> (status, its age,
+    latest beat)) are read out of band by the watchdog thread: without
+    ``peer_board`` the default timeout is a hard limit.
     """
 
     def post_status(self, what: str) -> None: ...
 
     def peer_status(self) -> dict[int, str]: ...
 
-    def post_beat(self) -> None: ...
-
     def peer_board(
         self, ranks: Sequence[int]
     ) -> dict[int, tuple[str, float, int | None]]: ...
+
+
+@runtime_checkable
+class SupportsLivenessBeat(Protocol):
+    """Show the peers this rank is alive: the watchdog thread calls ``post_beat``
+    every tenth of the timeout (no I/O on the caller's thread; a background
+    one publishes), and the peers read the beat in ``peer_board``."""
+
+    def post_beat(self) -> None: ...
 
 
 @runtime_checkable

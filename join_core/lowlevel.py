@@ -10,7 +10,8 @@ The backend side (docs/guide/writing-a-backend.md):
 - :class:`JoinBackend`, :class:`Handle`: the required members of a join backend;
 - the optional members, one typed protocol each (``SupportsHeartbeatTotal``,
   ``SupportsCollectiveCount``, ``SupportsAbort``, ``SupportsWait``,
-  ``SupportsStatusBoard``, ``SupportsGonePeers``, ``SupportsObjectCollectives``,
+  ``SupportsStatusBoard``, ``SupportsLivenessBeat``, ``SupportsGonePeers``,
+  ``SupportsObjectCollectives``,
   ``SupportsRankLossRecovery``), which the Join looks up once, when it is built,
   into a :class:`BackendCapabilities` (:func:`capabilities`);
 - :class:`RankLossConfig`: what ``start_rank_loss_recovery`` receives;
@@ -46,6 +47,7 @@ from ._ports import (
     SupportsCollectiveCount,
     SupportsGonePeers,
     SupportsHeartbeatTotal,
+    SupportsLivenessBeat,
     SupportsObjectCollectives,
     SupportsRankLossRecovery,
     SupportsStatusBoard,
@@ -78,6 +80,7 @@ __all__ = [
     "SupportsAbort",
     "SupportsWait",
     "SupportsStatusBoard",
+    "SupportsLivenessBeat",
     "SupportsGonePeers",
     "SupportsObjectCollectives",
     "SupportsRankLossRecovery",

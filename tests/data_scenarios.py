@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from joinkit import Join
-from joinkit.adapters.data import ShardedIterable, ShardSampler
+from joinkit.adapters.torch.data import ShardedIterable, ShardSampler
 
 SCENARIO_TIMEOUT = datetime.timedelta(seconds=45)  # generous: CI machines are loaded
 SAMPLES = 13

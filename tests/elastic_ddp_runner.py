@@ -100,7 +100,7 @@ def init_cell(rank: int, world: int, port: int, cell: int) -> None:
 
 def arm_model_kills(mine: dict[str, int], path: Path) -> None:
     """Make this rank die at its ``"drain"`` shadow round or in its ``"post"`` hook."""
-    from joinkit.adapters import _ddp_elastic
+    from joinkit.adapters.torch import _ddp_elastic
 
     if "drain" in mine:
         # DDP's join hook asks the check first in each shadow round.

@@ -158,7 +158,7 @@ def reference(init: list[list[float]], world: int, consumed: dict[int, int],
 
 def arm_fsdp_kills(mine: dict[str, int], path: Path) -> None:
     """Make this rank die at its ``"drain"`` shadow round or in its ``"post"`` hook."""
-    from joinkit.adapters import _fsdp_elastic
+    from joinkit.adapters.torch import _fsdp_elastic
 
     if "drain" in mine:
         original = _fsdp_elastic.ElasticFSDP.shadow

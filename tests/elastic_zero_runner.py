@@ -274,7 +274,7 @@ def entry_cell(model: Any, zero: Any, rank: int, mine: dict[str, int], path: Pat
     each with the same ``LocalProtocolError``, and leave ZeRO as it was.
     """
     from joinkit import Join
-    from joinkit.adapters import _zero_elastic
+    from joinkit.adapters.torch import _zero_elastic
 
     _iterate(model, zero, rank, 50)
     if "entry" in mine:

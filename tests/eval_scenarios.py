@@ -643,7 +643,7 @@ def fsdp_grad_forward_without_backward(ctx: Ctx) -> Any:
                 dist.all_reduce(t, group=ctx.group)
                 assert t.item() == ctx.world
     # Training: once a backward reached the outputs, the adapter holds none of them.
-    from joinkit.adapters import fsdp
+    from joinkit.adapters.torch import fsdp
 
     model = f.shard(f.net(), ctx.group)
     held = []

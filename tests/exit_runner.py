@@ -352,7 +352,7 @@ def main() -> None:
         import numpy  # noqa: F401
         import torch.distributed.algorithms.join  # noqa: F401
 
-        import joinkit.adapters.torch  # noqa: F401
+        import joinkit.adapters.torch._joinables  # noqa: F401
         import joinkit.backends.torch_dist  # noqa: F401
     ranks = list(range(CASES[args.case]))
     for run in range(args.runs):

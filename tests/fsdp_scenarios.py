@@ -506,7 +506,7 @@ def grad_state(model: nn.Module) -> list[tuple[Any, torch.Tensor | None]]:
     ``.grad`` (a DTensor: its local shard), then FSDP's gradient accumulation
     (unsharded gradients kept between ``set_requires_gradient_sync(False)``
     backwards)."""
-    from joinkit.adapters.fsdp import _param_groups
+    from joinkit.adapters.torch._fsdp_state import param_groups as _param_groups
 
     tensors: list[Any] = [p.grad for p in model.parameters()]
     for group in _param_groups(model):
@@ -811,7 +811,8 @@ def torch_guard(ctx: Ctx) -> Any:
     from torch.distributed.optim import zero_redundancy_optimizer as zero_module
     from torch.nn.parallel import distributed as ddp_module
 
-    from joinkit.adapters import UnsupportedTorchError, _torch_private
+    from joinkit.adapters import UnsupportedTorchError
+    from joinkit.adapters.torch import _private as _torch_private
 
     model = shard(net(), ctx.group)
     optimizer = sgd(model.parameters())

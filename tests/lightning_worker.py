@@ -121,7 +121,7 @@ class ListLogger(Logger):
 def shard_loaders(rank: int) -> tuple[DataLoader, DataLoader]:
     """One dataset split exactly by joinkit's ShardSampler (no padding): 37 training rows
     (19 and 18, so 10 and 9 batches of 2, shuffled per epoch) and 11 validation rows."""
-    from joinkit.adapters.data import ShardSampler
+    from joinkit.adapters.torch.data import ShardSampler
 
     train = TensorDataset(*(t[:SHARD_ROWS[0]] for t in rows(0, 10, 3).tensors))
     val = TensorDataset(*(t[:SHARD_ROWS[1]] for t in rows(0, 3, 4).tensors))

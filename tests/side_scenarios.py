@@ -24,7 +24,7 @@ from support import Ctx, recording, scenario_registry
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from joinkit import Join, JoinError, SideCollective
-from joinkit.adapters import collectives
+from joinkit.adapters.torch import collectives
 
 SCENARIO_TIMEOUT = datetime.timedelta(seconds=30)
 INPUTS = [4, 0, 6]

@@ -1,4 +1,4 @@
-"""``joinkit.adapters._identity.AdapterCache``: one adapter per live object.
+"""``joinkit.lowlevel.AdapterCache``: one adapter per live object.
 
 The torch, FSDP2, torchmetrics and optim adapters keep their adapters here; their
 own tests check that a model keeps its adapter across Joins. These check the cache
@@ -11,7 +11,7 @@ import gc
 import weakref
 from typing import Any
 
-from joinkit.adapters._identity import AdapterCache
+from joinkit.lowlevel import AdapterCache
 
 
 class Thing:

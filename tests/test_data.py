@@ -1,4 +1,4 @@
-"""Exact shards (``joinkit.adapters.data``): every sample once, nothing padded or dropped.
+"""Exact shards (``joinkit.adapters.torch.data``): every sample once, nothing padded or dropped.
 
 - In one process, each rank's sampler built with its rank: ``ShardSampler``
   against torch's own ``DistributedSampler`` (the same order minus the
@@ -38,7 +38,7 @@ from torch.utils.data import (  # noqa: E402
     IterableDataset,
 )
 
-from joinkit.adapters.data import ShardedIterable, ShardSampler, shard_size  # noqa: E402
+from joinkit.adapters.torch.data import ShardedIterable, ShardSampler, shard_size  # noqa: E402
 from joinkit.backends.threads import spawn  # noqa: E402
 
 WORLDS = (2, 3, 4)
@@ -313,9 +313,9 @@ def test_without_torch_the_import_says_which_extra(monkeypatch: pytest.MonkeyPat
     import importlib
 
     monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
-    monkeypatch.delitem(sys.modules, "joinkit.adapters.data")
+    monkeypatch.delitem(sys.modules, "joinkit.adapters.torch.data")
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'joinkit\[torch\]'"):
-        importlib.import_module("joinkit.adapters.data")
+        importlib.import_module("joinkit.adapters.torch.data")
 
 
 # -- under Join with DDP, real gloo ranks ----------------------------------------------

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from joinkit import HEARTBEAT_FLAG  # noqa: E402
 from joinkit import _machine as m  # noqa: E402
-from joinkit.adapters.torch import _FusedCheck  # noqa: E402
+from joinkit.adapters.torch._joinables import _FusedCheck  # noqa: E402
 
 
 class _Work:

@@ -156,7 +156,7 @@ def test_a_model_joinkit_cannot_shadow_is_refused_clearly(monkeypatch: pytest.Mo
     from lightning_fabric import wrappers
 
     from joinkit import Join
-    from joinkit.adapters import fabric
+    from joinkit.adapters.lightning import fabric
 
     plain = wrappers._FabricModule(torch.nn.Linear(1, 1), None)
     with pytest.raises(TypeError, match="not a DistributedDataParallel or fully_shard module"):

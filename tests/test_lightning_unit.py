@@ -8,9 +8,10 @@ torch = pytest.importorskip("torch")
 pl = pytest.importorskip("pytorch_lightning")
 
 from joinkit import LocalProtocolError, SideCollective  # noqa: E402
-from joinkit.adapters import _lightning_private as private  # noqa: E402
-from joinkit.adapters._torch_private import Member, Need  # noqa: E402
-from joinkit.adapters.lightning import UnevenInputs, _op_name  # noqa: E402
+from joinkit.adapters._guards import Member, Need  # noqa: E402
+from joinkit.adapters.lightning import UnevenInputs  # noqa: E402
+from joinkit.adapters.lightning import _private as private  # noqa: E402
+from joinkit.adapters.lightning._trainer import _op_name  # noqa: E402
 
 
 def test_the_guard_table_matches_this_lightning() -> None:
@@ -92,7 +93,7 @@ def test_joinkit_imports_no_lightning_until_an_adapter_needs_it() -> None:
     code = (
         "import sys, torch, joinkit, joinkit.adapters\n"
         "from joinkit import Join, SideCollective\n"
-        "from joinkit.adapters import collectives\n"
+        "from joinkit.adapters.torch import collectives\n"
         "import joinkit._ports as ports\n"
         "sgd = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1)\n"
         "assert ports.adapt(sgd) is not None\n"
@@ -106,7 +107,7 @@ def test_joinkit_imports_no_lightning_until_an_adapter_needs_it() -> None:
 
 
 def test_model_parallel_strategy_limits_are_refused_before_any_collective() -> None:
-    from joinkit.adapters import lightning
+    from joinkit.adapters.lightning import _trainer as lightning
 
     class Strategy:
         _tensor_parallel_size = 2
@@ -128,7 +129,7 @@ def test_model_parallel_strategy_limits_are_refused_before_any_collective() -> N
 def test_model_parallel_needs_one_root_fully_shard_module() -> None:
     import pytorch_lightning as pl
 
-    from joinkit.adapters import lightning
+    from joinkit.adapters.lightning import _trainer as lightning
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:

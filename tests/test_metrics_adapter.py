@@ -15,7 +15,7 @@ import pytest
 torchmetrics = pytest.importorskip("torchmetrics")
 
 from joinkit.adapters import METRICS, UnsupportedTorchmetricsError  # noqa: E402
-from joinkit.adapters import _torchmetrics_private as private  # noqa: E402
+from joinkit.adapters.torchmetrics import _private as private  # noqa: E402
 
 pytestmark = pytest.mark.needs_torch
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from joinkit import AgreementError
 from joinkit import _machine as m
-from joinkit.adapters import _replay
-from joinkit.adapters.fsdp import _SLOT, GRAD, SYNC, _StepCheck
+from joinkit.adapters.torch import _replay
+from joinkit.adapters.torch.fsdp import _SLOT, GRAD, SYNC, _StepCheck
 
 pytestmark = pytest.mark.needs_torch
 

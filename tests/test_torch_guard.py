@@ -1,6 +1,6 @@
 """The check of the torch internals the adapters rely on, in one process.
 
-``joinkit.adapters._torch_private`` lists them; here: all are present in the
+``joinkit.adapters.torch._private`` lists them; here: all are present in the
 torch the project pins, the declared range is the one checked, and each kind
 of change (a member deleted, its parameters changed, a torch caller that no
 longer calls it, a namedtuple's fields, a static method, an instance attribute
@@ -24,8 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.parallel import distributed as ddp_module
 
 from joinkit import Join
-from joinkit.adapters import UnsupportedTorchError, _torch_private
-from joinkit.adapters._torch_private import GROUPS, Member, Need, check, problems
+from joinkit.adapters import UnsupportedTorchError, _guards
+from joinkit.adapters._guards import Member, Need, problems
+from joinkit.adapters.torch import _private as _torch_private
+from joinkit.adapters.torch._private import GROUPS, check
 
 pytestmark = pytest.mark.needs_torch
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +92,8 @@ def test_extra_parameters_need_defaults() -> None:
     def without(self: Any, input_rank: int, rank_cond: bool, extra: int) -> None: ...
 
     expected = ("self", "input_rank", "rank_cond")
-    assert _torch_private._params_mismatch(with_default, expected) is None
-    assert "joinkit expects" in str(_torch_private._params_mismatch(without, expected))
+    assert _guards._params_mismatch(with_default, expected) is None
+    assert "joinkit expects" in str(_guards._params_mismatch(without, expected))
 
 
 def test_a_torch_caller_that_no_longer_calls_the_replaced_method(
@@ -110,7 +112,7 @@ def test_a_torch_caller_that_no_longer_calls_the_replaced_method(
 
 def test_bindings_are_checked_by_their_number_of_parameters() -> None:
     reducer = torch._C._distributed_c10d.Reducer
-    assert _torch_private._binding_params(reducer._set_forward_pass_work_handle) == [
+    assert _guards._binding_params(reducer._set_forward_pass_work_handle) == [
         "self", "arg0", "arg1"]
 
     class Binding:
@@ -120,8 +122,8 @@ def test_bindings_are_checked_by_their_number_of_parameters() -> None:
 
         def __call__(self) -> None: ...
 
-    assert _torch_private._params_mismatch(Binding(), ("self", "mapping")) is None
-    assert _torch_private._params_mismatch(Binding(), ("self", "a", "b")) == (
+    assert _guards._params_mismatch(Binding(), ("self", "mapping")) is None
+    assert _guards._params_mismatch(Binding(), ("self", "a", "b")) == (
         "takes 2 parameters (self, arg0), joinkit passes 3 (self, a, b)")
 
 

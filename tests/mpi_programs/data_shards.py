@@ -20,7 +20,7 @@ from mpi4py import MPI
 from torch.utils.data import DataLoader, DistributedSampler
 
 from joinkit import Join, Joinable, JoinHook, backends
-from joinkit.adapters.data import ShardSampler
+from joinkit.adapters.torch.data import ShardSampler
 
 SAMPLES = 13
 

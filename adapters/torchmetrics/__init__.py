@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,9 +80,10 @@ except ImportError as _error:  # pragma: no cover - the message is the point
     ) from _error
 
 from joinkit import Join, Joinable, JoinConfig, JoinHook, LocalProtocolError
+from joinkit.lowlevel import AdapterCache, AdapterJoinable
 
-from . import UnsupportedTorchmetricsError, _torchmetrics_private
-from ._identity import AdapterCache
+from .. import UnsupportedTorchmetricsError
+from . import _private
 
 __all__ = ["adapt", "check", "gather_states", "MetricJoinable"]
 
@@ -119,33 +119,25 @@ def adapt(obj: Any) -> Joinable:
             "joinkit.adapters.torchmetrics.adapt expects a torchmetrics Metric or "
             f"MetricCollection, got {type(obj).__qualname__}"
         )
-    _torchmetrics_private.check()
+    _private.check()
     return _adapters.get(obj, MetricJoinable)
 
 
 _adapters: AdapterCache[MetricJoinable] = AdapterCache()
 
 
-class MetricJoinable(Joinable):
-    """A torchmetrics Metric or MetricCollection in a Join (module doc)."""
+class MetricJoinable(AdapterJoinable):
+    """A torchmetrics Metric or MetricCollection in a Join (module doc).
+
+    ``obj`` is the metric or collection it stands for.
+    """
+
+    describes = "metric"
 
     def __init__(self, obj: Any) -> None:
-        self._config = _DISABLED
-        self._obj: Callable[[], Any] = weakref.ref(obj)
+        super().__init__(obj)
         #: How deep this rank is in the object's forward (a per-step sync may run).
         self._forwarding = 0
-        super().__init__()
-
-    def __repr__(self) -> str:
-        return f"MetricJoinable({type(self.obj).__qualname__})"
-
-    @property
-    def obj(self) -> Any:
-        """The metric or collection this adapter stands for."""
-        obj = self._obj()
-        if obj is None:
-            raise LocalProtocolError("the metric behind MetricJoinable was deleted")
-        return obj
 
     def members(self) -> list[Any]:
         """The metrics whose forward the object's forward calls, in that order."""
@@ -161,19 +153,11 @@ class MetricJoinable(Joinable):
 
     # -- the Joinable ------------------------------------------------------------
 
-    @property
-    def _join_config(self) -> Any:
-        return self._config
+    def join_entered(self, join: Join) -> None:
+        self._install()
 
-    @_join_config.setter
-    def _join_config(self, config: Any) -> None:
-        was_active = self._config.enable and self._config.join is not None
-        active = config.enable and config.join is not None
-        self._config = config
-        if active and not was_active:
-            self._install()
-        elif was_active and not active:
-            self._uninstall()
+    def join_left(self) -> None:
+        self._uninstall()
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _MetricShadow(self)
@@ -301,8 +285,8 @@ def _joined_sync(adapter: MetricJoinable, metric: Any, sync: Callable[..., None]
         if index is None or tuple(tensor.shape) != tuple(states[index].shape):
             raise UnsupportedTorchmetricsError(
                 f"{name}'s sync gathered a state joinkit did not expect (torchmetrics "
-                f"{_torchmetrics_private._version()} changed how it syncs); joinkit "
-                f"supports torchmetrics {_torchmetrics_private._spec()}"
+                f"{_private._version()} changed how it syncs); joinkit "
+                f"supports torchmetrics {_private._spec()}"
             )
         return gathered[index]
 

@@ -95,7 +95,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ._ddp_elastic import take_last_joiners
-from .fsdp import _param_groups
+from ._fsdp_state import param_groups as _param_groups
 
 __all__ = ["ElasticFSDP", "refusal"]
 

@@ -2,14 +2,14 @@
 
 Theory of operation
 -------------------
-``adapters.fabric`` and ``adapters.lightning`` use a few members Lightning does
+``fabric`` and ``_trainer`` (``UnevenInputs``) use a few members Lightning does
 not promise to keep: Fabric's wrapper classes and the attribute holding the
 wrapped (DDP or ``fully_shard``) module; the Trainer's per-batch SIGTERM
 check, which ``UnevenInputs`` replaces with a :class:`joinkit.SideCollective`
 on the epoch loop object, and the SIGTERM handler whose broadcast it swaps out. A release that
 renamed one would make joinkit miss a collective (a hang) or unwrap nothing,
-so each is listed here, in the format of ``adapters._torch_private`` (whose
-checker this module reuses), and :func:`check` runs once per group and process
+so each is listed here, in the format of ``adapters._guards`` (whose
+checker this module uses), and :func:`check` runs once per group and process
 when an adapter first needs the group, raising
 :class:`UnsupportedLightningError` with this Lightning's version, each member
 that changed, and the supported range. Nothing is checked per iteration.
@@ -20,7 +20,7 @@ The ``[lightning]`` extra in ``pyproject.toml`` pins the same range as
 
 from __future__ import annotations
 
-from ._torch_private import Member, Need, _version, problems
+from .._guards import Member, Need, problems, version
 
 __all__ = ["SUPPORTED_LIGHTNING", "TESTED_LIGHTNING", "GROUPS", "UnsupportedLightningError",
            "check"]
@@ -90,10 +90,10 @@ def check(group: str) -> None:
     found = problems(GROUPS[group])
     if found:
         lines = "\n".join(f"  - {problem}" for problem in found)
-        version = _version("pytorch-lightning")
+        installed = version("pytorch-lightning")
         raise UnsupportedLightningError(
-            f"joinkit {_version('joinkit')} supports pytorch-lightning {SUPPORTED_LIGHTNING} "
-            f"(tested with {TESTED_LIGHTNING}), but this process runs {version}, in which "
+            f"joinkit {version('joinkit')} supports pytorch-lightning {SUPPORTED_LIGHTNING} "
+            f"(tested with {TESTED_LIGHTNING}), but this process runs {installed}, in which "
             f"internals that joinkit's {group} adapter relies on changed:\n{lines}\n"
             "Going on could hang or train wrongly, so joinkit stops here. Install a "
             f"supported Lightning (pip install 'pytorch-lightning{SUPPORTED_LIGHTNING}'), or "

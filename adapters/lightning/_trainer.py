@@ -132,7 +132,7 @@ except ImportError as error:  # pragma: no cover - the lightning extra is missin
 
 from joinkit import Join, LocalProtocolError, SideCollective
 
-from . import _lightning_private
+from . import _private
 from .fabric import OptimizerStateSync
 
 __all__ = ["UnevenInputs"]
@@ -201,7 +201,7 @@ class UnevenInputs(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or trainer.world_size < 2:
             return
-        _lightning_private.check("Trainer")
+        _private.check("Trainer")
         strategy = trainer.strategy
         self._fsdp_root, self._fsdp = None, False
         if _is_model_parallel(strategy):

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 To shadow DDP, ZeroRedundancyOptimizer and FSDP2 correctly, the adapters use
 members of torch that torch does not promise to keep: DDP's join-hook methods,
-which ``adapters.torch`` and ``adapters._ddp_replay`` replace on the object for
+which ``_joinables`` and ``_ddp_replay`` replace on the object for
 the length of a call; reducer methods; FSDP2's state and parameter groups;
 torch's own ``_JoinConfig``. A torch release may rename or change any of them,
 and some changes would be *silent*: DDP's join hook calling a renamed
@@ -13,7 +13,8 @@ ZeroRedundancyOptimizer would step a joined rank's shard with a stale
 gradient again; an attribute FSDP renamed would be set by joinkit and read by
 nobody.
 
-So every such member is listed here, in :data:`GROUPS`, with what joinkit
+So every such member is listed here, in :data:`GROUPS` (the format of
+``adapters._guards``, whose checker this module uses), with what joinkit
 needs of it: that it exists; for a function, the parameters joinkit calls it
 with (``inspect.signature`` names; for torch's C++ bindings, their number);
 for an instance attribute, that the class's own code still names it; for a
@@ -30,67 +31,18 @@ The ``[torch]`` extra in ``pyproject.toml`` pins the same range as
 
 from __future__ import annotations
 
-import enum
-import importlib
-import inspect
 import sys
-import types
-from collections.abc import Iterator, Sequence
 from typing import Any
 
-import attrs
+from .. import UnsupportedTorchError
+from .._guards import Member, Need, member, problems, version
 
-from . import UnsupportedTorchError
-
-__all__ = ["SUPPORTED_TORCH", "TESTED_TORCH", "Member", "Need", "GROUPS", "check", "problems"]
+__all__ = ["SUPPORTED_TORCH", "TESTED_TORCH", "GROUPS", "check"]
 
 #: The torch versions this joinkit release supports (a pip specifier), and the
 #: one its tests ran on. ``pyproject.toml``'s ``[torch]`` extra says the same.
 SUPPORTED_TORCH = ">=2.13,<2.14"
 TESTED_TORCH = "2.13.0"
-
-
-class Need(enum.Enum):
-    """What joinkit needs of a member."""
-
-    #: A function or method, called with :attr:`Member.params`.
-    CALLABLE = "callable"
-    #: An attribute of instances: the class's own code (or its class body) names it.
-    ATTRIBUTE = "attribute"
-    #: A namedtuple class with exactly the fields :attr:`Member.params`.
-    FIELDS = "fields"
-    #: A ``staticmethod`` in the class body (joinkit takes it out and puts it back).
-    STATICMETHOD = "staticmethod"
-    #: Anything that exists: a module's class, an enum member.
-    EXISTS = "exists"
-
-
-@attrs.frozen(kw_only=True)
-class Member:
-    """One torch member an adapter relies on.
-
-    Attributes:
-        module: the torch module that defines it.
-        name: its qualified name in the module (``Class.method``).
-        need: what joinkit needs of it.
-        params: for :attr:`Need.CALLABLE`, the leading parameter names joinkit
-            calls it with (any further parameter must have a default); for
-            :attr:`Need.FIELDS`, the fields.
-        called_by: torch functions (``module:Qualified.name``) that must still
-            call this member by its name: joinkit replaces it on the object.
-        why: what joinkit does with it (for the error message).
-    """
-
-    module: str
-    name: str
-    need: Need
-    params: tuple[str, ...] = ()
-    called_by: tuple[str, ...] = ()
-    why: str
-
-    @property
-    def path(self) -> str:
-        return f"{self.module}.{self.name}"
 
 
 _DDP = "torch.nn.parallel.distributed"
@@ -103,10 +55,7 @@ _DDP_HOOK = f"{_DDP}:_DDPJoinHook.main_hook"
 _DDP_FORWARD = f"{_DDP}:DistributedDataParallel._pre_forward"
 
 
-def _m(module: str, name: str, need: Need, why: str, params: Sequence[str] = (),
-       called_by: Sequence[str] = ()) -> Member:
-    return Member(module=module, name=name, need=need, params=tuple(params),
-                  called_by=tuple(called_by), why=why)
+_m = member
 
 
 _CALL, _ATTR = Need.CALLABLE, Need.ATTRIBUTE
@@ -351,152 +300,9 @@ def _groups_for(obj: Any) -> list[str]:
     return groups
 
 
-def problems(members: Sequence[Member]) -> list[str]:
-    """What is wrong with ``members`` in this torch, one line each (none: all fine)."""
-    return [problem for member in members for problem in _member_problems(member)]
-
-
-def _member_problems(member: Member) -> Iterator[str]:
-    try:
-        owner, value = _resolve(member.module, member.name,
-                                instance_attribute=member.need is Need.ATTRIBUTE)
-    except LookupError as error:
-        yield f"{member.path} is missing ({error}); joinkit uses it: {member.why}"
-        return
-    leaf = member.name.rsplit(".", 1)[-1]
-    if member.need is Need.CALLABLE:
-        if not callable(value):
-            yield f"{member.path} is not callable; joinkit calls it: {member.why}"
-        else:
-            mismatch = _params_mismatch(value, member.params)
-            if mismatch:
-                yield f"{member.path} {mismatch}; joinkit calls it: {member.why}"
-    elif member.need is Need.FIELDS:
-        fields = tuple(getattr(value, "_fields", ()))
-        if fields != member.params:
-            yield (f"{member.path} has the fields {fields}, joinkit builds it with "
-                   f"{member.params}; joinkit uses it: {member.why}")
-    elif member.need is Need.STATICMETHOD:
-        if not isinstance(vars(owner).get(leaf), staticmethod):
-            yield f"{member.path} is not a staticmethod; joinkit uses it: {member.why}"
-    for caller in member.called_by:
-        module, _, qualname = caller.partition(":")
-        try:
-            _, function = _resolve(module, qualname)
-        except LookupError:
-            yield (f"{module}.{qualname}, which should call {member.path}, is missing; "
-                   f"joinkit relies on that call: {member.why}")
-            continue
-        if leaf not in _names_in(function):
-            yield (f"{module}.{qualname} no longer calls {leaf}; joinkit relies on that "
-                   f"call ({member.why}) and would go wrong silently without it")
-
-
-_MISSING = object()
-
-
-def _resolve(module_name: str, qualname: str, *,
-             instance_attribute: bool = False) -> tuple[Any, Any]:
-    """(owner, member) for ``module_name`` + ``qualname``. With
-    ``instance_attribute``, a name the owner class's code uses resolves to a
-    marker. Raises LookupError when missing."""
-    try:
-        owner: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise LookupError(f"no module {module_name}") from error
-    *path, leaf = qualname.split(".")
-    for part in path:
-        owner = getattr(owner, part, _MISSING)
-        if owner is _MISSING:
-            raise LookupError(f"no {part} in {module_name}")
-    value = getattr(owner, leaf, _MISSING)
-    if (value is _MISSING and instance_attribute and isinstance(owner, type)
-            and leaf in _class_names(owner)):
-        return owner, _MISSING  # an instance attribute the class's code names
-    if value is _MISSING:
-        raise LookupError(f"{owner.__name__} has no {leaf}")
-    return owner, value
-
-
-def _class_names(cls: type) -> set[str]:
-    """Every name the code and class bodies of ``cls`` and its bases mention."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass is object:
-            continue
-        names.update(vars(klass))
-        names.update(getattr(klass, "__annotations__", {}))
-        for value in vars(klass).values():
-            function = value.fget if isinstance(value, property) else value
-            function = getattr(function, "__func__", function)
-            if isinstance(function, types.FunctionType):
-                names.update(_names_in(function))
-    return names
-
-
-def _names_in(function: Any) -> set[str]:
-    """The names a function's code (with nested code: comprehensions, lambdas) uses."""
-    function = inspect.unwrap(getattr(function, "__func__", function))
-    code = getattr(function, "__code__", None)
-    names: set[str] = set()
-    stack = [code] if code is not None else []
-    while stack:
-        current = stack.pop()
-        names.update(current.co_names)
-        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
-    return names
-
-
-def _params_mismatch(function: Any, expected: tuple[str, ...]) -> str | None:
-    """Why ``function`` cannot be called with ``expected`` parameters, or ``None``."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        # A C++ binding: its docstring's first line is its signature, with
-        # positional names arg0, arg1...; only their number means anything.
-        found = _binding_params(function)
-        if found is None or len(found) == len(expected):
-            return None
-        return (f"takes {len(found)} parameters ({', '.join(found)}), joinkit passes "
-                f"{len(expected)} ({', '.join(expected)})")
-    params = list(signature.parameters.values())
-    names = tuple(p.name for p in params[: len(expected)])
-    rest = params[len(expected):]
-    required = [p.name for p in rest
-                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if names == expected and not required:
-        return None
-    return f"has the parameters ({', '.join(p.name for p in params)}), joinkit expects " \
-           f"({', '.join(expected)})"
-
-
-def _binding_params(function: Any) -> list[str] | None:
-    doc = (getattr(function, "__doc__", None) or "").strip().splitlines()
-    if not doc or "(" not in doc[0]:
-        return None
-    line = doc[0]
-    depth, start, params = 0, line.index("(") + 1, []
-    current = ""
-    for char in line[start:]:
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            if depth == 0:
-                break
-            depth -= 1
-        if char == "," and depth == 0:
-            params.append(current)
-            current = ""
-        else:
-            current += char
-    if current.strip():
-        params.append(current)
-    return [p.split(":", 1)[0].strip() for p in params]
-
-
 def _message(found: list[tuple[str, str]]) -> str:
-    torch_version = _version("torch")
-    joinkit_version = _version("joinkit")
+    torch_version = version("torch")
+    joinkit_version = version("joinkit")
     adapters = ", ".join(dict.fromkeys(group for group, _ in found))
     lines = "\n".join(f"  - {problem}" for _, problem in found)
     short = ".".join(torch_version.split("+")[0].split(".")[:2])
@@ -510,12 +316,3 @@ def _message(found: list[tuple[str, str]]) -> str:
     )
 
 
-def _version(distribution: str) -> str:
-    if distribution == "torch" and "torch" in sys.modules:
-        return str(sys.modules["torch"].__version__)
-    try:
-        from importlib.metadata import version
-
-        return version(distribution)
-    except Exception:
-        return "(unknown version)"

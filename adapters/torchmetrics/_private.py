@@ -32,8 +32,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import UnsupportedTorchmetricsError
-from ._torch_private import Member, Need, problems
+from .. import UnsupportedTorchmetricsError
+from .._guards import Member, Need, problems
 
 __all__ = ["SUPPORTED_TORCHMETRICS", "TESTED_TORCHMETRICS", "MEMBERS", "check"]
 

@@ -9,7 +9,7 @@ user's all-reduce) leaves those unmatched, and the backward's bucket
 all-reduces interleave with the layer's backward collectives in an order only
 autograd knows. So for such a model the joined rank's main hook, instead of
 torch's, *replays* the iteration through the DDP module itself
-(``adapters._replay``): ``ddp(empty batch)`` then backward from a zero loss.
+(``_replay``): ``ddp(empty batch)`` then backward from a zero loss.
 DDP's forward and backward then issue, in their own order, exactly what an
 active rank's do, with three changes that make the joined rank a joined rank:
 
@@ -27,7 +27,7 @@ Before the replay the joined rank's gradients are zeroed (a stale ``.grad``
 would otherwise enter the bucket sums); after it, ``.grad`` holds the active
 ranks' averaged gradient. When a ZeroRedundancyOptimizer is in the Join that
 average is kept for its shadow step, as joinkit's usual DDP shadow keeps it
-(``adapters.torch``); then every parameter gets back the ``.grad`` it had
+(``_joinables``); then every parameter gets back the ``.grad`` it had
 before the round, object and value (the value too: with
 ``gradient_as_bucket_view`` the replay wrote into the user's own gradient), so
 after the Join ``.grad`` is what the user's last backward left.
@@ -35,47 +35,64 @@ after the Join ``.grad`` is what the user's last backward left.
 *When.* Enabled by ``Join(..., replay=True)``, or automatically when the DDP
 module contains a module with collectives in forward (``SyncBatchNorm``, or
 any module with ``join_forward_collectives = True``); ``replay=False`` keeps
-torch's hook. The model must meet ``adapters._replay``'s requirements, and
+torch's hook. The model must meet ``_replay``'s requirements, and
 every iteration must run backward (under ``no_sync()`` too).
 
 *The input.* A forward pre-hook on the DDP module records (and publishes) the
 rank's first input of the Join (``_replay.InputSource``). It is installed when
 the hook is built and removed, with the published spec, by the post hook, or
 at the first forward after a Join that ended without post hooks (a failure).
+
+*Where it plugs in.* DDP's shadow (``_joinables._DDPShadow``) holds a
+:class:`DDPReplay` when the model is replayed and runs it as its main hook; the
+replay keeps or drops the round's average through that shadow
+(``forget_average``, ``steps_shards``, ``keep_average``), so this module
+needs nothing of the DDP adapter's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from . import _replay
-from . import torch as torch_adapter
 
-__all__ = ["REPLAY", "replay_shadow", "DDPReplayShadow"]
+__all__ = ["REPLAY", "replay_for", "DDPReplay"]
 
 #: ``Join(..., replay=...)``: ``True``/``False`` forces the replay on or off;
 #: absent or ``None`` decides from the model.
 REPLAY = "replay"
 
 
-def replay_shadow(adapter: Any, hook: Any, kwargs: dict[str, Any]) -> DDPReplayShadow | None:
-    """The replaying shadow for a DDP adapter, or ``None`` to keep torch's hook."""
+class _Shadow(Protocol):
+    """What the replay needs of DDP's shadow (``_joinables._DDPShadow``)."""
+
+    adapter: Any
+
+    def forget_average(self) -> None: ...
+
+    def steps_shards(self) -> bool: ...
+
+    def keep_average(self, averaged: list[tuple[list[Any], list[Any]]]) -> None: ...
+
+
+def replay_for(adapter: Any, kwargs: dict[str, Any]) -> DDPReplay | None:
+    """The replay for a DDP adapter's shadow, or ``None`` to keep torch's hook."""
     ddp = adapter.obj
     wanted = kwargs.get(REPLAY)
     if wanted is None:
         wanted = _replay.has_forward_collectives(ddp.module)
     if not wanted:
         return None
-    return DDPReplayShadow(adapter, hook, kwargs.get(_replay.SHADOW_INPUT))
+    return DDPReplay(adapter, kwargs.get(_replay.SHADOW_INPUT))
 
 
-class DDPReplayShadow(torch_adapter._DDPShadow):
-    """DDP's shadow by replay (module doc); the fused check stays the parent's."""
+class DDPReplay:
+    """A DDP model's shadow round by replay (module doc)."""
 
-    def __init__(self, adapter: Any, hook: Any, shadow_input: Any) -> None:
-        super().__init__(adapter, hook)
+    def __init__(self, adapter: Any, shadow_input: Any) -> None:
+        self.adapter = adapter
         ddp = adapter.obj
         self.source = _replay.InputSource(ddp.process_group, shadow_input)
         self._join: Any = None
@@ -88,32 +105,23 @@ class DDPReplayShadow(torch_adapter._DDPShadow):
         if self._join is None and join is not None:
             self._join = join
         if join is None or join is not self._join:
-            self._remove()  # the first forward after this hook's Join
+            self.close()  # the first forward after this hook's Join
             return None
         if not self.adapter._in_hook and self.source.needs_record:
             self.source.record(tuple(args), dict(kwargs), module.device_type)
         return None
 
-    def _remove(self) -> None:
+    def close(self) -> None:
+        """Remove the input's hook and its published spec (the post hook, or later)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
         self.source.close()
 
-    def main_hook(self) -> None:
-        self.adapter._in_hook = True
-        try:
-            self._replay()
-        finally:
-            self.adapter._in_hook = False
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self._remove()
-        super().post_hook(is_last_joiner)
-
-    def _replay(self) -> None:
+    def run(self, shadow: _Shadow) -> None:
+        """One shadow round: replay the iteration, keep the average for a ZeRO."""
         ddp = self.adapter.obj
-        torch_adapter._averaged.pop(self.adapter.key, None)  # this round's, if it syncs
+        shadow.forget_average()  # this round's, if it syncs
         args, kwargs, autocast = self.source.inputs(torch.device(ddp.join_device))
         params = [p for p in ddp.parameters() if p.requires_grad]
         # Each parameter's own gradient, given back after the round (module doc).
@@ -125,11 +133,9 @@ class DDPReplayShadow(torch_adapter._DDPShadow):
                     param.grad.zero_()
         try:
             synced = self._replay_zero_loss(ddp, args, kwargs, autocast)
-            if synced and torch_adapter._steps_shards_with(self.adapter):
+            if synced and shadow.steps_shards():
                 with_grad = [p for p in params if p.grad is not None]
-                torch_adapter._averaged[self.adapter.key] = [
-                    (with_grad, [p.grad.detach().clone() for p in with_grad])
-                ]
+                shadow.keep_average([(with_grad, [p.grad.detach().clone() for p in with_grad])])
         finally:
             with torch.no_grad():
                 for param, grad, value in own:

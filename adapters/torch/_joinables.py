@@ -45,7 +45,7 @@ bucket rebuild when due (a joined rank's hook always does; DDP's forward only
 with gradients). A forward *with* gradients and no backward cannot be told at
 the time: :class:`_BackwardWatch` finds it before this rank's next send and
 refuses it after matching the joined ranks' all-reduces. A replayed model
-(``adapters._ddp_replay``) cannot replay a forward-only iteration: a forward
+(``_ddp_replay``) cannot replay a forward-only iteration: a forward
 without gradients is refused before anything is sent.
 
 *DDP carries the heartbeat in its gradient-sync check.* With join enabled,
@@ -121,7 +121,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -139,9 +138,9 @@ from joinkit import (
     LocalProtocolError,
     split_heartbeat_flags,
 )
+from joinkit.lowlevel import AdapterCache, AdapterJoinable
 
-from . import _torch_private
-from ._identity import AdapterCache
+from . import _private
 
 __all__ = ["adapt", "TorchJoinable"]
 
@@ -179,7 +178,7 @@ def adapt(obj: Any) -> TorchJoinable:
         raise TypeError(
             f"joinkit.adapters.torch.adapt expects a torch Joinable, got {type(obj).__qualname__}"
         )
-    _torch_private.check(obj)  # once per kind of object and process
+    _private.check(obj)  # once per kind of object and process
     if not hasattr(obj, "_join_config"):
         raise LocalProtocolError(
             f"{type(obj).__qualname__} has no join config: its constructor must call "
@@ -221,24 +220,22 @@ def check_order(joinables: Sequence[Joinable]) -> None:
             )
 
 
-class TorchJoinable(Joinable):
+class TorchJoinable(AdapterJoinable):
     """A joinkit Joinable standing for one torch Joinable (see the module doc).
 
     Args:
         obj: the torch Joinable.
     """
 
+    describes = "torch Joinable"
+
     def __init__(self, obj: Any) -> None:
-        # Joinable.__init__ would assign _join_config, i.e. write a disabled
-        # config onto ``obj``, which may be inside a torch Join right now.
-        try:
-            # Weak, so the adapter cache never keeps a model alive; while a
-            # Join runs, the torch hook it holds keeps the object alive.
-            self._obj: Callable[[], Any] = weakref.ref(obj)
-        except TypeError:
-            self._obj = lambda: obj
+        # AdapterJoinable.__init__ does not assign _join_config (which would
+        # write a disabled config onto ``obj``, maybe inside a torch Join right
+        # now); it holds ``obj`` weakly: while a Join runs, the torch hook it
+        # holds keeps the object alive.
+        super().__init__(obj)
         self.key = id(obj)  # how the router finds this adapter
-        self._config = JoinConfig()
         self._in_hook = False
         self._is_ddp = isinstance(obj, DistributedDataParallel)
         self._is_zero = _is_zero(obj)
@@ -257,74 +254,61 @@ class TorchJoinable(Joinable):
         self._elastic_zero: Any = None
         self._divide_by_initial_world_size = True  # DDP's join_hook default
 
-    def __repr__(self) -> str:
-        return f"TorchJoinable({type(self.obj).__qualname__})"
-
-    @property
-    def obj(self) -> Any:
-        """The torch Joinable this adapter stands for."""
-        obj = self._obj()
-        if obj is None:
-            raise LocalProtocolError("the torch Joinable behind this adapter was deleted")
-        return obj
-
     # -- the config the shell sets -------------------------------------------------
 
-    @property
-    def _join_config(self) -> Any:
-        return self._config
-
-    @_join_config.setter
-    def _join_config(self, config: Any) -> None:
-        was_active = self._config.enable and self._config.join is not None
-        active = config.enable and config.join is not None
-        if active and not was_active and rank_loss_finish(config.join):
+    def join_entering(self, config: JoinConfig) -> None:
+        join = config.join
+        assert join is not None
+        if rank_loss_finish(join):
             # The same answer on every rank (the settings agree), before any collective.
-            message = _finish_refusal(self, config.join)
+            message = _finish_refusal(self, join)
             if message is not None:
                 # The Join leaves as if never entered: DDP's vouch goes too.
-                for joinable in getattr(config.join, "_joinables", ()):
+                for joinable in join.joinables:
                     if isinstance(joinable, TorchJoinable):
                         _elastic_vouch(joinable, None)
                 raise ValueError(message)
-        self._config = config
-        if active:
+
+    def join_config_set(self, config: JoinConfig) -> None:
+        if config.enable and config.join is not None:
             self.obj._join_config = _TorchJoinConfig(
                 enable=True,
                 throw_on_early_termination=config.throw_on_early_termination,
                 is_first_joinable=False,  # joinkit sends the heartbeat (module doc)
             )
-            if not was_active:
-                if self._is_ddp:
-                    self._enter_ddp(config)
-                elif self._is_zero and rank_loss_finish(config.join):
-                    self._enter_elastic_zero(config.join)
-                _route(self)
-            return
-        self.obj._join_config = _TORCH_DISABLED
-        if was_active:
-            _unroute(self)
-            if self._fused is not None:
-                self._fused.close()
-                self._fused = None
-            if self._sync_check is not None:
-                self._sync_check.close()
-                self._sync_check = None
-            if self._is_ddp:
-                _forget_join(self)
-            if self._elastic_ddp is not None:
-                elastic, self._elastic_ddp = self._elastic_ddp, None
-                elastic.close()
-            if self._elastic_zero is not None:
-                elastic_zero, self._elastic_zero = self._elastic_zero, None
-                elastic_zero.close()
-            _elastic_vouch(self, None)
+        else:
+            self.obj._join_config = _TORCH_DISABLED
+
+    def join_entered(self, join: Join) -> None:
+        if self._is_ddp:
+            self._enter_ddp(self._config)
+        elif self._is_zero and rank_loss_finish(join):
+            self._enter_elastic_zero(join)
+        _route(self)
+
+    def join_left(self) -> None:
+        _unroute(self)
+        if self._fused is not None:
+            self._fused.close()
+            self._fused = None
+        if self._sync_check is not None:
+            self._sync_check.close()
+            self._sync_check = None
+        if self._is_ddp:
+            _forget_join(self)
+        if self._elastic_ddp is not None:
+            elastic, self._elastic_ddp = self._elastic_ddp, None
+            elastic.close()
+        if self._elastic_zero is not None:
+            elastic_zero, self._elastic_zero = self._elastic_zero, None
+            elastic_zero.close()
+        _elastic_vouch(self, None)
 
     def _enter_ddp(self, config: Any) -> None:
         """Install DDP's gradient-sync check for this Join (module doc)."""
         join = config.join
         backend = join.backend
-        if getattr(join, "_on_rank_loss", "raise") == "finish":
+        if join.on_rank_loss == "finish":
             self._enter_elastic_ddp(join)
             return
         elastic_module = sys.modules.get(f"{__package__}._ddp_elastic")
@@ -394,7 +378,7 @@ class TorchJoinable(Joinable):
         """
         from . import _zero_elastic
 
-        ddp_adapter = join._joinables[0]
+        ddp_adapter = join.joinables[0]
         elastic_ddp = ddp_adapter._elastic_ddp
         if elastic_ddp is None:  # pragma: no cover - _finish_refusal guarantees it
             raise LocalProtocolError("ZeroRedundancyOptimizer entered before its DDP model")
@@ -425,11 +409,12 @@ class TorchJoinable(Joinable):
             _elastic_vouch(self, self._is_ddp, kwargs.get("store_outlives_ranks"))
         if self._is_ddp:
             # A model with collectives in forward is shadowed by replaying it.
-            from ._ddp_replay import replay_shadow
+            from ._ddp_replay import replay_for
 
-            replaying = replay_shadow(self, hook, kwargs)
-            self._replays = replaying is not None
-            return replaying or _DDPShadow(self, hook)
+            shadow = _DDPShadow(self, hook)
+            shadow.replay = replay_for(self, kwargs)
+            self._replays = shadow.replay is not None
+            return shadow
         if _is_zero(self.obj):
             return _ZeROShadow(self, hook)
         return _Shadow(self, hook)
@@ -527,7 +512,7 @@ def _finish_refusal(adapter: TorchJoinable, join: Any) -> str | None:
     Asked by each torch adapter of the Join as it is entered, so the first one
     refuses, before DDP registers anything.
     """
-    joinables = list(getattr(join, "_joinables", ()))
+    joinables = list(join.joinables)
     pair = (len(joinables) == 2
             and all(isinstance(j, TorchJoinable) for j in joinables)
             and joinables[0]._is_ddp and joinables[1]._is_zero)
@@ -598,9 +583,30 @@ _averaged: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
 
 
 class _DDPShadow(_Shadow):
-    """DDP's hook; with a ZeRO in the Join, its shadow all-reduce keeps the average."""
+    """DDP's hook; with a ZeRO in the Join, its shadow all-reduce keeps the average.
+
+    A model with collectives in forward is shadowed by replay instead
+    (``replay``, a ``_ddp_replay.DDPReplay``); the fused check stays this one's.
+    """
+
+    #: The replay that stands for torch's main hook, if the model is replayed.
+    replay: Any = None
+
+    def forget_average(self) -> None:
+        """Drop the average kept from the previous round."""
+        _averaged.pop(self.adapter.key, None)
+
+    def steps_shards(self) -> bool:
+        """Whether a ZeroRedundancyOptimizer in this Join steps with the average."""
+        return _steps_shards_with(self.adapter)
+
+    def keep_average(self, averaged: list[tuple[list[Any], list[Any]]]) -> None:
+        """Keep this round's average (per bucket: parameters, gradients) for ZeRO."""
+        _averaged[self.adapter.key] = averaged
 
     def post_hook(self, is_last_joiner: bool) -> None:
+        if self.replay is not None:
+            self.replay.close()
         elastic = self.adapter._elastic_ddp
         if elastic is None:
             super().post_hook(is_last_joiner)
@@ -626,6 +632,13 @@ class _DDPShadow(_Shadow):
 
     def main_hook(self) -> None:
         adapter = self.adapter
+        if self.replay is not None:
+            adapter._in_hook = True
+            try:
+                self.replay.run(self)
+            finally:
+                adapter._in_hook = False
+            return
         # This round's average, if the active ranks sync gradients in it.
         _averaged.pop(adapter.key, None)
         if not _steps_shards_with(adapter):

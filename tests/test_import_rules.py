@@ -1,0 +1,223 @@
+"""The walls of the house (issue 29): the import contracts, the public surface, old paths.
+
+- ``tests/import_rules.py`` (the private-names contract) finds what it must and
+  nothing else, on small trees written here;
+- ``pyproject.toml``'s core contracts list every module of ``join_core/``;
+- ``joinkit.lowlevel`` and the other public surfaces export what they say;
+- every module path the README and the docs name still imports, and the old
+  paths of moved modules re-export the same objects with one
+  ``DeprecationWarning``.
+
+``make lint`` runs the contracts themselves (``lint-imports``).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: import-linter depends on tomli there
+    import tomli as tomllib
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.import_rules import violations  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUG_INS = ("pkg.backends", "pkg.adapters")
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, tuple[Path, bool]]:
+    modules = {}
+    for name, text in files.items():
+        is_package = name.endswith(".__init__")
+        module = name.removesuffix(".__init__")
+        path = tmp_path / (name.replace(".", "_") + ".py")
+        path.write_text(text)
+        modules[module] = (path, is_package)
+    return modules
+
+
+BASE = {
+    "pkg.__init__": "",
+    "pkg._core": "_SECRET = 1\nPUBLIC = 2\n",
+    "pkg.backends.__init__": "",
+    "pkg.backends.lib.__init__": "",
+    "pkg.backends.lib._board": "def _store(): ...\ndef store(): ...\n",
+    "pkg.adapters.__init__": "",
+    "pkg.adapters._guards": "def _version(): ...\ndef version(): ...\n",
+    "pkg.adapters.fw.__init__": "",
+    "pkg.adapters.fw._private": "_checked = set()\n",
+}
+
+
+@pytest.mark.parametrize(("importer", "source", "expected"), [
+    # inside the package: fine
+    ("pkg.backends.lib._group", "from ._board import _store\n", []),
+    ("pkg.backends.lib._group", "from . import _board\n_board._store()\n", []),
+    ("pkg.adapters.fw._x", "from .._guards import version\nfrom . import _private\n", []),
+    ("pkg.adapters.fw._x", "from pkg.adapters import _guards\n", []),
+    ("pkg.adapters.fw._x", "import pkg.backends.lib as lib\nlib.store\n", []),
+    # another package's private names and modules
+    ("pkg.adapters.fw._x", "from pkg.backends.lib._board import _store\n",
+     [("pkg.backends.lib", "_board"), ("pkg.backends.lib._board", "_store")]),
+    ("pkg.adapters.fw._x", "from pkg.backends.lib import _board\n_board._store()\n",
+     [("pkg.backends.lib", "_board"), ("pkg.backends.lib._board", "_store")]),
+    ("pkg.adapters.fw._x", "import pkg.backends.lib._board as b\nb._store\n",
+     [("pkg.backends.lib", "_board"), ("pkg.backends.lib._board", "_store")]),
+    ("pkg.adapters.other._x", "from ..fw._private import _checked\n",
+     [("pkg.adapters.fw", "_private"), ("pkg.adapters.fw._private", "_checked")]),
+    # a parent package's private module is its sub-packages' too
+    ("pkg.adapters.other._x", "from pkg.adapters._guards import _version\n", []),
+    # the core's privates, from a plug-in: refused although pkg contains it
+    ("pkg.backends.lib._group", "from pkg import _core\n", [("pkg", "_core")]),
+    ("pkg.adapters.fw._x", "from pkg._core import PUBLIC\n", [("pkg", "_core")]),
+    ("pkg.adapters.fw._x", "from pkg._core import _SECRET\n",
+     [("pkg", "_core"), ("pkg._core", "_SECRET")]),
+    # the core's own modules may use each other's privates
+    ("pkg._other", "from ._core import _SECRET\n", []),
+])
+def test_private_names(tmp_path: Path, importer: str, source: str,
+                       expected: list[tuple[str, str]]) -> None:
+    modules = _tree(tmp_path, {**BASE, importer: source})
+    found = violations(modules, PLUG_INS)
+    assert [(module, name) for who, module, name, _ in found if who == importer] == expected
+    assert all(who == importer for who, _, _, _ in found)
+
+
+def _contracts() -> list[dict[str, object]]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts: list[dict[str, object]] = config["tool"]["importlinter"]["contracts"]
+    return contracts
+
+
+def test_the_core_contracts_list_every_core_module() -> None:
+    core = {f"joinkit.{path.stem}" for path in (ROOT / "join_core").glob("*.py")
+            if path.stem != "__init__"}
+    listed = [set(c["source_modules"]) for c in _contracts()  # type: ignore[call-overload]
+              if c["type"] == "forbidden" and str(c["name"]).startswith("The core ")
+              and "joinkit" not in c["source_modules"]]  # type: ignore[operator]
+    assert len(listed) == 2
+    for modules in listed:
+        assert modules == core, f"add {sorted(core - modules)}, drop {sorted(modules - core)}"
+
+
+def test_every_package_folder_is_a_package_in_pyproject() -> None:
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                   ["tool"]["setuptools"]["packages"])
+    names = {"join_core": "joinkit", "backends": "joinkit.backends",
+             "adapters": "joinkit.adapters"}
+    found = set()
+    for folder, package in names.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *parts)))
+    assert found == packages
+
+
+def test_lowlevel_exports_what_it_lists() -> None:
+    import joinkit
+    import joinkit.backends
+    import joinkit.lowlevel as lowlevel
+
+    for name in lowlevel.__all__:
+        assert getattr(lowlevel, name) is not None, name
+    assert lowlevel.register_backend is joinkit.backends.register
+    assert lowlevel.resolve_backend is joinkit.backends.resolve
+    assert lowlevel.ALARM == 2.0**52 and lowlevel.decode_tally(3.0) == (3, False)
+    assert set(joinkit.__all__) <= set(dir(joinkit))
+
+
+def test_capabilities_are_looked_up_once_into_one_value() -> None:
+    from joinkit.backends.threads import spawn
+    from joinkit.lowlevel import BackendCapabilities, SupportsStatusBoard, capabilities
+
+    class Bare:
+        rank, world_size = 0, 1
+
+        def heartbeat(self, value: float) -> None: ...
+        def count(self, value: float) -> float: return value
+        def all_gather_object(self, obj: object) -> list[object]: return [obj]
+
+    bare = capabilities(Bare())  # type: ignore[arg-type]
+    assert bare == BackendCapabilities()
+    def look(group: object) -> tuple[BackendCapabilities, bool]:
+        return capabilities(group), isinstance(group, SupportsStatusBoard)  # type: ignore[arg-type]
+
+    [(caps, has_board)] = spawn(look, 1)
+    assert caps.abort is not None and caps.peer_status is not None and has_board
+    assert caps.counts_collectives and caps.start_rank_loss_recovery is None
+
+
+#: Modules the README and the docs name, all of which must import (torch's
+#: rooms need torch, which the test environment has).
+DOCUMENTED = re.compile(r"\bjoinkit(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def _documented_modules() -> set[str]:
+    import importlib
+
+    names = set()
+    for path in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        names.update(DOCUMENTED.findall(path.read_text()))
+    modules = set()
+    for name in names:
+        parts = name.split(".")
+        for end in range(len(parts), 0, -1):  # the longest prefix that is a module
+            candidate = ".".join(parts[:end])
+            try:
+                importlib.util.find_spec(candidate)
+            except (ImportError, ValueError):
+                continue
+            if importlib.util.find_spec(candidate) is not None:
+                modules.add(candidate)
+                break
+    return modules
+
+
+def test_every_documented_module_path_imports() -> None:
+    modules = sorted(_documented_modules())
+    assert "joinkit.adapters.torch.data" in modules and "joinkit.lowlevel" in modules
+    code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)\n"
+    run = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:joinkit",
+                          "-c", code, *modules], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+#: old path -> new path of the modules issue 29 moved.
+MOVED = {
+    "joinkit.adapters.fsdp": "joinkit.adapters.torch.fsdp",
+    "joinkit.adapters.optim": "joinkit.adapters.torch.optim",
+    "joinkit.adapters.data": "joinkit.adapters.torch.data",
+    "joinkit.adapters.collectives": "joinkit.adapters.torch.collectives",
+    "joinkit.adapters.fabric": "joinkit.adapters.lightning.fabric",
+}
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
+def test_an_old_path_re_exports_the_new_module_and_warns_once(old: str, new: str) -> None:
+    code = f"""
+import importlib, warnings
+new = importlib.import_module({new!r})
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    old = importlib.import_module({old!r})
+    importlib.import_module({old!r})
+moved = [w for w in caught if issubclass(w.category, DeprecationWarning)
+         and {old!r} in str(w.message)]
+assert len(moved) == 1, [str(w.message) for w in caught]
+assert {new!r} in str(moved[0].message)
+for name in new.__all__:
+    assert getattr(old, name) is getattr(new, name), name
+print("ok", len(new.__all__))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("ok ")
