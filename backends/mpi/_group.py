@@ -43,8 +43,10 @@ buffer (or a tensor's lazy conjugate view) is copied into a staging array and
 the result copied back when the collective completes. The MPI datatype and
 reduce op are looked up in tables built once.
 
-*The Join's extras.* ``all_gather_object`` is mpi4py's pickle-based
-``allgather``; ``heartbeat_total`` reads the latest heartbeat's sum;
+*The Join's extras.* The object collectives (``all_gather_object``,
+``all_agree``, ``gather_object``, ``broadcast_object``) are
+``backends._objects``' over the group's own collectives (so an elastic group
+sequences them too); ``heartbeat_total`` reads the latest heartbeat's sum;
 ``collectives_issued`` counts the group's own collectives (a raw communicator's
 backend has none, since the joinable's calls bypass it: there a rank that fails
 after a heartbeat cannot know whether its peers wait in that iteration's
@@ -77,6 +79,7 @@ import numpy as np
 
 from joinkit import LostRank
 
+from .. import _objects
 from .. import register as register_backend
 from .._checks import Checks, host_array, is_tensor
 from . import _board
@@ -260,13 +263,11 @@ class MPIGroup(ElasticGroup):
         Returns:
             Every rank's object, in rank order.
         """
-        if self._elastic:
-            return list(self._sequenced("allgather", lambda comm: comm.allgather(obj)))
-        return list(self.comm.allgather(obj))
+        return _objects.all_gather_object(self, obj)
 
     def all_agree(self, value: int) -> bool:
         """Whether every rank passed the same ``value``: one 2-element int64
-        MAX all-reduce of ``value`` and its negation.
+        MAX all-reduce of ``value`` and its negation (``backends._objects``).
 
         Args:
             value: an int in ``[0, 2**63)`` (the Join passes a settings digest).
@@ -274,20 +275,11 @@ class MPIGroup(ElasticGroup):
         Returns:
             The same answer on every rank.
         """
-        buf = np.array([value, -value], dtype=np.int64)
-        if self._elastic:
-            def agree(comm: MPI.Comm) -> np.ndarray:
-                out = np.empty_like(buf)
-                comm.Allreduce(buf, out, op=MPI.MAX)
-                return out
-            agreed: np.ndarray = self._sequenced("Allreduce", agree)
-            buf = agreed
-        else:
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-        return bool(buf[0] == -buf[1])
+        return _objects.all_agree(self, value)
 
     def gather_object(self, obj: Any, dst: int) -> list[Any] | None:
-        """Gather one picklable object from every rank on rank ``dst`` (``comm.gather``).
+        """Gather one picklable object from every rank on rank ``dst``
+        (``backends._objects``: the lengths' maximum, then one gather).
 
         Args:
             obj: this rank's object.
@@ -300,15 +292,11 @@ class MPIGroup(ElasticGroup):
             ValueError: ``dst`` is not a rank of the communicator.
         """
         root = self._checks.root(dst, "dst", "gather_object")
-        if self._elastic:
-            owner = self._members[root]
-            everyone = self._sequenced("allgather", lambda comm: comm.allgather(obj))
-            return list(everyone) if self.initial_rank == owner else None
-        gathered = self.comm.gather(obj, root=root)
-        return None if gathered is None else list(gathered)
+        return _objects.gather_object(self, obj, root)
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
-        """Rank ``src``'s picklable ``obj`` on every rank (``comm.bcast``).
+        """Rank ``src``'s picklable ``obj`` on every rank (``backends._objects``:
+        the pickle's length, then the pickle).
 
         Args:
             obj: the object on ``src``; ignored elsewhere.
@@ -321,15 +309,7 @@ class MPIGroup(ElasticGroup):
             ValueError: ``src`` is not a rank of the communicator.
         """
         root = self._checks.root(src, "src", "broadcast_object")
-        if self._elastic:
-            owner = self._members[root]
-            mine = (self.initial_rank, obj if self.rank == root else None)
-            everyone = self._sequenced("allgather", lambda comm: comm.allgather(mine))
-            for rank, value in everyone:
-                if rank == owner:
-                    return value
-            raise self._root_lost("broadcast_object", "src", owner)
-        return self.comm.bcast(obj if self.rank == src else None, root=root)
+        return _objects.broadcast_object(self, obj, root)
 
     def abort(self, message: str) -> None:
         """Abort every process of the communicator (``MPI_Abort``).

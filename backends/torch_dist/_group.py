@@ -116,10 +116,8 @@ and the doctor need of torch ``_launcher``.
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import os
-import pickle
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -132,7 +130,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from joinkit import LocalProtocolError, PeerFailure
 
-from .. import _status
+from .. import _objects, _status
 from .. import register as register_backend
 from .._checks import Checks
 from .._status import Post
@@ -153,8 +151,6 @@ from ._exit import (
 
 __all__ = ["TorchGroup", "GroupAborted", "elastic_raw_groups"]
 
-#: Bytes of the length prefix of each pickle ``gather_object`` sends.
-_LENGTH_BYTES = 8
 
 
 class GroupAborted(PeerFailure):
@@ -265,6 +261,26 @@ def _nothing() -> None:
     return None
 
 
+class _DeviceBuffers:
+    """The object collectives' buffers (``backends._objects``): tensors on the group's device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def ints(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def read_ints(self, buf: torch.Tensor) -> list[int]:
+        return [int(value) for value in buf.tolist()]
+
+    def data(self, raw: bytes | bytearray) -> torch.Tensor:
+        host = torch.from_numpy(np.frombuffer(bytes(raw), dtype=np.uint8).copy())
+        return host.to(self.device)
+
+    def read_data(self, buf: torch.Tensor) -> bytes:
+        return bytes(buf.cpu().numpy().tobytes())
+
+
 class TorchGroup:
     """joinkit's collectives over a torch.distributed ProcessGroup.
 
@@ -296,6 +312,7 @@ class TorchGroup:
         group = _live_group(process_group)
         self.process_group = group
         self.device = _usable_device(device) if device is not None else _default_device(group)
+        self._buffers = _DeviceBuffers(self.device)
         self.rank: int = group.rank()
         self.world_size: int = group.size()
         self._checks = Checks(self.rank, self.world_size, self.device)
@@ -556,22 +573,7 @@ class TorchGroup:
         elastic = self._elastic
         if elastic is not None and not elastic.inside:
             return elastic.unit("all_gather_object", lambda: self.all_gather_object(obj))  # type: ignore[no-any-return]
-        payload = pickle.dumps(obj)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        self.wait(_hold(self.process_group.allgather([sizes], [size], AllgatherOptions()),
-                        size, *sizes))
-        lengths = [int(s.item()) for s in sizes]
-        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
-        padded[: data.numel()] = data
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self.wait(_hold(self.process_group.allgather([parts], [padded], AllgatherOptions()),
-                        padded, *parts))
-        return [
-            pickle.load(io.BytesIO(part[:length].cpu().numpy().tobytes()))
-            for part, length in zip(parts, lengths, strict=True)
-        ]
+        return _objects.all_gather_object(self, obj, self._buffers)
 
     def all_agree(self, value: int) -> bool:
         """Whether every rank passed the same ``value``: one 2-element int64
@@ -586,10 +588,7 @@ class TorchGroup:
         elastic = self._elastic
         if elastic is not None and not elastic.inside:
             return bool(elastic.unit("all_agree", lambda: self.all_agree(value)))
-        buf = torch.tensor([value, -value], dtype=torch.int64, device=self.device)
-        self.all_reduce(buf, "max")
-        highest, negated_lowest = buf.tolist()
-        return bool(highest == -negated_lowest)
+        return _objects.all_agree(self, value, self._buffers)
 
     def gather_object(self, obj: Any, dst: int) -> list[Any] | None:
         """Gather one picklable object from every rank on rank ``dst``.
@@ -614,21 +613,7 @@ class TorchGroup:
             return elastic.unit("gather_object",  # type: ignore[no-any-return]
                                 lambda: self.gather_object(obj, dst))
         dst = self._checks.root(dst, "dst", "gather_object")
-        payload = pickle.dumps(obj)
-        longest = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        self.all_reduce(longest, "max")
-        raw = bytearray(_LENGTH_BYTES + int(longest.item()))
-        raw[:_LENGTH_BYTES] = len(payload).to_bytes(_LENGTH_BYTES, "little")
-        raw[_LENGTH_BYTES:_LENGTH_BYTES + len(payload)] = payload
-        parts = self.gather(torch.frombuffer(raw, dtype=torch.uint8).to(self.device), dst)
-        if parts is None:
-            return None
-        objects = []
-        for part in parts:
-            data = part.cpu().numpy().tobytes()
-            length = int.from_bytes(data[:_LENGTH_BYTES], "little")
-            objects.append(pickle.loads(data[_LENGTH_BYTES:_LENGTH_BYTES + length]))
-        return objects
+        return _objects.gather_object(self, obj, dst, self._buffers)
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Rank ``src``'s picklable ``obj`` on every rank: a broadcast of its
@@ -648,14 +633,7 @@ class TorchGroup:
         if elastic is not None and not elastic.inside:
             return elastic.unit("broadcast_object", lambda: self.broadcast_object(obj, src))
         src = self._checks.root(src, "src", "broadcast_object")
-        payload = pickle.dumps(obj) if self.rank == src else b""
-        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        self.broadcast(length, src)
-        raw = bytearray(payload) if self.rank == src else bytearray(int(length.item()))
-        data = self.broadcast(torch.frombuffer(raw, dtype=torch.uint8).to(self.device), src)
-        if self.rank == src:
-            return obj
-        return pickle.loads(data.cpu().numpy().tobytes())
+        return _objects.broadcast_object(self, obj, src, self._buffers)
 
     def abort(self, message: str) -> None:
         """Abort the process group so peers blocked in a collective fail too.
