@@ -87,7 +87,7 @@ _DISABLED = JoinConfig()
 
 def autograd_backward(loss: torch.Tensor) -> None:
     """``loss.backward()``: :class:`StepReplay`'s default backward."""
-    loss.backward()
+    torch.autograd.backward(loss)
 
 
 class StepReplay(Joinable):
@@ -355,7 +355,8 @@ class StepReplay(Joinable):
             return self._scale_gradient(grad)
 
         self._forget_pending()
-        self._pending = (tensors, seen, [t.register_hook(reached) for t in tensors])
+        handles = [t.register_hook(reached) for t in tensors]  # type: ignore[no-untyped-call]
+        self._pending = (tensors, seen, handles)
         return None
 
     def _backward_reached(self) -> None:

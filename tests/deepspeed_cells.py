@@ -82,6 +82,12 @@ def cells(world: int) -> list[dict[str, Any]]:
     return out
 
 
+def launcher_cells(world: int) -> list[dict[str, Any]]:
+    """A cell per stage and setting pair for a second launcher (every stage, both plans)."""
+    return [spec for spec in cells(world)
+            if spec["name"].endswith(("p0-gas3-adam", "p1-gas2-active-sgd"))]
+
+
 def ds_config(spec: dict[str, Any], world: int) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": BATCH,

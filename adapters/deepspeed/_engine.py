@@ -263,9 +263,9 @@ class DeepSpeedJoinable(StepReplay):
         super()._refuse_on_entry(join)
         if not self._divide_by_initial_world_size and join.fuses_heartbeat:
             raise ValueError(
-                f"Join(..., divide_by_initial_world_size=False) needs the number of active "
-                f"ranks from the heartbeat, and this Join's first joinable carries it in its "
-                f"own collective: list the DeepSpeed engine first, Join([engine, ...])"
+                "Join(..., divide_by_initial_world_size=False) needs the number of active "
+                "ranks from the heartbeat, and this Join's first joinable carries it in its "
+                "own collective: list the DeepSpeed engine first, Join([engine, ...])"
             )
 
     def _enter(self, join: Join) -> None:
@@ -342,8 +342,8 @@ class DeepSpeedJoinable(StepReplay):
     def _heartbeat_sent(self, handle: Any) -> None:
         self._forwarded, self._stepped = True, False
         self._scale = None
-        if not self._divide_by_initial_world_size:
-            join = self._config.join
+        join = self._config.join
+        if not self._divide_by_initial_world_size and join is not None:
             self._heartbeat = handle if handle is not None else join.heartbeat_handle
 
     def _open_iteration(self) -> str | None:
