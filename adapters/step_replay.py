@@ -351,16 +351,13 @@ class StepReplay(Joinable):
         def reached(grad: torch.Tensor) -> torch.Tensor:
             if not seen[0]:
                 seen[0] = True
-                self._backward_reached()
+                tensors.clear()  # a backward ran: hold the outputs no longer
             return self._scale_gradient(grad)
 
         self._forget_pending()
         handles = [t.register_hook(reached) for t in tensors]  # type: ignore[no-untyped-call]
         self._pending = (tensors, seen, handles)
         return None
-
-    def _backward_reached(self) -> None:
-        """A backward reached this iteration's outputs (subclasses)."""
 
     def _scale_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient an active rank's backward sends into the module (subclasses)."""

@@ -329,7 +329,8 @@ def test_an_unsupported_deepspeed_is_refused_loudly(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "deepspeed", FakeDeepSpeed)
     monkeypatch.setattr(_private, "problems", lambda members: [])  # the members are fine
     monkeypatch.setattr(_private, "_checked", [])
-    with pytest.raises(UnsupportedDeepSpeedError, match=r"(?s)runs deepspeed 0\.20\.1.*outside the supported range"):
+    message = r"(?s)runs deepspeed 0\.20\.1.*outside the supported range"
+    with pytest.raises(UnsupportedDeepSpeedError, match=message):
         _private.check()
 
 
