@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The folders that map into the joinkit namespace (pyproject.toml): the strict
 # editable install links each module, so adding or removing one (which touches
 # its folder) reinstalls.
-PACKAGE_DIRS := join_core backends adapters
+PACKAGE_DIRS := join_core backends adapters adapters/deepspeed
 
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
