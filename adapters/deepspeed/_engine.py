@@ -1,0 +1,523 @@
+"""DeepSpeed engines under Join: a joined rank replays the engine's step.
+
+Theory of operation
+-------------------
+A DeepSpeed engine runs its collectives inside its own ``forward`` (ZeRO-3's
+parameter gathers), ``backward`` (ZeRO-2/3's bucketed reductions in gradient
+hooks; stage 0's and ZeRO-1's reduction at the accumulation boundary) and
+``step`` (the gradient norm for clipping, the overflow check, the partitioned
+optimizer step, the all-gather of the updated partitions). Which of them run
+in a micro-step depends only on the configuration and the micro-step counter,
+so :class:`DeepSpeedJoinable` is a :class:`~joinkit.adapters.torch.step_replay.StepReplay`
+over the engine: an active rank's heartbeat goes out in a forward pre-hook on
+the engine (before the first gather), and a joined rank replays the whole
+micro-step through the engine, ``engine(empty batch)``,
+``engine.backward(zero loss)``, ``engine.step()``. Its micro-step counter
+advances with the active ranks', so it reaches every accumulation boundary
+with them; its reductions contribute zeros; at a boundary it steps its own
+optimizer partition with the active ranks' reduced gradient (clipped by the
+global norm it helped compute), and the all-gather after the step gives it
+the new parameters: after the Join every rank holds the same model, and no
+post hook has anything to send.
+
+*The divisor.* DeepSpeed divides each micro-batch's loss by
+``gradient_accumulation_steps`` (``engine.backward``) and averages the reduced
+gradient over the data-parallel world size ``W`` (``engine.dp_world_size``,
+``gradient_predivide_factor`` included). A joined rank's zeros leave that as
+it is, so by default each optimizer step applies
+
+    sum over the micro-steps t of the window, over the ranks r active at t, of
+    grad(loss[r, t]) / (gradient_accumulation_steps * W)
+
+which is DDP's ``divide_by_initial_world_size=True``: exactly what DeepSpeed
+computes when the missing micro-batches contribute nothing, with no rescale.
+``Join([engine], divide_by_initial_world_size=False)`` divides each
+micro-step's gradient by the number ``A[t]`` of ranks active at ``t`` instead
+(``W`` replaced by ``A[t]`` above, as DDP does per iteration): each active
+rank multiplies the gradient its backward sends into the engine's outputs by
+``W / A[t]`` (a tensor hook on the outputs, so ``engine.backward`` and a
+torch-style ``loss.backward()`` alike), where ``A[t]`` is the sum of this
+micro-step's heartbeat (read after its forward, long complete). ``W / A`` is
+exact when it is a power of two (2 ranks, 1 active) and within one rounding
+of the product otherwise. With ``"gradient_allreduce_op": "sum"`` DeepSpeed
+does not average, and ``divide_by_initial_world_size=False`` is refused.
+
+*The boundary.* A joined rank replays with the micro-step counter's boundary
+(``(micro_steps + 1) % gradient_accumulation_steps == 0``; the flag
+``set_gradient_accumulation_boundary`` sets is set aside for the replay). An
+active rank must run the same boundary: while the Join lasts,
+``engine.set_gradient_accumulation_boundary(b)`` with ``b`` not the counter's
+(Accelerate's ``accumulate()`` under DeepSpeed) completes the open micro-step
+as a joined rank would and raises ``LocalProtocolError``; so does a forward
+after a stale flag. Each micro-step must call ``engine.step()`` (DeepSpeed's
+documented loop; Accelerate's ``accelerator.backward`` does with
+``gradient_accumulation_steps=1``): ``engine.step`` is replaced on the engine
+object for the Join's length to see it, and a forward (or the rank leaving
+its loop) after a micro-step without its backward or step completes that
+micro-step, then raises. ``engine.no_sync()`` and ``coalesce_grad_reduction()``
+are refused at the forward, before the heartbeat.
+
+*Refused on entry* (``ValueError`` from ``Join(...)``, on every rank alike,
+before any collective: it depends on the configuration only): pipeline
+parallelism (``PipelineEngine.train_batch`` runs its own schedule of
+point-to-point sends), MoE layers (expert routing), ZeRO-Offload and
+ZeRO-Infinity (``offload_optimizer`` / ``offload_param`` to ``cpu`` or ``nvme``:
+not run by these tests), ZenFlow, DeepCompile, ZeRO++ (hpZ, quantized weights or gradients),
+``managed_gradient_accumulation: false``, tensor, sequence or model
+parallelism (AutoTP, Ulysses, an ``mpu``), an engine without an optimizer (use
+:func:`evaluation`), and the engine's own optimizer or LR scheduler listed in
+the Join beside it (the engine steps them).
+
+*Evaluation.* :func:`evaluation` gives the joinable of a forward-only loop
+(``StepReplay(engine, backward=None)``): a joined rank replays the forward
+alone under ``torch.no_grad()`` (ZeRO-3's gathers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from joinkit import Join, Joinable, JoinHook, LocalProtocolError
+from joinkit.lowlevel import AdapterCache
+
+from ..torch.step_replay import StepReplay
+from . import _private, is_engine
+
+__all__ = ["DeepSpeedJoinable", "adapt", "check", "evaluation", "engine_parts",
+           "owned_by_an_engine", "collectives_group"]
+
+_MISSING = object()
+# The engine methods replaced on the object while a Join lasts (module doc).
+_WATCHED = ("step", "set_gradient_accumulation_boundary")
+
+
+def adapt(obj: Any) -> DeepSpeedJoinable:
+    """The joinable standing for a DeepSpeed engine (the same one for the same engine).
+
+    Args:
+        obj: what ``deepspeed.initialize`` returned first.
+
+    Raises:
+        UnsupportedDeepSpeedError: an unsupported DeepSpeed (``_private``).
+        ValueError: an engine whose step cannot be replayed (module doc), or an
+            engine's optimizer or scheduler passed instead of the engine.
+        TypeError: ``obj`` is neither.
+    """
+    if is_engine(obj):
+        _private.check()
+        message = _refusal(obj, training=True)
+        if message is not None:
+            raise ValueError(message)
+        _engines.add(obj)
+        return _adapters.get(obj, DeepSpeedJoinable)
+    if owned_by_an_engine(obj) or _is_deepspeed_optimizer(obj):
+        raise ValueError(_part_message(obj))
+    raise TypeError(
+        "joinkit.adapters.deepspeed.adapt expects a DeepSpeed engine, got "
+        f"{type(obj).__qualname__}"
+    )
+
+
+def evaluation(engine: Any) -> StepReplay:
+    """The joinable of an evaluation loop over ``engine``: joined ranks replay its forward.
+
+    Example::
+
+        engine.eval()
+        with Join([evaluation(engine)]), torch.no_grad():
+            for x, y in batches:
+                total += loss_fn(engine(x), y)
+
+    Args:
+        engine: what ``deepspeed.initialize`` returned first.
+
+    Returns:
+        A ``StepReplay(engine, backward=None)`` on the engine's data-parallel group.
+
+    Raises:
+        UnsupportedDeepSpeedError, ValueError: as :func:`adapt`.
+    """
+    if not is_engine(engine):
+        raise TypeError(
+            f"evaluation expects a DeepSpeed engine, got {type(engine).__qualname__}"
+        )
+    _private.check()
+    message = _refusal(engine, training=False)
+    if message is not None:
+        raise ValueError(message)
+    return StepReplay(engine, backward=None, process_group=collectives_group(engine),
+                      device=engine.device)
+
+
+def collectives_group(engine: Any) -> Any:
+    """The process group the engine's step runs its collectives on: the Join's group.
+
+    ZeRO's optimizer keeps its own (``dp_process_group``: for stage 3 the group
+    the parameters were partitioned over, the world by default; for stages 1
+    and 2 the engine's data-parallel group); stage 0 reduces on the engine's
+    data-parallel group. The Join's heartbeat goes on the same group, so the
+    backend's collective counter (the group's sequence number) sees the step's
+    collectives, which the Join's failure protocol reads.
+    """
+    group = getattr(engine.optimizer, "dp_process_group", None)
+    return group if group is not None else engine.data_parallel_group
+
+
+def engine_parts(engine: Any) -> list[Any]:
+    """The optimizers and LR schedulers ``engine`` steps itself (none of them is a joinable)."""
+    parts: list[Any] = []
+    for name in ("optimizer", "basic_optimizer", "client_optimizer", "lr_scheduler",
+                 "client_lr_scheduler"):
+        part = getattr(engine, name, None)
+        if part is not None and all(part is not p for p in parts):
+            parts.append(part)
+        inner = getattr(part, "optimizer", None)  # a ZeRO optimizer's torch optimizer
+        if inner is not None and all(inner is not p for p in parts):
+            parts.append(inner)
+    return parts
+
+
+def owned_by_an_engine(obj: Any) -> bool:
+    """Whether ``obj`` is an optimizer or scheduler of an engine adapted in this process."""
+    return any(obj is part for engine in list(_engines) for part in engine_parts(engine))
+
+
+def check(joinables: Sequence[Joinable]) -> None:
+    """Refuse an engine's optimizer or scheduler listed beside the engine.
+
+    Raises:
+        ValueError: the message says to pass the engine alone.
+    """
+    engines = [j.module for j in joinables if isinstance(j, DeepSpeedJoinable)]
+    if not engines:
+        return
+    parts = [part for engine in engines for part in engine_parts(engine)]
+    for joinable in joinables:
+        obj = getattr(joinable, "obj", None)
+        if obj is not None and any(obj is part for part in parts):
+            raise ValueError(_part_message(obj))
+
+
+_adapters: AdapterCache[DeepSpeedJoinable] = AdapterCache()
+_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+class DeepSpeedJoinable(StepReplay):
+    """A DeepSpeed engine in a Join: a joined rank replays its micro-steps (module doc).
+
+    Args:
+        engine: what ``deepspeed.initialize`` returned first.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine, backward=self._engine_backward, step=self._engine_step,
+                         process_group=collectives_group(engine), device=engine.device)
+        # Weak: the adapter cache must not keep the engine alive.
+        self._module = weakref.ref(engine)
+        self._world = int(engine.dp_world_size)
+        self._average = bool(engine.gradient_average)
+        self._divide_by_initial_world_size = True
+        self._originals: dict[str, Any] = {}  # the engine's own methods, while in a Join
+        self._saved: dict[str, Any] = {}  # what the instance held under those names
+        self._forwarded = False  # this rank's micro-step announced and not yet settled
+        self._stepped = False
+        self._heartbeat: Any = None
+        self._scale: float | None = None
+
+    @property
+    def engine(self) -> Any:
+        """The DeepSpeed engine."""
+        return self.module
+
+    # -- Join ------------------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The replay of one micro-step (module doc).
+
+        Args:
+            **kwargs: the Join's keyword arguments: ``divide_by_initial_world_size``
+                (default ``True``: DeepSpeed's own average over the world size)
+                and ``shadow_input`` (``StepReplay``).
+
+        Raises:
+            ValueError: ``divide_by_initial_world_size=False`` with an engine that
+                sums gradients instead of averaging them.
+        """
+        divide = bool(kwargs.get("divide_by_initial_world_size", True))
+        if not divide and not self._average:
+            raise ValueError(
+                "Join(..., divide_by_initial_world_size=False) with a DeepSpeed engine that "
+                "sums gradients (\"gradient_allreduce_op\": \"sum\"): there is no world size "
+                "to replace by the number of active ranks. Leave the keyword out, or let the "
+                "engine average"
+            )
+        self._divide_by_initial_world_size = divide
+        return super().join_hook(**kwargs)
+
+    def _refuse_on_entry(self, join: Join) -> None:
+        super()._refuse_on_entry(join)
+        if not self._divide_by_initial_world_size and join.fuses_heartbeat:
+            raise ValueError(
+                "Join(..., divide_by_initial_world_size=False) needs the number of active "
+                "ranks from the heartbeat, and this Join's first joinable carries it in its "
+                "own collective: list the DeepSpeed engine first, Join([engine, ...])"
+            )
+
+    def _enter(self, join: Join) -> None:
+        super()._enter(join)
+        engine = self.engine
+        self._forwarded = self._stepped = False
+        self._heartbeat, self._scale = None, None
+        replacements = {"step": self._watched_step,
+                        "set_gradient_accumulation_boundary": self._watched_boundary}
+        for name in _WATCHED:
+            self._originals[name] = getattr(engine, name)
+            self._saved[name] = engine.__dict__.get(name, _MISSING)
+            engine.__dict__[name] = replacements[name]
+
+    def _leave(self) -> None:
+        engine = self._module()
+        if engine is not None:
+            for name, value in self._saved.items():
+                if value is _MISSING:
+                    engine.__dict__.pop(name, None)
+                else:
+                    engine.__dict__[name] = value
+        self._saved, self._originals = {}, {}
+        self._heartbeat = None
+        super()._leave()
+
+    # -- what the replay calls ---------------------------------------------------------------
+
+    def _engine_backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def _engine_step(self) -> None:
+        step = self._originals.get("step")
+        (step if step is not None else self.engine.step)()
+
+    def _replay_context(self) -> contextlib.AbstractContextManager[Any]:
+        return self._counted_boundary_set()
+
+    @contextlib.contextmanager
+    def _counted_boundary_set(self) -> Iterator[None]:
+        """The replay runs the micro-step counter's boundary (module doc)."""
+        engine = self.engine
+        flag = engine._is_gradient_accumulation_boundary
+        engine._is_gradient_accumulation_boundary = None
+        try:
+            yield
+        finally:
+            engine._is_gradient_accumulation_boundary = flag
+
+    # -- an active rank's micro-step -------------------------------------------------------------
+
+    def _active(self) -> bool:
+        config = self._config
+        return bool(config.enable and config.join is not None and not self._in_hook)
+
+    def _counted_boundary(self) -> bool:
+        engine = self.engine
+        return bool((engine.micro_steps + 1) % engine.gradient_accumulation_steps() == 0)
+
+    def _check_forward(self) -> None:
+        super()._check_forward()
+        engine = self.engine
+        if engine.inside_no_sync_ctxt:
+            raise LocalProtocolError(
+                "a forward of the DeepSpeed engine inside engine.no_sync() or "
+                "engine.coalesce_grad_reduction() inside a Join: a joined rank cannot tell "
+                "such a micro-step from one that reduces. Let DeepSpeed accumulate with "
+                "\"gradient_accumulation_steps\" in its config instead"
+            )
+        flag = engine._is_gradient_accumulation_boundary
+        if flag is not None and bool(flag) != self._counted_boundary():
+            raise LocalProtocolError(_boundary_message(bool(flag), self._counted_boundary()))
+
+    def _heartbeat_sent(self, handle: Any) -> None:
+        self._forwarded, self._stepped = True, False
+        self._scale = None
+        join = self._config.join
+        if not self._divide_by_initial_world_size and join is not None:
+            self._heartbeat = handle if handle is not None else join.heartbeat_handle
+
+    def _open_iteration(self) -> str | None:
+        missing = super()._open_iteration()
+        if missing is None and self._forwarded and not self._stepped:
+            missing = "step"
+        return missing
+
+    def _settle(self) -> None:
+        try:
+            super()._settle()
+        finally:
+            self._forwarded = False
+
+    def _complete(self, missing: str) -> None:
+        try:
+            with self._counted_boundary_set():
+                super()._complete(missing)
+        finally:
+            self._forwarded, self._stepped = False, True
+
+    def _watched_step(self, *args: Any, **kwargs: Any) -> Any:
+        step = self._originals["step"]
+        if not self._active():
+            return step(*args, **kwargs)
+        if not self._forwarded or self._stepped:
+            self._refuse(LocalProtocolError(
+                "engine.step() inside a Join without a forward of the engine since the last "
+                "step: joined ranks replay one forward, backward and step per forward. Call "
+                "engine(batch), engine.backward(loss), engine.step() once each per micro-batch"
+            ))
+        result = step(*args, **kwargs)
+        self._stepped = True
+        return result
+
+    def _watched_boundary(self, is_boundary: bool) -> Any:
+        original = self._originals["set_gradient_accumulation_boundary"]
+        if self._active():
+            counted = self._counted_boundary()
+            if bool(is_boundary) != counted:
+                missing = self._open_iteration()
+                if missing is not None:
+                    self._complete(missing)  # as the joined ranks replay it
+                self._refuse(LocalProtocolError(_boundary_message(bool(is_boundary), counted)))
+        return original(is_boundary)
+
+    def _scale_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._divide_by_initial_world_size or self._in_hook:
+            return grad
+        scale = self._scale
+        if scale is None:
+            scale = self._scale = self._world / self._active_ranks()
+        return grad if scale == 1.0 else grad * scale
+
+    def _active_ranks(self) -> float:
+        """The number of ranks active in this micro-step: its heartbeat's sum."""
+        handle = self._heartbeat
+        join = self._config.join
+        if handle is None or join is None:
+            raise LocalProtocolError(
+                "divide_by_initial_world_size=False: no heartbeat of this micro-step to count "
+                "the active ranks from"
+            )
+        total = 0.0
+        reader = getattr(join.backend, "heartbeat_total", None)
+        if reader is not None:
+            total = float(reader(handle))
+        if not total:
+            # The backend does not read it (a CUDA group): the torch Work's result.
+            handle.wait()
+            total = float(handle.result()[0].sum().item())
+        if not 1.0 <= total <= self._world:
+            return float(self._world)  # a peer failed: the Join raises at the next notify
+        return total
+
+
+def _boundary_message(given: bool, counted: bool) -> str:
+    return (
+        f"the DeepSpeed engine's gradient accumulation boundary was set to {given} inside a "
+        f"Join, where its micro-step counter says {counted}: a joined rank replays each "
+        "micro-step with the counter's boundary, so a boundary set from outside (Accelerate's "
+        "accumulate(), set_gradient_accumulation_boundary) cannot be replayed. Let the engine "
+        "count: set \"gradient_accumulation_steps\" in the DeepSpeed config (with Accelerate: "
+        "gradient_accumulation_steps=1 in the Accelerator and the number in the DeepSpeed "
+        "config), and call engine.step() after every backward. (joinkit completed the open "
+        "micro-step as joined ranks do, so no collective mismatched.)"
+    )
+
+
+def _is_deepspeed_optimizer(obj: Any) -> bool:
+    import sys
+
+    base = getattr(sys.modules.get("deepspeed.runtime.base_optimizer"), "DeepSpeedOptimizer",
+                   None)
+    return isinstance(base, type) and isinstance(obj, base)
+
+
+def _part_message(obj: Any) -> str:
+    return (
+        f"Join got {type(obj).__qualname__}, which a DeepSpeed engine steps itself "
+        "(engine.step() steps its optimizer and LR scheduler): pass the engine alone, "
+        "Join([engine]); a joined rank's replay of engine.step() steps them"
+    )
+
+
+def _refusal(engine: Any, *, training: bool) -> str | None:
+    """Why the engine's step cannot be replayed, or ``None`` (module doc)."""
+    name = type(engine).__qualname__
+    pipe = _private_class("deepspeed.runtime.pipe.engine", "PipelineEngine")
+    if engine.pipeline_parallelism or (pipe is not None and isinstance(engine, pipe)):
+        return (
+            f"Join cannot replay a {name} with pipeline parallelism: train_batch() runs its "
+            "own schedule of sends and receives between stages, which a rank without data "
+            "cannot replay. Give every rank the same number of batches (or use "
+            "ZeRO data parallelism without a PipelineModule)"
+        )
+    if engine.has_moe_layers:
+        return (
+            f"Join cannot replay a {name} with MoE layers: expert routing sends tokens "
+            "between ranks by their data (all-to-all), which an empty batch does not "
+            "reproduce. Give every rank the same number of batches"
+        )
+    for what, offload in (("offload_optimizer", engine.zero_offload_optimizer()),
+                          ("offload_param", engine.zero_offload_param())):
+        device = str(getattr(getattr(offload, "device", None), "value",
+                             getattr(offload, "device", "none")))
+        if offload is not None and device not in ("none", "None"):
+            return (
+                f"Join does not replay a DeepSpeed engine with zero_optimization.{what} to "
+                f"{device!r} (ZeRO-Offload / ZeRO-Infinity): joinkit has not run it and "
+                "cannot vouch that a joined rank's replay matches. Leave offloading out of "
+                "the config inside a Join"
+            )
+    if getattr(engine, "zenflow", False):
+        return "Join does not replay a DeepSpeed engine with ZenFlow (its own update schedule)"
+    if engine.is_deepcompile_enabled():
+        return ("Join does not replay a DeepSpeed engine with DeepCompile (compiled "
+                "collectives): turn compile.deepcompile off inside a Join")
+    if not engine.managed_gradient_accumulation():
+        return (
+            "Join needs DeepSpeed's managed gradient accumulation (the engine counts "
+            "micro-steps and step() is called after each backward): remove "
+            "\"managed_gradient_accumulation\": false from the config"
+        )
+    parallel = [(label, size) for label, size in (
+        ("AutoTP tensor parallelism", engine.autotp_size()),
+        ("sequence parallelism", engine.sequence_parallel_size),
+        ("model parallelism (mpu)", engine.mp_world_size)) if size and int(size) > 1]
+    if parallel:
+        label, size = parallel[0]
+        return (
+            f"Join does not replay a DeepSpeed engine with {label} of size {size}: joinkit "
+            "has tested data parallelism only (ZeRO stages 0-3). For your own "
+            "tensor-parallel step use joinkit.adapters.torch.step_replay.StepReplay"
+        )
+    if (engine.zero_hpz_partition_size() > 1 or engine.zero_quantized_weights()
+            or engine.zero_quantized_gradients()):
+        return ("Join does not replay a DeepSpeed engine with ZeRO++ (hpZ partitions, "
+                "quantized weights or gradients): joinkit has not run it. Leave "
+                "zero_hpz_partition_size, zero_quantized_weights and "
+                "zero_quantized_gradients out of the config inside a Join")
+    if engine.seq_data_parallel_group is not engine.data_parallel_group:
+        return ("Join does not replay a DeepSpeed engine whose ZeRO group is not its "
+                "data-parallel group")
+    if training and engine.optimizer is None:
+        return (
+            f"Join got a {name} without an optimizer, which has no step to replay: for "
+            "an evaluation loop use Join([joinkit.adapters.deepspeed.evaluation(engine)])"
+        )
+    return None
+
+
+def _private_class(module: str, name: str) -> Any:
+    import sys
+
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls if isinstance(cls, type) else None

@@ -1,0 +1,164 @@
+"""The DeepSpeed internals joinkit's DeepSpeed adapter relies on, and their check.
+
+Theory of operation
+-------------------
+``Join([engine])`` replays a DeepSpeed engine's step on a joined rank through
+the engine's public ``forward``, ``backward`` and ``step``, but it also reads
+members DeepSpeed does not promise to keep: the engine's data-parallel group
+and world size (the Join's group, the divisor), its configuration accessors
+(what it refuses: pipeline parallelism, MoE, offload...), its micro-step
+counter and the accumulation boundary flag it keeps in
+``_is_gradient_accumulation_boundary`` (a joined rank replays with the
+counter's boundary), and it replaces ``step`` and
+``set_gradient_accumulation_boundary`` on the engine object while a Join lasts.
+A release that renamed one of them could make a joined rank replay a
+different step than the active ranks run, which is a hang at best and wrong
+gradients at worst. So each member is listed here, in the format of
+``adapters._guards`` (whose checker this module uses), and
+:func:`check` runs once per process when an engine is first adapted. It raises
+:class:`UnsupportedDeepSpeedError` naming this DeepSpeed's version and every
+member that changed; a DeepSpeed outside :data:`SUPPORTED_DEEPSPEED` is refused
+even when the members look the same, because the step's *behaviour* (which
+collectives a micro-step runs) is what the replay depends on, and only the
+tested versions are known to behave so. Nothing is checked per iteration.
+
+The ``[deepspeed]`` extra in ``pyproject.toml`` pins the same range as
+:data:`SUPPORTED_DEEPSPEED` (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from .._guards import Member, Need, problems, version
+from . import SUPPORTED_DEEPSPEED, UnsupportedDeepSpeedError
+
+__all__ = ["SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED", "ENGINE_MEMBERS", "check"]
+
+#: The DeepSpeed version joinkit's tests ran on (the supported range,
+#: SUPPORTED_DEEPSPEED, is the package's).
+TESTED_DEEPSPEED = "0.19.8"
+# SUPPORTED_DEEPSPEED as bounds on the release tuple (a test keeps them equal).
+_LOWEST, _BELOW = (0, 19, 8), (0, 20)
+
+
+_ENGINE = "deepspeed.runtime.engine"
+_PIPE = "deepspeed.runtime.pipe.engine"
+_BASE = "deepspeed.runtime.base_optimizer"
+_STAGE12 = "deepspeed.runtime.zero.stage_1_and_2"
+_STAGE3 = "deepspeed.runtime.zero.stage3"
+
+
+def _m(module: str, name: str, need: Need, why: str, params: tuple[str, ...] = (),
+       called_by: tuple[str, ...] = ()) -> Member:
+    return Member(module=module, name=name, need=need, params=params, called_by=called_by,
+                  why=why)
+
+
+def _config(name: str, why: str) -> Member:
+    return _m(_ENGINE, f"DeepSpeedEngine.{name}", Need.CALLABLE, why, ("self",))
+
+
+def _attribute(name: str, why: str) -> Member:
+    return _m(_ENGINE, f"DeepSpeedEngine.{name}", Need.ATTRIBUTE, why)
+
+
+#: Members of the engine (and around it) that the adapter reads or replaces.
+ENGINE_MEMBERS = (
+    _m(_ENGINE, "DeepSpeedEngine", Need.EXISTS, "the class Join adapts"),
+    _m(_ENGINE, "DeepSpeedEngine.forward", Need.CALLABLE,
+       "a joined rank's replay calls the engine on an empty batch (wrapped by "
+       "DeepSpeed's instrumentation: no signature to check)"),
+    _m(_ENGINE, "DeepSpeedEngine.backward", Need.CALLABLE,
+       "a joined rank's replay runs backward from a zero loss (wrapped like forward)"),
+    _m(_ENGINE, "DeepSpeedEngine.step", Need.CALLABLE,
+       "a joined rank's replay steps; replaced on the engine while a Join lasts to see "
+       "the active rank's step", ("self",)),
+    _m(_ENGINE, "DeepSpeedEngine.set_gradient_accumulation_boundary", Need.CALLABLE,
+       "replaced on the engine while a Join lasts: a boundary a joined rank cannot "
+       "replay is refused", ("self", "is_boundary")),
+    _attribute("_is_gradient_accumulation_boundary",
+               "the boundary set from outside, which a replay sets aside (it replays the "
+               "micro-step counter's boundary, as every active rank runs it)"),
+    _attribute("micro_steps", "the micro-step counter that decides the boundary"),
+    _config("gradient_accumulation_steps", "the boundary; the divisor"),
+    _attribute("data_parallel_group", "the Join's process group (its heartbeat)"),
+    _attribute("seq_data_parallel_group", "ZeRO's group, which must be the Join's"),
+    _attribute("dp_world_size", "the divisor of DeepSpeed's gradient average"),
+    _attribute("device", "the Join's device"),
+    _attribute("gradient_average", "whether DeepSpeed averages or sums gradients"),
+    _attribute("inside_no_sync_ctxt",
+               "no_sync() and coalesce_grad_reduction() are refused (a joined rank "
+               "cannot tell such a micro-step)"),
+    _attribute("optimizer", "Join refuses the engine's optimizer listed beside it"),
+    _attribute("basic_optimizer", "Join refuses the engine's optimizer listed beside it"),
+    _attribute("client_optimizer", "Join refuses the engine's optimizer listed beside it"),
+    _attribute("lr_scheduler", "Join refuses the engine's scheduler listed beside it"),
+    _attribute("client_lr_scheduler", "Join refuses the engine's scheduler listed beside it"),
+    _attribute("has_moe_layers", "MoE is refused"),
+    _attribute("pipeline_parallelism", "pipeline parallelism is refused"),
+    _attribute("sequence_parallel_size", "sequence parallelism is refused"),
+    _attribute("mp_world_size", "model parallelism (mpu) is refused"),
+    _attribute("zenflow", "ZenFlow is refused"),
+    _config("zero_optimization_stage", "the stage, for messages and refusals"),
+    _config("zero_offload_optimizer", "offload modes are refused"),
+    _config("zero_offload_param", "offload modes are refused"),
+    _config("managed_gradient_accumulation", "unmanaged accumulation is refused"),
+    _config("is_deepcompile_enabled", "DeepCompile is refused"),
+    _config("autotp_size", "AutoTP is refused"),
+    _config("zero_hpz_partition_size", "ZeRO++ is refused"),
+    _config("zero_quantized_weights", "ZeRO++ is refused"),
+    _config("zero_quantized_gradients", "ZeRO++ is refused"),
+    _m(_STAGE12, "DeepSpeedZeroOptimizer.dp_process_group", Need.ATTRIBUTE,
+       "the group ZeRO-1/2 reduce on: the Join's group (its collective counter)"),
+    _m(_STAGE3, "DeepSpeedZeroOptimizer_Stage3.dp_process_group", Need.ATTRIBUTE,
+       "the group ZeRO-3 gathers and reduces on: the Join's group"),
+    _m(_PIPE, "PipelineEngine", Need.EXISTS, "pipeline parallelism is refused"),
+    _m(_BASE, "DeepSpeedOptimizer", Need.EXISTS,
+       "an engine's optimizer listed in Join is refused with a message"),
+)
+
+_checked: list[bool] = []
+
+
+def check() -> None:
+    """Check the DeepSpeed version and :data:`ENGINE_MEMBERS`; once per process.
+
+    Raises:
+        UnsupportedDeepSpeedError: the version is outside the supported range, or
+            a member is missing or changed.
+    """
+    if _checked:
+        return
+    installed = _deepspeed_version()
+    found: list[str] = []
+    if not _supported(installed):
+        found.append(f"deepspeed {installed} is outside the supported range")
+    found += problems(ENGINE_MEMBERS)
+    if found:
+        lines = "\n".join(f"  - {problem}" for problem in found)
+        raise UnsupportedDeepSpeedError(
+            f"joinkit {version('joinkit')} supports deepspeed {SUPPORTED_DEEPSPEED} (tested "
+            f"with {TESTED_DEEPSPEED}), but this process runs deepspeed {installed}:\n{lines}\n"
+            "A joined rank replays the engine's step, and a DeepSpeed whose step runs other "
+            "collectives would hang or train on wrong gradients, so joinkit stops here. "
+            f"Install a supported DeepSpeed (pip install 'deepspeed{SUPPORTED_DEEPSPEED}'), "
+            "or a joinkit release that supports this one."
+        )
+    _checked.append(True)
+
+
+def _deepspeed_version() -> str:
+    module = sys.modules.get("deepspeed")
+    loaded = getattr(module, "__version__", None)
+    return str(loaded) if loaded is not None else version("deepspeed")
+
+
+def _supported(version: str) -> bool:
+    """Whether ``version`` lies in :data:`SUPPORTED_DEEPSPEED` (its release numbers)."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None:
+        return False
+    found = tuple(int(part or 0) for part in match.groups())
+    return _LOWEST <= found < _BELOW
