@@ -2,7 +2,7 @@
 
 Run as the other workers are (``support.run_scenarios``)::
 
-    python tests/crash_scenarios.py RANK WORLD STORE OUT [--die-at-start] NAME [NAME ...]
+    python tests/crash_scenarios.py RANK WORLD STORE OUT [--die-at-start] [--with-torch] NAME...
 
 No torch, no process group: a scenario's ranks meet at a *file barrier* in
 ``OUT`` (each rank touches a file, then waits up to 60 s for its peers'), which
@@ -103,6 +103,9 @@ def main(argv: list[str]) -> None:
     rank, world, _store, out_dir, *names = argv
     if "--die-at-start" in names:
         sys.exit(3)  # before any scenario: a job that cannot start
+    if "--with-torch" in names:  # its native crash report (support.report_crashes)
+        names.remove("--with-torch")
+        import torch  # noqa: F401
     out = Path(out_dir)
     ctx = Ranks(int(rank), int(world), out)
     for name in names:

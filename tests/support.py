@@ -213,6 +213,24 @@ def scenario_registry() -> tuple[dict[str, Scenario], Callable[[Scenario], Scena
     return scenarios, scenario
 
 
+def report_crashes() -> None:
+    """Make a native crash of this process leave a report in its output.
+
+    Python's ``faulthandler`` prints every thread's Python stack on a fatal
+    signal (glibc aborts with SIGABRT on a corrupted heap), and torch's
+    ``c10::FatalSignalHandler``, once torch is imported, every thread's native
+    stack too. Idempotent; called by :func:`recording`.
+    """
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
+    torch = sys.modules.get("torch")
+    if torch is not None and not getattr(report_crashes, "native", False):
+        torch._C._set_print_stack_traces_on_fatal_signal(True)
+        report_crashes.native = True  # type: ignore[attr-defined]
+
+
 @contextmanager
 def recording(out: Path, name: str) -> Iterator[dict[str, Any]]:
     """Append ``{"name", "ok", ...}`` to ``out`` however the block ends.
@@ -223,6 +241,7 @@ def recording(out: Path, name: str) -> Iterator[dict[str, Any]]:
     the block leaves which scenario it was in.
     """
     record: dict[str, Any] = {"name": name, "ok": True}
+    report_crashes()
     # Before the scenario runs: if this process dies in it, the harness knows
     # which scenario it died in (run_scenario_jobs).
     with started_path(out).open("a") as f:
@@ -417,8 +436,7 @@ def run_scenario_jobs(names: Sequence[str], world: int, out: Path, run_job: JobR
             culprits = left  # nothing ran: a retry would fail the same way
         exits = ", ".join(f"rank {rank}: {describe_exit(code)}"
                           for rank, (code, _) in enumerate(ran))
-        logs = "\n".join(f"-- process {i} ({describe_exit(code)}), the end of its output:\n"
-                         f"{log[-3000:]}" for i, (code, log) in enumerate(ran))
+        logs = "\n".join(_output_of(i, code, log) for i, (code, log) in enumerate(ran))
         for name in culprits:
             results["_failed"].append({"name": name, "why": (
                 f"scenario {name} did not finish on every rank: its job ended in it "
@@ -426,6 +444,16 @@ def run_scenario_jobs(names: Sequence[str], world: int, out: Path, run_job: JobR
         todo = [name for name in left if name not in culprits]
         job += 1
     return results
+
+
+def _output_of(process: int, code: int | None, log: str) -> str:
+    """A job's process's output for a failure message: its crash report (from
+    ``Fatal Python error``, :func:`report_crashes`) if it has one, else its end."""
+    crash = log.find("Fatal Python error")
+    if crash >= 0:
+        return (f"-- process {process} ({describe_exit(code)}), its crash report:\n"
+                f"{log[max(0, crash - 2000):crash + 20000]}")
+    return f"-- process {process} ({describe_exit(code)}), the end of its output:\n{log[-3000:]}"
 
 
 def run_scenarios(worker: Path, world: int, out: Path, names: Sequence[str],

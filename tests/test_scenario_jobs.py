@@ -55,7 +55,12 @@ def test_a_crash_fails_only_its_scenario_and_the_rest_run_again(tmp_path: Path) 
     assert "did not finish on every rank: its job ended in it" in aborted
     assert "rank 1: SIGABRT" in aborted
     assert f"killed {DEATH_GRACE} s after process 1 died (SIGABRT)" in aborted
-    assert "rank 0: SIGSEGV" in failure(results, "segfault_on_0")
+    # The dead rank's crash report (support.report_crashes): where it died.
+    assert "process 1 (SIGABRT), its crash report:\nFatal Python error: Aborted" in aborted
+    assert 'in abort_on_1\n  File "' in aborted and "crash_scenarios.py" in aborted
+    segfault = failure(results, "segfault_on_0")
+    assert "rank 0: SIGSEGV" in segfault
+    assert "Fatal Python error: Segmentation fault" in segfault
     assert not any(r["name"] == "second" for r in results["_failed"])
 
 
@@ -116,3 +121,14 @@ def test_the_culprit_is_the_first_scenario_not_every_rank_finished(tmp_path: Pat
     assert "double free or corruption (out)" in results["_failed"][0]["why"]
     for name in ("a", "c", "d"):
         assert [r["result"] for r in scenario_records(results, name)] == [name, name]
+
+
+def test_a_crash_in_a_torch_process_reports_its_native_stacks(tmp_path: Path) -> None:
+    """With torch imported, the report has every thread's native (C++) stack too:
+    the backtrace a heap corruption needs (issue 30)."""
+    results = run_scenarios(WORKER, 1, tmp_path, ["--with-torch", "segfault_on_0", "first"],
+                            LAUNCH_TIMEOUT)
+    report = failure(results, "segfault_on_0")
+    assert "Fatal Python error: Segmentation fault" in report
+    assert "SIGSEGV(11), PID:" in report and "c10::FatalSignalHandler" in report
+    assert [r["result"]["rank"] for r in scenario_records(results, "first")] == [0]
