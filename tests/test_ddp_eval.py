@@ -92,6 +92,7 @@ def test_divisor_applies_wherever_ddp_stands(results: dict[str, Any]) -> None:
         assert "List the model first" in rank["error"]
 
 
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # its mpirun may take LAUNCH_TIMEOUT (default: 120)
 def test_under_mpirun(tmp_path: Path) -> None:
     from mpi_support import run_mpi_scenarios
 
