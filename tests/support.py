@@ -4,15 +4,21 @@
   joinable): joinables over any joinkit group, for the Join scenarios of
   every backend;
 - :class:`Ctx`, :func:`scenario_registry` and :func:`recording`: the
-  plumbing of the worker programs that run many scenarios per process;
+  plumbing of the worker programs that run many scenarios per process
+  (:func:`recording` notes each scenario before it runs, and
+  :func:`report_crashes` makes a native crash print its Python and C++ stacks);
 - :func:`launch_ranks` starts one process per command, each in its own
   session, waits for all of them until one shared deadline and kills the
   process group of any that overruns, so a hung rank fails its test instead
-  of stalling the suite;
+  of stalling the suite (and, for the ranks of one job, ends the others soon
+  after one died);
 - :func:`read_jsonl` reads the JSON lines a rank wrote, and
   :func:`records_by_name` those of every rank of a worker program;
 - :func:`run_scenarios` runs a worker program on every rank and
   :func:`scenario_records` checks what each rank recorded of a scenario;
+  :func:`run_scenario_jobs`, under it, makes one crash fail one scenario: a
+  job whose rank died fails the scenario it died in, and the scenarios after
+  it run again in a fresh job;
 - :func:`scenario_names` lists the ``@scenario`` functions of a worker file
   without importing it (importing would import torch into the test process).
 
