@@ -93,13 +93,19 @@ def hosted_store(timeout: float = 60.0) -> HostedStore:
     return store
 
 
-def fork_ranks(world: int, seconds: float, run: Callable[[int], None]) -> dict[int, Any]:
+def fork_ranks(world: int, seconds: float, run: Callable[[int], None],
+               stop_after_death: float | None = None) -> dict[int, Any]:
     """Run ``run(rank)`` in ``world`` forked children; rank -> exit status (or why not).
 
     Args:
         world: how many ranks to fork.
         seconds: the deadline for all of them, from now.
         run: the rank's body, in the child.
+        stop_after_death: once a child has died (a signal, or a non-zero
+            status), the others get this many seconds more and are then
+            killed (``"killed after deadline"``): they would wait for the dead
+            one until their own timeouts. ``None`` (the elastic cells, which
+            kill ranks on purpose): the survivors run on.
 
     Returns:
         Every rank's exit code (``os.waitstatus_to_exitcode``), or
@@ -131,7 +137,9 @@ def fork_ranks(world: int, seconds: float, run: Callable[[int], None]) -> dict[i
         if pid == 0:
             time.sleep(0.005)
             continue
-        statuses[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+        code = statuses[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+        if code != 0 and stop_after_death is not None:
+            deadline = min(deadline, time.monotonic() + stop_after_death)
     for pid, rank in children.items():
         try:
             os.killpg(pid, signal.SIGKILL)

@@ -15,7 +15,9 @@ imports torch once and, for each ``CELLS`` argument, forks ``N`` children that
 initialise a gloo group over a fresh ``FileStore`` and run those cells; a cell
 that aborts its group therefore gets a ``CELLS`` argument (a launch) of its
 own. The parent gives each launch ``--deadline`` seconds, kills what is left
-and records every child's exit status in ``DIR/launches.jsonl``.
+and records every child's exit status in ``DIR/launches.jsonl``. A child that
+dies (a native crash) fails only the cell it died in: the cells after it run
+again in a fresh launch (``fork_launches``).
 
 ``CELLS`` is a comma-separated list of ``case:failing_rank`` (a fault case;
 ``last`` means the last rank), ``agreement:variant``, ``bad_inputs``,
@@ -40,20 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fault_scenarios as fs  # noqa: E402
 from elastic_fork import fork_ranks  # noqa: E402
+from fault_support import finished_by_all, parse_cells, spell_cells  # noqa: E402
 
 #: The gloo groups' own timeout in --fork mode: far above every cell's, so a
 #: cell that only ends through it shows up as too slow.
 GLOO_TIMEOUT = 60.0
-
-
-def parse_cells(spec: str, world_size: int) -> list[tuple[str, str]]:
-    cells = []
-    for item in filter(None, spec.split(",")):
-        kind, _, arg = item.partition(":")
-        if arg == "last":
-            arg = str(world_size - 1)
-        cells.append((kind, arg))
-    return cells
 
 
 def run_cells(group: Any, cells: list[tuple[str, str]], out: Path, launch: int,
@@ -150,13 +143,26 @@ def _raises(fn: Any) -> BaseException | None:
     return None
 
 
+#: Seconds a launch's other children get once one died (fork_ranks).
+DEATH_GRACE = 3.0
+
+
 def fork_launches(args: argparse.Namespace) -> None:
+    """Each ``CELLS`` argument as a launch of forked ranks (module doc).
+
+    One crash fails one cell: if a child dies (a native crash: a signal or a
+    non-zero status), the first cell of its launch that not every rank
+    finished is recorded as the launch's ``culprit``, and the cells after it
+    run again in a fresh launch (recorded as ``rerun``).
+    """
     import torch.distributed  # noqa: F401  (once, before forking)
 
     out = Path(args.out)
     world_size = args.fork
-    for launch, spec in enumerate(args.cells):
-        cells = parse_cells(spec, world_size)
+    todo = [parse_cells(spec, world_size) for spec in args.cells]
+    launch = 0
+    while todo:
+        cells = todo.pop(0)
         store = out / f"store{launch}"
         started = time.monotonic()
 
@@ -165,12 +171,24 @@ def fork_launches(args: argparse.Namespace) -> None:
             fork_child(rank, world_size, str(store), cells, out, launch, args.timeout,
                        args.stall_timeout)
 
-        statuses = fork_ranks(world_size, args.deadline, run)
-        record = {"launch": launch, "cells": spec, "world_size": world_size,
-                  "seconds": time.monotonic() - started,
-                  "exit": {str(r): statuses[r] for r in sorted(statuses)}}
+        statuses = fork_ranks(world_size, args.deadline, run, stop_after_death=DEATH_GRACE)
+        record: dict[str, Any] = {
+            "launch": launch, "cells": spell_cells(cells), "world_size": world_size,
+            "ran": [list(cell) for cell in cells], "seconds": time.monotonic() - started,
+            "exit": {str(r): statuses[r] for r in sorted(statuses)}}
+        if any(code != 0 for code in statuses.values()):
+            unfinished = [cell for cell in cells
+                          if cell not in finished_by_all(out, launch, world_size)]
+            if unfinished:
+                culprit = unfinished[0]
+                record["culprit"] = list(culprit)
+                rest = cells[cells.index(culprit) + 1:]
+                if rest:
+                    record["rerun"] = spell_cells(rest)
+                    todo.insert(0, rest)
         with (out / "launches.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
+        launch += 1
 
 
 def main() -> None:

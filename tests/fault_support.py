@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,11 @@ class Launch:
     #: rank -> wall-clock time its first cell started; when the launcher ended.
     started: dict[int, float] = field(default_factory=dict)
     ended_at: float = 0.0
+    #: A batch whose rank died (:func:`rerun_after_death`): the cell it died
+    #: in, and the launch that ran the cells after it again.
+    culprit: tuple[str, str] | None = None
+    rerun: Launch | None = None
+    rerun_cells: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def job_seconds(self) -> float | None:
@@ -153,6 +158,80 @@ def read_starts(out: Path) -> dict[int, float]:
                 rank = record["rank"]
                 starts[rank] = min(starts.get(rank, record["time"]), record["time"])
     return starts
+
+
+def parse_cells(spec: str, world_size: int) -> list[tuple[str, str]]:
+    """A ``CELLS`` argument of the runner as ``(kind, arg)`` pairs (``last``: the last rank)."""
+    cells = []
+    for item in filter(None, spec.split(",")):
+        kind, _, arg = item.partition(":")
+        cells.append((kind, str(world_size - 1) if arg == "last" else arg))
+    return cells
+
+
+def spell_cells(cells: Sequence[tuple[str, str]]) -> str:
+    """``cells`` as a ``CELLS`` argument (:func:`parse_cells` reads it back)."""
+    return ",".join(f"{kind}:{arg}" if arg else kind for kind, arg in cells)
+
+
+def finished_by_all(out: Path, launch: int, world_size: int) -> set[tuple[str, str]]:
+    """The cells of launch number ``launch`` in ``out`` whose result every rank wrote."""
+    counts: dict[tuple[str, str], int] = {}
+    for rank in range(world_size):
+        path = out / f"launch{launch}-rank{rank}.jsonl"
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # cut short by the death
+                continue
+            if "result" in record and record["kind"] != "pre_init":
+                key = (record["kind"], str(record.get("arg") or ""))
+                counts[key] = counts.get(key, 0) + 1
+    return {cell for cell, count in counts.items() if count == world_size}
+
+
+def rerun_after_death(launch: Launch, spec: str, world_size: int,
+                      again: Callable[[str, Path], Launch]) -> Launch:
+    """One crash fails one cell: finish a batch launch whose rank died.
+
+    If ``launch`` (a launcher running the cells of ``spec`` in order, one
+    launch: its files are ``launch0-rank{R}.jsonl``) ended with a cell that
+    not every rank finished, that cell is its :attr:`Launch.culprit`, and the
+    cells after it run again in ``again(rest_spec, out)`` (a fresh launch in
+    ``launch.out / "rerun"``), itself finished the same way.
+
+    Returns:
+        ``launch``, with ``culprit``, ``rerun`` and ``rerun_cells`` set.
+    """
+    cells = parse_cells(spec, world_size)
+    done = finished_by_all(launch.out, 0, world_size)
+    unfinished = [cell for cell in cells if cell not in done]
+    if not unfinished:
+        return launch
+    launch.culprit = unfinished[0]
+    rest = cells[cells.index(launch.culprit) + 1:]
+    if rest:
+        rerun = _run(again(spell_cells(rest), launch.out / "rerun"))
+        launch.rerun = rerun_after_death(rerun, spell_cells(rest), world_size, again)
+        launch.rerun_cells = rest
+    return launch
+
+
+def launch_of(launch: Launch, cell: tuple[str, str]) -> Launch:
+    """The launch of a batch (:func:`rerun_after_death`) in which ``cell`` ran to its end.
+
+    Fails the test (the launch's output) if a rank died in ``cell``.
+    """
+    import pytest
+
+    if launch.culprit == cell:
+        pytest.fail(f"cell {cell}: a rank of its launch died in it (the cells after it "
+                    f"ran again in a fresh launch)\n{launch.explain()}", pytrace=False)
+    if launch.rerun is not None and cell in launch.rerun_cells:
+        return launch_of(launch.rerun, cell)
+    return launch
 
 
 def runner_args(out: Path, cells: str, *extra: str) -> list[str]:

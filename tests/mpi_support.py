@@ -102,3 +102,27 @@ def explain(result: subprocess.CompletedProcess[str] | None, limit: int = 3000) 
         return "(the program did not run)"
     return (f"exit code {result.returncode}\n--- stdout (tail) ---\n{result.stdout[-limit:]}"
             f"\n--- stderr (tail) ---\n{result.stderr[-limit:]}")
+
+
+def run_mpi_scenarios(worker: Path, world: int, out: Path, names: list[str], timeout: float,
+                      *before: str) -> dict[str, list[dict[str, Any]]]:
+    """``mpirun -n world python WORKER [BEFORE...] OUT NAME...``, a scenario worker whose
+    ranks write ``OUT/rank{r}.jsonl`` with ``support.recording``.
+
+    Run by ``support.run_scenario_jobs``: a rank that dies (mpirun then ends the
+    job) or a job that overruns ``timeout`` fails the scenario it was in, and the
+    rest run again under a fresh mpirun.
+
+    Returns:
+        ``support.run_scenario_jobs``'s results, for ``support.scenario_records``.
+    """
+    from support import run_scenario_jobs
+
+    def run_job(todo: list[str], job_out: Path) -> list[tuple[int | None, str]]:
+        try:
+            result = run_mpi(worker, world, *before, str(job_out), *todo, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            return [(None, f"[test] mpirun killed after {exc.timeout} s\n{exc.stdout!r:.3000}")]
+        return [(result.returncode, explain(result))]
+
+    return run_scenario_jobs(names, world, out, run_job)

@@ -92,17 +92,13 @@ def test_divisor_applies_wherever_ddp_stands(results: dict[str, Any]) -> None:
         assert "List the model first" in rank["error"]
 
 
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)  # its mpirun may take LAUNCH_TIMEOUT (default: 120)
 def test_under_mpirun(tmp_path: Path) -> None:
-    from mpi_support import explain, run_mpi
-    from support import records_by_name
+    from mpi_support import run_mpi_scenarios
 
     names = ["ddp_eval_only", "ddp_train_eval_mixed", "ddp_grad_forward_without_backward",
              "first_joinable_never_notifies", "ddp_divisor_positions"]
-    result = run_mpi(WORKER, 2, "mpi", str(tmp_path), *names, timeout=LAUNCH_TIMEOUT)
-    assert result.returncode == 0, explain(result)
-    records = records_by_name(tmp_path, 2)
-    records["_logs"] = [{"log": explain(result)}]
-    records["_world"] = [{"world": 2}]
+    records = run_mpi_scenarios(WORKER, 2, tmp_path, names, LAUNCH_TIMEOUT, "mpi")
     for rank in ranks_of(records, "ddp_eval_only"):
         assert rank["worst"] < 1e-6
     for rank in ranks_of(records, "ddp_divisor_positions"):
@@ -117,17 +113,10 @@ def test_under_mpirun(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs two CUDA devices (nccl, one rank per GPU)")
 def test_over_nccl(tmp_path: Path) -> None:
-    from support import launch_ranks, records_by_name
-
     world = 2
     names = ["ddp_eval_only", "ddp_train_eval_mixed", "ddp_train_then_eval_epochs",
              "ddp_divisor_positions"]
-    import sys
-    launch_ranks([[sys.executable, str(WORKER), str(rank), str(world), str(tmp_path / "store"),
-                   str(tmp_path), "--nccl", *names] for rank in range(world)], LAUNCH_TIMEOUT)
-    records = records_by_name(tmp_path, world)
-    records["_logs"] = [{"log": ""}]
-    records["_world"] = [{"world": world}]
+    records = run_scenarios(WORKER, world, tmp_path, ["--nccl", *names], LAUNCH_TIMEOUT)
     for rank in ranks_of(records, "ddp_eval_only"):
         assert rank["worst"] < 1e-5
     for name in ("ddp_train_eval_mixed", "ddp_train_then_eval_epochs", "ddp_divisor_positions"):

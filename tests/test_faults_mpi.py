@@ -22,8 +22,10 @@ import fault_scenarios as fs
 import pytest
 from fault_support import (
     Launch,
+    launch_of,
     python,
     record_cell,
+    rerun_after_death,
     run_all,
     runner_args,
     statuses_in,
@@ -73,14 +75,30 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launch]:
         for case in ALONE:
             for failing in (0, world_size - 1):
                 add(f"{case}/{world_size}/{failing}", world_size, f"{case}:{failing}")
-    add("batch/1", 1, "before_heartbeat:0,bad_inputs,report")
-    return run_all(todo)
+    add("batch/1", 1, BATCH_OF_ONE)
+    done = run_all(todo)
+    # One crash fails one cell: a batch whose rank died runs the rest again.
+    for world_size in (1, *WORLD_SIZES):
+        spec = BATCH_OF_ONE if world_size == 1 else BATCH
+
+        def again(cells: str, out: Path, world_size: int = world_size) -> Launch:
+            return Launch(f"batch/{world_size} (rerun)", _command(world_size, out, cells), out,
+                          LAUNCH_TIMEOUT, env=child_env())
+
+        rerun_after_death(done[f"batch/{world_size}"], spec, world_size, again)
+    return done
 
 
-def _batch(launches: dict[str, Launch], world_size: int) -> Launch:
-    launch = launches[f"batch/{world_size}"]
-    assert launch.returncode == 0 and launch.done == set(range(world_size)), launch.explain()
-    assert launch.seconds < DEADLINE, launch.explain()
+BATCH_OF_ONE = "before_heartbeat:0,bad_inputs,report"
+
+
+def _batch(launches: dict[str, Launch], world_size: int, cell: tuple[str, str]) -> Launch:
+    """The batch launch of ``world_size`` in which ``cell`` ran (``launch_of``)."""
+    launch = launch_of(launches[f"batch/{world_size}"], cell)
+    if launch.culprit is None:  # (else cell finished before a rank died in a later one)
+        assert launch.returncode == 0 and launch.done == set(range(world_size)), (
+            launch.explain())
+        assert launch.seconds < DEADLINE, launch.explain()
     return launch
 
 
@@ -97,7 +115,7 @@ CELLS = [
 def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
                       failing: int) -> None:
     if case in fs.SURVIVABLE:
-        launch = _batch(launches, world_size)
+        launch = _batch(launches, world_size, (case, str(failing)))
         results = launch.results[(case, str(failing))]
         problems = fs.check_case(case, failing, world_size, results, deadline=DEADLINE)
         assert not problems, "\n".join(problems)
@@ -165,7 +183,8 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("variant", fs.AGREEMENT_VARIANTS)
 def test_agreement_check(launches: dict[str, Launch], variant: str, world_size: int) -> None:
-    results = _batch(launches, world_size).results[("agreement", variant)]
+    cell = ("agreement", variant)
+    results = _batch(launches, world_size, cell).results[cell]
     problems = fs.check_agreement(variant, world_size, results)
     assert not problems, "\n".join(problems)
 
@@ -173,7 +192,7 @@ def test_agreement_check(launches: dict[str, Launch], variant: str, world_size: 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [1, *WORLD_SIZES])
 def test_bad_inputs(launches: dict[str, Launch], world_size: int) -> None:
-    results = _batch(launches, world_size).results[("bad_inputs", "")]
+    results = _batch(launches, world_size, ("bad_inputs", "")).results[("bad_inputs", "")]
     assert sorted(results) == list(range(world_size))
     for result in results.values():
         problems = fs.check_bad_inputs(result, world_size)
@@ -184,13 +203,14 @@ def test_bad_inputs(launches: dict[str, Launch], world_size: int) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [1, *WORLD_SIZES])
 def test_report(launches: dict[str, Launch], world_size: int) -> None:
-    results = _batch(launches, world_size).results[("report", "")]
+    results = _batch(launches, world_size, ("report", "")).results[("report", "")]
     problems = fs.check_report(world_size, results)
     assert not problems, "\n".join(problems)
 
 
 @pytest.mark.timeout(600)
 def test_world_of_one(launches: dict[str, Launch]) -> None:
-    results = _batch(launches, 1).results[("before_heartbeat", "0")]
+    cell = ("before_heartbeat", "0")
+    results = _batch(launches, 1, cell).results[cell]
     problems = fs.check_case("before_heartbeat", 0, 1, results, deadline=DEADLINE)
     assert not problems, "\n".join(problems)

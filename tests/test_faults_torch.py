@@ -73,12 +73,24 @@ def fs_runner() -> Path:
     return Path(__file__).with_name("fault_runner.py")
 
 
-def _fork(launches: dict[str, Launch], world_size: int) -> Launch:
+def _fork(launches: dict[str, Launch], world_size: int, cell: tuple[str, str]) -> Launch:
+    """The ``--fork`` launcher of ``world_size``, checked for ``cell`` (kind, arg).
+
+    A child that died fails only the cell it died in (its launch's
+    ``culprit``; ``fault_runner.fork_launches`` ran the cells after it again);
+    every launch that ran ``cell`` otherwise ended with every rank exiting by
+    itself within the deadline.
+    """
     launch = launches[f"fork/{world_size}"]
     assert launch.returncode == 0 and not launch.timed_out, launch.explain()
     for line in (launch.out / "launches.jsonl").read_text().splitlines():
         record = json.loads(line)
-        # Every rank of every launch exited by itself, within the deadline.
+        if record.get("culprit") == list(cell):
+            pytest.fail(f"cell {cell}: a rank of its launch died in it: {record}\n"
+                        f"{launch.explain()}", pytrace=False)
+        if list(cell) not in record["ran"] or "culprit" in record:
+            continue  # not this cell's launch, or it finished before a later death
+        # Every rank of the launch exited by itself, within the deadline.
         assert all(code == 0 for code in record["exit"].values()), (record, launch.explain())
         assert record["seconds"] < DEADLINE, record
     return launch
@@ -116,7 +128,8 @@ def test_fault_matrix(launches: dict[str, Launch], case: str, world_size: int,
                     f"cause rank {failing} SIGKILL; {len(reported)} peers left the Join "
                     "with gloo's error first, the rest got SIGTERM")
         return
-    results = _fork(launches, world_size).results[(case, str(failing))]
+    results = _fork(launches, world_size, (case, str(failing))).results[
+        (case, str(failing))]
     if case == "stall":
         problems = fs.check_stall(failing, world_size, results, deadline=DEADLINE)
     else:
@@ -131,7 +144,8 @@ def test_hook_failure_reaches_peers_as_group_aborted(launches: dict[str, Launch]
                                                      world_size: int) -> None:
     """gloo's abort wakes nobody; the store's abort reason does (backends.torch_dist)."""
     failing = world_size - 1
-    results = _fork(launches, world_size).results[("main_hook", str(failing))]
+    cell = ("main_hook", str(failing))
+    results = _fork(launches, world_size, cell).results[cell]
     for rank in range(failing):
         error = results[rank]["error"]
         assert error["type"] == "GroupAborted", error
@@ -146,7 +160,7 @@ def test_hook_failure_reaches_peers_as_group_aborted(launches: dict[str, Launch]
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_stall_diagnostic_reads_peers_from_the_store(launches: dict[str, Launch],
                                                      world_size: int) -> None:
-    results = _fork(launches, world_size).results[("stall", "0")]
+    results = _fork(launches, world_size, ("stall", "0")).results[("stall", "0")]
     timeouts = [r["error"] for r in results.values() if r["error"]["type"] == "RankTimeout"]
     assert timeouts, results
     text = timeouts[0]["message"]
@@ -166,7 +180,8 @@ def test_stall_diagnostic_reads_peers_from_the_store(launches: dict[str, Launch]
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("variant", fs.AGREEMENT_VARIANTS)
 def test_agreement_check(launches: dict[str, Launch], variant: str, world_size: int) -> None:
-    results = _fork(launches, world_size).results[("agreement", variant)]
+    cell = ("agreement", variant)
+    results = _fork(launches, world_size, cell).results[cell]
     problems = fs.check_agreement(variant, world_size, results)
     assert not problems, "\n".join(problems)
 
@@ -174,7 +189,7 @@ def test_agreement_check(launches: dict[str, Launch], variant: str, world_size: 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [1, *WORLD_SIZES])
 def test_bad_inputs(launches: dict[str, Launch], world_size: int) -> None:
-    launch = _fork(launches, world_size)
+    launch = _fork(launches, world_size, ("bad_inputs", ""))
     results = launch.results[("bad_inputs", "")]
     assert sorted(results) == list(range(world_size))
     for result in results.values():
@@ -191,13 +206,14 @@ def test_bad_inputs(launches: dict[str, Launch], world_size: int) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size", [1, *WORLD_SIZES])
 def test_report(launches: dict[str, Launch], world_size: int) -> None:
-    results = _fork(launches, world_size).results[("report", "")]
+    results = _fork(launches, world_size, ("report", "")).results[("report", "")]
     problems = fs.check_report(world_size, results)
     assert not problems, "\n".join(problems)
 
 
 @pytest.mark.timeout(600)
 def test_world_of_one(launches: dict[str, Launch]) -> None:
-    results = _fork(launches, 1).results[("before_heartbeat", "0")]
+    cell = ("before_heartbeat", "0")
+    results = _fork(launches, 1, cell).results[cell]
     problems = fs.check_case("before_heartbeat", 0, 1, results, deadline=DEADLINE)
     assert not problems, "\n".join(problems)

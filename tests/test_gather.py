@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mpi_support import explain, run_mpi
-from support import Ctx, launch_ranks, records_by_name, scenario_records
+from mpi_support import run_mpi_scenarios
+from support import Ctx, run_scenarios, scenario_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gather_scenarios as gs  # noqa: E402
@@ -260,13 +260,7 @@ def gloo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
          ) -> tuple[int, dict[str, list[dict[str, Any]]]]:
     world = request.param
     out = tmp_path_factory.mktemp(f"gather_gloo{world}")
-    runs = launch_ranks(
-        [[sys.executable, str(WORKER), "gloo", str(rank), str(world), str(out / "store"),
-          str(out), *NAMES] for rank in range(world)], LAUNCH_TIMEOUT)
-    records = records_by_name(out, world)
-    records["_logs"] = [{"log": run.stdout} for run in runs]
-    records["_world"] = [{"world": world}]
-    return world, records
+    return world, run_scenarios(WORKER, world, out, NAMES, LAUNCH_TIMEOUT, before=["gloo"])
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)
@@ -285,11 +279,7 @@ def mpi(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     pytest.importorskip("mpi4py")
     world = request.param
     out = tmp_path_factory.mktemp(f"gather_mpi{world}")
-    run = run_mpi(WORKER, world, "mpi", str(out), *NAMES, timeout=LAUNCH_TIMEOUT)
-    records = records_by_name(out, world)
-    records["_logs"] = [{"log": explain(run)}]
-    records["_world"] = [{"world": world}]
-    return world, records
+    return world, run_mpi_scenarios(WORKER, world, out, NAMES, LAUNCH_TIMEOUT, "mpi")
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT)

@@ -7,12 +7,11 @@ with one GPU the nccl test runs one rank, and the gloo test two ranks on it.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import launch_ranks, records_by_name, scenario_records
+from support import run_scenarios, scenario_records
 from test_gather import check
 
 torch = pytest.importorskip("torch")
@@ -23,12 +22,7 @@ LAUNCH_TIMEOUT = 150.0
 
 
 def _run(backend: str, world: int, out: Path, name: str = "cuda_tensors") -> list[Any]:
-    runs = launch_ranks(
-        [[sys.executable, str(WORKER), backend, str(rank), str(world), str(out / "store"),
-          str(out), name] for rank in range(world)], LAUNCH_TIMEOUT)
-    records = records_by_name(out, world)
-    records["_logs"] = [{"log": run.stdout} for run in runs]
-    records["_world"] = [{"world": world}]
+    records = run_scenarios(WORKER, world, out, [name], LAUNCH_TIMEOUT, before=[backend])
     return [r["result"] for r in scenario_records(records, name)]
 
 

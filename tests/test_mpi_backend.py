@@ -36,45 +36,72 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 #: Cases with a launch of their own (per world size).
 ALONE = ("buffers/status-board",)
 
-_runs: dict[tuple[int, str | None], tuple[subprocess.CompletedProcess[str] | None,
-                                          dict[str, list[dict[str, Any]]], str]] = {}
+# (world size, alone case) -> each case's lines, and why a case has none (by case).
+_runs: dict[tuple[int, str | None], tuple[dict[str, list[dict[str, Any]]], dict[str, str]]] = {}
 
 
-def _results(world_size: int, alone: str | None = None
-             ) -> tuple[dict[str, list[dict[str, Any]]], str]:
-    """Run the scenarios program once per world size (and once per ``ALONE``
-    case); index its lines by case."""
-    key = (world_size, alone)
-    if key not in _runs:
-        result: subprocess.CompletedProcess[str] | None = None
-        problem = ""
-        cases = [alone] if alone else [arg for case in ALONE for arg in ("--without", case)]
-        with tempfile.TemporaryDirectory() as out:
-            try:
-                result = run_mpi(PROGRAMS / "scenarios.py", world_size, "--out", out, *cases,
-                                 timeout=TIMEOUT[world_size])
-                if result.returncode != 0:
-                    problem = explain(result)
-            except subprocess.TimeoutExpired as exc:
-                problem = f"timed out after {exc.timeout} s\n{exc.stderr!r:.3000}"
-            written = "".join(path.read_text() for path in sorted(Path(out).iterdir()))
-        by_case: dict[str, list[dict[str, Any]]] = {}
-        for line in tagged(written, "JOINKIT-CASE"):
-            by_case.setdefault(line["case"], []).append(line)
-        done = tagged(written, "JOINKIT-DONE")
-        if len(done) != world_size and not problem:
-            problem = explain(result)
-        _runs[key] = (result, by_case, problem)
-    _, by_case, problem = _runs[key]
+def _run_once(world_size: int, args: list[str]) -> tuple[dict[str, list[dict[str, Any]]], str]:
+    """One mpirun of the scenarios program with ``args`` (the cases, or ``--without
+    CASE``): its lines by case, and its trouble ("" if every rank got to the end)."""
+    result: subprocess.CompletedProcess[str] | None = None
+    problem = ""
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            result = run_mpi(PROGRAMS / "scenarios.py", world_size, "--out", out, *args,
+                             timeout=TIMEOUT[world_size])
+            if result.returncode != 0:
+                problem = explain(result)
+        except subprocess.TimeoutExpired as exc:
+            problem = f"timed out after {exc.timeout} s\n{exc.stderr!r:.3000}"
+        written = "".join(path.read_text() for path in sorted(Path(out).iterdir()))
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for line in tagged(written, "JOINKIT-CASE"):
+        by_case.setdefault(line["case"], []).append(line)
+    if len(tagged(written, "JOINKIT-DONE")) != world_size and not problem:
+        problem = explain(result)
     return by_case, problem
 
 
+def _results(world_size: int, alone: str | None = None
+             ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+    """Run the scenarios program per world size (and per ``ALONE`` case); index its
+    lines by case.
+
+    One crash fails one case: if a run ends early (a rank died, so mpirun ended
+    the job, or it overran its timeout), the first case (in the program's
+    order) that not every rank reported fails with the run's output, and the
+    cases after it run again under a fresh mpirun.
+    """
+    key = (world_size, alone)
+    if key not in _runs:
+        todo = [alone] if alone else [c for c in scenarios.case_names() if c not in ALONE]
+        by_case: dict[str, list[dict[str, Any]]] = {}
+        failed: dict[str, str] = {}
+        # The first run names what it leaves out, a rerun what it runs.
+        args = [alone] if alone else [arg for case in ALONE for arg in ("--without", case)]
+        while todo:
+            lines, problem = _run_once(world_size, args)
+            done = [case for case in todo if len(lines.get(case, [])) == world_size]
+            by_case.update({case: lines[case] for case in done})
+            left = [case for case in todo if case not in done]
+            if not left:
+                break
+            failed[left[0]] = (f"the run ended in this case (the cases after it ran again "
+                               f"under a fresh mpirun): {problem}")
+            if not done:  # nothing ran: a retry would end the same way
+                failed.update({case: failed[left[0]] for case in left})
+                break
+            todo = args = left[1:]
+        _runs[key] = (by_case, failed)
+    return _runs[key]
+
+
 def _check(world_size: int, case: str) -> None:
-    by_case, problem = _results(world_size, case if case in ALONE else None)
+    by_case, failed = _results(world_size, case if case in ALONE else None)
+    if case in failed:
+        pytest.fail(f"{case}: {failed[case]}", pytrace=False)
     lines = by_case.get(case, [])
-    assert len(lines) == world_size, (
-        f"{case}: {len(lines)} of {world_size} ranks reported it\n{problem}"
-    )
+    assert len(lines) == world_size, f"{case}: {len(lines)} of {world_size} ranks reported it"
     failures = [f"rank {line['rank']}: {line['detail']}" for line in lines
                 if line["status"] == "fail"]
     assert not failures, "\n".join(failures)

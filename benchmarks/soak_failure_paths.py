@@ -1,0 +1,182 @@
+"""Soak the failure paths: crashes per thousand runs, under CPU load (issue 30).
+
+Not a timing, not in CI and not in ``benchmarks/run.py``: a long run that
+counts *native crashes* (a rank process killed by a signal: glibc's ``double
+free or corruption`` is a SIGABRT; or ended with a non-zero status) and hangs
+(a job that overran its deadline) in the scenarios where ranks raise while
+collectives may be in flight::
+
+    python benchmarks/soak_failure_paths.py --runs 1000 --load 2 --out /tmp/soak
+
+Each *job* starts ``--world`` rank processes of ``tests/fsdp_scenarios.py``
+(one gloo group each, as ``tests/test_fsdp.py`` does) that run the FSDP2
+failure-path scenarios ``fsdp_throw``, ``fsdp_peer_failure`` and
+``fsdp_peer_failure_in_forward`` ``--per-job`` times over; ``--elastic N`` adds
+N rounds of ``tests/elastic_fsdp_runner.py``'s kill cells (a rank SIGKILLed
+on purpose, the survivors rebuild: a death there is expected, a crash of a
+survivor is not). ``--load L`` starts ``L`` busy-loop processes for the whole
+soak (the issue's crash came on a machine loaded by another benchmark). The
+ranks run with ``MALLOC_CHECK_=3`` (glibc's checking allocator, preloaded:
+glibc 2.34+ reads it only from ``libc_malloc_debug.so``), ``MALLOC_PERTURB_``
+(freed memory is scribbled over, so a use after free shows), and
+``PYTHONFAULTHANDLER=1``; a dead rank's output and its core file (where
+``ulimit -c`` allows, in the job's folder) are kept in ``--out``.
+
+A *run* is one scenario on one job (all its ranks). The last line printed is
+a JSON summary: runs, crashes, hangs, crashes per thousand runs, the load and
+the wall time; ``benchmarks/RESULTS.md`` ("Failure-path soak") records them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support import describe_exit, launch_ranks  # noqa: E402
+
+FAILURE_PATHS = ["fsdp_throw", "fsdp_peer_failure", "fsdp_peer_failure_in_forward"]
+ELASTIC_CELLS = ["3:1/body/3", "3:0/beat/2", "4:2/beat/4", "4:1/body/2+2/beat/4"]
+MALLOC_DEBUG = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
+
+
+def rank_env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+           "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165"}
+    if Path(MALLOC_DEBUG).exists():
+        env["LD_PRELOAD"] = MALLOC_DEBUG
+    return env
+
+
+def busy() -> None:  # pragma: no cover - a load process
+    while True:
+        pass
+
+
+def fsdp_job(job: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
+    """One job of the FSDP failure paths; what it ran and how its ranks ended."""
+    folder = out / f"fsdp{job}"
+    folder.mkdir(parents=True)
+    names = FAILURE_PATHS * args.per_job
+    worker = args.tests / "fsdp_scenarios.py"
+    runs = launch_ranks(
+        [[sys.executable, str(worker), str(rank), str(args.world), str(folder / "store"),
+          str(folder), *names] for rank in range(args.world)],
+        args.deadline, env=rank_env(), cwd=folder, stop_after_death=5.0)
+    codes = [run.returncode for run in runs]
+    finished = min(
+        (len((folder / f"rank{r}.jsonl").read_text().splitlines())
+         if (folder / f"rank{r}.jsonl").exists() else 0) for r in range(args.world))
+    crashed = any(code not in (0, -9) for code in codes)
+    hung = not crashed and any(code == -9 for code in codes)
+    bad = [json.loads(line) for r in range(args.world)
+           if (folder / f"rank{r}.jsonl").exists()
+           for line in (folder / f"rank{r}.jsonl").read_text().splitlines()
+           if not json.loads(line)["ok"]]
+    record = {"kind": "fsdp", "job": job, "runs": len(names), "finished": finished,
+              "exits": [describe_exit(code) for code in codes], "crashed": crashed,
+              "hung": hung, "scenario_errors": len(bad)}
+    if crashed or hung or bad:
+        for rank, run in enumerate(runs):
+            (folder / f"output{rank}.txt").write_text(run.stdout)
+    else:
+        shutil.rmtree(folder)
+    return record
+
+
+def elastic_job(job: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
+    """One round of elastic FSDP kill cells (forked ranks, one killed on purpose)."""
+    folder = out / f"elastic{job}"
+    runner = args.tests / "elastic_fsdp_runner.py"
+    done = subprocess.run(
+        [sys.executable, str(runner), "--out", str(folder), "--deadline", str(args.deadline),
+         *ELASTIC_CELLS], capture_output=True, text=True, env=rank_env(),
+        timeout=(args.deadline + 30) * len(ELASTIC_CELLS) + 60)
+    cells = [json.loads(line) for line in (folder / "cells.jsonl").read_text().splitlines()] \
+        if (folder / "cells.jsonl").exists() else []
+    crashed = done.returncode != 0 or len(cells) != len(ELASTIC_CELLS)
+    hung = False
+    for cell in cells:
+        killed = {int(item.split("/")[0]) for item in cell["spec"].split(":")[1].split("+")}
+        for rank, code in cell["exit"].items():
+            expected = -9 if int(rank) in killed else 0
+            if code == "killed after deadline":
+                hung = True
+            elif code != expected:
+                crashed = True
+    record = {"kind": "elastic", "job": job, "runs": len(ELASTIC_CELLS),
+              "finished": len(cells), "exits": [c["exit"] for c in cells],
+              "crashed": crashed, "hung": hung}
+    if crashed or hung:
+        (folder / "stderr.txt").write_text(done.stderr)
+    else:
+        shutil.rmtree(folder)
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=1000,
+                        help="FSDP failure-path scenario runs in all (default 1000)")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--per-job", type=int, default=10,
+                        help="rounds of the three scenarios per job")
+    parser.add_argument("--elastic", type=int, default=0,
+                        help="rounds of the elastic kill cells")
+    parser.add_argument("--load", type=int, default=2, help="busy-loop processes beside")
+    parser.add_argument("--deadline", type=float, default=300.0,
+                        help="seconds per job (per elastic cell)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tests", type=Path, default=ROOT / "tests",
+                        help="where the workers are (an older checkout's tests/, to measure "
+                             "it; its joinkit through PYTHONPATH)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    import multiprocessing
+
+    burners = [multiprocessing.Process(target=busy, daemon=True) for _ in range(args.load)]
+    for burner in burners:
+        burner.start()
+    started = time.monotonic()
+    records = []
+    try:
+        job = 0
+        while sum(r["runs"] for r in records if r["kind"] == "fsdp") < args.runs:
+            records.append(fsdp_job(job, args, args.out))
+            print(json.dumps(records[-1]), flush=True)
+            job += 1
+        for round_ in range(args.elastic):
+            records.append(elastic_job(round_, args, args.out))
+            print(json.dumps(records[-1]), flush=True)
+    finally:
+        for burner in burners:
+            burner.kill()
+    runs = sum(int(r["runs"]) for r in records)
+    crashes = sum(1 for r in records if r["crashed"])
+    hangs = sum(1 for r in records if r["hung"])
+    summary = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
+        f"{os.cpu_count()} cores", "world": args.world, "load": args.load,
+        "fsdp_runs": sum(int(r["runs"]) for r in records if r["kind"] == "fsdp"),
+        "elastic_runs": sum(int(r["runs"]) for r in records if r["kind"] == "elastic"),
+        "runs": runs, "crashes": crashes, "hangs": hangs,
+        "crashes_per_1000_runs": round(1000 * crashes / runs, 2) if runs else None,
+        "scenario_errors": sum(int(r.get("scenario_errors", 0)) for r in records),
+        "minutes": round((time.monotonic() - started) / 60, 1),
+    }
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
