@@ -55,6 +55,16 @@ if os.environ.get("JOINKIT_DS_BACKEND", "gloo") == "gloo":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
+import deepspeed.ops  # noqa: E402
+
+if os.environ.get("JOINKIT_DS_BACKEND", "gloo") == "gloo":
+    # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce (a C++
+    # extension, ~3 min on 2 loaded cores) in ``init_distributed``, behind a lock file
+    # in ~/.cache/torch_extensions that a killed build leaves behind, so every later run
+    # waits on it forever. The tests need gloo's collectives, not that speed-up:
+    # marking the op incompatible (the dict DeepSpeed documents as editable) makes
+    # DeepSpeed use torch.distributed's, as on a machine without a compiler.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 from joinkit import Join, LocalProtocolError, PeerFailure  # noqa: E402
 from joinkit.adapters.deepspeed import evaluation  # noqa: E402

@@ -125,6 +125,7 @@ import json, sys, threading, time
 import numpy as np
 import torch.distributed as dist
 from joinkit.backends import torch_dist as td
+from joinkit.backends.torch_dist import _board, _exit
 
 rank, store = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -132,20 +133,20 @@ group = td.TorchGroup()
 for _ in range(200):
     group.all_reduce(np.ones(3, dtype=np.float32))
 group.all_gather_object({"rank": rank})
-out = {"held": len(td._held)}
+out = {"held": len(_exit._held)}
 time.sleep(0.2)
-out["idle"] = td._runloops_idle()
+out["idle"] = _exit._runloops_idle()
 if rank == 0:  # rank 1 joins this one a second late: a worker thread waits in it
     pending = group.all_reduce(np.ones(1, dtype=np.float32), async_op=True)
     time.sleep(0.5)
-    out["busy"] = td._runloops_idle()
+    out["busy"] = _exit._runloops_idle()
     pending.wait()
 else:
     time.sleep(1.0)
     group.all_reduce(np.ones(1, dtype=np.float32))
 group.barrier()
 group.post_status("posted")
-time.sleep(2 * td._STATUS_INTERVAL)
+time.sleep(2 * _board._STATUS_INTERVAL)
 started = time.monotonic()
 out["settled"] = td.settle_at_exit()
 out["settle_seconds"] = time.monotonic() - started
