@@ -1,0 +1,303 @@
+"""DDP's heartbeat in its gradient all-reduce: no collective of joinkit's own per iteration.
+
+Theory of operation
+-------------------
+With join enabled, torch's DDP sends two 1-element all-reduces per forward
+besides its gradients (the heartbeat and its gradient-sync check); the fused
+check (``_joinables._FusedCheck``) makes them one. Here they are none: the
+heartbeat rides in DDP's gradient all-reduce, one more element in every
+bucket, which the core calls a *round heartbeat* (``joinkit._machine``'s module
+doc). A *round* is one backward's bucket all-reduces, in bucket order.
+
+- *Active rank, per forward* (:meth:`RoundHeartbeat.notify`): the Join counts
+  the input (``Join.fused_heartbeat``, which raises ``PeerAborted`` if the
+  latest round showed a failed peer) and nothing is sent; DDP's
+  gradient-sync check is replaced, while the Join lasts, by one that sends
+  nothing (:meth:`RoundHeartbeat.check`). Under ``no_sync()`` or without a
+  backward, no round goes out; the next backward that syncs is the next round.
+- *Active rank, per bucket* (:meth:`RoundHeartbeat.hook`, the route of joinkit's
+  comm hook, ``_ddp_hook``): the bucket is multiplied by ``1 / world size``
+  (``divide_by_initial_world_size=True``, as DDP's reducer does), and one
+  coalesced all-reduce sends it with a 1-element tensor holding the heartbeat
+  value (one ring on gloo, one NCCL group on CUDA). The element's sum is the
+  number of active ranks in this round (failed ranks' weights aside, which
+  ``decode_tally`` reads): it is recorded for the Join's failure check, and with
+  ``divide_by_initial_world_size=False`` the bucket is divided by it, so each
+  bucket's divisor comes from its own all-reduce, before it is used.
+- *Joined rank, per round* (the hook's :meth:`RoundHeartbeat.shadow_first`, the
+  Join's count, then :meth:`RoundHeartbeat.shadow_rest`, its main hook): what
+  torch's join hook does, less what this path rules out (buffers, unused
+  parameters): the bucket rebuild if due (a broadcast, once, after the first
+  backward, at the same place as an active rank's next forward), the same
+  coalesced all-reduces from zeros with the drain's value, and the rebuilt
+  parameters pushed. The first bucket's sum is the count: nobody active
+  means every rank has joined and issued the same first bucket, and they all
+  stop there.
+- *A rank failing midway through a round* (a bucket's all-reduce out, not the
+  last): :meth:`RoundHeartbeat.round_open` says so; its completion round
+  (:meth:`RoundHeartbeat.shadow_rest`) sends the rest from zeros.
+- *A forward with gradients and no backward* told no joined rank anything
+  here, but the Join's rules are the same on every path: before this rank's
+  next forward (or as it leaves its loop) :meth:`RoundHeartbeat.settle` finds
+  that no bucket went out since and raises ``LocalProtocolError``; the rank's
+  drain then matches the joined ranks' round.
+
+Where this path cannot be used (:func:`refusal`) the Join takes the
+one-collective path: a comm hook of the user's, ``find_unused_parameters``
+(its extra all-reduce of the used-parameter map), ``static_graph``, buffers
+broadcast in forward (their source rank is agreed by a collective in each
+forward, before anything of the round is known), ``mixed_precision``, a model
+shadowed by replay (collectives in forward), parameters that are not float32
+or float64, and sparse gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from joinkit import Join, LocalProtocolError
+from joinkit.lowlevel import ALARM, NOBODY_ACTIVE_BELOW
+
+from . import _ddp_hook
+
+__all__ = ["RoundHeartbeat", "refusal"]
+
+_SUM: Any = dist.ReduceOp.SUM
+_FLOATS = (torch.float32, torch.float64)
+
+
+def refusal(ddp: Any, replays: bool) -> str | None:
+    """Why ``ddp``'s gradient all-reduce cannot carry the heartbeat, or ``None``.
+
+    Args:
+        ddp: the DistributedDataParallel model.
+        replays: whether joined ranks shadow it by replaying its forward.
+
+    Returns:
+        What rules the path out (the Join then sends one collective per
+        iteration), or ``None`` when the heartbeat can ride in the gradients.
+    """
+    hook = _ddp_hook.foreign_hook(ddp)
+    if hook is not None:
+        return f"it has a comm hook of its own ({hook})"
+    if ddp.find_unused_parameters:
+        return "find_unused_parameters=True"
+    if getattr(ddp, "static_graph", False):
+        return "static_graph=True"
+    if ddp.forward_sync_buffers and len(getattr(ddp, "modules_buffers", [])) > 0:
+        return "its buffers are broadcast in forward (broadcast_buffers=True)"
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return "mixed_precision"
+    if replays:
+        return "joined ranks replay its forward (collectives in forward)"
+    if getattr(ddp, "_use_python_reducer", False) or getattr(
+            ddp, "_delay_all_reduce_all_params", False):
+        return "it runs without DDP's C++ reducer"
+    dtypes = {p.dtype for p in ddp.parameters() if p.requires_grad}
+    if not dtypes <= set(_FLOATS):
+        return f"parameters of dtype {', '.join(sorted(map(str, dtypes - set(_FLOATS))))}"
+    for module in ddp.module.modules():
+        if getattr(module, "sparse", False) is True:
+            return f"sparse gradients ({type(module).__name__})"
+    return None
+
+
+def _plain_wait(work: Any) -> Any:
+    return work.wait()
+
+
+class RoundHeartbeat:
+    """One DDP model in one Join whose heartbeat rides in its gradients (module doc).
+
+    Args:
+        adapter: the model's joinable (the Join's first).
+        divide_by_initial_world_size: the Join's argument.
+        wait: how to wait for a joined rank's all-reduce (the Join backend's,
+            so that a peer's abort ends it), else ``work.wait()``.
+    """
+
+    def __init__(self, adapter: Any, divide_by_initial_world_size: bool,
+                 wait: Callable[[Any], Any] | None = None) -> None:
+        ddp = adapter.obj
+        self.adapter = adapter
+        self.ddp = ddp
+        group = ddp.process_group
+        self.allreduce = group.allreduce_coalesced
+        self.opts = dist.AllreduceCoalescedOptions()
+        self.opts.reduceOp = _SUM
+        self.world = group.size()
+        # divide_by_initial_world_size: each gradient times 1 / world before
+        # the sum, as DDP's reducer does; else divided by the round's count.
+        self.scale: float | None = 1.0 / self.world if divide_by_initial_world_size else None
+        self.wait: Callable[[Any], Any] = wait or _plain_wait
+        self.on_cpu = torch.device(ddp.join_device).type == "cpu"
+        self.value = 1.0  # this rank's heartbeat for its next round (Join.fused_heartbeat's)
+        # Per bucket index: the heartbeat element (and its NumPy view on the CPU).
+        self.beats: dict[int, tuple[torch.Tensor, Any]] = {}
+        # The open round: how many of its buckets went out (0: none open).
+        self.sent = 0
+        self.issued = 0  # buckets sent in this rank's own rounds (the no-backward check)
+        self.expect: int | None = None  # ``issued`` after a forward that announced a backward
+        # Joined rank: the bucket layout (index, elements, dtype, device), per rebuild.
+        self.layout: list[tuple[int, int, torch.dtype, torch.device]] | None = None
+        self.layout_rebuilt = False
+        self.owed: list[tuple[int, int, torch.dtype, torch.device]] = []
+        self.zeros: dict[int, torch.Tensor] = {}
+        self.state = _ddp_hook.install(ddp)
+        self.state.route = self
+        ddp._check_global_requires_backward_grad_sync = self.check
+
+    def close(self) -> None:
+        """The Join is over: the hook goes back to DDP's own way; DDP gets its check back."""
+        if self.state.route is self:
+            self.state.route = None
+        if self.ddp.__dict__.get("_check_global_requires_backward_grad_sync") == self.check:
+            del self.ddp.__dict__["_check_global_requires_backward_grad_sync"]
+        self.zeros = {}
+
+    # -- active rank ----------------------------------------------------------------
+
+    def notify(self) -> None:
+        """An active rank's forward: count the input; nothing is sent.
+
+        Raises:
+            LocalProtocolError: the previous forward announced a backward that
+                never came (:meth:`settle`).
+            PeerAborted: the latest round showed a failed peer.
+        """
+        self.settle()
+        self.value = Join.fused_heartbeat(self.adapter)
+        ddp = self.ddp
+        if ddp.require_backward_grad_sync and torch.is_grad_enabled():
+            self.expect = self.issued
+
+    def check(self, is_joined_rank: bool) -> bool | None:
+        """DDP's ``_check_global_requires_backward_grad_sync``: nothing to send."""
+        return True if is_joined_rank else None
+
+    def hook(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """The comm hook's route: this bucket and the heartbeat, in one all-reduce."""
+        buffer: torch.Tensor = bucket.buffer()
+        index = bucket.index()
+        if self.scale is not None:
+            buffer.mul_(self.scale)
+        beat, view = self._beat(index, buffer)
+        if view is not None:
+            view[0] = self.value
+        else:
+            beat.fill_(self.value)
+        work = self.allreduce([buffer, beat], self.opts)
+        self.issued += 1
+        self.sent = 0 if bucket.is_last() else self.sent + 1
+        scale = self.scale
+
+        def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            fut.value()  # raises the all-reduce's error, if any
+            if view is not None:
+                total = float(view[0])
+                Join.record_heartbeat_total(self.adapter, total)
+                if scale is None:
+                    active = round(total) if NOBODY_ACTIVE_BELOW <= total < ALARM else 1
+                    if active != 1:
+                        buffer.div_(active)
+            elif scale is None:
+                buffer.div_(beat.clamp(min=1.0))
+            return buffer
+
+        future: torch.futures.Future[torch.Tensor] = work.get_future().then(finish)
+        return future
+
+    def settle(self) -> None:
+        """Before this rank's next forward: refuse a forward that got no backward.
+
+        Raises:
+            LocalProtocolError: the last forward had gradients enabled and
+                ``require_backward_grad_sync``, and no bucket went out since.
+        """
+        expect = self.expect
+        if expect is None:
+            return
+        self.expect = None
+        if self.issued != expect:
+            return  # its backward's buckets went out
+        ddp = self.ddp
+        if not ddp._has_rebuilt_buckets:
+            # The reducer still waits for that backward: its drain's bucket
+            # rebuild (when due) needs it to stop waiting.
+            ddp.reducer._reset_state()
+        raise LocalProtocolError(
+            "DistributedDataParallel ran a forward with gradients enabled and no backward "
+            "after it (e.g. evaluation in model.eval() without torch.no_grad()): inside a "
+            "Join, every forward with gradients must be followed by a backward (joined "
+            "ranks shadow its gradient all-reduce). Run forward-only iterations under "
+            "`with torch.no_grad():` (or torch.inference_mode(), or model.no_sync()), and "
+            "follow every other forward by a backward."
+        )
+
+    def round_open(self) -> bool:
+        """Whether this rank is midway through a round (some buckets out, not all)."""
+        return self.sent > 0
+
+    # -- joined rank ----------------------------------------------------------------
+
+    def shadow_first(self, heartbeat: float) -> float:
+        """A joined rank's count: the round's first bucket from zeros; its heartbeat sum."""
+        ddp = self.ddp
+        if not ddp._has_rebuilt_buckets and ddp.reducer._rebuild_buckets():
+            ddp._has_rebuilt_buckets = True  # as DDP's forward would, at the same place
+        layout = self._layout()
+        self.value = heartbeat
+        self.owed = layout[1:]
+        beat, view = self._send_zeros(layout[0])
+        if view is not None:
+            return float(view[0])
+        return float(beat.item())
+
+    def shadow_rest(self) -> None:
+        """The rest of the round: after a count, or a failing rank's open round."""
+        owed = self.owed
+        if self.sent:
+            owed = self._layout()[self.sent:]
+            self.sent = 0
+        self.owed = []
+        for bucket in owed:
+            self._send_zeros(bucket)
+        self.ddp.reducer._push_all_rebuilt_params()  # torch's hook does, once due
+
+    def _send_zeros(self, bucket: tuple[int, int, torch.dtype, torch.device],
+                    ) -> tuple[torch.Tensor, Any]:
+        index, elements, dtype, device = bucket
+        zeros = self.zeros.get(index)
+        if zeros is None or zeros.numel() != elements or zeros.dtype != dtype:
+            zeros = self.zeros[index] = torch.zeros(elements, dtype=dtype, device=device)
+        else:
+            zeros.zero_()
+        beat, view = self._beat(index, zeros)
+        if view is not None:
+            view[0] = self.value
+        else:
+            beat.fill_(self.value)
+        self.wait(self.allreduce([zeros, beat], self.opts))
+        return beat, view
+
+    def _layout(self) -> list[tuple[int, int, torch.dtype, torch.device]]:
+        """The reducer's buckets (index, elements, dtype, device), read once per rebuild."""
+        rebuilt = bool(self.ddp._has_rebuilt_buckets)
+        if self.layout is None or self.layout_rebuilt != rebuilt:
+            buckets = self.ddp.reducer._get_zeros_like_grad_buckets()
+            self.layout = [(b.index(), b.buffer().numel(), b.buffer().dtype, b.buffer().device)
+                           for b in buckets]
+            self.layout_rebuilt = rebuilt
+        return self.layout
+
+    def _beat(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Bucket ``index``'s heartbeat element, in its dtype and device."""
+        entry = self.beats.get(index)
+        if entry is None or entry[0].dtype != like.dtype:
+            beat = torch.zeros(1, dtype=like.dtype, device=like.device)
+            entry = self.beats[index] = (beat, beat.numpy() if self.on_cpu else None)
+        return entry
