@@ -17,19 +17,24 @@ doc). A *round* is one backward's bucket all-reduces, in bucket order.
   backward, no round goes out; the next backward that syncs is the next round.
 - *Active rank, per bucket* (:meth:`RoundHeartbeat.hook`, the route of joinkit's
   comm hook, ``_ddp_hook``): the bucket is multiplied by ``1 / world size``
-  (``divide_by_initial_world_size=True``, as DDP's reducer does), and one
-  coalesced all-reduce sends it with a 1-element tensor holding the heartbeat
-  value (one ring on gloo, one NCCL group on CUDA). The element's sum is the
+  (``divide_by_initial_world_size=True``, as DDP's reducer does) and sent in
+  one all-reduce with one more element holding the heartbeat value
+  (:class:`_Slot`: on the CPU a copy into a buffer one element longer, which
+  costs two passes over the bucket and no allocation; on CUDA a coalesced
+  all-reduce of the bucket and a 1-element tensor, one NCCL group and no
+  copy of the gradients). The element's sum is the
   number of active ranks in this round (failed ranks' weights aside, which
-  ``decode_tally`` reads): it is recorded for the Join's failure check, and with
-  ``divide_by_initial_world_size=False`` the bucket is divided by it, so each
-  bucket's divisor comes from its own all-reduce, before it is used.
+  ``decode_tally`` reads): the next forward hands the latest bucket's sum to
+  the Join's failure check (``Join.record_heartbeat_total``), and with
+  ``divide_by_initial_world_size=False`` each bucket is divided by its own
+  sum, so its divisor comes from its own all-reduce, before it is used. The
+  future DDP gets back does nothing else (its error, if any, reaches DDP).
 - *Joined rank, per round* (the hook's :meth:`RoundHeartbeat.shadow_first`, the
   Join's count, then :meth:`RoundHeartbeat.shadow_rest`, its main hook): what
   torch's join hook does, less what this path rules out (buffers, unused
   parameters): the bucket rebuild if due (a broadcast, once, after the first
   backward, at the same place as an active rank's next forward), the same
-  coalesced all-reduces from zeros with the drain's value, and the rebuilt
+  all-reduces from zeros with the drain's value, and the rebuilt
   parameters pushed. The first bucket's sum is the count: nobody active
   means every rank has joined and issued the same first bucket, and they all
   stop there.
@@ -43,12 +48,12 @@ doc). A *round* is one backward's bucket all-reduces, in bucket order.
   drain then matches the joined ranks' round.
 
 Where this path cannot be used (:func:`refusal`) the Join takes the
-one-collective path: a comm hook of the user's, ``find_unused_parameters``
-(its extra all-reduce of the used-parameter map), ``static_graph``, buffers
-broadcast in forward (their source rank is agreed by a collective in each
-forward, before anything of the round is known), ``mixed_precision``, a model
-shadowed by replay (collectives in forward), parameters that are not float32
-or float64, and sparse gradients.
+one-collective path: a CUDA model (for now: ``ON_CUDA``), a comm hook of the
+user's, ``find_unused_parameters`` (its extra all-reduce of the used-parameter
+map), ``static_graph``, buffers broadcast in forward (their source rank is
+agreed by a collective in each forward, before anything of the round is
+known), ``mixed_precision``, a model shadowed by replay (collectives in
+forward), parameters that are not float32 or float64, and sparse gradients.
 """
 
 from __future__ import annotations
@@ -68,6 +73,11 @@ __all__ = ["RoundHeartbeat", "refusal"]
 
 _SUM: Any = dist.ReduceOp.SUM
 _FLOATS = (torch.float32, torch.float64)
+#: Whether a CUDA model may take this path. Its CUDA branch (:class:`_Slot`'s
+#: coalesced all-reduce) is written but has not run on a GPU yet, so CUDA
+#: models keep the one-collective path; ``tests/test_ddp_round.py``'s nccl test
+#: turns it on where two GPUs exist.
+ON_CUDA = False
 
 
 def refusal(ddp: Any, replays: bool) -> str | None:
@@ -94,6 +104,8 @@ def refusal(ddp: Any, replays: bool) -> str | None:
         return "mixed_precision"
     if replays:
         return "joined ranks replay its forward (collectives in forward)"
+    if torch.device(ddp.join_device).type != "cpu" and not ON_CUDA:
+        return "a CUDA model (this path has run on gloo and the CPU only so far)"
     if getattr(ddp, "_use_python_reducer", False) or getattr(
             ddp, "_delay_all_reduce_all_params", False):
         return "it runs without DDP's C++ reducer"
@@ -108,6 +120,41 @@ def refusal(ddp: Any, replays: bool) -> str | None:
 
 def _plain_wait(work: Any) -> Any:
     return work.wait()
+
+
+class _Slot:
+    """One bucket's all-reduce with its heartbeat element (module doc).
+
+    On the CPU the bucket is copied into a buffer one element longer (the
+    copy also multiplies by ``1 / world size`` where that is the divisor), whose
+    last element is the heartbeat, read and written through a NumPy view; one
+    all-reduce sends it, and the result is copied back (divided by the count
+    where that is the divisor). On CUDA (no copy of the gradients, no host
+    read) the bucket and a 1-element heartbeat go in one coalesced all-reduce.
+    """
+
+    __slots__ = ("elements", "dtype", "wide", "head", "view", "beat", "zeros")
+
+    def __init__(self, elements: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.elements = elements
+        self.dtype = dtype
+        self.wide: torch.Tensor | None = None
+        self.head: torch.Tensor | None = None
+        self.view: Any = None
+        self.zeros: torch.Tensor | None = None
+        if device.type == "cpu":
+            self.wide = torch.empty(elements + 1, dtype=dtype)
+            self.head = self.wide[:elements]
+            self.view = self.wide.numpy()
+            self.beat = self.wide[elements:]
+        else:
+            self.beat = torch.zeros(1, dtype=dtype, device=device)
+
+    def total(self) -> float:
+        """The heartbeat's sum, once the all-reduce completed."""
+        if self.view is not None:
+            return float(self.view[self.elements])
+        return float(self.beat.item())
 
 
 class RoundHeartbeat:
@@ -126,27 +173,28 @@ class RoundHeartbeat:
         self.adapter = adapter
         self.ddp = ddp
         group = ddp.process_group
-        self.allreduce = group.allreduce_coalesced
-        self.opts = dist.AllreduceCoalescedOptions()
+        self.allreduce = group.allreduce
+        self.opts = dist.AllreduceOptions()
         self.opts.reduceOp = _SUM
+        self.allreduce_coalesced = group.allreduce_coalesced
+        self.coalesced_opts = dist.AllreduceCoalescedOptions()
+        self.coalesced_opts.reduceOp = _SUM
         self.world = group.size()
         # divide_by_initial_world_size: each gradient times 1 / world before
         # the sum, as DDP's reducer does; else divided by the round's count.
         self.scale: float | None = 1.0 / self.world if divide_by_initial_world_size else None
         self.wait: Callable[[Any], Any] = wait or _plain_wait
-        self.on_cpu = torch.device(ddp.join_device).type == "cpu"
         self.value = 1.0  # this rank's heartbeat for its next round (Join.fused_heartbeat's)
-        # Per bucket index: the heartbeat element (and its NumPy view on the CPU).
-        self.beats: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.slots: dict[int, _Slot] = {}  # per bucket index
         # The open round: how many of its buckets went out (0: none open).
         self.sent = 0
         self.issued = 0  # buckets sent in this rank's own rounds (the no-backward check)
+        self.latest: _Slot | None = None  # the latest bucket sent (CPU: its sum is read)
         self.expect: int | None = None  # ``issued`` after a forward that announced a backward
         # Joined rank: the bucket layout (index, elements, dtype, device), per rebuild.
         self.layout: list[tuple[int, int, torch.dtype, torch.device]] | None = None
         self.layout_rebuilt = False
         self.owed: list[tuple[int, int, torch.dtype, torch.device]] = []
-        self.zeros: dict[int, torch.Tensor] = {}
         self.state = _ddp_hook.install(ddp)
         self.state.route = self
         ddp._check_global_requires_backward_grad_sync = self.check
@@ -157,7 +205,7 @@ class RoundHeartbeat:
             self.state.route = None
         if self.ddp.__dict__.get("_check_global_requires_backward_grad_sync") == self.check:
             del self.ddp.__dict__["_check_global_requires_backward_grad_sync"]
-        self.zeros = {}
+        self.slots = {}
 
     # -- active rank ----------------------------------------------------------------
 
@@ -170,6 +218,11 @@ class RoundHeartbeat:
             PeerAborted: the latest round showed a failed peer.
         """
         self.settle()
+        latest = self.latest
+        if latest is not None and latest.view is not None:
+            # The latest round's sum (it completed in that backward): the Join's
+            # failure check (a peer's alarm) at its fused heartbeat, next.
+            Join.record_heartbeat_total(self.adapter, float(latest.view[latest.elements]))
         self.value = Join.fused_heartbeat(self.adapter)
         ddp = self.ddp
         if ddp.require_backward_grad_sync and torch.is_grad_enabled():
@@ -182,34 +235,69 @@ class RoundHeartbeat:
     def hook(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         """The comm hook's route: this bucket and the heartbeat, in one all-reduce."""
         buffer: torch.Tensor = bucket.buffer()
-        index = bucket.index()
-        if self.scale is not None:
-            buffer.mul_(self.scale)
-        beat, view = self._beat(index, buffer)
-        if view is not None:
-            view[0] = self.value
-        else:
-            beat.fill_(self.value)
-        work = self.allreduce([buffer, beat], self.opts)
+        slot = self._slot(bucket.index(), buffer.numel(), buffer.dtype, buffer.device)
+        work = self._send(slot, buffer)
         self.issued += 1
         self.sent = 0 if bucket.is_last() else self.sent + 1
-        scale = self.scale
-
-        def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-            fut.value()  # raises the all-reduce's error, if any
-            if view is not None:
-                total = float(view[0])
-                Join.record_heartbeat_total(self.adapter, total)
-                if scale is None:
+        self.latest = slot
+        head, view, beat, elements = slot.head, slot.view, slot.beat, slot.elements
+        if head is not None:  # CPU: the result is in the wide buffer
+            if self.scale is not None:
+                def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+                    fut.value()  # raises the all-reduce's error, if any
+                    buffer.copy_(head)
+                    return buffer
+            else:
+                def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+                    fut.value()
+                    total = float(view[elements])  # this bucket's own count
                     active = round(total) if NOBODY_ACTIVE_BELOW <= total < ALARM else 1
-                    if active != 1:
-                        buffer.div_(active)
-            elif scale is None:
+                    torch.div(head, active, out=buffer)
+                    return buffer
+        elif self.scale is not None:
+            def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+                fut.value()
+                return buffer
+        else:  # CUDA: no host read; the count divides on the device
+            def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+                fut.value()
                 buffer.div_(beat.clamp(min=1.0))
-            return buffer
+                return buffer
 
         future: torch.futures.Future[torch.Tensor] = work.get_future().then(finish)
         return future
+
+    def _send(self, slot: _Slot, buffer: torch.Tensor | None) -> Any:
+        """Start the all-reduce of ``buffer`` (``None``: zeros) and ``self.value``."""
+        scale = self.scale
+        head = slot.head
+        if head is not None:
+            if buffer is None:
+                head.zero_()
+            elif scale is not None:
+                torch.mul(buffer, scale, out=head)
+            else:
+                head.copy_(buffer)
+            slot.view[slot.elements] = self.value
+            return self.allreduce([slot.wide], self.opts)
+        if buffer is None:
+            if slot.zeros is None:
+                slot.zeros = torch.zeros(slot.elements, dtype=slot.dtype,
+                                         device=slot.beat.device)
+            else:
+                slot.zeros.zero_()
+            buffer = slot.zeros
+        elif scale is not None:
+            buffer.mul_(scale)
+        slot.beat.fill_(self.value)
+        return self.allreduce_coalesced([buffer, slot.beat], self.coalesced_opts)
+
+    def _slot(self, index: int, elements: int, dtype: torch.dtype,
+              device: torch.device) -> _Slot:
+        slot = self.slots.get(index)
+        if slot is None or slot.elements != elements or slot.dtype != dtype:
+            slot = self.slots[index] = _Slot(elements, dtype, device)
+        return slot
 
     def settle(self) -> None:
         """Before this rank's next forward: refuse a forward that got no backward.
@@ -252,10 +340,7 @@ class RoundHeartbeat:
         layout = self._layout()
         self.value = heartbeat
         self.owed = layout[1:]
-        beat, view = self._send_zeros(layout[0])
-        if view is not None:
-            return float(view[0])
-        return float(beat.item())
+        return self._shadow(layout[0])
 
     def shadow_rest(self) -> None:
         """The rest of the round: after a count, or a failing rank's open round."""
@@ -265,24 +350,14 @@ class RoundHeartbeat:
             self.sent = 0
         self.owed = []
         for bucket in owed:
-            self._send_zeros(bucket)
+            self._shadow(bucket)
         self.ddp.reducer._push_all_rebuilt_params()  # torch's hook does, once due
 
-    def _send_zeros(self, bucket: tuple[int, int, torch.dtype, torch.device],
-                    ) -> tuple[torch.Tensor, Any]:
-        index, elements, dtype, device = bucket
-        zeros = self.zeros.get(index)
-        if zeros is None or zeros.numel() != elements or zeros.dtype != dtype:
-            zeros = self.zeros[index] = torch.zeros(elements, dtype=dtype, device=device)
-        else:
-            zeros.zero_()
-        beat, view = self._beat(index, zeros)
-        if view is not None:
-            view[0] = self.value
-        else:
-            beat.fill_(self.value)
-        self.wait(self.allreduce([zeros, beat], self.opts))
-        return beat, view
+    def _shadow(self, bucket: tuple[int, int, torch.dtype, torch.device]) -> float:
+        """One bucket's all-reduce from zeros, waited for; its heartbeat sum."""
+        slot = self._slot(*bucket)
+        self.wait(self._send(slot, None))
+        return slot.total()
 
     def _layout(self) -> list[tuple[int, int, torch.dtype, torch.device]]:
         """The reducer's buckets (index, elements, dtype, device), read once per rebuild."""
@@ -293,11 +368,3 @@ class RoundHeartbeat:
                            for b in buckets]
             self.layout_rebuilt = rebuilt
         return self.layout
-
-    def _beat(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Bucket ``index``'s heartbeat element, in its dtype and device."""
-        entry = self.beats.get(index)
-        if entry is None or entry[0].dtype != like.dtype:
-            beat = torch.zeros(1, dtype=like.dtype, device=like.device)
-            entry = self.beats[index] = (beat, beat.numpy() if self.on_cpu else None)
-        return entry
