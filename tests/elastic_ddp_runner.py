@@ -244,9 +244,17 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
                 model(torch.ones(1, DIM)).sum().backward()
                 grads.append(float(model.module.bias.grad.item()))
         counted[name] = {"grads": grads, "heartbeat": join.heartbeat}
+    # Finish mode again, after the Join that routed the hook for the heartbeat
+    # in the gradients: the same hook takes finish mode's route; ranks agree.
+    with Join([model], on_rank_loss="finish", store_outlives_ranks=True):
+        for index in range(1 + rank):
+            model(torch.full((1, DIM), float(index))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    again = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
     (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "refusals": found, "after": "ok", "params": params,
-         "counted": counted}))
+         "counted": counted, "again": again}))
 
 
 def _allreduce_future(bucket: Any) -> Any:

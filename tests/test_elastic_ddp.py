@@ -123,6 +123,10 @@ def test_refusals(results: dict[str, Any]) -> None:
     params = [np.array(data["params"]) for data in ranks.values()]
     for other in params[1:]:
         np.testing.assert_allclose(other, params[0], rtol=0, atol=TOLERANCE)
+    # Finish mode after the heartbeat rode in the gradients: ranks agree again.
+    again = [np.array(data["again"]) for data in ranks.values()]
+    for other in again[1:]:
+        np.testing.assert_allclose(other, again[0], rtol=0, atol=TOLERANCE)
 
 
 #: Under ``mpirun --with-ft ulfm`` (a launcher that keeps the survivors): gloo
