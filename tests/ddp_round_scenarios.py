@@ -343,6 +343,47 @@ def check_group(ctx: Ctx) -> None:
     assert t.item() == ctx.world
 
 
+@scenario
+def round_local_steps(ctx: Ctx) -> Any:
+    """A counter-example to the idea taken alone: every input steps, gradients
+    sync on every second (local steps under no_sync(), so replicas differ
+    between rounds). After the last round the ranks hold different models, and
+    a round heartbeat's last joiners (every rank that left after the last
+    round) are not torch's (the ranks with the most inputs), whose highest
+    rank's model DDP's post hook keeps. joinkit asks for torch's in the post
+    hook: the final model equals torch's Join's."""
+    out: dict[str, Any] = {"cells": []}
+    for counts in ([3, 5, 4][: ctx.world], [4, 3, 4][: ctx.world], [5, 2, 5][: ctx.world]):
+        finals = {}
+        for name, join_cls in (("joinkit", Join), ("torch", torch_join.Join)):
+            model = wrap(ctx, make())
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+            with join_cls([model]) as join:
+                for i in range(counts[ctx.rank]):
+                    x = batch(ctx.rank, i).to(DEVICE)
+                    if i % 2 == 0:
+                        with model.no_sync():
+                            model(x).square().sum().backward()
+                    else:
+                        model(x).square().sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            finals[name] = params(model)
+            if name == "joinkit":
+                report = join.report
+                assert report is not None
+                rounds_left = rounds_after(counts, "accumulate", counts[ctx.rank])
+                round_last = report.is_last_joiner
+        out["cells"].append({
+            "counts": counts,
+            "same_as_torch": max(float((a - b).abs().max()) for a, b in
+                                 zip(finals["joinkit"], finals["torch"], strict=True)),
+            "round_last_joiner": round_last, "left_after_last_round": rounds_left == 0,
+            "most_inputs": counts[ctx.rank] == max(counts),
+        })
+    return out
+
+
 # -- one model, every path in turn ----------------------------------------------------------
 
 

@@ -50,8 +50,9 @@ def test_no_collective_of_joinkits_own_per_iteration(results: dict[str, Any]) ->
         # Plain DDP: one all-reduce per bucket (several buckets here).
         assert rank["inside"] == rank["plain"] == rank["after"] == rank["buckets"] > 1
         # The entry agreement, every round of the rank with the most inputs
-        # (3 + 2), the last round's first bucket, DDP's final-model sync.
-        assert rank["uneven"] == 1 + 5 * rank["buckets"] + 1 + rank["post_hook"], rank
+        # (3 + 2), the last round's first bucket, the post hook's all-reduce of
+        # the inputs (torch's last joiners) and DDP's final-model sync.
+        assert rank["uneven"] == 1 + 5 * rank["buckets"] + 1 + 1 + rank["post_hook"], rank
 
 
 PATHS = {
@@ -82,6 +83,22 @@ def test_each_configuration_gets_its_path(results: dict[str, Any]) -> None:
         # Ranks that disagree are told so on entry, with the table.
         assert rank["disagree"] is not None and "heartbeat" in rank["disagree"]
         assert "round" in rank["disagree"] and "fused" in rank["disagree"]
+
+
+def test_the_final_model_comes_from_torchs_last_joiners(results: dict[str, Any]) -> None:
+    """Local steps under no_sync(): the ranks' models differ after the last round.
+    The report's last joiners (who left after the last round) are not torch's
+    (the ranks with the most inputs) in some cell: the counter-example to
+    reading them off the rounds alone; DDP's final model still equals torch's
+    Join's (the post hook asks for the most inputs)."""
+    ranks = ranks_of(results, "round_local_steps")
+    differs = False
+    for rank in ranks:
+        for cell in rank["cells"]:
+            assert cell["same_as_torch"] < 1e-6, cell
+            assert cell["round_last_joiner"] == cell["left_after_last_round"], cell
+            differs |= cell["round_last_joiner"] != cell["most_inputs"]
+    assert differs
 
 
 def test_one_model_through_every_path(results: dict[str, Any]) -> None:

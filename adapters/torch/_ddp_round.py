@@ -41,6 +41,12 @@ doc). A *round* is one backward's bucket all-reduces, in bucket order.
 - *A rank failing midway through a round* (a bucket's all-reduce out, not the
   last): :meth:`RoundHeartbeat.round_open` says so; its completion round
   (:meth:`RoundHeartbeat.shadow_rest`) sends the rest from zeros.
+- *The post hook*: DDP syncs the final model from the highest of its last
+  joiners; torch's are the ranks with the most inputs, while a round
+  heartbeat's ``is_last_joiner`` holds for every rank that left after the last
+  round (the same model unless a rank stepped on its own gradients under
+  ``no_sync()`` since). One MAX all-reduce of the inputs per Join
+  (:meth:`RoundHeartbeat.most_inputs`) gives DDP torch's.
 - *A forward with gradients and no backward* told no joined rank anything
   here, but the Join's rules are the same on every path: before this rank's
   next forward (or as it leaves its loop) :meth:`RoundHeartbeat.settle` finds
@@ -72,6 +78,7 @@ from . import _ddp_hook
 __all__ = ["RoundHeartbeat", "refusal"]
 
 _SUM: Any = dist.ReduceOp.SUM
+_MAX: Any = dist.ReduceOp.MAX
 _FLOATS = (torch.float32, torch.float64)
 #: Whether a CUDA model may take this path. Its CUDA branch (:class:`_Slot`'s
 #: coalesced all-reduce) is written but has not run on a GPU yet, so CUDA
@@ -189,6 +196,7 @@ class RoundHeartbeat:
         # The open round: how many of its buckets went out (0: none open).
         self.sent = 0
         self.issued = 0  # buckets sent in this rank's own rounds (the no-backward check)
+        self.inputs = 0  # this rank's forwards in the Join (its notifies)
         self.latest: _Slot | None = None  # the latest bucket sent (CPU: its sum is read)
         self.expect: int | None = None  # ``issued`` after a forward that announced a backward
         # Joined rank: the bucket layout (index, elements, dtype, device), per rebuild.
@@ -224,6 +232,7 @@ class RoundHeartbeat:
             # failure check (a peer's alarm) at its fused heartbeat, next.
             Join.record_heartbeat_total(self.adapter, float(latest.view[latest.elements]))
         self.value = Join.fused_heartbeat(self.adapter)
+        self.inputs += 1
         ddp = self.ddp
         if ddp.require_backward_grad_sync and torch.is_grad_enabled():
             self.expect = self.issued
@@ -329,6 +338,20 @@ class RoundHeartbeat:
     def round_open(self) -> bool:
         """Whether this rank is midway through a round (some buckets out, not all)."""
         return self.sent > 0
+
+    def most_inputs(self) -> bool:
+        """Whether no rank had more inputs than this one (torch's last joiners).
+
+        One MAX all-reduce of the input counts, for DDP's post hook: torch
+        syncs the final model from the highest of the ranks with the most
+        inputs, while a round heartbeat's ``is_last_joiner`` holds for every
+        rank that left after the last round.
+        """
+        mine = torch.tensor([self.inputs], dtype=torch.int64, device=self.ddp.join_device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _MAX
+        self.wait(self.ddp.process_group.allreduce([mine], opts))
+        return int(mine.item()) == self.inputs
 
     # -- joined rank ----------------------------------------------------------------
 

@@ -668,6 +668,13 @@ class _DDPShadow(_Shadow):
             self.replay.close()
         elastic = self.adapter._elastic_ddp
         if elastic is None:
+            heartbeat_round = self.adapter._round
+            if heartbeat_round is not None:
+                # torch's final model comes from its last joiners, the ranks with
+                # the most inputs; a round heartbeat knows only who left after
+                # the last round (a rank that stepped alone under no_sync()
+                # since may differ): ask, with one small all-reduce.
+                is_last_joiner = heartbeat_round.most_inputs()
             super().post_hook(is_last_joiner)
             return
         # on_rank_loss="finish": torch's final-model sync as one unit of the group.
