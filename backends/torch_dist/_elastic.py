@@ -201,6 +201,7 @@ class Elastic:
             "JOINKIT_ELASTIC_GLOO_TIMEOUT", "60")))
         self._stop = threading.Event()
         self._post_process()
+        announce_finish_mode()
         self._watcher = threading.Thread(target=self._watch, name="joinkit-elastic",
                                          daemon=True)
         self._watcher.start()
@@ -660,15 +661,41 @@ def _apply(buf: Any, result: Any) -> Any:
 
 
 def torchrun_warning() -> str | None:
-    """The warning for ``on_rank_loss="finish"`` under torchrun, or ``None`` elsewhere."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    """The warning for ``on_rank_loss="finish"`` under torchrun, or ``None`` elsewhere
+    (and under ``python -m joinkit run``, whose agent keeps the survivors)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get(RUN_ENV) == "1":
         return None
     return (
         "joinkit: Join(on_rank_loss='finish') under torchrun: torchrun's agent kills "
         "every worker when one dies, so the survivors will not get to finish; launch "
-        f"with a launcher that keeps the survivors ({KEEPING_LAUNCHERS}) or a process "
+        f"with `python -m joinkit run` (torchrun's arguments; its agent keeps them) or "
+        f"another launcher that keeps the survivors ({KEEPING_LAUNCHERS}), or a process "
         "of your own that hosts the store (docs/elastic-torch.md)"
     )
+
+
+#: Set by ``python -m joinkit run``'s agent in its workers' environment (``_run``),
+#: with the folder where a worker says it entered a finish-mode Join.
+RUN_ENV = "JOINKIT_RUN"
+RUN_DIR_ENV = "JOINKIT_RUN_DIR"
+
+
+def announce_finish_mode() -> None:
+    """Tell ``python -m joinkit run``'s agent that this worker's death is a loss to
+    finish without (``finish-<RANK>`` in its folder); nothing elsewhere."""
+    folder = os.environ.get(RUN_DIR_ENV)
+    if not folder or os.environ.get(RUN_ENV) != "1":
+        return
+    rank = os.environ.get("RANK")
+    if rank is None:
+        return
+    try:
+        with open(os.path.join(folder, f"finish-{int(rank)}"), "a"):
+            pass
+    except (OSError, ValueError):
+        warnings.warn(f"joinkit: could not tell joinkit run's agent (folder {folder}) that "
+                      "this worker finishes after a loss: its death would stop the job",
+                      RuntimeWarning, stacklevel=2)
 
 
 def warn_torchrun() -> None:
