@@ -25,9 +25,10 @@ A ``CELL`` is one of:
     ``body``, ``beat``, ``step``, ``drain``; ``-`` for none); each epoch's
     passes (``sampler.passes()``) over the survivors of the one before.
 
-With ``--as-rank PORT`` (under ``mpirun --with-ft ulfm``) or ``--as-worker``
-(under torchrun or ``python -m joinkit run``: ``env://``) the process is one
-rank of one ``takeover`` cell instead.
+With ``--mpirun`` each ``takeover`` cell runs under ``mpirun --with-ft ulfm``
+instead (its ranks, started with ``--as-rank PORT``, build their gloo group
+over this process's store); with ``--as-worker`` (under torchrun or ``python -m
+joinkit run``: ``env://``) the process is one rank of one ``takeover`` cell.
 """
 
 from __future__ import annotations
@@ -329,6 +330,8 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=90.0)
     parser.add_argument("--as-rank", type=int, default=0, help="under mpirun: the store's port")
     parser.add_argument("--as-worker", action="store_true", help="under torchrun: env://")
+    parser.add_argument("--mpirun", action="store_true",
+                        help="run each takeover cell under mpirun --with-ft ulfm")
     parser.add_argument("--cell", type=int, default=0)
     parser.add_argument("cells", nargs="+")
     args = parser.parse_args()
@@ -344,6 +347,12 @@ def main() -> None:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
             rank = dist.get_rank()
         takeover(rank, spec, out, args.cell)
+        return
+    if args.mpirun:
+        from elastic_fork import run_under_mpirun
+
+        run_under_mpirun(__file__, out, args.cells, args.deadline,
+                         lambda text: int(parse(text)["world"]))
         return
     run_cells(args)
 

@@ -13,6 +13,7 @@ Launches (all started at once, each bounded; standalone rendezvous, one node):
   name the lost ranks;
 - the take-over matrix's cells under ``joinkit run`` (DDP, ``take_over=True``,
   ``tests/exact_runner.py --as-worker``);
+- ``examples/elastic_run.py`` (DDP, ``take_over=True``, rank 1 killed);
 - without ``on_rank_loss="finish"``, torchrun's behaviour: a death stops every
   worker and the launcher exits 1.
 
@@ -82,6 +83,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                          "--cell", "0", spec),
             env=_env(), cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True))
+    procs["example"] = (root, subprocess.Popen(
+        _joinkit_run(3, str(HERE.parent / "examples" / "elastic_run.py")), env=_env(),
+        cwd=HERE.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = root / "raise"
     out.mkdir()
     procs["raise"] = (out, subprocess.Popen(
@@ -232,6 +236,18 @@ def test_without_finish_mode_it_is_torchrun(launched: dict[str, Any]) -> None:
     assert not list(run["out"].glob("rank*.json"))  # nobody finished
 
 
+@pytest.mark.timeout(int(TIMEOUT) + 120)
+def test_the_example_trains_every_sample_once(launched: dict[str, Any]) -> None:
+    # examples/elastic_run.py, as docs/elastic-torch.md runs it.
+    run = launched["example"]
+    assert run["code"] == 0, _explain(run)
+    assert run["stdout"].splitlines() == [
+        "rank 1 consumed 4 samples; its other 6 went to ranks 0, 2",
+        "every sample of the epoch trained once: True"], run["stdout"]
+    assert _lost_line(run["stderr"]) == (
+        "joinkit run: lost rank(s) 1 (SIGKILL, exit code -9); the survivors finished")
+
+
 @pytest.mark.timeout(120)
 def test_help_is_torchruns_under_its_own_name() -> None:
     done = subprocess.run([sys.executable, "-m", "joinkit", "run", "--help"],
@@ -239,3 +255,47 @@ def test_help_is_torchruns_under_its_own_name() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: python -m joinkit run"), done.stdout[:300]
     assert "--nproc-per-node" in done.stdout and "--rdzv-backend" in done.stdout
+
+
+def test_the_doctor_and_the_warning_know_joinkit_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from joinkit.backends.launch._doctor import collect
+    from joinkit.backends.torch_dist import _elastic as _torch_elastic
+
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2"}
+
+    def rank_loss(env: dict[str, str]) -> Any:
+        return {(f.section, f.name): f for f in collect(env)}[("launch", "rank loss")]
+
+    plain = rank_loss(torchrun)
+    assert plain.level == "note" and "python -m joinkit run" in plain.value
+    ours = rank_loss({**torchrun, "JOINKIT_RUN": "1"})
+    assert ours.level != "note" and "keeps the survivors" in ours.value
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.delenv("JOINKIT_RUN", raising=False)
+    assert "python -m joinkit run" in (_torch_elastic.torchrun_warning() or "")
+    monkeypatch.setenv("JOINKIT_RUN", "1")
+    assert _torch_elastic.torchrun_warning() is None
+
+
+def test_a_finish_mode_worker_announces_itself(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from joinkit.backends.torch_dist import _elastic as _torch_elastic
+
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("JOINKIT_RUN_DIR", str(tmp_path))
+    monkeypatch.delenv("JOINKIT_RUN", raising=False)
+    _torch_elastic.announce_finish_mode()  # not under joinkit run: nothing
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv("JOINKIT_RUN", "1")
+    _torch_elastic.announce_finish_mode()
+    assert [p.name for p in tmp_path.iterdir()] == ["finish-5"]
+
+
+def test_the_agent_checks_the_torch_internals_it_overrides() -> None:
+    from joinkit.backends.torch_dist import _run
+
+    _run.check_torch()  # torch 2.13 has them
+    import torch.distributed.launcher.api as launcher
+
+    assert launcher.LocalElasticAgent is not _run.JoinkitAgent  # only during a launch

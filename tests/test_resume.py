@@ -469,17 +469,20 @@ def test_the_plain_sampler_still_repeats_its_shard_each_pass() -> None:
 
 # -- real gloo ranks ---------------------------------------------------------------------
 
+#: W1>W2:K:num_workers:loader (exact_runner.py): every world change and loader
+#: kind with 0 and 2 workers, without running each product.
 RESUME_CELLS = [
-    "resume:3>2:2:0:dl", "resume:2>3:3:0:dl", "resume:2>4:2:0:dl",
-    "resume:3>2:2:2:dl", "resume:2>3:3:2:dl", "resume:2>4:2:2:dl",
-    "resume:3>2:2:0:sdl", "resume:2>4:3:2:sdl", "resume:3>3:2:2:sdl-own",
+    "resume:3>2:2:0:dl", "resume:2>3:3:2:dl", "resume:2>4:2:0:dl", "resume:2>4:3:2:dl",
+    "resume:3>2:2:2:sdl", "resume:2>3:2:0:sdl", "resume:3>3:2:0:sdl-own",
 ]
-#: One epoch each; rank/point/at (exact_runner.py).
+#: Two epochs each, a world of 4 then its 3 survivors: every kill point in each
+#: world (rank/point/at, exact_runner.py).
 TAKEOVER_CELLS = [
-    "takeover:3:1/body/2", "takeover:3:0/beat/1", "takeover:3:2/step/1",
-    "takeover:3:1/drain/0", "takeover:4:3/body/1", "takeover:4:1/beat/2",
-    "takeover:4:0/step/0", "takeover:4:2/drain/0",
+    "takeover:4:3/body/1,1/beat/2", "takeover:4:1/beat/2,3/body/1",
+    "takeover:4:0/step/0,2/drain/0", "takeover:4:2/drain/0,3/step/1",
 ]
+#: Under mpirun --with-ft ulfm (gloo ranks over the runner's store).
+MPIRUN_CELLS = ["takeover:4:2/beat/1,0/step/1"]
 
 
 @pytest.fixture(scope="module")
@@ -594,3 +597,25 @@ def test_take_over_matrix_forked(forked: tuple[Path, dict[str, Any]], spec: str)
     ranks = {r: _read(out, f"cell{record['cell']}-rank{r}.json") for r in range(s["world"])
              if r not in dead}
     record_error(spec, check_take_over(out, record["cell"], spec, ranks))
+
+
+@pytest.mark.timeout(900)
+def test_take_over_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
+    import exact_runner as runner
+
+    done = subprocess.run([sys.executable, str(RUNNER), "--mpirun", "--out", str(tmp_path),
+                           "--deadline", "240", *MPIRUN_CELLS], capture_output=True, text=True,
+                          timeout=300 * len(MPIRUN_CELLS) + 60)
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert [r["spec"] for r in records] == MPIRUN_CELLS
+    for record in records:
+        assert record["mpirun"] == 0, record
+        s = runner.parse(record["spec"])
+        dead = {r for kills in s["epochs"] for r in kills}
+        ranks = {r: _read(tmp_path, f"cell{record['cell']}-rank{r}.json")
+                 for r in range(s["world"]) if r not in dead}
+        for rank in dead:
+            assert (tmp_path / f"cell{record['cell']}-rank{rank}.died").exists()
+        record_error(f"{record['spec']} (mpirun --with-ft ulfm)",
+                     check_take_over(tmp_path, record["cell"], record["spec"], ranks))
