@@ -24,6 +24,19 @@ loop of collectives hangs when one rank has fewer batches. Under
   stream is a list of shards (tar files, say) and each shard is opened by
   exactly one reader, which yields its samples.
 
+*Checkpoints.* With ``batch_size=`` a ShardSampler also knows what every rank
+has consumed (``_progress``'s theory of operation): the loop's completed
+iterations, counted by the Join the sampler is iterated in
+(``Join.current()``, whose report gives this rank's iterations, its shadow
+rounds and the lost ranks' iterations), times the batch size, capped by each
+rank's share. ``state_dict`` turns that into the positions of the epoch's order
+not yet consumed, the same on every rank; ``load_state_dict`` makes them the
+next pass, divided over the new world. An iteration of the sampler is a
+*pass*; a new pass in the same epoch starts the epoch over (as
+DistributedSampler does), except after a resume and, with ``take_over=True``,
+after a pass in which ranks died: then it divides what is left over the
+survivors (``passes()`` loops over them).
+
 Rank and world size come from the arguments, or from a joinkit group, torch
 ``ProcessGroup`` or mpi4py communicator passed as ``group=`` (read through
 :func:`joinkit.backends.resolve`, so this works under ``mpirun`` without
@@ -155,6 +168,9 @@ class _Tracker:
     mark: int = 0  # the Join's count of this rank's inputs when the pass began
     losses_before: int = 0  # the Join's lost ranks before the pass began
     yielded: int = 0  # positions the iterator handed out (a DataLoader reads ahead)
+    # Whether anything asked the iterator for an index: a loader may make one and
+    # drop it unasked (torchdata's StatefulDataLoader makes two per epoch).
+    started: bool = False
 
 
 class ShardSampler(Sampler[int]):
@@ -388,8 +404,8 @@ class ShardSampler(Sampler[int]):
 
     def _upcoming(self) -> tuple[_progress.Pass, list[TakeOver]]:
         """The pass the next ``__iter__`` starts, and the take-overs it carries out."""
-        if self._tracker is None:
-            return self._pass, []
+        if self._tracker is None or not self._tracker.started:
+            return self._pass, []  # never begun: the same pass again
         lost = self._lost()
         members = tuple(m for m in self._pass.members if m not in lost) or self._pass.members
         if not (self.take_over and lost):
@@ -614,6 +630,7 @@ class _PassIterator(Iterator[int]):
 
     def __next__(self) -> int:
         tracker = self._tracker
+        tracker.started = True
         if tracker.yielded >= len(self._indices):
             raise StopIteration
         index = self._indices[tracker.yielded]

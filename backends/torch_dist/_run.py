@@ -17,10 +17,11 @@ it when a group turns elastic). When such a worker dies by a signal (SIGKILL,
 the out-of-memory killer; an exit status is an error, which the Join tells
 every rank), the agent records it as *lost* and leaves the other workers
 running: they rebuild their gloo group over the agent's store, which stays
-up because the agent does. When no worker is left running the agent succeeds if every survivor exited 0 (printing the
-lost ranks on standard error) and fails otherwise. A worker that dies without
-having said so is handled as torchrun would (stop everything, restart or fail):
-without ``on_rank_loss="finish"`` this is torchrun.
+up because the agent does. When no worker is left running the agent succeeds
+if every survivor exited 0 (printing the lost ranks on standard error) and
+fails otherwise. A worker that dies without having said so is handled as
+torchrun would (stop everything, restart or fail): without
+``on_rank_loss="finish"`` this is torchrun.
 
 Across nodes every agent posts a beat and, at the end, its outcome in the
 rendezvous store; the exit barrier waits for the agents that still beat
