@@ -19,11 +19,13 @@ A ``CELL`` is one of:
     (``torch.utils.data.DataLoader``), ``sdl`` (torchdata's
     ``StatefulDataLoader``, the sampler's state), ``sdl-own`` (the same world,
     restored from the StatefulDataLoader's own ``state_dict``).
-``takeover:W:KILLS[,KILLS...]``
+``takeover:W:KILLS[,KILLS...][:N]``
     ``take_over=True`` in ``Join([model], on_rank_loss="finish")``, one epoch
     per ``KILLS`` (a ``+``-joined list of ``rank/point/at``, ``point`` one of
     ``body``, ``beat``, ``step``, ``drain``; ``-`` for none); each epoch's
-    passes (``sampler.passes()``) over the survivors of the one before.
+    passes (``sampler.passes()``) over the survivors of the one before; ``N``
+    samples (default 29; a death while draining needs a world whose ranks
+    have different numbers of batches).
 
 With ``--mpirun`` each ``takeover`` cell runs under ``mpirun --with-ft ulfm``
 instead (its ranks, started with ``--as-rank PORT``, build their gloo group
@@ -72,8 +74,9 @@ def parse(cell: str) -> dict[str, Any]:
         return {"kind": kind, "before": int(before), "after": int(after), "stop": int(stop),
                 "workers": int(workers), "loader": loader}
     if kind == "takeover":
-        world, _, epochs = rest.partition(":")
-        return {"kind": kind, "world": int(world),
+        world, _, rest = rest.partition(":")
+        epochs, _, n = rest.partition(":")
+        return {"kind": kind, "world": int(world), "n": int(n or N),
                 "epochs": [parse_kills(e) for e in epochs.split(",")]}
     raise ValueError(cell)
 
@@ -208,7 +211,7 @@ def takeover(rank: int, spec: dict[str, Any], out: Path, cell: int) -> None:
     from joinkit.adapters.torch.data import ShardSampler
 
     path = out / f"cell{cell}-rank{rank}.json"
-    dataset = Ids(N)
+    dataset = Ids(spec["n"])
     model, optimizer = model_and_optimizer()
     init = params(model)
     sampler = ShardSampler(dataset, seed=SEED, batch_size=BATCH, take_over=True)

@@ -42,7 +42,7 @@ import elastic_torch_runner as trainer_runner  # noqa: E402
 from test_resume import check_take_over, record_error  # noqa: E402
 
 PROGRAM = HERE / "elastic_run_program.py"
-TIMEOUT = 300.0  # all launches together, on a loaded 2-core machine
+TIMEOUT = 480.0  # all launches together, on a loaded 2-core machine
 
 #: launch -> (world, its cells in order); ranks are global (original).
 KILL_LAUNCHES = {

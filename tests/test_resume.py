@@ -227,12 +227,26 @@ def test_stateful_dataloaders_own_state_resumes_on_its_world_only() -> None:
 # -- the take-over bookkeeping, with a Join that reports a lost rank ----------------------
 
 
-class FakeJoin:
-    """What the sampler reads of a Join: ``report`` and ``on_rank_loss``."""
+class FakeGroup:
+    """What the sampler reads of a Join's group: its size and the ranks it lost
+    (numbered as the group was built: here, the sampler's own numbers)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, alive: list[int], history: list[LostRank]) -> None:
+        self.world_size = len(alive)
+        self.history = tuple(history)
+
+    def lost_ranks(self) -> tuple[LostRank, ...]:
+        return self.history
+
+
+class FakeJoin:
+    """What the sampler reads of a Join: ``report``, ``backend`` and ``on_rank_loss``."""
+
+    def __init__(self, rank: int, alive: list[int] | None = None,
+                 history: list[LostRank] | None = None) -> None:
         self.on_rank_loss = "finish"
         self.rank = rank
+        self.backend = FakeGroup(alive or [], history or [])
         self._report = JoinReport(rank=rank, inputs=0, joined_at_round=None, shadow_rounds=0,
                                   seconds_shadowing=0.0, is_last_joiner=False, phase="ACTIVE")
 
@@ -261,6 +275,7 @@ def _take_over_epochs(current: dict[str, Any], n: int, batch: int, world: int,
     samplers = {r: ShardSampler(Ids(n), world, r, seed=SEED, batch_size=batch,
                                 take_over=True) for r in range(world)}
     alive = list(range(world))
+    history: list[LostRank] = []
     seen: list[Any] = []
     reports: list[Any] = []
     for epoch, kills in enumerate(epochs):
@@ -272,7 +287,7 @@ def _take_over_epochs(current: dict[str, Any], n: int, batch: int, world: int,
             next(runs[r])
         first = True
         while True:
-            joins = {r: FakeJoin(r) for r in alive}
+            joins = {r: FakeJoin(r, alive, history) for r in alive}
             shares: dict[int, list[int]] = {}
             for r in alive:
                 current["join"] = joins[r]
@@ -292,6 +307,7 @@ def _take_over_epochs(current: dict[str, Any], n: int, batch: int, world: int,
             survivors = [r for r in alive if r not in (kills if first else {})]
             for r in survivors:
                 joins[r].finish(nb[r], rounds, tuple(lost))
+            history += lost
             first = False
             alive = survivors
             more = {r: next(runs[r], None) is not None for r in alive}
@@ -343,9 +359,10 @@ def test_two_deaths_in_one_pass_and_one_in_the_take_over_pass(current: dict[str,
     samplers = {r: ShardSampler(Ids(n), world, r, seed=SEED, batch_size=batch,
                                 take_over=True) for r in range(world)}
     seen: list[int] = []
+    history: list[LostRank] = []
 
     def run(alive: list[int], lost: list[tuple[int, int]]) -> None:
-        joins = {r: FakeJoin(r) for r in alive}
+        joins = {r: FakeJoin(r, alive, history) for r in alive}
         shares = {}
         for r in alive:
             current["join"] = joins[r]
@@ -361,6 +378,7 @@ def test_two_deaths_in_one_pass_and_one_in_the_take_over_pass(current: dict[str,
             seen.extend(shares[r][: done[r] * batch])
             if r not in dead:
                 joins[r].finish(-(-len(shares[r]) // batch), rounds, losses)
+        history.extend(losses)
 
     runs = {r: samplers[r].passes() for r in range(world)}
     for r in range(world):
@@ -479,7 +497,10 @@ RESUME_CELLS = [
 #: world (rank/point/at, exact_runner.py).
 TAKEOVER_CELLS = [
     "takeover:4:3/body/1,1/beat/2", "takeover:4:1/beat/2,3/body/1",
-    "takeover:4:0/step/0,2/drain/0", "takeover:4:2/drain/0,3/step/1",
+    # 31 samples: 11, 10, 10 on the 3 survivors (6, 5, 5 batches): rank 2 joins early.
+    "takeover:4:0/step/0,2/drain/0:31",
+    # 33: 9, 8, 8, 8 on 4 ranks (5, 4, 4, 4 batches): rank 2 joins early.
+    "takeover:4:2/drain/0,3/step/1:33",
 ]
 #: Under mpirun --with-ft ulfm (gloo ranks over the runner's store).
 MPIRUN_CELLS = ["takeover:4:2/beat/1,0/step/1"]
@@ -551,9 +572,11 @@ def check_take_over(out: Path, cell: int, spec: str, ranks: dict[int, Any]) -> f
     iterations: list[Any] = []
     consumed: list[int] = []
     for number, kills in enumerate(s["epochs"]):
-        epoch, survivors = plan.take_over_epoch(runner.N, runner.SEED, number, runner.BATCH,
+        epoch, survivors = plan.take_over_epoch(s["n"], runner.SEED, number, runner.BATCH,
                                                 members, kills)
         for rank in survivors:
+            if rank not in ranks:
+                continue  # it died in a later epoch
             got = ranks[rank]["epochs"][number]
             assert len(got["passes"]) == len(epoch.passes), (spec, rank, number)
             for seen, want in zip(got["passes"], epoch.passes, strict=True):
@@ -569,7 +592,7 @@ def check_take_over(out: Path, cell: int, spec: str, ranks: dict[int, Any]) -> f
             for take in takes:
                 assert take["consumed"] == epoch.passes[0].consumed_ids(take["rank"])
         ids = plan.all_consumed(epoch)
-        assert sorted(ids) == list(range(runner.N)), (spec, number)  # exactly once
+        assert sorted(ids) == list(range(s["n"])), (spec, number)  # exactly once
         consumed += ids
         iterations += [it for p in epoch.passes for it in p.iterations()]
         members = survivors
@@ -619,3 +642,35 @@ def test_take_over_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
             assert (tmp_path / f"cell{record['cell']}-rank{rank}.died").exists()
         record_error(f"{record['spec']} (mpirun --with-ft ulfm)",
                      check_take_over(tmp_path, record["cell"], record["spec"], ranks))
+
+
+def test_a_group_rebuilt_for_a_later_join_numbers_its_ranks_afresh(
+        current: dict[str, Any]) -> None:
+    # After rank 1 of 4 died, DDP runs on the survivors' group: a later Join's
+    # group numbers ranks 0, 2, 3 as 0, 1, 2, and its LostRank says 1 for rank 2.
+    n, batch = 20, 2
+    samplers = {r: ShardSampler(Ids(n), 4, r, seed=SEED, batch_size=batch, take_over=True)
+                for r in range(4)}
+    first_loss = LostRank(rank=1, iterations=5, survivors=(0, 2, 3), detected="t")
+    for r in (0, 2, 3):  # epoch 0: rank 1 died after its whole share (5 batches)
+        current["join"] = FakeJoin(r, [0, 1, 2, 3])
+        list(iter(samplers[r]))
+        current["join"].finish(3, 3, (first_loss,))
+    current["join"] = None
+    for r in (0, 2, 3):
+        samplers[r].set_epoch(1)
+        assert samplers[r].world == (0, 2, 3)
+    shares = {}
+    for new_rank, r in enumerate((0, 2, 3)):
+        current["join"] = FakeJoin(new_rank, [0, 1, 2])  # a fresh group: 0, 1, 2
+        shares[r] = list(iter(samplers[r]))
+        # Rank 2 (the group's 1) completes 1 iteration and dies.
+        loss = LostRank(rank=1, iterations=1, survivors=(0, 2), detected="t")
+        if r != 2:
+            current["join"].finish(-(-len(shares[r]) // batch), 4, (loss,))
+    current["join"] = None
+    assert samplers[0].take_overs == samplers[3].take_overs
+    (take,) = samplers[0].take_overs
+    assert take.rank == 2 and list(take.consumed) == shares[2][:batch]
+    assert sorted(i for v in take.moved.values() for i in v) == sorted(shares[2][batch:])
+    assert set(take.moved) == {0, 3}

@@ -167,10 +167,43 @@ class _Tracker:
     join: Any = None  # the joinkit Join the pass runs in, once known
     mark: int = 0  # the Join's count of this rank's inputs when the pass began
     losses_before: int = 0  # the Join's lost ranks before the pass began
+    # The Join's group numbers its lost ranks as it was built (LostRank.rank); the
+    # pass's members are the sampler's numbers: the group's live ranks at the
+    # pass's start, in order, are the members in order.
+    numbering: dict[int, int] | None = None
     yielded: int = 0  # positions the iterator handed out (a DataLoader reads ahead)
     # Whether anything asked the iterator for an index: a loader may make one and
     # drop it unasked (torchdata's StatefulDataLoader makes two per epoch).
     started: bool = False
+
+    def follow(self, join: Any, members: tuple[int, ...], report: Any = None) -> None:
+        """Count this pass with ``join`` (its counts so far are not the pass's when
+        ``report`` is given: the pass began now)."""
+        self.join = join
+        if report is not None:
+            self.mark, self.losses_before = report.inputs, len(report.lost_ranks)
+        backend = join.backend
+        earlier = getattr(backend, "lost_ranks", None)
+        lost = tuple(earlier()) if callable(earlier) else ()
+        live = sorted(lost[-1].survivors) if lost else list(range(int(backend.world_size)))
+        self.numbering = dict(zip(live, members, strict=True)) if len(live) == len(
+            members) else None
+
+    def lost(self, report: Any) -> dict[int, int]:
+        """The pass's lost members (the sampler's numbers) -> the iterations each completed.
+
+        Raises:
+            ValueError: the Join's group is not the sampler's world (another size).
+        """
+        found = report.lost_ranks[self.losses_before:]
+        if found and self.numbering is None:
+            raise ValueError(
+                "ShardSampler: a rank was lost in a Join whose group is not the sampler's "
+                "world (its live ranks differ in number from the sampler's); build the "
+                "sampler over the Join's group (group=...) or the same world")
+        numbering = self.numbering or {}
+        return {numbering[x.rank]: max(0, x.iterations - self.mark) for x in found
+                if x.rank in numbering}
 
 
 class ShardSampler(Sampler[int]):
@@ -325,9 +358,7 @@ class ShardSampler(Sampler[int]):
         self._pass = upcoming
         tracker = _Tracker()
         if join is not None:
-            report = join.report
-            tracker.join, tracker.mark = join, report.inputs
-            tracker.losses_before = len(report.lost_ranks)
+            tracker.follow(join, upcoming.members, report=join.report)
         self._tracker = tracker
         order = self._order()
         return _PassIterator(self, order[upcoming.share(self.rank)] if self.rank in
@@ -356,7 +387,7 @@ class ShardSampler(Sampler[int]):
                     "iterations, but this pass was iterated outside any joinkit Join: run the "
                     "loop inside `with Join([...]):` (one batch per iteration) and call "
                     "state_dict() in it, between iterations, or after it")
-            tracker.join, tracker.mark, tracker.losses_before = join, 0, 0
+            tracker.follow(join, self._pass.members)
         report = join.report
         if report is None:
             raise ValueError("ShardSampler.state_dict(): the pass ran in a Join with "
@@ -370,9 +401,7 @@ class ShardSampler(Sampler[int]):
                 f"ShardSampler.state_dict(): the Join of this pass ended {report.outcome} "
                 f"({report.failure or 'a peer failed'}): what the ranks consumed is not known "
                 "alike on every rank; take the state from the last checkpoint before it")
-        lost = {x.rank: max(0, x.iterations - tracker.mark)
-                for x in report.lost_ranks[tracker.losses_before:]}
-        return max(0, rounds), lost
+        return max(0, rounds), tracker.lost(report)
 
     def _consumed(self) -> tuple[dict[int, int], dict[int, int]]:
         """(member -> positions consumed, lost member -> iterations) of the current pass."""
@@ -394,13 +423,11 @@ class ShardSampler(Sampler[int]):
             join = _current_join()
             if join is None:
                 return {}
-            tracker.join, tracker.mark, tracker.losses_before = join, 0, 0
+            tracker.follow(join, self._pass.members)
         report = tracker.join.report
         if report is None:
             return {}
-        return {x.rank: max(0, x.iterations - tracker.mark)
-                for x in report.lost_ranks[tracker.losses_before:]
-                if x.rank in self._pass.members}
+        return {r: n for r, n in tracker.lost(report).items() if r in self._pass.members}
 
     def _upcoming(self) -> tuple[_progress.Pass, list[TakeOver]]:
         """The pass the next ``__iter__`` starts, and the take-overs it carries out."""

@@ -33,10 +33,12 @@ the group's timeout.
 *Membership.* On the failure key each survivor's watcher registers it as
 alive (``alive/R``, original ranks). The first rank to claim ``decider``
 waits until every expected member registered or is known gone (its process
-no longer runs), at most ``_GRACE`` s (a peer on another host cannot be seen
-gone), and posts ``members``. The others wait for it; if the decider dies
-first, a ``compare_set`` of ``"abandoned"`` settles the race and everyone
-moves to the next generation with the same expected members.
+no longer runs), at most ``_GRACE`` s for a peer it cannot see (on another
+host), and at most ``_ALIVE_GRACE`` s for one whose process runs on this host
+(alive, only slow to register on a loaded machine), and posts ``members``.
+The others wait for it; if the decider dies first, a ``compare_set`` of
+``"abandoned"`` settles the race and everyone moves to the next generation
+with the same expected members.
 
 *Rebuild.* Generation g+1 is a fresh ``ProcessGroupGloo`` over
 ``PrefixStore("joinkit/elastic/<group>/<g+1>/pg/", store)``, built in a helper
@@ -92,6 +94,9 @@ _PATIENCE = 1.0
 #: Seconds the decider waits for expected members that neither registered
 #: nor are known gone (another host) before it decides without them.
 _GRACE = 2.0
+#: Seconds the decider waits, at most, for an expected member on this host whose
+#: process still runs (alive, but slow to register on a loaded machine).
+_ALIVE_GRACE = 30.0
 #: How long a non-decider waits for the decision beyond ``_GRACE``.
 _DECISION_SLACK = 3.0
 #: How long the watcher's blocking wait for the failure key lasts before it
@@ -230,6 +235,12 @@ class Elastic:
             except Exception:  # noqa: BLE001 - the store is gone: nothing known
                 continue
         return self.processes
+
+    def running_here(self, rank: int) -> bool:
+        """Whether ``rank``'s process runs on this host (so it is alive, if slow)."""
+        process = self._peer_processes().get(rank)
+        return (process is not None and process.get("host") == socket.gethostname()
+                and not _process_gone(process))
 
     def gone(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` whose process is known to be gone (same host)."""
@@ -454,12 +465,19 @@ class Elastic:
         claim = store.compare_set(self.key(generation, "decider"), "", str(me))
         if claim.decode() == str(me):
             deadline = time.monotonic() + _GRACE
+            cap = time.monotonic() + _ALIVE_GRACE
             while True:
                 alive = [r for r in expected
                          if store.check([self.key(generation, f"alive/{r}")])]
                 missing = [r for r in expected if r not in alive]
-                if not missing or len(self.gone(missing)) == len(missing) or (
-                        time.monotonic() >= deadline):
+                gone = self.gone(missing) if missing else []
+                if len(gone) == len(missing):
+                    break
+                now = time.monotonic()
+                # A member on this host whose process still runs is alive, only slow
+                # to register (a loaded machine): wait for it, up to the cap.
+                if now >= deadline and (now >= cap or not any(
+                        self.running_here(r) for r in missing if r not in gone)):
                     break
                 time.sleep(0.002)
             decided = store.compare_set(members_key, "", json.dumps(alive))
@@ -467,8 +485,11 @@ class Elastic:
             # Wait for the decision; give up early when the decider is gone.
             decider = int(claim.decode())
             deadline = time.monotonic() + _GRACE + _DECISION_SLACK
+            cap = time.monotonic() + _ALIVE_GRACE + _DECISION_SLACK
             next_look = time.monotonic() + 0.05
-            while not store.check([members_key]) and time.monotonic() < deadline:
+            while not store.check([members_key]) and (
+                    time.monotonic() < deadline
+                    or (time.monotonic() < cap and self.running_here(decider))):
                 time.sleep(0.002)
                 if time.monotonic() >= next_look:
                     next_look = time.monotonic() + 0.05
