@@ -142,6 +142,8 @@ def check_cells(name: str, world: int, cells: list[str], ranks: dict[int, Any]) 
         survivors = [r for r in members if r not in dead]
         w, counts = trainer_runner.reference(len(members), consumed)
         for rank in survivors:
+            if rank not in ranks:
+                continue  # it died in a later cell
             result = ranks[rank]["cells"][index]
             assert result["world"] == len(members), (name, index, rank)
             lost = {r: c for r, c, _ in result["lost"]}

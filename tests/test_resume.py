@@ -584,7 +584,9 @@ def check_take_over(out: Path, cell: int, spec: str, ranks: dict[int, Any]) -> f
                     (spec, rank, number)
             assert got["world"] == survivors
             assert got["state"]["remaining"] == []
-            lost = {r: c for r, c, _ in got["passes"][0]["lost"]}
+            # The report numbers ranks as its Join's group does: DDP runs on a group
+            # rebuilt over the epoch's members (numbered 0, 1, ... in their order).
+            lost = {members[r]: c for r, c, _ in got["passes"][0]["lost"]}
             assert lost == {r: epoch.passes[0].consumed[r] for r in kills}, (spec, lost)
             takes = got["take_overs"]
             assert [t["rank"] for t in takes] == ([] if len(epoch.passes) == 1 else
