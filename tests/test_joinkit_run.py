@@ -50,7 +50,9 @@ KILL_LAUNCHES = {
     "b": (4, ["1/body/2+2/beat/5", "0/drain/0"]),  # two deaths; then a joined rank
     "c": (4, ["3/body/2+1/recovery/0", "0/post/0", "-"]),  # a death during recovery
 }
-TAKEOVER_LAUNCHES = ["takeover:4:1/body/2,2/beat/1", "takeover:4:3/step/0,0/drain/0"]
+#: (exact_runner.py) every kill point in a world of 4 or 3; 31 samples: 11, 10, 10 on
+#: ranks 0, 1, 2, so rank 1 joins early and dies draining.
+TAKEOVER_LAUNCHES = ["takeover:4:1/body/2,2/beat/1", "takeover:4:3/step/0,1/drain/0:31"]
 
 
 def _env() -> dict[str, str]:

@@ -503,7 +503,7 @@ TAKEOVER_CELLS = [
     "takeover:4:2/drain/0,3/step/1:33",
 ]
 #: Under mpirun --with-ft ulfm (gloo ranks over the runner's store).
-MPIRUN_CELLS = ["takeover:4:2/beat/1,0/step/1"]
+MPIRUN_CELLS = ["takeover:4:2/beat/1,0/step/1", "takeover:4:1/body/2,2/drain/0:31"]
 
 
 @pytest.fixture(scope="module")
