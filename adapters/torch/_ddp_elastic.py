@@ -350,7 +350,7 @@ def c10d_group(group: Any, entry_process_group: Any) -> Any:
         and ``DeviceMesh.from_group(pg, "cpu")`` work on it.
     """
     backend = group.process_group
-    pg = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
+    pg: Any = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
     gloo = dist.ProcessGroup.BackendType.GLOO
     pg._set_default_backend(gloo)
     pg._register_backend(torch.device("cpu"), gloo, backend)
