@@ -259,6 +259,12 @@ def test_help_is_torchruns_under_its_own_name() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: python -m joinkit run"), done.stdout[:300]
     assert "--nproc-per-node" in done.stdout and "--rdzv-backend" in done.stdout
+    # The console script is the same command; a bad argument is torchrun's error.
+    script = Path(sys.executable).with_name("joinkit")
+    bad = subprocess.run([str(script), "run", "--nproc-per-node"], capture_output=True,
+                         text=True, timeout=110, env=_env())
+    assert bad.returncode == 2, bad.stderr
+    assert "python -m joinkit run: error: argument --nproc-per-node" in bad.stderr, bad.stderr
 
 
 def test_the_doctor_and_the_warning_know_joinkit_run(monkeypatch: pytest.MonkeyPatch) -> None:
