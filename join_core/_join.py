@@ -402,6 +402,7 @@ class Join:
             raise
         if self._enable:
             _active.joins = getattr(_active, "joins", 0) + 1
+            _entered_joins().append(self)
             self._inside = True
         return self
 
@@ -444,6 +445,9 @@ class Join:
             if self._enable:
                 self._inside = False
                 _active.joins -= 1
+                stack = _entered_joins()
+                if self in stack:
+                    stack.remove(self)
                 _watchdog.unwatch(self._watch)
                 self._post(_watchdog.LEFT)
 
@@ -598,6 +602,23 @@ class Join:
         except _ForeignConfig:
             return _notify_foreign(joinable)
         return None if join is None else join._notify()
+
+    @staticmethod
+    def current() -> Join | None:
+        """The innermost enabled Join this thread is inside, or ``None``.
+
+        Inside means between a successful ``__enter__`` and the end of
+        ``__exit__``: the loop body and, on a rank that joined, its shadowing.
+        A data source that counts what the loop consumed (the exact shards'
+        ``ShardSampler.state_dict``) reads the Join's :attr:`report` here:
+        ``report.inputs`` is this rank's iterations so far.
+
+        Returns:
+            The Join, or ``None`` outside any enabled Join (a rank is a thread
+            on the threads backend, so this is per thread).
+        """
+        stack = _entered_joins()
+        return stack[-1] if stack else None
 
     @staticmethod
     def fused_heartbeat(joinable: Joinable) -> float:
@@ -1330,6 +1351,14 @@ def _follows(joinable: Any) -> bool:
 def _enabled_joins() -> int:
     """How many enabled Joins this thread is inside (its loop body or shadowing)."""
     return int(getattr(_active, "joins", 0))
+
+
+def _entered_joins() -> list[Join]:
+    """The enabled Joins this thread is inside, innermost last (Join.current)."""
+    stack: list[Join] | None = getattr(_active, "stack", None)
+    if stack is None:
+        stack = _active.stack = []
+    return stack
 
 
 def _looks_like_hook(hook: Any) -> bool:

@@ -84,6 +84,7 @@ OWN_TESTS = {
     "accelerate_uneven.py": "tests/test_accelerate.py",
     "deepspeed_uneven.py": "tests/test_deepspeed.py",
     "elastic.py": "tests/test_elastic_mpi.py",
+    "elastic_run.py": "tests/test_joinkit_run.py",
 }
 
 

@@ -310,10 +310,19 @@ def c10d_group(group: Any, entry_process_group: Any) -> Any:
         and ``DeviceMesh.from_group(pg, "cpu")`` work on it.
     """
     backend = group.process_group
-    pg = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
+    pg: Any = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
     gloo = dist.ProcessGroup.BackendType.GLOO
     pg._set_default_backend(gloo)
     pg._register_backend(torch.device("cpu"), gloo, backend)
+    # A name every survivor derives alike, and no other group has: a later Join's
+    # elastic group keeps its store keys under it (an unnamed group's were
+    # "default", shared with the group of the next rebuild: a second loss in a
+    # later Join then read the first one's keys).
+    try:
+        entry_name = str(entry_process_group.group_name)
+    except RuntimeError:  # an unnamed group
+        entry_name = "pg"
+    pg._set_group_name(f"{entry_name}.r{len(group.lost_ranks())}")
     c10d: Any = dist.distributed_c10d
     survivors = group.lost_ranks()[-1].survivors  # entry ranks, in new order
     c10d._world.pg_group_ranks[pg] = {
