@@ -23,6 +23,7 @@ from ._machine import HEARTBEAT_FLAG, JoinReport, LostRank, split_heartbeat_flag
 from ._ports import Adapter, JoinBackend, register_adapter
 from ._reports import format_reports, write_chart
 from ._side import SideCollective
+from ._side_channel import SideChannel
 
 __all__ = [
     "Join",
@@ -30,6 +31,7 @@ __all__ = [
     "JoinHook",
     "JoinConfig",
     "SideCollective",
+    "SideChannel",
     "JoinReport",
     "LostRank",
     "JoinBackend",
