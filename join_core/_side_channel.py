@@ -122,6 +122,8 @@ class SideChannel(Joinable):
         #: Calls this rank made (present) and calls its service threads answered.
         self.calls = 0
         self.served = 0
+        #: The ranks that took part in this rank's latest call (in rank order).
+        self.last_active: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return f"SideChannel({self.name!r})"
@@ -284,6 +286,7 @@ class SideChannel(Joinable):
         self._check_service()
         plan = p.decide([p.Header.decode(h) for h in wire.exchange(header.encode())])
         self.calls += 1
+        self.last_active = getattr(plan, "present", ())
         if isinstance(plan, p.Mismatch):
             raise CollectiveMismatch(plan.message)
         if isinstance(plan, p.Refused):
@@ -419,7 +422,7 @@ class SideChannel(Joinable):
                           root=root, fingerprint=p.fingerprint("object"))
         plan = self._plan(wire, header)
         assert isinstance(plan, p.BroadcastPlan)
-        received = wire.broadcast_bytes(plan, data if wire.rank == root else None)
+        received = wire.broadcast_bytes(plan, data)
         return obj if wire.rank == root else pickle.loads(received)
 
     def barrier(self) -> None:
