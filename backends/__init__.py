@@ -106,6 +106,7 @@ __all__ = [
     "init",
     "init_torch",
     "gloo_interface",
+    "ArrayWire",
 ]
 
 ENTRY_POINT_GROUP = BACKEND_ENTRY_POINTS
@@ -255,4 +256,8 @@ def __getattr__(name: str) -> Any:
         from . import _network
 
         return _network.gloo_interface
+    if name == "ArrayWire":  # a SideChannel's wire over any CollectiveGroup (imports NumPy)
+        from ._side_wire import ArrayWire
+
+        return ArrayWire
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import hf_worker as w
 import torch
 
-import hf_worker as w
 
 def tokens(batch: dict[str, torch.Tensor], shifted: bool = True) -> int:
     """The Trainer's count of a batch's label tokens (``_get_num_items_in_batch``'s rule)."""
@@ -68,13 +68,19 @@ def train(records: list[dict[str, Any]], model_kind: str,
         model._fused = True
     model.train()
     defaults = meta["defaults"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=defaults["lr"],
-                                  betas=tuple(defaults["betas"]), eps=defaults["eps"],
-                                  weight_decay=meta["weight_decay"],
-                                  fused=defaults.get("fused") or None)
+    optimizer: torch.optim.Optimizer
+    if meta["optimizer"] == "SGD":
+        optimizer = torch.optim.SGD(model.parameters(), lr=defaults["lr"],
+                                    momentum=defaults.get("momentum", 0.0),
+                                    weight_decay=meta["weight_decay"])
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=defaults["lr"],
+                                      betas=tuple(defaults["betas"]), eps=defaults["eps"],
+                                      weight_decay=meta["weight_decay"],
+                                      fused=defaults.get("fused") or None)
     total = meta["max_steps"]
     base_lr = defaults["lr"]
-    losses, lrs, evaluations = [], [], {}
+    losses, lrs, norms, evaluations = [], [], [], {}
     for step in sorted(steps):
         lr = base_lr * max(0.0, (total - step) / total)
         for group in optimizer.param_groups:
@@ -100,8 +106,9 @@ def train(records: list[dict[str, Any]], model_kind: str,
                     (loss / world).backward()
                     rank_loss += float(loss.detach())
                 logged += rank_loss / len(by_rank)
-        if meta["max_grad_norm"]:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), meta["max_grad_norm"])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                              meta["max_grad_norm"] or float("inf"))
+        norms.append(float(norm))
         optimizer.step()
         losses.append(logged)
         lrs.append(lr)
@@ -109,7 +116,8 @@ def train(records: list[dict[str, Any]], model_kind: str,
             evaluations[step + 1] = evaluate(model, evals[step + 1], meta["shifts_labels"])
             model.train()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "losses": losses, "lrs": lrs, "evals": evaluations, "model": model}
+            "losses": losses, "lrs": lrs, "norms": norms, "evals": evaluations,
+            "model": model}
 
 
 def evaluate(model: Any, rows: list[dict[str, Any]], shifted: bool,

@@ -65,7 +65,7 @@ def tokenizer() -> Any:
 def sequences(count: int, seed: int, width: int = WIDTH) -> list[dict[str, list[int]]]:
     generator = torch.Generator().manual_seed(seed)
     rows = torch.randint(4, VOCAB, (count, width), generator=generator).tolist()
-    return [{"input_ids": row, "labels": row, "index": [i]} for i, row in enumerate(rows)]
+    return [{"input_ids": row, "labels": row} for row in rows]
 
 
 def texts(count: int, seed: int) -> list[dict[str, str]]:
@@ -76,6 +76,21 @@ def texts(count: int, seed: int) -> list[dict[str, str]]:
         letters = torch.randint(0, VOCAB - 4, (length,), generator=generator).tolist()
         out.append({"text": " ".join(chr(ord("a") + i) for i in letters)})
     return out
+
+
+def rows_dataset(rows: list[dict[str, Any]]) -> Any:
+    """A ``datasets.Dataset`` of token rows (also of none)."""
+    from datasets import Dataset, Features, Sequence, Value
+
+    ids = [row["input_ids"] for row in rows]
+    features = Features({"input_ids": Sequence(Value("int64")),
+                         "labels": Sequence(Value("int64"))})
+    return Dataset.from_dict({"input_ids": ids, "labels": ids}, features=features)
+
+
+def stream(count: int, seed: int) -> Any:
+    """A rank's own stream of token rows (``IterableDataset.from_generator``; maybe empty)."""
+    yield from sequences(count, seed)
 
 
 def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -90,6 +105,8 @@ class Recording:
             self.recorded.append((int(self.state.global_step),  # type: ignore[attr-defined]
                                   {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor)
                                    else v for k, v in inputs.items()}))
+            self.items.append(None if num_items_in_batch is None  # type: ignore[attr-defined]
+                              else float(num_items_in_batch))
         return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
 
 
@@ -97,10 +114,17 @@ def trainer_class(base: type) -> type:
     return type(f"Recording{base.__name__}", (Recording, base), {})
 
 
+def optimizer_name() -> str:
+    """AdamW on 2 ranks; SGD on 3, where gloo's float64 all-reduce differs from a
+    single process's sum by about 1e-8 (plain DDP too), which Adam's normalization
+    would blow up on gradients near its eps."""
+    return "adamw_torch_fused" if dist.get_world_size() % 2 == 0 else "sgd"
+
+
 def args(out: Path, **overrides: Any) -> Any:
     from transformers import TrainingArguments
 
-    settings: dict[str, Any] = {
+    settings: dict[str, Any] = {"optim": optimizer_name(),
         "output_dir": str(out), "use_cpu": True, "report_to": [], "disable_tqdm": True,
         "logging_steps": 1, "save_strategy": "no", "seed": 0, "learning_rate": 5e-2,
         "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2,
@@ -151,13 +175,12 @@ def map_cell(ctx: dict[str, Any], *, samples: int, gas: int = 1, eval_steps: int
              model: str = "gpt2", epochs: int = 2, max_steps: int = -1,
              average_tokens: bool = True, save_steps: int | None = None) -> dict[str, Any]:
     """A map-style dataset (the same on every rank); joinkit shards it exactly."""
-    from datasets import Dataset
     from transformers import Trainer
 
     from joinkit.adapters.transformers import uneven_inputs
 
-    train = Dataset.from_list(sequences(samples, seed=1))
-    evaluation = Dataset.from_list(sequences(7, seed=2))
+    train = rows_dataset(sequences(samples, seed=1))
+    evaluation = rows_dataset(sequences(7, seed=2))
     extra: dict[str, Any] = {}
     if eval_steps is not None:
         extra.update(eval_strategy="steps", eval_steps=eval_steps)
@@ -167,13 +190,14 @@ def map_cell(ctx: dict[str, Any], *, samples: int, gas: int = 1, eval_steps: int
         model=tiny_model(model),
         args=args(ctx["dir"], gradient_accumulation_steps=gas, num_train_epochs=epochs,
                   max_steps=max_steps, average_tokens_across_devices=average_tokens, **extra),
-        train_dataset=train.remove_columns(["index"]), eval_dataset=evaluation.remove_columns(
-            ["index"]), data_collator=collate, compute_metrics=metrics)
+        train_dataset=train, eval_dataset=evaluation, data_collator=collate,
+        compute_metrics=metrics)
     trainer.recorded = []
+    trainer.items = []
     uneven_inputs(trainer)
     output = trainer.train()
     final = trainer.evaluate()
-    return {"recorded": trainer.recorded, "params": params(trainer.model),
+    return {"recorded": trainer.recorded, "items": trainer.items, "params": params(trainer.model),
             "log_history": trainer.state.log_history, "final_eval": final,
             "global_step": output.global_step, "train_loss": output.training_loss,
             "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
@@ -183,24 +207,26 @@ def map_cell(ctx: dict[str, Any], *, samples: int, gas: int = 1, eval_steps: int
 def stream_cell(ctx: dict[str, Any], *, rows: list[int], max_steps: int, gas: int = 1,
                 save_steps: int | None = None, model: str = "llama") -> dict[str, Any]:
     """Each rank's own IterableDataset (as split_dataset_by_node gives), uneven lengths."""
-    from datasets import Dataset
+    from datasets import IterableDataset
     from transformers import Trainer
 
     from joinkit.adapters.transformers import uneven_inputs
 
     rank = dist.get_rank()
-    own = Dataset.from_list(sequences(rows[rank], seed=10 + rank)).remove_columns(["index"])
+    own = IterableDataset.from_generator(stream, gen_kwargs={"count": rows[rank],
+                                                             "seed": 10 + rank})
     extra: dict[str, Any] = {}
     if save_steps is not None:
         extra.update(save_strategy="steps", save_steps=save_steps)
     trainer = trainer_class(Trainer)(
         model=tiny_model(model),
         args=args(ctx["dir"], gradient_accumulation_steps=gas, max_steps=max_steps, **extra),
-        train_dataset=own.to_iterable_dataset(), data_collator=collate)
+        train_dataset=own, data_collator=collate)
     trainer.recorded = []
+    trainer.items = []
     uneven_inputs(trainer)
     output = trainer.train()
-    return {"recorded": trainer.recorded, "params": params(trainer.model),
+    return {"recorded": trainer.recorded, "items": trainer.items, "params": params(trainer.model),
             "log_history": trainer.state.log_history, "global_step": output.global_step,
             "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
             "checkpoint_files": sorted(str(p.relative_to(ctx["dir"]))
@@ -219,6 +245,7 @@ def sft_cell(ctx: dict[str, Any], *, counts: list[int], max_steps: int, gas: int
     rank = dist.get_rank()
     data = Dataset.from_list(texts(counts[rank], seed=20 + rank)).to_iterable_dataset()
     config = SFTConfig(output_dir=str(ctx["dir"]), use_cpu=True, report_to=[], disable_tqdm=True,
+                       optim=optimizer_name(),
                        logging_steps=1, save_strategy="no", seed=0, learning_rate=5e-2,
                        per_device_train_batch_size=2, max_steps=max_steps,
                        gradient_accumulation_steps=gas, dataloader_num_workers=0,
@@ -227,21 +254,21 @@ def sft_cell(ctx: dict[str, Any], *, counts: list[int], max_steps: int, gas: int
     trainer = trainer_class(SFTTrainer)(model=tiny_model("llama"), args=config,
                                         train_dataset=data, processing_class=tokenizer())
     trainer.recorded = []
+    trainer.items = []
     uneven_inputs(trainer)
     output = trainer.train()
-    return {"recorded": trainer.recorded, "params": params(trainer.model),
+    return {"recorded": trainer.recorded, "items": trainer.items, "params": params(trainer.model),
             "log_history": trainer.state.log_history, "global_step": output.global_step,
             "meta": meta(trainer)}
 
 
 def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     """Bad input raises on every rank before any collective, with what to do."""
-    from datasets import Dataset
     from transformers import Trainer
 
     from joinkit.adapters.transformers import uneven_inputs
 
-    data = Dataset.from_list(sequences(6, seed=1)).remove_columns(["index"])
+    data = rows_dataset(sequences(6, seed=1))
     messages = {}
 
     def attempt(name: str, trainer: Any) -> None:

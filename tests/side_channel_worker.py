@@ -19,7 +19,6 @@ from typing import Any
 
 import side_channel_cases as cases
 
-
 #: Cases not run under mpirun: a hook that fails midway through a shadow round
 #: makes the Join abort the group, which on MPI is MPI_Abort (the whole job ends).
 NOT_ON_MPI = ("main_hook_call",)

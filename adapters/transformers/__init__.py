@@ -122,7 +122,6 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
 def _refuse(trainer: Any, distributed_type: Any) -> None:
     """Raise for a configuration the adapter does not handle (local checks only)."""
     args = trainer.args
-    accelerator = trainer.accelerator
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None):
         raise NotImplementedError(
             "uneven_inputs does not handle the Trainer with a DeepSpeed config: DeepSpeed's "

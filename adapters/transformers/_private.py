@@ -114,7 +114,8 @@ GROUPS: dict[str, tuple[Member, ...]] = {
            "swapped for the checkpoint writer while rank 0 has joined"),
     ),
     "Accelerator": (
-        _m(_ACC, "Accelerator.gather", _CALL, "routed through the side channel", ("self", "tensor")),
+        _m(_ACC, "Accelerator.gather", _CALL, "routed through the side channel",
+           ("self", "tensor")),
         _m(_ACC, "Accelerator.gather_for_metrics", _CALL, "routed through the side channel",
            ("self", "input_data")),
         _m(_ACC, "Accelerator.reduce", _CALL, "routed through the side channel",

@@ -77,6 +77,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import copyreg
+import importlib
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -190,9 +191,9 @@ class Session:
             return original(*args, device_placement=device_placement)
         return prepare
 
-    def _own_loader(self, loader: DataLoader, role: str) -> Any:
+    def _own_loader(self, loader: DataLoader[Any], role: str) -> Any:
         """This rank's loader for the Trainer's ``loader`` (module doc, *Data*)."""
-        dataset = loader.dataset
+        dataset: Any = loader.dataset
         params = _loader_params(loader)
         if isinstance(dataset, IterableDataset):
             return _OwnLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
@@ -613,7 +614,7 @@ def _callback_class() -> type:
     if _CALLBACK is None:
         from transformers import TrainerCallback
 
-        class JoinkitCallback(TrainerCallback):  # type: ignore[misc]
+        class JoinkitCallback(TrainerCallback):
             """Leaves each epoch's Join first thing at ``on_epoch_end``."""
 
             def __init__(self, session: Session) -> None:
@@ -647,7 +648,7 @@ def _install_dispatchers() -> None:
     global _installed
     if _installed:
         return
-    import transformers.trainer as module
+    module: Any = importlib.import_module("transformers.trainer")
 
     nested_gather = module.nested_gather
     broadcast_scalars = module.distributed_broadcast_scalars
@@ -700,10 +701,11 @@ def _apply(function: Callable[[torch.Tensor], torch.Tensor], data: Any) -> Any:
     """``function`` on every tensor of a nested list/tuple/dict (accelerate's rule)."""
     if isinstance(data, torch.Tensor):
         return function(data)
+    kind: Any = type(data)
     if isinstance(data, (list, tuple)):
-        return type(data)(_apply(function, item) for item in data)  # type: ignore[call-arg]
+        return kind(_apply(function, item) for item in data)
     if isinstance(data, Mapping):
-        return type(data)({key: _apply(function, value) for key, value in data.items()})
+        return kind({key: _apply(function, value) for key, value in data.items()})
     raise TypeError(
         f"joinkit's gather takes tensors (nested in lists, tuples and dicts), not "
         f"{type(data).__qualname__}; use gather_for_metrics(..., use_gather_object=True)"
@@ -720,7 +722,7 @@ def _all_tensors(data: Any) -> bool:
     return False
 
 
-def _loader_params(loader: DataLoader) -> dict[str, Any]:
+def _loader_params(loader: DataLoader[Any]) -> dict[str, Any]:
     params: dict[str, Any] = {
         "collate_fn": loader.collate_fn,
         "num_workers": loader.num_workers,
@@ -782,7 +784,7 @@ class _BatchShard:
 class _PaddedEval:
     """An evaluation loader padded with empty batches to the ranks' common number of steps."""
 
-    def __init__(self, inner: DataLoader, batches: _BatchShard) -> None:
+    def __init__(self, inner: DataLoader[Any], batches: _BatchShard) -> None:
         self.inner = inner
         self.dataset = inner.dataset
         self.batch_size = batches.batch_size
