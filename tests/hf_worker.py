@@ -234,8 +234,8 @@ def stream_cell(ctx: dict[str, Any], *, rows: list[int], max_steps: int, gas: in
             "meta": meta(trainer)}
 
 
-def sft_cell(ctx: dict[str, Any], *, counts: list[int], max_steps: int, gas: int = 1
-             ) -> dict[str, Any]:
+def sft_cell(ctx: dict[str, Any], *, counts: list[int], max_steps: int, gas: int = 1,
+             **settings: Any) -> dict[str, Any]:
     """TRL's SFTTrainer, packing each rank's own text stream (different amounts of text)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -250,7 +250,8 @@ def sft_cell(ctx: dict[str, Any], *, counts: list[int], max_steps: int, gas: int
                        per_device_train_batch_size=2, max_steps=max_steps,
                        gradient_accumulation_steps=gas, dataloader_num_workers=0,
                        packing=True, max_length=12, ddp_broadcast_buffers=False,
-                       bf16=False)  # SFTConfig's default bf16 autocast: float64 math here
+                       bf16=False,  # SFTConfig's default bf16 autocast: float64 math here
+                       **settings)
     trainer = trainer_class(SFTTrainer)(model=tiny_model("llama"), args=config,
                                         train_dataset=data, processing_class=tokenizer())
     trainer.recorded = []

@@ -112,6 +112,10 @@ GROUPS: dict[str, tuple[Member, ...]] = {
            "the last joiner's log is replayed where a rank missed entries"),
         _m("transformers.training_args", "TrainingArguments.should_save", _EXISTS,
            "swapped for the checkpoint writer while rank 0 has joined"),
+        _m("transformers.modeling_utils", "PreTrainedModel.should_save_on_this_rank", _CALL,
+           "replaced on the model while the checkpoint writer (not torch rank 0) saves it",
+           ("self", "is_main_process"), ("transformers.modeling_utils:"
+                                          "PreTrainedModel.save_pretrained",)),
     ),
     "Accelerator": (
         _m(_ACC, "Accelerator.gather", _CALL, "routed through the side channel",

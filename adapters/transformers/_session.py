@@ -394,10 +394,14 @@ class Session:
             trainer = self.trainer
             args = trainer.args
             trainer.args = _writer_args(args)
+            # save_pretrained writes the model files on torch rank 0 only.
+            inner = trainer.accelerator.unwrap_model(trainer.model)
+            inner.should_save_on_this_rank = _writes
             try:
                 return original(model, trial)
             finally:
                 trainer.args = args
+                del inner.should_save_on_this_rank
         return save_checkpoint
 
     # -- evaluation --------------------------------------------------------------------
@@ -809,6 +813,11 @@ class _PaddedEval:
                 last = self.inner.collate_fn([self.dataset[i] for i in next(iter(first))])
             for _ in range(self._steps - count):
                 yield _Phantom(last)
+
+
+def _writes(is_main_process: bool) -> bool:
+    """The checkpoint writer's ``PreTrainedModel.should_save_on_this_rank``."""
+    return is_main_process
 
 
 def _writer_args(args: Any) -> Any:
