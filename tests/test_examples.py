@@ -82,6 +82,7 @@ OWN_TESTS = {
     "lightning_trainer.py": "tests/test_lightning_trainer.py",
     "ray_train.py": "tests/test_ray.py",
     "accelerate_uneven.py": "tests/test_accelerate.py",
+    "hf_trainer.py": "tests/test_transformers.py",
     "elastic.py": "tests/test_elastic_mpi.py",
 }
 

@@ -88,6 +88,16 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "dirs": {"torchrun-2": out / "t2", "accelerate-3": out / "a3"}}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """The references are tiny models: one thread, so a loaded machine's cores go to
+    the launched ranks (and to the other references)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _records(launches: dict[str, Any], launch: str, cell: str) -> list[dict[str, Any]]:
     world = LAUNCHES[launch]
     directory = launches["dirs"][launch] / cell
