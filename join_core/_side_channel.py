@@ -100,9 +100,9 @@ class SideChannel(Joinable):
         name: what messages and ``repr`` call it.
 
     Raises:
-        (From ``Join(...)`` entry) ``TypeError``: the Join's backend has no side
-        communicator (no ``side_wire``; joinkit's threads, torch and MPI
-        backends have one).
+        TypeError: on ``Join(...)`` entry, the Join's backend has no side
+            communicator (no ``side_wire``; joinkit's threads, torch and MPI
+            backends have one).
     """
 
     def __init__(self, process_group: Any = None, *, device: Any = None,
