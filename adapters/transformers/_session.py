@@ -827,7 +827,8 @@ def _writer_args(args: Any) -> Any:
 
     def reduce_ex(self: Any, protocol: Any) -> Any:
         # Pickled (torch.save of the training arguments) as the original class.
-        return (copyreg._reconstructor, (base, object, None), dict(self.__dict__))
+        reconstructor = getattr(copyreg, "_reconstructor")  # noqa: B009 - private in typeshed
+        return (reconstructor, (base, object, None), dict(self.__dict__))
 
     writer.__class__ = type(f"Writer{base.__name__}", (base,), {
         "should_save": property(lambda self: True),
