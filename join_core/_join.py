@@ -422,6 +422,9 @@ class Join:
                 own: Exception | None = None
                 if exc is None:
                     own = exc = self._leave_loop()
+                left = self._loop_exited()
+                if exc is None and left is not None:
+                    own = exc = left
                 if isinstance(exc, Exception):
                     self._note_gone_peers(exc)
                 try:
@@ -467,6 +470,23 @@ class Join:
             except Exception as error:
                 return error
         return None
+
+    def _loop_exited(self) -> Exception | None:
+        """Call each joinable's ``join_loop_exited()`` (the Joinable doc), on every exit path.
+
+        Returns:
+            The first exception one raised, else ``None``.
+        """
+        first: Exception | None = None
+        for joinable in self._joinables:
+            exited = getattr(joinable, "join_loop_exited", None)
+            if exited is None:
+                continue
+            try:
+                exited()
+            except Exception as error:
+                first = first or error
+        return first
 
     def _note_gone_peers(self, error: Exception) -> None:
         """Name the peers whose process is gone on ``error`` leaving the Join.

@@ -136,6 +136,13 @@ class Joinable(abc.ABC):
     calls it on a rank that leaves its loop body without an exception, before
     the rank joins, so the joinable can finish (or refuse) an iteration it
     announced; an exception from it is handled as the loop body's own.
+
+    *Leaving, whatever the way.* A joinable may define ``join_loop_exited()``:
+    the Join calls it on every rank as it leaves its loop body, however it
+    leaves (inputs exhausted, an exception, a peer's failure), after
+    ``join_leave_loop()`` and before the rank's first join collective after the
+    loop; it must issue no collective on the Join's group (``SideChannel``
+    starts its service thread there).
     """
 
     #: Opt in to the fused heartbeat (see the class docstring).
