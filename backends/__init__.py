@@ -107,6 +107,7 @@ __all__ = [
     "init_torch",
     "gloo_interface",
     "is_tensor",
+    "ArrayWire",
 ]
 
 ENTRY_POINT_GROUP = BACKEND_ENTRY_POINTS
@@ -256,4 +257,8 @@ def __getattr__(name: str) -> Any:
         from ._checks import is_tensor
 
         return is_tensor
+    if name == "ArrayWire":  # a SideChannel's wire over any CollectiveGroup (imports NumPy)
+        from ._side_wire import ArrayWire
+
+        return ArrayWire
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

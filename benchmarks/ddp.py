@@ -8,14 +8,19 @@ trained with SGD on a fixed batch of 32; an iteration is forward, MSE loss,
 backward and the optimizer step. Under mpirun, torch.distributed (gloo) is
 initialised by ``backends.init_torch()``. Variants, each with its own model:
 
-- ``no Join``: plain DDP;
+- ``no Join``: plain DDP; ``no Join, again``: the same, a second model (an
+  A/A pair: its ratio to ``no Join`` is the run's own scatter);
 - ``torch Join``: inside ``torch.distributed.algorithms.join.Join`` (a
   heartbeat and a gradient-sync check per iteration);
-- ``joinkit Join``: inside joinkit's Join (the heartbeat rides in DDP's
-  gradient-sync check: one small collective per iteration);
+- ``joinkit Join``: inside joinkit's Join, its default path for this model
+  (``join.heartbeat == "round"``): the heartbeat rides in DDP's gradient
+  all-reduce, one more element per bucket; no collective of joinkit's own per
+  iteration;
+- ``joinkit, one collective``: ``Join([ddp], heartbeat_in_gradients=False)``,
+  the path before issue 34 (``"fused"``): the heartbeat rides in DDP's
+  gradient-sync check, one small collective per iteration;
 - ``joinkit, torch-compatible``: ``Join([ddp], check_agreement=False)``, the
-  wire format of torch's Join (a heartbeat and a check), as joinkit sent it
-  before the fused check.
+  wire format of torch's Join (a heartbeat and a check; ``"classic"``).
 
 The *drain* variants give rank 0 no inputs, so it shadows every iteration of
 the others; their time is the whole ``with`` block per iteration of the ranks
@@ -93,20 +98,36 @@ def main() -> None:
     def joinkit_join_of(ddp: DDP) -> Any:
         return Join([ddp])
 
+    def one_collective_join_of(ddp: DDP) -> Any:
+        return Join([ddp], heartbeat_in_gradients=False)
+
     def compatible_join_of(ddp: DDP) -> Any:
         return Join([ddp], check_agreement=False)
+
+    # Each variant takes the path it names (the report records it).
+    for make, path in ((joinkit_join_of, "round"), (one_collective_join_of, "fused"),
+                       (compatible_join_of, "classic")):
+        ddp, _ = model()
+        with make(ddp) as join:
+            pass
+        assert join.heartbeat == path, (join.heartbeat, path)
 
     info = {"ranks": world, "launcher": launcher, "iterations": iterations,
             "repeats": repeats}
     times = _bench.timed({
         "no Join": plain(),
+        "no Join, again": plain(),
         "torch Join": inside(torch_join_of),
         "joinkit Join": inside(joinkit_join_of),
+        "joinkit, one collective": inside(one_collective_join_of),
         "joinkit, torch-compatible": inside(compatible_join_of),
     }, iterations, repeats, slowest, dist.barrier)
     if rank == 0:
         _bench.report(f"DDP MLP 64-256-1, batch 32, gloo ({launcher})", times, [
-            ("joinkit Join", "no Join", 1.15),
+            ("joinkit Join", "no Join", 1.03),
+            ("no Join, again", "no Join", None),
+            ("joinkit, one collective", "no Join", None),
+            ("joinkit Join", "joinkit, one collective", None),
             ("torch Join", "no Join", None),
             ("joinkit Join", "torch Join", None),
             ("joinkit, torch-compatible", "no Join", None),
@@ -116,11 +137,13 @@ def main() -> None:
         "no Join (all ranks active)": plain(),
         "drain: torch Join": inside(torch_join_of, True),
         "drain: joinkit Join": inside(joinkit_join_of, True),
+        "drain: joinkit, one collective": inside(one_collective_join_of, True),
         "drain: joinkit, torch-compatible": inside(compatible_join_of, True),
     }, iterations, repeats, slowest, dist.barrier)
     if rank == 0:
         _bench.report(f"DDP drain (rank 0 has no inputs), gloo ({launcher})", times, [
             ("drain: joinkit Join", "drain: torch Join", None),
+            ("drain: joinkit, one collective", "drain: torch Join", None),
             ("drain: joinkit, torch-compatible", "drain: torch Join", None),
             ("drain: torch Join", "no Join (all ranks active)", None),
         ], info)

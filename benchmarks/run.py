@@ -97,6 +97,9 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
         # Elastic finish on gloo: death -> survivors' next iteration (issue 20, Speed).
         ("Elastic finish, gloo (forked ranks)",
          [PY, str(b / "elastic_gloo.py"), *(["4", "40"] if quick else ["12", "400"])], 600),
+        # Under python -m joinkit run, beside mpirun --with-ft ulfm (issue 33, Bench).
+        ("Elastic finish, gloo (joinkit run)",
+         [PY, str(b / "elastic_run.py"), *(["1"] if quick else ["4"])], 1800),
     ]
 
 

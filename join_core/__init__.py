@@ -22,6 +22,7 @@ from ._join import Join, Joinable, JoinConfig, JoinHook
 from ._ports import Adapter, JoinBackend, register_adapter
 from ._reports import JoinReport, LostRank, format_reports, write_chart
 from ._side import SideCollective
+from ._side_channel import SideChannel
 from ._wire import HEARTBEAT_FLAG, split_heartbeat_flags
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "JoinHook",
     "JoinConfig",
     "SideCollective",
+    "SideChannel",
     "JoinReport",
     "LostRank",
     "JoinBackend",

@@ -244,6 +244,13 @@ class Join:
         # active in each iteration, whence a lost rank's iterations).
         self._fused = (fuses[0] and not throw_on_early_termination and check_agreement
                        and on_rank_loss != "finish")
+        # The round heartbeat (a fused one in every collective of the first
+        # joinable's rounds, nothing per input): only where no other joinable
+        # has collectives of its own per iteration (its main hook shadows
+        # nothing), so that the first joinable's rounds are all a joined rank
+        # must meet.
+        self._round = self._fused and _in_round(joinable_list[0]) and all(
+            not fused and _quiet(hook) for hook, fused in zip(hooks[1:], fuses[1:], strict=True))
         self._fused_total: float | None = None
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
@@ -323,7 +330,7 @@ class Join:
                 ("joinables", len(joinable_list)),
                 ("throw_on_early_termination", self._throw_on_early_termination),
                 ("backend", type(backend).__name__),
-                ("fused_heartbeat", self._fused),
+                ("heartbeat", self.heartbeat),
                 ("on_rank_loss", on_rank_loss),
             )
             self._state = m.initial_state(
@@ -332,6 +339,7 @@ class Join:
                     throw_on_early_termination=self._throw_on_early_termination,
                     signature=signature if check_agreement else None,
                     fused_heartbeat=self._fused,
+                    round_heartbeat=self._round,
                     world_size=backend.world_size,
                     can_abort=caps.abort is not None,
                     progress_interval=m.PROGRESS_INTERVAL,
@@ -394,6 +402,7 @@ class Join:
             raise
         if self._enable:
             _active.joins = getattr(_active, "joins", 0) + 1
+            _entered_joins().append(self)
             self._inside = True
         return self
 
@@ -413,6 +422,9 @@ class Join:
                 own: Exception | None = None
                 if exc is None:
                     own = exc = self._leave_loop()
+                left = self._loop_exited()
+                if exc is None and left is not None:
+                    own = exc = left
                 if isinstance(exc, Exception):
                     self._note_gone_peers(exc)
                 try:
@@ -436,6 +448,9 @@ class Join:
             if self._enable:
                 self._inside = False
                 _active.joins -= 1
+                stack = _entered_joins()
+                if self in stack:
+                    stack.remove(self)
                 _watchdog.unwatch(self._watch)
                 self._post(_watchdog.LEFT)
 
@@ -455,6 +470,23 @@ class Join:
             except Exception as error:
                 return error
         return None
+
+    def _loop_exited(self) -> Exception | None:
+        """Call each joinable's ``join_loop_exited()`` (the Joinable doc), on every exit path.
+
+        Returns:
+            The first exception one raised, else ``None``.
+        """
+        first: Exception | None = None
+        for joinable in self._joinables:
+            exited = getattr(joinable, "join_loop_exited", None)
+            if exited is None:
+                continue
+            try:
+                exited()
+            except Exception as error:
+                first = first or error
+        return first
 
     def _note_gone_peers(self, error: Exception) -> None:
         """Name the peers whose process is gone on ``error`` leaving the Join.
@@ -523,6 +555,7 @@ class Join:
                     outcome=m.Outcome.FAILED,
                     failure=_failure(exc, self._backend.rank),
                     collectives_since_heartbeat=self._collectives_since_heartbeat(),
+                    round_open=self._round_open(),
                     now=self._clock(),
                 )
             )
@@ -535,6 +568,15 @@ class Join:
             _add_note(exc, f"joinkit aborted the group after it: {self._aborted}")
             return False
         return True
+
+    def _round_open(self) -> bool | None:
+        """With a round heartbeat, whether this rank left midway through one of
+        the first joinable's rounds (its ``join_round_open()``; ``None``: it
+        cannot tell, or no round heartbeat)."""
+        if not self._round:
+            return None
+        ask = getattr(self._joinables[0], "join_round_open", None)
+        return None if ask is None else ask()
 
     def _collectives_since_heartbeat(self) -> int | None:
         """The group's own collectives since this rank's last heartbeat.
@@ -580,6 +622,23 @@ class Join:
         except _ForeignConfig:
             return _notify_foreign(joinable)
         return None if join is None else join._notify()
+
+    @staticmethod
+    def current() -> Join | None:
+        """The innermost enabled Join this thread is inside, or ``None``.
+
+        Inside means between a successful ``__enter__`` and the end of
+        ``__exit__``: the loop body and, on a rank that joined, its shadowing.
+        A data source that counts what the loop consumed (the exact shards'
+        ``ShardSampler.state_dict``) reads the Join's :attr:`report` here:
+        ``report.inputs`` is this rank's iterations so far.
+
+        Returns:
+            The Join, or ``None`` outside any enabled Join (a rank is a thread
+            on the threads backend, so this is per thread).
+        """
+        stack = _entered_joins()
+        return stack[-1] if stack else None
 
     @staticmethod
     def fused_heartbeat(joinable: Joinable) -> float:
@@ -811,6 +870,23 @@ class Join:
         mode and the agreement check is on (so every rank is known to fuse).
         """
         return self._fused
+
+    @property
+    def heartbeat(self) -> str:
+        """How this Join's heartbeat travels, the same on every rank.
+
+        ``"classic"``: its own 1-element all-reduce per input (torch's wire
+        format; throw mode, ``check_agreement=False``, ``on_rank_loss="finish"``,
+        or a first joinable that cannot carry it). ``"fused"``: one more
+        element in the first joinable's first collective of each input.
+        ``"round"``: one more element in every collective of the first
+        joinable's rounds, nothing per input (the first joinable sets
+        ``join_heartbeat_in_round`` and no other joinable has collectives of
+        its own: its main hook is :class:`JoinHook`'s). ``join.report`` records it.
+        """
+        if self._round:
+            return "round"
+        return "fused" if self._fused else "classic"
 
     @property
     def rank(self) -> int:
@@ -1279,6 +1355,15 @@ def _fuses(joinable: Any) -> bool:
     return bool(getattr(joinable, "join_fuses_heartbeat", False))
 
 
+def _in_round(joinable: Any) -> bool:
+    return bool(getattr(joinable, "join_heartbeat_in_round", False))
+
+
+def _quiet(hook: Any) -> bool:
+    """Whether a joinable's hook shadows nothing per round (its main hook is JoinHook's)."""
+    return getattr(getattr(hook, "main_hook", None), "__func__", None) is JoinHook.main_hook
+
+
 def _follows(joinable: Any) -> bool:
     return bool(getattr(joinable, "join_follows_group", False))
 
@@ -1286,6 +1371,14 @@ def _follows(joinable: Any) -> bool:
 def _enabled_joins() -> int:
     """How many enabled Joins this thread is inside (its loop body or shadowing)."""
     return int(getattr(_active, "joins", 0))
+
+
+def _entered_joins() -> list[Join]:
+    """The enabled Joins this thread is inside, innermost last (Join.current)."""
+    stack: list[Join] | None = getattr(_active, "stack", None)
+    if stack is None:
+        stack = _active.stack = []
+    return stack
 
 
 def _looks_like_hook(hook: Any) -> bool:

@@ -96,6 +96,25 @@ class Joinable(abc.ABC):
     the slot's sum to :meth:`Join.record_heartbeat_total`, and give the hook a
     ``fused_shadow(heartbeat) -> float``.
 
+    *A heartbeat in a round.* A fused joinable whose collectives come in
+    *rounds* (the collectives of one synchronising step, which an active rank
+    may issue after several inputs or after none, e.g. DDP's gradient
+    all-reduce under ``no_sync()`` accumulation or a forward without a
+    backward) may carry the heartbeat in every collective of its rounds and
+    send nothing per input: set ``join_heartbeat_in_round = True`` too. Its
+    notify calls :meth:`Join.fused_heartbeat` (which counts the input) and
+    keeps the value for its next round; every collective of the round
+    carries it in one more element. A joined rank's round is the same
+    collectives from zeros: the hook's ``fused_shadow(heartbeat)`` issues the
+    round's first collective and returns its heartbeat sum, ``main_hook`` the
+    rest; when every rank has joined they all issue that first collective,
+    read a sum with nobody active and stop. ``join_round_open()`` says whether
+    this rank is midway through a round (some of its collectives sent, not
+    all): a rank that fails there then runs one ``main_hook`` first, which
+    must complete the round. The Join uses it only where every other joinable
+    has no collectives of its own (its main hook is :class:`JoinHook`'s) and the
+    heartbeat may fuse at all (``Join.heartbeat`` says which way it went).
+
     A joinable whose per-iteration collectives bypass its join backend (MPI:
     calls on the communicator itself while ``join_process_group`` is an
     ``MPIGroup``) sets ``join_raw_collectives = True``: the backend's
@@ -117,10 +136,20 @@ class Joinable(abc.ABC):
     calls it on a rank that leaves its loop body without an exception, before
     the rank joins, so the joinable can finish (or refuse) an iteration it
     announced; an exception from it is handled as the loop body's own.
+
+    *Leaving, whatever the way.* A joinable may define ``join_loop_exited()``:
+    the Join calls it on every rank as it leaves its loop body, however it
+    leaves (inputs exhausted, an exception, a peer's failure), after
+    ``join_leave_loop()`` and before the rank's first join collective after the
+    loop; it must issue no collective on the Join's group (``SideChannel``
+    starts its service thread there).
     """
 
     #: Opt in to the fused heartbeat (see the class docstring).
     join_fuses_heartbeat: bool = False
+    #: Carry the fused heartbeat in every collective of the joinable's rounds
+    #: (see "A heartbeat in a round" in the class docstring).
+    join_heartbeat_in_round: bool = False
     #: The joinable's collectives bypass the join backend (see the class docstring).
     join_raw_collectives: bool = False
     #: The joinable has no process group of its own and takes the Join's (the

@@ -63,6 +63,25 @@ its separate check and so never fuses. A float64 slot can carry one more
 per-rank flag beside the heartbeat (``_wire.split_heartbeat_flags``; DDP's fused
 gradient-sync check).
 
+A *round* heartbeat (``MachineConfig.round_heartbeat``, a kind of fused one)
+rides in every collective of the first joinable's *rounds* instead: a round is
+the collectives of one synchronising step (DDP: one gradient all-reduce per
+bucket), which an active rank issues after one input, after several
+(``no_sync()`` accumulation) or not at all (a forward without a backward). A
+notify counts the input and sends nothing; the joinable puts the order's value
+into its next round. A joined rank's round is the same collectives from zeros:
+its count is its shadow of the round's first collective, and while the count
+shows some rank active its main hook issues the rest; so it meets the active
+ranks' next round whenever that comes, and when every rank has joined, all of
+them issue that round's first collective, read a sum with nobody active and
+stop (one collective per Join, at its end). A shadow round is then one round
+of the active ranks, not one input: ``shadow_rounds`` counts rounds, and
+``is_last_joiner`` holds for every rank that left after the last round. A rank
+that failed midway through a round (some of its collectives out, not all:
+``LoopExited.round_open``, which the joinable tells) completes it first with one
+completion round of main hooks; before or after a whole round nothing is open,
+and it drains.
+
 On entry, ranks may first *check agreement* on their ``signature`` (number of
 joinables, throw mode, backend): they *compare signatures* by a stable digest
 (``_wire.signature_digest``), one collective that costs every rank O(1) where the
@@ -299,13 +318,16 @@ class MachineConfig:
     skew (torch: 1000). ``progress_interval`` is the seconds between a draining
     rank's progress lines (``PROGRESS_INTERVAL``). ``world_size``, where known,
     must not exceed ``MAX_WORLD_SIZE``. ``on_rank_loss`` is ``Join``'s
-    (``ON_RANK_LOSS``); ``"finish"`` excludes throw mode. ``can_abort``: whether the shell can
-    abort the group (``AbortGroup`` makes the peers fail); with it, a failure
-    whose place in the iteration is unknown fails fast instead of guessing.
+    (``ON_RANK_LOSS``); ``"finish"`` excludes throw mode. ``round_heartbeat``:
+    the fused heartbeat rides in the first joinable's rounds (module doc).
+    ``can_abort``: whether the shell can abort the group (``AbortGroup`` makes
+    the peers fail); with it, a failure whose place in the iteration is
+    unknown fails fast instead of guessing.
 
     Raises:
-        ValueError: a fused heartbeat in throw mode, a world too large, an
-            unknown ``on_rank_loss``, or ``"finish"`` in throw mode.
+        ValueError: a fused heartbeat in throw mode, a round heartbeat that
+            is not fused, a world too large, an unknown ``on_rank_loss``, or
+            ``"finish"`` in throw mode.
     """
 
     rank: int
@@ -313,6 +335,7 @@ class MachineConfig:
     signature: tuple[tuple[str, Any], ...] | None = None
     skew_warn_threshold: int = SKEW_WARN_THRESHOLD
     fused_heartbeat: bool = False
+    round_heartbeat: bool = False
     world_size: int | None = None
     can_abort: bool = False
     progress_interval: float = PROGRESS_INTERVAL
@@ -322,6 +345,8 @@ class MachineConfig:
         check_on_rank_loss(self.on_rank_loss, self.throw_on_early_termination)
         if self.fused_heartbeat and self.throw_on_early_termination:
             raise ValueError("a fused heartbeat cannot carry throw mode's termination check")
+        if self.round_heartbeat and not self.fused_heartbeat:
+            raise ValueError("a round heartbeat is a fused heartbeat: set fused_heartbeat too")
         if self.world_size is not None and self.world_size > MAX_WORLD_SIZE:
             raise ValueError(text.world_too_large_message(self.world_size, MAX_WORLD_SIZE))
 
@@ -405,7 +430,15 @@ def report(state: JoinState) -> JoinReport:
         stopped_early=state.stopped_early,
         stopped_by=stopped_by,
         lost_ranks=state.lost_ranks,
+        heartbeat=_heartbeat_kind(state.config),
     )
+
+
+def _heartbeat_kind(config: MachineConfig) -> str:
+    """How the heartbeat travels: ``"round"``, ``"fused"`` or ``"classic"``."""
+    if config.round_heartbeat:
+        return "round"
+    return "fused" if config.fused_heartbeat else "classic"
 
 
 # -- observations -------------------------------------------------------------
@@ -473,12 +506,15 @@ class LoopExited:
     it whether the rank raised midway through an iteration its peers are still
     in (right after a separate heartbeat, or right after a fused heartbeat's
     own collective) and must first complete it. Unknown after a heartbeat, it
-    fails fast where the group can be aborted (module doc).
+    fails fast where the group can be aborted (module doc). With a round
+    heartbeat the joinable tells instead: ``round_open`` is whether the rank
+    left midway through one of its rounds (``None``: it cannot tell).
     """
 
     outcome: Outcome = Outcome.NORMAL
     failure: Failure | None = None
     collectives_since_heartbeat: int | None = None
+    round_open: bool | None = None
     now: float = 0.0
 
 
@@ -819,14 +855,20 @@ def _iteration_open(s: JoinState, o: LoopExited) -> bool | None:
 
     True right after its heartbeat went on the wire and before any other
     collective: a separate heartbeat with no collective since, or a fused
-    heartbeat's own collective and nothing after it. ``None`` when nobody can
+    heartbeat's own collective and nothing after it; with a round heartbeat,
+    midway through a round (the joinable says). ``None`` when nobody can
     tell: a heartbeat went out to peers, but the shell does not know what
     the rank issued since.
     """
-    since = o.collectives_since_heartbeat
+    config = s.config
+    # A round heartbeat: open while some of the round's collectives went out
+    # and not all, which only the joinable knows (module doc).
+    since = o.round_open if config.round_heartbeat else o.collectives_since_heartbeat
     if since is None:
-        return None if s.heartbeats and s.config.world_size != 1 else False
-    return since == (1 if s.config.fused_heartbeat else 0)
+        return None if s.heartbeats and config.world_size != 1 else False
+    if config.round_heartbeat:
+        return bool(since)
+    return since == (1 if config.fused_heartbeat else 0)
 
 
 def _loop_exited(s: JoinState, o: LoopExited) -> Transition:

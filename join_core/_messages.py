@@ -255,7 +255,8 @@ def agreement_table(
     return (
         "ranks entered the Join with different settings; every rank must pass the "
         "same number of joinables and the same throw_on_early_termination, on the "
-        "same backend:\n" + "\n".join(rows)
+        "same backend (and the same joinables and options, which choose the "
+        "heartbeat's path: Join.heartbeat):\n" + "\n".join(rows)
     )
 
 

@@ -212,6 +212,19 @@ class SupportsRankLossRecovery(Protocol):
     def lost_ranks(self) -> tuple[Any, ...]: ...
 
 
+@runtime_checkable
+class SupportsSideWire(Protocol):
+    """A second communicator over the same ranks, for a ``joinkit.SideChannel``.
+
+    ``side_wire()`` is called on every rank at once (on Join entry, so it may be
+    collective) and returns the same wire on later calls; the wire follows
+    ``joinkit.lowlevel.SideWire`` (``backends._side_wire.ArrayWire`` is one over
+    any group with array collectives).
+    """
+
+    def side_wire(self) -> Any: ...
+
+
 @attrs.frozen(kw_only=True)
 class BackendCapabilities:
     """What a join backend offers beyond the required members, looked up once.
@@ -224,7 +237,7 @@ class BackendCapabilities:
     Attributes:
         heartbeat_total, abort, wait, post_status, peer_status, post_beat,
         peer_board, gone_peers, all_agree, gather_object, broadcast_object,
-        start_rank_loss_recovery, lost_ranks: the backend's bound method, or
+        start_rank_loss_recovery, lost_ranks, side_wire: the backend's bound method, or
             ``None``.
         counts_collectives: it has ``collectives_issued``.
         knows_aborts: it has ``aborted`` (read by the watchdog thread).
@@ -245,6 +258,7 @@ class BackendCapabilities:
     broadcast_object: Callable[[Any, int], Any] | None = None
     start_rank_loss_recovery: Callable[[Any], None] | None = None
     lost_ranks: Callable[[], tuple[Any, ...]] | None = None
+    side_wire: Callable[[], Any] | None = None
 
 
 _METHODS = tuple(

@@ -94,6 +94,17 @@ class JoinReport:
         lost_ranks: with ``on_rank_loss="finish"``, the ranks that died inside
             the Join and were treated as joined, in order of loss (original
             ranks, with the iterations each completed).
+        heartbeat: how the heartbeat travelled (``Join.heartbeat``):
+            ``"classic"`` (its own all-reduce per input, torch's wire format),
+            ``"fused"`` (one more element in the first joinable's first
+            collective of each input) or ``"round"`` (one more element in each
+            collective of the first joinable's rounds, e.g. DDP's gradient
+            all-reduce; nothing sent per input). With ``"round"`` a shadow
+            round is one *round* of the active ranks (DDP: one gradient
+            all-reduce, however many inputs ``no_sync()`` accumulated in it,
+            and none for a forward without a backward), so ``shadow_rounds``
+            counts those, and ``is_last_joiner`` is true for every rank that
+            left after the last round.
     """
 
     rank: int
@@ -107,6 +118,7 @@ class JoinReport:
     stopped_early: bool = False
     stopped_by: tuple[int, ...] = ()
     lost_ranks: tuple[LostRank, ...] = ()
+    heartbeat: str = "classic"
 
     @property
     def outcome(self) -> str:
@@ -146,7 +158,8 @@ class JoinReport:
                 f"{_preview(data)}"
             )
         fields = {f.name for f in attrs.fields(cls)}
-        missing = fields - {"failure", "stopped_early", "stopped_by", "lost_ranks"} - set(data)
+        optional = {"failure", "stopped_early", "stopped_by", "lost_ranks", "heartbeat"}
+        missing = fields - optional - set(data)
         if missing:
             raise ValueError(f"join report is missing {sorted(missing)}: {_preview(data)}")
         values = {name: data[name] for name in fields if name in data}

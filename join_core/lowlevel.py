@@ -50,6 +50,7 @@ from ._ports import (
     SupportsLivenessBeat,
     SupportsObjectCollectives,
     SupportsRankLossRecovery,
+    SupportsSideWire,
     SupportsStatusBoard,
     SupportsWait,
     adapt,
@@ -59,6 +60,7 @@ from ._ports import (
 from ._ports import find_registered as find_registered_backend
 from ._ports import register as register_backend
 from ._ports import resolve as resolve_backend
+from ._side_protocol import BroadcastPlan, GatherPlan, Neutral, ReducePlan, SideWire
 from ._wire import (
     ACTIVE,
     ALARM,
@@ -84,6 +86,7 @@ __all__ = [
     "SupportsGonePeers",
     "SupportsObjectCollectives",
     "SupportsRankLossRecovery",
+    "SupportsSideWire",
     "RankLossConfig",
     "register_backend",
     "resolve_backend",
@@ -103,4 +106,9 @@ __all__ = [
     "NOBODY_ACTIVE_BELOW",
     "MAX_WORLD_SIZE",
     "decode_tally",
+    "SideWire",
+    "ReducePlan",
+    "GatherPlan",
+    "BroadcastPlan",
+    "Neutral",
 ]

@@ -9,6 +9,9 @@ process runs, in order, each case with a fresh model and a fresh prepare:
   gets 4 per epoch, rank 1 gets 3): the full parameters after each epoch;
 - ``padded``: Accelerate's default, ``even_batches=True`` and no Join: rank 1
   gets batch 0 again, so both run 4 steps (the full parameters);
+- ``accumulate`` (DDP): ``accelerator.accumulate(model)`` with windows of
+  ``ACCUMULATE`` batches inside joinkit's ``join_uneven_inputs``: rank 1's last
+  window ends at its own last batch (the full parameters after one epoch);
 - ``accelerate_join``: Accelerate's own ``accelerator.join_uneven_inputs([model],
   even_batches=False)``: the warning it gives, and what happens (rank 0's
   fourth backward waits for rank 1, which left: the error, after how long).
@@ -40,6 +43,7 @@ BATCHES = 7  # in the dataset: rank 0 gets 4 per epoch, rank 1 gets 3
 BATCH = 2
 EPOCHS = 2
 LR = 0.1
+ACCUMULATE = 2  # the accumulate case's gradient_accumulation_steps
 PG_TIMEOUT_S = 30
 
 
@@ -130,6 +134,20 @@ def main() -> None:
             step(accelerator, model, optimizer, x, y)
             steps += 1
     write(out, mode, "padded", rank, {"params": [full_params(model)], "steps": steps})
+
+    if mode == "ddp":  # accelerator.accumulate: windows of 2 batches, the last one short
+        model, optimizer, loader = prepared(accelerator)
+        accelerator.gradient_accumulation_steps = ACCUMULATE
+        steps = 0
+        with join_uneven_inputs(accelerator, [model, optimizer], even_batches=False):
+            for x, y in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                steps += 1
+        accelerator.gradient_accumulation_steps = 1
+        write(out, mode, "accumulate", rank, {"params": [full_params(model)], "steps": steps})
 
     model, optimizer, loader = prepared(accelerator)
     steps, error = 0, None

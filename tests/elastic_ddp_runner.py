@@ -231,14 +231,30 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
             opt.zero_grad()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
     # The model now carries joinkit's comm hook: a later Join that divides by the
-    # active ranks is refused (a hook cannot read them).
-    try:
-        with Join([model], divide_by_initial_world_size=False):
-            pass
-    except ValueError as exc:
-        found["count_after_hook"] = str(exc)
+    # active ranks still does, on the default path (the count rides in each
+    # bucket) and on the one-collective path (the hook divides by the count of
+    # this iteration's heartbeat): the bias's gradient of a sum is 1 on every
+    # active rank, so its average over the active ranks is 1 in every iteration.
+    counted = {}
+    for name, options in (("round", {}), ("one", {"heartbeat_in_gradients": False})):
+        grads = []
+        with Join([model], divide_by_initial_world_size=False, **options) as join:
+            for _ in range(1 + rank):
+                model.zero_grad()
+                model(torch.ones(1, DIM)).sum().backward()
+                grads.append(float(model.module.bias.grad.item()))
+        counted[name] = {"grads": grads, "heartbeat": join.heartbeat}
+    # Finish mode again, after the Join that routed the hook for the heartbeat
+    # in the gradients: the same hook takes finish mode's route; ranks agree.
+    with Join([model], on_rank_loss="finish", store_outlives_ranks=True):
+        for index in range(1 + rank):
+            model(torch.full((1, DIM), float(index))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    again = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
     (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "refusals": found, "after": "ok", "params": params}))
+        {"rank": rank, "refusals": found, "after": "ok", "params": params,
+         "counted": counted, "again": again}))
 
 
 def _allreduce_future(bucket: Any) -> Any:

@@ -113,6 +113,32 @@ def test_join_uneven_inputs_on_prepared_objects_is_exact(launches: Any, mode: st
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_accumulate_under_join_uneven_inputs_is_exact(launches: Any) -> None:
+    sys.path.insert(0, str(PROGRAM.parent))
+    import accelerate_program as p
+
+    ranks = _records(launches, "ddp", "accumulate")
+    assert [r["steps"] for r in ranks] == [4, 3]
+    # One process: a step per window of ACCUMULATE batch positions, each batch's loss
+    # divided by the accumulation steps (Accelerate's backward) and the world (DDP).
+    model = p.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=p.LR)
+    x, y = p.dataset().tensors
+    per_rank = [list(range(r, p.BATCHES, WORLD)) for r in range(WORLD)]
+    longest = max(len(b) for b in per_rank)
+    for start in range(0, longest, p.ACCUMULATE):
+        optimizer.zero_grad()
+        for batches in per_rank:
+            for batch in batches[start:start + p.ACCUMULATE]:
+                rows = slice(batch * p.BATCH, (batch + 1) * p.BATCH)
+                loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+                (loss / p.ACCUMULATE / WORLD).backward()
+        optimizer.step()
+    for rank in ranks:
+        _assert_params(rank["params"], [p.full_params(model)])
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_accelerate_ignores_the_fsdp_plugin_on_cpu(launches: Any) -> None:
     # Why the FSDP2 runs force the distributed type (accelerate_program's doc).
     for rank in _records(launches, "fsdp2", "joinkit"):

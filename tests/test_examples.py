@@ -83,7 +83,9 @@ OWN_TESTS = {
     "ray_train.py": "tests/test_ray.py",
     "accelerate_uneven.py": "tests/test_accelerate.py",
     "deepspeed_uneven.py": "tests/test_deepspeed.py",
+    "hf_trainer.py": "tests/test_transformers.py",
     "elastic.py": "tests/test_elastic_mpi.py",
+    "elastic_run.py": "tests/test_joinkit_run.py",
 }
 
 

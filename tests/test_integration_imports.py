@@ -1,4 +1,4 @@
-"""The integrations (``joinkit.adapters.ray``, ``joinkit.adapters.accelerate``) import
+"""The integrations (``joinkit.adapters.ray``, ``.accelerate``, ``.transformers``) import
 their framework only when used, and say which extra to install when it is missing.
 
 Runs in the main job (both frameworks installed) and in the no-torch job
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-FRAMEWORKS = {"ray": "ray", "accelerate": "accelerate"}
+FRAMEWORKS = {"ray": "ray", "accelerate": "accelerate", "transformers": "transformers"}
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
@@ -24,8 +24,9 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 def test_importing_joinkit_and_the_integrations_imports_no_framework() -> None:
     done = _python(
         "import sys, joinkit, joinkit.adapters, joinkit.adapters.ray, "
-        "joinkit.adapters.accelerate\n"
-        "print(sorted(m for m in ('ray', 'accelerate', 'torch') if m in sys.modules))")
+        "joinkit.adapters.accelerate, joinkit.adapters.transformers\n"
+        "print(sorted(m for m in ('ray', 'accelerate', 'torch', 'transformers', 'trl')"
+        " if m in sys.modules))")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
@@ -38,6 +39,8 @@ def test_a_missing_framework_names_the_extra(adapter: str) -> None:
     call = {
         "ray": "from joinkit.adapters.ray import report; report({'loss': 1.0})",
         "accelerate": "from joinkit.adapters.accelerate import unwrap; unwrap(object())",
+        "transformers": ("from joinkit.adapters.transformers import uneven_inputs; "
+                         "uneven_inputs(object())"),
     }[adapter]
     done = _python(block + call)
     assert done.returncode == 1

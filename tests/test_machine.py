@@ -160,6 +160,99 @@ def test_every_phase_and_observation(phase: m.Phase, kind: type) -> None:
         assert transition.commands == commands
 
 
+# -- the round heartbeat (issue 34): the same table, the fused commands ----------------
+
+
+def round_state(phase: m.Phase, **fields: object) -> m.JoinState:
+    config = m.MachineConfig(rank=3, signature=SIGNATURE, fused_heartbeat=True,
+                             round_heartbeat=True)
+    return attrs.evolve(m.initial_state(config), phase=phase, **fields)
+
+
+def _as_fused(command: Any) -> Any:
+    """A classic transition's command as the round (a fused) heartbeat gives it."""
+    if isinstance(command, m.HeartbeatOrder):
+        return attrs.evolve(command, fused=True)
+    if isinstance(command, m.Drain):
+        return attrs.evolve(command, fused=True)
+    if isinstance(command, m.RunMainHooks):
+        return attrs.evolve(command, first_shadowed=True)
+    if isinstance(command, m.Raise):
+        return ("Raise", type(command.error), str(command.error))
+    return command
+
+
+@pytest.mark.parametrize(
+    ("phase", "kind"),
+    list(itertools.product(m.Phase, OBSERVATIONS)),
+    ids=lambda v: getattr(v, "name", getattr(v, "__name__", str(v))),
+)
+def test_every_phase_and_observation_with_a_round_heartbeat(phase: m.Phase, kind: type) -> None:
+    """The round heartbeat goes where the classic one goes, with the fused
+    order, fused drains and rounds whose first collective the count shadowed;
+    the failure branches that differ are tested below."""
+    fields: dict[str, Any] = {}
+    if phase is m.Phase.ERRORED:
+        fields["error"] = LocalProtocolError("earlier")
+    classic = m.step(state(phase, **fields), OBSERVATIONS[kind])
+    ours = m.step(round_state(phase, **fields), OBSERVATIONS[kind])
+    assert ours.state.phase is classic.state.phase
+    assert [_as_fused(c) for c in ours.commands] == [_as_fused(c) for c in classic.commands]
+    if ours.state.phase is m.Phase.ERRORED and phase is not m.Phase.ERRORED:
+        (command,) = ours.commands
+        assert isinstance(command, m.Raise) and isinstance(command.error, LocalProtocolError)
+
+
+def test_a_round_heartbeat_is_a_fused_one() -> None:
+    with pytest.raises(ValueError, match="round heartbeat is a fused heartbeat"):
+        m.MachineConfig(rank=0, round_heartbeat=True)
+    with pytest.raises(ValueError, match="throw mode"):
+        m.MachineConfig(rank=0, fused_heartbeat=True, round_heartbeat=True,
+                        throw_on_early_termination=True)
+    entered = m.step(m.initial_state(m.MachineConfig(rank=0, fused_heartbeat=True,
+                                                     round_heartbeat=True)), m.Entered())
+    assert entered.commands == (m.HeartbeatOrder(fused=True),)
+
+
+def test_a_failure_midway_through_a_round_completes_it_first() -> None:
+    """round_open (the joinable's word) decides, not the collectives since the
+    heartbeat: open -> one completion round of main hooks, then the drain with
+    the failure's weight; closed -> the drain at once; unknown -> fail fast
+    where the group can abort, else the drain."""
+    failed = m.LoopExited(outcome=m.Outcome.FAILED, failure=FAILURE, round_open=True,
+                          collectives_since_heartbeat=5, now=2.0)
+    t = m.step(round_state(m.Phase.ACTIVE, heartbeats=4), failed)
+    assert t.state.phase is m.Phase.SHADOWING
+    assert t.commands == (m.RunMainHooks(round=0, first_shadowed=True),)
+    t = m.step(t.state, m.HooksDone(now=3.0))
+    assert t.commands == (drain(m.FAILING, m.FAILED, fused=True),)
+    closed = attrs.evolve(failed, round_open=False, collectives_since_heartbeat=1)
+    t = m.step(round_state(m.Phase.ACTIVE, heartbeats=4), closed)
+    assert t.state.phase is m.Phase.DRAINING
+    assert t.commands == (drain(m.FAILING, m.FAILED, fused=True),)
+    unknown = attrs.evolve(failed, round_open=None)
+    s = round_state(m.Phase.ACTIVE, heartbeats=4)
+    aborting = attrs.evolve(s, config=attrs.evolve(s.config, can_abort=True))
+    t = m.step(aborting, unknown)
+    assert t.state.phase is m.Phase.DONE and isinstance(t.commands[0], m.AbortGroup)
+    assert m.step(s, unknown).commands == (drain(m.FAILING, m.FAILED, fused=True),)
+    # Before any input nothing is open, whatever the joinable says.
+    assert m.step(round_state(m.Phase.ACTIVE), unknown).state.phase is m.Phase.DRAINING
+
+
+def test_the_report_says_how_the_heartbeat_travelled() -> None:
+    configs = {"classic": m.MachineConfig(rank=0),
+               "fused": m.MachineConfig(rank=0, fused_heartbeat=True),
+               "round": m.MachineConfig(rank=0, fused_heartbeat=True, round_heartbeat=True)}
+    for kind, config in configs.items():
+        report = m.report(m.initial_state(config))
+        assert report.heartbeat == kind
+        assert m.JoinReport.from_dict(report.to_dict()) == report
+    old = m.report(m.initial_state(configs["round"])).to_dict()
+    del old["heartbeat"]  # a report written before the field existed
+    assert m.JoinReport.from_dict(old).heartbeat == "classic"
+
+
 def test_table_has_no_entry_for_errored_or_done() -> None:
     assert not any(phase is m.Phase.ERRORED for phase, _ in m.TRANSITIONS)
     # DONE records rank losses read at the end, nothing else.
@@ -179,13 +272,16 @@ failures = st.one_of(st.none(), st.just(FAILURE))
 @st.composite
 def random_states(draw: Any) -> m.JoinState:
     throw = draw(st.booleans())
+    fused = not throw and draw(st.booleans())
     config = m.MachineConfig(
         rank=draw(st.integers(0, 5)),
         throw_on_early_termination=throw,
         signature=draw(st.sampled_from([None, SIGNATURE])),
         skew_warn_threshold=draw(st.integers(0, 5)),
-        fused_heartbeat=not throw and draw(st.booleans()),
+        fused_heartbeat=fused,
+        round_heartbeat=fused and draw(st.booleans()),
         progress_interval=draw(st.sampled_from([0.0, 1.0, m.PROGRESS_INTERVAL])),
+        can_abort=draw(st.booleans()),
     )
     return m.JoinState(
         phase=draw(st.sampled_from([p for p in m.Phase if p is not m.Phase.ERRORED])),
@@ -211,7 +307,8 @@ random_observations = st.one_of(
     st.builds(m.HeartbeatSeen, total=totals),
     st.builds(m.TerminationChecked, total=totals),
     st.builds(m.LoopExited, outcome=st.sampled_from(m.Outcome), failure=failures,
-              collectives_since_heartbeat=st.one_of(st.none(), st.integers(0, 3))),
+              collectives_since_heartbeat=st.one_of(st.none(), st.integers(0, 3)),
+              round_open=st.one_of(st.none(), st.booleans())),
     st.builds(m.Drained, rounds=st.integers(0, 5), total=st.one_of(st.none(), totals),
               failure=failures, now=st.floats(0, 100)),
     st.builds(m.HooksDone, now=st.floats(0, 100)),

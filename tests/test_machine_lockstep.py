@@ -419,3 +419,268 @@ def test_big_worlds_healthy_and_failing(world: int, fused: bool, failing: str) -
     else:
         # Every rank learned of it (no rank went on to its last input).
         assert all(r["error"] is not None for r in results)
+
+
+# -- the round heartbeat: DDP's heartbeat in its gradient all-reduce (issue 34) ------------
+
+
+def round_program(
+    rank: int,
+    syncs: list[bool],
+    buckets: int,
+    fail: tuple[int, int] | None = None,
+    world_size: int | None = None,
+    reads_totals: bool = True,
+) -> Program:
+    """One rank whose first joinable carries the heartbeat in its rounds.
+
+    Input ``i`` notifies (which sends nothing) and, where ``syncs[i]``, issues
+    one round: ``buckets`` all-reduces ``("bucket{b}", (1.0, heartbeat))``, as
+    DDP's backward all-reduces its buckets (``no_sync()`` or a forward without
+    a backward issue none). ``fail = (i, b)`` raises ``Boom`` in input ``i``:
+    before its notify (``b == -1``), or after ``b`` buckets of its round went
+    out (``0 <= b < buckets``, midway through the round when ``b > 0``). A
+    joined rank's count is bucket 0 from zeros, its main hook the rest.
+    """
+    config = m.MachineConfig(rank=rank, fused_heartbeat=True, round_heartbeat=True,
+                             world_size=world_size)
+    state = m.initial_state(config)
+    order: m.HeartbeatOrder | None = None
+    beats = 0
+    value = m.ACTIVE  # the heartbeat of this rank's next round
+    sent = 0  # buckets of the open round that went out
+    owed: list[int] = []  # buckets a joined rank still owes in this round
+    counts = [0.0] * buckets
+    result: dict[str, Any] = {"error": None, "post_hooks": [], "main_rounds": 0,
+                              "rounds": 0}
+    last_total: list[float] = []
+
+    def bucket(b: int, payload: float) -> Generator[Collective, Any, float]:
+        got, total = yield (f"bucket{b}", (payload, value))
+        if payload:
+            counts[b] += got
+        return float(total)
+
+    def main_hooks() -> Generator[Collective, Any, None]:
+        nonlocal sent, owed
+        rest = list(range(sent, buckets)) if sent else owed
+        sent, owed = 0, []
+        for b in rest:
+            yield from bucket(b, 0.0)
+        result["main_rounds"] += 1
+
+    def run(observation: m.Observation) -> Generator[Collective, Any, None]:
+        nonlocal state, order, beats, value, owed
+        if beats and not isinstance(observation, m.Notified):
+            count, beats = beats, 0
+            yield from run(m.Notified(count=count))
+        pending: m.Observation | None = observation
+        while pending is not None:
+            order = None
+            transition = m.step(state, pending)
+            state, pending = transition.state, None
+            for command in transition.commands:
+                if isinstance(command, m.HeartbeatOrder):
+                    assert command.fused
+                    order = command
+                elif isinstance(command, m.Drain):
+                    assert command.fused
+                    value, rounds = command.first, 0
+                    while True:
+                        total = yield from bucket(0, 0.0)  # the count: the round's first bucket
+                        owed = list(range(1, buckets))
+                        if total < command.until or rounds == command.limit:
+                            pending = m.Drained(rounds=rounds, total=total)
+                            break
+                        yield from main_hooks()
+                        value = command.value
+                        rounds += 1
+                elif isinstance(command, m.RunMainHooks):
+                    assert command.first_shadowed
+                    yield from main_hooks()
+                    pending = m.HooksDone()
+                elif isinstance(command, m.RunPostHooks):
+                    result["post_hooks"].append(command.is_last_joiner)
+                    pending = m.HooksDone()
+                elif isinstance(command, m.ExchangeFailures):
+                    failures = yield ("exchange", command.failure)
+                    pending = m.FailuresExchanged(failures=failures)
+                elif isinstance(command, m.Raise):
+                    raise command.error
+                else:
+                    raise AssertionError(command)
+
+    exit_observation = m.LoopExited()
+    try:
+        yield from run(m.Entered())
+        for i, sync in enumerate(syncs):
+            if fail == (i, -1):
+                raise Boom(f"rank {rank} before input {i}")
+            assert order is not None and order.fused
+            if reads_totals and last_total and last_total[0] >= order.alarm:
+                yield from run(m.HeartbeatSeen(total=last_total[0]))
+            beats += 1
+            value = order.value  # nothing is sent: the next round carries it
+            if not sync:
+                if fail is not None and fail[0] == i:
+                    raise Boom(f"rank {rank} after input {i}'s forward")
+                continue
+            for b in range(buckets):
+                if fail == (i, b):
+                    raise Boom(f"rank {rank} after {b} buckets of input {i}")
+                total = yield from bucket(b, 1.0)
+                sent = 0 if b == buckets - 1 else b + 1
+                if reads_totals:
+                    last_total[:] = [total]
+            result["rounds"] += 1
+    except PeerFailure as error:  # pragma: no cover - no throw mode here
+        result["error"] = error
+        exit_observation = m.LoopExited(outcome=m.Outcome.FAILED, failure=_as_failure(error))
+    except PeerAborted as error:
+        result["error"] = error
+        exit_observation = m.LoopExited(outcome=m.Outcome.ABORTED)
+    except Boom as error:
+        result["error"] = error
+        exit_observation = m.LoopExited(outcome=m.Outcome.FAILED, failure=_as_failure(error),
+                                        round_open=sent > 0)
+    try:
+        yield from run(exit_observation)
+    except PeerError as error:
+        result["error"] = error
+    result.update(counts=counts, state=state)
+    return result
+
+
+def run_round_lockstep(syncs: list[list[bool]], buckets: int,
+                       failures: dict[int, tuple[int, int]] | None = None,
+                       weights: list[int] | None = None, reads_totals: bool = True,
+                       seed: int = 0) -> list[dict[str, Any]]:
+    failures = failures or {}
+    weights = weights or [1] * len(syncs)
+    world_size = sum(weights)
+    programs = [round_program(r, pattern, buckets, failures.get(r), world_size, reads_totals)
+                for r, pattern in enumerate(syncs)]
+    return _schedule(programs, weights, random.Random(seed))
+
+
+def _schedule(programs: list[Program], weights: list[int],
+              rng: random.Random) -> list[dict[str, Any]]:
+    """Step ``programs`` in lockstep (as run_lockstep) and return their results."""
+    results: list[dict[str, Any] | None] = [None] * len(programs)
+    requests: list[Collective | None] = [None] * len(programs)
+
+    def advance(rank: int, value: Any) -> None:
+        try:
+            requests[rank] = programs[rank].send(value)
+        except StopIteration as stop:
+            requests[rank], results[rank] = None, stop.value
+
+    for rank in range(len(programs)):
+        advance(rank, None)
+    steps = 0
+    while any(request is not None for request in requests):
+        steps += 1
+        assert all(request is not None for request in requests), (steps, requests, results)
+        kinds = {request[0] for request in requests if request}
+        assert len(kinds) == 1, f"ranks disagree at step {steps}: {requests}"
+        values = [request[1] for request in requests if request]
+        if kinds == {"exchange"}:
+            answer: Any = tuple(values)
+        else:
+            answer = tuple(float32_sum(list(column), weights, rng)
+                           for column in zip(*values, strict=True))
+        for rank in range(len(programs)):
+            advance(rank, answer)
+    return [result for result in results if result is not None]
+
+
+round_worlds = st.integers(1, 12).flatmap(
+    lambda size: st.lists(st.lists(st.booleans(), max_size=10), min_size=size, max_size=size))
+
+
+@settings(max_examples=200, deadline=None)
+@given(syncs=round_worlds, buckets=st.integers(1, 3), data=st.data())
+def test_round_heartbeat_all_ranks_finish_together_and_agree(
+    syncs: list[list[bool]], buckets: int, data: st.DataObject
+) -> None:
+    """Whatever each rank's pattern of syncing and non-syncing inputs, every
+    rank issues the same rounds: a joined rank meets the active ranks' next
+    round whenever it comes, and the last round (nobody active) ends the Join."""
+    weights = data.draw(st.one_of(st.just([1] * len(syncs)), weights_for(len(syncs))))
+    results = run_round_lockstep(syncs, buckets, weights=weights,
+                                 seed=data.draw(st.integers(0, 99)))
+    rounds = [sum(pattern) for pattern in syncs]
+    most = max(rounds)
+    for rank, (pattern, result) in enumerate(zip(syncs, results, strict=True)):
+        state = result["state"]
+        assert state.phase is m.Phase.DONE and result["error"] is None
+        assert state.heartbeats == len(pattern)  # inputs, whatever the rounds
+        # A shadow round is one round of the active ranks, not one input.
+        assert state.shadow_rounds == result["main_rounds"] == most - rounds[rank]
+        # The last joiners: every rank that left after the last round.
+        assert result["post_hooks"] == [rounds[rank] == most]
+        assert m.report(state).heartbeat == "round"
+        # Each bucket summed, in each of this rank's rounds, the ranks in that round.
+        expected = sum(sum(w for k, w in zip(rounds, weights, strict=True) if k > t)
+                       for t in range(rounds[rank]))
+        assert result["counts"] == [float(expected)] * buckets, rank
+
+
+@st.composite
+def round_worlds_with_failures(
+        draw: Any) -> tuple[list[list[bool]], int, dict[int, tuple[int, int]]]:
+    syncs = draw(st.lists(st.lists(st.booleans(), max_size=8), min_size=1, max_size=10))
+    buckets = draw(st.integers(1, 3))
+    failing = draw(st.sets(st.integers(0, len(syncs) - 1), max_size=len(syncs)))
+    failures = {rank: (draw(st.integers(0, 8)), draw(st.integers(-1, buckets - 1)))
+                for rank in sorted(failing)}
+    return syncs, buckets, failures
+
+
+@settings(max_examples=300, deadline=None)
+@given(world=round_worlds_with_failures(), reads_totals=st.booleans(), data=st.data())
+def test_round_heartbeat_a_failure_reaches_every_rank_and_nobody_hangs(
+    world: tuple[list[list[bool]], int, dict[int, tuple[int, int]]], reads_totals: bool,
+    data: st.DataObject,
+) -> None:
+    """A rank that fails before its input, after its forward, or midway through
+    its round (it completes the round first): every rank leaves with an error
+    naming the same failing ranks, in step (the scheduler checks every bucket)."""
+    syncs, buckets, failures = world
+    weights = data.draw(st.one_of(st.just([1] * len(syncs)), weights_for(len(syncs))))
+    results = run_round_lockstep(syncs, buckets, failures, weights=weights,
+                                 reads_totals=reads_totals, seed=data.draw(st.integers(0, 99)))
+    # A failure that can happen: its input exists (in an input that does not
+    # sync, any bucket number stands for "after its forward").
+    eligible = {r for r, (i, _) in failures.items() if i < len(syncs[r])}
+    failed = sorted(r for r, result in enumerate(results) if isinstance(result["error"], Boom))
+    assert set(failed) <= eligible
+    if eligible:
+        assert failed  # the first failure in time cannot have been stopped
+    for rank, result in enumerate(results):
+        state = result["state"]
+        assert state.phase is m.Phase.DONE
+        if not failed:
+            assert result["error"] is None and len(result["post_hooks"]) == 1
+            continue
+        assert result["post_hooks"] == []
+        if rank in failed:
+            assert state.failure is not None and state.failure.rank == rank
+        else:
+            error = result["error"]
+            assert isinstance(error, PeerFailure), error
+            assert error.rank == failed[0] and error.exc_type == "Boom"
+            assert [f.rank for f in error.failures] == failed
+
+
+def test_round_heartbeat_failing_midway_completes_the_round() -> None:
+    """Rank 1 fails after one of three buckets of its second round: it sends the
+    other two (from zeros) before it drains, so rank 0's round completes."""
+    results = run_round_lockstep([[True] * 4, [True] * 4], 3, failures={1: (1, 1)})
+    assert isinstance(results[1]["error"], Boom)
+    assert isinstance(results[0]["error"], PeerFailure) and results[0]["error"].rank == 1
+    # Rank 0's buckets: both ranks in round 1 (2, 2, 2); rank 1's bucket 0,
+    # then its zeros in round 2 (2, 1, 1); rank 1's failing round 3 from zeros
+    # (1, 1, 1). Then rank 0 saw the alarm at its next input and stopped.
+    assert results[0]["counts"] == [5.0, 4.0, 4.0]
+    assert results[0]["state"].heartbeats == 3 and results[0]["state"].stopped_early

@@ -185,13 +185,19 @@ def test_ddp_no_sync_with_uneven_inputs(results: Any) -> None:
     """Gradient accumulation: joined ranks shadow only the syncing rounds."""
     ranks = outcome(results, "ddp_no_sync")
     assert_identical([r["joinkit"]["params"] for r in ranks])
+    assert_identical([r["one"]["params"] for r in ranks])
     for rank in ranks:
         assert rank["joinkit"]["params"] == pytest.approx(rank["torch"]["params"])
-    # The heartbeat rides in DDP's gradient-sync check: one collective fewer
-    # per round (7 rounds), less joinkit's agreement check (one all-reduce of a
-    # digest of the settings).
+        assert rank["one"]["params"] == pytest.approx(rank["torch"]["params"])
+    # One-collective path: the heartbeat rides in DDP's gradient-sync check:
+    # one collective fewer per iteration (7), less joinkit's agreement check
+    # (one all-reduce of a digest of the settings).
+    # Default path: it rides in the gradient all-reduce: nothing per iteration
+    # (7 fewer again), the last count being the last round's first bucket,
+    # less the post hook's all-reduce of the inputs (torch's last joiners).
     for rank in ranks:
-        assert rank["torch"]["collectives"] - rank["joinkit"]["collectives"] == 7 - 1
+        assert rank["torch"]["collectives"] - rank["one"]["collectives"] == 7 - 1
+        assert rank["one"]["collectives"] - rank["joinkit"]["collectives"] == 7 - 1
 
 
 def test_ddp_find_unused_parameters(results: Any) -> None:

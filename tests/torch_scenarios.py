@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import sys
@@ -671,12 +672,16 @@ def ddp_no_sync(ctx: Ctx) -> Any:
     """Gradient accumulation (``no_sync()`` on every other input) with uneven inputs.
 
     A joined rank must shadow the backward pass exactly in the rounds in which
-    the active ranks sync; joinkit learns that from its fused heartbeat, torch
-    from its separate check. Both must end with the same model, and joinkit
-    must send one collective per iteration fewer than torch.
+    the active ranks sync; joinkit's default path carries the heartbeat in the
+    gradient all-reduce itself (so a joined rank meets the next syncing
+    backward, whenever it comes), its one-collective path learns it from the
+    fused heartbeat, torch from its separate check. All must end with the
+    same model; the one-collective path sends one collective per iteration
+    fewer than torch, and the default path none per iteration at all.
     """
     out: dict[str, Any] = {}
-    for name, join_cls in (("joinkit", Join), ("torch", torch_join.Join)):
+    one = functools.partial(Join, heartbeat_in_gradients=False)
+    for name, join_cls in (("joinkit", Join), ("one", one), ("torch", torch_join.Join)):
         model = ddp(ctx, nn.Linear(2, 1))
         optim = torch.optim.SGD(model.parameters(), lr=0.1)
         before = sequence(ctx.group)

@@ -52,8 +52,8 @@ HOSTS = {
         for node in NODES
     },
 }
-PREFIX = "jkn"  # namespaces: jkn<pid>-node1, jkn<pid>-node2
-_STALE = re.compile(rf"^{PREFIX}(\d+)-node[12]$")
+PREFIX = "jkn"  # namespaces: jkn<pid>[suffix]-node1, jkn<pid>[suffix]-node2
+_STALE = re.compile(rf"^{PREFIX}(\d+)[a-z]*-node[12]$")
 
 # Runs "$@" on a node: sh -c WRAP wrap HOSTS_FILE RESOLV_CONF NODE COMMAND...
 _WRAP = ('mount --bind "$1" /etc/hosts && mount --bind "$2" /etc/resolv.conf && '
@@ -161,10 +161,15 @@ class Ran:
 
 
 class TwoNodes:
-    """Two nodes (network namespaces) for the length of a ``with`` block."""
+    """Two nodes (network namespaces) for the length of a ``with`` block.
 
-    def __init__(self) -> None:
-        self.tag = f"{PREFIX}{os.getpid()}"
+    Args:
+        suffix: a few lowercase letters that tell this pair from another of the
+            same process (each test module makes its own).
+    """
+
+    def __init__(self, suffix: str = "") -> None:
+        self.tag = f"{PREFIX}{os.getpid()}{suffix}"
         self.namespaces = {node: f"{self.tag}-{node}" for node in NODES}
         self.dir = Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
         self.agent = self.dir / "rsh-agent"

@@ -26,6 +26,13 @@ every distributed type whose model joinkit adapts: it takes the objects
 - anything else (a ``joinkit.SideCollective`` for ``accelerator.gather`` or a
   logging reduce in the loop) is passed through.
 
+*Gradient accumulation* (``accelerator.accumulate(model)``, DDP): a rank's last
+window ends at its own last batch while the others still accumulate, so while
+the Join lasts every backward syncs its gradient (``no_sync`` does nothing; the
+gradient accumulated since the window began is set aside around each backward
+and added back): each step gets its window's summed gradient, and the last
+joiner's model, which DDP's post hook gives every rank, is exact.
+
 ``even_batches`` overrides the setting of the accelerator's prepared map-style
 data loaders for the block, as Accelerate's does: pass ``False`` (or build the
 ``Accelerator`` with ``DataLoaderConfiguration(even_batches=False)``) so that
@@ -248,9 +255,56 @@ def join_uneven_inputs(
         items = [obj for obj in items if not _is_step_object(obj)]
     restore = [] if even_batches is None else _override_even_batches(accelerator,
                                                                      bool(even_batches))
+    accumulating = any(_is_ddp(obj) for obj in items) and (
+        accelerator.gradient_accumulation_steps > 1)
     try:
-        with Join(items, **join_kwargs) as join:
+        with _sync_every_backward(accelerator, items, accumulating), \
+                Join(items, **join_kwargs) as join:
             yield join
     finally:
         for sampler, value in restore:
             sampler.even_batches = value
+
+
+@contextlib.contextmanager
+def _sync_every_backward(accelerator: Any, items: Sequence[Any], on: bool) -> Iterator[None]:
+    """``accelerator.accumulate`` under the Join: every backward syncs its gradient.
+
+    A rank's last window of gradient accumulation ends at its own last batch
+    (``end_of_dataloader``), where the others are still in ``no_sync``: DDP's
+    all-reduces would pair wrongly. So while the Join lasts ``no_sync`` does
+    nothing, and around each backward the gradient accumulated since the window
+    began is set aside (DDP all-reduces a parameter's whole ``.grad``) and added
+    back: each optimizer step gets the sum over its window of the averaged
+    gradients, and the last joiner's model (DDP's post hook) is exact. The
+    ``no_sync`` and ``backward`` replacements are instance attributes, removed
+    on exit.
+    """
+    if not on:
+        yield
+        return
+    model = next(obj for obj in items if _is_ddp(obj))
+    original = accelerator.backward
+
+    def no_sync(model: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def backward(loss: Any, **kwargs: Any) -> Any:
+        params = [p for p in model.parameters() if p.grad is not None]
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            return original(loss, **kwargs)
+        finally:
+            for p, grad in zip(params, kept, strict=True):
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+
+    accelerator.no_sync, accelerator.backward = no_sync, backward
+    try:
+        yield
+    finally:
+        del accelerator.no_sync, accelerator.backward

@@ -10,8 +10,9 @@ its collectives on its own ``process_group``; while a finish-mode Join lasts,
 :class:`ElasticDDP` routes every one of them through the Join's TorchGroup,
 or refuses on entry what it cannot route:
 
-- *Gradients.* A DDP comm hook (registered once per model, on the first
-  finish-mode Join: DDP allows one hook, forever) collects the reducer's
+- *Gradients.* joinkit's DDP comm hook (``adapters.torch._ddp_hook``,
+  registered once per model by the first Join that needs it: DDP allows one
+  hook, forever; this Join sets itself as the hook's route) collects the reducer's
   buckets and, on ``bucket.is_last()``, all-reduces their concatenation plus
   one element (1 from an active rank, 0 from a joined rank's shadow) as ONE
   unit, then completes every bucket's future. So an iteration's gradient is
@@ -19,9 +20,8 @@ or refuses on entry what it cannot route:
   (DDP's ``_match_all_reduce_for_bwd_pass`` runs the same hook on zero
   buckets) issues the same unit. The divisor: the world size at the Join's
   entry (``divide_by_initial_world_size=True``) or the extra element, the
-  ranks that contributed (``False``). Outside finish-mode Joins the hook is
-  torch's ``allreduce_hook`` (divide by the group's size, all-reduce on
-  ``ddp.process_group``), which is what DDP does without a hook.
+  ranks that contributed (``False``). Outside finish-mode Joins the hook
+  does what DDP does without a hook (``_ddp_hook``'s module doc).
 - *One unit per iteration after the heartbeat.* DDP's gradient-sync check
   (``_check_global_requires_backward_grad_sync``, an all-reduce per forward
   telling joined ranks whether a gradient all-reduce follows) is replaced for
@@ -59,12 +59,13 @@ finish mode. No ``from __future__ import annotations`` here: DDP checks the
 comm hook's annotations as objects.
 """
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import _ddp_hook
 
 __all__ = ["ElasticDDP", "c10d_group", "has_hook", "refusal", "take_last_joiners"]
 
@@ -80,8 +81,7 @@ def refusal(ddp: Any, replays: bool) -> str | None:
         The message (what is wrong and how to fix it), or ``None``.
     """
     head = "Join(on_rank_loss='finish') with DistributedDataParallel: "
-    state = _states.get(id(ddp))
-    if (state is None or state.ddp() is not ddp) and getattr(ddp, "_comm_hooks", None):
+    if _ddp_hook.foreign_hook(ddp) is not None:
         return (head + "the model already has a comm hook (register_comm_hook); joinkit "
                 "needs its own to send each backward's buckets as one unit that survives "
                 "a dead rank. Build the model without a comm hook, or use "
@@ -115,53 +115,8 @@ def refusal(ddp: Any, replays: bool) -> str | None:
 
 
 def has_hook(ddp: Any) -> bool:
-    """Whether ``ddp`` carries joinkit's comm hook (it had a finish-mode Join)."""
-    state = _states.get(id(ddp))
-    return state is not None and state.ddp() is ddp
-
-
-class _HookState:
-    """The comm hook's state: plain mode, or a finish-mode Join's routing."""
-
-    def __init__(self, ddp: Any) -> None:
-        self.ddp: Callable[[], Any] = weakref.ref(ddp)
-        self.elastic: ElasticDDP | None = None
-        self.pending: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
-
-
-# id(ddp) -> its hook's state (a model gets the hook once: DDP allows one).
-_states: dict[int, _HookState] = {}
-
-
-def _plain_hook(state: _HookState,
-                bucket: dist.GradBucket,  # type: ignore[name-defined]
-                ) -> torch.futures.Future[torch.Tensor]:
-    """torch's ``allreduce_hook`` on DDP's group (what DDP does without a hook)."""
-    ddp = state.ddp()
-    group = ddp.process_group
-    tensor = bucket.buffer()
-    tensor.div_(group.size())
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-    work = group.allreduce([tensor], opts)
-    future: torch.futures.Future[torch.Tensor] = work.get_future().then(
-        lambda fut: fut.value()[0])
-    return future
-
-
-def _hook(state: _HookState,
-          bucket: dist.GradBucket,  # type: ignore[name-defined]
-          ) -> torch.futures.Future[torch.Tensor]:
-    """The comm hook: plain outside finish-mode Joins, else one unit per backward."""
-    elastic = state.elastic
-    if elastic is None:
-        return _plain_hook(state, bucket)
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    state.pending.append((bucket.buffer(), future))
-    if bucket.is_last():
-        pending, state.pending = state.pending, []
-        elastic.reduce(pending)
-    return future
+    """Whether ``ddp`` carries joinkit's comm hook (a Join registered it)."""
+    return _ddp_hook.installed(ddp) is not None
 
 
 class ElasticDDP:
@@ -191,14 +146,9 @@ class ElasticDDP:
         # How many ranks contributed to the latest gradient unit (a joined rank's
         # ZeRO steps in its shadow round only if some did: adapters._zero_elastic).
         self.last_count = 0.0
-        state = _states.get(id(ddp))
-        if state is None or state.ddp() is not ddp:
-            state = _HookState(ddp)
-            ddp.register_comm_hook(state, _hook)
-            _states[id(ddp)] = state
-            weakref.finalize(ddp, _states.pop, id(ddp), None)
-        state.pending = []
-        state.elastic = self
+        self.pending: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
+        state = _ddp_hook.install(ddp)
+        state.route = self
         self.state = state
         self.reducer = ddp.reducer
         self.deferred = not ddp._has_rebuilt_buckets
@@ -208,8 +158,9 @@ class ElasticDDP:
     def close(self) -> None:
         """The Join is over: give DDP back its reducer and check; follow a rebuilt group."""
         ddp = self.ddp
-        self.state.elastic = None
-        self.state.pending = []
+        if self.state.route is self:
+            self.state.route = None
+        self.pending = []
         if isinstance(ddp.__dict__.get("reducer"), _Reducer):
             ddp.reducer = self.reducer
         if ddp.__dict__.get("_check_global_requires_backward_grad_sync") == self.check:
@@ -239,6 +190,15 @@ class ElasticDDP:
         return pg
 
     # -- the gradient unit -----------------------------------------------------------
+
+    def hook(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """The comm hook's route: collect the backward's buckets; the last one sends the unit."""
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self.pending.append((bucket.buffer(), future))
+        if bucket.is_last():
+            pending, self.pending = self.pending, []
+            self.reduce(pending)
+        return future
 
     def reduce(self, pending: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]],
                ) -> None:
@@ -350,10 +310,19 @@ def c10d_group(group: Any, entry_process_group: Any) -> Any:
         and ``DeviceMesh.from_group(pg, "cpu")`` work on it.
     """
     backend = group.process_group
-    pg = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
+    pg: Any = dist.ProcessGroup(backend.rank(), backend.size())  # type: ignore[call-arg]
     gloo = dist.ProcessGroup.BackendType.GLOO
     pg._set_default_backend(gloo)
     pg._register_backend(torch.device("cpu"), gloo, backend)
+    # A name every survivor derives alike, and no other group has: a later Join's
+    # elastic group keeps its store keys under it (an unnamed group's were
+    # "default", shared with the group of the next rebuild: a second loss in a
+    # later Join then read the first one's keys).
+    try:
+        entry_name = str(entry_process_group.group_name)
+    except RuntimeError:  # an unnamed group
+        entry_name = "pg"
+    pg._set_group_name(f"{entry_name}.r{len(group.lost_ranks())}")
     c10d: Any = dist.distributed_c10d
     survivors = group.lost_ranks()[-1].survivors  # entry ranks, in new order
     c10d._world.pg_group_ranks[pg] = {

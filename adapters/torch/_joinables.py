@@ -72,6 +72,21 @@ collective per iteration instead of two, and nothing changes for
 ``divide_by_initial_world_size=False`` it reads the number of active ranks from
 the work's result, so it gets a work whose result is the heartbeat sum alone.
 
+*DDP carries the heartbeat in its gradients* (``adapters.torch._ddp_round``):
+where DDP is the Join's first joinable and no other joinable has collectives
+of its own, and the model allows it (``_ddp_round.refusal``: no comm hook of
+the user's, no ``find_unused_parameters``, no ``static_graph``, no buffers
+broadcast in forward, float32/float64 parameters, no replay, and not
+``Join(..., heartbeat_in_gradients=False)``), the Join's
+heartbeat rides in DDP's gradient all-reduce (``Join.heartbeat == "round"``):
+every bucket's all-reduce carries one more element through joinkit's comm
+hook (``_ddp_hook``), a forward sends nothing, and a joined rank's round is
+one backward's bucket all-reduces from zeros. The fused check above is then
+not used. Once a model has joinkit's hook (DDP keeps a hook for good), the
+hook does what DDP does without one outside such Joins, and inside a Join on
+another path with ``divide_by_initial_world_size=False`` it divides by the
+active ranks of this iteration's heartbeat, as the reducer would.
+
 *Shadow rounds are not heartbeats.* ZeroRedundancyOptimizer's main hook is a
 plain ``step()``, which notifies. In torch's Join, with the optimizer first,
 that joined rank's heartbeat contributes 1 to the count and the ranks deadlock.
@@ -140,7 +155,7 @@ from joinkit import (
 )
 from joinkit.lowlevel import AdapterCache, AdapterJoinable
 
-from . import _private
+from . import _ddp_hook, _ddp_round, _private
 
 __all__ = ["adapt", "TorchJoinable"]
 
@@ -242,6 +257,15 @@ class TorchJoinable(AdapterJoinable):
         # A DDP may carry the heartbeat (module doc); the Join reads this flag.
         self.join_fuses_heartbeat = self._is_ddp
         self._fused: _FusedCheck | None = None
+        # DDP whose gradient all-reduce carries the heartbeat (_ddp_round), and
+        # why it cannot where it cannot (read by the Join: join_heartbeat_in_round).
+        self._round: _ddp_round.RoundHeartbeat | None = None
+        self.round_refusal: str | None = "not a DistributedDataParallel model"
+        self.join_heartbeat_in_round = False
+        # A Join on another path, with joinkit's comm hook on the model and
+        # divide_by_initial_world_size=False: this iteration's heartbeat, whose
+        # count the hook divides by (module doc).
+        self._count_handle: Any = None
         self._sync_check: _SyncCheck | None = None
         self._watch: _BackwardWatch | None = None
         # DDP after the first joinable with divide_by_initial_world_size=False:
@@ -288,6 +312,13 @@ class TorchJoinable(AdapterJoinable):
 
     def join_left(self) -> None:
         _unroute(self)
+        if self._round is not None:
+            self._round.close()
+            self._round = None
+        hook_state = _ddp_hook.installed(self.obj) if self._is_ddp else None
+        if hook_state is not None:
+            hook_state.active = None
+        self._count_handle = None
         if self._fused is not None:
             self._fused.close()
             self._fused = None
@@ -311,16 +342,18 @@ class TorchJoinable(AdapterJoinable):
         if join.on_rank_loss == "finish":
             self._enter_elastic_ddp(join)
             return
-        elastic_module = sys.modules.get(f"{__package__}._ddp_elastic")
-        if (elastic_module is not None and not self._divide_by_initial_world_size
-                and elastic_module.has_hook(self.obj)):
-            raise ValueError(
-                "Join(..., divide_by_initial_world_size=False) with a DistributedDataParallel "
-                "model that was in a Join with on_rank_loss='finish' before: that Join "
-                "registered joinkit's comm hook on it (DDP allows one, for good), and a comm "
-                "hook cannot divide by the number of active ranks. Use "
-                "on_rank_loss='finish' again (it divides by the ranks that contributed), "
-                "or divide_by_initial_world_size=True")
+        if config.is_first_joinable and join.heartbeat == "round":
+            # The heartbeat rides in the gradient all-reduce (_ddp_round).
+            self._watch = None
+            self._heartbeat_work = None
+            self._round = _ddp_round.RoundHeartbeat(
+                self, self._divide_by_initial_world_size, getattr(backend, "wait", None))
+            return
+        hook_state = _ddp_hook.installed(self.obj)
+        if hook_state is not None and not self._divide_by_initial_world_size:
+            # joinkit's comm hook (from an earlier Join) divides instead of the
+            # reducer: by this iteration's heartbeat count (module doc).
+            hook_state.active = self._active_count
         counter: Callable[[], int | None] | None = None
         if hasattr(backend, "collectives_issued"):
             def counter() -> int | None:
@@ -384,6 +417,16 @@ class TorchJoinable(AdapterJoinable):
             raise LocalProtocolError("ZeroRedundancyOptimizer entered before its DDP model")
         self._elastic_zero = _zero_elastic.ElasticZeRO(self.obj, elastic_ddp)
 
+    def _active_count(self) -> float:
+        """The active ranks of this iteration's heartbeat (its work's result), or
+        the world size where this rank sent none (a joined rank's zeros)."""
+        handle = self._count_handle
+        if handle is None:
+            return float(self.obj.process_group.size())
+        handle.wait()
+        total = float(handle.get_future().value()[0].reshape(-1)[0])
+        return total if total >= 0.5 else 1.0
+
     # -- Joinable ------------------------------------------------------------------
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -414,6 +457,12 @@ class TorchJoinable(AdapterJoinable):
             shadow = _DDPShadow(self, hook)
             shadow.replay = replay_for(self, kwargs)
             self._replays = shadow.replay is not None
+            self.round_refusal = (
+                "Join(..., heartbeat_in_gradients=False)"
+                if not kwargs.get("heartbeat_in_gradients", True)
+                else _ddp_round.refusal(self.obj, self._replays))
+            # The Join reads it next: the heartbeat rides in the gradients.
+            self.join_heartbeat_in_round = self.round_refusal is None
             return shadow
         if _is_zero(self.obj):
             return _ZeROShadow(self, hook)
@@ -431,6 +480,10 @@ class TorchJoinable(AdapterJoinable):
             # stores None); compare equal to DDP's default group.
             return dist.distributed_c10d._get_default_group()
         return group
+
+    def join_round_open(self) -> bool | None:
+        """Whether this rank is midway through a gradient round (``_ddp_round``)."""
+        return None if self._round is None else self._round.round_open()
 
     # -- the heartbeat -------------------------------------------------------------
 
@@ -457,7 +510,10 @@ class TorchJoinable(AdapterJoinable):
         if self._replays and not torch.is_grad_enabled():
             raise _replay_eval_error()  # before anything goes out
         fused = self._fused
-        if self._elastic_ddp is not None:
+        if self._round is not None:
+            self._round.notify()  # counts the input; nothing is sent
+            handle = None
+        elif self._elastic_ddp is not None:
             self._elastic_ddp.settle()
             handle = Join.notify_join_context(self)
             if not isinstance(handle, dist.Work):
@@ -473,6 +529,7 @@ class TorchJoinable(AdapterJoinable):
                 handle = self._heartbeat_work.heartbeat_handle
             if not isinstance(handle, dist.Work):
                 handle = None  # DDP's reducer accepts nothing but a torch Work
+        self._count_handle = handle  # for joinkit's comm hook, where it divides (module doc)
         if not torch.is_grad_enabled():
             # A joined rank's hook rebuilds DDP's buckets whenever a rebuild is
             # due; DDP's forward does only with gradients on: here it does too.
@@ -490,6 +547,8 @@ class TorchJoinable(AdapterJoinable):
         """
         if self._watch is not None and _routes.get(self.key) is self:
             self._watch.settle()
+        if self._round is not None and _routes.get(self.key) is self:
+            self._round.settle()
         if self._elastic_ddp is not None and _routes.get(self.key) is self:
             self._elastic_ddp.settle()
 
@@ -609,6 +668,13 @@ class _DDPShadow(_Shadow):
             self.replay.close()
         elastic = self.adapter._elastic_ddp
         if elastic is None:
+            heartbeat_round = self.adapter._round
+            if heartbeat_round is not None:
+                # torch's final model comes from its last joiners, the ranks with
+                # the most inputs; a round heartbeat knows only who left after
+                # the last round (a rank that stepped alone under no_sync()
+                # since may differ): ask, with one small all-reduce.
+                is_last_joiner = heartbeat_round.most_inputs()
             super().post_hook(is_last_joiner)
             return
         # on_rank_loss="finish": torch's final-model sync as one unit of the group.
@@ -625,6 +691,9 @@ class _DDPShadow(_Shadow):
         ``check_agreement=False``) DDP's own check runs in the main hook as in
         torch, and this sends nothing.
         """
+        heartbeat_round = self.adapter._round
+        if heartbeat_round is not None:
+            return heartbeat_round.shadow_first(heartbeat)
         fused = self.adapter._fused
         if fused is None:
             return 0.0
@@ -632,6 +701,16 @@ class _DDPShadow(_Shadow):
 
     def main_hook(self) -> None:
         adapter = self.adapter
+        heartbeat_round = adapter._round
+        if heartbeat_round is not None:
+            # The rest of the gradient round (after the count, or the failing
+            # rank's own open round).
+            adapter._in_hook = True
+            try:
+                heartbeat_round.shadow_rest()
+            finally:
+                adapter._in_hook = False
+            return
         if self.replay is not None:
             adapter._in_hook = True
             try:

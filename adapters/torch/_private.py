@@ -161,6 +161,9 @@ ZERO_MEMBERS = (
        "finish mode: the rebuilt group is registered, so that ZeRO's broadcasts "
        "(dist.broadcast(group=...)) and dist.get_rank(group) map its ranks"),
     _m(_DIST, "_world", Need.EXISTS, "finish mode: the registry of process groups"),
+    _m(_C10D, "ProcessGroup._set_group_name", _CALL,
+       "finish mode: the rebuilt group's name, under which a later Join keeps its keys",
+       ("self", "name")),
 )
 
 #: Members of torch that a replay relies on (``adapters._replay``: FSDP2, DDP).

@@ -24,6 +24,19 @@ loop of collectives hangs when one rank has fewer batches. Under
   stream is a list of shards (tar files, say) and each shard is opened by
   exactly one reader, which yields its samples.
 
+*Checkpoints.* With ``batch_size=`` a ShardSampler also knows what every rank
+has consumed (``_progress``'s theory of operation): the loop's completed
+iterations, counted by the Join the sampler is iterated in
+(``Join.current()``, whose report gives this rank's iterations, its shadow
+rounds and the lost ranks' iterations), times the batch size, capped by each
+rank's share. ``state_dict`` turns that into the positions of the epoch's order
+not yet consumed, the same on every rank; ``load_state_dict`` makes them the
+next pass, divided over the new world. An iteration of the sampler is a
+*pass*; a new pass in the same epoch starts the epoch over (as
+DistributedSampler does), except after a resume and, with ``take_over=True``,
+after a pass in which ranks died: then it divides what is left over the
+survivors (``passes()`` loops over them).
+
 Rank and world size come from the arguments, or from a joinkit group, torch
 ``ProcessGroup`` or mpi4py communicator passed as ``group=`` (read through
 :func:`joinkit.backends.resolve`, so this works under ``mpirun`` without
@@ -38,8 +51,11 @@ does not import it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from typing import Any
+
+import attrs
+import numpy as np
 
 try:
     import torch
@@ -50,7 +66,9 @@ except ModuleNotFoundError as exc:  # pragma: no cover - the no-torch environmen
         f"({exc}). Please run: pip install 'joinkit[torch]'"
     ) from exc
 
-__all__ = ["ShardSampler", "ShardedIterable", "shard_size"]
+from . import _progress
+
+__all__ = ["ShardSampler", "ShardedIterable", "TakeOver", "shard_size"]
 
 
 def shard_size(length: int, num_replicas: int, rank: int) -> int:
@@ -125,6 +143,69 @@ def _rank_and_world(
     return num_replicas, rank
 
 
+@attrs.frozen(kw_only=True)
+class TakeOver:
+    """A rank lost in a pass whose unconsumed inputs the survivors took over.
+
+    Attributes:
+        rank: the lost rank (original numbering, as ``LostRank.rank``).
+        consumed: the dataset indices it consumed in that pass (those of its
+            completed iterations), in order.
+        moved: survivor (original rank) -> the dataset indices of the lost
+            rank's that it reads in the next pass of the epoch, in order.
+    """
+
+    rank: int
+    consumed: tuple[int, ...]
+    moved: Mapping[int, tuple[int, ...]]
+
+
+@attrs.define
+class _Tracker:
+    """How the current pass's consumption is counted: the Join it runs in."""
+
+    join: Any = None  # the joinkit Join the pass runs in, once known
+    mark: int = 0  # the Join's count of this rank's inputs when the pass began
+    losses_before: int = 0  # the Join's lost ranks before the pass began
+    # The Join's group numbers its lost ranks as it was built (LostRank.rank); the
+    # pass's members are the sampler's numbers: the group's live ranks at the
+    # pass's start, in order, are the members in order.
+    numbering: dict[int, int] | None = None
+    yielded: int = 0  # positions the iterator handed out (a DataLoader reads ahead)
+    # Whether anything asked the iterator for an index: a loader may make one and
+    # drop it unasked (torchdata's StatefulDataLoader makes two per epoch).
+    started: bool = False
+
+    def follow(self, join: Any, members: tuple[int, ...], report: Any = None) -> None:
+        """Count this pass with ``join`` (its counts so far are not the pass's when
+        ``report`` is given: the pass began now)."""
+        self.join = join
+        if report is not None:
+            self.mark, self.losses_before = report.inputs, len(report.lost_ranks)
+        backend = join.backend
+        earlier = getattr(backend, "lost_ranks", None)
+        lost = tuple(earlier()) if callable(earlier) else ()
+        live = sorted(lost[-1].survivors) if lost else list(range(int(backend.world_size)))
+        self.numbering = dict(zip(live, members, strict=True)) if len(live) == len(
+            members) else None
+
+    def lost(self, report: Any) -> dict[int, int]:
+        """The pass's lost members (the sampler's numbers) -> the iterations each completed.
+
+        Raises:
+            ValueError: the Join's group is not the sampler's world (another size).
+        """
+        found = report.lost_ranks[self.losses_before:]
+        if found and self.numbering is None:
+            raise ValueError(
+                "ShardSampler: a rank was lost in a Join whose group is not the sampler's "
+                "world (its live ranks differ in number from the sampler's); build the "
+                "sampler over the Join's group (group=...) or the same world")
+        numbering = self.numbering or {}
+        return {numbering[x.rank]: max(0, x.iterations - self.mark) for x in found
+                if x.rank in numbering}
+
+
 class ShardSampler(Sampler[int]):
     """DistributedSampler's order, minus the padding: each index exactly once.
 
@@ -136,6 +217,13 @@ class ShardSampler(Sampler[int]):
     without shuffling). Ranks below ``len(dataset) % W`` hold one index more
     than the others; a rank may hold none. Run the loop under ``joinkit.Join``
     so the ranks with fewer batches do not hang the others.
+
+    Checkpoints (``batch_size=`` given): :meth:`state_dict` says what every
+    rank has consumed, counted from the Join's iterations (one batch each),
+    and :meth:`load_state_dict` on any world size yields exactly the rest.
+    With ``take_over=True`` in ``Join(..., on_rank_loss="finish")`` a rank
+    that dies leaves its unconsumed inputs to the survivors: the epoch's
+    next pass (:meth:`passes`) gives them to them.
 
     Args:
         dataset: a map-style dataset (anything with ``len``).
@@ -149,11 +237,17 @@ class ShardSampler(Sampler[int]):
         group: instead of ``num_replicas``/``rank``, a joinkit group, a torch
             ``ProcessGroup`` or an mpi4py communicator to read them from
             (its rank in that group), e.g. ``MPI.COMM_WORLD`` under mpirun.
+        batch_size: the DataLoader's batch size: one batch per iteration of
+            the Join. Needed by :meth:`state_dict` and ``take_over``.
+        take_over: after a pass in which ranks died (``on_rank_loss="finish"``),
+            the epoch's next pass divides their unconsumed inputs over the
+            survivors.
 
     Raises:
         ValueError: ``drop_last=True``; a rank outside ``[0, num_replicas)``;
             ``num_replicas < 1``; ``group=`` together with ``num_replicas=``
-            or ``rank=``.
+            or ``rank=``; ``batch_size`` not a positive int; ``take_over``
+            without ``batch_size``.
         RuntimeError: ``num_replicas`` or ``rank`` missing while
             torch.distributed is not initialised and no group was given.
         TypeError: ``group`` is of a kind no joinkit backend handles.
@@ -169,6 +263,8 @@ class ShardSampler(Sampler[int]):
         drop_last: bool = False,
         *,
         group: Any = None,
+        batch_size: int | None = None,
+        take_over: bool = False,
     ) -> None:
         if drop_last:
             raise ValueError(
@@ -179,6 +275,14 @@ class ShardSampler(Sampler[int]):
                 "rank holds the same number use torch.utils.data.DistributedSampler("
                 "drop_last=True)"
             )
+        if batch_size is not None and (isinstance(batch_size, bool)
+                                       or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"ShardSampler(batch_size={batch_size!r}): pass the DataLoader's "
+                             "batch size, a positive int")
+        if take_over and batch_size is None:
+            raise ValueError(
+                "ShardSampler(take_over=True) needs batch_size= (the DataLoader's): it counts "
+                "a lost rank's consumed inputs as its completed iterations times the batch size")
         self.num_replicas, self.rank = _rank_and_world(
             num_replicas, rank, group, "ShardSampler"
         )
@@ -186,7 +290,16 @@ class ShardSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = False
+        self.batch_size = batch_size
+        self.take_over = bool(take_over)
         self.epoch = 0
+        self._pass = _progress.Pass(pending=_all(len(dataset)),
+                                    members=tuple(range(self.num_replicas)))
+        self._tracker: _Tracker | None = None  # set while a pass is (or was) iterated
+        self._take_overs: list[TakeOver] = []
+        # The loaded state's pass (pending, members, skip): a StatefulDataLoader
+        # restores its position in it (_resume_pass).
+        self._loaded: tuple[np.ndarray, tuple[int, ...], int] | None = None
 
     @property
     def total_size(self) -> int:
@@ -196,28 +309,378 @@ class ShardSampler(Sampler[int]):
     @property
     def num_samples(self) -> int:
         """The number of indices this rank iterates (``len(self)``)."""
-        return shard_size(len(self.dataset), self.num_replicas, self.rank)
+        return len(self)
+
+    @property
+    def world(self) -> tuple[int, ...]:
+        """The ranks the next (or current) pass is divided over, in their original
+        numbering: ``range(num_replicas)`` until a rank is lost in a Join with
+        ``on_rank_loss="finish"``, the survivors after."""
+        return self._upcoming()[0].members
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for ``epoch`` (call it before each epoch's loop, on every rank).
 
+        Setting the epoch the sampler is already in keeps what it consumed
+        (a sampler loaded from a state is in the state's epoch). After a rank
+        was lost, the new epoch is divided over the survivors.
+
         Args:
             epoch: the epoch number; the order is drawn from ``seed + epoch``.
         """
+        if epoch == self.epoch:
+            return
+        members = self._upcoming()[0].members
         self.epoch = epoch
+        self._pass = _progress.Pass(pending=_all(len(self.dataset)), members=members)
+        self._tracker = None
+        self._take_overs = []
+
+    def _order(self, epoch: int | None = None) -> np.ndarray:
+        n = len(self.dataset)
+        if not self.shuffle:
+            return np.arange(n, dtype=np.int64)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + (self.epoch if epoch is None else epoch))
+        return torch.randperm(n, generator=generator).numpy().astype(np.int64)
 
     def __iter__(self) -> Iterator[int]:
-        n = len(self.dataset)
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order: list[int] = torch.randperm(n, generator=generator).tolist()
-        else:
-            order = list(range(n))
-        return iter(order[self.rank :: self.num_replicas])
+        join = _current_join()
+        if self.take_over and (join is None or join.on_rank_loss != "finish"):
+            where = "outside any Join" if join is None else (
+                f"inside a Join with on_rank_loss={join.on_rank_loss!r}")
+            raise ValueError(
+                f"ShardSampler(take_over=True) is iterated {where}: survivors take over a "
+                "lost rank's inputs only in Join(..., on_rank_loss='finish') (docs/resume.md); "
+                "iterate the DataLoader inside such a Join, or drop take_over=True")
+        upcoming, take_overs = self._upcoming()
+        self._take_overs += take_overs
+        self._pass = upcoming
+        tracker = _Tracker()
+        if join is not None:
+            tracker.follow(join, upcoming.members, report=join.report)
+        self._tracker = tracker
+        order = self._order()
+        return _PassIterator(self, order[upcoming.share(self.rank)] if self.rank in
+                             upcoming.members else order[:0], tracker)
 
     def __len__(self) -> int:
-        return self.num_samples
+        upcoming = self._pass if self._tracker is not None else self._upcoming()[0]
+        if self.rank not in upcoming.members:
+            return 0
+        return len(upcoming.share(self.rank))
+
+    # -- progress -------------------------------------------------------------------------
+
+    def _count(self) -> tuple[int, dict[int, int]]:
+        """The current pass's completed rounds and its lost members' iterations."""
+        tracker = self._tracker
+        assert tracker is not None
+        join = tracker.join
+        if join is None:
+            join = _current_join()
+            if join is None:
+                if tracker.yielded == 0:
+                    return 0, {}
+                raise ValueError(
+                    "ShardSampler.state_dict() counts what the loop consumed from the Join's "
+                    "iterations, but this pass was iterated outside any joinkit Join: run the "
+                    "loop inside `with Join([...]):` (one batch per iteration) and call "
+                    "state_dict() in it, between iterations, or after it")
+            tracker.follow(join, self._pass.members)
+        report = join.report
+        if report is None:
+            raise ValueError("ShardSampler.state_dict(): the pass ran in a Join with "
+                             "enable=False, which counts nothing; use an enabled Join")
+        if join is _current_join() and report.outcome == "unfinished":
+            rounds = report.inputs - tracker.mark  # in the loop body: lockstep
+        elif report.outcome == "joined":
+            rounds = report.inputs + report.shadow_rounds - tracker.mark
+        else:
+            raise ValueError(
+                f"ShardSampler.state_dict(): the Join of this pass ended {report.outcome} "
+                f"({report.failure or 'a peer failed'}): what the ranks consumed is not known "
+                "alike on every rank; take the state from the last checkpoint before it")
+        return max(0, rounds), tracker.lost(report)
+
+    def _consumed(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(member -> positions consumed, lost member -> iterations) of the current pass."""
+        if self._tracker is None:
+            return {m: 0 for m in self._pass.members}, {}
+        rounds, lost = self._count()
+        lost = {r: n for r, n in lost.items() if r in self._pass.members}
+        if lost and self.batch_size is None:
+            raise ValueError("ShardSampler(batch_size=None) cannot count a lost rank's inputs: "
+                             "pass the DataLoader's batch_size= to the sampler")
+        return self._pass.consumed(self.batch_size or 1, rounds, lost), lost
+
+    def _lost(self) -> dict[int, int]:
+        """The current pass's members lost so far -> the iterations each completed in it."""
+        tracker = self._tracker
+        if tracker is None:
+            return {}
+        if tracker.join is None:
+            join = _current_join()
+            if join is None:
+                return {}
+            tracker.follow(join, self._pass.members)
+        report = tracker.join.report
+        if report is None:
+            return {}
+        return {r: n for r, n in tracker.lost(report).items() if r in self._pass.members}
+
+    def _upcoming(self) -> tuple[_progress.Pass, list[TakeOver]]:
+        """The pass the next ``__iter__`` starts, and the take-overs it carries out."""
+        if self._tracker is None or not self._tracker.started:
+            return self._pass, []  # never begun: the same pass again
+        lost = self._lost()
+        members = tuple(m for m in self._pass.members if m not in lost) or self._pass.members
+        if not (self.take_over and lost):
+            # A new pass of the epoch starts over (as DistributedSampler's would).
+            return _progress.Pass(pending=_all(len(self.dataset)), members=members), []
+        consumed, lost = self._consumed()
+        left = self._pass.left(consumed)
+        leftovers = self._pass.leftovers(consumed, sorted(lost))
+        if not any(len(v) for v in leftovers.values()):
+            return _progress.Pass(pending=_all(len(self.dataset)), members=members), []
+        upcoming = _progress.Pass(pending=left, members=members)
+        order = self._order()
+        moved = _progress.assign(left, members, leftovers)
+        take_overs = [
+            TakeOver(rank=rank,
+                     consumed=tuple(order[self._pass.share(rank)[:consumed[rank]]].tolist()),
+                     moved={m: tuple(order[p].tolist()) for m, p in moved[rank].items()})
+            for rank in sorted(leftovers) if len(leftovers[rank])]
+        return upcoming, take_overs
+
+    @property
+    def take_overs(self) -> tuple[TakeOver, ...]:
+        """This epoch's take-overs: each lost rank's consumed inputs and which
+        survivor reads each of the rest (including those of the pass just run,
+        before the next pass starts). The same on every rank."""
+        return tuple(self._take_overs) + tuple(self._upcoming()[1])
+
+    def passes(self) -> Iterator[int]:
+        """The passes of this epoch: loop over it around the Join (outside it).
+
+        Yields ``0``, then once more (``1``, ``2``, ...) after each pass in
+        which ranks died and ``take_over=True`` has inputs of theirs for the
+        survivors; the same on every rank::
+
+            for _ in sampler.passes():
+                with Join([model], on_rank_loss="finish"):
+                    for batch in loader:
+                        ...
+
+        Yields:
+            The number of the pass.
+        """
+        number = 0
+        yield number
+        while self._tracker is not None:
+            upcoming, take_overs = self._upcoming()
+            if not take_overs:
+                return
+            number += 1
+            yield number
+
+    def remaining(self) -> int:
+        """How many samples of this epoch are not consumed yet (all ranks; the same on
+        every rank, counted as :meth:`state_dict` counts)."""
+        if self._tracker is None:
+            return len(self._pass.pending)
+        consumed, _ = self._consumed()
+        return len(self._pass.left(consumed))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the epoch has consumed, on every rank alike (no collective).
+
+        Call it on every rank at the same point of the loop: between two
+        iterations inside the Join (after the optimizer's step, before the
+        next batch's forward), or outside it (after the Join, before
+        ``set_epoch``). Each iteration consumes one batch of ``batch_size``
+        on every rank still in its loop: the count is the Join's (this rank's
+        iterations, its shadow rounds after the Join, and the iterations each
+        lost rank completed), not what the DataLoader read ahead.
+
+        Returns:
+            A dict of plain values (ints, strings, lists): the format, the
+            dataset's length, ``shuffle``, ``seed``, ``epoch``, a digest of the
+            epoch's order, the unconsumed positions of that order as runs
+            (``remaining``), the world and what each of its ranks consumed.
+
+        Raises:
+            ValueError: no ``batch_size``; the pass was iterated outside any
+                Join; its Join ended with an error (the consumption is not
+                known alike on every rank).
+        """
+        if self.batch_size is None and self._tracker is not None and self._tracker.yielded:
+            raise ValueError(
+                "ShardSampler.state_dict() needs batch_size= (the DataLoader's): it counts "
+                "consumed inputs as the loop's iterations times the batch size; build the "
+                "sampler as ShardSampler(dataset, ..., batch_size=b)")
+        consumed, lost = self._consumed()
+        left = self._pass.left(consumed)
+        order = self._order()
+        return {
+            "format": _progress.STATE_FORMAT,
+            "version": _progress.STATE_VERSION,
+            "dataset_length": len(self.dataset),
+            "shuffle": bool(self.shuffle),
+            "seed": int(self.seed),
+            "epoch": int(self.epoch),
+            "order": _progress.order_digest(order),
+            "remaining": _progress.to_runs(left),
+            "world": list(self._pass.members),
+            "consumed": [[m, int(consumed[m])] for m in self._pass.members],
+            "lost": sorted(lost),
+            "batch_size": self.batch_size,
+            "pass": {"pending": _progress.to_runs(self._pass.pending),
+                     "skip": self._pass.skip},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`'s state, on any world size.
+
+        The next pass divides the state's unconsumed samples over this
+        sampler's ranks (``num_replicas``), as a fresh epoch would divide all
+        of them; the epoch becomes the state's.
+
+        Args:
+            state: a state from :meth:`state_dict` (of any rank: they are alike).
+
+        Raises:
+            ValueError: the state is not a ShardSampler's, or it is of a dataset
+                of another length, of another ``seed`` or ``shuffle``, or its
+                epoch's order differs from the one this sampler draws (another
+                generator or torch version): the message names the difference.
+        """
+        pending, loaded = self._check_state(state)
+        self.epoch = int(state["epoch"])
+        self._pass = _progress.Pass(pending=pending, members=tuple(range(self.num_replicas)))
+        self._tracker = None
+        self._take_overs = []
+        self._loaded = loaded
+
+    def _check_state(self, state: Mapping[str, Any]
+                     ) -> tuple[np.ndarray, tuple[np.ndarray, tuple[int, ...], int] | None]:
+        if not isinstance(state, Mapping) or state.get("format") != _progress.STATE_FORMAT:
+            got = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"ShardSampler.load_state_dict: not a ShardSampler state (format "
+                             f"{got!r}; expected {_progress.STATE_FORMAT!r})")
+        if state.get("version") != _progress.STATE_VERSION:
+            raise ValueError(f"ShardSampler.load_state_dict: state version "
+                             f"{state.get('version')!r}; this joinkit reads version "
+                             f"{_progress.STATE_VERSION}")
+        n = len(self.dataset)
+        differences = []
+        if state.get("dataset_length") != n:
+            differences.append(f"the dataset's length: {state.get('dataset_length')} in the "
+                               f"state, {n} here (a state of another dataset)")
+        if state.get("shuffle") != bool(self.shuffle):
+            differences.append(f"shuffle: {state.get('shuffle')} in the state, "
+                               f"{bool(self.shuffle)} here")
+        if state.get("seed") != self.seed:
+            differences.append(f"seed: {state.get('seed')} in the state, {self.seed} here")
+        epoch = state.get("epoch")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            differences.append(f"epoch: {epoch!r} is not an epoch number")
+        if differences:
+            raise ValueError("ShardSampler.load_state_dict: the state does not fit this "
+                             "sampler: " + "; ".join(differences) + ". Load it into a "
+                             "ShardSampler over the same dataset with the same seed and "
+                             "shuffle (any world size)")
+        order = self._order(epoch)
+        digest = _progress.order_digest(order)
+        if state.get("order") != digest:
+            raise ValueError(
+                f"ShardSampler.load_state_dict: the order of epoch {epoch} differs: the "
+                f"state's is {state.get('order')!r}, this sampler draws {digest!r} from seed "
+                f"{self.seed} + epoch {epoch} (torch.randperm of another torch version or "
+                "generator): resuming would not continue the same order")
+        pending = _progress.from_runs(state.get("remaining"), n)
+        loaded = None
+        current = state.get("pass")
+        world = state.get("world")
+        if isinstance(current, Mapping) and isinstance(world, list):
+            skip = current.get("skip", 0)
+            loaded = (_progress.from_runs(current.get("pending"), n),
+                      tuple(int(r) for r in world), int(skip))
+        return pending, loaded
+
+    def _resume_pass(self, iterator: _PassIterator, state: Mapping[str, Any]) -> None:
+        """A StatefulDataLoader restores its sampler iterator: the pass of its checkpoint.
+
+        Raises:
+            ValueError: the checkpoint is of another world (a StatefulDataLoader's
+                own state is per rank; another world size needs the sampler's
+                state_dict, which any world can load).
+        """
+        loaded = self._loaded
+        if loaded is None:
+            raise ValueError("ShardSampler: a pass position was restored without the sampler's "
+                             "state (StatefulDataLoader loads the sampler's state first)")
+        pending, members, skip = loaded
+        world = tuple(state.get("world", ()))
+        if members != tuple(range(self.num_replicas)) or world != members:
+            raise ValueError(
+                f"a StatefulDataLoader checkpoint of a ShardSampler resumes only on the world it "
+                f"was taken on (ranks {list(members)}); this sampler has num_replicas="
+                f"{self.num_replicas}. To resume on another world size, save "
+                "sampler.state_dict() (taken in the loop) beside the loader's and load that "
+                "into the sampler (docs/resume.md)")
+        yielded = int(state.get("yielded", 0))
+        batch = self.batch_size or 1
+        self._pass = _progress.Pass(pending=pending, members=members,
+                                    skip=skip + -(-yielded // batch))
+        share = self._pass.share(self.rank)
+        start = min(self._pass.skip * batch, len(share))
+        iterator._indices = self._order()[share[start:]].tolist()
+        iterator._tracker.yielded = 0
+
+
+class _PassIterator(Iterator[int]):
+    """One pass's indices for this rank; counts what it hands out.
+
+    Stateful for torchdata's StatefulDataLoader (``state_dict`` /
+    ``load_state_dict``): its own state is the pass's position, valid on the
+    world it was taken on only.
+    """
+
+    def __init__(self, sampler: ShardSampler, indices: np.ndarray, tracker: _Tracker) -> None:
+        self._sampler = sampler
+        self._indices = indices.tolist()
+        self._tracker = tracker
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        tracker = self._tracker
+        tracker.started = True
+        if tracker.yielded >= len(self._indices):
+            raise StopIteration
+        index = self._indices[tracker.yielded]
+        tracker.yielded += 1
+        return int(index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position in the pass (StatefulDataLoader's own checkpoints)."""
+        return {"yielded": self._tracker.yielded, "world": list(self._sampler._pass.members)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from a StatefulDataLoader's checkpoint, on the world it was taken on."""
+        self._sampler._resume_pass(self, state)
+
+
+def _all(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64)
+
+
+def _current_join() -> Any:
+    from joinkit import Join
+
+    return Join.current()
 
 
 class ShardedIterable(IterableDataset[Any]):

@@ -146,13 +146,20 @@ def _launch_findings(env: Mapping[str, str]) -> list[Finding]:
             "backends.init_torch() wraps that group, a subprocess builds its own world "
             "through that store",
         ))
-    if launcher == "torchrun":
+    if launcher == "torchrun" and env.get("JOINKIT_RUN") == "1":
+        out.append(Finding(
+            section="launch", name="rank loss",
+            value="python -m joinkit run: its agent keeps the survivors of a worker that "
+            "dies inside Join(on_rank_loss='finish') (docs/elastic-torch.md)",
+        ))
+    elif launcher == "torchrun":
         out.append(Finding(
             section="launch", name="rank loss", level="note",
             value="Join(on_rank_loss='finish') cannot keep the survivors here: "
-            "torchrun's agent kills every worker when one dies; launchers that keep "
-            "them: mpirun --with-ft ulfm (Open MPI 5), srun --no-kill (Slurm), or a "
-            "process of your own that hosts the store (docs/elastic-torch.md)",
+            "torchrun's agent kills every worker when one dies; launch with `python -m "
+            "joinkit run` (torchrun's arguments) instead, or mpirun --with-ft ulfm "
+            "(Open MPI 5), srun --no-kill (Slurm), or a process of your own that hosts "
+            "the store (docs/elastic-torch.md)",
         ))
     if launcher == "srun" and plan.backend == "mpi" and not any(
         key in env for key in ("PMI_SIZE", "PMIX_RANK", "PMI_RANK")

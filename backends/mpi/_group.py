@@ -311,6 +311,19 @@ class MPIGroup(ElasticGroup):
         root = self._checks.root(src, "src", "broadcast_object")
         return _objects.broadcast_object(self, obj, root)
 
+    def side_wire(self) -> Any:
+        """The side channel's wire: an ``MPIGroup`` over a duplicate of the communicator.
+
+        The ``Dup`` is collective: a ``joinkit.SideChannel`` asks on Join entry,
+        when every rank is there; it is made once per communicator and kept.
+        The channel's service thread calls MPI beside the main thread, which
+        needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
+
+        Returns:
+            A ``backends._side_wire.ArrayWire``.
+        """
+        return _side_wire_of(self.comm)
+
     def abort(self, message: str) -> None:
         """Abort every process of the communicator (``MPI_Abort``).
 
@@ -728,6 +741,10 @@ class _CommJoinBackend:
         self.post_beat = group.post_beat
         self.peer_board = group.peer_board
 
+    def side_wire(self) -> Any:
+        """The side channel's wire (``MPIGroup.side_wire``)."""
+        return _side_wire_of(self.group.comm)
+
     def start_rank_loss_recovery(self, config: Any) -> None:
         """Refuse: the joinable's own collectives bypass joinkit on a raw communicator.
 
@@ -753,6 +770,29 @@ def _check_device(device: Any) -> None:
             "collectives run on CPU buffers (joinkit does not assume a CUDA-aware "
             "MPI); return 'cpu' from join_device"
         )
+
+
+#: Each communicator's side channel wire (by its handle, with the communicator).
+_side_wires: dict[int, tuple[MPI.Comm, Any]] = {}
+
+
+def _side_wire_of(comm: MPI.Comm) -> Any:
+    """The side wire over a duplicate of ``comm``, made once (collective then)."""
+    key = comm.py2f()
+    known = _side_wires.get(key)
+    if known is not None and known[0] == comm:
+        return known[1]
+    problem = _board._thread_level_problem()
+    if problem is not None:
+        raise RuntimeError(
+            "a joinkit.SideChannel answers the active ranks' calls from a service thread, "
+            f"which needs MPI_THREAD_MULTIPLE: {problem}"
+        )
+    from .._side_wire import ArrayWire
+
+    wire = ArrayWire(MPIGroup(comm.Dup()))
+    _side_wires[key] = (comm, wire)
+    return wire
 
 
 def _backend_for_comm(comm: MPI.Comm, device: Any) -> _CommJoinBackend:

@@ -202,6 +202,8 @@ class _World:
         self.failed_at: float | None = None
         # What each rank's Join last said it was doing (backends._status).
         self.board = ThreadsBoard()
+        # The second world of the ranks' side channels (side()), made on first use.
+        self.side_world: _World | None = None
 
     # -- a rank's thread ---------------------------------------------------------
 
@@ -215,6 +217,9 @@ class _World:
             self.exit(rank, exc)
         else:
             self.rank_returned(rank, group._calls)
+            side = self.side_world
+            if side is not None:
+                side.rank_returned(rank, side.groups[rank]._calls)
             self.exit(rank, None)
 
     def exit(self, rank: int, exc: BaseException | None) -> None:
@@ -236,6 +241,20 @@ class _World:
                 self.failure = (rank, exc_type, message)
             for slot in self.slots.values():
                 _open(slot)
+            side = self.side_world
+        if side is not None:  # a rank's side channel waits end with its collectives'
+            side.abort(rank, exc_type, message)
+
+    def side(self, rank: int) -> ThreadGroup:
+        """Rank ``rank``'s group of the spawn's second world (its side channel)."""
+        with self.lock:
+            side = self.side_world
+            if side is None:
+                side = self.side_world = _World(self.size, self.timeout)
+                side.groups = [ThreadGroup(side, r) for r in range(self.size)]
+                if self.failure is not None:
+                    side.failure = self.failure
+        return side.groups[rank]
 
     def rank_returned(self, rank: int, calls: int) -> None:
         """Release the ranks waiting in a slot that ``rank`` will never reach."""
@@ -611,6 +630,7 @@ class ThreadGroup:
         self._calls = 0  # collective calls made so far
         self._last: tuple[int, str, _Site] | None = None  # (index, label, site)
         self._checks = Checks(rank, world.size)
+        self._side_wire: Any = None
 
     def __repr__(self) -> str:
         return f"ThreadGroup(rank={self.rank}, world_size={self.world_size})"
@@ -800,6 +820,22 @@ class ThreadGroup:
             ranks that posted one.
         """
         return self._world.board.entries(ranks)
+
+    def side_wire(self) -> Any:
+        """The side channel's wire: a group of the spawn's second world, same ranks.
+
+        Its collectives are matched (and checked) among themselves, never with
+        this group's (``joinkit.SideChannel``).
+
+        Returns:
+            A ``backends._side_wire.ArrayWire``, the same one on every call.
+        """
+        wire = self._side_wire
+        if wire is None:
+            from .._side_wire import ArrayWire
+
+            wire = self._side_wire = ArrayWire(self._world.side(self.rank))
+        return wire
 
     def abort(self, message: str) -> None:
         """Make the other ranks' pending and future collectives fail.

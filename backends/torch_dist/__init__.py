@@ -16,7 +16,9 @@ The room (each module's doc says more):
   settles its worker threads at exit (:func:`settle_at_exit`);
 - ``_elastic``: the group rebuilt over the survivors of a lost rank
   (``Join(on_rank_loss="finish")``);
-- ``_launcher``: what ``joinkit.backends.launch`` and the doctor need of torch.
+- ``_launcher``: what ``joinkit.backends.launch`` and the doctor need of torch;
+- ``_run``: ``python -m joinkit run``, torchrun's launcher with an agent that
+  keeps the survivors of a finish-mode worker's death (:func:`run_command`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ._launcher import (
 )
 
 __all__ = [
+    "run_command",
     "TorchGroup",
     "GroupAborted",
     "settle_at_exit",
@@ -48,3 +51,19 @@ __all__ = [
     "init_default_group",
     "destroy_default_group",
 ]
+
+
+def run_command(argv: list[str], prog: str = "python -m joinkit run") -> int:
+    """``python -m joinkit run``: torchrun with an agent that keeps the survivors.
+
+    Args:
+        argv: torchrun's arguments, then the training script and its arguments.
+        prog: the program name for the help and errors.
+
+    Returns:
+        The exit status: 0 when every worker, or after the loss of workers in
+        ``Join(..., on_rank_loss="finish")`` every survivor, exited 0.
+    """
+    from ._run import main  # torch.distributed.elastic: only for this command
+
+    return main(argv, prog)

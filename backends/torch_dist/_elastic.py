@@ -33,10 +33,12 @@ the group's timeout.
 *Membership.* On the failure key each survivor's watcher registers it as
 alive (``alive/R``, original ranks). The first rank to claim ``decider``
 waits until every expected member registered or is known gone (its process
-no longer runs), at most ``_GRACE`` s (a peer on another host cannot be seen
-gone), and posts ``members``. The others wait for it; if the decider dies
-first, a ``compare_set`` of ``"abandoned"`` settles the race and everyone
-moves to the next generation with the same expected members.
+no longer runs), at most ``_GRACE`` s for a peer it cannot see (on another
+host), and at most ``_ALIVE_GRACE`` s for one whose process runs on this host
+(alive, only slow to register on a loaded machine), and posts ``members``.
+The others wait for it; if the decider dies first, a ``compare_set`` of
+``"abandoned"`` settles the race and everyone moves to the next generation
+with the same expected members.
 
 *Rebuild.* Generation g+1 is a fresh ``ProcessGroupGloo`` over
 ``PrefixStore("joinkit/elastic/<group>/<g+1>/pg/", store)``, built in a helper
@@ -92,6 +94,9 @@ _PATIENCE = 1.0
 #: Seconds the decider waits for expected members that neither registered
 #: nor are known gone (another host) before it decides without them.
 _GRACE = 2.0
+#: Seconds the decider waits, at most, for an expected member on this host whose
+#: process still runs (alive, but slow to register on a loaded machine).
+_ALIVE_GRACE = 30.0
 #: How long a non-decider waits for the decision beyond ``_GRACE``.
 _DECISION_SLACK = 3.0
 #: How long the watcher's blocking wait for the failure key lasts before it
@@ -201,6 +206,7 @@ class Elastic:
             "JOINKIT_ELASTIC_GLOO_TIMEOUT", "60")))
         self._stop = threading.Event()
         self._post_process()
+        announce_finish_mode()
         self._watcher = threading.Thread(target=self._watch, name="joinkit-elastic",
                                          daemon=True)
         self._watcher.start()
@@ -229,6 +235,12 @@ class Elastic:
             except Exception:  # noqa: BLE001 - the store is gone: nothing known
                 continue
         return self.processes
+
+    def running_here(self, rank: int) -> bool:
+        """Whether ``rank``'s process runs on this host (so it is alive, if slow)."""
+        process = self._peer_processes().get(rank)
+        return (process is not None and process.get("host") == socket.gethostname()
+                and not _process_gone(process))
 
     def gone(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` whose process is known to be gone (same host)."""
@@ -453,12 +465,19 @@ class Elastic:
         claim = store.compare_set(self.key(generation, "decider"), "", str(me))
         if claim.decode() == str(me):
             deadline = time.monotonic() + _GRACE
+            cap = time.monotonic() + _ALIVE_GRACE
             while True:
                 alive = [r for r in expected
                          if store.check([self.key(generation, f"alive/{r}")])]
                 missing = [r for r in expected if r not in alive]
-                if not missing or len(self.gone(missing)) == len(missing) or (
-                        time.monotonic() >= deadline):
+                gone = self.gone(missing) if missing else []
+                if len(gone) == len(missing):
+                    break
+                now = time.monotonic()
+                # A member on this host whose process still runs is alive, only slow
+                # to register (a loaded machine): wait for it, up to the cap.
+                if now >= deadline and (now >= cap or not any(
+                        self.running_here(r) for r in missing if r not in gone)):
                     break
                 time.sleep(0.002)
             decided = store.compare_set(members_key, "", json.dumps(alive))
@@ -466,8 +485,11 @@ class Elastic:
             # Wait for the decision; give up early when the decider is gone.
             decider = int(claim.decode())
             deadline = time.monotonic() + _GRACE + _DECISION_SLACK
+            cap = time.monotonic() + _ALIVE_GRACE + _DECISION_SLACK
             next_look = time.monotonic() + 0.05
-            while not store.check([members_key]) and time.monotonic() < deadline:
+            while not store.check([members_key]) and (
+                    time.monotonic() < deadline
+                    or (time.monotonic() < cap and self.running_here(decider))):
                 time.sleep(0.002)
                 if time.monotonic() >= next_look:
                     next_look = time.monotonic() + 0.05
@@ -660,15 +682,41 @@ def _apply(buf: Any, result: Any) -> Any:
 
 
 def torchrun_warning() -> str | None:
-    """The warning for ``on_rank_loss="finish"`` under torchrun, or ``None`` elsewhere."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    """The warning for ``on_rank_loss="finish"`` under torchrun, or ``None`` elsewhere
+    (and under ``python -m joinkit run``, whose agent keeps the survivors)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get(RUN_ENV) == "1":
         return None
     return (
         "joinkit: Join(on_rank_loss='finish') under torchrun: torchrun's agent kills "
         "every worker when one dies, so the survivors will not get to finish; launch "
-        f"with a launcher that keeps the survivors ({KEEPING_LAUNCHERS}) or a process "
+        f"with `python -m joinkit run` (torchrun's arguments; its agent keeps them) or "
+        f"another launcher that keeps the survivors ({KEEPING_LAUNCHERS}), or a process "
         "of your own that hosts the store (docs/elastic-torch.md)"
     )
+
+
+#: Set by ``python -m joinkit run``'s agent in its workers' environment (``_run``),
+#: with the folder where a worker says it entered a finish-mode Join.
+RUN_ENV = "JOINKIT_RUN"
+RUN_DIR_ENV = "JOINKIT_RUN_DIR"
+
+
+def announce_finish_mode() -> None:
+    """Tell ``python -m joinkit run``'s agent that this worker's death is a loss to
+    finish without (``finish-<RANK>`` in its folder); nothing elsewhere."""
+    folder = os.environ.get(RUN_DIR_ENV)
+    if not folder or os.environ.get(RUN_ENV) != "1":
+        return
+    rank = os.environ.get("RANK")
+    if rank is None:
+        return
+    try:
+        with open(os.path.join(folder, f"finish-{int(rank)}"), "a"):
+            pass
+    except (OSError, ValueError):
+        warnings.warn(f"joinkit: could not tell joinkit run's agent (folder {folder}) that "
+                      "this worker finishes after a loss: its death would stop the job",
+                      RuntimeWarning, stacklevel=2)
 
 
 def warn_torchrun() -> None:

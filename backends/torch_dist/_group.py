@@ -655,6 +655,36 @@ class TorchGroup:
         except (RuntimeError, NotImplementedError):
             pass  # gloo: peers learn of it from the store (module doc)
 
+    def side_wire(self) -> Any:
+        """The side channel's wire: a second process group over this group's ranks.
+
+        Made once per process group (``dist.new_group``, which every rank of the
+        group calls: a ``joinkit.SideChannel`` asks on Join entry) and kept; its
+        waits end when a rank aborts this group (they read this group's abort).
+
+        Returns:
+            A ``backends._side_wire.ArrayWire`` over a ``TorchGroup`` of the new group.
+        """
+        group = self.process_group
+        known = _side_wires.get(id(group))
+        if known is not None and known[0] is group:
+            return known[1]
+        from .._side_wire import ArrayWire
+
+        ranks = dist.get_process_group_ranks(group)
+        whole = len(ranks) == dist.get_world_size()
+        # A subgroup's ranks alone can make it (local synchronization); the whole
+        # world's is made by every rank, under a name of its own.
+        side_pg = dist.new_group(ranks=None if whole else ranks,
+                                 backend=dist.get_backend(group),
+                                 use_local_synchronization=not whole,
+                                 group_desc="joinkit side channel")
+        side = TorchGroup(side_pg, self.device)
+        side._store_prefix = self._store_prefix  # an abort of this group ends its waits
+        wire = ArrayWire(side)
+        _side_wires[id(group)] = (group, wire)
+        return wire
+
     def post_status(self, what: str) -> None:
         """Record what this rank's Join is doing, for its peers' stall diagnostics.
 
@@ -1212,6 +1242,10 @@ def _live_group(process_group: Any) -> Any:
 #: ``start_rank_loss_recovery`` then lets the raw group's TorchGroup recover.
 #: The value: the ``store_outlives_ranks`` the Join was given (``None``: guess).
 elastic_raw_groups: dict[int, bool | None] = {}
+
+#: The side channel wire of each process group (by id, with the group, so a
+#: reused id is not mistaken for it): ``TorchGroup.side_wire``.
+_side_wires: dict[int, tuple[Any, Any]] = {}
 
 
 def _backend_for_process_group(group: Any, device: Any) -> TorchGroup:

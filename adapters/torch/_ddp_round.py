@@ -1,0 +1,393 @@
+"""DDP's heartbeat in its gradient all-reduce: no collective of joinkit's own per iteration.
+
+Theory of operation
+-------------------
+With join enabled, torch's DDP sends two 1-element all-reduces per forward
+besides its gradients (the heartbeat and its gradient-sync check); the fused
+check (``_joinables._FusedCheck``) makes them one. Here they are none: the
+heartbeat rides in DDP's gradient all-reduce, one more element in every
+bucket, which the core calls a *round heartbeat* (``joinkit._machine``'s module
+doc). A *round* is one backward's bucket all-reduces, in bucket order.
+
+- *Active rank, per forward* (:meth:`RoundHeartbeat.notify`): the Join counts
+  the input (``Join.fused_heartbeat``, which raises ``PeerAborted`` if the
+  latest round showed a failed peer) and nothing is sent; DDP's
+  gradient-sync check is replaced, while the Join lasts, by one that sends
+  nothing (:meth:`RoundHeartbeat.check`). Under ``no_sync()`` or without a
+  backward, no round goes out; the next backward that syncs is the next round.
+- *Active rank, per bucket* (:meth:`RoundHeartbeat.hook`, the route of joinkit's
+  comm hook, ``_ddp_hook``): the bucket is multiplied by ``1 / world size``
+  (``divide_by_initial_world_size=True``, as DDP's reducer does) and sent in
+  one all-reduce with one more element holding the heartbeat value
+  (:class:`_Slot`: on the CPU a copy into a buffer one element longer, which
+  costs two passes over the bucket and no allocation; on CUDA a coalesced
+  all-reduce of the bucket and a 1-element tensor, one NCCL group and no
+  copy of the gradients). The element's sum is the
+  number of active ranks in this round (failed ranks' weights aside, which
+  ``decode_tally`` reads): the next forward hands the latest bucket's sum to
+  the Join's failure check (``Join.record_heartbeat_total``), and with
+  ``divide_by_initial_world_size=False`` each bucket is divided by its own
+  sum, so its divisor comes from its own all-reduce, before it is used. The
+  future DDP gets back does nothing else (its error, if any, reaches DDP).
+- *Joined rank, per round* (the hook's :meth:`RoundHeartbeat.shadow_first`, the
+  Join's count, then :meth:`RoundHeartbeat.shadow_rest`, its main hook): what
+  torch's join hook does, less what this path rules out (buffers, unused
+  parameters): the bucket rebuild if due (a broadcast, once, after the first
+  backward, at the same place as an active rank's next forward), the same
+  all-reduces from zeros with the drain's value, and the rebuilt
+  parameters pushed. The first bucket's sum is the count: nobody active
+  means every rank has joined and issued the same first bucket, and they all
+  stop there.
+- *A rank failing midway through a round* (a bucket's all-reduce out, not the
+  last): :meth:`RoundHeartbeat.round_open` says so; its completion round
+  (:meth:`RoundHeartbeat.shadow_rest`) sends the rest from zeros.
+- *The post hook*: DDP syncs the final model from the highest of its last
+  joiners; torch's are the ranks with the most inputs, while a round
+  heartbeat's ``is_last_joiner`` holds for every rank that left after the last
+  round (the same model unless a rank stepped on its own gradients under
+  ``no_sync()`` since). One MAX all-reduce of the inputs per Join
+  (:meth:`RoundHeartbeat.most_inputs`) gives DDP torch's.
+- *A forward with gradients and no backward* told no joined rank anything
+  here, but the Join's rules are the same on every path: before this rank's
+  next forward (or as it leaves its loop) :meth:`RoundHeartbeat.settle` finds
+  that no bucket went out since and raises ``LocalProtocolError``; the rank's
+  drain then matches the joined ranks' round.
+
+Where this path cannot be used (:func:`refusal`) the Join takes the
+one-collective path: a CUDA model (for now: ``ON_CUDA``), a comm hook of the
+user's, ``find_unused_parameters`` (its extra all-reduce of the used-parameter
+map), ``static_graph``, buffers broadcast in forward (their source rank is
+agreed by a collective in each forward, before anything of the round is
+known), ``mixed_precision``, a model shadowed by replay (collectives in
+forward), parameters that are not float32 or float64, and sparse gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from joinkit import Join, LocalProtocolError
+from joinkit.lowlevel import ALARM, NOBODY_ACTIVE_BELOW
+
+from . import _ddp_hook
+
+__all__ = ["RoundHeartbeat", "refusal"]
+
+_SUM: Any = dist.ReduceOp.SUM
+_MAX: Any = dist.ReduceOp.MAX
+_FLOATS = (torch.float32, torch.float64)
+#: Whether a CUDA model may take this path. Its CUDA branch (:class:`_Slot`'s
+#: coalesced all-reduce) is written but has not run on a GPU yet, so CUDA
+#: models keep the one-collective path; ``tests/test_ddp_round.py``'s nccl test
+#: turns it on where two GPUs exist.
+ON_CUDA = False
+
+
+def refusal(ddp: Any, replays: bool) -> str | None:
+    """Why ``ddp``'s gradient all-reduce cannot carry the heartbeat, or ``None``.
+
+    Args:
+        ddp: the DistributedDataParallel model.
+        replays: whether joined ranks shadow it by replaying its forward.
+
+    Returns:
+        What rules the path out (the Join then sends one collective per
+        iteration), or ``None`` when the heartbeat can ride in the gradients.
+    """
+    hook = _ddp_hook.foreign_hook(ddp)
+    if hook is not None:
+        return f"it has a comm hook of its own ({hook})"
+    if ddp.find_unused_parameters:
+        return "find_unused_parameters=True"
+    if getattr(ddp, "static_graph", False):
+        return "static_graph=True"
+    if ddp.forward_sync_buffers and len(getattr(ddp, "modules_buffers", [])) > 0:
+        return "its buffers are broadcast in forward (broadcast_buffers=True)"
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return "mixed_precision"
+    if replays:
+        return "joined ranks replay its forward (collectives in forward)"
+    if torch.device(ddp.join_device).type != "cpu" and not ON_CUDA:
+        return "a CUDA model (this path has run on gloo and the CPU only so far)"
+    if getattr(ddp, "_use_python_reducer", False) or getattr(
+            ddp, "_delay_all_reduce_all_params", False):
+        return "it runs without DDP's C++ reducer"
+    dtypes = {p.dtype for p in ddp.parameters() if p.requires_grad}
+    if not dtypes <= set(_FLOATS):
+        return f"parameters of dtype {', '.join(sorted(map(str, dtypes - set(_FLOATS))))}"
+    for module in ddp.module.modules():
+        if getattr(module, "sparse", False) is True:
+            return f"sparse gradients ({type(module).__name__})"
+    return None
+
+
+def _plain_wait(work: Any) -> Any:
+    return work.wait()
+
+
+class _Slot:
+    """One bucket's all-reduce with its heartbeat element (module doc).
+
+    On the CPU the bucket is copied into a buffer one element longer (the
+    copy also multiplies by ``1 / world size`` where that is the divisor), whose
+    last element is the heartbeat, read and written through a NumPy view; one
+    all-reduce sends it, and the result is copied back (divided by the count
+    where that is the divisor). On CUDA (no copy of the gradients, no host
+    read) the bucket and a 1-element heartbeat go in one coalesced all-reduce.
+    """
+
+    __slots__ = ("elements", "dtype", "wide", "head", "view", "beat", "zeros")
+
+    def __init__(self, elements: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.elements = elements
+        self.dtype = dtype
+        self.wide: torch.Tensor | None = None
+        self.head: torch.Tensor | None = None
+        self.view: Any = None
+        self.zeros: torch.Tensor | None = None
+        if device.type == "cpu":
+            self.wide = torch.empty(elements + 1, dtype=dtype)
+            self.head = self.wide[:elements]
+            self.view = self.wide.numpy()
+            self.beat = self.wide[elements:]
+        else:
+            self.beat = torch.zeros(1, dtype=dtype, device=device)
+
+    def total(self) -> float:
+        """The heartbeat's sum, once the all-reduce completed."""
+        if self.view is not None:
+            return float(self.view[self.elements])
+        return float(self.beat.item())
+
+
+class RoundHeartbeat:
+    """One DDP model in one Join whose heartbeat rides in its gradients (module doc).
+
+    Args:
+        adapter: the model's joinable (the Join's first).
+        divide_by_initial_world_size: the Join's argument.
+        wait: how to wait for a joined rank's all-reduce (the Join backend's,
+            so that a peer's abort ends it), else ``work.wait()``.
+    """
+
+    def __init__(self, adapter: Any, divide_by_initial_world_size: bool,
+                 wait: Callable[[Any], Any] | None = None) -> None:
+        ddp = adapter.obj
+        self.adapter = adapter
+        self.ddp = ddp
+        group = ddp.process_group
+        self.allreduce = group.allreduce
+        self.opts = dist.AllreduceOptions()
+        self.opts.reduceOp = _SUM
+        self.allreduce_coalesced = group.allreduce_coalesced
+        self.coalesced_opts = dist.AllreduceCoalescedOptions()
+        self.coalesced_opts.reduceOp = _SUM
+        self.world = group.size()
+        # divide_by_initial_world_size: each gradient times 1 / world before
+        # the sum, as DDP's reducer does; else divided by the round's count.
+        self.scale: float | None = 1.0 / self.world if divide_by_initial_world_size else None
+        self.wait: Callable[[Any], Any] = wait or _plain_wait
+        self.value = 1.0  # this rank's heartbeat for its next round (Join.fused_heartbeat's)
+        self.slots: dict[int, _Slot] = {}  # per bucket index
+        # The open round: how many of its buckets went out (0: none open).
+        self.sent = 0
+        self.issued = 0  # buckets sent in this rank's own rounds (the no-backward check)
+        self.inputs = 0  # this rank's forwards in the Join (its notifies)
+        self.latest: _Slot | None = None  # the latest bucket sent (CPU: its sum is read)
+        self.expect: int | None = None  # ``issued`` after a forward that announced a backward
+        # Joined rank: the bucket layout (index, elements, dtype, device), per rebuild.
+        self.layout: list[tuple[int, int, torch.dtype, torch.device]] | None = None
+        self.layout_rebuilt = False
+        self.owed: list[tuple[int, int, torch.dtype, torch.device]] = []
+        self.state = _ddp_hook.install(ddp)
+        self.state.route = self
+        ddp._check_global_requires_backward_grad_sync = self.check
+
+    def close(self) -> None:
+        """The Join is over: the hook goes back to DDP's own way; DDP gets its check back."""
+        if self.state.route is self:
+            self.state.route = None
+        if self.ddp.__dict__.get("_check_global_requires_backward_grad_sync") == self.check:
+            del self.ddp.__dict__["_check_global_requires_backward_grad_sync"]
+        self.slots = {}
+
+    # -- active rank ----------------------------------------------------------------
+
+    def notify(self) -> None:
+        """An active rank's forward: count the input; nothing is sent.
+
+        Raises:
+            LocalProtocolError: the previous forward announced a backward that
+                never came (:meth:`settle`).
+            PeerAborted: the latest round showed a failed peer.
+        """
+        self.settle()
+        latest = self.latest
+        if latest is not None and latest.view is not None:
+            # The latest round's sum (it completed in that backward): the Join's
+            # failure check (a peer's alarm) at its fused heartbeat, next.
+            Join.record_heartbeat_total(self.adapter, float(latest.view[latest.elements]))
+        self.value = Join.fused_heartbeat(self.adapter)
+        self.inputs += 1
+        ddp = self.ddp
+        if ddp.require_backward_grad_sync and torch.is_grad_enabled():
+            self.expect = self.issued
+
+    def check(self, is_joined_rank: bool) -> bool | None:
+        """DDP's ``_check_global_requires_backward_grad_sync``: nothing to send."""
+        return True if is_joined_rank else None
+
+    def hook(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """The comm hook's route: this bucket and the heartbeat, in one all-reduce."""
+        buffer: torch.Tensor = bucket.buffer()
+        slot = self._slot(bucket.index(), buffer.numel(), buffer.dtype, buffer.device)
+        work = self._send(slot, buffer)
+        self.issued += 1
+        self.sent = 0 if bucket.is_last() else self.sent + 1
+        self.latest = slot
+        head, view, beat, elements = slot.head, slot.view, slot.beat, slot.elements
+        if head is not None:  # CPU: the result is in the wide buffer
+            if self.scale is not None:
+                def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+                    fut.value()  # raises the all-reduce's error, if any
+                    buffer.copy_(head)
+                    return buffer
+            else:
+                def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+                    fut.value()
+                    total = float(view[elements])  # this bucket's own count
+                    active = round(total) if NOBODY_ACTIVE_BELOW <= total < ALARM else 1
+                    torch.div(head, active, out=buffer)
+                    return buffer
+        elif self.scale is not None:
+            def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+                fut.value()
+                return buffer
+        else:  # CUDA: no host read; the count divides on the device
+            def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+                fut.value()
+                buffer.div_(beat.clamp(min=1.0))
+                return buffer
+
+        future: torch.futures.Future[torch.Tensor] = work.get_future().then(finish)
+        return future
+
+    def _send(self, slot: _Slot, buffer: torch.Tensor | None) -> Any:
+        """Start the all-reduce of ``buffer`` (``None``: zeros) and ``self.value``."""
+        scale = self.scale
+        head = slot.head
+        if head is not None:
+            if buffer is None:
+                head.zero_()
+            elif scale is not None:
+                torch.mul(buffer, scale, out=head)
+            else:
+                head.copy_(buffer)
+            slot.view[slot.elements] = self.value
+            return self.allreduce([slot.wide], self.opts)
+        if buffer is None:
+            if slot.zeros is None:
+                slot.zeros = torch.zeros(slot.elements, dtype=slot.dtype,
+                                         device=slot.beat.device)
+            else:
+                slot.zeros.zero_()
+            buffer = slot.zeros
+        elif scale is not None:
+            buffer.mul_(scale)
+        slot.beat.fill_(self.value)
+        return self.allreduce_coalesced([buffer, slot.beat], self.coalesced_opts)
+
+    def _slot(self, index: int, elements: int, dtype: torch.dtype,
+              device: torch.device) -> _Slot:
+        slot = self.slots.get(index)
+        if slot is None or slot.elements != elements or slot.dtype != dtype:
+            slot = self.slots[index] = _Slot(elements, dtype, device)
+        return slot
+
+    def settle(self) -> None:
+        """Before this rank's next forward: refuse a forward that got no backward.
+
+        Raises:
+            LocalProtocolError: the last forward had gradients enabled and
+                ``require_backward_grad_sync``, and no bucket went out since.
+        """
+        expect = self.expect
+        if expect is None:
+            return
+        self.expect = None
+        if self.issued != expect:
+            return  # its backward's buckets went out
+        ddp = self.ddp
+        if not ddp._has_rebuilt_buckets:
+            # The reducer still waits for that backward: its drain's bucket
+            # rebuild (when due) needs it to stop waiting.
+            ddp.reducer._reset_state()
+        raise LocalProtocolError(
+            "DistributedDataParallel ran a forward with gradients enabled and no backward "
+            "after it (e.g. evaluation in model.eval() without torch.no_grad()): inside a "
+            "Join, every forward with gradients must be followed by a backward (joined "
+            "ranks shadow its gradient all-reduce). Run forward-only iterations under "
+            "`with torch.no_grad():` (or torch.inference_mode(), or model.no_sync()), and "
+            "follow every other forward by a backward."
+        )
+
+    def round_open(self) -> bool:
+        """Whether this rank is midway through a round (some buckets out, not all)."""
+        return self.sent > 0
+
+    def most_inputs(self) -> bool:
+        """Whether no rank had more inputs than this one (torch's last joiners).
+
+        One MAX all-reduce of the input counts, for DDP's post hook: torch
+        syncs the final model from the highest of the ranks with the most
+        inputs, while a round heartbeat's ``is_last_joiner`` holds for every
+        rank that left after the last round.
+        """
+        mine = torch.tensor([self.inputs], dtype=torch.int64, device=self.ddp.join_device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _MAX
+        self.wait(self.ddp.process_group.allreduce([mine], opts))
+        return int(mine.item()) == self.inputs
+
+    # -- joined rank ----------------------------------------------------------------
+
+    def shadow_first(self, heartbeat: float) -> float:
+        """A joined rank's count: the round's first bucket from zeros; its heartbeat sum."""
+        ddp = self.ddp
+        if not ddp._has_rebuilt_buckets and ddp.reducer._rebuild_buckets():
+            ddp._has_rebuilt_buckets = True  # as DDP's forward would, at the same place
+        layout = self._layout()
+        self.value = heartbeat
+        self.owed = layout[1:]
+        return self._shadow(layout[0])
+
+    def shadow_rest(self) -> None:
+        """The rest of the round: after a count, or a failing rank's open round."""
+        owed = self.owed
+        if self.sent:
+            owed = self._layout()[self.sent:]
+            self.sent = 0
+        self.owed = []
+        for bucket in owed:
+            self._shadow(bucket)
+        self.ddp.reducer._push_all_rebuilt_params()  # torch's hook does, once due
+
+    def _shadow(self, bucket: tuple[int, int, torch.dtype, torch.device]) -> float:
+        """One bucket's all-reduce from zeros, waited for; its heartbeat sum."""
+        slot = self._slot(*bucket)
+        self.wait(self._send(slot, None))
+        return slot.total()
+
+    def _layout(self) -> list[tuple[int, int, torch.dtype, torch.device]]:
+        """The reducer's buckets (index, elements, dtype, device), read once per rebuild."""
+        rebuilt = bool(self.ddp._has_rebuilt_buckets)
+        if self.layout is None or self.layout_rebuilt != rebuilt:
+            buckets = self.ddp.reducer._get_zeros_like_grad_buckets()
+            self.layout = [(b.index(), b.buffer().numel(), b.buffer().dtype, b.buffer().device)
+                           for b in buckets]
+            self.layout_rebuilt = rebuilt
+        return self.layout

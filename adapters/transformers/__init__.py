@@ -1,0 +1,191 @@
+"""Hugging Face ``Trainer`` (and TRL's trainers) with uneven per-rank data, exact, in one line.
+
+Example::
+
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, ...)
+    uneven_inputs(trainer)      # on every rank, before train()
+    trainer.train()
+
+After :func:`uneven_inputs`, ``trainer.train()``, ``evaluate()`` and
+``predict()`` take ranks with different amounts of data (a map-style dataset's
+exact shards, or each rank's own ``IterableDataset`` stream, packed sequences
+of different counts, a rank with none) and give what a single process would:
+every sample once per epoch, each optimizer step the step of the ranks that
+still have data, the logged loss their mean, evaluation over every sample
+exactly once. ``_session`` says how; docs/transformers.md what is supported.
+
+Tested with transformers 5.24, accelerate 1.15 and TRL 1.16
+(``pip install 'joinkit[transformers]'``); every Trainer internal used is
+checked first (``_private``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["uneven_inputs", "UnsupportedTransformersError"]
+
+from ._private import UnsupportedTransformersError
+
+#: Where DeepSpeed under the Trainer is being built (another joinkit integration).
+DEEPSPEED_PATH = "joinkit.adapters.deepspeed"
+
+
+def _imports() -> tuple[Any, Any]:
+    try:
+        import transformers
+        from accelerate.utils import DistributedType  # type: ignore[import-untyped]
+    except ModuleNotFoundError as error:
+        if error.name is not None and error.name.split(".")[0] not in ("transformers",
+                                                                        "accelerate"):
+            raise
+        raise ModuleNotFoundError(
+            "Could not find transformers/accelerate: joinkit.adapters.transformers needs "
+            "them. Please run `pip install 'joinkit[transformers]'`",
+            name=error.name,
+        ) from error
+    return transformers, DistributedType
+
+
+def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
+    """Make ``trainer.train()`` (and its evaluation) exact with uneven data on the ranks.
+
+    Call it on every rank, after building the trainer and before ``train()``.
+    Nothing is sent: every check below runs on each rank alone, so a refusal
+    raises on every rank before any collective.
+
+    Args:
+        trainer: a ``transformers.Trainer`` or a subclass (TRL's ``SFTTrainer``...),
+            under DDP (``torchrun``, ``accelerate launch``), CPU or GPU.
+        timeout: the Joins' watchdog (``joinkit.Join(timeout=...)``); ``None``
+            keeps joinkit's default.
+
+    Returns:
+        ``trainer`` (in a world of one process, untouched).
+
+    Raises:
+        TypeError: ``trainer`` is not a ``transformers.Trainer``.
+        RuntimeError: the trainer is training already; or the launcher started
+            several processes and Accelerate sees one.
+        NotImplementedError: DeepSpeed (see :data:`DEEPSPEED_PATH`), FSDP,
+            DataParallel, tensor, context or sequence parallelism.
+        ValueError: a setting this adapter does not handle (the message says
+            which, and what to use instead).
+        UnsupportedTransformersError: this transformers/Accelerate changed an
+            internal the adapter relies on.
+        ModuleNotFoundError: transformers or Accelerate is not installed.
+    """
+    transformers, distributed_type = _imports()
+    if not isinstance(trainer, transformers.Trainer):
+        raise TypeError(
+            "uneven_inputs(trainer) takes a transformers.Trainer (or a subclass such as TRL's "
+            f"SFTTrainer), not {type(trainer).__qualname__}"
+        )
+    from . import _private
+
+    _private.check("Trainer")
+    _private.check("Accelerator")
+    if getattr(trainer, "_joinkit_session", None) is not None:
+        return trainer
+    if trainer.is_in_train:
+        raise RuntimeError(
+            "uneven_inputs(trainer) was called while the trainer is training: call it on every "
+            "rank before trainer.train()"
+        )
+    _refuse(trainer, distributed_type)
+    accelerator = trainer.accelerator
+    launched = _launched()
+    if accelerator.num_processes == 1:
+        if launched is not None and launched > 1:
+            raise RuntimeError(
+                f"Accelerate sees one process but the launcher started {launched} "
+                f"(WORLD_SIZE={launched}): every process would train alone. On a machine "
+                "without GPUs pass TrainingArguments(use_cpu=True) under torchrun, or "
+                "`accelerate launch --cpu`"
+            )
+        return trainer  # nothing to join
+    if accelerator.distributed_type not in (distributed_type.MULTI_CPU,
+                                            distributed_type.MULTI_GPU):
+        raise NotImplementedError(
+            f"uneven_inputs handles DDP (Accelerate's MULTI_CPU and MULTI_GPU), not "
+            f"{accelerator.distributed_type}"
+        )
+    from ._session import Session
+
+    session = Session(trainer, {} if timeout is None else {"timeout": timeout})
+    session.install()
+    trainer._joinkit_session = session
+    return trainer
+
+
+def _refuse(trainer: Any, distributed_type: Any) -> None:
+    """Raise for a configuration the adapter does not handle (local checks only)."""
+    args = trainer.args
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None):
+        raise NotImplementedError(
+            "uneven_inputs does not handle the Trainer with a DeepSpeed config: DeepSpeed's "
+            f"engine needs its own shadow of a joined rank's step, which {DEEPSPEED_PATH} "
+            "provides (in progress). Without DeepSpeed (DDP) uneven_inputs works as is"
+        )
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(args, "fsdp", None):
+        raise NotImplementedError(
+            "uneven_inputs does not handle FSDP under the Trainer yet; use DDP, or joinkit's "
+            "FSDP2 support in your own loop (docs/guide/fsdp.md)"
+        )
+    if getattr(args, "n_gpu", 1) > 1:
+        raise NotImplementedError(
+            "uneven_inputs handles one device per process (DDP); this process drives "
+            f"{args.n_gpu} GPUs with DataParallel: launch one process per GPU (torchrun)"
+        )
+    for size in ("get_tp_size", "get_cp_size", "get_sp_size"):
+        if getattr(trainer, size)() > 1:
+            raise NotImplementedError(
+                "uneven_inputs handles data parallelism only (tensor, context and sequence "
+                f"parallel sizes of 1); {size[4:6].upper()} size is {getattr(trainer, size)()}"
+            )
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in ("random", "sequential"):
+        raise ValueError(
+            f"uneven_inputs: train_sampling_strategy={strategy!r} is not handled (its sampler "
+            "shards by itself); use 'random' (the default) or 'sequential'"
+        )
+    config = args.accelerator_config
+    if getattr(config, "split_batches", False):
+        raise ValueError(
+            "uneven_inputs: accelerator_config split_batches=True splits one batch over the "
+            "ranks; each rank reads its own batches here: leave it False"
+        )
+    if getattr(config, "dispatch_batches", None):
+        raise ValueError(
+            "uneven_inputs: accelerator_config dispatch_batches=True has rank 0 read every "
+            "batch and send them out; each rank reads its own data here: leave it unset"
+        )
+    if getattr(args, "auto_find_batch_size", False):
+        raise ValueError("uneven_inputs: auto_find_batch_size=True is not handled; set it False")
+    if args.dataloader_persistent_workers and args.dataloader_num_workers > 0:
+        raise ValueError(
+            "uneven_inputs: dataloader_persistent_workers=True keeps evaluation loaders built "
+            "for the ranks of one evaluation; set it False"
+        )
+    import torch
+
+    eval_data = trainer.eval_dataset
+    datasets = eval_data.values() if isinstance(eval_data, dict) else [eval_data]
+    strategy_name = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    if strategy_name == "steps" and any(
+            isinstance(d, torch.utils.data.IterableDataset) for d in datasets):
+        raise ValueError(
+            "uneven_inputs: eval_strategy='steps' with an IterableDataset evaluation set: an "
+            "evaluation in the middle of an epoch runs on the ranks still training, and a "
+            "joined rank's own stream cannot be read by another. Use a map-style evaluation "
+            "set (every rank the same; joinkit splits it), or eval_strategy='epoch'"
+        )
+    del distributed_type
+
+
+def _launched() -> int | None:
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None

@@ -1,0 +1,165 @@
+"""The Hugging Face internals ``joinkit.adapters.transformers`` relies on, and their check.
+
+Theory of operation
+-------------------
+``uneven_inputs(trainer)`` wraps methods of one ``transformers.Trainer`` (on the
+instance), of its ``accelerate.Accelerator`` (on the instance), and three
+module names of ``transformers.trainer`` (process-wide dispatchers that defer to
+the originals outside joinkit's Joins). Several of them are private and may
+change in any release; some changes would be *silent*: a ``_run_epoch`` that no
+longer takes ``steps_in_epoch`` would run the global number of steps on a rank
+with fewer batches; a ``_maybe_log_save_evaluate`` that gathers through another
+function would hang in its loss gather once a rank joined.
+
+So every member is listed here, in :data:`GROUPS`, in the format of
+``adapters._guards`` (whose checker this module reuses): that it exists,
+the parameters joinkit calls it with, and for a method joinkit wraps, the
+Trainer code that must still call it by its name. :func:`check` runs in
+``uneven_inputs``, on every rank, before any collective, and raises
+:class:`UnsupportedTransformersError` naming the versions and each member that
+changed. The ``[transformers]`` extra pins the tested versions.
+"""
+
+from __future__ import annotations
+
+from .._guards import Member, Need, problems, version
+
+__all__ = ["SUPPORTED", "TESTED", "GROUPS", "UnsupportedTransformersError", "check"]
+
+#: The versions this module supports (pip specifiers) and was tested with.
+SUPPORTED = {"transformers": ">=5.24,<5.25", "accelerate": ">=1.15,<1.16", "trl": ">=1.16,<1.17"}
+TESTED = {"transformers": "5.24.0", "accelerate": "1.15.0", "trl": "1.16.0"}
+
+
+class UnsupportedTransformersError(RuntimeError):
+    """This transformers, Accelerate or TRL lacks or changed an internal joinkit relies on."""
+
+
+_T = "transformers.trainer"
+_ACC = "accelerate.accelerator"
+_TRAINER = f"{_T}:Trainer"
+
+
+def _m(module: str, name: str, need: Need, why: str, params: tuple[str, ...] = (),
+       called_by: tuple[str, ...] = ()) -> Member:
+    return Member(module=module, name=name, need=need, params=params, called_by=called_by,
+                  why=why)
+
+
+_CALL, _ATTR, _EXISTS = Need.CALLABLE, Need.ATTRIBUTE, Need.EXISTS
+
+#: Members by what needs them.
+GROUPS: dict[str, tuple[Member, ...]] = {
+    "Trainer": (
+        _m(_T, "Trainer._run_epoch", _CALL,
+           "wrapped: one Join per epoch, with this rank's own number of batches",
+           ("self", "model", "epoch", "train_dataloader", "steps_in_epoch",
+            "num_update_steps_per_epoch", "trial", "ignore_keys_for_eval", "start_time",
+            "resume_from_checkpoint", "epochs_trained", "steps_trained_in_current_epoch"),
+           (f"{_TRAINER}._inner_training_loop",)),
+        _m(_T, "Trainer.set_initial_training_values", _CALL,
+           "wrapped: the epoch length and max_steps of the rank with the most batches",
+           ("self", "args", "dataloader"), (f"{_TRAINER}._inner_training_loop",)),
+        _m(_T, "Trainer.get_batch_samples", _CALL,
+           "wrapped: a rank's last window of gradient accumulation is padded with empty "
+           "micro-batches so that every rank steps at the same micro-batch",
+           ("self", "epoch_iterator", "num_batches", "device"), (f"{_TRAINER}._run_epoch",)),
+        _m(_T, "Trainer._get_num_items_in_batch", _CALL,
+           "wrapped: how many ranks counted the window's tokens",
+           ("self", "batch_samples", "device"), (f"{_TRAINER}.get_batch_samples",)),
+        _m(_T, "Trainer.training_step", _CALL,
+           "wrapped: an empty micro-batch's zero loss; the reported loss of the ranks that "
+           "trained", ("self", "model", "inputs", "num_items_in_batch"),
+           (f"{_TRAINER}._run_epoch",)),
+        _m(_T, "Trainer.floating_point_ops", _CALL, "wrapped: no flops for an empty micro-batch",
+           ("self", "inputs"), (f"{_TRAINER}._run_epoch",)),
+        _m(_T, "Trainer._track_num_input_tokens", _CALL,
+           "wrapped: an empty micro-batch counts no tokens", ("self", "inputs"),
+           (f"{_TRAINER}._run_epoch",)),
+        _m(_T, "Trainer._save_checkpoint", _CALL,
+           "wrapped: while rank 0 has joined, the lowest active rank writes the checkpoint",
+           ("self", "model", "trial"), (f"{_TRAINER}._maybe_log_save_evaluate",)),
+        _m(_T, "Trainer.get_train_dataloader", _CALL,
+           "wrapped: this rank's own data loader (ShardSampler, or its own stream)",
+           ("self",), (f"{_TRAINER}._inner_training_loop",)),
+        _m(_T, "Trainer.get_eval_dataloader", _CALL,
+           "wrapped: each evaluation batch on exactly one rank", ("self", "eval_dataset"),
+           (f"{_TRAINER}.evaluate",)),
+        _m(_T, "Trainer.get_test_dataloader", _CALL,
+           "wrapped: each prediction batch on exactly one rank", ("self", "test_dataset"),
+           (f"{_TRAINER}.predict",)),
+        _m(_T, "Trainer._get_dataloader", _CALL,
+           "builds the data loaders through accelerator.prepare, which joinkit intercepts",
+           ("self", "dataset", "description", "batch_size", "sampler_fn"),
+           (f"{_TRAINER}.get_train_dataloader", f"{_TRAINER}.get_eval_dataloader")),
+        _m(_T, "Trainer.prediction_step", _CALL,
+           "wrapped: an empty evaluation batch adds no rows",
+           ("self", "model", "inputs", "prediction_loss_only"), (f"{_TRAINER}.evaluation_loop",)),
+        _m(_T, "Trainer.evaluation_loop", _CALL,
+           "wrapped: run inside a Join of the side channel (uneven evaluation shards)",
+           ("self", "dataloader", "description"), (f"{_TRAINER}.evaluate", f"{_TRAINER}.predict")),
+        _m(_T, "nested_gather", _CALL, "replaced by a dispatcher: the logged loss's gather",
+           ("tensors", "parallel_mode"), (f"{_TRAINER}._maybe_log_save_evaluate",)),
+        _m(_T, "distributed_broadcast_scalars", _CALL,
+           "replaced by a dispatcher: store_flos's gather", ("scalars",),
+           (f"{_TRAINER}.store_flos",)),
+        _m(_T, "dist", _EXISTS, "replaced by a proxy whose barrier a joined rank answers"),
+        _m(_T, "Trainer._total_loss_scalar", _ATTR, "given the last joiner's value after a Join"),
+        _m(_T, "Trainer._globalstep_last_logged", _ATTR,
+           "given the last joiner's value after a Join"),
+        _m(_T, "Trainer.callback_handler", _ATTR, "joinkit's callback goes first in it"),
+        _m("transformers.trainer_callback", "TrainerState.log_history", _ATTR,
+           "the last joiner's log is replayed where a rank missed entries"),
+        _m("transformers.training_args", "TrainingArguments.should_save", _EXISTS,
+           "swapped for the checkpoint writer while rank 0 has joined"),
+        _m("transformers.modeling_utils", "PreTrainedModel.should_save_on_this_rank", _CALL,
+           "replaced on the model while the checkpoint writer (not torch rank 0) saves it",
+           ("self", "is_main_process"), ("transformers.modeling_utils:"
+                                          "PreTrainedModel.save_pretrained",)),
+    ),
+    "Accelerator": (
+        _m(_ACC, "Accelerator.gather", _CALL, "routed through the side channel",
+           ("self", "tensor")),
+        _m(_ACC, "Accelerator.gather_for_metrics", _CALL, "routed through the side channel",
+           ("self", "input_data")),
+        _m(_ACC, "Accelerator.reduce", _CALL, "routed through the side channel",
+           ("self", "tensor", "reduction")),
+        _m(_ACC, "Accelerator.pad_across_processes", _CALL, "routed through the side channel",
+           ("self", "tensor", "dim", "pad_index", "pad_first")),
+        _m(_ACC, "Accelerator.wait_for_everyone", _CALL, "routed through the side channel",
+           ("self",)),
+        _m(_ACC, "Accelerator.no_sync", _CALL,
+           "off during a Join (every micro-batch syncs its gradient)", ("self", "model")),
+        _m(_ACC, "Accelerator.backward", _CALL,
+           "wrapped: the accumulated gradient set aside around each synced backward",
+           ("self", "loss")),
+        _m(_ACC, "Accelerator.prepare", _CALL,
+           "intercepted for the Trainer's data loaders", ("self",)),
+    ),
+}
+
+_checked: set[str] = set()
+
+
+def check(group: str) -> None:
+    """Check the members of ``group`` (a key of :data:`GROUPS`), once per process.
+
+    Raises:
+        UnsupportedTransformersError: a member is missing or changed.
+    """
+    if group in _checked:
+        return
+    found = problems(GROUPS[group])
+    if found:
+        lines = "\n".join(f"  - {problem}" for problem in found)
+        running = ", ".join(f"{name} {version(name)}" for name in SUPPORTED)
+        wanted = ", ".join(f"{name}{spec}" for name, spec in SUPPORTED.items())
+        raise UnsupportedTransformersError(
+            f"joinkit {version('joinkit')} supports {wanted} (tested with "
+            f"{', '.join(f'{k} {v}' for k, v in TESTED.items())}), but this process runs "
+            f"{running}, in which internals that joinkit.adapters.transformers relies on "
+            f"changed:\n{lines}\nGoing on could hang or train wrongly, so joinkit stops "
+            "here. Install the supported versions (pip install 'joinkit[transformers]'), "
+            "or a joinkit release that supports these."
+        )
+    _checked.add(group)

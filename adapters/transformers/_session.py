@@ -1,0 +1,838 @@
+"""What ``uneven_inputs`` installs on one Trainer: its data, its Joins, its collectives.
+
+Theory of operation
+-------------------
+One :class:`Session` per Trainer. It wraps methods of the Trainer and of its
+Accelerator on the *instances* (each wrapper calls the original it replaced,
+so a subclass's override, TRL's included, still runs), and it installs three
+process-wide dispatchers in ``transformers.trainer`` that defer to the
+originals unless a session's Join is open on the calling thread. Every member
+is checked by ``_private.check`` first.
+
+*Data.* Each rank reads its own data: the Trainer's data loaders are built as
+the Trainer builds them, but where the Trainer hands its loader to
+``accelerator.prepare`` (which would shard it again, dispatch it from rank 0,
+or pad it to even lengths) the session builds its own: a map-style training
+set gets ``ShardSampler`` (every sample once per epoch, no padding), shuffled
+as the Trainer would (``seed + epoch``); an ``IterableDataset`` is this rank's
+own stream, used as it is; an evaluation set is cut into the Trainer's
+batches, batch ``b`` going to the ``b % k``-th of the ``k`` ranks evaluating,
+so the gathered predictions come in dataset order.
+
+*Steps.* ``set_initial_training_values`` sees the epoch length of the rank
+with the most batches (one all-gather of the ranks' lengths before training),
+so every rank agrees on ``max_steps``, the number of epochs and the LR
+schedule. A *step* is one optimizer step of the ranks still training: all of
+them step together, whatever their number, so ``global_step``, ``max_steps``,
+``logging_steps``, ``eval_steps`` and ``save_steps`` count steps as a single
+process training on the union of the ranks' batches would. Each epoch runs in
+a :class:`joinkit.Join` of the DDP model, the session's side channel and its
+state sync, entered in ``_run_epoch`` (which gets this rank's own number of
+batches) and left in the first ``on_epoch_end`` callback: a rank whose batches
+ran out shadows the others until every rank has finished the epoch.
+
+*Gradient accumulation.* A window of ``gradient_accumulation_steps``
+micro-batches ends in an optimizer step; a rank whose data ends inside a
+window pads it with *empty micro-batches* (its last batch, with the loss
+multiplied by zero and every side collective contributing no rows), so every
+rank steps at the same micro-batch and logs the same step. During a Join
+every backward syncs its gradient (``no_sync`` is off; the gradient
+accumulated since the window began is set aside around each backward and
+added back), since ranks that join mid-window would otherwise pair DDP's
+all-reduces wrongly.
+
+*Collectives.* While a session's Join is open on the thread (and during its
+evaluation), ``accelerator.gather``/``gather_for_metrics``/``reduce``/
+``pad_across_processes``/``wait_for_everyone``, the Trainer's loss gather
+(``nested_gather``), ``store_flos``'s all-gather and its barrier go through
+the session's :class:`joinkit.SideChannel`: gathers return only the rows of
+the ranks still training (an empty micro-batch adds none), so any number of
+them per step is answered by the joined ranks' service threads. With
+``average_tokens_across_devices`` the token count of a window is the active
+ranks' and the loss is scaled by the world size for DDP's divisor (gradients
+are then exactly the token mean over the window's batches); the *reported*
+loss is scaled back to the number of ranks that trained, so the logged loss
+(the mean over those ranks) is that token mean.
+
+*After a Join.* The post hooks give every rank the last joiner's parameters
+(DDP), optimizer and scheduler state, ``TrainerState`` (``global_step``,
+``log_history``, best metric, flos...), control flags and loss bookkeeping; a
+rank that missed log entries while it was joined calls its ``on_log``
+callbacks for them (with ``global_step`` as at the entry), so rank 0's
+reporting integrations see every entry.
+
+*Evaluation* (``evaluate``, ``predict``, ``eval_strategy``, also in the middle
+of an epoch after a rank joined): the ranks evaluating (every rank, or inside
+a training Join the active ones, found with one side call) split the batches
+and the ranks with one batch fewer add an *empty batch* (no rows in any
+gather), so every sample is seen exactly once and every rank runs the same
+number of steps. An ``IterableDataset`` evaluation set (each rank's own
+stream) is evaluated inside a Join of the side channel instead, outside
+training only. While rank 0 has joined, the lowest active rank writes a
+checkpoint (``save_steps``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import copyreg
+import importlib
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+
+from joinkit import Join, Joinable, JoinHook, SideChannel
+from joinkit.adapters.torch.data import ShardSampler
+
+__all__ = ["Session", "current"]
+
+_local = threading.local()
+
+
+def current() -> Session | None:
+    """The session whose Join (or evaluation) is open on this thread, if any."""
+    return getattr(_local, "session", None)
+
+
+class _Phantom(dict):  # type: ignore[type-arg]
+    """An empty micro-batch (or evaluation batch): a real batch that counts for nothing."""
+
+
+class Session:
+    """The state ``uneven_inputs`` keeps for one Trainer (module doc)."""
+
+    def __init__(self, trainer: Any, join_kwargs: dict[str, Any]) -> None:
+        self.trainer = trainer
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.join_kwargs = join_kwargs
+        self.channel = SideChannel(dist.group.WORLD, name="transformers side channel")
+        self.sync = _TrainerSync(self)
+        self.join: Join | None = None
+        self.role: str | None = None
+        self.eval_ranks: tuple[int, ...] | None = None
+        self.phantom = False
+        self.window_ranks = self.world
+        self.window = 0
+        self.epoch = 0
+        self.local_len: int | None = None
+        self.global_len: int | None = None
+        self.global_updates = 0
+        self.predicting = False
+        self.local_count = False
+
+    # -- installing ----------------------------------------------------------------
+
+    def install(self) -> None:
+        trainer = self.trainer
+        accelerator = trainer.accelerator
+        for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader",
+                     "set_initial_training_values", "_run_epoch", "get_batch_samples",
+                     "_get_num_items_in_batch", "training_step", "floating_point_ops",
+                     "_track_num_input_tokens", "_save_checkpoint", "prediction_step",
+                     "evaluation_loop"):
+            _wrap(trainer, name, getattr(self, f"_t_{name.lstrip('_')}"))
+        for name in ("prepare", "gather", "gather_for_metrics", "reduce",
+                     "pad_across_processes", "wait_for_everyone", "no_sync", "backward"):
+            _wrap(accelerator, name, getattr(self, f"_a_{name}"))
+        # gather_for_metrics, as the Trainer took it at construction.
+        trainer.gather_function = accelerator.gather_for_metrics
+        trainer.callback_handler.callbacks.insert(0, _callback_class()(self))
+        _install_dispatchers()
+
+    @contextlib.contextmanager
+    def _current(self) -> Iterator[None]:
+        before = current()
+        _local.session = self
+        try:
+            yield
+        finally:
+            _local.session = before
+
+    # -- data loaders --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _building(self, role: str) -> Iterator[None]:
+        before, self.role = self.role, role
+        try:
+            yield
+        finally:
+            self.role = before
+
+    def _t_get_train_dataloader(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_train_dataloader() -> Any:
+            with self._building("train"):
+                return original()
+        return get_train_dataloader
+
+    def _eval_loader(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_dataloader(*args: Any, **kwargs: Any) -> Any:
+            # Inside a training Join the active ranks evaluate (one side call
+            # finds them); elsewhere every rank does.
+            self.eval_ranks = (self.channel.active_ranks() if self.join is not None
+                               else tuple(range(self.world)))
+            with self._building("eval"):
+                return original(*args, **kwargs)
+        return get_dataloader
+
+    _t_get_eval_dataloader = _eval_loader
+    _t_get_test_dataloader = _eval_loader
+
+    def _a_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def prepare(*args: Any, device_placement: Any = None) -> Any:
+            if self.role is not None and len(args) == 1 and isinstance(args[0], DataLoader):
+                return self._own_loader(args[0], self.role)
+            return original(*args, device_placement=device_placement)
+        return prepare
+
+    def _own_loader(self, loader: DataLoader[Any], role: str) -> Any:
+        """This rank's loader for the Trainer's ``loader`` (module doc, *Data*)."""
+        dataset: Any = loader.dataset
+        params = _loader_params(loader)
+        if isinstance(dataset, IterableDataset):
+            return _OwnLoader(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                              **params)
+        if role == "train":
+            args = self.trainer.args
+            seed = args.data_seed if args.data_seed is not None else args.seed
+            sampler = ShardSampler(dataset, num_replicas=self.world, rank=self.rank,
+                                   shuffle=args.train_sampling_strategy != "sequential",
+                                   seed=seed)
+            return _OwnLoader(dataset, batch_size=loader.batch_size, sampler=sampler,
+                              drop_last=loader.drop_last, **params)
+        ranks = self.eval_ranks or tuple(range(self.world))
+        batches = _BatchShard(len(dataset), loader.batch_size or 1, ranks.index(self.rank),
+                              len(ranks), loader.drop_last)
+        inner = _OwnLoader(dataset, batch_sampler=batches, **params)
+        return _PaddedEval(inner, batches)
+
+    # -- training values, epochs, windows ----------------------------------------------
+
+    def _t_set_initial_training_values(self, original: Callable[..., Any]
+                                       ) -> Callable[..., Any]:
+        def set_initial_training_values(args: Any, dataloader: Any) -> Any:
+            try:
+                local: int | None = len(dataloader)
+            except TypeError:
+                local = None
+            lengths = self.channel.all_gather_object(local)  # every rank, before training
+            known = [n for n in lengths if n is not None]
+            if known and len(known) != len(lengths):
+                raise ValueError(
+                    "joinkit.adapters.transformers: some ranks' training data loaders have a "
+                    f"length and others not ({lengths}): give every rank the same kind of "
+                    "dataset (an IterableDataset without __len__ needs max_steps)"
+                )
+            self.local_len = local
+            self.global_len = max(known) if known else None
+            values = original(args, dataloader if self.global_len is None
+                              else _Sized(self.global_len, dataloader))
+            self.global_updates = int(values[1])
+            return values
+        return set_initial_training_values
+
+    def _t_run_epoch(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def run_epoch(**kwargs: Any) -> Any:
+            if kwargs.get("resume_from_checkpoint") is not None and kwargs.get(
+                    "steps_trained_in_current_epoch", 0) > 0 and kwargs["epoch"] == kwargs.get(
+                    "epochs_trained"):
+                raise NotImplementedError(
+                    "joinkit.adapters.transformers: resuming in the middle of an epoch is not "
+                    "supported yet (the ranks' batches before the checkpoint differ); resume "
+                    "from a checkpoint saved at an epoch's end, or set ignore_data_skip=True"
+                )
+            gas = self.trainer.args.gradient_accumulation_steps
+            steps, updates = kwargs["steps_in_epoch"], kwargs["num_update_steps_per_epoch"]
+            if self.global_len is not None and self.local_len is not None:
+                local = self.local_len
+                updates = max(local // gas + int(local % gas > 0), 1)
+                steps = min(updates * gas, self.global_len) if local else 0
+            self.window, self.epoch, self.phantom = 0, int(kwargs["epoch"]), False
+            join = Join([kwargs["model"], self.channel, self.sync], **self.join_kwargs)
+            join.__enter__()
+            self.join = join
+            before = current()
+            _local.session = self
+            try:
+                result = original(**{**kwargs, "steps_in_epoch": steps,
+                                     "num_update_steps_per_epoch": updates})
+            except BaseException as error:
+                if self.join is join:
+                    self.leave(error)
+                raise
+            finally:
+                _local.session = before
+            if self.join is join:  # no on_epoch_end (a subclass's own _run_epoch)
+                self.leave()
+            return result
+        return run_epoch
+
+    def leave(self, error: BaseException | None = None) -> None:
+        """Leave the epoch's Join: shadow until every rank finished it, then sync."""
+        join, self.join = self.join, None
+        _local.session = None
+        self.phantom = False
+        if join is None:
+            return
+        if error is None:
+            join.__exit__(None, None, None)
+        else:
+            join.__exit__(type(error), error, error.__traceback__)
+
+    def _t_get_batch_samples(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            if self.join is None:
+                return original(epoch_iterator, num_batches, device)
+            gas = self.trainer.args.gradient_accumulation_steps
+            target = gas
+            if self.global_len is not None and self.window >= self.global_updates - 1:
+                target = self.global_len - (self.global_updates - 1) * gas
+            self.window += 1
+            batches, items = original(epoch_iterator, target, device)
+            if batches and len(batches) < target:
+                batches = list(batches) + [_Phantom(batches[-1])
+                                           for _ in range(target - len(batches))]
+            return batches, items
+        return get_batch_samples
+
+    def _t_get_num_items_in_batch(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_num_items_in_batch(batch_samples: Any, device: Any) -> Any:
+            if self.predicting:
+                # An evaluation batch's loss is its own token mean, as in one process:
+                # the count is this batch's, times the world size the loss multiplies by.
+                self.local_count = True
+                try:
+                    return original(batch_samples, device)
+                finally:
+                    self.local_count = False
+            items = original(batch_samples, device)
+            if self.join is not None and items is not None:
+                self.window_ranks = len(self.channel.last_active) or self.world
+            return items
+        return get_num_items_in_batch
+
+    def _t_training_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            if self.join is None:
+                return original(model, inputs, num_items_in_batch)
+            self.phantom = isinstance(inputs, _Phantom)
+            loss = original(model, inputs, num_items_in_batch)
+            if self.phantom:
+                return torch.zeros_like(loss)
+            if num_items_in_batch is not None and self.trainer.args.average_tokens_across_devices:
+                # The loss carries the world size for DDP's divisor; report the
+                # share of the ranks that trained (module doc, *Collectives*).
+                loss = loss * (self.window_ranks / self.world)
+            return loss
+        return training_step
+
+    def _t_floating_point_ops(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def floating_point_ops(inputs: Any) -> Any:
+            return 0 if isinstance(inputs, _Phantom) else original(inputs)
+        return floating_point_ops
+
+    def _t_track_num_input_tokens(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def track_num_input_tokens(inputs: Any) -> Any:
+            before, self.phantom = self.phantom, isinstance(inputs, _Phantom) or self.phantom
+            try:
+                return original(inputs)
+            finally:
+                self.phantom = before
+        return track_num_input_tokens
+
+    def _a_no_sync(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def no_sync(model: Any) -> Any:
+            if self.join is not None:
+                return contextlib.nullcontext()
+            return original(model)
+        return no_sync
+
+    def _a_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def backward(loss: Any, **kwargs: Any) -> Any:
+            if self.join is None:
+                return original(loss, **kwargs)
+            if self.phantom:
+                if not bool(torch.isfinite(loss.detach()).all()):
+                    raise FloatingPointError(
+                        "joinkit.adapters.transformers: the loss of a rank's last batch is not "
+                        "finite, so its empty micro-batch (that batch with the loss times "
+                        "zero) would not give a zero gradient")
+                loss = loss * 0.0
+            if self.trainer.args.gradient_accumulation_steps == 1:
+                return original(loss, **kwargs)
+            # Every backward syncs during a Join: set the accumulated gradient
+            # aside (DDP all-reduces a parameter's whole .grad) and add it back.
+            params = [p for p in self.trainer.model_wrapped.parameters() if p.grad is not None]
+            kept = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            try:
+                return original(loss, **kwargs)
+            finally:
+                for p, grad in zip(params, kept, strict=True):
+                    if p.grad is None:
+                        p.grad = grad
+                    else:
+                        p.grad.add_(grad)
+        return backward
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def _t_save_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def save_checkpoint(model: Any, trial: Any) -> Any:
+            if self.join is None:
+                return original(model, trial)
+            active = self.channel.active_ranks()
+            if 0 in active or self.rank != min(active):
+                return original(model, trial)
+            trainer = self.trainer
+            args = trainer.args
+            trainer.args = _writer_args(args)
+            # save_pretrained writes the model files on torch rank 0 only.
+            inner = trainer.accelerator.unwrap_model(trainer.model)
+            inner.should_save_on_this_rank = _writes
+            try:
+                return original(model, trial)
+            finally:
+                trainer.args = args
+                del inner.should_save_on_this_rank
+        return save_checkpoint
+
+    # -- evaluation --------------------------------------------------------------------
+
+    def _t_prediction_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def prediction_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            self.phantom = isinstance(inputs, _Phantom)
+            before, self.predicting = self.predicting, True
+            try:
+                return original(model, inputs, *args, **kwargs)
+            finally:
+                self.predicting = before
+        return prediction_step
+
+    def _t_evaluation_loop(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def evaluation_loop(dataloader: Any, *args: Any, **kwargs: Any) -> Any:
+            phantom, self.phantom = self.phantom, False
+            try:
+                with self._current():
+                    if self.join is None and not isinstance(dataloader, _PaddedEval):
+                        # Each rank's own stream: uneven, so inside a Join of the channel.
+                        with Join([self.channel], **self.join_kwargs):
+                            return original(dataloader, *args, **kwargs)
+                    return original(dataloader, *args, **kwargs)
+            finally:
+                self.phantom = phantom
+        return evaluation_loop
+
+    # -- the routed collectives ----------------------------------------------------------
+
+    def _routing(self) -> bool:
+        return current() is self
+
+    def gather(self, data: Any) -> Any:
+        """Concatenate along dim 0 the active ranks' tensors (nested), as ``accelerate.gather``."""
+        def one(tensor: torch.Tensor) -> torch.Tensor:
+            tensor = tensor.detach()
+            if tensor.ndim == 0:
+                tensor = tensor.reshape(1)
+            if self.local_count:
+                return tensor.expand(self.world, *tensor.shape[1:])
+            if self.phantom:
+                tensor = tensor[:0]
+            return torch.cat(self.channel.all_gather(tensor), dim=0)
+        return _apply(one, data)
+
+    def gather_objects(self, data: Any) -> list[Any]:
+        """The active ranks' lists of objects, flattened, as ``accelerate.gather_object``."""
+        mine = [] if self.phantom else data
+        parts = self.channel.all_gather_object(mine)
+        return [item for part in parts for item in part]
+
+    def _a_gather(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def gather(tensor: Any) -> Any:
+            return self.gather(tensor) if self._routing() else original(tensor)
+        return gather
+
+    def _a_gather_for_metrics(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
+            if not self._routing():
+                return original(input_data, use_gather_object=use_gather_object)
+            if use_gather_object or not _all_tensors(input_data):
+                return self.gather_objects(input_data)
+            return self.gather(input_data)
+        return gather_for_metrics
+
+    def _a_reduce(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def reduce(tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+            if not self._routing() or reduction == "none":
+                return original(tensor, reduction, scale)
+
+            def one(t: torch.Tensor) -> torch.Tensor:
+                rows = torch.cat(self.channel.all_gather(t.detach()[None][:0] if self.phantom
+                                                         else t.detach()[None]), dim=0)
+                if reduction == "sum":
+                    return rows.sum(dim=0) * scale
+                if reduction == "mean":
+                    return rows.mean(dim=0) * scale
+                if reduction == "max":
+                    return rows.max(dim=0).values * scale
+                raise ValueError(f"unknown reduction {reduction!r}: sum, mean, max or none")
+            return _apply(one, tensor)
+        return reduce
+
+    def _a_pad_across_processes(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0,
+                                 pad_first: bool = False) -> Any:
+            if not self._routing():
+                return original(tensor, dim, pad_index, pad_first)
+
+            def one(t: torch.Tensor) -> torch.Tensor:
+                if dim >= t.ndim or dim < -t.ndim:
+                    return t
+                sizes = self.channel.all_gather(torch.tensor([t.shape[dim]], dtype=torch.int64))
+                largest = int(max(int(s[0]) for s in sizes))
+                if largest == t.shape[dim]:
+                    return t
+                shape = list(t.shape)
+                shape[dim] = largest
+                out = t.new_zeros(shape) + pad_index
+                index = [slice(None)] * t.ndim
+                index[dim] = (slice(largest - t.shape[dim], largest) if pad_first
+                              else slice(0, t.shape[dim]))
+                out[tuple(index)] = t
+                return out
+            return _apply(one, tensor)
+        return pad_across_processes
+
+    def _a_wait_for_everyone(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wait_for_everyone() -> None:
+            if self._routing():
+                self.channel.barrier()
+            else:
+                original()
+        return wait_for_everyone
+
+
+# -- the state sync: the post hook of each epoch's Join ----------------------------------
+
+#: Trainer attributes (the Trainer's and TRL's) that are the same on every rank
+#: outside a Join: the last joiner's go to every rank.
+_BOOKKEEPING = ("_total_loss_scalar", "_globalstep_last_logged", "_total_train_tokens")
+_STATE = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history",
+          "best_metric", "best_global_step", "best_model_checkpoint")
+_CONTROL = ("should_training_stop", "should_epoch_stop", "should_save", "should_evaluate",
+            "should_log")
+
+
+class _TrainerSync(Joinable):
+    """Its post hook gives every rank one last joiner's training state (module doc)."""
+
+    join_follows_group = True
+
+    def __init__(self, session: Session) -> None:
+        super().__init__()
+        self.session = session
+
+    def __repr__(self) -> str:
+        return "TrainerStateSync"
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _SyncHook(self.session)
+
+    @property
+    def join_device(self) -> Any:
+        join = self._join_config.join
+        return None if join is None else join.device
+
+    @property
+    def join_process_group(self) -> Any:
+        join = self._join_config.join
+        return None if join is None else join.process_group
+
+
+class _SyncHook(JoinHook):
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        session = self.session
+        trainer = session.trainer
+        channel = session.channel
+        source = channel.all_gather_object(is_last_joiner).index(True)
+        payload = None
+        if session.rank == source:
+            payload = {
+                "optimizer": trainer.optimizer.state_dict(),
+                "scheduler": trainer.lr_scheduler.state_dict(),
+                "state": {name: getattr(trainer.state, name) for name in _STATE},
+                "control": {name: getattr(trainer.control, name) for name in _CONTROL},
+                "trainer": {name: getattr(trainer, name) for name in _BOOKKEEPING
+                            if hasattr(trainer, name)},
+            }
+        payload = channel.broadcast_object(payload, source)
+        if session.rank == source:
+            return
+        seen = len(trainer.state.log_history)
+        trainer.optimizer.load_state_dict(payload["optimizer"])
+        trainer.lr_scheduler.load_state_dict(payload["scheduler"])
+        for name, value in payload["state"].items():
+            setattr(trainer.state, name, value)
+        for name, value in payload["control"].items():
+            setattr(trainer.control, name, value)
+        for name, value in payload["trainer"].items():
+            setattr(trainer, name, value)
+        _replay_logs(trainer, seen)
+
+
+def _replay_logs(trainer: Any, seen: int) -> None:
+    """Call the ``on_log`` callbacks for the log entries this rank missed while joined."""
+    state = trainer.state
+    missed = state.log_history[seen:]
+    if not missed:
+        return
+    step = state.global_step
+    try:
+        for entry in missed:
+            state.global_step = int(entry.get("step", step))
+            logs = {k: v for k, v in entry.items() if k != "step"}
+            trainer.control = trainer.callback_handler.on_log(trainer.args, state,
+                                                              trainer.control, logs)
+    finally:
+        state.global_step = step
+
+
+# -- the callback ------------------------------------------------------------------------
+
+_CALLBACK: type | None = None
+
+
+def _callback_class() -> type:
+    """The session's ``TrainerCallback`` (made once transformers is imported)."""
+    global _CALLBACK
+    if _CALLBACK is None:
+        from transformers import TrainerCallback
+
+        class JoinkitCallback(TrainerCallback):
+            """Leaves each epoch's Join first thing at ``on_epoch_end``."""
+
+            def __init__(self, session: Session) -> None:
+                self.session = session
+
+            def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                self.session.phantom = False
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                session = self.session
+                session.phantom = False
+                if session.join is not None and session.global_len:
+                    # Every rank's epoch fraction is the longest rank's.
+                    gas = args.gradient_accumulation_steps
+                    done = min(session.window * gas, session.global_len)
+                    state.epoch = session.epoch + done / session.global_len
+
+            def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                self.session.leave()
+
+        _CALLBACK = JoinkitCallback
+    return _CALLBACK
+
+
+# -- process-wide dispatchers in transformers.trainer -------------------------------------
+
+_installed = False
+
+
+def _install_dispatchers() -> None:
+    global _installed
+    if _installed:
+        return
+    module: Any = importlib.import_module("transformers.trainer")
+
+    nested_gather = module.nested_gather
+    broadcast_scalars = module.distributed_broadcast_scalars
+
+    def dispatch_nested_gather(tensors: Any, parallel_mode: Any, name: Any = None) -> Any:
+        session = current()
+        if session is None or tensors is None:
+            return nested_gather(tensors, parallel_mode, name)
+        return session.gather(tensors)
+
+    def dispatch_broadcast_scalars(scalars: Any, num_total_examples: Any = None,
+                                   device: Any = None) -> Any:
+        session = current()
+        if session is None:
+            return broadcast_scalars(scalars, num_total_examples, device=device)
+        gathered = session.gather(torch.tensor(scalars, device=device))
+        return gathered if num_total_examples is None else gathered[:num_total_examples]
+
+    module.nested_gather = dispatch_nested_gather
+    module.distributed_broadcast_scalars = dispatch_broadcast_scalars
+    module.dist = _DistProxy(module.dist)
+    _installed = True
+
+
+class _DistProxy:
+    """``torch.distributed`` for ``transformers.trainer``, whose barrier a session answers."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> Any:
+        session = current()
+        if session is None:
+            return self._target.barrier(*args, **kwargs)
+        session.channel.barrier()
+        return None
+
+
+# -- small helpers ------------------------------------------------------------------------
+
+
+def _wrap(obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    setattr(obj, name, make(getattr(obj, name)))
+
+
+def _apply(function: Callable[[torch.Tensor], torch.Tensor], data: Any) -> Any:
+    """``function`` on every tensor of a nested list/tuple/dict (accelerate's rule)."""
+    if isinstance(data, torch.Tensor):
+        return function(data)
+    kind: Any = type(data)
+    if isinstance(data, (list, tuple)):
+        return kind(_apply(function, item) for item in data)
+    if isinstance(data, Mapping):
+        return kind({key: _apply(function, value) for key, value in data.items()})
+    raise TypeError(
+        f"joinkit's gather takes tensors (nested in lists, tuples and dicts), not "
+        f"{type(data).__qualname__}; use gather_for_metrics(..., use_gather_object=True)"
+    )
+
+
+def _all_tensors(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, (list, tuple)):
+        return all(_all_tensors(item) for item in data)
+    if isinstance(data, Mapping):
+        return all(_all_tensors(item) for item in data.values())
+    return False
+
+
+def _loader_params(loader: DataLoader[Any]) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "collate_fn": loader.collate_fn,
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "timeout": loader.timeout,
+    }
+    if loader.num_workers > 0:
+        params["persistent_workers"] = loader.persistent_workers
+        params["prefetch_factor"] = loader.prefetch_factor
+    return params
+
+
+class _OwnLoader(DataLoader):  # type: ignore[type-arg]
+    """A rank's own loader; ``set_epoch`` reaches its sampler and its dataset."""
+
+    def set_epoch(self, epoch: int) -> None:
+        for target in (self.sampler, getattr(self.batch_sampler, "sampler", None),
+                       self.dataset):
+            set_epoch = getattr(target, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+
+
+class _Sized:
+    """A stand-in loader of ``length`` batches over ``loader``'s dataset (training values)."""
+
+    def __init__(self, length: int, loader: Any) -> None:
+        self._length = length
+        self.dataset = loader.dataset
+
+    def __len__(self) -> int:
+        return self._length
+
+
+class _BatchShard:
+    """The Trainer's sequential batches ``b`` with ``b % count == index`` (a batch sampler)."""
+
+    def __init__(self, samples: int, batch_size: int, index: int, count: int,
+                 drop_last: bool) -> None:
+        self.samples = samples
+        self.batch_size = batch_size
+        self.index = index
+        self.count = count
+        full, rest = divmod(samples, batch_size)
+        self.batches = full + int(rest > 0 and not drop_last)
+        self.steps = math.ceil(self.batches / count) if self.batches else 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in range(self.index, self.batches, self.count):
+            start = batch * self.batch_size
+            yield list(range(start, min(start + self.batch_size, self.samples)))
+
+    def __len__(self) -> int:
+        return len(range(self.index, self.batches, self.count))
+
+
+class _PaddedEval:
+    """An evaluation loader padded with empty batches to the ranks' common number of steps."""
+
+    def __init__(self, inner: DataLoader[Any], batches: _BatchShard) -> None:
+        self.inner = inner
+        self.dataset = inner.dataset
+        self.batch_size = batches.batch_size
+        self.sampler = inner.sampler
+        self._steps = batches.steps
+        self._batches = batches
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def __iter__(self) -> Iterator[Any]:
+        last = None
+        count = 0
+        for batch in self.inner:
+            last = batch
+            count += 1
+            yield batch
+        if count < self._steps:
+            if last is None:  # no batch of its own: any batch will do, it adds no rows
+                first = _BatchShard(self._batches.samples, self._batches.batch_size, 0, 1,
+                                    False)
+                last = self.inner.collate_fn([self.dataset[i] for i in next(iter(first))])
+            for _ in range(self._steps - count):
+                yield _Phantom(last)
+
+
+def _writes(is_main_process: bool) -> bool:
+    """The checkpoint writer's ``PreTrainedModel.should_save_on_this_rank``."""
+    return is_main_process
+
+
+def _writer_args(args: Any) -> Any:
+    """A copy of ``args`` whose ``should_save`` is true (the checkpoint writer's)."""
+    base = type(args)
+    writer = copy.copy(args)
+
+    def reduce_ex(self: Any, protocol: Any) -> Any:
+        # Pickled (torch.save of the training arguments) as the original class.
+        reconstructor = getattr(copyreg, "_reconstructor")  # noqa: B009 - private in typeshed
+        return (reconstructor, (base, object, None), dict(self.__dict__))
+
+    writer.__class__ = type(f"Writer{base.__name__}", (base,), {
+        "should_save": property(lambda self: True),
+        "__reduce_ex__": reduce_ex,
+        "__module__": base.__module__,
+    })
+    return writer
