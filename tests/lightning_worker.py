@@ -25,7 +25,7 @@ import torchmetrics
 from pytorch_lightning.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
-from joinkit import SideCollective
+from joinkit import SideChannel, SideCollective
 from joinkit.adapters.lightning import UnevenInputs
 
 INPUTS = [5, 8]
@@ -48,11 +48,12 @@ def make_net() -> torch.nn.Module:
 
 
 class Model(pl.LightningModule):
-    def __init__(self, scheduler: bool) -> None:
+    def __init__(self, scheduler: bool, epoch_metric: bool = True) -> None:
         super().__init__()
         self.net = make_net()
         self.train_mse = torchmetrics.MeanSquaredError()
         self.use_scheduler = scheduler
+        self.epoch_metric = epoch_metric
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -63,8 +64,9 @@ class Model(pl.LightningModule):
         loss = torch.nn.functional.mse_loss(pred, y)
         self.log("loss", loss, on_step=True, on_epoch=False, sync_dist=True)
         self.log("loss_max", loss, on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max")
-        self.train_mse(pred.detach(), y)
-        self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
+        if self.epoch_metric:
+            self.train_mse(pred.detach(), y)
+            self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -79,6 +81,29 @@ class Model(pl.LightningModule):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class SideModel(Model):
+    """Collectives of the LightningModule's own, in a number that depends on the data:
+    ``batch_idx % 3 + 1`` all-reduces through the callback's side channel in its
+    ``on_train_batch_end`` (the ranks still training), and a torchmetrics metric
+    with ``dist_sync_on_step=True`` logged per step."""
+
+    def __init__(self, side: SideChannel) -> None:
+        super().__init__(scheduler=True, epoch_metric=False)
+        self.side = side
+        self.step_mse = torchmetrics.MeanSquaredError(dist_sync_on_step=True)
+        self.counts: list[list[float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        x, y = batch
+        self.log("step_mse", self.step_mse(self(x).detach(), y), on_step=True, on_epoch=False)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.counts.append([float(self.side.all_reduce(torch.ones(1))[0])
+                            for _ in range(batch_idx % 3 + 1)])
 
 
 class FSDPModel(Model):
@@ -154,20 +179,28 @@ class ActiveRanks(pl.Callback):
 
 
 def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
-        validate: bool = True, shards: bool = False, fsdp: bool = False) -> dict[str, Any]:
+        validate: bool = True, shards: bool = False, fsdp: bool = False,
+        inputs: list[int] = INPUTS, max_steps: int = -1, epochs: int = EPOCHS,
+        epoch_metric: bool = True, side_model: bool = False) -> dict[str, Any]:
     logger = ListLogger()
     active = ActiveRanks()
-    uneven = UnevenInputs(side_collectives=[active.side])
+    side = SideChannel() if side_model else None
+    uneven = UnevenInputs(side_collectives=[active.side], side_channel=side)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=_strategy(fsdp), max_epochs=EPOCHS, logger=logger,
+        accelerator="cpu", devices=2, strategy=_strategy(fsdp), max_epochs=epochs,
+        max_steps=max_steps, logger=logger,
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
         accumulate_grad_batches=accumulate,
         callbacks=[active, uneven],
         limit_val_batches=1.0 if validate else 0,
     )
-    model = (FSDPModel if fsdp else Model)(scheduler and not shards)
-    train = DataLoader(rows(rank, INPUTS[rank], 1), batch_size=BATCH)
+    model: Model
+    if side is not None:
+        model = SideModel(side)
+    else:
+        model = (FSDPModel if fsdp else Model)(scheduler and not shards, epoch_metric)
+    train = DataLoader(rows(rank, inputs[rank], 1), batch_size=BATCH)
     val = DataLoader(rows(rank, VAL_INPUTS[rank], 2), batch_size=BATCH)
     if shards:
         train, val = shard_loaders(rank)
@@ -187,6 +220,8 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         # shadow of Lightning's SIGTERM broadcast (kept on, not turned off).
         "shadow_rounds": [join.report.shadow_rounds for join in uneven.joins],
         "sigterm_shadows": uneven._sigterm.shadow_rounds if uneven._sigterm else None,
+        "step_mse": [r["step_mse"] for r in logger.records if "step_mse" in r],
+        "side_counts": model.counts if isinstance(model, SideModel) else None,
     }
 
 
@@ -203,7 +238,19 @@ SCENARIOS = {
     "ddp": lambda rank: fit(rank, scheduler=True),
     "ddp_accumulate": lambda rank: fit(rank, accumulate=2, validate=False),
     "ddp_shard_sampler": lambda rank: fit(rank, shards=True),
+    # Rank 0 has no training batch (issue 31 item 6a).
+    "ddp_empty_rank": lambda rank: fit(rank, scheduler=True, inputs=EMPTY_INPUTS,
+                                       epoch_metric=False),
+    # max_steps ends the second epoch at batch 7 of rank 1's 8; rank 0 (5) joined before.
+    "ddp_max_steps": lambda rank: fit(rank, scheduler=True, max_steps=MAX_STEPS, epochs=3),
+    # The LightningModule's own side-channel collectives and a per-step-syncing metric.
+    "ddp_side_channel": lambda rank: fit(rank, side_model=True),
+    # Refused on every rank: an empty rank, and an epoch-level metric synced at the end.
+    "ddp_empty_rank_epoch_metric": lambda rank: fit(rank, scheduler=True, inputs=EMPTY_INPUTS),
 }
+
+EMPTY_INPUTS = [0, 8]
+MAX_STEPS = 15
 
 
 def main(out: Path, names: list[str]) -> None:

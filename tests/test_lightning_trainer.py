@@ -7,7 +7,12 @@ One torchrun launch of ``tests/lightning_worker.py`` (2 CPU ranks, gloo, DDP;
 metric; with ``accumulate_grad_batches=2``; and with one dataset split by
 joinkit's exact ``ShardSampler`` (``use_distributed_sampler=False``: 37 rows,
 no padding); and the first fit again under ``ModelParallelStrategy`` (FSDP2,
-``fully_shard`` in ``configure_model``). Beside it,
+``fully_shard`` in ``configure_model``); then (issue 31 item 6) with 0 and 8
+training batches (rank 0 has none), with ``max_steps=15`` (the second epoch
+ends at rank 1's batch 7), with the LightningModule's own side-channel
+all-reduces (a number per batch that depends on ``batch_idx``) and a
+torchmetrics metric with ``dist_sync_on_step=True``, and last the empty-rank
+run with an epoch-level metric, which is refused on both ranks. Beside it,
 ``examples/lightning_trainer.py`` runs under Lightning's own launcher, and
 so does the same run without the callback (``tests/lightning_naive.py``,
 Lightning's own way: it hangs or trains wrongly; bounded by a timeout). The
@@ -40,7 +45,9 @@ NAIVE = Path(__file__).with_name("lightning_naive.py")
 # this has hung (blocked in a collective: gloo's own timeout is 30 minutes).
 NAIVE_TIMEOUT = 100
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler", "fsdp2"]
+SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler", "fsdp2", "ddp_empty_rank",
+             "ddp_max_steps", "ddp_side_channel",
+             "ddp_empty_rank_epoch_metric"]  # last: it is refused, which ends the launch's fits
 
 pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 
@@ -79,42 +86,53 @@ def result(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:
     return found
 
 
-def _epoch_data(epoch: int, shards: bool) -> tuple[list[list[Any]], list[Any]]:
+def _epoch_data(epoch: int, shards: bool, inputs: list[int]
+                ) -> tuple[list[list[Any]], list[Any]]:
     """Each rank's training batches of ``epoch`` and every rank's validation batches."""
     import lightning_worker as w
     from torch.utils.data import DataLoader
 
-    world = len(w.INPUTS)
+    world = len(inputs)
     if shards:
         loaders = [w.shard_loaders(rank) for rank in range(world)]
         for train, _ in loaders:
             train.sampler.set_epoch(epoch)  # as Lightning does
         return [list(t) for t, _ in loaders], [b for _, v in loaders for b in v]
-    data = [list(DataLoader(w.rows(r, w.INPUTS[r], 1), batch_size=w.BATCH))
+    data = [list(DataLoader(w.rows(r, inputs[r], 1), batch_size=w.BATCH))
             for r in range(world)]
     val = [b for r in range(world) for b in DataLoader(w.rows(r, w.VAL_INPUTS[r], 2),
                                                        batch_size=w.BATCH)]
     return data, val
 
 
-def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
+def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False,
+              inputs: list[int] | None = None, max_steps: int = -1, epochs: int | None = None
               ) -> dict[str, Any]:
-    """The single process: each step the active ranks' batches (module doc)."""
+    """The single process: each step the active ranks' batches (module doc); with
+    ``max_steps``, it stops after that many optimizer steps, and an epoch it ends early
+    is not validated (Lightning validates at an epoch's last batch)."""
     import lightning_worker as w
 
+    inputs = w.INPUTS if inputs is None else inputs
     net = w.make_net()
     optimizer = torch.optim.SGD(net.parameters(), lr=w.LR, momentum=w.MOMENTUM)
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-    world = len(w.INPUTS)
+    world = len(inputs)
     logged: list[list[tuple[float, float]]] = [[] for _ in range(world)]
     actives: list[list[list[int]]] = [[] for _ in range(world)]
     val_loss, train_mse, batches = [], [], []
-    for epoch in range(w.EPOCHS):
-        data, val = _epoch_data(epoch, shards)
+    steps = 0
+    for epoch in range(w.EPOCHS if epochs is None else epochs):
+        if 0 <= max_steps <= steps:
+            break
+        data, val = _epoch_data(epoch, shards, inputs)
         batches.append([len(d) for d in data])
         most = max(len(d) for d in data)
-        squared, count = 0.0, 0
+        squared, count, cut = 0.0, 0, False
         for step in range(most):
+            if 0 <= max_steps <= steps:
+                cut = True
+                break
             active = [r for r in range(world) if len(data[r]) > step]
             if step % accumulate == 0:
                 optimizer.zero_grad()
@@ -132,9 +150,12 @@ def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
                 actives[rank].append(active)
             if (step + 1) % accumulate == 0 or step == most - 1:
                 optimizer.step()
+                steps += 1
                 if scheduler:
                     sched.step()
         train_mse.append(squared / count)
+        if cut:
+            break
         with torch.no_grad():  # Lightning weighs each batch's mean by its size
             val_loss.append(sum(float(torch.nn.functional.mse_loss(net(x), y)) * len(y)
                                 for x, y in val) / sum(len(y) for _, y in val))
@@ -143,7 +164,7 @@ def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
         "momentum": [float(v) for s in optimizer.state.values()
                      for v in s["momentum_buffer"].reshape(-1)],
         "logged": logged, "active": actives, "val_loss": val_loss, "train_mse": train_mse,
-        "batches": batches,
+        "batches": batches, "global_step": steps,
     }
 
 
@@ -172,6 +193,74 @@ def test_fit_with_uneven_ranks_matches_a_single_process(runs: Any, name: str) ->
         # A side collective of the user's (a Callback before UnevenInputs): active ranks.
         assert got["active_ranks"] == [float(len(logged_step)) for logged_step in
                                        want["active"][rank]]
+
+
+def test_a_rank_with_no_training_batch_matches_a_single_process(runs: Any) -> None:
+    """Rank 0's training loader is empty (Lightning alone skips its fit loop, and by
+    default raises there alone): it runs every epoch, shadows rank 1's 8 batches,
+    validates with it and ends with the same parameters."""
+    import lightning_worker as w
+
+    want = reference(scheduler=True, inputs=w.EMPTY_INPUTS)
+    for rank, got in enumerate(result(runs, "ddp_empty_rank")):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        assert got["loss"] == pytest.approx([m for m, _ in want["logged"][rank]], abs=1e-5)
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        assert len(got["val_loss"]) == w.EPOCHS
+        assert got["global_step"] == want["global_step"] == 8 * w.EPOCHS
+        assert got["shadow_rounds"] == [8 - w.EMPTY_INPUTS[rank]] * w.EPOCHS
+        assert got["active_ranks"] == [1.0] * (w.EMPTY_INPUTS[rank] * w.EPOCHS)
+
+
+def test_a_rank_with_no_training_batch_and_an_epoch_metric_is_refused_on_every_rank(
+        runs: Any) -> None:
+    """The same run with a torchmetrics object logged on_epoch (synced at the epoch's
+    end, where the rank without a batch has nothing to sync): a clear error on both
+    ranks, no hang."""
+    for rank in runs["ranks"]:
+        record = rank.get("ddp_empty_rank_epoch_metric")
+        assert record is not None, runs["worker"].stdout[-5000:]
+        assert not record["ok"]
+        assert "LocalProtocolError" in record["error"], record["error"]
+        assert "a rank had no training batch this epoch" in record["error"]
+        assert "train_mse" in record["error"]
+
+
+def test_max_steps_in_the_middle_of_an_epoch_matches_a_single_process(runs: Any) -> None:
+    """max_steps=15 with 5 and 8 batches: epoch 0 takes 8 steps (rank 0's count follows the
+    last joiner's), epoch 1 stops after 7 on every rank, with no validation (rank 0 ran out
+    at its batch 5, where Lightning alone would validate by itself)."""
+    import lightning_worker as w
+
+    want = reference(scheduler=True, max_steps=w.MAX_STEPS, epochs=3)
+    assert want["global_step"] == w.MAX_STEPS and len(want["val_loss"]) == 1
+    for rank, got in enumerate(result(runs, "ddp_max_steps")):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        assert got["loss"] == pytest.approx([m for m, _ in want["logged"][rank]], abs=1e-5)
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        assert got["global_step"] == w.MAX_STEPS
+        assert got["shadow_rounds"] == [[3, 2], [0, 0]][rank]
+
+
+def test_the_modules_own_side_channel_collectives_and_a_per_step_metric(runs: Any) -> None:
+    """The LightningModule's on_train_batch_end makes batch_idx % 3 + 1 all-reduces
+    through the side channel (rank 0's last batch included), and a torchmetrics metric
+    with dist_sync_on_step=True is logged per step: the metric over the batches of the
+    ranks still training, as one process."""
+    want = reference(scheduler=True)
+    for rank, got in enumerate(result(runs, "ddp_side_channel")):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        means = [m for m, _ in want["logged"][rank]]
+        assert got["loss"] == pytest.approx(means, abs=1e-5)
+        # Equal batch sizes: the MSE over the active ranks' rows is their losses' mean.
+        assert got["step_mse"] == pytest.approx(means, abs=1e-5)
+        steps = [step for epoch in want["batches"] for step in range(epoch[rank])]
+        assert got["side_counts"] == [[float(len(active))] * (step % 3 + 1) for step, active
+                                      in zip(steps, want["active"][rank], strict=True)]
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
 
 
 def test_accumulate_grad_batches_matches_a_single_process(runs: Any) -> None:

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pl = pytest.importorskip("pytorch_lightning")
 
-from joinkit import LocalProtocolError, SideCollective  # noqa: E402
+from joinkit import LocalProtocolError, SideChannel, SideCollective  # noqa: E402
 from joinkit.adapters._guards import Member, Need  # noqa: E402
 from joinkit.adapters.lightning import UnevenInputs  # noqa: E402
 from joinkit.adapters.lightning import _private as private  # noqa: E402
@@ -43,6 +43,32 @@ def test_side_collectives_must_be_side_collectives() -> None:
     with pytest.raises(TypeError, match="takes joinkit.SideCollective objects"):
         UnevenInputs(side_collectives=[print])  # type: ignore[list-item]
     UnevenInputs(side_collectives=[SideCollective(print)])
+
+
+def test_the_side_channel_must_be_a_side_channel() -> None:
+    with pytest.raises(TypeError, match="takes a joinkit.SideChannel"):
+        UnevenInputs(side_channel=SideCollective(print))  # type: ignore[arg-type]
+    side = SideChannel()
+    assert UnevenInputs(side_channel=side).side_channel is side
+    assert UnevenInputs().side_channel is None  # made at an epoch start only if needed
+
+
+def test_a_per_step_metric_with_a_group_of_its_own_is_refused() -> None:
+    import torchmetrics
+
+    from joinkit.adapters.lightning._trainer import _per_step_metrics
+
+    class Module(pl.LightningModule):
+        def __init__(self, group: object) -> None:
+            super().__init__()
+            self.plain = torchmetrics.MeanSquaredError()
+            self.stepped = torchmetrics.MeanSquaredError(dist_sync_on_step=True,
+                                                         process_group=group)
+
+    module = Module(None)
+    assert _per_step_metrics(module) == [module.stepped]
+    with pytest.raises(TypeError, match="'stepped' has a process_group of its own"):
+        _per_step_metrics(Module(object()))
 
 
 def test_reduce_ops_it_can_and_cannot_shadow() -> None:

@@ -6,7 +6,10 @@ Theory of operation
 not promise to keep: Fabric's wrapper classes and the attribute holding the
 wrapped (DDP or ``fully_shard``) module; the Trainer's per-batch SIGTERM
 check, which ``UnevenInputs`` replaces with a :class:`joinkit.SideCollective`
-on the epoch loop object, and the SIGTERM handler whose broadcast it swaps out. A release that
+on the epoch loop object, and the SIGTERM handler whose broadcast it swaps out;
+the fit loop's data set-up and batch count (a rank with no training batch), the
+epoch loop's validation switches and logged results, and the optimizer-step
+count behind ``trainer.global_step``. A release that
 renamed one would make joinkit miss a collective (a hang) or unwrap nothing,
 so each is listed here, in the format of ``adapters._guards`` (whose
 checker this module uses), and :func:`check` runs once per group and process
@@ -39,6 +42,8 @@ _WRAPPERS = "lightning_fabric.wrappers"
 _EPOCH_LOOP = "pytorch_lightning.loops.training_epoch_loop"
 _SIGNALS = "pytorch_lightning.trainer.connectors.signal_connector"
 _TRAINER = "pytorch_lightning.trainer.trainer"
+_FIT_LOOP = "pytorch_lightning.loops.fit_loop"
+_AUTOMATIC = "pytorch_lightning.loops.optimization.automatic"
 
 
 def _m(module: str, name: str, need: Need, why: str, params: tuple[str, ...] = (),
@@ -73,6 +78,27 @@ GROUPS: dict[str, tuple[Member, ...]] = {
            "the SIGTERM handler Lightning registers, rebuilt with the notifier swapped"),
         _m(_SIGNALS, "_HandlersCompose.signal_handlers", Need.ATTRIBUTE,
            "the handlers it calls in turn"),
+        _m(_FIT_LOOP, "_FitLoop.setup_data", Need.CALLABLE,
+           "loads the training data; UnevenInputs wraps it to find ranks with none",
+           ("self",), (f"{_FIT_LOOP}:_FitLoop.run",)),
+        _m(_FIT_LOOP, "_FitLoop.max_batches", Need.ATTRIBUTE,
+           "the rank's training batch count; 0 makes Lightning skip the fit loop"),
+        _m(_FIT_LOOP, "_FitLoop._combined_loader", Need.ATTRIBUTE,
+           "the training loader, new when setup_data (re)loaded it"),
+        _m(_FIT_LOOP, "_FitLoop._last_train_dl_reload_epoch", Need.ATTRIBUTE,
+           "when the training data was loaded (setup_data skips it for an empty rank)"),
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop._skip_next_val", Need.ATTRIBUTE,
+           "skips the validation after a rank's last batch when max_steps ended the epoch"),
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop._should_check_val_epoch", Need.CALLABLE,
+           "whether an epoch validates, for a rank without a training batch", ("self",)),
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop.val_loop", Need.ATTRIBUTE,
+           "the validation loop a rank without a training batch runs"),
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop._results", Need.ATTRIBUTE,
+           "the epoch's logged training values, compared when a rank had no batch"),
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop.automatic_optimization", Need.ATTRIBUTE,
+           "holds the optimizer-step count behind trainer.global_step"),
+        _m(_AUTOMATIC, "_AutomaticOptimization.optim_progress", Need.ATTRIBUTE,
+           "the optimizer-step count set to the last joiner's after each epoch"),
     ),
 }
 

@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 ``Trainer(callbacks=[UnevenInputs()])`` runs every training epoch inside a
-:class:`joinkit.Join`: entered at ``on_train_epoch_start``, left at the
-``on_train_batch_end`` of the rank's own last batch (where a rank that ran out
+:class:`joinkit.Join`: entered at ``on_train_epoch_start``, left after the
+LightningModule's ``on_train_batch_end`` of the rank's own last batch (the
+callback wraps that hook on the module object; there a rank that ran out
 first shadows the others until every rank has finished the epoch). So an epoch
 boundary is a Join boundary: a rank's next epoch, and the validation that
 Lightning runs right after a rank's last batch, start on every rank together
@@ -54,9 +55,38 @@ is the order of a joined rank's shadow round:
    ``on_train_batch_end`` of a Callback listed *before* ``UnevenInputs``): pass
    them as ``UnevenInputs(side_collectives=[...])``, ``SideCollective``
    objects, listed in that order before step 3's joinable, which runs in
-   ``UnevenInputs.on_train_batch_end``. (The LightningModule's own
-   ``on_train_batch_end`` runs after it, when a rank's last batch has already
-   left the Join: no per-batch collective there.)
+   the wrapped ``on_train_batch_end`` of the LightningModule, after the
+   module's own.
+5. Collectives in any number and order per batch, anywhere from the epoch's
+   start to the end of the LightningModule's ``on_train_batch_end`` (the
+   module's hooks, ``training_step``, any Callback): through a
+   :class:`joinkit.SideChannel` (``UnevenInputs(side_channel=...)``), listed in
+   every epoch's Join; a joined rank's service thread answers them on the
+   channel's own communicator. torchmetrics metrics of the module with
+   ``dist_sync_on_step=True`` sync in their ``forward``: while the Join lasts
+   their ``dist_sync_fn`` is the channel's ``all_gather`` (the callback makes a
+   channel of its own if none was given), so a step's value is the metric over
+   the active ranks' batches.
+
+*A rank with no training batch.* Lightning skips the fit loop of a rank whose
+loader is empty (and raises there alone unless the module allows it). After
+Lightning (re)loads the training data, the ranks agree (one all-reduce) whether
+some rank has none; such a rank counts one stand-in batch, so Lightning runs
+its epochs, and in that batch's SIGTERM-check slot it leaves the Join (it
+shadows every round of the others' epoch), then validates as the others do
+after their last batch; its empty fetch ends the epoch loop. Epoch-level
+training values Lightning syncs at the epoch's end (``on_epoch=True`` with
+``sync_dist=True``, torchmetrics objects) would wait for that rank, which
+logged none: the ranks compare them after each epoch's Join and refuse them
+on every rank (``LocalProtocolError``). Refused under FSDP2 (``TypeError``).
+
+*After each epoch's Join* every rank runs one MAX all-reduce: a SIGTERM after
+its last check (below), whether ``max_steps`` ended some rank's epoch with
+batches left (then no rank validates, as a single process would not reach the
+epoch's end: a rank that ran out earlier skips its validation), and
+``trainer.global_step``: a joined DDP rank did not step in its shadow rounds,
+so every rank takes the last joiner's count, one optimizer step per round as a
+single process, and ``max_steps`` stops every rank at the same batch.
 
 *Gradient accumulation.* Lightning skips DDP's gradient sync (``no_sync``)
 while it accumulates, and always steps on a rank's last batch; with uneven
@@ -100,10 +130,12 @@ Refused at ``setup``/``on_fit_start``: tensor parallelism,
 ``accumulate_grad_batches > 1``, no or several root ``fully_shard`` modules.
 
 *What it patches.* Instance attributes only, set in ``setup`` and removed in
-``teardown``: the epoch loop's ``_broadcast_sigterm_tensor`` (private: checked
-by ``adapters._lightning_private``), the strategy's ``reduce`` and
-``block_backward_sync`` (public methods); each of the last two defers to the
-original outside the Join. And the process's SIGTERM handler (Lightning's,
+``teardown``: the epoch loop's ``_broadcast_sigterm_tensor`` and the fit loop's
+``setup_data`` (private: checked by ``_private``), the strategy's ``reduce`` and
+``block_backward_sync`` (public methods; each defers to the original outside
+the Join), and the LightningModule's ``on_train_batch_end`` (a hook; the
+wrapper calls the module's own first). While a Join lasts, the
+``dist_sync_fn`` of per-step-syncing metrics. And the process's SIGTERM handler (Lightning's,
 with its ``_sigterm_notifier_fn`` swapped; the members are checked), put back
 in ``teardown``.
 """
@@ -130,7 +162,7 @@ except ImportError as error:  # pragma: no cover - the lightning extra is missin
         "`pip install 'joinkit[lightning]'`"
     ) from error
 
-from joinkit import Join, LocalProtocolError, SideCollective
+from joinkit import Join, LocalProtocolError, SideChannel, SideCollective
 
 from . import _private
 from .fabric import OptimizerStateSync
@@ -155,23 +187,37 @@ class UnevenInputs(Callback):
     Args:
         side_collectives: per-batch collectives of your own hooks, as
             :class:`joinkit.SideCollective` objects, in the order they run between
-            the backward pass and this callback's ``on_train_batch_end`` (the
-            module doc's step 4).
+            the backward pass and the end of the LightningModule's
+            ``on_train_batch_end`` (the module doc's step 4).
         timeout: the Join's ``timeout`` (default: joinkit's).
+        side_channel: a :class:`joinkit.SideChannel` listed in every epoch's
+            Join: your hooks' collectives in any number and order per batch go
+            through it (step 5), and so do the per-step syncs of torchmetrics
+            metrics with ``dist_sync_on_step=True``. ``None``: the callback makes
+            one when the module has such a metric (attribute ``side_channel``).
 
     Raises:
-        TypeError: a ``side_collectives`` element is not a ``SideCollective``; at
+        TypeError: a ``side_collectives`` element is not a ``SideCollective``,
+            ``side_channel`` is not a ``SideChannel``; at an epoch start, a
+            per-step-syncing metric with a ``process_group`` of its own; at
             ``fit``, the strategy is neither one of Lightning's DDP strategies nor
             ``ModelParallelStrategy``, or uses what the FSDP2 path does not support
             (module doc).
         UnsupportedLightningError (at ``fit``): this Lightning changed a member
             joinkit relies on.
         LocalProtocolError: ``self.log(..., sync_dist=True, sync_dist_group=...)``
-            with a group other than the default one, during a training batch.
+            with a group other than the default one, during a training batch; on
+            every rank after an epoch's Join, a rank had no training batch and the
+            others logged epoch-level values Lightning syncs at the epoch's end.
     """
 
     def __init__(self, side_collectives: Sequence[SideCollective] = (),
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, side_channel: SideChannel | None = None) -> None:
+        if side_channel is not None and not isinstance(side_channel, SideChannel):
+            raise TypeError(
+                f"UnevenInputs(side_channel=...) takes a joinkit.SideChannel, not "
+                f"{type(side_channel).__qualname__}"
+            )
         for side in side_collectives:
             if not isinstance(side, SideCollective):
                 raise TypeError(
@@ -180,6 +226,15 @@ class UnevenInputs(Callback):
                 )
         self._extra = list(side_collectives)
         self._timeout = timeout
+        self._user_channel = side_channel
+        #: The side channel of the epoch Joins: ``side_channel``, or one of the
+        #: callback's own when the LightningModule holds a torchmetrics metric
+        #: with ``dist_sync_on_step=True`` (``None``: neither).
+        self.side_channel: SideChannel | None = side_channel
+        self._synced_metrics: list[tuple[Any, Any]] = []  # (metric, its dist_sync_fn)
+        self._empty = False  # this rank has no training batch (a stand-in count of 1)
+        self._any_empty = False  # some rank has none (agreed in setup_data)
+        self._cut = False  # the epoch's Join ended by max_steps before some rank's last batch
         self._join: Join | None = None
         self._log_sync: SideCollective | None = None
         self._sigterm: SideCollective | None = None
@@ -221,7 +276,14 @@ class UnevenInputs(Callback):
                                        name="Lightning's SIGTERM check")
         self._log_sync = SideCollective(self._sync_deferred, shadow=self._shadow_deferred,
                                         name="self.log(sync_dist=True) of the batch")
-        self._patch(epoch_loop, "_broadcast_sigterm_tensor", self._sigterm)
+        self._patch(epoch_loop, "_broadcast_sigterm_tensor", self._batch_check)
+        self._patch(trainer.fit_loop, "setup_data",
+                    _agreeing_setup_data(self, trainer, trainer.fit_loop.setup_data))
+        # Leave the epoch's Join after the LightningModule's own on_train_batch_end
+        # (Lightning calls it after the callbacks'), so its collectives, through the
+        # side channel, and its sync_dist values are still inside the Join.
+        self._patch(pl_module, "on_train_batch_end",
+                    _leaving_batch_end(self, trainer, pl_module.on_train_batch_end))
         self._patch(strategy, "reduce", _deferring_reduce(self, strategy.reduce))
         block: Any = getattr(strategy, "block_backward_sync")  # ParallelStrategy's  # noqa: B009
         self._patch(strategy, "block_backward_sync", _syncing_block(self, block))
@@ -234,6 +296,7 @@ class UnevenInputs(Callback):
             self._trainer._signal_connector.received_sigterm = True
         self._trainer = None
         self._fsdp_root, self._fsdp = None, False
+        self._empty = self._any_empty = self._cut = False
         for obj, name in reversed(self._patched):
             with contextlib.suppress(AttributeError):
                 delattr(obj, name)
@@ -336,20 +399,85 @@ class UnevenInputs(Callback):
             joinables += [OptimizerStateSync(o) for o in trainer.optimizers]
             joinables += [OptimizerStateSync(config.scheduler)
                           for config in trainer.lr_scheduler_configs]
-        joinables += [*self._extra, self._log_sync]
+        joinables += self._extra
+        metrics = _per_step_metrics(pl_module)
+        if metrics and self.side_channel is None:
+            self.side_channel = SideChannel(name="UnevenInputs side channel")
+        if self.side_channel is not None:
+            joinables.append(self.side_channel)
+        joinables.append(self._log_sync)
         join = Join(joinables) if self._timeout is None else Join(joinables,
                                                                   timeout=self._timeout)
         join.__enter__()
-        self._join, self._active = join, True
+        self._join, self._active, self._cut = join, True, False
+        self._route_metric_syncs(metrics)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
+    def _route_metric_syncs(self, metrics: list[Any]) -> None:
+        """Send the per-step syncs of ``metrics`` through the side channel while the Join lasts.
+
+        torchmetrics syncs a ``dist_sync_on_step=True`` metric inside its
+        ``forward`` (inside ``training_step``, between DDP's collectives), with
+        ``dist_sync_fn(state, group=...)`` returning every rank's state; the side
+        channel's ``all_gather`` returns the active ranks' alone, so the step's
+        value is the metric over their batches, while a joined rank's service
+        thread answers for it.
+        """
+        channel = self.side_channel
+        assert channel is not None or not metrics
+
+        def gather(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+            assert channel is not None
+            return [t.to(tensor.device) for t in channel.all_gather(tensor)]
+
+        for metric in metrics:
+            self._synced_metrics.append((metric, metric.dist_sync_fn))
+            metric.dist_sync_fn = gather
+
+    def _restore_metric_syncs(self) -> None:
+        synced, self._synced_metrics = self._synced_metrics, []
+        for metric, original in synced:
+            metric.dist_sync_fn = original
+
+    def _after_batch(self, trainer: pl.Trainer) -> None:
+        """After the LightningModule's ``on_train_batch_end``: sync the batch's
+        ``self.log`` values; after this rank's last batch, leave the epoch's Join."""
         if self._join is None or self._log_sync is None:
             return
         self._log_sync()
-        progress = trainer.fit_loop.epoch_loop.batch_progress
+        epoch_loop = trainer.fit_loop.epoch_loop
+        progress = epoch_loop.batch_progress
         if progress.is_last_batch or progress.current.ready == trainer.num_training_batches:
             self._leave(None)
+            if self._cut:
+                # Another rank's epoch ended by max_steps: a single process would not
+                # reach the end of the epoch, so no rank validates (as a single process).
+                epoch_loop._skip_next_val = True
+
+    def _batch_check(self) -> None:
+        """Lightning's per-batch SIGTERM check, before each batch is fetched.
+
+        On an active rank, the SIGTERM side collective (the Join's heartbeat). On
+        a rank with no training batch (a stand-in count of 1), this is where its
+        one batch would start: it leaves the Join (shadowing every round of the
+        others' epoch), validates when the others do, and its loader then ends
+        the epoch loop (Lightning stops at the empty fetch).
+        """
+        trainer = self._trainer
+        if not self._empty or self._join is None or trainer is None:
+            assert self._sigterm is not None
+            self._sigterm()
+            return
+        epoch_loop = trainer.fit_loop.epoch_loop
+        self._leave(None)
+        # As after a last batch: the epoch's plateau schedulers step in the fit
+        # loop (its other schedulers came with the last joiner's state).
+        epoch_loop.batch_progress.is_last_batch = True
+        if not self._cut and epoch_loop._should_check_val_epoch():
+            # What Lightning runs after a last batch (training_epoch_loop.on_advance_end).
+            trainer.validating = True
+            trainer.lightning_module.on_validation_model_zero_grad()
+            epoch_loop.val_loop.run()
+            trainer.training = True
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            loss: torch.Tensor) -> None:
@@ -427,17 +555,54 @@ class UnevenInputs(Callback):
         join, self._join = self._join, None
         self._active = False
         self._deferred.clear()
+        self._restore_metric_syncs()
         if join is None:
             return
         self.joins.append(join)
         if exception is None:
+            cut = self._cut_by_max_steps()
             join.__exit__(None, None, None)
-            # A SIGTERM after this rank's last check of the epoch: the ranks agree
-            # now, and Lightning's own end-of-batch check stops each of them.
             if self._trainer is not None:
-                self._sigterm_flag(join.process_group)
+                self._agree(join.process_group, cut)
         else:
             join.__exit__(type(exception), exception, exception.__traceback__)
+
+    def _cut_by_max_steps(self) -> bool:
+        """Whether this rank's epoch ends by ``max_steps`` with batches left."""
+        trainer = self._trainer
+        if trainer is None or self._empty:
+            return False
+        epoch_loop = trainer.fit_loop.epoch_loop
+        progress = epoch_loop.batch_progress
+        left = not progress.is_last_batch and progress.current.ready < trainer.num_training_batches
+        return left and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps
+
+    def _agree(self, group: Any, cut: bool) -> None:
+        """After an epoch's Join, on every rank: one MAX all-reduce of what the ranks
+        must agree on before Lightning goes on.
+
+        - a SIGTERM after this rank's last check of the epoch (Lightning's own
+          end-of-batch check then stops each rank);
+        - whether some rank's epoch ended by ``max_steps`` with batches left (then
+          no rank validates, as a single process would not reach the epoch's end);
+        - ``trainer.global_step``: a joined DDP rank did not step in its shadow
+          rounds, so every rank takes the last joiner's count (one optimizer step
+          per round, as a single process), and ``max_steps`` stops every rank at
+          the same batch of a later epoch.
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        seen = self._sigterm_seen or trainer.received_sigterm
+        flags = torch.tensor([1 if seen else 0, 1 if cut else 0, trainer.global_step],
+                             dtype=torch.int64, device=trainer.strategy.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        sigterm, any_cut, steps = (int(v) for v in flags.tolist())
+        if sigterm:
+            trainer._signal_connector.received_sigterm = True
+        self._cut = bool(any_cut)
+        _set_global_step(trainer, steps)
+        if self._any_empty:
+            _check_epoch_logs(trainer, group)
 
     # -- self.log(sync_dist=True) during the Join -----------------------------------
 
@@ -560,6 +725,115 @@ def _syncing_block(callback: UnevenInputs,
             yield None
 
     return block_backward_sync
+
+
+def _agreeing_setup_data(callback: UnevenInputs, trainer: pl.Trainer,
+                         original: Callable[[], None]) -> Callable[[], None]:
+    """The fit loop's ``setup_data``, with ranks that have no training batch.
+
+    Lightning skips the whole fit loop of a rank whose training loader is empty
+    (and by default raises there alone), while the other ranks train. After
+    Lightning (re)loads the training data (every rank together), the ranks agree
+    in one MAX all-reduce whether some rank has none and some rank has some; an
+    empty rank then counts one stand-in batch, so Lightning runs its epochs
+    (hooks, validation) and :meth:`UnevenInputs._batch_check` shadows the others'
+    batches in that batch's place; the empty fetch ends its epoch loop.
+    """
+    def setup_data() -> None:
+        fit_loop = trainer.fit_loop
+        before = fit_loop._combined_loader
+        module = trainer.lightning_module
+        allow = module.allow_zero_length_dataloader_with_multiple_devices
+        module.allow_zero_length_dataloader_with_multiple_devices = True
+        try:
+            original()
+        finally:
+            module.allow_zero_length_dataloader_with_multiple_devices = allow
+        if fit_loop._combined_loader is None or fit_loop._combined_loader is before:
+            return  # not (re)loaded now: on every rank alike
+        empty = fit_loop.max_batches == 0
+        flags = torch.tensor([1 if empty else 0, 0 if empty else 1], dtype=torch.int64,
+                             device=trainer.strategy.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        any_empty, any_batches = (bool(v) for v in flags.tolist())
+        callback._any_empty = any_empty and any_batches
+        callback._empty = empty and any_batches
+        if callback._any_empty and callback._fsdp:
+            raise TypeError(
+                "UnevenInputs with ModelParallelStrategy needs at least one training batch "
+                "on every rank (a joined FSDP2 rank replays the forward of batches it has "
+                "seen); some rank's training loader is empty: use strategy='ddp', or give "
+                "every rank a batch"
+            )
+        if callback._empty:
+            fit_loop.max_batches = 1  # one stand-in batch; the fetch finds none
+            fit_loop._last_train_dl_reload_epoch = trainer.current_epoch
+
+    return setup_data
+
+
+def _leaving_batch_end(callback: UnevenInputs, trainer: pl.Trainer,
+                       original: Callable[..., Any]) -> Callable[..., Any]:
+    def on_train_batch_end(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        callback._after_batch(trainer)
+        return result
+
+    return on_train_batch_end
+
+
+def _per_step_metrics(pl_module: pl.LightningModule) -> list[Any]:
+    """The torchmetrics metrics in ``pl_module`` that sync in every ``forward``."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency of Lightning
+        return []
+    found = []
+    for name, module in pl_module.named_modules():
+        if isinstance(module, Metric) and module.dist_sync_on_step:
+            if module.process_group not in (None, dist.group.WORLD):
+                raise TypeError(
+                    f"UnevenInputs routes the per-step sync of torchmetrics metrics "
+                    f"(dist_sync_on_step=True) over the Join's ranks; {name!r} has a "
+                    "process_group of its own: drop it, or dist_sync_on_step"
+                )
+            found.append(module)
+    return found
+
+
+def _set_global_step(trainer: pl.Trainer, steps: int) -> None:
+    """Set ``trainer.global_step`` (automatic optimization: its optimizer-step count)."""
+    if not trainer.lightning_module.automatic_optimization:
+        return
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+    total = progress.optimizer.step.total
+    if steps > total.completed:
+        total.ready = total.ready + steps - total.completed
+        total.completed = steps
+
+
+def _check_epoch_logs(trainer: pl.Trainer, group: Any) -> None:
+    """Refuse, on every rank, epoch-level training values a rank with no batch lacks.
+
+    Lightning syncs each ``self.log(..., on_epoch=True)`` value with
+    ``sync_dist=True`` (and each logged torchmetrics object, at ``compute``) at
+    the epoch's end, on the ranks that logged it; a rank without a training
+    batch logged none, so the others' syncs would wait for it.
+    """
+    results = trainer.fit_loop.epoch_loop._results
+    mine = sorted(key for key, result in results.items()
+                  if result.meta.on_epoch and (not result.is_tensor or result.meta.sync.should))
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if any(keys != every[0] for keys in every):
+        raise LocalProtocolError(
+            "UnevenInputs: a rank had no training batch this epoch, and the others logged "
+            "epoch-level training values that Lightning syncs at the epoch's end "
+            f"({sorted({k for keys in every for k in keys})}: self.log(..., on_epoch=True, "
+            "sync_dist=True) or a torchmetrics object), which that rank cannot take part "
+            "in: log them on_step only, without sync_dist, or compute the metric in "
+            "on_train_epoch_end yourself"
+        )
 
 
 def _is_ddp(strategy: Any) -> bool:
