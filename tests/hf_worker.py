@@ -319,9 +319,10 @@ def ds_config(stage: int, **zero: Any) -> dict[str, Any]:
 
 
 def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "gpt2",
-                epochs: int = 2, eval_strategy: str = "epoch", clip: float = 0.05,
+                epochs: int = 2, eval_steps: int | None = None, clip: float = 0.05,
                 average_tokens: bool = True) -> dict[str, Any]:
-    """A map-style dataset under DeepSpeed ZeRO ``stage``; evaluation each epoch."""
+    """A map-style dataset under DeepSpeed ZeRO ``stage``; evaluation each epoch (or
+    every ``eval_steps``)."""
     import_deepspeed()
     from transformers import Trainer
 
@@ -329,7 +330,9 @@ def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "
 
     trainer = deepspeed_trainer_class(trainer_class(Trainer))(
         model=tiny_model(model),
-        args=args(ctx["dir"], num_train_epochs=epochs, eval_strategy=eval_strategy,
+        args=args(ctx["dir"], num_train_epochs=epochs,
+                  eval_strategy="epoch" if eval_steps is None else "steps",
+                  eval_steps=eval_steps,
                   average_tokens_across_devices=average_tokens, max_grad_norm=clip,
                   deepspeed=ds_config(stage)),
         train_dataset=rows_dataset(sequences(samples, seed=1)),
@@ -474,9 +477,10 @@ CELLS = {
     # Without clipping here, with clipping that bites in the others.
     "ds_map_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, clip=0.0),
     "ds_map_s3": lambda ctx: ds_map_cell(ctx, stage=3, samples=13, model="llama"),
-    # ZeRO-1, plain-mean losses. (Stage 0 is not run: its gradient all-reduce refuses
+    # ZeRO-1, plain-mean losses, evaluations at steps 4 and 8, after rank 1 joined
+    # (rank 0 evaluates alone). (Stage 0 is not run: its gradient all-reduce refuses
     # the float64 gradients of these models, "unsupported grad type".)
-    "ds_map_s1": lambda ctx: ds_map_cell(ctx, stage=1, samples=11, eval_strategy="no",
+    "ds_map_s1": lambda ctx: ds_map_cell(ctx, stage=1, samples=13, eval_steps=4,
                                          average_tokens=False),
     # Each rank's own stream, rank 1 with none.
     "ds_stream_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 0], max_steps=5),

@@ -28,7 +28,7 @@ __all__ = ["uneven_inputs", "UnsupportedTransformersError"]
 
 from ._private import UnsupportedTransformersError
 
-#: Where DeepSpeed under the Trainer is being built (another joinkit integration).
+#: The integration whose engine joinable the Trainer's DeepSpeed path puts in its Joins.
 DEEPSPEED_PATH = "joinkit.adapters.deepspeed"
 
 
@@ -57,7 +57,9 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
 
     Args:
         trainer: a ``transformers.Trainer`` or a subclass (TRL's ``SFTTrainer``...),
-            under DDP (``torchrun``, ``accelerate launch``), CPU or GPU.
+            under DDP (``torchrun``, ``accelerate launch``), CPU or GPU, or with a
+            DeepSpeed config (ZeRO 1-3, ``gradient_accumulation_steps=1``; a joined
+            rank replays the engine's step, :data:`DEEPSPEED_PATH`).
         timeout: the Joins' watchdog (``joinkit.Join(timeout=...)``); ``None``
             keeps joinkit's default.
 
@@ -67,9 +69,12 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
         RuntimeError: the trainer is training already; or the launcher started
-            several processes and Accelerate sees one.
-        NotImplementedError: DeepSpeed (see :data:`DEEPSPEED_PATH`), FSDP,
-            DataParallel, tensor, context or sequence parallelism.
+            several processes and Accelerate sees one; or a DeepSpeed config that
+            Accelerate does not run (``use_cpu=True``).
+        NotImplementedError: FSDP, DataParallel, tensor, context or sequence
+            parallelism; under DeepSpeed gradient accumulation, offloading, ZeRO++,
+            mid-epoch checkpoints, ZeRO-3 mid-epoch or stream evaluation, a model
+            whose main input is not ``input_ids``.
         ValueError: a setting this adapter does not handle (the message says
             which, and what to use instead).
         UnsupportedTransformersError: this transformers/Accelerate changed an
