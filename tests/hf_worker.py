@@ -485,6 +485,8 @@ CELLS = {
     # Each rank's own stream, rank 1 with none.
     "ds_stream_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 0], max_steps=5),
     "ds_stream_s3": lambda ctx: ds_stream_cell(ctx, stage=3, rows=[0, 9], max_steps=6),
+    # The control: even streams, nobody joins (DeepSpeed's own float32 error).
+    "ds_even_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 5], max_steps=5),
     "ds_refusals": ds_refusals,
 }
 
