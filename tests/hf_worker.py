@@ -151,6 +151,9 @@ def metrics(prediction: Any) -> dict[str, float]:
 def meta(trainer: Any) -> dict[str, Any]:
     """What the reference needs to know of the run."""
     optimizer = trainer.optimizer.optimizer
+    engine = trainer.model_wrapped
+    if getattr(trainer, "is_deepspeed_enabled", False):  # the client torch optimizer
+        optimizer = engine.basic_optimizer
     return {"optimizer": type(optimizer).__name__,
             "defaults": {k: v for k, v in optimizer.defaults.items()
                          if isinstance(v, (int, float, bool, tuple, type(None)))},
@@ -263,6 +266,160 @@ def sft_cell(ctx: dict[str, Any], *, counts: list[int], max_steps: int, gas: int
             "meta": meta(trainer)}
 
 
+# -- DeepSpeed cells (their own launch: DeepSpeed is imported only there) -----------------
+
+
+def import_deepspeed() -> Any:
+    """DeepSpeed on CPU processes (gloo), without its shared-memory op's JIT build.
+
+    As ``tests/deepspeed_runner.py``: DeepSpeed's CPU accelerator would compile a
+    shared-memory all-reduce (minutes, behind a lock file a killed build leaves
+    behind); marking the op incompatible makes it use torch.distributed's.
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def deepspeed_trainer_class(base: type) -> type:
+    """``base`` whose Accelerator runs DeepSpeed on this CPU machine (a test-only override).
+
+    Accelerate 1.15 runs DeepSpeed on GPU-like devices only: with ``use_cpu=True`` it
+    ignores the Trainer's DeepSpeed plugin (``MULTI_CPU``). So, as the Accelerate
+    DeepSpeed cells of ``tests/deepspeed_runner.py`` do, the state is set to what a GPU
+    machine gets, ``DistributedType.DEEPSPEED`` with the plugin selected, right after the
+    Trainer built its Accelerator; the rest is the Trainer's and Accelerate's own.
+    """
+    def create_accelerator_and_postprocess(self: Any) -> None:
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType
+
+        base.create_accelerator_and_postprocess(self)
+        plugin = self.args.deepspeed_plugin
+        state = self.accelerator.state
+        state.distributed_type = DistributedType.DEEPSPEED
+        PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
+        plugin.set_mixed_precision("no")
+        plugin.select(_from_accelerator_state=True)
+        state.deepspeed_plugins = plugin
+        self.is_deepspeed_enabled = True
+
+    return type(f"DeepSpeed{base.__name__}", (base,),
+                {"create_accelerator_and_postprocess": create_accelerator_and_postprocess})
+
+
+def ds_config(stage: int, **zero: Any) -> dict[str, Any]:
+    """A DeepSpeed config whose batch, accumulation and clipping the Trainer fills in."""
+    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "zero_optimization": {"stage": stage, **zero}}
+
+
+def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "gpt2",
+                epochs: int = 2, eval_steps: int | None = None, clip: float = 0.05,
+                average_tokens: bool = True) -> dict[str, Any]:
+    """A map-style dataset under DeepSpeed ZeRO ``stage``; evaluation each epoch (or
+    every ``eval_steps``)."""
+    import_deepspeed()
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    trainer = deepspeed_trainer_class(trainer_class(Trainer))(
+        model=tiny_model(model),
+        args=args(ctx["dir"], num_train_epochs=epochs,
+                  eval_strategy="epoch" if eval_steps is None else "steps",
+                  eval_steps=eval_steps,
+                  average_tokens_across_devices=average_tokens, max_grad_norm=clip,
+                  deepspeed=ds_config(stage)),
+        train_dataset=rows_dataset(sequences(samples, seed=1)),
+        eval_dataset=rows_dataset(sequences(7, seed=2)), data_collator=collate,
+        compute_metrics=metrics)
+    trainer.recorded = []
+    trainer.items = []
+    uneven_inputs(trainer)
+    output = trainer.train()
+    final = trainer.evaluate()
+    return {"recorded": trainer.recorded, "items": trainer.items,
+            "params": ds_params(trainer), "log_history": trainer.state.log_history,
+            "final_eval": final, "global_step": output.global_step,
+            "engine": type(trainer.model_wrapped).__name__,
+            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer)}
+
+
+def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
+                   max_steps: int) -> dict[str, Any]:
+    """Each rank's own stream under DeepSpeed ZeRO ``stage``; one rank may have none."""
+    import_deepspeed()
+    from datasets import IterableDataset
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    rank = dist.get_rank()
+    own = IterableDataset.from_generator(stream, gen_kwargs={"count": rows[rank],
+                                                             "seed": 10 + rank})
+    trainer = deepspeed_trainer_class(trainer_class(Trainer))(
+        model=tiny_model("llama"),
+        args=args(ctx["dir"], max_steps=max_steps, deepspeed=ds_config(stage)),
+        train_dataset=own, data_collator=collate)
+    trainer.recorded = []
+    trainer.items = []
+    uneven_inputs(trainer)
+    output = trainer.train()
+    return {"recorded": trainer.recorded, "items": trainer.items,
+            "params": ds_params(trainer), "log_history": trainer.state.log_history,
+            "global_step": output.global_step,
+            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer)}
+
+
+def ds_params(trainer: Any) -> dict[str, torch.Tensor]:
+    """The full parameters of the Trainer's DeepSpeed engine (ZeRO-3's gathered)."""
+    import deepspeed
+
+    engine = trainer.model_wrapped
+    module = engine.module
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return params(module)
+    return params(module)
+
+
+def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
+    """What ``uneven_inputs`` refuses under DeepSpeed: on every rank, before any collective."""
+    import_deepspeed()
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    data = rows_dataset(sequences(6, seed=1))
+    messages = {}
+    cases = {
+        "gas2": {"gradient_accumulation_steps": 2, "deepspeed": ds_config(2)},
+        "offload": {"deepspeed": ds_config(2, offload_optimizer={"device": "cpu"})},
+        "save_steps": {"save_strategy": "steps", "save_steps": 2, "deepspeed": ds_config(2)},
+        "zero3_eval_steps": {"eval_strategy": "steps", "eval_steps": 2,
+                             "deepspeed": ds_config(3)},
+    }
+    for name, overrides in cases.items():
+        trainer = deepspeed_trainer_class(Trainer)(
+            model=tiny_model("gpt2"), args=args(ctx["dir"], **overrides), train_dataset=data,
+            eval_dataset=data, data_collator=collate)
+        try:
+            uneven_inputs(trainer)
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            messages[name] = f"{type(error).__name__}: {error}"
+        else:
+            messages[name] = None
+    box = [dist.get_rank()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, box)
+    return {"messages": messages, "after": gathered}
+
+
 def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     """Bad input raises on every rank before any collective, with what to do."""
     from transformers import Trainer
@@ -316,6 +473,21 @@ CELLS = {
                                            gas=3),
     "sft_packing": lambda ctx: sft_cell(ctx, counts=[5, 14, 9][: ctx["world"]], max_steps=6),
     "refusals": refusals,
+    # DeepSpeed (launched apart): 13 samples of batch 2 on 2 ranks, 4 and 3 batches.
+    # Without clipping here, with clipping that bites in the others.
+    "ds_map_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, clip=0.0),
+    "ds_map_s3": lambda ctx: ds_map_cell(ctx, stage=3, samples=13, model="llama"),
+    # ZeRO-1, plain-mean losses, evaluations at steps 4 and 8, after rank 1 joined
+    # (rank 0 evaluates alone). (Stage 0 is not run: its gradient all-reduce refuses
+    # the float64 gradients of these models, "unsupported grad type".)
+    "ds_map_s1": lambda ctx: ds_map_cell(ctx, stage=1, samples=13, eval_steps=4,
+                                         average_tokens=False),
+    # Each rank's own stream, rank 1 with none.
+    "ds_stream_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 0], max_steps=5),
+    "ds_stream_s3": lambda ctx: ds_stream_cell(ctx, stage=3, rows=[0, 9], max_steps=6),
+    # The control: even streams, nobody joins (DeepSpeed's own float32 error).
+    "ds_even_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 5], max_steps=5),
+    "ds_refusals": ds_refusals,
 }
 
 

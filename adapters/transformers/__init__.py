@@ -28,7 +28,7 @@ __all__ = ["uneven_inputs", "UnsupportedTransformersError"]
 
 from ._private import UnsupportedTransformersError
 
-#: Where DeepSpeed under the Trainer is being built (another joinkit integration).
+#: The integration whose engine joinable the Trainer's DeepSpeed path puts in its Joins.
 DEEPSPEED_PATH = "joinkit.adapters.deepspeed"
 
 
@@ -57,7 +57,9 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
 
     Args:
         trainer: a ``transformers.Trainer`` or a subclass (TRL's ``SFTTrainer``...),
-            under DDP (``torchrun``, ``accelerate launch``), CPU or GPU.
+            under DDP (``torchrun``, ``accelerate launch``), CPU or GPU, or with a
+            DeepSpeed config (ZeRO 1-3, ``gradient_accumulation_steps=1``; a joined
+            rank replays the engine's step, :data:`DEEPSPEED_PATH`).
         timeout: the Joins' watchdog (``joinkit.Join(timeout=...)``); ``None``
             keeps joinkit's default.
 
@@ -67,9 +69,12 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
         RuntimeError: the trainer is training already; or the launcher started
-            several processes and Accelerate sees one.
-        NotImplementedError: DeepSpeed (see :data:`DEEPSPEED_PATH`), FSDP,
-            DataParallel, tensor, context or sequence parallelism.
+            several processes and Accelerate sees one; or a DeepSpeed config that
+            Accelerate does not run (``use_cpu=True``).
+        NotImplementedError: FSDP, DataParallel, tensor, context or sequence
+            parallelism; under DeepSpeed gradient accumulation, offloading, ZeRO++,
+            mid-epoch checkpoints, ZeRO-3 mid-epoch or stream evaluation, a model
+            whose main input is not ``input_ids``.
         ValueError: a setting this adapter does not handle (the message says
             which, and what to use instead).
         UnsupportedTransformersError: this transformers/Accelerate changed an
@@ -106,10 +111,11 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
             )
         return trainer  # nothing to join
     if accelerator.distributed_type not in (distributed_type.MULTI_CPU,
-                                            distributed_type.MULTI_GPU):
+                                            distributed_type.MULTI_GPU,
+                                            distributed_type.DEEPSPEED):
         raise NotImplementedError(
-            f"uneven_inputs handles DDP (Accelerate's MULTI_CPU and MULTI_GPU), not "
-            f"{accelerator.distributed_type}"
+            f"uneven_inputs handles DDP (Accelerate's MULTI_CPU and MULTI_GPU) and DeepSpeed, "
+            f"not {accelerator.distributed_type}"
         )
     from ._session import Session
 
@@ -122,11 +128,14 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
 def _refuse(trainer: Any, distributed_type: Any) -> None:
     """Raise for a configuration the adapter does not handle (local checks only)."""
     args = trainer.args
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None):
-        raise NotImplementedError(
-            "uneven_inputs does not handle the Trainer with a DeepSpeed config: DeepSpeed's "
-            f"engine needs its own shadow of a joined rank's step, which {DEEPSPEED_PATH} "
-            "provides (in progress). Without DeepSpeed (DDP) uneven_inputs works as is"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        _refuse_deepspeed(trainer)
+    elif getattr(args, "deepspeed", None):
+        raise RuntimeError(
+            "uneven_inputs: TrainingArguments(deepspeed=...) is set but the Trainer's "
+            "Accelerator does not run DeepSpeed (trainer.is_deepspeed_enabled is False: "
+            "with use_cpu=True Accelerate ignores the DeepSpeed config and trains with DDP). "
+            "Launch on the accelerators DeepSpeed is to use, or drop the deepspeed setting"
         )
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(args, "fsdp", None):
         raise NotImplementedError(
@@ -182,6 +191,79 @@ def _refuse(trainer: Any, distributed_type: Any) -> None:
             "set (every rank the same; joinkit splits it), or eval_strategy='epoch'"
         )
     del distributed_type
+
+
+def _refuse_deepspeed(trainer: Any) -> None:
+    """Raise for a DeepSpeed setting the Join cannot replay exactly (local checks only).
+
+    The engine's own refusals (``joinkit.adapters.deepspeed``) would come at the
+    first epoch's Join, after the Trainer's first collectives: the settings
+    they read are checked here first, from the configuration alone.
+    """
+    args = trainer.args
+    main_input = getattr(trainer.model, "main_input_name", None)
+    if main_input != "input_ids":
+        raise NotImplementedError(
+            "uneven_inputs with DeepSpeed replays a joined rank's step on one token of "
+            f"input_ids, and this model's main input is {main_input!r}: only language models "
+            "that take input_ids are handled under DeepSpeed"
+        )
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    config = dict(getattr(plugin, "deepspeed_config", None) or {})
+    zero = dict(config.get("zero_optimization") or {})
+    stage = int(zero.get("stage", 0))
+    if args.gradient_accumulation_steps > 1:
+        raise NotImplementedError(
+            "uneven_inputs with DeepSpeed handles gradient_accumulation_steps=1 only (here "
+            f"{args.gradient_accumulation_steps}): the Trainer sets the engine's accumulation "
+            "boundary from outside and calls engine.step() at the boundary only, while a "
+            "joined rank's replay of the engine (joinkit.adapters.deepspeed) steps the "
+            "engine's own micro-step counter, so their accumulation windows would part. "
+            "Use gradient_accumulation_steps=1 (a larger per_device_train_batch_size), or "
+            "DDP without DeepSpeed, where uneven_inputs handles accumulation"
+        )
+    for what in ("offload_optimizer", "offload_param"):
+        device = str(dict(zero.get(what) or {}).get("device", "none")).lower()
+        if device not in ("none", "null"):
+            raise NotImplementedError(
+                f"uneven_inputs does not handle DeepSpeed's zero_optimization.{what} to "
+                f"{device!r} (ZeRO-Offload / ZeRO-Infinity): joinkit has not run a joined "
+                "rank's replay with it. Leave offloading out of the DeepSpeed config"
+            )
+    if (int(zero.get("zero_hpz_partition_size", 1) or 1) > 1
+            or zero.get("zero_quantized_weights") or zero.get("zero_quantized_gradients")):
+        raise NotImplementedError(
+            "uneven_inputs does not handle ZeRO++ (zero_hpz_partition_size, "
+            "zero_quantized_weights, zero_quantized_gradients): joinkit has not run it"
+        )
+    saving = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if saving not in ("no", "epoch"):
+        raise NotImplementedError(
+            f"uneven_inputs with DeepSpeed: save_strategy={saving!r} saves in the middle of "
+            "an epoch, where a rank may have joined, and DeepSpeed's save_checkpoint is a "
+            "collective of every rank that a joined rank does not replay. Use "
+            "save_strategy='epoch' (or 'no')"
+        )
+    if stage == 3:
+        import torch
+
+        evaluating = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+        if evaluating == "steps":
+            raise NotImplementedError(
+                "uneven_inputs with DeepSpeed ZeRO-3: eval_strategy='steps' evaluates in "
+                "the middle of an epoch on the ranks still training, and ZeRO-3's forward "
+                "gathers the parameters from every rank. Use eval_strategy='epoch' (every "
+                "rank evaluates), or ZeRO stage 0-2"
+            )
+        eval_data = trainer.eval_dataset
+        datasets = eval_data.values() if isinstance(eval_data, dict) else [eval_data]
+        if any(isinstance(d, torch.utils.data.IterableDataset) for d in datasets):
+            raise NotImplementedError(
+                "uneven_inputs with DeepSpeed ZeRO-3: an IterableDataset evaluation set (each "
+                "rank its own stream, uneven) runs different numbers of forwards on the "
+                "ranks, and ZeRO-3's forward gathers the parameters from every rank. Use a "
+                "map-style evaluation set (joinkit splits it evenly), or ZeRO stage 0-2"
+            )
 
 
 def _launched() -> int | None:

@@ -135,6 +135,9 @@ GROUPS: dict[str, tuple[Member, ...]] = {
            ("self", "loss")),
         _m(_ACC, "Accelerator.prepare", _CALL,
            "intercepted for the Trainer's data loaders", ("self",)),
+        _m(_ACC, "Accelerator.optimizer_step_was_skipped", _EXISTS,
+           "a joined DeepSpeed rank steps the Trainer's scheduler after a replayed step, "
+           "as _run_epoch does, unless the step was skipped"),
     ),
 }
 

@@ -61,6 +61,17 @@ rank that missed log entries while it was joined calls its ``on_log``
 callbacks for them (with ``global_step`` as at the entry), so rank 0's
 reporting integrations see every entry.
 
+*DeepSpeed* (``TrainingArguments(deepspeed=...)``, gradient accumulation 1; the
+rest is refused in ``uneven_inputs``). The epoch's Join takes the engine
+(``model_wrapped``) where it takes the DDP model: ``joinkit.adapters.deepspeed``
+makes it a joinable whose joined rank replays the engine's step, on one token of
+``input_ids`` (a Hugging Face model's attention does not take 0 rows, and a rank
+without data has no batch); the state sync's main hook then steps the Trainer's
+LR scheduler as ``_run_epoch`` does after each optimizer step. The engine's
+collectives run on its ZeRO group, a group of its own: inside the epoch's Join the
+session's calls go through a second side channel that follows it. The post hook
+sends no optimizer state (each rank's is its own partition, stepped by the replay).
+
 *Evaluation* (``evaluate``, ``predict``, ``eval_strategy``, also in the middle
 of an epoch after a rank joined): the ranks evaluating (every rank, or inside
 a training Join the active ones, found with one side call) split the batches
@@ -113,6 +124,13 @@ class Session:
         self.world = dist.get_world_size()
         self.join_kwargs = join_kwargs
         self.channel = SideChannel(dist.group.WORLD, name="transformers side channel")
+        #: The Trainer runs a DeepSpeed engine (``model_wrapped``), not DDP.
+        self.deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
+        # The channel outside the epochs' Joins, and the one in them: a DeepSpeed
+        # engine's Join runs on its own (ZeRO) group, which the channel then follows.
+        self.world_channel = self.channel
+        self.epoch_channel = (SideChannel(name="transformers side channel (DeepSpeed)")
+                              if self.deepspeed else self.channel)
         self.sync = _TrainerSync(self)
         self.join: Join | None = None
         self.role: str | None = None
@@ -254,8 +272,17 @@ class Session:
                 updates = max(local // gas + int(local % gas > 0), 1)
                 steps = min(updates * gas, self.global_len) if local else 0
             self.window, self.epoch, self.phantom = 0, int(kwargs["epoch"]), False
-            join = Join([kwargs["model"], self.channel, self.sync], **self.join_kwargs)
-            join.__enter__()
+            # The DDP model, or the DeepSpeed engine (joinkit.adapters.deepspeed: a
+            # joined rank replays its step; the sync's main hook then steps the
+            # Trainer's scheduler as the loop does).
+            self.channel = self.epoch_channel
+            try:
+                join = Join([kwargs["model"], self.channel, self.sync],
+                            **self._epoch_join_kwargs())
+                join.__enter__()
+            except BaseException:
+                self.channel = self.world_channel
+                raise
             self.join = join
             before = current()
             _local.session = self
@@ -273,6 +300,17 @@ class Session:
             return result
         return run_epoch
 
+    def _epoch_join_kwargs(self) -> dict[str, Any]:
+        if not self.deepspeed:
+            return self.join_kwargs
+        # A joined rank replays the engine's step on this input: one token and no
+        # labels, whose logits (times zero) give every parameter a zero gradient. The
+        # empty batch joinkit's replay would build otherwise does not go through a
+        # Hugging Face model's attention (a view of 0 elements), and a rank without
+        # data has no batch of its own.
+        token = torch.zeros((1, 1), dtype=torch.long, device=self.trainer.args.device)
+        return {"shadow_input": ((), {"input_ids": token}), **self.join_kwargs}
+
     def leave(self, error: BaseException | None = None) -> None:
         """Leave the epoch's Join: shadow until every rank finished it, then sync."""
         join, self.join = self.join, None
@@ -280,10 +318,13 @@ class Session:
         self.phantom = False
         if join is None:
             return
-        if error is None:
-            join.__exit__(None, None, None)
-        else:
-            join.__exit__(type(error), error, error.__traceback__)
+        try:
+            if error is None:
+                join.__exit__(None, None, None)
+            else:
+                join.__exit__(type(error), error, error.__traceback__)
+        finally:
+            self.channel = self.world_channel
 
     def _t_get_batch_samples(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
@@ -560,6 +601,20 @@ class _SyncHook(JoinHook):
     def __init__(self, session: Session) -> None:
         self.session = session
 
+    def main_hook(self) -> None:
+        # After the engine's replay (its optimizer step, on a joined DeepSpeed rank):
+        # the Trainer's own scheduler step, as _run_epoch takes it after each optimizer
+        # step (gradient_accumulation_steps=1: one per shadow round). A scheduler the
+        # engine steps itself is Accelerate's no-op wrapper here, as on the active ranks.
+        session = self.session
+        if not session.deepspeed:
+            return
+        trainer = session.trainer
+        if trainer.accelerator.optimizer_step_was_skipped:
+            return
+        if type(trainer.lr_scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
+            trainer.lr_scheduler.step()
+
     def post_hook(self, is_last_joiner: bool) -> None:
         session = self.session
         trainer = session.trainer
@@ -568,7 +623,9 @@ class _SyncHook(JoinHook):
         payload = None
         if session.rank == source:
             payload = {
-                "optimizer": trainer.optimizer.state_dict(),
+                # A DeepSpeed optimizer's state is this rank's partition, which every
+                # rank stepped itself (the engine's replay): not sent.
+                "optimizer": None if session.deepspeed else trainer.optimizer.state_dict(),
                 "scheduler": trainer.lr_scheduler.state_dict(),
                 "state": {name: getattr(trainer.state, name) for name in _STATE},
                 "control": {name: getattr(trainer.control, name) for name in _CONTROL},
@@ -579,7 +636,8 @@ class _SyncHook(JoinHook):
         if session.rank == source:
             return
         seen = len(trainer.state.log_history)
-        trainer.optimizer.load_state_dict(payload["optimizer"])
+        if payload["optimizer"] is not None:
+            trainer.optimizer.load_state_dict(payload["optimizer"])
         trainer.lr_scheduler.load_state_dict(payload["scheduler"])
         for name, value in payload["state"].items():
             setattr(trainer.state, name, value)
