@@ -235,10 +235,20 @@ class BackendCapabilities:
     ``Supports...`` above say what each member must do.
 
     Attributes:
-        heartbeat_total, abort, wait, post_status, peer_status, post_beat,
-        peer_board, gone_peers, all_agree, gather_object, broadcast_object,
-        start_rank_loss_recovery, lost_ranks, side_wire: the backend's bound method, or
-            ``None``.
+        heartbeat_total: the bound method (:class:`SupportsHeartbeatTotal`) or ``None``.
+        abort: the bound method (:class:`SupportsAbort`) or ``None``.
+        wait: the bound method (:class:`SupportsWait`) or ``None``.
+        post_status: the bound method (:class:`SupportsStatusBoard`) or ``None``.
+        peer_status: the bound method (:class:`SupportsStatusBoard`) or ``None``.
+        post_beat: the bound method (:class:`SupportsLivenessBeat`) or ``None``.
+        peer_board: the bound method (:class:`SupportsStatusBoard`) or ``None``.
+        gone_peers: the bound method (:class:`SupportsGonePeers`) or ``None``.
+        all_agree: the bound method (:class:`SupportsObjectCollectives`) or ``None``.
+        gather_object: the bound method (:class:`SupportsObjectCollectives`) or ``None``.
+        broadcast_object: the bound method (:class:`SupportsObjectCollectives`) or ``None``.
+        start_rank_loss_recovery: the bound method (:class:`SupportsRankLossRecovery`) or ``None``.
+        lost_ranks: the bound method (:class:`SupportsRankLossRecovery`) or ``None``.
+        side_wire: the bound method (:class:`SupportsSideWire`) or ``None``.
         counts_collectives: it has ``collectives_issued``.
         knows_aborts: it has ``aborted`` (read by the watchdog thread).
     """
