@@ -283,6 +283,8 @@ def _sync_every_backward(accelerator: Any, items: Sequence[Any], on: bool) -> It
     if not on:
         yield
         return
+    from joinkit.adapters.torch.optim import gradients_set_aside
+
     model = next(obj for obj in items if _is_ddp(obj))
     original = accelerator.backward
 
@@ -290,18 +292,8 @@ def _sync_every_backward(accelerator: Any, items: Sequence[Any], on: bool) -> It
         return contextlib.nullcontext()
 
     def backward(loss: Any, **kwargs: Any) -> Any:
-        params = [p for p in model.parameters() if p.grad is not None]
-        kept = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
+        with gradients_set_aside(model.parameters()):
             return original(loss, **kwargs)
-        finally:
-            for p, grad in zip(params, kept, strict=True):
-                if p.grad is None:
-                    p.grad = grad
-                else:
-                    p.grad.add_(grad)
 
     accelerator.no_sync, accelerator.backward = no_sync, backward
     try:

@@ -42,8 +42,9 @@ A model joinable that fills gradients offers ``shadow_parameters()`` and a
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,9 +55,38 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from joinkit import Joinable, JoinHook, LocalProtocolError
 from joinkit.lowlevel import AdapterCache, AdapterJoinable
 
-__all__ = ["adapt", "check", "OptimizerJoinable", "SchedulerJoinable", "ScalerJoinable"]
+__all__ = ["adapt", "check", "OptimizerJoinable", "SchedulerJoinable", "ScalerJoinable",
+           "gradients_set_aside"]
 
 _ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
+
+
+@contextlib.contextmanager
+def gradients_set_aside(parameters: Iterable[torch.nn.Parameter]) -> Iterator[None]:
+    """Around one backward: the gradient accumulated so far set aside, then added back.
+
+    DDP all-reduces a parameter's whole ``.grad``. When every backward must sync
+    (gradient accumulation inside a Join, where ``no_sync`` windows of ranks with
+    different numbers of batches would pair DDP's all-reduces wrongly), the
+    gradient accumulated since the window began is taken off the parameters for
+    the backward and added back after it: each step then gets the sum over its
+    window of the averaged gradients, as with ``no_sync``. Used by the Accelerate
+    and Hugging Face Trainer adapters.
+
+    Args:
+        parameters: the model's parameters (those without a gradient are left alone).
+    """
+    kept = [(p, p.grad) for p in parameters if p.grad is not None]
+    for p, _ in kept:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in kept:
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
 
 
 def adapt(obj: Any) -> Joinable:

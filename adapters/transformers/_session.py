@@ -100,6 +100,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from joinkit import Join, Joinable, JoinHook, SideChannel
 from joinkit.adapters.torch.data import ShardSampler
+from joinkit.adapters.torch.optim import gradients_set_aside
 
 __all__ = ["Session", "current"]
 
@@ -409,18 +410,8 @@ class Session:
                 return original(loss, **kwargs)
             # Every backward syncs during a Join: set the accumulated gradient
             # aside (DDP all-reduces a parameter's whole .grad) and add it back.
-            params = [p for p in self.trainer.model_wrapped.parameters() if p.grad is not None]
-            kept = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            try:
+            with gradients_set_aside(self.trainer.model_wrapped.parameters()):
                 return original(loss, **kwargs)
-            finally:
-                for p, grad in zip(params, kept, strict=True):
-                    if p.grad is None:
-                        p.grad = grad
-                    else:
-                        p.grad.add_(grad)
         return backward
 
     # -- checkpoints -------------------------------------------------------------------
