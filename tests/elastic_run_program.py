@@ -47,8 +47,24 @@ def parse(cell: str) -> list[tuple[int, str, int]]:
     return out
 
 
-def kill_node() -> None:
-    """SIGKILL this node's agent, every worker it started, then this process."""
+def kill_node(out: Path) -> None:
+    """SIGKILL this node's agent, every worker it started, then this process.
+
+    First wait (up to 60 s) until this node's agent has recorded every earlier
+    death on this node as a loss (``lost-<RANK>`` in ``JOINKIT_RUN_DIR``): an agent
+    starved of CPU on a loaded machine could otherwise be killed before it
+    noticed the earlier death, which the test checks it reports.
+    """
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    node = int(os.environ["GROUP_RANK"])
+    folder = Path(os.environ["JOINKIT_RUN_DIR"])
+    earlier = [int(path.stem.split("-")[1]) for path in out.glob("died-*.json")]
+    waiting = [rank for rank in earlier if rank // local == node
+               and rank != int(os.environ["RANK"])]
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline and not all(
+            (folder / f"lost-{rank}").exists() for rank in waiting):
+        time.sleep(0.05)
     agent = os.getppid()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -86,7 +102,7 @@ def main() -> None:
         (out / f"died-{me}.json").write_text(json.dumps(
             {"rank": me, "cell": state["cell"], "point": point, "time": time.time()}))
         if point == "node":
-            kill_node()
+            kill_node(out)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def mine(point: str, at: int | None = None) -> bool:

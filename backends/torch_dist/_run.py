@@ -15,7 +15,8 @@ worker that entered ``Join(..., on_rank_loss="finish")`` says so by creating
 given to its workers with ``JOINKIT_RUN=1``; ``torch_dist._elastic`` writes
 it when a group turns elastic). When such a worker dies by a signal (SIGKILL,
 the out-of-memory killer; an exit status is an error, which the Join tells
-every rank), the agent records it as *lost* and leaves the other workers
+every rank), the agent records it as *lost* (``lost-<RANK>`` in the same
+folder) and leaves the other workers
 running: they rebuild their gloo group over the agent's store, which stays
 up because the agent does. When no worker is left running the agent succeeds
 if every survivor exited 0 (printing the lost ranks on standard error) and
@@ -160,6 +161,8 @@ class JoinkitAgent(LocalElasticAgent):
             _say(f"rank {rank} (pid {context.subprocess_handlers[local].proc.pid}) was lost "
                  f"({_exit_text(int(code))}); it had entered Join(on_rank_loss='finish'): "
                  "the other workers go on")
+            # What the agent decided, for its workers to read (``lost-<RANK>``).
+            (self._attempt / f"lost-{rank}").write_text(str(code))
         if any(code is None for code in codes.values()):
             return RunResult(state=WorkerState.HEALTHY)
         if not self._lost_local:
