@@ -66,7 +66,9 @@ def _environment() -> dict[str, str]:
                                   "ACCELERATE_"))
            and key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                            "JOINKIT_BACKEND", "JOINKIT_DS_BACKEND", "CUDA_VISIBLE_DEVICES"}}
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(RUNNER.parent))
+    # The tests' folder first, then the caller's path (joinkit from a wheel on a GPU machine).
+    path = os.pathsep.join(p for p in (str(RUNNER.parent), os.environ.get("PYTHONPATH")) if p)
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=path)
     return env
 
 
