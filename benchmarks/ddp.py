@@ -10,6 +10,10 @@ initialised by ``backends.init_torch()``. Variants, each with its own model:
 
 - ``no Join``: plain DDP; ``no Join, again``: the same, a second model (an
   A/A pair: its ratio to ``no Join`` is the run's own scatter);
+- ``no Join, Python comm hook``: plain DDP with torch's own Python
+  ``allreduce_hook`` (``ddp_comm_hooks.default_hooks``) registered: what any
+  comm hook written in Python costs here, the floor of a heartbeat carried by
+  one;
 - ``torch Join``: inside ``torch.distributed.algorithms.join.Join`` (a
   heartbeat and a gradient-sync check per iteration);
 - ``joinkit Join``: inside joinkit's Join, its default path for this model
@@ -39,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.algorithms.join as torch_join
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from joinkit import Join, backends
@@ -75,8 +80,10 @@ def main() -> None:
             nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
 
-    def plain() -> Callable[[int], None]:
+    def plain(python_hook: bool = False) -> Callable[[int], None]:
         ddp, opt = model()
+        if python_hook:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         return lambda n: train(ddp, opt, n)
 
     def inside(make_join: Callable[[DDP], Any], drain: bool = False) -> Callable[[int], float]:
@@ -117,6 +124,7 @@ def main() -> None:
     times = _bench.timed({
         "no Join": plain(),
         "no Join, again": plain(),
+        "no Join, Python comm hook": plain(python_hook=True),
         "torch Join": inside(torch_join_of),
         "joinkit Join": inside(joinkit_join_of),
         "joinkit, one collective": inside(one_collective_join_of),
@@ -126,6 +134,8 @@ def main() -> None:
         _bench.report(f"DDP MLP 64-256-1, batch 32, gloo ({launcher})", times, [
             ("joinkit Join", "no Join", 1.03),
             ("no Join, again", "no Join", None),
+            ("no Join, Python comm hook", "no Join", None),
+            ("joinkit Join", "no Join, Python comm hook", None),
             ("joinkit, one collective", "no Join", None),
             ("joinkit Join", "joinkit, one collective", None),
             ("torch Join", "no Join", None),

@@ -19,8 +19,11 @@ doc). A *round* is one backward's bucket all-reduces, in bucket order.
   comm hook, ``_ddp_hook``): the bucket is multiplied by ``1 / world size``
   (``divide_by_initial_world_size=True``, as DDP's reducer does) and sent in
   one all-reduce with one more element holding the heartbeat value
-  (:class:`_Slot`: on the CPU a copy into a buffer one element longer, which
-  costs two passes over the bucket and no allocation; on CUDA a coalesced
+  (:class:`_Slot`: on the CPU a copy into a buffer one element longer, one
+  pass over the bucket and no allocation, whose head DDP gets back as the
+  bucket's result and copies into the gradients as it does any hook's; the
+  round's last bucket is waited for in the hook, so no callback runs on the
+  communication thread (:meth:`RoundHeartbeat._finish_now`); on CUDA a coalesced
   all-reduce of the bucket and a 1-element tensor, one NCCL group and no
   copy of the gradients). The element's sum is the
   number of active ranks in this round (failed ranks' weights aside, which
@@ -129,14 +132,19 @@ def _plain_wait(work: Any) -> Any:
     return work.wait()
 
 
+def _count(total: float) -> int:
+    """A bucket's divisor from its heartbeat sum: the active ranks (1 when it reads none)."""
+    return round(total) if NOBODY_ACTIVE_BELOW <= total < ALARM else 1
+
+
 class _Slot:
     """One bucket's all-reduce with its heartbeat element (module doc).
 
     On the CPU the bucket is copied into a buffer one element longer (the
     copy also multiplies by ``1 / world size`` where that is the divisor), whose
     last element is the heartbeat, read and written through a NumPy view; one
-    all-reduce sends it, and the result is copied back (divided by the count
-    where that is the divisor). On CUDA (no copy of the gradients, no host
+    all-reduce sends it, and the buffer's head is the bucket's result (divided
+    in place by the count where that is the divisor). On CUDA (no copy of the gradients, no host
     read) the bucket and a 1-element heartbeat go in one coalesced all-reduce.
     """
 
@@ -250,19 +258,17 @@ class RoundHeartbeat:
         self.sent = 0 if bucket.is_last() else self.sent + 1
         self.latest = slot
         head, view, beat, elements = slot.head, slot.view, slot.beat, slot.elements
-        if head is not None:  # CPU: the result is in the wide buffer
+        if head is not None:  # CPU: the result is in the wide buffer's head
+            if bucket.is_last():
+                return self._finish_now(work, slot)
             if self.scale is not None:
                 def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
                     fut.value()  # raises the all-reduce's error, if any
-                    buffer.copy_(head)
-                    return buffer
+                    return head  # the reducer copies it into the gradients
             else:
                 def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
                     fut.value()
-                    total = float(view[elements])  # this bucket's own count
-                    active = round(total) if NOBODY_ACTIVE_BELOW <= total < ALARM else 1
-                    torch.div(head, active, out=buffer)
-                    return buffer
+                    return head.div_(_count(float(view[elements])))  # its own count
         elif self.scale is not None:
             def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
                 fut.value()
@@ -274,6 +280,28 @@ class RoundHeartbeat:
                 return buffer
 
         future: torch.futures.Future[torch.Tensor] = work.get_future().then(finish)
+        return future
+
+    def _finish_now(self, work: Any, slot: _Slot) -> torch.futures.Future[torch.Tensor]:
+        """The round's last bucket on the CPU: wait here, hand DDP a completed future.
+
+        DDP waits for every bucket right after the last one's hook, so waiting
+        in the hook overlaps nothing less, and it spares the callback that a
+        pending future runs on the communication thread (its hand-over of the
+        GIL and its Python frame) on every iteration. An error of the
+        all-reduce reaches DDP through the future, as from a pending one.
+        """
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        try:
+            work.wait()
+        except Exception as error:  # noqa: BLE001 - DDP raises it, as from any future
+            future.set_exception(error)  # type: ignore[arg-type]  # torch types it as T
+            return future
+        head = slot.head
+        assert head is not None
+        if self.scale is None:
+            head.div_(_count(float(slot.view[slot.elements])))
+        future.set_result(head)
         return future
 
     def _send(self, slot: _Slot, buffer: torch.Tensor | None) -> Any:
