@@ -144,8 +144,8 @@ class _Slot:
     copy also multiplies by ``1 / world size`` where that is the divisor), whose
     last element is the heartbeat, read and written through a NumPy view; one
     all-reduce sends it, and the buffer's head is the bucket's result (divided
-    in place by the count where that is the divisor). On CUDA (no copy of the gradients, no host
-    read) the bucket and a 1-element heartbeat go in one coalesced all-reduce.
+    in place by the count where that is the divisor). On CUDA (no copy of the
+    gradients, no host read) the bucket and a 1-element heartbeat go in one coalesced all-reduce.
     """
 
     __slots__ = ("elements", "dtype", "wide", "head", "view", "beat", "zeros")
@@ -285,10 +285,13 @@ class RoundHeartbeat:
     def _finish_now(self, work: Any, slot: _Slot) -> torch.futures.Future[torch.Tensor]:
         """The round's last bucket on the CPU: wait here, hand DDP a completed future.
 
-        DDP waits for every bucket right after the last one's hook, so waiting
-        in the hook overlaps nothing less, and it spares the callback that a
-        pending future runs on the communication thread (its hand-over of the
-        GIL and its Python frame) on every iteration. An error of the
+        DDP waits for every bucket once the backward ends, and the last bucket
+        is ready only when the last parameter's gradient is, so waiting here
+        gives up only the overlap with what the backward computes after that
+        (gradients of inputs, if any). It spares the callback that a pending
+        future runs on the communication thread (its hand-over of the GIL and
+        its Python frame) on every iteration; ``Work.wait`` lets go of the GIL,
+        so joinkit's status thread keeps publishing. An error of the
         all-reduce reaches DDP through the future, as from a pending one.
         """
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
