@@ -93,6 +93,24 @@ def hosted_store(timeout: float = 60.0) -> HostedStore:
     return store
 
 
+#: Modules the ranks would import on first use, imported once in the parent
+#: before it forks them: DDP's constructor imports ``torch._dynamo`` (about
+#: 4.5 s of CPU per forked rank on a 2-core machine, more than a whole cell's
+#: training), ZeRO ``torch.distributed.optim``. Torch's only: importing them
+#: starts no thread (the parent must fork with none, :func:`hosted_store`),
+#: and joinkit itself is left to each rank, which reads its environment.
+PRELOAD = ("torch.distributed", "torch._dynamo", "torch.nn.parallel",
+           "torch.distributed.optim", "torch.distributed.fsdp")
+
+
+def preload() -> None:
+    """Import :data:`PRELOAD` in this process (the parent of forked ranks)."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+
+
 def fork_ranks(world: int, seconds: float, run: Callable[[int], None],
                stop_after_death: float | None = None) -> dict[int, Any]:
     """Run ``run(rank)`` in ``world`` forked children; rank -> exit status (or why not).
@@ -232,7 +250,7 @@ def cells_main(script: str, parse: Callable[[str], tuple[int, Any, str]],
         else:
             run_rank(rank, world, kills, option, port, cell, out)
 
-    import torch.distributed  # noqa: F401  (imported once, before forking)
+    preload()  # once, before forking
 
     out.mkdir(parents=True, exist_ok=True)
     server = hosted_store()  # not a thread of this process: it forks

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from elastic_fork import fork_ranks, hosted_store, run_under_mpirun
+from elastic_fork import fork_ranks, hosted_store, preload, run_under_mpirun
 
 INPUTS = int(os.environ.get("ELASTIC_INPUTS", "8"))
 #: ``on_rank_loss`` of the cells' Joins (the benchmark times "raise" beside it).
@@ -314,7 +314,7 @@ def _cell(rank: int, *, spec: str, world: int, kills: list[tuple[int, str, int]]
 
 
 def run_cells(args: argparse.Namespace) -> None:
-    import torch.distributed  # noqa: F401  (imported once, before forking)
+    preload()  # once, before forking (elastic_fork.PRELOAD)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -303,8 +303,9 @@ def _forked(rank: int, *, world: int, port: int, prefix: str, run: Any) -> None:
 
 
 def run_cells(args: argparse.Namespace) -> None:
-    import torch.distributed  # noqa: F401  (imported once, before forking)
-    from elastic_fork import fork_ranks, hosted_store
+    from elastic_fork import fork_ranks, hosted_store, preload
+
+    preload()  # once, before forking (elastic_fork.PRELOAD)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

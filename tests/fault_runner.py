@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fault_scenarios as fs  # noqa: E402
-from elastic_fork import fork_ranks  # noqa: E402
+from elastic_fork import fork_ranks, preload  # noqa: E402
 from fault_support import finished_by_all, parse_cells, spell_cells  # noqa: E402
 
 #: The gloo groups' own timeout in --fork mode: far above every cell's, so a
@@ -155,7 +155,7 @@ def fork_launches(args: argparse.Namespace) -> None:
     finished is recorded as the launch's ``culprit``, and the cells after it
     run again in a fresh launch (recorded as ``rerun``).
     """
-    import torch.distributed  # noqa: F401  (once, before forking)
+    preload()  # once, before forking (elastic_fork.PRELOAD)
 
     out = Path(args.out)
     world_size = args.fork
