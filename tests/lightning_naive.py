@@ -5,17 +5,24 @@ second process). Rank r has ``5 + 3 * r`` training batches for 2 epochs, as in
 the example; without a Join rank 0's second-epoch collectives pair with rank
 1's first-epoch leftovers, so the run either trains wrongly (and exits 0) or
 hangs. ``tests/test_lightning_trainer.py`` bounds it with a timeout and checks
-which, side by side with the example run with the callback.
+which, side by side with the example run with the callback. The group's
+timeout is :data:`HANG_SECONDS` (Lightning's default is 30 minutes), so a hang
+ends as gloo's timeout error instead of waiting for the test's timeout.
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 from pathlib import Path
 
 import pytorch_lightning as pl
+from pytorch_lightning.strategies import DDPStrategy
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_trainer.py"
+#: A collective that waited this long for its peer has hung: the run's steps are
+#: milliseconds apart, and its whole work takes 15-40 s on a loaded 2-core machine.
+HANG_SECONDS = 30
 
 
 def main() -> None:
@@ -24,7 +31,8 @@ def main() -> None:
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_epochs=2,
+        accelerator="cpu", devices=2, max_epochs=2,
+        strategy=DDPStrategy(timeout=datetime.timedelta(seconds=HANG_SECONDS)),
         use_distributed_sampler=False, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
