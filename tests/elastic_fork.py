@@ -97,7 +97,8 @@ def hosted_store(timeout: float = 60.0) -> HostedStore:
 #: before it forks them: DDP's constructor imports ``torch._dynamo`` (about
 #: 4.5 s of CPU per forked rank on a 2-core machine, more than a whole cell's
 #: training), ZeRO ``torch.distributed.optim``. Torch's only: importing them
-#: starts no thread (the parent must fork with none, :func:`hosted_store`),
+#: adds no thread to the one that importing ``torch.distributed`` starts (a
+#: thread holding a lock at the fork would hang the child, :func:`hosted_store`),
 #: and joinkit itself is left to each rank, which reads its environment.
 PRELOAD = ("torch.distributed", "torch._dynamo", "torch.nn.parallel",
            "torch.distributed.optim", "torch.distributed.fsdp")
