@@ -11,7 +11,8 @@ collectives may be in flight::
 Each *job* starts ``--world`` rank processes of ``tests/fsdp_scenarios.py``
 (one gloo group each, as ``tests/test_fsdp.py`` does) that run the FSDP2
 failure-path scenarios ``fsdp_throw``, ``fsdp_peer_failure`` and
-``fsdp_peer_failure_in_forward`` ``--per-job`` times over; ``--elastic N`` adds
+``fsdp_peer_failure_in_forward`` (or the ``--scenarios`` named, e.g.
+``fsdp_epochs``) ``--per-job`` times over; ``--elastic N`` adds
 N rounds of ``tests/elastic_fsdp_runner.py``'s kill cells (a rank SIGKILLed
 on purpose, the survivors rebuild: a death there is expected, a crash of a
 survivor is not). ``--load L`` starts ``L`` busy-loop processes for the whole
@@ -67,7 +68,7 @@ def fsdp_job(job: int, args: argparse.Namespace, out: Path) -> dict[str, object]
     """One job of the FSDP failure paths; what it ran and how its ranks ended."""
     folder = out / f"fsdp{job}"
     folder.mkdir(parents=True)
-    names = FAILURE_PATHS * args.per_job
+    names = args.scenarios * args.per_job
     worker = args.tests / "fsdp_scenarios.py"
     runs = launch_ranks(
         [[sys.executable, str(worker), str(rank), str(args.world), str(folder / "store"),
@@ -130,7 +131,11 @@ def main() -> None:
                         help="FSDP failure-path scenario runs in all (default 1000)")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--per-job", type=int, default=10,
-                        help="rounds of the three scenarios per job")
+                        help="rounds of the scenarios per job")
+    parser.add_argument("--scenarios", nargs="+", default=FAILURE_PATHS,
+                        help="tests/fsdp_scenarios.py's scenarios each round runs (default: "
+                             "the three failure paths; issue 30's job most likely died in "
+                             "fsdp_epochs)")
     parser.add_argument("--elastic", type=int, default=0,
                         help="rounds of the elastic kill cells")
     parser.add_argument("--load", type=int, default=2, help="busy-loop processes beside")
@@ -168,6 +173,7 @@ def main() -> None:
     summary = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
         f"{os.cpu_count()} cores", "world": args.world, "load": args.load,
+        "scenarios": args.scenarios,
         "fsdp_runs": sum(int(r["runs"]) for r in records if r["kind"] == "fsdp"),
         "elastic_runs": sum(int(r["runs"]) for r in records if r["kind"] == "elastic"),
         "runs": runs, "crashes": crashes, "hangs": hangs,
