@@ -132,3 +132,37 @@ def test_a_crash_in_a_torch_process_reports_its_native_stacks(tmp_path: Path) ->
     assert "Fatal Python error: Segmentation fault" in report
     assert "SIGSEGV(11), PID:" in report and "c10::FatalSignalHandler" in report
     assert [r["result"]["rank"] for r in scenario_records(results, "first")] == [0]
+
+
+def test_the_memcheck_summary_counts_errors_outside_the_loader(tmp_path: Path) -> None:
+    """``benchmarks/memcheck_fsdp.py`` (issue 30) reads memcheck's log: an error
+    anywhere but the dynamic loader counts, with its stack; the loader's known
+    false positive is counted apart."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import memcheck_fsdp
+
+    log = tmp_path / "memcheck_rank0.log"
+    log.write_text(
+        "==7== Memcheck, a memory error detector\n"
+        "==7== Invalid read of size 8\n"
+        "==7==    at 0x4023C6C: strncmp (strcmp-sse2.S:160)\n"
+        "==7==    by 0x4004BEE: is_dst (dl-load.c:216)\n"
+        "==7== \n"
+        "==7== Invalid write of size 4\n"
+        "==7==    at 0x1234: gloo::transport::tcp::Pair::read() (pair.cc:480)\n"
+        "==7==    by 0x5678: gloo::transport::tcp::Loop::run() (loop.cc:90)\n"
+        "==7==  Address 0x9abc is 0 bytes inside a block of size 64 free'd\n"
+        "==7==    at 0x4845B2C: free (vg_replace_malloc.c:974)\n"
+        "==7== \n"
+        "==7== Invalid free() / delete / delete[] / realloc()\n"
+        "==7==    at 0x4845B2C: free (vg_replace_malloc.c:974)\n"
+        "==7== \n"
+        "==7== ERROR SUMMARY: 3 errors from 3 contexts (suppressed: 0 from 0)\n")
+    found, loader = memcheck_fsdp.errors(log)
+    assert loader == 1
+    assert len(found) == 2
+    assert "Invalid write of size 4" in found[0] and "Pair::read()" in found[0]
+    assert "free'd" in found[0]
+    assert found[1].startswith("==7== Invalid free()")
