@@ -11,10 +11,11 @@ wrap. Memcheck checks every load, store and free of a rank's C and C++ code
 
 Each rank runs ``tests/fsdp_scenarios.py`` (by default every scenario of
 ``tests/test_fsdp.py``'s job) with a 30-minute gloo timeout instead of the
-worker's 30 s (a rank under memcheck runs 20 to 50 times slower; a few minutes
-for a job). ``--elastic`` runs ``benchmarks/soak_failure_paths.py``'s elastic
-kill cells under one memcheck: the ranks are forked, and memcheck follows a
-fork. Needs ``valgrind`` on the PATH.
+worker's 30 s: a rank under memcheck runs 20 to 50 times slower (the 4-rank
+job of every scenario took 25 min here, beside other work). ``--elastic``
+runs ``benchmarks/soak_failure_paths.py``'s elastic kill cells under one
+memcheck: the ranks are forked, and memcheck follows a fork. Needs
+``valgrind`` on the PATH.
 
 The loader's own reads (``strncmp`` in ``ld.so``'s ``is_dst`` while it loads
 torch's libraries, a known false positive) are counted apart. The last line
