@@ -31,7 +31,9 @@ python3 -m pip list 2>/dev/null | grep -iE "^(pytest|pytest-timeout|hypothesis|t
     tests/test_fsdp.py::test_real_sync_batch_norm_on_cuda \
     tests/test_fsdp.py::test_fsdp_over_nccl \
     tests/test_lightning_unit.py::test_fabric_fsdp1_is_refused_with_the_way_out \
-    tests/test_ddp_eval.py::test_over_nccl
+    tests/test_ddp_eval.py::test_over_nccl \
+    tests/test_ddp_round.py::test_over_nccl \
+    tests/test_deepspeed.py::test_the_training_cells_on_nccl
 timeout "${GPU_CHECK_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -rA -v --timeout 400 \
     --durations=10 "$@" 2>&1 | tee "$out/pytest${GPU_CHECK_UNGUARDED:-}.log"
 echo "PYTEST RC ${PIPESTATUS[0]}"
