@@ -21,8 +21,10 @@ from pytorch_lightning.strategies import DDPStrategy
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_trainer.py"
 #: A collective that waited this long for its peer has hung: the run's steps are
-#: milliseconds apart, and its whole work takes 15-40 s on a loaded 2-core machine.
-HANG_SECONDS = 30
+#: milliseconds apart. One that times out in a healthy phase (a peer slow to start
+#: on a loaded machine) reads as a hang too, which the test accepts: this run is
+#: the wrong way, bounded, not a run that must finish.
+HANG_SECONDS = 15
 
 
 def main() -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -200,8 +202,8 @@ MOVED = {
 }
 
 
-@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
-def test_an_old_path_re_exports_the_new_module_and_warns_once(old: str, new: str) -> None:
+def _moved_check(old: str, new: str) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter imports ``new``, then ``old`` twice: one warning."""
     code = f"""
 import importlib, warnings
 new = importlib.import_module({new!r})
@@ -217,7 +219,22 @@ for name in new.__all__:
     assert getattr(old, name) is getattr(new, name), name
 print("ok", len(new.__all__))
 """
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def moved_checks() -> Iterator[dict[str, Future[subprocess.CompletedProcess[str]]]]:
+    """The checks of every moved path, two interpreters at a time (each mostly
+    imports torch, one at a time left a core idle)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {old: pool.submit(_moved_check, old, new) for old, new in sorted(MOVED.items())}
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
+def test_an_old_path_re_exports_the_new_module_and_warns_once(
+        old: str, new: str,
+        moved_checks: dict[str, Future[subprocess.CompletedProcess[str]]]) -> None:
+    run = moved_checks[old].result()
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("ok ")

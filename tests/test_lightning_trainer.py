@@ -43,7 +43,7 @@ LAUNCH_TIMEOUT = 300.0
 WORKER = Path(__file__).with_name("lightning_worker.py")
 NAIVE = Path(__file__).with_name("lightning_naive.py")
 # The example's work takes 15-40 s on a loaded 2-core machine; a run still going after
-# this has hung (blocked in a collective, and lightning_naive.py's 30 s group timeout
+# this has hung (blocked in a collective, and lightning_naive.py's 15 s group timeout
 # did not end it).
 NAIVE_TIMEOUT = 100
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
