@@ -45,7 +45,7 @@ SILENCE_TIMEOUT = 10.0
 #: the launch (its start-up included) must end before rank 1 lets go, which
 #: needs slack on a loaded machine, and costs nothing: the abort ends the job.
 #: On gloo rank 1 wakes and fails before the launch ends, so its hold is the
-#: launch's length: 3 timeouts, twice the time rank 0 needs to report it.
+#: launch's length: 3 timeouts (rank 0 reports it within one, about 7 s here).
 GIL_HOLD = 6 * SILENCE_TIMEOUT
 GLOO_GIL_HOLD = 3 * SILENCE_TIMEOUT
 LAUNCH_TIMEOUT = 240.0  # hard limit per launch
