@@ -20,8 +20,11 @@ soak (the issue's crash came on a machine loaded by another benchmark). The
 ranks run with ``MALLOC_CHECK_=3`` (glibc's checking allocator, preloaded:
 glibc 2.34+ reads it only from ``libc_malloc_debug.so``), ``MALLOC_PERTURB_``
 (freed memory is scribbled over, so a use after free shows), and
-``PYTHONFAULTHANDLER=1``; a dead rank's output and its core file (where
-``ulimit -c`` allows, in the job's folder) are kept in ``--out``.
+``PYTHONFAULTHANDLER=1``; ``--allocator plain`` leaves glibc's allocator as
+the crashed job had it (its thread caches on, blocks reused as they come).
+``--scenarios all`` runs every CPU scenario of ``tests/test_fsdp.py``'s job,
+in its order. A dead rank's output and its core file (where ``ulimit -c``
+allows, in the job's folder) are kept in ``--out``.
 
 A *run* is one scenario on one job (all its ranks). The last line printed is
 a JSON summary: runs, crashes, hangs, crashes per thousand runs, the load and
@@ -51,11 +54,12 @@ ELASTIC_CELLS = ["3:1/body/3", "3:0/beat/2", "4:2/beat/4", "4:1/body/2+2/beat/4"
 MALLOC_DEBUG = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
 
 
-def rank_env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
-           "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165"}
-    if Path(MALLOC_DEBUG).exists():
-        env["LD_PRELOAD"] = MALLOC_DEBUG
+def rank_env(allocator: str = "checking") -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    if allocator == "checking":
+        env.update(MALLOC_CHECK_="3", MALLOC_PERTURB_="165")
+        if Path(MALLOC_DEBUG).exists():
+            env["LD_PRELOAD"] = MALLOC_DEBUG
     return env
 
 
@@ -73,7 +77,7 @@ def fsdp_job(job: int, args: argparse.Namespace, out: Path) -> dict[str, object]
     runs = launch_ranks(
         [[sys.executable, str(worker), str(rank), str(args.world), str(folder / "store"),
           str(folder), *names] for rank in range(args.world)],
-        args.deadline, env=rank_env(), cwd=folder, stop_after_death=5.0)
+        args.deadline, env=rank_env(args.allocator), cwd=folder, stop_after_death=5.0)
     codes = [run.returncode for run in runs]
     finished = min(
         (len((folder / f"rank{r}.jsonl").read_text().splitlines())
@@ -101,7 +105,7 @@ def elastic_job(job: int, args: argparse.Namespace, out: Path) -> dict[str, obje
     runner = args.tests / "elastic_fsdp_runner.py"
     done = subprocess.run(
         [sys.executable, str(runner), "--out", str(folder), "--deadline", str(args.deadline),
-         *ELASTIC_CELLS], capture_output=True, text=True, env=rank_env(),
+         *ELASTIC_CELLS], capture_output=True, text=True, env=rank_env(args.allocator),
         timeout=(args.deadline + 30) * len(ELASTIC_CELLS) + 60)
     cells = [json.loads(line) for line in (folder / "cells.jsonl").read_text().splitlines()] \
         if (folder / "cells.jsonl").exists() else []
@@ -135,7 +139,11 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", default=FAILURE_PATHS,
                         help="tests/fsdp_scenarios.py's scenarios each round runs (default: "
                              "the three failure paths; issue 30's job most likely died in "
-                             "fsdp_epochs)")
+                             "fsdp_epochs; all: the CPU scenarios of tests/test_fsdp.py's "
+                             "job, in order)")
+    parser.add_argument("--allocator", choices=["checking", "plain"], default="checking",
+                        help="checking: glibc's checking allocator and MALLOC_PERTURB_; "
+                             "plain: glibc's allocator untouched, as the crashed job had it")
     parser.add_argument("--elastic", type=int, default=0,
                         help="rounds of the elastic kill cells")
     parser.add_argument("--load", type=int, default=2, help="busy-loop processes beside")
@@ -146,6 +154,11 @@ def main() -> None:
                         help="where the workers are (an older checkout's tests/, to measure "
                              "it; its joinkit through PYTHONPATH)")
     args = parser.parse_args()
+    if args.scenarios == ["all"]:
+        from support import scenario_names
+
+        args.scenarios = [name for name in scenario_names(args.tests / "fsdp_scenarios.py")
+                          if not name.startswith(("nccl_", "cuda_"))]
     args.out.mkdir(parents=True, exist_ok=True)
     resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     import multiprocessing
@@ -173,7 +186,7 @@ def main() -> None:
     summary = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
         f"{os.cpu_count()} cores", "world": args.world, "load": args.load,
-        "scenarios": args.scenarios,
+        "scenarios": args.scenarios, "allocator": args.allocator,
         "fsdp_runs": sum(int(r["runs"]) for r in records if r["kind"] == "fsdp"),
         "elastic_runs": sum(int(r["runs"]) for r in records if r["kind"] == "elastic"),
         "runs": runs, "crashes": crashes, "hangs": hangs,
