@@ -12,7 +12,10 @@ not in ``benchmarks/run.py``; run it under glibc's checking allocator::
 
 Each rank prints its rounds and timeouts; a heap corruption would end a rank
 with SIGABRT instead. Measured 2026-11-26 (2 cores, torch 2.13.0+cpu): 330
-rounds, 327 timed out, no crash.
+rounds, 327 timed out, no crash. Under Valgrind's memcheck instead (each rank
+as ``PYTHONMALLOC=malloc valgrind --tool=memcheck --undef-value-errors=no
+python benchmarks/gloo_late_peer.py R 2 STORE 60``), 2026-11-27: 60 rounds, 57
+timed out, and no error but the dynamic loader's known one at start-up.
 """
 
 from __future__ import annotations
