@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support import describe_exit, launch_ranks  # noqa: E402
+from support import describe_exit, launch_ranks, scenario_names  # noqa: E402
 
 FAILURE_PATHS = ["fsdp_throw", "fsdp_peer_failure", "fsdp_peer_failure_in_forward"]
 ELASTIC_CELLS = ["3:1/body/3", "3:0/beat/2", "4:2/beat/4", "4:1/body/2+2/beat/4"]
@@ -154,9 +154,7 @@ def main() -> None:
                         help="where the workers are (an older checkout's tests/, to measure "
                              "it; its joinkit through PYTHONPATH)")
     args = parser.parse_args()
-    if args.scenarios == ["all"]:
-        from support import scenario_names
-
+    if args.scenarios == ["all"]:  # as tests/test_fsdp.py picks them
         args.scenarios = [name for name in scenario_names(args.tests / "fsdp_scenarios.py")
                           if not name.startswith(("nccl_", "cuda_"))]
     args.out.mkdir(parents=True, exist_ok=True)
