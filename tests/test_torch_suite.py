@@ -8,6 +8,9 @@ below assert on what every rank recorded. ``torch`` is the baseline;
 ``joinkit`` makes ``torch.nn.parallel.distributed.Join`` joinkit's ``Join``,
 so ``DDP.join()`` builds it and DDP's forward notifies it, as for a user who
 switches DDP over; each rank records which Join classes its tests entered.
+The selected tests' launches run two at a time, in the order the tests read
+them: one launch leaves about a third of two cores idle (its ranks wait on one
+another).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +84,8 @@ JOIN_CLASS = {
     "joinkit": "joinkit._join.Join",
 }
 
-_launched: dict[tuple[str, str, int], dict[str, Any]] = {}
-
-
 def launch(mode: str, suite: str, world: int, out: Path) -> dict[str, Any]:
-    """Run one launch (once per session); return its records and logs."""
-    key = (mode, suite, world)
-    if key in _launched:
-        return _launched[key]
+    """Run one launch; return its records and logs."""
     rpc = suite.startswith("rpc")
     start = time.monotonic()
     for attempt in range(1, (RPC_ATTEMPTS if rpc else 1) + 1):
@@ -106,7 +105,6 @@ def launch(mode: str, suite: str, world: int, out: Path) -> dict[str, Any]:
     records = [{r["test"]: r for r in read_jsonl(out / f"rank{rank}.jsonl")}
                for rank in range(world)]
     result = {"records": records, "logs": logs, "seconds": time.monotonic() - start}
-    _launched[key] = result
     print(f"\n[torch suite] {mode} {suite} world {world}: {result['seconds']:.1f} s")
     return result
 
@@ -130,12 +128,38 @@ def _cases() -> list[Any]:
     ]
 
 
+Key = tuple[str, str, int]  # (mode, suite, world)
+
+
+@pytest.fixture(scope="module")
+def launches(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[Key, Future[dict[str, Any]]]]:
+    """The selected tests' launches, started two at a time in the order the tests
+    read them (each once): (mode, suite, world) -> its result."""
+    order: list[Key] = []
+    for item in request.session.items:
+        params = getattr(item, "callspec", None)
+        if item.module is not request.module or params is None:
+            continue
+        p = params.params
+        key = ("joinkit", "ddp", p["world"]) if "mode" not in p else (
+            p["mode"], p["suite"], p["world"])
+        if key not in order:
+            order.append(key)
+    root = tmp_path_factory.getbasetemp()
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="torch-suite")
+    started = {key: pool.submit(launch, *key, root / f"torch_suite_{key[0]}_{key[1]}{key[2]}")
+               for key in order}
+    yield started
+    pool.shutdown(wait=True, cancel_futures=True)  # those not started, after a failure
+
+
 def _records(
-    tmp_path_factory: pytest.TempPathFactory, mode: str, suite: str, world: int, test: str
+    launches: dict[Key, Future[dict[str, Any]]], mode: str, suite: str, world: int, test: str
 ) -> list[dict[str, Any]]:
     """Every rank's record of ``test``; fails with the logs if a rank has none."""
-    out = tmp_path_factory.getbasetemp() / f"torch_suite_{mode}_{suite}{world}"
-    result = launch(mode, suite, world, out)
+    result = launches[mode, suite, world].result()
     missing = [rank for rank, r in enumerate(result["records"]) if test not in r]
     if missing:
         logs = "\n".join(f"--- rank {rank}\n{log[-3000:]}" for rank, log in
@@ -153,19 +177,19 @@ def expected_sub_cases(world: int) -> int:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_sync_batch_norm_stand_in_is_batch_norm_over_the_world(
-    tmp_path_factory: pytest.TempPathFactory, world: int
+    launches: dict[Key, Future[dict[str, Any]]], world: int
 ) -> None:
     # The check runs first in either mode's launch; joinkit's has every world.
-    records = _records(tmp_path_factory, "joinkit", "ddp", world, SHIM_CHECK)
+    records = _records(launches, "joinkit", "ddp", world, SHIM_CHECK)
     failures = [f"--- rank {rank}\n{r['error']}" for rank, r in enumerate(records) if not r["ok"]]
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize(("mode", "suite", "world", "test"), _cases())
 def test_torch_ddp_join_test(
-    tmp_path_factory: pytest.TempPathFactory, mode: str, suite: str, world: int, test: str
+    launches: dict[Key, Future[dict[str, Any]]], mode: str, suite: str, world: int, test: str
 ) -> None:
-    records = _records(tmp_path_factory, mode, suite, world, test)
+    records = _records(launches, mode, suite, world, test)
     failures = [
         f"--- rank {rank}\n{r['error']}" for rank, r in enumerate(records) if not r["ok"]
     ]
@@ -176,10 +200,10 @@ def test_torch_ddp_join_test(
 
 @pytest.mark.parametrize(("mode", "suite", "world", "test"), _cases())
 def test_the_join_of_the_mode_ran_in_every_rank(
-    tmp_path_factory: pytest.TempPathFactory, mode: str, suite: str, world: int, test: str
+    launches: dict[Key, Future[dict[str, Any]]], mode: str, suite: str, world: int, test: str
 ) -> None:
     """Every rank that trains entered only the mode's Join class, through DDP.join()."""
-    records = _records(tmp_path_factory, mode, suite, world, test)
+    records = _records(launches, mode, suite, world, test)
     trainers = records[: world - 2] if suite == "rpc" else records
     for rank, record in enumerate(trainers):
         assert record["entered"] == [mode], (rank, record)
