@@ -129,6 +129,11 @@ def elastic_job(job: int, args: argparse.Namespace, out: Path) -> dict[str, obje
     return record
 
 
+def out_of_time(started: float, minutes: float | None) -> bool:
+    """Whether a soak given ``minutes`` (None: no limit) has used them up."""
+    return minutes is not None and time.monotonic() - started >= 60 * minutes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=1000,
@@ -149,6 +154,9 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=2, help="busy-loop processes beside")
     parser.add_argument("--deadline", type=float, default=300.0,
                         help="seconds per job (per elastic cell)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="start no job after this many minutes (the runs done so far "
+                             "are the soak's)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tests", type=Path, default=ROOT / "tests",
                         help="where the workers are (an older checkout's tests/, to measure "
@@ -168,7 +176,8 @@ def main() -> None:
     records = []
     try:
         job = 0
-        while sum(r["runs"] for r in records if r["kind"] == "fsdp") < args.runs:
+        while (sum(r["runs"] for r in records if r["kind"] == "fsdp") < args.runs
+               and not out_of_time(started, args.minutes)):
             records.append(fsdp_job(job, args, args.out))
             print(json.dumps(records[-1]), flush=True)
             job += 1
