@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -183,3 +184,19 @@ def test_exit_guard_pieces(tmp_path: Path) -> None:
         assert got["settled"] is True and got["settle_seconds"] < 5.0, got
         assert got["threads"] == [], got  # the status publisher stopped
     assert seen[0]["busy"] is False, seen[0]
+
+
+@pytest.mark.timeout(200)
+def test_an_elastic_watcher_is_stopped_before_python_finalizes() -> None:
+    """A finish-mode Join's watcher thread never comes back from the store while
+    Python finalizes (``tests/exit_watcher_program.py``): before the fix it blocked in
+    a ``store.wait`` and the key it waited for, posted then, aborted the process
+    every time ("terminate called without an active exception", SIGABRT; under
+    ``joinkit run`` on a loaded machine a survivor died so after its work was done)."""
+    program = Path(__file__).with_name("exit_watcher_program.py")
+    done = subprocess.run([sys.executable, str(program)], capture_output=True, text=True,
+                          timeout=180, env=child_env({"OMP_NUM_THREADS": "1"}))
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "watchers alive after the exit guard: []" in done.stdout, output[-3000:]
+    assert "posted the key while Python finalized" in done.stdout, output[-3000:]

@@ -13,9 +13,13 @@ beside a group's collectives, on threads of its own:
   store round trip; a rank posts which process it is once per group;
 - the *abort watcher* (``_watch_aborts``, ``_watch_loop``): one daemon thread
   that, while some wait of a CPU group is past its first slice, reads those
-  groups' abort keys and sets their abort flag.
+  groups' abort keys and sets their abort flag;
+- the threads of ``start_stoppable`` (the elastic watchers of ``_elastic``).
 
-``stop_threads`` stops all of them; the exit guard (``_exit``) calls it.
+``stop_threads`` stops all of them and joins them; the exit guard (``_exit``)
+calls it, before Python finalizes: a daemon thread that comes back from a
+native call while Python finalizes is ended by ``pthread_exit``, and ended
+inside pybind11's GIL release that aborts the process (``std::terminate``).
 It reads and writes a few of ``TorchGroup``'s members (``_abort``,
 ``_store_prefix``, ``_post``, ``rank``, ``world_size``): this is the group's
 own machinery, kept apart only to be read apart.
@@ -100,6 +104,30 @@ _processes_posted: dict[str, Any] = {}
 _long_waits: dict[int, tuple[TorchGroup, int]] = {}  # by id: groups compare by their PG
 _watcher: threading.Thread | None = None
 _waits_changed = threading.Condition(_threads_lock)
+# The other threads that read the store (the elastic watchers), with the event
+# that stops each: stopped and joined with the rest at exit (module doc).
+_stoppable: dict[threading.Thread, threading.Event] = {}
+
+
+def start_stoppable(thread: threading.Thread, stop: threading.Event) -> bool:
+    """Start ``thread``, which ends soon after ``stop`` is set, and have the
+    exit guard set ``stop`` and join it; the thread calls :func:`forget` last.
+
+    Returns:
+        Whether it started (not once the exit guard ran).
+    """
+    with _threads_lock:
+        if _exiting.is_set():
+            return False
+        _stoppable[thread] = stop
+        thread.start()
+    return True
+
+
+def forget(thread: threading.Thread) -> None:
+    """A thread of :func:`start_stoppable` is ending."""
+    with _threads_lock:
+        _stoppable.pop(thread, None)
 
 
 def _abort_posted(store: Any, prefix: str) -> tuple[int, str] | None:
@@ -198,7 +226,8 @@ def _publish_loop() -> None:
 
 
 def stop_threads(deadline: float) -> None:
-    """Stop the status publisher, the abort watcher and the store helpers.
+    """Stop the status publisher, the abort watcher, the store helpers and the
+    threads of :func:`start_stoppable`.
 
     Once stopped they stay stopped (the process is leaving): a later status
     is not published and a later store access returns ``None`` at once.
@@ -209,6 +238,8 @@ def stop_threads(deadline: float) -> None:
     with _waits_changed:
         _exiting.set()
         _waits_changed.notify_all()
-        threads = [t for t in (_publisher, _watcher, *_helpers) if t is not None]
+        for stop in _stoppable.values():
+            stop.set()
+        threads = [t for t in (_publisher, _watcher, *_helpers, *_stoppable) if t is not None]
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))

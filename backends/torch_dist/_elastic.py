@@ -21,8 +21,16 @@ of the input of the unit in flight (what an in-place all-reduce overwrites).
 
 *Detection.* A unit's waits go in slices of ``_SLICE`` s. Between slices they
 look at a flag that the group's *watcher* thread sets when the store key
-``failed`` of the current generation appears (a blocking ``store.wait`` on a
-clone of the store: no polling, no lock shared with the main thread). The
+``failed`` of the current generation appears. The watcher checks for it on a
+clone of the store (no lock shared with the main thread) every
+``_WATCH_INTERVAL`` s, less often in a big world: the watchers of a world make
+at most ``_WATCH_POLLS_PER_SECOND`` reads per second together. It does not
+block in a ``store.wait``, which nothing can wake: a watcher whose wait
+returned while Python finalized (the key posted, the store's host gone)
+killed its process, since a thread that takes the GIL back then is ended by
+``pthread_exit``, whose unwinding through pybind11's GIL release calls
+``std::terminate`` ("terminate called without an active exception"). The exit
+guard (``_exit``) stops and joins the watchers before Python finalizes. The
 first rank that sees the failure posts that key: its own collective failed
 (gloo's "Connection closed by peer": the dead rank's neighbours), or, after
 ``_PATIENCE`` s of waiting, a peer's process is gone (same host, ``/proc``;
@@ -99,9 +107,10 @@ _GRACE = 2.0
 _ALIVE_GRACE = 30.0
 #: How long a non-decider waits for the decision beyond ``_GRACE``.
 _DECISION_SLACK = 3.0
-#: How long the watcher's blocking wait for the failure key lasts before it
-#: starts another (a TCPStore logs a warning at each timeout).
-_WATCH_WAIT = datetime.timedelta(hours=1)
+#: Seconds between two looks of the watcher at the failure key, at least; and
+#: the store reads per second that the watchers of a whole world make together.
+_WATCH_INTERVAL = 0.05
+_WATCH_POLLS_PER_SECOND = 200.0
 #: Launchers that keep the survivors of a dead worker.
 KEEPING_LAUNCHERS = "`mpirun --with-ft ulfm` (Open MPI 5), `srun --no-kill` (Slurm)"
 
@@ -207,9 +216,13 @@ class Elastic:
         self._stop = threading.Event()
         self._post_process()
         announce_finish_mode()
-        self._watcher = threading.Thread(target=self._watch, name="joinkit-elastic",
-                                         daemon=True)
-        self._watcher.start()
+        try:  # the watcher's own connection (module doc)
+            watched = self.store.clone()
+        except Exception:  # noqa: BLE001 - a store without clone(): share it
+            watched = self.store
+        self._watcher = threading.Thread(target=self._watch, args=(watched,),
+                                         name="joinkit-elastic", daemon=True)
+        _board.start_stoppable(self._watcher, self._stop)
 
     def reset_counts(self) -> None:
         """A new Join: iterations count from here (every rank calls it on entry)."""
@@ -249,37 +262,30 @@ class Elastic:
 
     # -- the watcher thread ----------------------------------------------------------
 
-    def _watch(self) -> None:
+    def _watch(self, store: Any) -> None:
+        """The watcher thread: sets ``failed_seen`` once the failure key of the
+        current generation appears, and registers this rank alive (module doc)."""
         try:
-            store = self.store.clone()
-            blocking = True
-        except Exception:  # noqa: BLE001 - a store without clone(): poll it
-            store, blocking = self.store, False
-        while not self._stop.is_set():
-            generation = self.generation
-            key = self.key(generation, "failed")
-            try:
-                if blocking:
-                    store.wait([key], _WATCH_WAIT)
-                    found = True
-                else:
-                    found = bool(store.check([key]))
-                    if not found:
-                        time.sleep(_SLICE)
-            except Exception:  # noqa: BLE001 - not there yet (a timeout), or no store
-                if self._stop.wait(_SLICE):
-                    return
-                continue
-            if not found:
-                continue
-            if generation == self.generation:
-                self.failed_seen = max(self.failed_seen, generation)
+            while not self._stop.is_set():
+                generation = self.generation
                 try:
-                    store.set(self.key(generation, f"alive/{self.initial_rank}"), "1")
-                except Exception:  # noqa: BLE001
+                    found = bool(store.check([self.key(generation, "failed")]))
+                except Exception:  # noqa: BLE001 - no store: nothing known
+                    found = False
+                if not found:
+                    self._stop.wait(max(_WATCH_INTERVAL,
+                                        len(self.members) / _WATCH_POLLS_PER_SECOND))
+                    continue
+                if generation == self.generation:
+                    self.failed_seen = max(self.failed_seen, generation)
+                    try:
+                        store.set(self.key(generation, f"alive/{self.initial_rank}"), "1")
+                    except Exception:  # noqa: BLE001
+                        pass
+                while self.generation == generation and not self._stop.wait(0.005):
                     pass
-            while self.generation == generation and not self._stop.is_set():
-                time.sleep(0.005)
+        finally:
+            _board.forget(threading.current_thread())
 
     def stop(self) -> None:
         self._stop.set()
