@@ -33,8 +33,8 @@ threads of one process) it is ``time.monotonic()``. An age is never negative
 collective fails its peers can tell a rank whose process is gone (SIGKILL,
 the out-of-memory killer) from one that is merely silent
 (:func:`gone_text`). Only a peer on the same host can look; a pid that now
-belongs to another process (a different start time) or to a zombie counts as
-gone.
+belongs to another process (a different start time), to a process in
+``exit()`` or to a zombie counts as gone.
 """
 
 from __future__ import annotations
@@ -149,11 +149,18 @@ class Post:
         self._published = posted
 
 
+#: The kernel's task flag of a process in ``exit()``, set before its files are
+#: closed (field 9 of ``/proc/PID/stat``): a SIGKILLed rank's peers see its
+#: sockets close while it is still tearing down, before it is a zombie.
+_PF_EXITING = 0x4
+
+
 def _started(pid: int) -> int | None:
     """``pid``'s start time (clock ticks since boot, /proc), or ``None`` where unknown.
 
     Raises:
-        ProcessLookupError: there is no such process, or it is a zombie.
+        ProcessLookupError: there is no such process, or it is exiting or a
+            zombie.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
@@ -164,6 +171,8 @@ def _started(pid: int) -> int | None:
         os.kill(pid, 0)
         return None
     if fields[0] in (b"Z", b"X"):  # killed, not yet reaped by its parent
+        raise ProcessLookupError(pid)
+    if int(fields[6]) & _PF_EXITING:  # in exit(): its sockets may be closed already
         raise ProcessLookupError(pid)
     return int(fields[19])  # field 22 of stat; fields[0] is field 3
 

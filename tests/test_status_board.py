@@ -7,12 +7,16 @@ pin the entry, its encoding and its texts, with times passed in.
 
 from __future__ import annotations
 
+import io
 import itertools
 import os
 import socket
 import subprocess
 import sys
 import time
+from typing import Any
+
+import pytest
 
 from joinkit.backends._status import (
     NO_STATUS,
@@ -121,6 +125,39 @@ def test_a_killed_process_is_gone_once_killed_reaped_or_not() -> None:
         child.kill()
         child.wait()
     assert gone_text(process) == f"pid {child.pid} on {socket.gethostname()}"
+
+
+def test_a_process_in_exit_is_gone_before_it_is_a_zombie(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGKILLed rank's sockets close in its exit(), before it is a zombie: its
+    peers, woken by the reset at once, must already see it gone (under load they ran
+    while it was still tearing down, and the note was missing). The kernel marks a
+    task in exit() with PF_EXITING (0x4) in field 9 of /proc/PID/stat."""
+    from joinkit.backends import _status
+
+    me = this_process()
+    if me["started"] is None:
+        pytest.skip("no /proc")  # never on Linux: this machine has it
+    real = open(f"/proc/{os.getpid()}/stat", "rb").read()  # noqa: SIM115 - read at once
+    head, _, tail = real.rpartition(b")")
+    fields = tail.split()
+
+    def stat_with(state: bytes, flags: int) -> bytes:
+        changed = [state, *fields[1:6], str(flags).encode(), *fields[7:]]
+        return head + b") " + b" ".join(changed) + b"\n"
+
+    def fake_open(stat: bytes) -> Any:
+        return lambda path, mode="r", *args, **kwargs: io.BytesIO(stat)
+
+    running = int(fields[6])
+    monkeypatch.setattr(_status, "open", fake_open(stat_with(b"R", running)), raising=False)
+    assert gone_text(me) is None  # the same stat, as read: it runs
+    monkeypatch.setattr(_status, "open", fake_open(stat_with(b"R", running | 0x4)),
+                        raising=False)
+    assert gone_text(me) == f"pid {me['pid']} on {socket.gethostname()}"
+    monkeypatch.setattr(_status, "open", fake_open(stat_with(b"D", running | 0x4)),
+                        raising=False)
+    assert gone_text(me) is not None
 
 
 def test_this_process_is_not_gone_and_a_reused_pid_is() -> None:
