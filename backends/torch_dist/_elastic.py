@@ -525,9 +525,14 @@ class Elastic:
                 built.append(dist.ProcessGroupGloo(store, rank, len(members), self.timeout))
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
+            finally:
+                _board.forget(threading.current_thread())
 
+        # Joined by the exit guard too (up to its patience), should a failure
+        # below leave it connecting.
         helper = threading.Thread(target=build, name="joinkit-elastic-build", daemon=True)
-        helper.start()
+        if not _board.start_stoppable(helper, threading.Event()):
+            build()  # the process is leaving: no thread
         next_look = time.monotonic() + 0.05
         while helper.is_alive():
             helper.join(_SLICE)

@@ -70,6 +70,8 @@ _PREFIX = "joinkit/run/"
 #: at the exit barrier (``JOINKIT_RUN_SILENT`` overrides it).
 _BEAT = 0.5
 _SILENT = float(os.environ.get("JOINKIT_RUN_SILENT", "15"))
+#: Seconds the agent waits at shutdown for its beat thread's store call to end.
+_BEAT_JOIN = 5.0
 #: torch's internals this module relies on: (object, attribute).
 _GUARDED = (
     (LocalElasticAgent, "_monitor_workers"),
@@ -292,6 +294,10 @@ class JoinkitAgent(LocalElasticAgent):
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
                   timeout: int = 30) -> None:
         self._beating.set()
+        if self._beat_thread is not None:
+            # Not still in a store call once Python finalizes (a thread that comes
+            # back from one then aborts the process: torch_dist._board's doc).
+            self._beat_thread.join(_BEAT_JOIN)
         super()._shutdown(death_sig, timeout)
         shutil.rmtree(self._folder, ignore_errors=True)
 
