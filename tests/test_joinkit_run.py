@@ -249,7 +249,8 @@ def test_the_example_trains_every_sample_once(launched: dict[str, Any]) -> None:
         "rank 1 consumed 4 samples; its other 6 went to ranks 0, 2",
         "every sample of the epoch trained once: True"], run["stdout"]
     assert _lost_line(run["stderr"]) == (
-        "joinkit run: lost rank(s) 1 (SIGKILL, exit code -9); the survivors finished")
+        "joinkit run: lost rank(s) 1 (SIGKILL, exit code -9); the survivors finished"), (
+        _explain(run))
 
 
 @pytest.mark.timeout(120)
