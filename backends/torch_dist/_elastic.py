@@ -147,18 +147,9 @@ class _Done:
 
 
 def _process_gone(process: dict[str, Any]) -> bool:
-    """Whether the posted process no longer runs (a zombie counts as gone)."""
-    if _status.gone_text(process) is not None:
-        return True
-    pid = process.get("pid")
-    if not isinstance(pid, int) or process.get("host") != socket.gethostname():
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
+    """Whether the posted process no longer runs (one in ``exit()`` or a zombie
+    counts as gone: ``_status.gone_text``)."""
+    return _status.gone_text(process) is not None
 
 
 def store_outlives_ranks_guess(store: Any) -> bool:
