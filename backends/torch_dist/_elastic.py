@@ -278,9 +278,6 @@ class Elastic:
         finally:
             _board.forget(threading.current_thread())
 
-    def stop(self) -> None:
-        self._stop.set()
-
     # -- waits ---------------------------------------------------------------------
 
     def wait(self, work: Any) -> Any:
