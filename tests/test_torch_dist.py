@@ -338,6 +338,19 @@ def test_torch_group_collectives(results: Any) -> None:
         assert got["protocols"] is True
 
 
+def test_a_rebuilt_group_never_reads_a_late_collective_of_the_old_one(results: Any) -> None:
+    # Heartbeats of 20 and 30 per rank on the new group (3 ranks), read before
+    # and after the old group's pending collectives completed (1 + 1 + 5 each).
+    ranks = outcome(results, "rebuilt_group_keeps_late_collectives_out")
+    for r in ranks:
+        assert r["before"] == [60.0, 90.0]
+        assert r["after"] == r["before"]
+        assert r["count"] == 300.0
+        assert r["tensor"] == [6.0] * 4
+        assert r["array"] == [9.0] * 4
+    assert ranks[2]["old_totals"] == [7.0, 7.0, 7.0]
+
+
 def test_object_collectives_and_long_waits(results: Any) -> None:
     ranks = outcome(results, "object_collectives_and_long_waits")
     for r, got in enumerate(ranks):

@@ -30,6 +30,7 @@ import logging
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1051,6 +1052,49 @@ def torch_group_collectives(ctx: Ctx) -> Any:
         g, backends.JoinBackend
     )
     return out
+
+
+@scenario
+def rebuilt_group_keeps_late_collectives_out(ctx: Ctx) -> Any:
+    """An elastic rebuild (``TorchGroup._adopt``) while collectives of the old group
+    are still pending: rank 2 completes them only after the new group's ran (a
+    member left out of a rebuild, still alive, may do so), and their late results
+    must land neither in the buffers the new group reads nor in the caller's."""
+    old, new = ctx.group, dist.new_group(backend="gloo", timeout=SCENARIO_TIMEOUT)
+    g = TorchGroup(old)
+    # Finish mode's rebuild, without its store protocol: _adopt needs only these.
+    g._elastic = types.SimpleNamespace(  # type: ignore[assignment]
+        inside=True, generation=1, key=lambda generation, name: f"adopt-test/{name}",
+        wait=lambda work: work.wait())
+    # Ranks 0 and 1 start a heartbeat and an all-reduce (of a tensor and of an
+    # array) on the old group; rank 2 is late for them.
+    tensor, array = torch.full((4,), 1.0), np.full(4, 1.0)
+    pending = [g.heartbeat(1.0), g.all_reduce(tensor, async_op=True),
+               g.all_reduce(array, async_op=True)] if ctx.rank < 2 else []
+    g._adopt(new, ctx.rank, ctx.world)  # the recovery drops them
+    beats = [g.heartbeat(10.0 * (i + 1)) for i in range(3)]
+    before = [g.heartbeat_total(h) for h in beats[1:]]  # the last two: both buffers
+    count = g.count(100.0)
+    tensor.fill_(2.0)
+    array.fill(3.0)
+    g.all_reduce(tensor)  # the units' re-runs, on the same buffers
+    g.all_reduce(array)
+    if ctx.rank == 2:
+        late = [torch.tensor([5.0]), torch.full((4,), 5.0),
+                torch.full((4,), 5.0, dtype=torch.float64)]  # the array's dtype
+        for t in late:
+            dist.all_reduce(t, group=old)  # completes the old collectives now
+        old_totals = [t[0].item() for t in late]
+    else:
+        pending[0].wait()
+        pending[1]._work.wait()
+        pending[2]._work.wait()
+        old_totals = []
+    dist.barrier(group=new)
+    after = [g.heartbeat_total(h) for h in beats[1:]]
+    g._elastic = None
+    return {"before": before, "after": after, "count": count, "old_totals": old_totals,
+            "tensor": tensor.tolist(), "array": array.tolist()}
 
 
 @scenario

@@ -33,9 +33,14 @@ pass, by the Join's failure check at the next notify), so heartbeats rotate
 over two buffers and each waits for the work that last used its buffer, which
 finished long ago: every rank has since passed a later collective on the same
 group, and a group completes its collectives in order. On CUDA that wait only
-orders the device streams. Reading a heartbeat's sum (``heartbeat_total``) on
-CUDA would need a device synchronisation per iteration, so there it reports no
-failure and a failed peer is seen at the next count instead.
+orders the device streams. An elastic rebuild (``_adopt``) gives the group new
+buffers, and in finish mode every collective runs on a copy of the caller's
+buffer (``_stage``): a collective that a recovery abandoned (its work is
+dropped, not waited) keeps the memory it had, and a member left out of the
+rebuild but still alive could complete it late. Reading a heartbeat's sum
+(``heartbeat_total``) on CUDA would need a device synchronisation per
+iteration, so there it reports no failure and a failed peer is seen at the next
+count instead.
 
 *Failure handling extras.* ``collectives_issued`` is the group's own sequence
 number (which counts every collective on the group, DDP's from C++ included)
@@ -321,14 +326,13 @@ class TorchGroup:
         self._allreduce = group.allreduce
         self._sum = dist.AllreduceOptions()
         self._sum.reduceOp = _ARITHMETIC["sum"]
-        self._beats = (self._scalar(), self._scalar())
-        # On the CPU, NumPy views write and read the heartbeats' one element
-        # without torch's dispatch (fill_ and item() cost ~1.5 us per beat).
-        self._beat_views = None if self._on_cuda else tuple(b.numpy() for b in self._beats)
+        self._beats: tuple[torch.Tensor, torch.Tensor]
+        self._beat_views: tuple[Any, ...] | None
+        self._tally: torch.Tensor
+        self._barrier_buf: torch.Tensor
+        self._new_buffers()
         self._beat_works: list[Any] = [None, None]
         self._next_beat = 0
-        self._tally = self._scalar()
-        self._barrier_buf = self._scalar()
         # The latest count's and barrier's work, for the exit guard (module doc).
         self._count_work: Any = None
         self._barrier_work: Any = None
@@ -467,6 +471,10 @@ class TorchGroup:
         self.rank, self.world_size = rank, world_size
         self._checks = Checks(rank, world_size, self.device)
         self._allreduce = process_group.allreduce
+        # A collective of the old group may still be pending (a member left out
+        # of the rebuild, alive, may yet complete it): it keeps its buffers, so
+        # it can never write into the ones the new group uses (module doc).
+        self._new_buffers()
         self._beat_works = [None, None]
         self._count_work = self._barrier_work = None
         assert self._elastic is not None
@@ -1112,12 +1120,27 @@ class TorchGroup:
 
     # -- helpers -------------------------------------------------------------------
 
+    def _new_buffers(self) -> None:
+        """Fresh heartbeat, count and barrier buffers (at start, and on a rebuild)."""
+        self._beats = (self._scalar(), self._scalar())
+        # On the CPU, NumPy views write and read the heartbeats' one element
+        # without torch's dispatch (fill_ and item() cost ~1.5 us per beat).
+        self._beat_views = None if self._on_cuda else tuple(b.numpy() for b in self._beats)
+        self._tally = self._scalar()
+        self._barrier_buf = self._scalar()
+
     def _scalar(self) -> torch.Tensor:
         # float32 on the wire, like torch's Join (and every joinkit backend).
         return torch.zeros(1, dtype=torch.float32, device=self.device)
 
     def _stage(self, buf: Any) -> _Staged:
-        """``buf`` (checked) as a contiguous tensor on the group's device (module doc)."""
+        """``buf`` (checked) as a contiguous tensor on the group's device (module doc).
+
+        In finish mode always a copy: a collective that a recovery abandoned may
+        still be pending in gloo, and must not write into the caller's buffer
+        while the unit runs again over the rebuilt group.
+        """
+        private = self._elastic is not None
         if isinstance(buf, torch.Tensor):
             tensor = buf.detach()
             if tensor.dtype == torch.bool:
@@ -1126,15 +1149,14 @@ class TorchGroup:
                 resolved = tensor.resolve_conj().resolve_neg()
                 return _Staged(buf, resolved.to(self.device).contiguous(), False)
             if tensor.device == self.device and tensor.is_contiguous():
-                return _Staged(buf, tensor, True)
+                return _Staged(buf, tensor.clone() if private else tensor, not private)
             return _Staged(buf, tensor.to(self.device).contiguous(), False)
         if isinstance(buf, np.ndarray):
             if buf.dtype == np.bool_:
                 host = torch.from_numpy(buf.astype(np.uint8))
                 return _Staged(buf, host.to(self.device), False)
-            shareable = (
-                self.device.type == "cpu" and buf.flags.c_contiguous and buf.flags.writeable
-            )
+            shareable = (not private and self.device.type == "cpu"
+                         and buf.flags.c_contiguous and buf.flags.writeable)
             host = torch.from_numpy(buf if shareable else np.ascontiguousarray(buf).copy())
             return _Staged(buf, host if shareable else host.to(self.device), shareable)
         raise AssertionError(f"unchecked buffer {type(buf)}")  # pragma: no cover
