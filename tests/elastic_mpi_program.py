@@ -11,7 +11,10 @@ where CELLS is a JSON list of cells, each::
 ``between`` after that heartbeat, before the iteration's all-reduce;
 ``drain`` in its main hook of shadow round k (it joined); ``post`` in its post
 hook; ``recovery`` inside the next recovery of the group (after the shrink).
-Kills are SIGKILL. Each survivor prints one JSON line per cell (its numbers,
+Kills are SIGKILL. A cell may also name ``"masked": [r, ...]``: on those ranks
+the group's communicator reports a failure as ``MPI_ERR_OTHER`` until the
+first recovery replaces it, as Open MPI's nonblocking collectives sometimes do
+(:class:`MaskingComm`). Each survivor prints one JSON line per cell (its numbers,
 report and iteration times); each victim prints one line just before it dies.
 tests/elastic_mpi_support.py says the rest.
 """
@@ -45,6 +48,35 @@ def die(cell: str, rank: int, where: str, completed: int) -> None:
     print(json.dumps({"death": cell, "rank": rank, "where": where, "t": time.time(),
                       "completed": completed}), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _MaskingRequest:
+    def __init__(self, request: MPI.Request) -> None:
+        self._request = request
+
+    def Wait(self) -> None:  # noqa: N802 - mpi4py's name
+        try:
+            self._request.Wait()
+        except MPI.Exception as error:
+            if error.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED):
+                raise MPI.Exception(MPI.ERR_OTHER) from error
+            raise
+
+
+class MaskingComm:
+    """A communicator whose nonblocking collectives report a dead peer or a
+    revocation as ``MPI_ERR_OTHER``. Open MPI's ``coll/libnbc`` does that when a
+    request of a later round fails as it is posted (the error class is lost in
+    the round's start); here it happens every time, not by a race."""
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self._comm = comm
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._comm, name)
+        if name in ("Iallreduce", "Iallgather", "Ibarrier"):
+            return lambda *args: _MaskingRequest(attr(*args))
+        return attr
 
 
 class TrainerHook(JoinHook):
@@ -136,6 +168,8 @@ def run_cell(group: MPIGroup, cell: dict[str, Any]) -> None:
             warnings.simplefilter("always")
             join = Join([trainer], on_rank_loss="finish")
             with join:
+                if me in cell.get("masked", ()):
+                    group.comm = MaskingComm(group.comm)  # type: ignore[assignment]
                 for i in range(1, int(cell["inputs"][str(me)]) + 1):
                     trainer.step(i)
         report = join.report

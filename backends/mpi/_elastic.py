@@ -11,7 +11,8 @@ broadcast is a bitwise-OR all-reduce of the bytes, a reduce an all-reduce, a
 gather an all-gather), so that a rank that completed collective k+1 knows
 that every rank completed k, and survivors are at most one collective apart.
 Each rank keeps a copy of its last result and of its inputs. On
-``ERR_PROC_FAILED`` or ``ERR_REVOKED`` the survivors revoke the communicator,
+``ERR_PROC_FAILED`` or ``ERR_REVOKED`` (also when Open MPI reports either as
+another class, see :func:`_failure_behind`) the survivors revoke the communicator,
 shrink it, all-gather (original rank, collectives completed, heartbeats
 sent), and a rank that completed the highest number broadcasts that result
 to those that lack it; then a rank whose collective was that one returns the
@@ -65,6 +66,35 @@ def _error_name(error: MPI.Exception) -> str:
         if getattr(MPI, name, None) == code:
             return name
     return str(error.Get_error_string())
+
+
+def _failure_behind(error: MPI.Exception, comm: MPI.Intracomm) -> str | None:
+    """What failure ``error``, raised by a collective on ``comm``, reports, if any.
+
+    ``ERR_PROC_FAILED`` and ``ERR_REVOKED`` say so themselves. Open MPI's
+    nonblocking collectives (``coll/libnbc``) can report either as
+    ``MPI_ERR_OTHER``: when a request that one round posts fails at once (a peer
+    already known dead, a communicator already revoked), the round's start
+    returns a generic error and the class is lost. That is a race: a recovery
+    test failed on it under load. A request only fails that way once this
+    process knows of the failure or the revocation, so ULFM's local queries
+    tell the two apart from a genuine error.
+
+    Returns:
+        ``"ERR_PROC_FAILED"`` or ``"ERR_REVOKED"`` (with what MPI reported when
+        it reported another class), or None for an error that is no failure.
+    """
+    name = _error_name(error)
+    if error.Get_error_class() in _FAILED_CLASSES:
+        return name
+    try:
+        if comm.Get_failed().Get_size() > 0:
+            return f"ERR_PROC_FAILED (reported as {name})"
+        if comm.Is_revoked():
+            return f"ERR_REVOKED (reported as {name})"
+    except MPI.Exception:
+        pass
+    return None
 
 
 def _first(run: tuple[int, int]) -> int:
@@ -299,9 +329,10 @@ class ElasticGroup:
             try:
                 result = run(self.comm)
             except MPI.Exception as error:
-                if error.Get_error_class() not in _FAILED_CLASSES:
+                failure = _failure_behind(error, self.comm)
+                if failure is None:
                     raise
-                if self._recover(error, what, join_round):
+                if self._recover(failure, what, join_round):
                     return self._last  # completed elsewhere: handed over
                 continue  # reissued on the shrunk communicator
             self._complete(result, join_round)
@@ -315,8 +346,9 @@ class ElasticGroup:
         else:
             self._rounds.data()
 
-    def _recover(self, error: MPI.Exception, what: str, join_round: bool) -> bool:
-        """Shrink the group over the survivors after ``error`` (module doc).
+    def _recover(self, failure: str, what: str, join_round: bool) -> bool:
+        """Shrink the group over the survivors after ``failure`` (module doc; what
+        :func:`_failure_behind` said of the error).
 
         Returns:
             Whether this rank's current collective completed elsewhere (its
@@ -326,7 +358,7 @@ class ElasticGroup:
             RuntimeError: ranks kept dying for ``_MOST_RECOVERY_ATTEMPTS``
                 recoveries in a row.
         """
-        detected = f"{_error_name(error)} in {what}"
+        detected = f"{failure} in {what}"
         comm: MPI.Intracomm = self.comm
         before = self._completed
         for attempt in range(_MOST_RECOVERY_ATTEMPTS):
