@@ -209,7 +209,10 @@ def test_the_default_still_fails_promptly_under_ulfm_naming_the_dead_rank() -> N
     lines = [line for line in lines if "error" in line]
     assert sorted(line["rank"] for line in lines) == [0, 2], output
     for line in lines:
-        assert "ERR_PROC_FAILED" in line["error"] or "ERR_REVOKED" in line["error"], line
+        # Open MPI's nonblocking collectives sometimes report the death as
+        # MPI_ERR_OTHER (docs/elastic.md): the note names the dead rank all the same.
+        assert any(name in line["error"] for name in
+                   ("ERR_PROC_FAILED", "ERR_REVOKED", "MPI_ERR_OTHER")), line
         assert "rank 1 (reported failed by MPI's fault tolerance (ULFM)) is no longer " \
             "running" in line["error"], line
         assert line["seconds"] < 60
