@@ -252,6 +252,10 @@ def run_case(
     started = time.monotonic()
     error: BaseException | None = None
     iterations = 0
+    if case == "stall":
+        # Enter together: the short timeout must time the stall, not how much
+        # later a loaded machine started one rank than the others.
+        group.barrier()
     join = Join([counter], timeout=join_timeout)
     try:
         with join:

@@ -65,7 +65,10 @@ def funneled() -> None:
             return group
 
     idle = Idle()
-    with Join([idle], timeout=1.0):
+    # Enter together: on a loaded machine one rank may start seconds after the
+    # other, and the first one's watchdog would time the launch, not the stall.
+    group.barrier()
+    with Join([idle], timeout=3.0):
         for _ in range(1 + group.rank):
             if group.rank == 1:
                 time.sleep(30)  # rank 0 counts meanwhile: its watchdog fires
