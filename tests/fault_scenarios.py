@@ -249,13 +249,13 @@ def run_case(
         fault = case.removeprefix("raw_")
     inputs = inputs_for(case, rank, failing_rank)
     join_timeout = stall_timeout if case == "stall" else timeout
-    started = time.monotonic()
-    error: BaseException | None = None
-    iterations = 0
     if case == "stall":
         # Enter together: the short timeout must time the stall, not how much
         # later a loaded machine started one rank than the others.
         group.barrier()
+    started = time.monotonic()  # the Join's time, not the wait for the others
+    error: BaseException | None = None
+    iterations = 0
     join = Join([counter], timeout=join_timeout)
     try:
         with join:
