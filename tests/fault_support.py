@@ -50,6 +50,9 @@ class Launch:
     culprit: tuple[str, str] | None = None
     rerun: Launch | None = None
     rerun_cells: list[tuple[str, str]] = field(default_factory=list)
+    #: A stall cell's earlier launches whose watchdog fired at the entry
+    #: (:func:`again_while_entry_timed_out`), oldest first.
+    earlier: list[Launch] = field(default_factory=list)
 
     @property
     def job_seconds(self) -> float | None:
@@ -58,7 +61,9 @@ class Launch:
         return self.ended_at - min(self.started.values()) if self.started else None
 
     def explain(self, limit: int = 4000) -> str:
-        return (f"{self.name}: {' '.join(self.command)}\nexit {self.returncode}, "
+        tries = (f" (try {len(self.earlier) + 1}: the earlier ones timed out at the entry)"
+                 if self.earlier else "")
+        return (f"{self.name}{tries}: {' '.join(self.command)}\nexit {self.returncode}, "
                 f"{self.seconds:.1f} s{' (TIMED OUT)' if self.timed_out else ''}\n"
                 f"--- output (tail) ---\n{self.output[-limit:]}")
 
@@ -231,6 +236,47 @@ def launch_of(launch: Launch, cell: tuple[str, str]) -> Launch:
                     f"ran again in a fresh launch)\n{launch.explain()}", pytrace=False)
     if launch.rerun is not None and cell in launch.rerun_cells:
         return launch_of(launch.rerun, cell)
+    return launch
+
+
+#: A watchdog that fired at the agreement check at entry (its RankTimeout's text).
+ENTRY_TIMEOUT = re.compile(r"made no progress for [\d.]+ s \(timeout [\d.]+ s\) in phase "
+                           r"AGREEING")
+#: How many launches a stall cell gets in all (:func:`again_while_entry_timed_out`).
+STALL_TRIES = 3
+
+
+def again_while_entry_timed_out(launch: Launch, entry_timed_out: Callable[[Launch], bool],
+                                again: Callable[[int], Launch]) -> Launch:
+    """A stall cell's launch, launched again while its watchdog fired at the entry.
+
+    A stall cell gives its Join a short timeout (seconds) so that the stall
+    it injects in the loop body is caught soon. Its ranks pass a barrier just
+    before the Join, but on a loaded machine a rank can still reach the
+    Join's agreement check at entry more than that timeout after its peers
+    (CI once saw 6 s between two ranks leaving the same barrier and the
+    later one's first status post, where 10 ms is usual). The peers'
+    watchdogs then rightly fire there, before the stall, and the cell
+    measured the machine, not the Join. Such a launch runs again (``again``),
+    at most
+    :data:`STALL_TRIES` launches in all, after the parallel ones, so with
+    less load. A Join that timed out at the entry every time still fails
+    the cell: the last launch is checked as any other.
+
+    Args:
+        launch: the cell's finished launch.
+        entry_timed_out: whether a launch's watchdog fired at the entry.
+        again: a fresh, unstarted launch of the same cell for the given try (2, 3, ...),
+            with an output directory of its own.
+
+    Returns:
+        The last launch run, its :attr:`Launch.earlier` the ones before it.
+    """
+    earlier: list[Launch] = []
+    while entry_timed_out(launch) and len(earlier) + 1 < STALL_TRIES:
+        earlier.append(launch)
+        launch = _run(again(len(earlier) + 1))
+    launch.earlier = earlier
     return launch
 
 

@@ -9,7 +9,10 @@ job whose process was killed), and so does a failure on a raw communicator
 failing rank's last iteration, so it fails fast), so each of those cells has
 a launch of its own, and the test asserts on how the launch ended: non-zero,
 well within its timeout, with output naming the failing rank (and, where a
-rank's exception ended the job, that exception). torch is never imported.
+rank's exception ended the job, that exception). A stall cell whose watchdog
+fired at the entry, before its stall (a loaded machine started a rank late), is
+launched again (``fault_support.again_while_entry_timed_out``). torch is never
+imported.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from pathlib import Path
 import fault_scenarios as fs
 import pytest
 from fault_support import (
+    ENTRY_TIMEOUT,
     Launch,
+    again_while_entry_timed_out,
     launch_of,
     python,
     record_cell,
@@ -86,6 +91,21 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launch]:
                           LAUNCH_TIMEOUT, env=child_env())
 
         rerun_after_death(done[f"batch/{world_size}"], spec, world_size, again)
+    # A stall cell whose watchdog fired at the entry, before the stall, ran on
+    # a machine too loaded for its short timeout: launch it again.
+    for world_size in WORLD_SIZES:
+        for failing in (0, world_size - 1):
+            name = f"stall/{world_size}/{failing}"
+
+            def stall_again(attempt: int, name: str = name, world_size: int = world_size,
+                            failing: int = failing) -> Launch:
+                out = root / f"{name.replace('/', '_')}-try{attempt}"
+                return Launch(name, _command(world_size, out, f"stall:{failing}"), out,
+                              LAUNCH_TIMEOUT, env=child_env())
+
+            done[name] = again_while_entry_timed_out(
+                done[name], lambda launch: ENTRY_TIMEOUT.search(launch.output) is not None,
+                stall_again)
     return done
 
 

@@ -4,7 +4,9 @@ Most cells run under ``fault_runner.py --fork N``: one process per world size
 imports torch once and forks the N ranks of each launch, which initialise a
 gloo group over a fresh FileStore (a launch costs a fraction of a second, not
 a torch import per rank). Cells that abort their group (a hook failure, a
-stall) get a launch of their own, as they would need a fresh job in practice.
+stall) get a launch of their own, as they would need a fresh job in practice;
+a stall cell whose watchdog fired at the entry, before its stall (a loaded
+machine started a rank late), gets another (``again_while_entry_timed_out``).
 SIGKILL needs the real launcher: each killed-rank cell is a ``torchrun``,
 whose elastic agent must tear the job down and name the killed rank. torch is
 imported only by the launched processes.
@@ -20,7 +22,9 @@ from pathlib import Path
 import fault_scenarios as fs
 import pytest
 from fault_support import (
+    ENTRY_TIMEOUT,
     Launch,
+    again_while_entry_timed_out,
     python,
     record_cell,
     run_all,
@@ -49,16 +53,20 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launch]:
     root = tmp_path_factory.mktemp("faults_torch")
     env = child_env({"OMP_NUM_THREADS": "1"})
     todo = []
+
+    def fork(name: str, world_size: int, out: Path, *specs: str) -> Launch:
+        command = [python(), str(fs_runner()), "--fork", str(world_size), "--out", str(out),
+                   "--stall-timeout", "1", "--deadline", str(DEADLINE), *specs]
+        return Launch(name, command, out, LAUNCH_TIMEOUT, env=env)
+
     for world_size in (1, *WORLD_SIZES):
         out = root / f"fork{world_size}"
         if world_size == 1:
-            specs = ["before_heartbeat:0,bad_inputs,report"]
+            todo.append(fork("fork/1", 1, out, "before_heartbeat:0,bad_inputs,report"))
         else:
-            specs = [BATCH, *(f"{case}:{failing}" for case in ALONE
-                              for failing in (0, world_size - 1))]
-        command = [python(), str(fs_runner()), "--fork", str(world_size), "--out", str(out),
-                   "--stall-timeout", "1", "--deadline", str(DEADLINE), *specs]
-        todo.append(Launch(f"fork/{world_size}", command, out, LAUNCH_TIMEOUT, env=env))
+            todo.append(fork(f"fork/{world_size}", world_size, out, BATCH,
+                             *(f"{case}:{failing}" for case in ALONE
+                               for failing in (0, world_size - 1))))
     for world_size in WORLD_SIZES:
         for failing in (0, world_size - 1):
             out = root / f"kill{world_size}_{failing}"
@@ -66,7 +74,27 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launch]:
                        *runner_args(out, f"kill:{failing}")]
             todo.append(Launch(f"kill/{world_size}/{failing}", command, out, LAUNCH_TIMEOUT,
                                env=env))
-    return run_all(todo)
+    done = run_all(todo)
+    # A stall cell whose watchdog fired at the entry, before the stall, ran on
+    # a machine too loaded for its short timeout: it gets a launch of its own.
+    for world_size in WORLD_SIZES:
+        for failing in (0, world_size - 1):
+            cell = ("stall", str(failing))
+
+            def entry_timed_out(launch: Launch, cell: tuple[str, str] = cell) -> bool:
+                return any(ENTRY_TIMEOUT.search(json.dumps(result["error"]))
+                           for result in launch.results.get(cell, {}).values()
+                           if result["error"] is not None)
+
+            def stall_again(attempt: int, world_size: int = world_size,
+                            failing: int = failing) -> Launch:
+                return fork(f"stall/{world_size}/{failing}", world_size,
+                            root / f"stall{world_size}_{failing}-try{attempt}",
+                            f"stall:{failing}")
+
+            done[f"stall/{world_size}/{failing}"] = again_while_entry_timed_out(
+                done[f"fork/{world_size}"], entry_timed_out, stall_again)
+    return done
 
 
 def fs_runner() -> Path:
@@ -81,7 +109,9 @@ def _fork(launches: dict[str, Launch], world_size: int, cell: tuple[str, str]) -
     every launch that ran ``cell`` otherwise ended with every rank exiting by
     itself within the deadline.
     """
-    launch = launches[f"fork/{world_size}"]
+    # (a stall cell's own launch if its first timed out at the entry)
+    launch = launches[f"stall/{world_size}/{cell[1]}" if cell[0] == "stall"
+                      else f"fork/{world_size}"]
     assert launch.returncode == 0 and not launch.timed_out, launch.explain()
     for line in (launch.out / "launches.jsonl").read_text().splitlines():
         record = json.loads(line)
