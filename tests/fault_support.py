@@ -61,8 +61,8 @@ class Launch:
         return self.ended_at - min(self.started.values()) if self.started else None
 
     def explain(self, limit: int = 4000) -> str:
-        tries = (f" (try {len(self.earlier) + 1}: the earlier ones timed out at the entry)"
-                 if self.earlier else "")
+        tries = (f" (try {len(self.earlier) + 1}, after {len(self.earlier)} that the "
+                 "machine's load spoiled)" if self.earlier else "")
         return (f"{self.name}{tries}: {' '.join(self.command)}\nexit {self.returncode}, "
                 f"{self.seconds:.1f} s{' (TIMED OUT)' if self.timed_out else ''}\n"
                 f"--- output (tail) ---\n{self.output[-limit:]}")

@@ -215,8 +215,9 @@ def test_a_hook_that_raises_ends_the_join_on_every_rank(results: dict[str, Any])
         assert result["error"] == "GroupAborted", result
         assert "rank 1 failed in a join hook (main_hook)" in result["message"], result
         # From the store's abort key, while rank 1 is still alive (it holds
-        # HOLD_AFTER_RAISE s): far below that and the gloo timeout.
-        assert result["ended"] - ranks[1]["ended"] < runner.HOLD_AFTER_RAISE / 2, result
+        # HOLD_AFTER_RAISE s, then its sockets close): below that and the gloo
+        # timeout, with room for a loaded machine.
+        assert result["ended"] - ranks[1]["ended"] < 0.8 * runner.HOLD_AFTER_RAISE, result
     took = max(ranks[rank]["ended"] for rank in (0, 2, 3)) - ranks[1]["ended"]
     record_cell(HOOK_RAISES, "forked ranks", ranks, record["seconds"],
                 outcome=f"an error, not a death: 3 left with GroupAborted naming rank 1 "

@@ -142,13 +142,13 @@ group.all_gather_object({"rank": rank})
 out = {"held": len(_exit._held)}
 time.sleep(0.2)
 out["idle"] = _exit._runloops_idle()
-if rank == 0:  # rank 1 joins this one a second late: a worker thread waits in it
+if rank == 0:  # rank 1 joins this one seconds late: a worker thread waits in it
     pending = group.all_reduce(np.ones(1, dtype=np.float32), async_op=True)
     time.sleep(0.5)
     out["busy"] = _exit._runloops_idle()
     pending.wait()
-else:
-    time.sleep(1.0)
+else:  # (late enough for a loaded machine to deschedule rank 0 a while)
+    time.sleep(4.0)
     group.all_reduce(np.ones(1, dtype=np.float32))
 group.barrier()
 group.post_status("posted")

@@ -48,8 +48,11 @@ def test_the_pattern_matches_a_real_entry_timeout_and_not_a_stall() -> None:
     entry, _ = spawn(_late_entry, 2, timeout=30.0)
     assert entry is not None and entry["type"] == "RankTimeout", entry
     assert ENTRY_TIMEOUT.search(entry["message"]), entry["message"]
-    stall = spawn(fs.run_case, 2, args=("stall", 1, 2, 20.0, TIMEOUT), timeout=30.0)
-    messages = [r["error"]["message"] for r in stall if r["error"] is not None]
+    for _ in range(STALL_TRIES):  # (as the stall cells do: the entry may time out)
+        stall = spawn(fs.run_case, 2, args=("stall", 1, 2, 20.0, TIMEOUT), timeout=30.0)
+        messages = [r["error"]["message"] for r in stall if r["error"] is not None]
+        if "in phase AGREEING" not in "".join(messages):
+            break
     assert any("in phase DRAINING" in m for m in messages), messages
     assert not any(ENTRY_TIMEOUT.search(m) for m in messages), messages
 
@@ -87,4 +90,5 @@ def test_a_stall_cell_is_launched_again_only_while_it_timed_out_at_the_entry(
     assert [launch.output.strip() for launch in [*last.earlier, last]] == said[:launches]
     assert last.output.strip() == said[launches - 1]
     if launches > 1:
-        assert f"try {launches}: the earlier ones timed out at the entry" in last.explain()
+        assert (f"try {launches}, after {launches - 1} that the machine's load spoiled"
+                in last.explain())

@@ -13,6 +13,7 @@ CI env).
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import tempfile
@@ -150,14 +151,17 @@ EDGES = PROGRAMS / "status_board_edges.py"
 def test_status_board_below_thread_multiple_says_why() -> None:
     result = run_mpi(EDGES, 2, "funneled", timeout=90.0)
     output = result.stdout + result.stderr
-    assert result.returncode != 0, explain(result)  # rank 0's watchdog aborted the job
+    assert result.returncode != 0, explain(result)  # a watchdog aborted the job
     needs = "the status board's listener thread needs MPI_THREAD_MULTIPLE"
     refusals = tagged(result.stdout, "JOINKIT-EDGE")
     assert sorted(line["rank"] for line in refusals) == [0, 1], explain(result)
     assert all(needs in line["refused"] for line in refusals), refusals
     assert not any("left" in line for line in refusals), refusals
-    assert "joinkit: rank 0 aborts the MPI job: rank 0 made no progress" in output, (
-        explain(result))
+    # Rank 0's, in the stall; or rank 1's, at the entry, where a loaded machine
+    # started rank 0 over 3 s late: either one's diagnostic says why it has
+    # no peer status.
+    assert re.search(r"joinkit: rank ([01]) aborts the MPI job: rank \1 made no progress",
+                     output), explain(result)
     assert f"(peer status unavailable: RuntimeError(\"MPI was initialized with " \
            f"MPI_THREAD_FUNNELED, and {needs}" in output, explain(result)
 

@@ -242,7 +242,9 @@ def progress_line(ctx: Ctx) -> Any:
         counter = SwitchedCounter(ctx.group)
         with Join([counter]) as join:
             for _ in range(2 if ctx.rank == 0 else 100):
-                time.sleep(0.02)  # long enough a drain for the board to be published
+                # A drain (about 5 s) long enough for the board to be
+                # published (twice a second), also on a loaded machine.
+                time.sleep(0.05)
                 counter()
     finally:
         logger.removeHandler(handler)
