@@ -50,7 +50,7 @@ class Launch:
     culprit: tuple[str, str] | None = None
     rerun: Launch | None = None
     rerun_cells: list[tuple[str, str]] = field(default_factory=list)
-    #: A stall cell's earlier launches whose watchdog fired at the entry
+    #: A stall cell's earlier launches that the machine's load spoiled
     #: (:func:`again_while_entry_timed_out`), oldest first.
     earlier: list[Launch] = field(default_factory=list)
 
@@ -258,10 +258,10 @@ def again_while_entry_timed_out(launch: Launch, entry_timed_out: Callable[[Launc
     later one's first status post, where 10 ms is usual). The peers'
     watchdogs then rightly fire there, before the stall, and the cell
     measured the machine, not the Join. Such a launch runs again (``again``),
-    at most
-    :data:`STALL_TRIES` launches in all, after the parallel ones, so with
-    less load. A Join that timed out at the entry every time still fails
-    the cell: the last launch is checked as any other.
+    at most :data:`STALL_TRIES` launches in all, after the parallel ones, so
+    with less load. A Join that timed out at the entry every time still
+    fails the cell: the last launch is checked as any other. (The caller
+    says what counts as such a launch: ``entry_timed_out``.)
 
     Args:
         launch: the cell's finished launch.
