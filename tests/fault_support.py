@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,6 +244,13 @@ ENTRY_TIMEOUT = re.compile(r"made no progress for [\d.]+ s \(timeout [\d.]+ s\) 
                            r"AGREEING")
 #: How many launches a stall cell gets in all (:func:`again_while_entry_timed_out`).
 STALL_TRIES = 3
+
+
+def timed_out_at_entry(results: Iterable[dict[str, Any]]) -> bool:
+    """Whether some rank's result (``fault_scenarios.run_case``'s) is a
+    watchdog that fired at the entry (:data:`ENTRY_TIMEOUT`)."""
+    return any(ENTRY_TIMEOUT.search(json.dumps(result["error"]))
+               for result in results if result["error"] is not None)
 
 
 def again_while_entry_timed_out(launch: Launch, entry_timed_out: Callable[[Launch], bool],

@@ -20,8 +20,9 @@ from fault_support import (
     ENTRY_TIMEOUT,
     STALL_TRIES,
     Launch,
-    _run,
     again_while_entry_timed_out,
+    run_all,
+    timed_out_at_entry,
 )
 
 from joinkit import Join
@@ -51,7 +52,7 @@ def test_the_pattern_matches_a_real_entry_timeout_and_not_a_stall() -> None:
     for _ in range(STALL_TRIES):  # (as the stall cells do: the entry may time out)
         stall = spawn(fs.run_case, 2, args=("stall", 1, 2, 20.0, TIMEOUT), timeout=30.0)
         messages = [r["error"]["message"] for r in stall if r["error"] is not None]
-        if "in phase AGREEING" not in "".join(messages):
+        if not timed_out_at_entry(stall):
             break
     assert any("in phase DRAINING" in m for m in messages), messages
     assert not any(ENTRY_TIMEOUT.search(m) for m in messages), messages
@@ -85,7 +86,7 @@ def test_a_stall_cell_is_launched_again_only_while_it_timed_out_at_the_entry(
         return _says(said[attempt - 1], tmp_path / f"try{attempt}")
 
     first = _says(said[0], tmp_path / "try1")
-    last = again_while_entry_timed_out(_run(first), _entry_timed_out, again)
+    last = again_while_entry_timed_out(run_all([first])[first.name], _entry_timed_out, again)
     assert ran == list(range(2, launches + 1))
     assert [launch.output.strip() for launch in [*last.earlier, last]] == said[:launches]
     assert last.output.strip() == said[launches - 1]

@@ -8,14 +8,13 @@ that each rank left the Join within a deadline far below it.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
 
 import fault_scenarios as fs
 import pytest
-from fault_support import ENTRY_TIMEOUT, STALL_TRIES, record_cell, summarize
+from fault_support import STALL_TRIES, record_cell, summarize, timed_out_at_entry
 
 from joinkit import Join, backends
 from joinkit.backends.threads import ThreadGroup, spawn
@@ -41,8 +40,7 @@ def _run(case: str, world_size: int, failing_rank: int) -> dict[int, dict[str, A
         # A stall cell whose watchdog fired at the entry, before the stall, ran
         # on a machine too loaded for its short timeout: run it again (as
         # fault_support.again_while_entry_timed_out does for launches).
-        if not any(ENTRY_TIMEOUT.search(json.dumps(r["error"]))
-                   for r in results if r["error"] is not None):
+        if not timed_out_at_entry(results):
             break
     return {r["rank"]: r for r in results}
 

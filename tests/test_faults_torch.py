@@ -22,7 +22,6 @@ from pathlib import Path
 import fault_scenarios as fs
 import pytest
 from fault_support import (
-    ENTRY_TIMEOUT,
     Launch,
     again_while_entry_timed_out,
     python,
@@ -31,6 +30,7 @@ from fault_support import (
     runner_args,
     statuses_in,
     summarize,
+    timed_out_at_entry,
 )
 from mpi_support import child_env
 
@@ -82,9 +82,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launch]:
             cell = ("stall", str(failing))
 
             def entry_timed_out(launch: Launch, cell: tuple[str, str] = cell) -> bool:
-                return any(ENTRY_TIMEOUT.search(json.dumps(result["error"]))
-                           for result in launch.results.get(cell, {}).values()
-                           if result["error"] is not None)
+                return timed_out_at_entry(launch.results.get(cell, {}).values())
 
             def stall_again(attempt: int, world_size: int = world_size,
                             failing: int = failing) -> Launch:
