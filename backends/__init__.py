@@ -107,6 +107,7 @@ __all__ = [
     "init_torch",
     "gloo_interface",
     "is_tensor",
+    "shares_elements",
     "ArrayWire",
 ]
 
@@ -247,16 +248,17 @@ def resolve_builtin(process_group: Any, device: Any) -> JoinBackend | None:
 
 
 def __getattr__(name: str) -> Any:
-    # init/init_torch/gloo_interface live in the launch package, and is_tensor
-    # in _checks (NumPy), which import this package: load them on first use.
+    # init/init_torch/gloo_interface live in the launch package, and is_tensor and
+    # shares_elements in _checks (NumPy), which import this package: load them on
+    # first use.
     if name in ("init", "init_torch", "gloo_interface"):
         from . import launch
 
         return getattr(launch, name)
-    if name == "is_tensor":
-        from ._checks import is_tensor
+    if name in ("is_tensor", "shares_elements"):
+        from . import _checks
 
-        return is_tensor
+        return getattr(_checks, name)
     if name == "ArrayWire":  # a SideChannel's wire over any CollectiveGroup (imports NumPy)
         from ._side_wire import ArrayWire
 

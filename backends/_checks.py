@@ -20,7 +20,14 @@ The rules, and why:
 - A collective that writes into ``buf`` on *some* rank (``all_reduce``,
   ``broadcast``, ``reduce``, ``scatter``) refuses a read-only ``buf`` on
   *every* rank, so a program that passes the same kind of buffer everywhere
-  fails on every rank, not on the root alone while the others wait.
+  fails on every rank, not on the root alone while the others wait. It
+  refuses, the same way, a ``buf`` whose elements share memory (a stride of
+  0, as ``expand()``, ``np.broadcast_to`` or ``as_strided`` make): no result
+  can be written into it (each element would get the last value written to
+  its address), and handed to a library as it is, gloo writes ``numel``
+  elements from its first address and corrupts the heap
+  (``docs/reliability.md``, "A heap corruption"). Read, such a buffer is
+  fine: it goes out as a contiguous copy.
 - *Reduce ops* (:data:`backends.REDUCE_OPS`): every op on bool (logical:
   ``sum``/``max``/``bor`` are OR, ``prod``/``min``/``band`` AND, ``bxor``
   XOR) and integer buffers; the arithmetic ones on floats; on complex buffers
@@ -47,7 +54,8 @@ import numpy as np
 
 from . import REDUCE_OPS
 
-__all__ = ["Checks", "DTYPES", "contiguous", "host_array", "is_tensor", "write_back"]
+__all__ = ["Checks", "DTYPES", "contiguous", "host_array", "is_tensor", "shares_elements",
+           "write_back"]
 
 #: The dtypes every backend can send, by NumPy name (a tensor's dtype is
 #: ``torch.<name>``).
@@ -229,6 +237,14 @@ class Checks:
                 f"{what}: the buffer is read-only, but {what} writes its result into "
                 "it; pass a writable array"
             )
+        if receives and shares_elements(buf):
+            strides = buf.stride() if tensor else buf.strides
+            raise ValueError(
+                f"{what}: the buffer's elements share memory (shape {tuple(buf.shape)}, "
+                f"strides {tuple(strides)}: an expand()ed, broadcast or as_strided view), "
+                f"but {what} writes a result into each element; pass a buffer of its own, "
+                "e.g. " + ("t.clone()" if tensor else "arr.copy()")
+            )
         return dtype
 
     def root(self, root: Any, name: str, what: str) -> int:
@@ -268,6 +284,40 @@ class Checks:
                 f"{what}: op {op!r} is not defined for dtype {_dtype_name(buf)}: "
                 f"{reason}; use one of {', '.join(allowed)}"
             )
+
+
+def shares_elements(buf: Any) -> bool:
+    """Whether two elements of ``buf`` (a NumPy array or tensor) share memory.
+
+    Exact: the strides (bytes, either sign) sorted by size, each must reach
+    past every element the smaller ones span; a layout that fails that
+    (``as_strided`` interleavings) is decided by listing its elements'
+    addresses.
+    """
+    if is_tensor(buf):
+        size = buf.element_size()
+        strides: tuple[int, ...] = tuple(s * size for s in buf.stride())
+    else:
+        size = buf.itemsize
+        strides = tuple(buf.strides)
+    dims = sorted((abs(stride), n) for n, stride in zip(buf.shape, strides, strict=True)
+                  if n > 1)
+    if any(n == 0 for n in buf.shape) or not dims:
+        return False
+    span = size  # bytes from the first element's start to the last one's end, so far
+    for stride, n in dims:
+        if stride < span:
+            break
+        span += (n - 1) * stride
+    else:
+        return False
+    if dims[0][0] < size:
+        return True  # a stride shorter than an element (0 included)
+    offsets = np.zeros(1, dtype=np.int64)
+    for stride, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
+    offsets.sort()
+    return bool((np.diff(offsets) < size).any())
 
 
 # -- buffers as NumPy arrays (threads, MPI) --------------------------------------------

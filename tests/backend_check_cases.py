@@ -108,6 +108,25 @@ def _tensor_conjugate(g: Any) -> Any:
     return z
 
 
+def _overlapping(n: int = 3) -> np.ndarray:
+    """A writable array of ``n`` elements at one address (a stride of 0)."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1), shape=(n,), strides=(0,))
+
+
+def _expanded_gather(g: Any) -> Any:
+    """An expand()ed tensor is read as its values: gloo given it raw reads past it."""
+    torch = _torch()
+    return g.all_gather(torch.full((1,), 1.0 + g.rank).expand(3))
+
+
+def _expanded_chunks(g: Any) -> Any:
+    torch = _torch()
+    buf = torch.zeros(3)
+    chunks = torch.arange(3.0).expand(2, 3)  # both rows are one row's memory
+    g.scatter(buf, src=0, chunks=chunks if g.rank == 0 else None)
+    return buf
+
+
 def _scatter_strided(g: Any) -> Any:
     buf = _strided()
     chunks = np.arange(12, dtype=np.float64).reshape(2, 3, 2)[:, :, 1]  # not contiguous
@@ -213,6 +232,38 @@ CASES: dict[str, Case] = {
                                     needs_torch=True),
     "buffer/non-contiguous-async": Case(_async_strided, result=[[0.0, 1.0], [0.0, 3.0]]),
     "handle/wait-twice": Case(_handle, result=[3.0]),
+    # Elements sharing memory: written, refused on every rank before anything is sent
+    # (gloo, handed an expand()ed tensor, writes past its storage: a heap corruption);
+    # read, fine.
+    "buffer/overlapping-tensor-all_reduce": Case(
+        _t(lambda torch: torch.ones(1).expand(3), lambda g, t: g.all_reduce(t)),
+        refused=("ValueError", "all_reduce: the buffer's elements share memory (shape (3,), "
+                               "strides (0,): an expand()ed, broadcast or as_strided view), "
+                               "but all_reduce writes a result into each element; pass a "
+                               "buffer of its own, e.g. t.clone()"),
+        needs_torch=True),
+    "buffer/overlapping-array-broadcast": Case(
+        lambda g: g.broadcast(_overlapping(), src=0),
+        refused=("ValueError", "broadcast: the buffer's elements share memory (shape (3,), "
+                               "strides (0,)")),
+    "buffer/overlapping-array-reduce": Case(
+        lambda g: g.reduce(_overlapping(), dst=0),
+        refused=("ValueError", "reduce: the buffer's elements share memory")),
+    "buffer/overlapping-tensor-scatter": Case(
+        _t(lambda torch: torch.zeros(2, 1).expand(2, 3),
+           lambda g, t: g.scatter(t, src=0, chunks=[t, t] if g.rank == 0 else None)),
+        refused=("ValueError", "scatter: the buffer's elements share memory (shape (2, 3), "
+                               "strides (1, 0)"),
+        needs_torch=True),
+    "buffer/overlapping-tensor-all_gather": Case(_expanded_gather,
+                                                 result=[[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]],
+                                                 needs_torch=True),
+    "buffer/overlapping-array-gather": Case(
+        lambda g: g.gather(np.broadcast_to(np.float64(1 + g.rank), (3,)), dst=1),
+        result=[None, [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]], per_rank=True),
+    "buffer/overlapping-scatter-chunks": Case(_expanded_chunks,
+                                              result=[[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]],
+                                              per_rank=True, needs_torch=True),
     "buffer/non-contiguous-broadcast": Case(
         lambda g: g.broadcast(_filled(_strided(), g), src=1), result=[2.0, 3.0, 4.0]),
     "buffer/non-contiguous-reduce": Case(
