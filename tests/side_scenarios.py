@@ -156,6 +156,43 @@ def all_reduce_ops_shadow_with_their_identity(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+@scenario
+def tensor_layouts(ctx: Ctx) -> dict[str, Any]:
+    """Strided, transposed and expand()ed tensors through the side collectives.
+
+    Handed to gloo as they are (torch 2.13), a strided column is reduced as
+    the first ``numel`` elements of its memory (a wrong sum, its neighbours
+    overwritten), and an expand()ed tensor is written past its storage.
+    """
+    group = ctx.group
+    model = DDP(make_model(), process_group=group)
+    column = collectives.all_reduce(torch.zeros(3, 2)[:, 0], group=group, name="column")
+    # like is transposed: a joined rank 0 must still send it in the active ranks' order.
+    sent = torch.arange(6.0).reshape(3, 2).T
+    flag = collectives.broadcast(sent, src=0, group=group, name="matrix")
+    sums, matrices = [], []
+    with Join([model, column, flag]):
+        for step in range(INPUTS[ctx.rank]):
+            x, _ = make_batch(ctx.rank, step)
+            model(x).sum().backward()
+            base = torch.full((3, 2), -1.0)
+            base[:, 0] = torch.tensor([ctx.rank + 1.0, 10.0 * (ctx.rank + 1), step])
+            column(base[:, 0])
+            sums.append(base.tolist())
+            mine = torch.full((2, 3), 100.0 + ctx.rank)
+            flag(mine)
+            matrices.append(mine.tolist())
+    refused = []
+    for side in (column, flag):
+        try:
+            side(torch.ones(1).expand(3) if side is column else torch.ones(1, 1).expand(2, 3))
+        except ValueError as error:
+            refused.append(str(error))
+    after = torch.ones(3)
+    column(after)  # nothing was sent: the group is still in step
+    return {"sums": sums, "matrices": matrices, "refused": refused, "after": after.tolist()}
+
+
 def main(argv: list[str]) -> None:
     rank, world, store, out_dir, *names = argv
     ctx = Ctx(int(rank), int(world), None)

@@ -115,3 +115,30 @@ def test_all_reduce_ops_shadow_with_their_identity(results: Any) -> None:
             assert got["product"][step] == [math.prod(active), math.prod(negated)]
             assert got["max"][step] == [max(active), max(negated)]
             assert got["min"][step] == [min(active), min(negated)]
+
+
+def test_strided_transposed_and_expanded_tensors(results: Any) -> None:
+    """Against the single-process sums: gloo itself, handed these tensors, is wrong or
+    corrupts the heap (``docs/reliability.md``, "A heap corruption")."""
+    ranks = outcome(results, "tensor_layouts")
+    for rank, got in enumerate(ranks):
+        want_sums, want_matrices = [], []
+        for step in range(INPUTS[rank]):
+            active = [r for r in range(WORLD) if INPUTS[r] > step]
+            column = [sum(r + 1.0 for r in active), sum(10.0 * (r + 1) for r in active),
+                      step * len(active)]
+            want_sums.append([[v, -1.0] for v in column])  # the other column untouched
+            # Rank 0 sends its own while active; joined, its like (arange(6) as (3, 2), .T).
+            want_matrices.append([[100.0] * 3] * 2 if step < INPUTS[0]
+                                 else [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]])
+        assert got["sums"] == want_sums
+        assert got["matrices"] == want_matrices
+        assert got["refused"] == [
+            "column(tensor): the tensor's elements share memory (shape (3,), strides (0,): "
+            "an expand()ed or as_strided view), but column writes a result into each "
+            "element; pass a tensor of its own, e.g. tensor.clone()",
+            "matrix(tensor): the tensor's elements share memory (shape (2, 3), strides "
+            "(0, 0): an expand()ed or as_strided view), but matrix writes a result into "
+            "each element; pass a tensor of its own, e.g. tensor.clone()",
+        ]
+        assert got["after"] == [3.0, 3.0, 3.0]

@@ -20,7 +20,15 @@ the tensor's shape, so one line builds the wrapper:
 
 An active rank's tensor must have ``like``'s shape and dtype (a joined rank
 cannot know another): a different one raises ``ValueError`` before any
-collective. With ``group=None`` the wrapper follows the Join's process group,
+collective. So does a tensor whose elements share memory (``expand()``,
+``as_strided``): no result can be written into it, and gloo, handed one,
+writes past its storage (a heap corruption, ``double free or corruption``).
+A tensor that is only not contiguous (a column, a slice) goes out as a
+contiguous copy whose result is written back: gloo, handed a strided tensor,
+reads and writes ``numel`` elements from its first one, a wrong result and
+its neighbours overwritten (torch 2.13). A joined rank's scratch tensor is
+contiguous whatever ``like``'s layout, so its elements go out in the order of
+the active ranks' copies. With ``group=None`` the wrapper follows the Join's process group,
 as any :class:`~joinkit.SideCollective` without one; pass the group the call
 uses when it is not the default one, so the Join checks it matches.
 """
@@ -30,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from joinkit import SideCollective
+from joinkit.backends import shares_elements
 
 try:
     import torch
@@ -73,11 +82,13 @@ def all_reduce(like: torch.Tensor, op: Any = "sum", group: Any = None,
     reduce_op = _reduce_op(op)
     identity = _identity(reduce_op, like.dtype)
     template = like.detach()
-    scratch = torch.full_like(template, identity)
+    scratch = torch.full(template.shape, identity, dtype=template.dtype, device=template.device)
 
     def fn(tensor: torch.Tensor) -> torch.Tensor:
         _check_like(tensor, template, name or "all_reduce")
-        dist.all_reduce(tensor, op=reduce_op, group=group)
+        wire = _wire(tensor, name or "all_reduce")
+        dist.all_reduce(wire, op=reduce_op, group=group)
+        _write_back(tensor, wire)
         return tensor
 
     def shadow() -> None:
@@ -156,11 +167,13 @@ def broadcast(like: torch.Tensor, src: int = 0, group: Any = None,
         The :class:`~joinkit.SideCollective`.
     """
     template = like.detach()
-    scratch = torch.empty_like(template)
+    scratch = torch.empty(template.shape, dtype=template.dtype, device=template.device)
 
     def fn(tensor: torch.Tensor) -> torch.Tensor:
         _check_like(tensor, template, name or "broadcast")
-        dist.broadcast(tensor, src=src, group=group)
+        wire = _wire(tensor, name or "broadcast")
+        dist.broadcast(wire, src=src, group=group)
+        _write_back(tensor, wire)
         return tensor
 
     def shadow() -> None:
@@ -213,6 +226,25 @@ def _check_like(tensor: Any, like: torch.Tensor, name: str) -> None:
             "joined rank shadows with like's shape, which must match every call; build it "
             "with like= a tensor of the call's shape"
         )
+
+
+def _wire(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """What goes to the library for ``tensor``: itself if contiguous, else a copy (module doc)."""
+    wire = tensor.detach()
+    if wire.is_contiguous():
+        return wire
+    if shares_elements(wire):
+        raise ValueError(
+            f"{name}(tensor): the tensor's elements share memory (shape {tuple(wire.shape)}, "
+            f"strides {wire.stride()}: an expand()ed or as_strided view), but {name} writes "
+            "a result into each element; pass a tensor of its own, e.g. tensor.clone()"
+        )
+    return wire.contiguous()
+
+
+def _write_back(tensor: torch.Tensor, wire: torch.Tensor) -> None:
+    if wire.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        tensor.detach().copy_(wire)
 
 
 def _device(like: torch.Tensor, group: Any) -> Any:
