@@ -295,9 +295,13 @@ def shares_elements(buf: Any) -> bool:
     addresses.
     """
     if is_tensor(buf):
+        if buf.is_contiguous():
+            return False
         size = buf.element_size()
         strides: tuple[int, ...] = tuple(s * size for s in buf.stride())
     else:
+        if buf.flags.c_contiguous or buf.flags.f_contiguous:
+            return False
         size = buf.itemsize
         strides = tuple(buf.strides)
     dims = sorted((abs(stride), n) for n, stride in zip(buf.shape, strides, strict=True)

@@ -16,11 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from backend_check_cases import CASES, WORLD, run_cases
 from mpi_support import explain, run_mpi
 from support import launch_ranks
 
+from joinkit.backends import shares_elements
 from joinkit.backends.threads import spawn
 
 PROGRAM = Path(__file__).with_name("backend_check_cases.py")
@@ -106,3 +108,41 @@ def test_every_backend_accepts_or_refuses_alike(name: str, tmp_path: Path) -> No
     messages = {who: re.sub(r"rank \d", "rank R", got.get("message", ""))
                 for who, got in seen.items()}
     assert len(set(messages.values())) == 1, messages
+
+
+def _strided(base: Any, shape: tuple[int, ...], strides: tuple[int, ...]) -> Any:
+    return np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
+
+
+@pytest.mark.parametrize(("make", "shares"), [
+    (lambda: np.zeros(3), False),
+    (lambda: np.zeros((3, 2))[:, 0], False),  # a column
+    (lambda: np.zeros((3, 2)).T, False),
+    (lambda: np.zeros(5)[::-1], False),  # a negative stride
+    (lambda: np.zeros((0, 3)), False),
+    (lambda: np.zeros(()), False),
+    (lambda: np.broadcast_to(np.zeros(1), (3,)), True),
+    (lambda: _strided(np.zeros(3), (1, 3), (0, 8)), False),  # a stride of 0 on a size-1 dim
+    (lambda: _strided(np.zeros(4), (3,), (4,)), True),  # shorter than an element
+    (lambda: _strided(np.zeros(20), (3, 2), (16, 24)), False),  # interleaved, disjoint
+    (lambda: _strided(np.zeros(20), (3, 2), (16, 16)), True),  # interleaved, one address twice
+], ids=["contiguous", "column", "transposed", "reversed", "empty", "scalar", "broadcast",
+        "size-1-stride-0", "short-stride", "interleaved", "interleaved-overlap"])
+def test_shares_elements_on_arrays(make: Any, shares: bool) -> None:
+    assert shares_elements(make()) is shares
+
+
+def test_shares_elements_on_tensors() -> None:
+    torch = pytest.importorskip("torch")
+    cases = [
+        (torch.ones(1).expand(4096), True),
+        (torch.zeros(2, 1).expand(2, 5), True),
+        (torch.zeros(1, 3).expand(1, 3), False),
+        (torch.zeros(4, 2)[:, 1], False),
+        (torch.zeros(2, 3, 4).permute(2, 0, 1), False),
+        (torch.zeros(1, 3, 4, 4).to(memory_format=torch.channels_last), False),
+        (torch.zeros(8).as_strided((3, 2), (2, 3)), False),
+        (torch.zeros(8).as_strided((3, 2), (1, 2)), True),
+        (torch.zeros(3, 0, 1).expand(3, 0, 5), False),
+    ]
+    assert [shares_elements(t) for t, _ in cases] == [want for _, want in cases]
