@@ -286,13 +286,18 @@ class Checks:
             )
 
 
+#: How many elements :func:`shares_elements` lists at most (32 MiB of offsets).
+_LISTED = 1 << 22
+
+
 def shares_elements(buf: Any) -> bool:
     """Whether two elements of ``buf`` (a NumPy array or tensor) share memory.
 
     Exact: the strides (bytes, either sign) sorted by size, each must reach
     past every element the smaller ones span; a layout that fails that
     (``as_strided`` interleavings) is decided by listing its elements'
-    addresses.
+    addresses, up to :data:`_LISTED` elements (beyond, it counts as sharing:
+    a refusal, never a wrong result).
     """
     if is_tensor(buf):
         if buf.is_contiguous():
@@ -317,6 +322,8 @@ def shares_elements(buf: Any) -> bool:
         return False
     if dims[0][0] < size:
         return True  # a stride shorter than an element (0 included)
+    if np.prod([n for _, n in dims], dtype=np.int64) > _LISTED:
+        return True
     offsets = np.zeros(1, dtype=np.int64)
     for stride, n in dims:
         offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)

@@ -20,17 +20,19 @@ the tensor's shape, so one line builds the wrapper:
 
 An active rank's tensor must have ``like``'s shape and dtype (a joined rank
 cannot know another): a different one raises ``ValueError`` before any
-collective. So does a tensor whose elements share memory (``expand()``,
-``as_strided``): no result can be written into it, and gloo, handed one,
-writes past its storage (a heap corruption, ``double free or corruption``).
-A tensor that is only not contiguous (a column, a slice) goes out as a
-contiguous copy whose result is written back: gloo, handed a strided tensor,
-reads and writes ``numel`` elements from its first one, a wrong result and
-its neighbours overwritten (torch 2.13). A joined rank's scratch tensor is
-contiguous whatever ``like``'s layout, so its elements go out in the order of
-the active ranks' copies. With ``group=None`` the wrapper follows the Join's process group,
+collective. With ``group=None`` the wrapper follows the Join's process group,
 as any :class:`~joinkit.SideCollective` without one; pass the group the call
 uses when it is not the default one, so the Join checks it matches.
+
+Layouts: a tensor whose elements share memory (``expand()``, ``as_strided``)
+raises ``ValueError`` before any collective too: no result can be written
+into it, and gloo, handed one, writes past its storage (a heap corruption,
+``double free or corruption``). A tensor that is only not contiguous (a
+column, a slice) goes out as a contiguous copy whose result is written back:
+gloo, handed a strided tensor, reads and writes ``numel`` elements from its
+first one, a wrong result and its neighbours overwritten (torch 2.13). A
+joined rank's scratch tensor is contiguous whatever ``like``'s layout, so its
+elements go out in the order of the active ranks' copies.
 """
 
 from __future__ import annotations
