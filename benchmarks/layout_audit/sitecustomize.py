@@ -221,37 +221,26 @@ def _install() -> None:
                 key = f"{layer} {name}"
                 state["counts"][key] += 1
                 state["calls"].write(key + "\n")
+
+                def record(kind: str, **fields: Any) -> None:
+                    frames = stack(40)
+                    line = {"pid": pid, "layer": layer, "function": name, **fields,
+                            "callers": callers(frames)}
+                    if kind == "findings":
+                        line["stack"] = "".join(traceback.format_list(frames[-8:]))
+                    with open(os.path.join(out_dir, f"{kind}.{pid}.jsonl"), "a") as f:
+                        f.write(json.dumps(line) + "\n")
+
                 for index, t in enumerate(ts):
                     bad = problems(t)
-                    if bad is None:
-                        continue
-                    frames = stack(40)
-                    record = {
-                        "pid": pid,
-                        "layer": layer,
-                        "function": name,
-                        "arg_index": index,
-                        "thread": threading.current_thread().name,
-                        **bad,
-                        "stack": "".join(traceback.format_list(frames[-8:])),
-                        "callers": callers(frames),
-                    }
-                    with open(os.path.join(out_dir, f"findings.{pid}.jsonl"), "a") as f:
-                        f.write(json.dumps(record) + "\n")
+                    if bad is not None:
+                        record("findings", arg_index=index,
+                               thread=threading.current_thread().name, **bad)
                 if state["xoverlap"] < 5 and len(ts) > 1:
                     shared = cross_overlap(ts)
                     if shared is not None:
                         state["xoverlap"] += 1
-                        frames = stack(40)
-                        record = {
-                            "pid": pid,
-                            "layer": layer,
-                            "function": name,
-                            "tensors": shared,
-                            "callers": callers(frames),
-                        }
-                        with open(os.path.join(out_dir, f"xoverlap.{pid}.jsonl"), "a") as f:
-                            f.write(json.dumps(record) + "\n")
+                        record("xoverlap", tensors=shared)
         except Exception as exc:
             with contextlib.suppress(Exception):
                 with open(os.path.join(out_dir, f"errors.{os.getpid()}.log"), "a") as f:
