@@ -169,9 +169,9 @@ def tensor_layouts(ctx: Ctx) -> dict[str, Any]:
     column = collectives.all_reduce(torch.zeros(3, 2)[:, 0], group=group, name="column")
     # like is transposed: a joined rank 0 must still send it in the active ranks' order.
     sent = torch.arange(6.0).reshape(3, 2).T
-    flag = collectives.broadcast(sent, src=0, group=group, name="matrix")
+    matrix = collectives.broadcast(sent, src=0, group=group, name="matrix")
     sums, matrices = [], []
-    with Join([model, column, flag]):
+    with Join([model, column, matrix]):
         for step in range(INPUTS[ctx.rank]):
             x, _ = make_batch(ctx.rank, step)
             model(x).sum().backward()
@@ -180,10 +180,10 @@ def tensor_layouts(ctx: Ctx) -> dict[str, Any]:
             column(base[:, 0])
             sums.append(base.tolist())
             mine = torch.full((2, 3), 100.0 + ctx.rank)
-            flag(mine)
+            matrix(mine)
             matrices.append(mine.tolist())
     refused = []
-    for side in (column, flag):
+    for side in (column, matrix):
         try:
             side(torch.ones(1).expand(3) if side is column else torch.ones(1, 1).expand(2, 3))
         except ValueError as error:
