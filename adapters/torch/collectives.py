@@ -245,7 +245,7 @@ def _wire(tensor: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _write_back(tensor: torch.Tensor, wire: torch.Tensor) -> None:
-    if wire.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+    if not tensor.is_contiguous():  # then wire is _wire's copy
         tensor.detach().copy_(wire)
 
 
