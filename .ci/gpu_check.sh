@@ -26,6 +26,7 @@ PY
 python3 -m pip list 2>/dev/null | grep -iE "^(pytest|pytest-timeout|hypothesis|torchmetrics|pytorch-lightning|mpi4py|numpy|attrs) "
 [ $# -gt 0 ] || set -- \
     tests/test_gather_cuda.py \
+    tests/test_side_cuda.py \
     tests/test_elastic_torch.py::test_nccl_is_refused_on_entry \
     tests/test_elastic_fsdp.py::test_a_cuda_model_is_refused \
     tests/test_fsdp.py::test_real_sync_batch_norm_on_cuda \

@@ -1,9 +1,11 @@
 """Side collectives beside DDP over real gloo groups: scenarios run in one launch.
 
-Run as ``python tests/side_scenarios.py RANK WORLD STORE OUT NAME...`` (the
-protocol of ``tests/torch_scenarios.py``: one gloo subgroup per scenario, one
-JSON line per scenario and rank); ``tests/test_side_torch.py`` launches it and
-compares every number with a single-process reference it computes itself.
+Run as ``python tests/side_scenarios.py [gloo|nccl] RANK WORLD STORE OUT NAME...``
+(the protocol of ``tests/torch_scenarios.py``: one subgroup per scenario, gloo
+unless nccl is named, one JSON line per scenario and rank);
+``tests/test_side_torch.py`` launches it and compares every number with a
+single-process reference it computes itself, and ``tests/test_side_cuda.py``
+runs the ``cuda_`` scenarios where CUDA is.
 
 Rank r has ``INPUTS[r]`` batches (rank 1 none at all). Each step: the DDP
 model's forward and backward, an SGD step, a logging collective (the mean loss
@@ -25,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from joinkit import Join, JoinError, SideCollective
 from joinkit.adapters.torch import collectives
+from joinkit.backends.torch_dist import TorchGroup
 
 SCENARIO_TIMEOUT = datetime.timedelta(seconds=30)
 INPUTS = [4, 0, 6]
@@ -164,44 +167,69 @@ def tensor_layouts(ctx: Ctx) -> dict[str, Any]:
     the first ``numel`` elements of its memory (a wrong sum, its neighbours
     overwritten), and an expand()ed tensor is written past its storage.
     """
+    return _layouts(ctx, torch.device("cpu"), [DDP(make_model(), process_group=ctx.group)])
+
+
+@scenario
+def cuda_layouts(ctx: Ctx) -> dict[str, Any]:
+    """``tensor_layouts`` with CUDA tensors and no model (``tests/test_side_cuda.py``), and
+    the group's own refusal of a CUDA tensor whose elements share memory."""
+    device = torch.device("cuda", ctx.rank % torch.cuda.device_count())
+    result = _layouts(ctx, device, [])
+    try:
+        TorchGroup(ctx.group, device).all_reduce(torch.ones(1, device=device).expand(3))
+    except ValueError as error:
+        result["group_refused"] = str(error)
+    return result
+
+
+def _layouts(ctx: Ctx, device: torch.device, models: list[DDP]) -> dict[str, Any]:
+    """The steps of ``tensor_layouts`` on ``device``, with ``models`` trained beside."""
     group = ctx.group
-    model = DDP(make_model(), process_group=group)
-    column = collectives.all_reduce(torch.zeros(3, 2)[:, 0], group=group, name="column")
+    column = collectives.all_reduce(torch.zeros(3, 2, device=device)[:, 0], group=group,
+                                    name="column")
     # like is transposed: a joined rank 0 must still send it in the active ranks' order.
-    sent = torch.arange(6.0).reshape(3, 2).T
+    sent = torch.arange(6.0, device=device).reshape(3, 2).T
     matrix = collectives.broadcast(sent, src=0, group=group, name="matrix")
-    sums, matrices = [], []
-    with Join([model, column, matrix]):
+    sums, matrices, devices = [], [], set()
+    with Join([*models, column, matrix]):
         for step in range(INPUTS[ctx.rank]):
-            x, _ = make_batch(ctx.rank, step)
-            model(x).sum().backward()
-            base = torch.full((3, 2), -1.0)
+            for model in models:
+                x, _ = make_batch(ctx.rank, step)
+                model(x).sum().backward()
+            base = torch.full((3, 2), -1.0, device=device)
             base[:, 0] = torch.tensor([ctx.rank + 1.0, 10.0 * (ctx.rank + 1), step])
             column(base[:, 0])
             sums.append(base.tolist())
-            mine = torch.full((2, 3), 100.0 + ctx.rank)
+            mine = torch.full((2, 3), 100.0 + ctx.rank, device=device)
             matrix(mine)
             matrices.append(mine.tolist())
+            devices |= {str(base.device), str(mine.device)}
     refused = []
-    for side in (column, matrix):
+    for side, shared in ((column, torch.ones(1, device=device).expand(3)),
+                         (matrix, torch.ones(1, 1, device=device).expand(2, 3))):
         try:
-            side(torch.ones(1).expand(3) if side is column else torch.ones(1, 1).expand(2, 3))
+            side(shared)
         except ValueError as error:
             refused.append(str(error))
-    after = torch.ones(3)
+    after = torch.ones(3, device=device)
     column(after)  # nothing was sent: the group is still in step
-    return {"sums": sums, "matrices": matrices, "refused": refused, "after": after.tolist()}
+    return {"sums": sums, "matrices": matrices, "refused": refused, "after": after.tolist(),
+            "devices": sorted(devices)}
 
 
 def main(argv: list[str]) -> None:
+    backend = argv.pop(0) if argv[0] in ("gloo", "nccl") else "gloo"
     rank, world, store, out_dir, *names = argv
     ctx = Ctx(int(rank), int(world), None)
     out = Path(out_dir) / f"rank{rank}.jsonl"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=ctx.rank,
+    if backend == "nccl":
+        torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=ctx.rank,
                             world_size=ctx.world, timeout=SCENARIO_TIMEOUT)
     for name in names:
         with recording(out, name) as record:
-            ctx.group = dist.new_group(backend="gloo", timeout=SCENARIO_TIMEOUT)
+            ctx.group = dist.new_group(backend=backend, timeout=SCENARIO_TIMEOUT)
             record["result"] = SCENARIOS[name](ctx)
     dist.destroy_process_group()
 
