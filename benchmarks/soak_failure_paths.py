@@ -21,7 +21,19 @@ ranks run with ``MALLOC_CHECK_=3`` (glibc's checking allocator, preloaded:
 glibc 2.34+ reads it only from ``libc_malloc_debug.so``), ``MALLOC_PERTURB_``
 (freed memory is scribbled over, so a use after free shows), and
 ``PYTHONFAULTHANDLER=1``; ``--allocator plain`` leaves glibc's allocator as
-the crashed job had it (its thread caches on, blocks reused as they come).
+the crashed job had it (its thread caches on, blocks reused as they come);
+``--allocator pydebug`` leaves it so too, and turns on CPython's debug hooks
+on its own allocator (``PYTHONMALLOC=pymalloc_debug``): a Python allocation
+or free by a thread that does not hold the GIL (a native thread dropping the
+last reference of a Python object), a write past either end of a Python
+block, or a block freed through the wrong family is a fatal error there, not
+a corruption found later. ``--allocator asan`` preloads AddressSanitizer's
+allocator and interceptors (``libasan``) and
+leaves ``pymalloc`` on: a ``free()`` of memory that no ``malloc`` returned
+(a Python block freed by C code as if it were its own), double frees, and
+reads, ``recv``s and copies into freed memory. The other modes leave
+``pymalloc`` as it is; ``benchmarks/memcheck_fsdp.py`` replaces it with
+``malloc``, which hides the first kind.
 ``--scenarios all`` runs every CPU scenario of ``tests/test_fsdp.py``'s job,
 in its order. A dead rank's output and its core file (where ``ulimit -c``
 allows, in the job's folder) are kept in ``--out``.
@@ -52,6 +64,7 @@ from support import describe_exit, launch_ranks, scenario_names  # noqa: E402
 FAILURE_PATHS = ["fsdp_throw", "fsdp_peer_failure", "fsdp_peer_failure_in_forward"]
 ELASTIC_CELLS = ["3:1/body/3", "3:0/beat/2", "4:2/beat/4", "4:1/body/2+2/beat/4"]
 MALLOC_DEBUG = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
+ASAN = "/usr/lib/x86_64-linux-gnu/libasan.so.8"
 
 
 def rank_env(allocator: str = "checking") -> dict[str, str]:
@@ -60,6 +73,12 @@ def rank_env(allocator: str = "checking") -> dict[str, str]:
         env.update(MALLOC_CHECK_="3", MALLOC_PERTURB_="165")
         if Path(MALLOC_DEBUG).exists():
             env["LD_PRELOAD"] = MALLOC_DEBUG
+    elif allocator == "pydebug":
+        env["PYTHONMALLOC"] = "pymalloc_debug"
+    elif allocator == "asan":
+        if not Path(ASAN).exists():
+            raise SystemExit(f"--allocator asan needs {ASAN} (apt-get install libasan8)")
+        env.update(LD_PRELOAD=ASAN, ASAN_OPTIONS="detect_leaks=0:halt_on_error=1")
     return env
 
 
@@ -146,9 +165,13 @@ def main() -> None:
                              "the three failure paths; issue 30's job most likely died in "
                              "fsdp_epochs; all: the CPU scenarios of tests/test_fsdp.py's "
                              "job, in order)")
-    parser.add_argument("--allocator", choices=["checking", "plain"], default="checking",
+    parser.add_argument("--allocator", choices=["checking", "plain", "pydebug", "asan"],
+                        default="checking",
                         help="checking: glibc's checking allocator and MALLOC_PERTURB_; "
-                             "plain: glibc's allocator untouched, as the crashed job had it")
+                             "plain: glibc's allocator untouched, as the crashed job had it; "
+                             "pydebug: plain, and CPython's allocator debug hooks (the GIL "
+                             "held for every Python allocation and free, block bounds); "
+                             "asan: AddressSanitizer preloaded, pymalloc left on")
     parser.add_argument("--elastic", type=int, default=0,
                         help="rounds of the elastic kill cells")
     parser.add_argument("--load", type=int, default=2, help="busy-loop processes beside")
