@@ -30,7 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ASAN = "/usr/lib/x86_64-linux-gnu/libasan.so.8"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak_failure_paths import ASAN  # noqa: E402  (the library the soak preloads)
 
 PROBES = {
     "gil": """
