@@ -24,14 +24,13 @@ left it unwatched (the soaks):
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_failure_paths import ASAN  # noqa: E402  (the library the soak preloads)
+from soak_failure_paths import ASAN, rank_env  # noqa: E402
 
 PROBES = {
     "gil": """
@@ -57,20 +56,26 @@ print("returned")
 
 
 def run(code: str, env: dict[str, str]) -> str:
-    """The child's last line of output that names what happened, and how it ended."""
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=60)
+    """The line of the child's output that names what happened, and how it ended."""
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60)
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
-    said = next((line for line in lines if "ERROR: AddressSanitizer" in line
-                 or line.startswith("Fatal Python error")), lines[-1] if lines else "")
+    # faulthandler's report of the signal (the soak turns it on) follows what glibc printed
+    signal = next((n for n, line in enumerate(lines)
+                   if line.startswith(("Fatal Python error: Aborted",
+                                       "Fatal Python error: Segmentation fault"))), len(lines))
+    said = next((line for line in lines[:signal] if "ERROR: AddressSanitizer" in line
+                 or line.startswith("Fatal Python error")),
+                lines[signal - 1] if signal else "")
     said = re.sub(r"^==\d+==", "", said.split(": 0x")[0])
     return f"{said} (exit {done.returncode})"
 
 
 def main() -> None:
-    modes = {"glibc": {}, "pymalloc_debug": {"PYTHONMALLOC": "pymalloc_debug"}}
+    # The soak's own rank environments, so each column is what its mode runs under.
+    modes = {"glibc": rank_env("plain"), "pymalloc_debug": rank_env("pydebug")}
     if Path(ASAN).exists():
-        modes["asan"] = {"LD_PRELOAD": ASAN, "ASAN_OPTIONS": "detect_leaks=0"}
+        modes["asan"] = rank_env("asan")
     print("| probe | " + " | ".join(modes) + " |")
     print("|---|" + "---|" * len(modes))
     for name, code in PROBES.items():
