@@ -23,9 +23,7 @@ library's code, private helpers and guard table included: ``torch/``,
 ``lightning/`` (Trainer and Fabric), ``torchmetrics/``, ``ray/``,
 ``accelerate/``. What no library owns sits here: ``gather`` (exact gathering
 inside a Join, any backend) and ``_guards`` (the guard-table checker every
-room's ``_private`` uses). The old module paths ``joinkit.adapters.fsdp``,
-``optim``, ``data``, ``collectives`` and ``fabric`` still import, with a
-``DeprecationWarning``.
+room's ``_private`` uses).
 """
 
 from __future__ import annotations

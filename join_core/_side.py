@@ -35,7 +35,7 @@ arguments) could not match the call: the same error, saying to pass
 ``shadow=``. A call made by its own shadow (``shadow=lambda: log_sync(zero)``)
 runs ``fn`` without a heartbeat. Outside any Join the wrapper just calls ``fn``.
 
-Standard library only; ``joinkit.adapters.collectives`` builds torch shadows.
+Standard library only; ``joinkit.adapters.torch.collectives`` builds torch shadows.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class SideCollective(Joinable):
                         "rank would shadow it with fn() and no arguments, which cannot "
                         "match this call. Pass SideCollective(fn, shadow=...), a no-argument "
                         "callable issuing the same collective with a neutral contribution "
-                        "(joinkit.adapters.collectives builds them for torch)"
+                        "(joinkit.adapters.torch.collectives builds them for torch)"
                     )
                 Join.notify_join_context(self)
         elif config.join is None and _join._enabled_joins() > 0:

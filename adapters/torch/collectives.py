@@ -47,7 +47,7 @@ try:
     import torch.distributed as dist
 except ImportError as error:  # pragma: no cover - the torch extra is missing
     raise ImportError(
-        "joinkit.adapters.collectives needs torch: pip install 'joinkit[torch]'"
+        "joinkit.adapters.torch.collectives needs torch: pip install 'joinkit[torch]'"
     ) from error
 
 __all__ = ["all_reduce", "mean", "barrier", "broadcast"]
@@ -197,7 +197,7 @@ def _reduce_op(op: Any) -> Any:
     if op == dist.ReduceOp.AVG:
         raise ValueError(
             "all_reduce(op=AVG) cannot be shadowed: a joined rank would count in the "
-            "divisor. Use joinkit.adapters.collectives.mean(like), the mean over the "
+            "divisor. Use joinkit.adapters.torch.collectives.mean(like), the mean over the "
             "ranks that have not joined"
         )
     raise ValueError(f"all_reduce(op={op!r}) has no identity a joined rank could contribute; "

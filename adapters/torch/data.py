@@ -62,7 +62,7 @@ try:
     from torch.utils.data import IterableDataset, Sampler, get_worker_info
 except ModuleNotFoundError as exc:  # pragma: no cover - the no-torch environment
     raise ModuleNotFoundError(
-        "joinkit.adapters.data needs torch, which could not be imported "
+        "joinkit.adapters.torch.data needs torch, which could not be imported "
         f"({exc}). Please run: pip install 'joinkit[torch]'"
     ) from exc
 

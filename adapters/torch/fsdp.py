@@ -157,7 +157,7 @@ def adapt(model: Any) -> FSDPJoinable:
     """
     if not isinstance(model, FSDPModule):
         raise TypeError(
-            f"joinkit.adapters.fsdp.adapt expects a fully_shard module, got "
+            f"joinkit.adapters.torch.fsdp.adapt expects a fully_shard module, got "
             f"{type(model).__qualname__}"
         )
     _private.check(model)  # once per process

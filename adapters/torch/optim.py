@@ -106,7 +106,7 @@ def adapt(obj: Any) -> Joinable:
         kind = ScalerJoinable
     else:
         raise TypeError(
-            "joinkit.adapters.optim.adapt expects an optimizer, an LR scheduler or a "
+            "joinkit.adapters.torch.optim.adapt expects an optimizer, an LR scheduler or a "
             f"GradScaler, got {type(obj).__qualname__}"
         )
     return _adapters.get(obj, kind)
