@@ -12,11 +12,11 @@ PACKAGE_DIRS := $(shell find join_core backends adapters -type d -not -name __py
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup demo test lint docs
+.PHONY: setup demo test test-fast lint docs
 
 setup: $(STAMP)
 
-# transformers: Accelerate's DeepSpeed plugin needs it (tests/test_deepspeed.py).
+# transformers: Accelerate's DeepSpeed plugin needs it (tests/adapters/deepspeed/test_deepspeed.py).
 # Bytecode: pip compiles the venv's 18,000 modules on one core (about 170 s
 # here); compileall -j 0 compiles them on every core. It must be done: where
 # PYTHONDONTWRITEBYTECODE is set (this machine sets it) no process would save
@@ -55,6 +55,12 @@ test: setup
 	echo "== main suite exit $$suite, lint exit $$linted, no-torch job exit $$notorched"; \
 	test $$suite = 0 && test $$linted = 0 && test $$notorched = 0
 
+# The edit-test loop: what starts no process and takes seconds (the pure core, the
+# threads backend, every room's unit tests; tests/conftest.py says how the marks
+# are kept honest). Under two minutes here; `make test` stays the whole suite.
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m "not launches and not slow"
+
 # ruff, strict mypy, and the walls of the house: the import contracts in
 # pyproject.toml ([tool.importlinter]; tests/import_rules.py adds one).
 lint: setup
@@ -63,7 +69,7 @@ lint: setup
 	$(VENV)/bin/lint-imports --no-cache
 
 # The documentation site, offline; --strict: any warning (a broken link or
-# reference) fails. `make test` runs the same build (tests/test_docs.py).
+# reference) fails. `make test` runs the same build (tests/docs/test_docs.py).
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	@echo "== the site is in site/ (open site/index.html)"

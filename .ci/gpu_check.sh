@@ -25,16 +25,16 @@ print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.
 PY
 python3 -m pip list 2>/dev/null | grep -iE "^(pytest|pytest-timeout|hypothesis|torchmetrics|pytorch-lightning|mpi4py|numpy|attrs) "
 [ $# -gt 0 ] || set -- \
-    tests/test_gather_cuda.py \
-    tests/test_side_cuda.py \
-    tests/test_elastic_torch.py::test_nccl_is_refused_on_entry \
-    tests/test_elastic_fsdp.py::test_a_cuda_model_is_refused \
-    tests/test_fsdp.py::test_real_sync_batch_norm_on_cuda \
-    tests/test_fsdp.py::test_fsdp_over_nccl \
-    tests/test_lightning_unit.py::test_fabric_fsdp1_is_refused_with_the_way_out \
-    tests/test_ddp_eval.py::test_over_nccl \
-    tests/test_ddp_round.py::test_over_nccl \
-    tests/test_deepspeed.py::test_the_training_cells_on_nccl
+    tests/adapters/test_gather_cuda.py \
+    tests/adapters/torch/test_side_cuda.py \
+    tests/elastic/test_elastic_torch.py::test_nccl_is_refused_on_entry \
+    tests/elastic/test_elastic_fsdp.py::test_a_cuda_model_is_refused \
+    tests/adapters/torch/test_fsdp.py::test_real_sync_batch_norm_on_cuda \
+    tests/adapters/torch/test_fsdp.py::test_fsdp_over_nccl \
+    tests/adapters/lightning/test_lightning_unit.py::test_fabric_fsdp1_is_refused_with_the_way_out \
+    tests/adapters/torch/test_ddp_eval.py::test_over_nccl \
+    tests/adapters/torch/test_ddp_round.py::test_over_nccl \
+    tests/adapters/deepspeed/test_deepspeed.py::test_the_training_cells_on_nccl
 timeout "${GPU_CHECK_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -rA -v --timeout 400 \
     --durations=10 "$@" 2>&1 | tee "$out/pytest${GPU_CHECK_UNGUARDED:-}.log"
 echo "PYTEST RC ${PIPESTATUS[0]}"

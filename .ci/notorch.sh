@@ -43,7 +43,7 @@ fi
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_mpi_backend.py tests/test_launch.py tests/test_launch_real.py \
-    tests/test_custom_backend.py tests/test_faults_mpi.py tests/test_doctor.py \
-    tests/test_backend_checks.py tests/test_backend_imports.py tests/test_side_collective.py \
-    tests/test_integration_imports.py "$@"
+    tests/backends/mpi/test_mpi_backend.py tests/backends/launch/test_launch.py tests/backends/launch/test_launch_real.py \
+    tests/backends/test_custom_backend.py tests/faults/test_faults_mpi.py tests/backends/launch/test_doctor.py \
+    tests/backends/test_backend_checks.py tests/backends/test_backend_imports.py tests/core/test_side_collective.py \
+    tests/adapters/test_integration_imports.py "$@"

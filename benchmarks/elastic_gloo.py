@@ -2,7 +2,7 @@
 
     python benchmarks/elastic_gloo.py [KILLS] [INPUTS]
 
-Runs ``tests/elastic_torch_runner.py`` (ranks forked from a parent that hosts
+Runs ``tests/elastic/programs/elastic_torch_runner.py`` (ranks forked from a parent that hosts
 the TCPStore; a Join with ``on_rank_loss="finish"`` over a Counter and a small
 linear model, one gradient all-reduce per input) with ``KILLS`` cells (default
 12) in worlds of 3 and 4, each SIGKILLing one rank in its loop body or between
@@ -27,14 +27,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # noqa: E402
 
-RUNNER = Path(__file__).resolve().parent.parent / "tests" / "elastic_torch_runner.py"
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "tests" / "elastic" / "programs" / "elastic_torch_runner.py"
 TARGET_S = 1.0
+
+
+def _env(extra: dict[str, str] | None) -> dict[str, str]:
+    """This environment, ``extra``, and the tests' folder on PYTHONPATH (the runner's
+    support package)."""
+    path = [str(ROOT / "tests"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, **(extra or {}), "PYTHONPATH": os.pathsep.join(path)}
 
 
 def run(cells: list[str], env: dict[str, str] | None = None) -> Path:
     out = Path(tempfile.mkdtemp(prefix="elastic_gloo_"))
     subprocess.run([sys.executable, str(RUNNER), "--out", str(out), "--deadline", "60", *cells],
-                   check=True, timeout=120 + 60 * len(cells), env={**os.environ, **(env or {})},
+                   check=True, timeout=120 + 60 * len(cells), env=_env(env),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
 

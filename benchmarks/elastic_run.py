@@ -3,13 +3,13 @@
     python benchmarks/elastic_run.py [LAUNCHES]
 
 Runs ``LAUNCHES`` (default 4) launches of ``python -m joinkit run --standalone
---nproc-per-node 4 tests/elastic_run_program.py`` one after the other, each
+--nproc-per-node 4 tests/elastic/programs/elastic_run_program.py`` one after the other, each
 with three cells over one elastic gloo group (worlds of 4, 3 and 2; in each, one
 rank SIGKILLs itself in its loop body or after its heartbeat, the victim and
 the point rotating), and reports the median time from a death (the victim's
 clock just before its SIGKILL) to the slowest survivor's next all-reduce
 completed without it. Target: <= 1 s. Beside it, the same measure with gloo
-ranks under ``mpirun --with-ft ulfm`` (``tests/elastic_torch_runner.py
+ranks under ``mpirun --with-ft ulfm`` (``tests/elastic/programs/elastic_torch_runner.py
 --mpirun``, the store hosted by the runner), one launch per kill, as many kills.
 """
 
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PROGRAM = ROOT / "tests" / "elastic_run_program.py"
-RUNNER = ROOT / "tests" / "elastic_torch_runner.py"
+PROGRAM = ROOT / "tests" / "elastic" / "programs" / "elastic_run_program.py"
+RUNNER = ROOT / "tests" / "elastic" / "programs" / "elastic_torch_runner.py"
 TARGET_S = 1.0
 
 
@@ -38,6 +38,9 @@ def _env() -> dict[str, str]:
     env.update(OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONWARNINGS="ignore")
     env.pop("JOINKIT_BENCH_OUT", None)
+    # The programs import the tests' support package.
+    path = [str(ROOT / "tests"), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(path)
     return env
 
 

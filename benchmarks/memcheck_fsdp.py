@@ -9,8 +9,8 @@ wrap. Memcheck checks every load, store and free of a rank's C and C++ code
     python benchmarks/memcheck_fsdp.py --scenarios fsdp_epochs fsdp_throw --out /tmp/mc
     python benchmarks/memcheck_fsdp.py --elastic --out /tmp/mc  # the soak's kill cells
 
-Each rank runs ``tests/fsdp_scenarios.py`` (by default every scenario of
-``tests/test_fsdp.py``'s job) with a 30-minute gloo timeout instead of the
+Each rank runs ``tests/adapters/torch/programs/fsdp_scenarios.py`` (by default every scenario of
+``tests/adapters/torch/test_fsdp.py``'s job) with a 30-minute gloo timeout instead of the
 worker's 30 s: a rank under memcheck runs 20 to 50 times slower (the 4-rank
 job of every scenario took 25 min here, beside other work). ``--elastic``
 runs ``benchmarks/soak_failure_paths.py``'s elastic kill cells under one
@@ -40,20 +40,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from soak_failure_paths import ELASTIC_CELLS  # noqa: E402
-from support import describe_exit, launch_ranks, scenario_names  # noqa: E402
+from support import describe_exit, launch_ranks, program, programs_env, scenario_names  # noqa: E402
 
 MEMCHECK = ["valgrind", "--tool=memcheck", "--undef-value-errors=no", "--fair-sched=yes",
             "--num-callers=40", "--error-limit=no"]
 # The worker, with the gloo timeout a rank under memcheck needs.
-WORKER = ("import datetime, sys; sys.path.insert(0, {tests!r}); import fsdp_scenarios as w; "
+WORKER = ("import datetime, sys; sys.path.insert(0, {folder!r}); import fsdp_scenarios as w; "
           "w.SCENARIO_TIMEOUT = datetime.timedelta(seconds=1800); w.main(sys.argv[1:])")
 ERROR = re.compile(r"^==\d+== (Invalid|Mismatched|Source and destination|Syscall param)")
 LOADER = "dl-load.c"
 
 
 def rank_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONMALLOC": "malloc", "ATEN_CPU_CAPABILITY": "default",
-            "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    return programs_env({**os.environ, "PYTHONMALLOC": "malloc", "ATEN_CPU_CAPABILITY": "default",
+                         "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
 
 
 def errors(log: Path) -> tuple[list[str], int]:
@@ -77,7 +77,7 @@ def errors(log: Path) -> tuple[list[str], int]:
 
 
 def scenario_job(args: argparse.Namespace) -> dict[str, object]:
-    worker = WORKER.format(tests=str(args.tests))
+    worker = WORKER.format(folder=str(program("fsdp_scenarios.py", args.tests).parent))
     runs = launch_ranks(
         [[*MEMCHECK, f"--log-file={args.out / f'memcheck_rank{rank}.log'}", sys.executable,
           "-c", worker, str(rank), str(args.world), str(args.out / "store"), str(args.out),
@@ -96,7 +96,7 @@ def scenario_job(args: argparse.Namespace) -> dict[str, object]:
 def elastic_job(args: argparse.Namespace) -> dict[str, object]:
     done = subprocess.run(
         [*MEMCHECK, f"--log-file={args.out / 'memcheck_%p.log'}", sys.executable,
-         str(args.tests / "elastic_fsdp_runner.py"), "--out", str(args.out),
+         str(program("elastic_fsdp_runner.py", args.tests)), "--out", str(args.out),
          "--deadline", str(args.deadline), *ELASTIC_CELLS],
         capture_output=True, text=True, env=rank_env(), timeout=args.deadline * 5)
     (args.out / "output.txt").write_text(done.stdout + done.stderr)
@@ -110,7 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--scenarios", nargs="+", default=None,
-                        help="tests/fsdp_scenarios.py's scenarios (default: tests/test_fsdp.py's "
+                        help="fsdp_scenarios.py's scenarios (default: test_fsdp.py's "
                              "job, every scenario without CUDA)")
     parser.add_argument("--elastic", action="store_true",
                         help="the elastic kill cells instead of the scenarios")
@@ -121,7 +121,7 @@ def main() -> None:
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not on the PATH: install it (apt-get install valgrind)")
     if args.scenarios is None:
-        args.scenarios = [name for name in scenario_names(args.tests / "fsdp_scenarios.py")
+        args.scenarios = [name for name in scenario_names(program("fsdp_scenarios.py", args.tests))
                           if not name.startswith(("nccl_", "cuda_"))]
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -8,12 +8,12 @@ collectives may be in flight::
 
     python benchmarks/soak_failure_paths.py --runs 1000 --load 2 --out /tmp/soak
 
-Each *job* starts ``--world`` rank processes of ``tests/fsdp_scenarios.py``
-(one gloo group each, as ``tests/test_fsdp.py`` does) that run the FSDP2
+Each *job* starts ``--world`` rank processes of ``tests/adapters/torch/programs/fsdp_scenarios.py``
+(one gloo group each, as ``tests/adapters/torch/test_fsdp.py`` does) that run the FSDP2
 failure-path scenarios ``fsdp_throw``, ``fsdp_peer_failure`` and
 ``fsdp_peer_failure_in_forward`` (or the ``--scenarios`` named, e.g.
 ``fsdp_epochs``) ``--per-job`` times over; ``--elastic N`` adds
-N rounds of ``tests/elastic_fsdp_runner.py``'s kill cells (a rank SIGKILLed
+N rounds of ``tests/elastic/programs/elastic_fsdp_runner.py``'s kill cells (a rank SIGKILLed
 on purpose, the survivors rebuild: a death there is expected, a crash of a
 survivor is not). ``--load L`` starts ``L`` busy-loop processes for the whole
 soak (the issue's crash came on a machine loaded by another benchmark). The
@@ -34,7 +34,7 @@ leaves ``pymalloc`` on: a ``free()`` of memory that no ``malloc`` returned
 reads, ``recv``s and copies into freed memory. The other modes leave
 ``pymalloc`` as it is; ``benchmarks/memcheck_fsdp.py`` replaces it with
 ``malloc``, which hides the first kind.
-``--scenarios all`` runs every CPU scenario of ``tests/test_fsdp.py``'s job,
+``--scenarios all`` runs every CPU scenario of ``tests/adapters/torch/test_fsdp.py``'s job,
 in its order. A dead rank's output and its core file (where ``ulimit -c``
 allows, in the job's folder) are kept in ``--out``.
 
@@ -59,7 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support import describe_exit, launch_ranks, scenario_names  # noqa: E402
+from support import describe_exit, launch_ranks, program, programs_env, scenario_names  # noqa: E402
 
 FAILURE_PATHS = ["fsdp_throw", "fsdp_peer_failure", "fsdp_peer_failure_in_forward"]
 ELASTIC_CELLS = ["3:1/body/3", "3:0/beat/2", "4:2/beat/4", "4:1/body/2+2/beat/4"]
@@ -68,7 +68,7 @@ ASAN = "/usr/lib/x86_64-linux-gnu/libasan.so.8"
 
 
 def rank_env(allocator: str = "checking") -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    env = programs_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"})
     if allocator == "checking":
         env.update(MALLOC_CHECK_="3", MALLOC_PERTURB_="165")
         if Path(MALLOC_DEBUG).exists():
@@ -92,7 +92,7 @@ def fsdp_job(job: int, args: argparse.Namespace, out: Path) -> dict[str, object]
     folder = out / f"fsdp{job}"
     folder.mkdir(parents=True)
     names = args.scenarios * args.per_job
-    worker = args.tests / "fsdp_scenarios.py"
+    worker = program("fsdp_scenarios.py", args.tests)
     runs = launch_ranks(
         [[sys.executable, str(worker), str(rank), str(args.world), str(folder / "store"),
           str(folder), *names] for rank in range(args.world)],
@@ -121,7 +121,7 @@ def fsdp_job(job: int, args: argparse.Namespace, out: Path) -> dict[str, object]
 def elastic_job(job: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
     """One round of elastic FSDP kill cells (forked ranks, one killed on purpose)."""
     folder = out / f"elastic{job}"
-    runner = args.tests / "elastic_fsdp_runner.py"
+    runner = program("elastic_fsdp_runner.py", args.tests)
     done = subprocess.run(
         [sys.executable, str(runner), "--out", str(folder), "--deadline", str(args.deadline),
          *ELASTIC_CELLS], capture_output=True, text=True, env=rank_env(args.allocator),
@@ -161,9 +161,9 @@ def main() -> None:
     parser.add_argument("--per-job", type=int, default=10,
                         help="rounds of the scenarios per job")
     parser.add_argument("--scenarios", nargs="+", default=FAILURE_PATHS,
-                        help="tests/fsdp_scenarios.py's scenarios each round runs (default: "
+                        help="fsdp_scenarios.py's scenarios each round runs (default: "
                              "the three failure paths; issue 30's job most likely died in "
-                             "fsdp_epochs; all: the CPU scenarios of tests/test_fsdp.py's "
+                             "fsdp_epochs; all: the CPU scenarios of test_fsdp.py's "
                              "job, in order)")
     parser.add_argument("--allocator", choices=["checking", "plain", "pydebug", "asan"],
                         default="checking",
@@ -185,8 +185,8 @@ def main() -> None:
                         help="where the workers are (an older checkout's tests/, to measure "
                              "it; its joinkit through PYTHONPATH)")
     args = parser.parse_args()
-    if args.scenarios == ["all"]:  # as tests/test_fsdp.py picks them
-        args.scenarios = [name for name in scenario_names(args.tests / "fsdp_scenarios.py")
+    if args.scenarios == ["all"]:  # as tests/adapters/torch/test_fsdp.py picks them
+        args.scenarios = [name for name in scenario_names(program("fsdp_scenarios.py", args.tests))
                           if not name.startswith(("nccl_", "cuda_"))]
     args.out.mkdir(parents=True, exist_ok=True)
     resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))

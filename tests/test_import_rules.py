@@ -1,6 +1,6 @@
 """The walls of the house (issue 29): the import contracts, the public surface, old paths.
 
-- ``tests/import_rules.py`` (the private-names contract) finds what it must and
+- ``import_rules.py`` (the private-names contract) finds what it must and
   nothing else, on small trees written here;
 - ``pyproject.toml``'s core contracts list every module of ``join_core/``;
 - ``joinkit.lowlevel`` and the other public surfaces export what they say;

@@ -85,7 +85,7 @@ _MAX: Any = dist.ReduceOp.MAX
 _FLOATS = (torch.float32, torch.float64)
 #: Whether a CUDA model may take this path. Its CUDA branch (:class:`_Slot`'s
 #: coalesced all-reduce) is written but has not run on a GPU yet, so CUDA
-#: models keep the one-collective path; ``tests/test_ddp_round.py``'s nccl test
+#: models keep the one-collective path; ``tests/adapters/torch/test_ddp_round.py``'s nccl test
 #: turns it on where two GPUs exist.
 ON_CUDA = False
 

@@ -52,7 +52,7 @@ with the same expected members.
 ``PrefixStore("joinkit/elastic/<group>/<g+1>/pg/", store)``, built in a helper
 thread while the main thread watches for a new failure (a member that dies
 during the recovery: the next generation starts over, see
-``tests/test_elastic_torch.py``). The old group is never destroyed (a gloo
+``tests/elastic/test_elastic_torch.py``). The old group is never destroyed (a gloo
 worker may stay blocked in it; destroying it would join that thread): it is
 kept through exit.
 

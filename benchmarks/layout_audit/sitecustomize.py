@@ -40,7 +40,7 @@ PYTHONDONTWRITEBYTECODE=1 keeps a __pycache__ out of this directory.
 
     PYTHONPATH=$PWD/benchmarks/layout_audit AUDIT_LAYOUT_DIR=/tmp/out \\
         PYTHONDONTWRITEBYTECODE=1 \\
-        .venv/bin/python -m pytest tests/test_fsdp.py -q -p no:cacheprovider
+        .venv/bin/python -m pytest tests/adapters/torch/test_fsdp.py -q -p no:cacheprovider
     .venv/bin/python benchmarks/layout_audit/analyze.py /tmp/out
 
 The proof that the hooks see a bad layout (2 gloo ranks; sets both variables

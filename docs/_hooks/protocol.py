@@ -3,7 +3,7 @@
 The documentation's protocol page does not hold a hand-drawn diagram: the
 MkDocs hook (``hooks.py``) replaces the marker ``<!-- protocol-diagram -->``
 with :func:`render` at build time, so the picture is the table itself and
-cannot drift from it. ``tests/test_docs.py`` parses the picture back and
+cannot drift from it. ``tests/docs/test_docs.py`` parses the picture back and
 compares it with the table.
 
 What the picture shows, per phase: each observation the phase accepts, the

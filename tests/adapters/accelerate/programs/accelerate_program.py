@@ -1,0 +1,174 @@
+"""Accelerate's ``prepare`` on 2 CPU processes with uneven data: joinkit's way and Accelerate's.
+
+Run by ``test_accelerate.py`` as ``torchrun --nproc-per-node 2
+accelerate_program.py MODE OUT`` (MODE ``ddp`` or ``fsdp2``). One
+process runs, in order, each case with a fresh model and a fresh prepare:
+
+- ``joinkit``: 2 epochs of ``join_uneven_inputs(accelerator, [model,
+  optimizer], even_batches=False)`` over a prepared loader of 7 batches (rank 0
+  gets 4 per epoch, rank 1 gets 3): the full parameters after each epoch;
+- ``padded``: Accelerate's default, ``even_batches=True`` and no Join: rank 1
+  gets batch 0 again, so both run 4 steps (the full parameters);
+- ``accumulate`` (DDP): ``accelerator.accumulate(model)`` with windows of
+  ``ACCUMULATE`` batches inside joinkit's ``join_uneven_inputs``: rank 1's last
+  window ends at its own last batch (the full parameters after one epoch);
+- ``accelerate_join``: Accelerate's own ``accelerator.join_uneven_inputs([model],
+  even_batches=False)``: the warning it gives, and what happens (rank 0's
+  fourth backward waits for rank 1, which left: the error, after how long).
+
+MODE ``fsdp2``: Accelerate 1.15 sets ``DistributedType.FSDP`` only for GPU-like
+devices; with ``cpu=True`` it is ``MULTI_CPU`` and the FSDP plugin is ignored
+(the model comes back DDP-wrapped; recorded as ``ignored_plugin``). To run
+Accelerate's own FSDP2 ``prepare`` (``fully_shard`` via its plugin) on CPU,
+the state's ``distributed_type`` is set to ``FSDP`` after construction, a
+test-only override of what a GPU machine gets.
+
+Each rank writes ``OUT/MODE-CASE-RANK.json`` as soon as a case ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BATCHES = 7  # in the dataset: rank 0 gets 4 per epoch, rank 1 gets 3
+BATCH = 2
+EPOCHS = 2
+LR = 0.1
+ACCUMULATE = 2  # the accumulate case's gradient_accumulation_steps
+PG_TIMEOUT_S = 30
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(BATCHES * BATCH, 3, generator=generator)
+    return torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True) * 0.3 - 0.2)
+
+
+def full_params(model: torch.nn.Module) -> list[list[float]]:
+    out = []
+    for p in model.parameters():
+        data = p.detach()
+        if hasattr(data, "full_tensor"):  # an FSDP2 shard (DTensor)
+            data = data.full_tensor()
+        out.append(data.flatten().tolist())
+    return out
+
+
+def make_accelerator(mode: str) -> tuple[Any, dict[str, Any]]:
+    from accelerate import Accelerator
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        DistributedType,
+        FullyShardedDataParallelPlugin,
+        InitProcessGroupKwargs,
+    )
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if mode == "fsdp2" else None
+    accelerator = Accelerator(
+        cpu=True, fsdp_plugin=plugin,
+        dataloader_config=DataLoaderConfiguration(even_batches=False),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=PG_TIMEOUT_S))],
+    )
+    facts = {"distributed_type": str(accelerator.distributed_type),
+             "num_processes": accelerator.num_processes}
+    if mode == "fsdp2":
+        facts["ignored_plugin"] = accelerator.distributed_type != DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP  # test-only: see the doc
+        accelerator.state.fsdp_plugin = plugin
+    return accelerator, facts
+
+
+def prepared(accelerator: Any) -> tuple[Any, Any, Any]:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH)
+    return accelerator.prepare(model, optimizer, loader)
+
+
+def step(accelerator: Any, model: Any, optimizer: Any, x: Any, y: Any) -> None:
+    optimizer.zero_grad()
+    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+
+
+def write(out: Path, mode: str, case: str, rank: int, record: dict[str, Any]) -> None:
+    Path(out, f"{mode}-{case}-{rank}.json").write_text(json.dumps(record))
+
+
+def main() -> None:
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    from joinkit.adapters.accelerate import join_uneven_inputs
+
+    accelerator, facts = make_accelerator(mode)
+    rank = accelerator.process_index
+
+    model, optimizer, loader = prepared(accelerator)
+    per_epoch, steps = [], 0
+    for _ in range(EPOCHS):
+        with join_uneven_inputs(accelerator, [model, optimizer], even_batches=False):
+            for x, y in loader:
+                step(accelerator, model, optimizer, x, y)
+                steps += 1
+        per_epoch.append(full_params(model))
+    write(out, mode, "joinkit", rank, {**facts, "model": type(model).__name__,
+                                      "params": per_epoch, "steps": steps})
+
+    model, optimizer, loader = prepared(accelerator)
+    steps = 0
+    with join_uneven_inputs(accelerator, [model, optimizer], even_batches=True):
+        for x, y in loader:
+            step(accelerator, model, optimizer, x, y)
+            steps += 1
+    write(out, mode, "padded", rank, {"params": [full_params(model)], "steps": steps})
+
+    if mode == "ddp":  # accelerator.accumulate: windows of 2 batches, the last one short
+        model, optimizer, loader = prepared(accelerator)
+        accelerator.gradient_accumulation_steps = ACCUMULATE
+        steps = 0
+        with join_uneven_inputs(accelerator, [model, optimizer], even_batches=False):
+            for x, y in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                steps += 1
+        accelerator.gradient_accumulation_steps = 1
+        write(out, mode, "accumulate", rank, {"params": [full_params(model)], "steps": steps})
+
+    model, optimizer, loader = prepared(accelerator)
+    steps, error = 0, None
+    began = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with accelerator.join_uneven_inputs([model], even_batches=False) as inside:
+                for x, y in loader:
+                    step(accelerator, model, optimizer, x, y)
+                    steps += 1
+        except Exception as exc:  # rank 0: the collective its peer never joins
+            error = f"{type(exc).__name__}: {exc}"[:600]
+    write(out, mode, "accelerate_join", rank, {
+        "steps": steps, "error": error, "seconds": time.monotonic() - began,
+        "context": type(inside).__name__ if error is None else None,
+        "warnings": [str(w.message) for w in caught],
+    })
+    sys.stdout.flush()
+    os._exit(0)  # rank 0's group is broken: no teardown
+
+
+if __name__ == "__main__":
+    main()

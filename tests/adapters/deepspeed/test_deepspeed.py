@@ -1,0 +1,391 @@
+"""DeepSpeed under Join, on CPU processes with gloo, against a float64 reference.
+
+DeepSpeed's import is slow, so one module fixture starts three launched jobs
+at once, each importing DeepSpeed once per process and running many cells
+(``programs/deepspeed_runner.py``, the cells in ``programs/deepspeed_cells.py``):
+
+- ``torchrun-2``: ``torchrun --nproc-per-node 2``: every training cell (ZeRO
+  stages 0-3, uneven plans including a rank with none, gradient accumulation
+  1/2/3, clipping, AdamW/Adam/SGD, an LR scheduler, both divisors),
+  ``StepReplay`` over a user's step, an evaluation Join, the refusals, loop
+  mistakes;
+- ``torchrun-3``: the training cells, ``StepReplay`` and evaluation on 3 ranks;
+- ``deepspeed-2``: the ``deepspeed`` launcher, 2 ranks: a training cell per
+  stage and plan, Accelerate's DeepSpeed plugin through ``join_uneven_inputs``,
+  and ``examples/deepspeed_uneven.py``.
+
+The reference (``deepspeed_cells.reference``) trains one float64 model in this
+process, without DeepSpeed: each micro-step's gradient over the documented
+divisor, clipped and stepped at each accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+if importlib.util.find_spec("deepspeed") is None:  # the no-torch CI job; `make setup` has it
+    pytest.skip("needs the deepspeed extra", allow_module_level=True)
+
+import deepspeed_cells as c  # noqa: E402
+import torch  # noqa: E402
+from support import launch_ranks, records_by_name  # noqa: E402
+
+pytestmark = pytest.mark.needs_torch
+
+ROOT = Path(__file__).resolve().parents[3]
+RUNNER = Path(__file__).parent / "programs" / "deepspeed_runner.py"
+EXAMPLE = ROOT / "examples" / "deepspeed_uneven.py"
+BIN = Path(sys.executable).parent
+LAUNCH_TIMEOUT = 480.0
+#: float32 training against the float64 reference (measured: below 3e-7).
+TOLERANCE = 2e-6
+
+JOBS: dict[str, tuple[str, int, str]] = {
+    "torchrun-2": ("torchrun", 2, "train_cells,step_replay,eval_cells,refusals,mistakes,"
+                                  "parallel_refusals"),
+    "torchrun-3": ("torchrun", 3, "train_cells,step_replay,eval_cells"),
+    "deepspeed-2": ("deepspeed", 2, "launcher_cells,accelerate,example"),
+}
+#: The training cells each job runs.
+CELLS = {"torchrun-2": c.cells(2), "torchrun-3": c.cells(3),
+         "deepspeed-2": c.launcher_cells(2)}
+
+
+def _environment() -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "SLURM_",
+                                  "ACCELERATE_"))
+           and key not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                           "JOINKIT_BACKEND", "JOINKIT_DS_BACKEND", "CUDA_VISIBLE_DEVICES"}}
+    # The programs' folder first, then the caller's path: the tests' support package
+    # (tests/conftest.py), joinkit from a wheel on a GPU machine.
+    path = os.pathsep.join(p for p in (str(RUNNER.parent), os.environ.get("PYTHONPATH")) if p)
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=path)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _command(launcher: str, world: int, out: Path, groups: str) -> list[str]:
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(world),
+                str(RUNNER), str(out), groups]
+    return [str(BIN / "deepspeed"), "--num_gpus", str(world), "--master_port",
+            str(_free_port()), str(RUNNER), str(out), groups]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    """The references are tiny float64 models: one thread is ten times faster
+    beside the launched jobs than torch's default (its thread pool contends)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference(spec: dict[str, Any], world: int) -> list[list[float]]:
+    """``deepspeed_cells.reference``, once per cell (the jobs share cells)."""
+    key = (world, tuple(sorted((k, str(v)) for k, v in spec.items() if k != "name")))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = c.reference(spec, world)
+    return _REFERENCES[key]
+
+
+_REFERENCES: dict[Any, list[list[float]]] = {}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    outs = {name: tmp_path_factory.mktemp(name) for name in JOBS}
+    runs = launch_ranks([_command(launcher, world, outs[name], groups)
+                         for name, (launcher, world, groups) in JOBS.items()],
+                        LAUNCH_TIMEOUT, env=_environment(), cwd=ROOT)
+    return {name: {"records": records_by_name(outs[name], JOBS[name][1]), "run": run,
+                   "world": JOBS[name][1]}
+            for (name, run) in zip(JOBS, runs, strict=True)}
+
+
+def _records(jobs: dict[str, Any], job: str, name: str) -> list[dict[str, Any]]:
+    """Every rank's record of ``name`` in ``job``; fails with the output if one is missing."""
+    found = jobs[job]["records"].get(name, [])
+    if len(found) != jobs[job]["world"]:
+        pytest.fail(f"{job} did not finish {name}:\n{jobs[job]['run'].stdout[-6000:]}")
+    errors = [r["error"] for r in found if not r["ok"]]
+    assert not errors, "\n".join(errors)
+    return found
+
+
+# -- training: Join([engine]) against the float64 reference --------------------------------
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("job", list(JOBS))
+def test_every_cell_equals_the_float64_reference(jobs: dict[str, Any], job: str) -> None:
+    world = jobs[job]["world"]
+    cells = CELLS[job]
+    assert {s["stage"] for s in cells} == {0, 1, 2, 3}
+    assert {0 in s["plan"] for s in cells} == {True, False}  # a rank with no batch
+    for spec in cells:
+        ranks = _records(jobs, job, spec["name"])
+        want = reference(spec, world)
+        errors = [c.max_error(r["params"], want) for r in ranks]
+        assert max(errors) < TOLERANCE, (spec["name"], errors)
+        # Every rank holds the same model after the Join (no post hook needed).
+        assert all(r["params"] == ranks[0]["params"] for r in ranks), spec["name"]
+        longest = max(spec["plan"])
+        for rank, record in enumerate(ranks):
+            # A joined rank replayed every micro-step it lacked, so its engine
+            # counted as many micro-steps and optimizer steps as the others.
+            assert record["inputs"] == spec["plan"][rank]
+            assert record["shadow_rounds"] == longest - spec["plan"][rank]
+            assert (record["micro_steps"], record["global_steps"]) == (
+                longest, longest // spec["gas"]), spec["name"]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_the_cells_tell_the_settings_apart() -> None:
+    """The controls: the other divisor, or no clipping, misses the reference by far."""
+    for world in (2, 3):
+        for spec in c.cells(world):
+            want = reference(spec, world)
+            if not spec["divide"]:
+                flipped = reference({**spec, "divide": True}, world)
+                assert c.max_error(flipped, want) > 1e-2, spec["name"]
+            if spec["clip"] == 0.05:
+                unclipped = reference({**spec, "clip": 0.0}, world)
+                assert c.max_error(unclipped, want) > 1e-3, spec["name"]
+
+
+# -- the generic joinable, evaluation ----------------------------------------------------------
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("job", ["torchrun-2", "torchrun-3"])
+def test_step_replay_of_a_users_step_is_exact(jobs: dict[str, Any], job: str) -> None:
+    world = jobs[job]["world"]
+    ranks = _records(jobs, job, "step-replay")
+    want = c.step_reference(world)
+    plan = c.STEP_PLANS[world]
+    for rank, record in enumerate(ranks):
+        assert c.max_error(record["params"], want) < TOLERANCE
+        assert record["shadow_rounds"] == max(plan) - plan[rank]
+    # Without the centering layer's collectives the model would differ.
+    solo = c.CenteredNet(distributed=False).double()
+    first = [p.detach().flatten().tolist() for p in solo.parameters()]
+    assert c.max_error(first, want) > 1e-2
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("job", ["torchrun-2", "torchrun-3"])
+def test_evaluation_over_zero3_sums_every_batch_once(jobs: dict[str, Any], job: str) -> None:
+    world = jobs[job]["world"]
+    ranks = _records(jobs, job, "eval-s3")
+    plan = [3, 5, 1][:world]
+    model = c.make_model().double()
+    with torch.no_grad():
+        want = sum(float(torch.nn.functional.mse_loss(model(x), y, reduction="sum"))
+                   for r in range(world) for x, y in
+                   (c.batch(r, i, torch.float64) for i in range(plan[r])))
+    for rank, record in enumerate(ranks):
+        assert record["total"] == pytest.approx(want, rel=1e-6)
+        assert record["shadow_rounds"] == max(plan) - plan[rank]
+
+
+# -- Accelerate's DeepSpeed plugin ---------------------------------------------------------------
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerates_deepspeed_plugin_is_exact(jobs: dict[str, Any], stage: int) -> None:
+    ranks = _records(jobs, "deepspeed-2", f"accelerate-s{stage}")
+    # Accelerate's LambdaLR wrapper steps num_processes times per step, on a
+    # joined rank too (the shadow of the loop's scheduler.step()).
+    spec = c.cell("accelerate", stage=stage, plan=[4, 3], clip=0.05, scheduler_steps=2)
+    want = reference(spec, 2)
+    assert [r["steps"] for r in ranks] == [4, 3]
+    for record in ranks:
+        assert record["engine"] == "DeepSpeedEngine"
+        # Accelerate ignores the plugin with cpu=True: the runner's override.
+        assert record["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert c.max_error(record["params"], want) < TOLERANCE
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_accelerates_gradient_accumulation_is_refused(jobs: dict[str, Any]) -> None:
+    for record in _records(jobs, "deepspeed-2", "accelerate-accumulation"):
+        assert record["error"].startswith("ValueError: join_uneven_inputs with DeepSpeed and "
+                                          "Accelerate's gradient accumulation")
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+REFUSALS = {
+    "optimizer": "Join got DeepSpeedZeroOptimizer, which a DeepSpeed engine steps itself",
+    "torch-optimizer": "Join got AdamW, which a DeepSpeed engine steps itself",
+    "scheduler": "Join got LambdaLR, which a DeepSpeed engine steps itself",
+    "optimizer-first": "Join got DeepSpeedZeroOptimizer, which a DeepSpeed engine steps",
+    "sum-active": "sums gradients",
+    "finish": "on_rank_loss='finish'",
+    "unmanaged": "managed gradient accumulation",
+    "offload": "offload_optimizer to 'cpu'",
+    "moe": "MoE layers",
+    "pipeline": "pipeline parallelism",
+}
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_what_cannot_be_replayed_is_refused_on_entry(jobs: dict[str, Any], case: str) -> None:
+    for record in _records(jobs, "torchrun-2", f"refuse-{case}"):
+        assert REFUSALS[case] in record["error"], record["error"]
+        assert record["error"].split(":")[0] in ("ValueError", "ElasticUnavailable")
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_a_refused_join_leaves_the_engine_trainable(jobs: dict[str, Any]) -> None:
+    ranks = _records(jobs, "torchrun-2", "after-refusals")
+    spec = c.cell("after", stage=2, plan=[1, 2])
+    want = reference(spec, 2)
+    for record in ranks:
+        assert c.max_error(record["params"], want) < TOLERANCE
+
+
+MISTAKES = {
+    "eval-forward": "a forward without gradients",
+    "no-step": "an iteration without its step",
+    "no-backward": "an iteration without its backward",
+    "boundary": "gradient accumulation boundary was set to False",
+}
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_a_loop_mistake_fails_every_rank_promptly(jobs: dict[str, Any], case: str) -> None:
+    rank0, *others = _records(jobs, "torchrun-2", f"mistake-{case}")
+    assert rank0["error"].startswith("LocalProtocolError: ")
+    assert MISTAKES[case] in rank0["error"]
+    for record in others:
+        assert record["error"].startswith("PeerFailure: rank 0 failed"), record["error"]
+        assert MISTAKES[case] in record["error"]
+    # No rank waited for a watchdog (its default is minutes).
+    assert max(r["seconds"] for r in [rank0, *others]) < 60
+    # And the group works afterwards: nothing was left unmatched.
+    assert [r["sum"] for r in _records(jobs, "torchrun-2", "mistakes-then-all-reduce")] == [
+        2.0, 2.0]
+
+
+# -- the example, the deepspeed launcher -----------------------------------------------------------
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+def test_the_example_runs_under_the_deepspeed_launcher(jobs: dict[str, Any]) -> None:
+    lines = sorted(r["stdout"].strip() for r in _records(jobs, "deepspeed-2", "example"))
+    assert lines == ["Rank 0 trained on all 5 of its batches!",
+                     "Rank 1 trained on all 3 of its batches!"]
+
+
+def test_the_docs_show_the_example_as_it_is() -> None:
+    page = (ROOT / "docs" / "deepspeed.md").read_text()
+    blocks = re.findall(r"<!-- not run: the body of main\(\).*?```python\n(.*?)```", page,
+                        flags=re.S)
+    assert blocks and all(block in EXAMPLE.read_text() for block in blocks)
+
+
+# -- in this process: the guard and the package ------------------------------------------------
+
+
+def test_the_supported_range_is_the_extras() -> None:
+    from joinkit.adapters import deepspeed
+    from joinkit.adapters.deepspeed import _private
+
+    extra = re.search(r"^deepspeed = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(),
+                      flags=re.M)
+    assert extra is not None
+    assert f'"deepspeed{deepspeed.SUPPORTED_DEEPSPEED}"' in extra.group(1)
+    assert f"deepspeed=={_private.TESTED_DEEPSPEED}" in (ROOT / "constraints.txt").read_text()
+    assert deepspeed.SUPPORTED_DEEPSPEED == ">=0.19.8,<0.20"
+    assert (_private._LOWEST, _private._BELOW) == ((0, 19, 8), (0, 20))
+    assert [_private._supported(v) for v in ("0.19.8", "0.19.9+cpu", "0.19.12")] == [True] * 3
+    assert [_private._supported(v) for v in ("0.19.7", "0.20.0", "1.0", "dev")] == [False] * 4
+
+
+def test_an_unsupported_deepspeed_is_refused_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from joinkit.adapters.deepspeed import UnsupportedDeepSpeedError, _private
+
+    class FakeDeepSpeed:
+        __version__ = "0.20.1"
+
+    monkeypatch.setitem(sys.modules, "deepspeed", FakeDeepSpeed)
+    monkeypatch.setattr(_private, "problems", lambda members: [])  # the members are fine
+    monkeypatch.setattr(_private, "_checked", [])
+    message = r"(?s)runs deepspeed 0\.20\.1.*outside the supported range"
+    with pytest.raises(UnsupportedDeepSpeedError, match=message):
+        _private.check()
+
+
+@pytest.mark.launches
+def test_importing_the_adapter_imports_neither_torch_nor_deepspeed() -> None:
+    import subprocess
+
+    code = ("import sys, joinkit.adapters.deepspeed as d; "
+            "print(d.DEEPSPEED.name, 'torch' in sys.modules, 'deepspeed' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.split() == ["deepspeed", "False", "False"]
+
+
+def test_step_replay_refuses_wrong_arguments() -> None:
+    from joinkit.adapters.torch.step_replay import StepReplay
+
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        StepReplay(lambda x: x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="step must be callable"):
+        StepReplay(model, step=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a step without a backward"):
+        StepReplay(model, backward=None, step=lambda: None)
+    assert StepReplay(model, backward=None).trains is False
+
+
+# -- nccl: written for GPUs, skipped without CUDA -------------------------------------------------
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_training_cells_on_nccl(tmp_path: Path) -> None:
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    env = _environment()
+    env.pop("DS_ACCELERATOR")
+    env["JOINKIT_DS_BACKEND"] = "nccl"
+    run, = launch_ranks([_command("torchrun", world, tmp_path, "train_cells")], LAUNCH_TIMEOUT,
+                        env=env, cwd=ROOT)
+    records = records_by_name(tmp_path, world)
+    for spec in c.cells(world):
+        ranks = records.get(spec["name"], [])
+        assert len(ranks) == world and all(r["ok"] for r in ranks), run.stdout[-6000:]
+        want = reference(spec, world)
+        assert max(c.max_error(r["params"], want) for r in ranks) < 1e-5, spec["name"]

@@ -1,0 +1,272 @@
+"""Lightning's Trainer with ``UnevenInputs``: scenarios in one launch of 2 ranks.
+
+Run as ``torchrun --nproc-per-node 2 lightning_worker.py OUT_DIR NAME...``
+(each scenario is one ``trainer.fit``); each rank writes
+``OUT_DIR/rank{r}.json``: per scenario its final parameters, the loss it logged
+per step (``self.log(..., sync_dist=True)``), the epoch values of the
+validation loss and of a torchmetrics metric. ``test_lightning_trainer.py``
+computes the single-process reference.
+
+Rank r has ``INPUTS[r]`` training batches of 4 rows and ``VAL_INPUTS[r]``
+validation batches.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torchmetrics
+from pytorch_lightning.loggers import Logger
+from torch.utils.data import DataLoader, TensorDataset
+
+from joinkit import SideChannel, SideCollective
+from joinkit.adapters.lightning import UnevenInputs
+
+INPUTS = [5, 8]
+VAL_INPUTS = [3, 2]
+EPOCHS = 2
+LR = 0.1
+MOMENTUM = 0.9
+BATCH = 4
+
+
+def rows(rank: int, n_batches: int, salt: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(100 * salt + rank)
+    return TensorDataset(torch.randn(n_batches * BATCH, 3, generator=g),
+                         torch.randn(n_batches * BATCH, 1, generator=g))
+
+
+def make_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+
+class Model(pl.LightningModule):
+    def __init__(self, scheduler: bool, epoch_metric: bool = True) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.train_mse = torchmetrics.MeanSquaredError()
+        self.use_scheduler = scheduler
+        self.epoch_metric = epoch_metric
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        pred = self(x)
+        loss = torch.nn.functional.mse_loss(pred, y)
+        self.log("loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        self.log("loss_max", loss, on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max")
+        if self.epoch_metric:
+            self.train_mse(pred.detach(), y)
+            self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), on_epoch=True,
+                 sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+        if not self.use_scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class SideModel(Model):
+    """Collectives of the LightningModule's own, in a number that depends on the data:
+    ``batch_idx % 3 + 1`` all-reduces through the callback's side channel in its
+    ``on_train_batch_end`` (the ranks still training), and a torchmetrics metric
+    with ``dist_sync_on_step=True`` logged per step."""
+
+    def __init__(self, side: SideChannel) -> None:
+        super().__init__(scheduler=True, epoch_metric=False)
+        self.side = side
+        self.step_mse = torchmetrics.MeanSquaredError(dist_sync_on_step=True)
+        self.counts: list[list[float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        x, y = batch
+        self.log("step_mse", self.step_mse(self(x).detach(), y), on_step=True, on_epoch=False)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.counts.append([float(self.side.all_reduce(torch.ones(1))[0])
+                            for _ in range(batch_idx % 3 + 1)])
+
+
+class FSDPModel(Model):
+    """The same model under ModelParallelStrategy: ``fully_shard`` on ``self.net``, the
+    module training_step calls (Lightning's FSDP2)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)  # a DTensor shard (FSDP2): all-gathered
+    return full() if full is not None else tensor
+
+
+class ListLogger(Logger):
+    """Every rank's logged metrics, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "list"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append({k: float(v) for k, v in metrics.items()})
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def shard_loaders(rank: int) -> tuple[DataLoader, DataLoader]:
+    """One dataset split exactly by joinkit's ShardSampler (no padding): 37 training rows
+    (19 and 18, so 10 and 9 batches of 2, shuffled per epoch) and 11 validation rows."""
+    from joinkit.adapters.torch.data import ShardSampler
+
+    train = TensorDataset(*(t[:SHARD_ROWS[0]] for t in rows(0, 10, 3).tensors))
+    val = TensorDataset(*(t[:SHARD_ROWS[1]] for t in rows(0, 3, 4).tensors))
+    return (DataLoader(train, batch_size=2, sampler=ShardSampler(
+                train, num_replicas=2, rank=rank, shuffle=True, seed=SHARD_SEED)),
+            DataLoader(val, batch_size=2, sampler=ShardSampler(
+                val, num_replicas=2, rank=rank, shuffle=False)))
+
+
+SHARD_ROWS = (37, 11)
+SHARD_SEED = 5
+
+
+class ActiveRanks(pl.Callback):
+    """A per-batch collective of the user's own, listed before UnevenInputs: an
+    all-reduce of 1 per batch (the number of ranks still training), shadowed with 0."""
+
+    def __init__(self) -> None:
+        def count(value: float) -> float:
+            t = torch.tensor([value])
+            torch.distributed.all_reduce(t)
+            return float(t[0])
+
+        self.side = SideCollective(count, shadow=lambda: count(0.0), name="active ranks")
+        self.counts: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.counts.append(self.side(1.0))
+
+
+def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
+        validate: bool = True, shards: bool = False, fsdp: bool = False,
+        inputs: list[int] = INPUTS, max_steps: int = -1, epochs: int = EPOCHS,
+        epoch_metric: bool = True, side_model: bool = False) -> dict[str, Any]:
+    logger = ListLogger()
+    active = ActiveRanks()
+    side = SideChannel() if side_model else None
+    uneven = UnevenInputs(side_collectives=[active.side], side_channel=side)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=_strategy(fsdp), max_epochs=epochs,
+        max_steps=max_steps, logger=logger,
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        accumulate_grad_batches=accumulate,
+        callbacks=[active, uneven],
+        limit_val_batches=1.0 if validate else 0,
+    )
+    model: Model
+    if side is not None:
+        model = SideModel(side)
+    else:
+        model = (FSDPModel if fsdp else Model)(scheduler and not shards, epoch_metric)
+    train = DataLoader(rows(rank, inputs[rank], 1), batch_size=BATCH)
+    val = DataLoader(rows(rank, VAL_INPUTS[rank], 2), batch_size=BATCH)
+    if shards:
+        train, val = shard_loaders(rank)
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val if validate else None)
+    return {
+        "params": [float(v) for p in model.net.parameters()
+                   for v in _full(p.detach()).reshape(-1)],
+        "loss": [r["loss"] for r in logger.records if "loss" in r],
+        "loss_max": [r["loss_max"] for r in logger.records if "loss_max" in r],
+        "val_loss": [r["val_loss"] for r in logger.records if "val_loss" in r],
+        "train_mse": [r["train_mse"] for r in logger.records if "train_mse" in r],
+        "momentum": [float(v) for s in trainer.optimizers[0].state.values()
+                     for v in _full(s["momentum_buffer"]).reshape(-1)],
+        "global_step": trainer.global_step,
+        "active_ranks": active.counts,
+        # Each epoch's Join: this rank's shadow rounds; and how many of them ran the
+        # shadow of Lightning's SIGTERM broadcast (kept on, not turned off).
+        "shadow_rounds": [join.report.shadow_rounds for join in uneven.joins],
+        "sigterm_shadows": uneven._sigterm.shadow_rounds if uneven._sigterm else None,
+        "step_mse": [r["step_mse"] for r in logger.records if "step_mse" in r],
+        "side_counts": model.counts if isinstance(model, SideModel) else None,
+    }
+
+
+def _strategy(fsdp: bool) -> Any:
+    if not fsdp:
+        return "ddp"
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+
+
+SCENARIOS = {
+    "fsdp2": lambda rank: fit(rank, scheduler=True, fsdp=True),
+    "ddp": lambda rank: fit(rank, scheduler=True),
+    "ddp_accumulate": lambda rank: fit(rank, accumulate=2, validate=False),
+    "ddp_shard_sampler": lambda rank: fit(rank, shards=True),
+    # Rank 0 has no training batch (issue 31 item 6a).
+    "ddp_empty_rank": lambda rank: fit(rank, scheduler=True, inputs=EMPTY_INPUTS,
+                                       epoch_metric=False),
+    # max_steps ends the second epoch at batch 7 of rank 1's 8; rank 0 (5) joined before.
+    "ddp_max_steps": lambda rank: fit(rank, scheduler=True, max_steps=MAX_STEPS, epochs=3),
+    # The LightningModule's own side-channel collectives and a per-step-syncing metric.
+    "ddp_side_channel": lambda rank: fit(rank, side_model=True),
+    # Refused on every rank: an empty rank, and an epoch-level metric synced at the end.
+    "ddp_empty_rank_epoch_metric": lambda rank: fit(rank, scheduler=True, inputs=EMPTY_INPUTS),
+}
+
+EMPTY_INPUTS = [0, 8]
+MAX_STEPS = 15
+
+
+def main(out: Path, names: list[str]) -> None:
+    import os
+
+    rank = int(os.environ["RANK"])
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = {"ok": True, "result": SCENARIOS[name](rank)}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+            break
+        (out / f"rank{rank}.json").write_text(json.dumps(results))
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

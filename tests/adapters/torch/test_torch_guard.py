@@ -1,0 +1,175 @@
+"""The check of the torch internals the adapters rely on, in one process.
+
+``joinkit.adapters.torch._private`` lists them; here: all are present in the
+torch the project pins, the declared range is the one checked, and each kind
+of change (a member deleted, its parameters changed, a torch caller that no
+longer calls it, a namedtuple's fields, a static method, an instance attribute
+the class no longer names) is reported by name with the torch version. The
+adapters themselves meet changed members on real process groups in
+``test_fsdp.py`` (``torch_guard``).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.algorithms.join as torch_join
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.parallel import distributed as ddp_module
+
+from joinkit import Join
+from joinkit.adapters import UnsupportedTorchError, _guards
+from joinkit.adapters._guards import Member, Need, problems
+from joinkit.adapters.torch import _private as _torch_private
+from joinkit.adapters.torch._private import GROUPS, check
+
+pytestmark = pytest.mark.needs_torch
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts as a process that checked nothing yet."""
+    monkeypatch.setattr(_torch_private, "_checked", set())
+
+
+def bare(cls: type) -> Any:
+    """An instance of ``cls`` that skipped its constructor: enough for isinstance."""
+    return cls.__new__(cls)
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_every_member_is_there_in_this_torch(group: str) -> None:
+    assert problems(GROUPS[group]) == []
+
+
+def test_pyproject_declares_the_range_that_is_checked() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    extra = re.search(r'^torch = \["torch([^"]*)"\]', pyproject, re.M)
+    assert extra is not None and extra.group(1) == _torch_private.SUPPORTED_TORCH
+    constraints = (ROOT / "constraints.txt").read_text()
+    assert f"torch=={_torch_private.TESTED_TORCH}" in constraints.split()
+
+
+def test_the_readme_states_the_range() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert f"torch{_torch_private.SUPPORTED_TORCH}" in readme
+    assert _torch_private.TESTED_TORCH in readme
+
+
+def test_join_refuses_a_ddp_whose_join_method_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(DDP, "_match_all_reduce_for_bwd_pass")
+    with pytest.raises(UnsupportedTorchError) as caught:
+        Join([bare(DDP)])
+    message = str(caught.value)
+    assert isinstance(caught.value, RuntimeError)
+    assert "DistributedDataParallel._match_all_reduce_for_bwd_pass is missing" in message
+    assert f"this process runs torch {torch.__version__}" in message
+    assert "supports torch >=2.13,<2.14 (tested with 2.13.0)" in message
+    assert "pip install 'torch>=2.13,<2.14'" in message
+
+
+def test_changed_parameters_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    def changed(self: Any, joined: bool) -> bool:
+        return joined
+
+    monkeypatch.setattr(DDP, "_check_global_requires_backward_grad_sync", changed)
+    with pytest.raises(UnsupportedTorchError, match=re.escape(
+            "_check_global_requires_backward_grad_sync has the parameters (self, joined), "
+            "joinkit expects (self, is_joined_rank)")):
+        check(bare(DDP))
+
+
+def test_extra_parameters_need_defaults() -> None:
+    def with_default(self: Any, input_rank: int, rank_cond: bool, extra: int = 0) -> None: ...
+
+    def without(self: Any, input_rank: int, rank_cond: bool, extra: int) -> None: ...
+
+    expected = ("self", "input_rank", "rank_cond")
+    assert _guards._params_mismatch(with_default, expected) is None
+    assert "joinkit expects" in str(_guards._params_mismatch(without, expected))
+
+
+def test_a_torch_caller_that_no_longer_calls_the_replaced_method(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP's join hook calling another name would skip joinkit's replacement."""
+
+    def main_hook(self: Any) -> None:
+        if self.ddp._check_global_requires_backward_grad_sync(is_joined_rank=True):
+            self.ddp._match_all_reduce_for_bwd_pass_v2()
+
+    monkeypatch.setattr(ddp_module._DDPJoinHook, "main_hook", main_hook)
+    with pytest.raises(UnsupportedTorchError, match=re.escape(
+            "_DDPJoinHook.main_hook no longer calls _match_all_reduce_for_bwd_pass;")):
+        check(bare(DDP))
+
+
+def test_bindings_are_checked_by_their_number_of_parameters() -> None:
+    reducer = torch._C._distributed_c10d.Reducer
+    assert _guards._binding_params(reducer._set_forward_pass_work_handle) == [
+        "self", "arg0", "arg1"]
+
+    class Binding:
+        """f(self: A, arg0: dict[str, tuple[int, int]]) -> list[int]"""
+
+        __signature__ = "none: a C++ binding"
+
+        def __call__(self) -> None: ...
+
+    assert _guards._params_mismatch(Binding(), ("self", "mapping")) is None
+    assert _guards._params_mismatch(Binding(), ("self", "a", "b")) == (
+        "takes 2 parameters (self, arg0), joinkit passes 3 (self, a, b)")
+
+
+def test_join_config_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    fewer = collections.namedtuple("_JoinConfig", "enable throw_on_early_termination")
+    monkeypatch.setattr(torch_join, "_JoinConfig", fewer)
+    found = problems(_torch_private.JOIN_MEMBERS)
+    assert len(found) == 1 and "_JoinConfig has the fields ('enable', " in found[0]
+
+
+def test_notify_must_stay_a_static_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_join.Join, "notify_join_context", lambda joinable: None)
+    found = problems(_torch_private.JOIN_MEMBERS)
+    assert len(found) == 1 and "notify_join_context is not a staticmethod" in found[0]
+
+
+def test_instance_attributes_are_found_in_the_class_code() -> None:
+    """An attribute set in a method (FSDP's, DDP's) is checked by name in the code."""
+
+    def attribute(name: str) -> Member:
+        return Member(module="torch.nn.parallel.distributed", name=name,
+                      need=Need.ATTRIBUTE, why="a test")
+
+    assert problems([attribute("DistributedDataParallel.reducer")]) == []
+    assert "is missing" in problems([attribute("DistributedDataParallel.reducer_v2")])[0]
+
+
+def test_checked_once_per_kind_and_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+
+    def counting(members: Any) -> list[str]:
+        ran.append(next(name for name, group in GROUPS.items() if group is members))
+        return []
+
+    monkeypatch.setattr(_torch_private, "problems", counting)
+    for _ in range(3):
+        check(bare(DDP))
+    assert sorted(ran) == ["DistributedDataParallel", "replay", "torch Joinable"]
+    check(bare(ZeroRedundancyOptimizer))
+    assert sorted(ran) == ["DistributedDataParallel", "ZeroRedundancyOptimizer", "replay",
+                           "torch Joinable"]
+
+
+def test_a_group_that_failed_is_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as patch:
+        patch.delattr(DDP, "_find_common_rank")
+        with pytest.raises(UnsupportedTorchError, match="_find_common_rank is missing"):
+            check(bare(DDP))
+    check(bare(DDP))  # torch as it is again: passes

@@ -1,0 +1,150 @@
+"""The float64 single-process reference for ``hf_worker.py``'s cells.
+
+Given every rank's recorded micro-batches (each with the global step it belonged
+to), a single process trains the same tiny model as one Trainer would on the
+union of each step's batches: the loss of a step is the token mean over all of
+its batches (``average_tokens_across_devices``; without it, each rank's window
+normalized by its own tokens, the world size dividing the gradient as DDP
+does), the gradient is clipped to ``max_grad_norm``, AdamW steps with the
+Trainer's linear schedule. Evaluation is the single-process Trainer's: the
+evaluation set in its sequential batches, ``eval_loss`` the mean of the
+batches' token means, the metrics over every sample.
+
+Plain loops over the recorded tensors: no Trainer, no joinkit, no
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import hf_worker as w
+import torch
+
+
+def tokens(batch: dict[str, torch.Tensor], shifted: bool = True) -> int:
+    """The Trainer's count of a batch's label tokens (``_get_num_items_in_batch``'s rule)."""
+    if "shift_labels" in batch:
+        return int(batch["shift_labels"].ne(-100).sum())
+    labels = batch["labels"][..., 1:] if shifted else batch["labels"]
+    return int(labels.ne(-100).sum())
+
+
+def token_loss_sum(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sum of the batch's token losses: TRL's fused head where the model has it
+    (``-log_probs``, as SFTTrainer), else HF's causal LM loss with reduction sum."""
+    if getattr(model, "_fused", False):
+        return -model(**batch, fused_lm_head=True).log_probs.sum()
+    return model(**batch, num_items_in_batch=torch.tensor(1.0, dtype=torch.float64)).loss
+
+
+def train(records: list[dict[str, Any]], model_kind: str,
+          evals: dict[int, Any] | None = None, sft: bool = False) -> dict[str, Any]:
+    """Train the reference on the ranks' recorded batches.
+
+    Args:
+        records: every rank's cell record (``recorded``, ``meta``).
+        model_kind: ``"gpt2"`` or ``"llama"``.
+        sft: the loss of TRL's SFTTrainer (its fused LM head).
+        evals: global step -> an evaluation set (a list of rows) to evaluate after
+            that step (``0``: before training is not used).
+
+    Returns:
+        ``params`` (name -> tensor), ``losses`` (logged loss per step), ``lrs``,
+        ``evals`` (step -> metrics).
+    """
+    meta = records[0]["meta"]
+    world = meta["world"]
+    steps: dict[int, list[tuple[int, dict[str, torch.Tensor]]]] = defaultdict(list)
+    for rank, record in enumerate(records):
+        for step, batch in record["recorded"]:
+            steps[step].append((rank, batch))
+    model = w.tiny_model(model_kind)
+    if sft:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+        model._fused = True
+    model.train()
+    defaults = meta["defaults"]
+    optimizer: torch.optim.Optimizer
+    if meta["optimizer"] == "SGD":
+        optimizer = torch.optim.SGD(model.parameters(), lr=defaults["lr"],
+                                    momentum=defaults.get("momentum", 0.0),
+                                    weight_decay=meta["weight_decay"])
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=defaults["lr"],
+                                      betas=tuple(defaults["betas"]), eps=defaults["eps"],
+                                      weight_decay=meta["weight_decay"],
+                                      fused=defaults.get("fused") or None)
+    total = meta["max_steps"]
+    base_lr = defaults["lr"]
+    losses, lrs, norms, evaluations = [], [], [], {}
+    for step in sorted(steps):
+        lr = base_lr * max(0.0, (total - step) / total)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad()
+        batches = steps[step]
+        logged = 0.0
+        if meta["average_tokens"]:
+            count = sum(tokens(batch, meta["shifts_labels"]) for _, batch in batches)
+            for _, batch in batches:
+                loss = token_loss_sum(model, batch) / count
+                loss.backward()
+                logged += float(loss.detach())
+        else:
+            by_rank: dict[int, list[dict[str, torch.Tensor]]] = defaultdict(list)
+            for rank, batch in batches:
+                by_rank[rank].append(batch)
+            for own in by_rank.values():
+                count = sum(tokens(batch, meta["shifts_labels"]) for batch in own)
+                rank_loss = 0.0
+                for batch in own:
+                    loss = token_loss_sum(model, batch) / count
+                    (loss / world).backward()
+                    rank_loss += float(loss.detach())
+                logged += rank_loss / len(by_rank)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                              meta["max_grad_norm"] or float("inf"))
+        norms.append(float(norm))
+        optimizer.step()
+        losses.append(logged)
+        lrs.append(lr)
+        if evals and step + 1 in evals:
+            evaluations[step + 1] = evaluate(model, evals[step + 1], meta["shifts_labels"])
+            model.train()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "losses": losses, "lrs": lrs, "norms": norms, "evals": evaluations,
+            "model": model}
+
+
+def evaluate(model: Any, rows: list[dict[str, Any]], shifted: bool,
+             batch_size: int = 2) -> dict[str, float]:
+    """The single-process Trainer's evaluation: eval_loss (each batch's loss normalized
+    by its token count, ``tokens``) and ``hf_worker.metrics``."""
+    model.eval()
+    batch_losses, logits, labels = [], [], []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = w.collate(rows[start:start + batch_size])
+            out = model(**batch)
+            batch_losses.append(float(token_loss_sum(model, batch)) / tokens(batch, shifted))
+            logits.append(out.logits)
+            labels.append(batch["labels"])
+    prediction = _Prediction(torch.cat(logits).numpy(), torch.cat(labels).numpy())
+    result = {f"eval_{k}": v for k, v in w.metrics(prediction).items()}
+    result["eval_loss"] = sum(batch_losses) / len(batch_losses)
+    return result
+
+
+class _Prediction:
+    def __init__(self, predictions: Any, label_ids: Any) -> None:
+        self.predictions = predictions
+        self.label_ids = label_ids
+
+
+def max_param_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return max(float((got[n].double() - want[n].double()).abs().max()) for n in want)

@@ -1,0 +1,525 @@
+"""The Hugging Face Trainer and TRL's SFTTrainer under ``uneven_inputs``, many cells per launch.
+
+Run by ``test_transformers.py`` as ``torchrun --nproc-per-node W
+hf_worker.py OUT CELL...`` or ``accelerate launch --cpu --num_processes W
+hf_worker.py OUT CELL...``: one process per rank imports transformers once
+and runs every cell in turn, each with a fresh tiny model (float64, built from a
+config in code) and fresh data; a tokenizer is built in code too (no downloads).
+
+Each rank of each cell writes ``OUT/CELL/rankR.pt``: the cell's result (final
+parameters, ``log_history``, evaluation metrics, errors) and *what it trained
+on*: every real micro-batch it fed ``training_step`` with the global step it
+belonged to (recorded by the Trainer subclasses below; the empty micro-batches
+that pad a rank's last window are not recorded). ``hf_reference.py``
+checks the recorded data (every sample once per epoch) and trains a float64
+single-process reference on it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+WIDTH = 8  # tokens per training sequence (map-style cells)
+VOCAB = 24
+
+
+def tiny_model(kind: str) -> Any:
+    """A tiny causal LM in float64, the same on every rank (seeded)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=16, n_layer=2,
+                                         n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                          num_hidden_layers=2, num_attention_heads=2,
+                                          num_key_value_heads=2, max_position_embeddings=64)
+        model = transformers.LlamaForCausalLM(config)
+    return model.double()
+
+
+def tokenizer() -> Any:
+    """A word-level tokenizer over the letters a-t, built in code."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<unk>", "<bos>"] + [chr(ord("a") + i) for i in range(VOCAB - 4)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>", bos_token="<bos>")
+
+
+def sequences(count: int, seed: int, width: int = WIDTH) -> list[dict[str, list[int]]]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(4, VOCAB, (count, width), generator=generator).tolist()
+    return [{"input_ids": row, "labels": row} for row in rows]
+
+
+def texts(count: int, seed: int) -> list[dict[str, str]]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        length = int(torch.randint(2, 7, (1,), generator=generator))
+        letters = torch.randint(0, VOCAB - 4, (length,), generator=generator).tolist()
+        out.append({"text": " ".join(chr(ord("a") + i) for i in letters)})
+    return out
+
+
+def rows_dataset(rows: list[dict[str, Any]]) -> Any:
+    """A ``datasets.Dataset`` of token rows (also of none)."""
+    from datasets import Dataset, Features, Sequence, Value
+
+    ids = [row["input_ids"] for row in rows]
+    features = Features({"input_ids": Sequence(Value("int64")),
+                         "labels": Sequence(Value("int64"))})
+    return Dataset.from_dict({"input_ids": ids, "labels": ids}, features=features)
+
+
+def stream(count: int, seed: int) -> Any:
+    """A rank's own stream of token rows (``IterableDataset.from_generator``; maybe empty)."""
+    yield from sequences(count, seed)
+
+
+def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    return {key: torch.tensor([row[key] for row in rows]) for key in ("input_ids", "labels")}
+
+
+class Recording:
+    """Mixed into a Trainer class: records every real micro-batch and evaluation batch."""
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        if type(inputs).__name__ != "_Phantom":
+            self.recorded.append((int(self.state.global_step),  # type: ignore[attr-defined]
+                                  {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor)
+                                   else v for k, v in inputs.items()}))
+            self.items.append(None if num_items_in_batch is None  # type: ignore[attr-defined]
+                              else float(num_items_in_batch))
+        return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+
+
+def trainer_class(base: type) -> type:
+    return type(f"Recording{base.__name__}", (Recording, base), {})
+
+
+def optimizer_name() -> str:
+    """AdamW on 2 ranks; SGD on 3, where gloo's float64 all-reduce differs from a
+    single process's sum by about 1e-8 (plain DDP too), which Adam's normalization
+    would blow up on gradients near its eps."""
+    return "adamw_torch_fused" if dist.get_world_size() % 2 == 0 else "sgd"
+
+
+def args(out: Path, **overrides: Any) -> Any:
+    from transformers import TrainingArguments
+
+    settings: dict[str, Any] = {"optim": optimizer_name(),
+        "output_dir": str(out), "use_cpu": True, "report_to": [], "disable_tqdm": True,
+        "logging_steps": 1, "save_strategy": "no", "seed": 0, "learning_rate": 5e-2,
+        "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2,
+        "num_train_epochs": 2, "dataloader_num_workers": 0, "remove_unused_columns": False,
+        "ddp_broadcast_buffers": False,
+    }
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def metrics(prediction: Any) -> dict[str, float]:
+    """Token accuracy and counts over every evaluation sample (predictions are logits)."""
+    import numpy as np
+
+    logits, labels = prediction.predictions, prediction.label_ids
+    guess = logits[:, :-1].argmax(-1)
+    target = labels[:, 1:]
+    mask = target != -100
+    return {"rows": float(labels.shape[0]), "tokens": float(mask.sum()),
+            "correct": float(((guess == target) & mask).sum()),
+            "label_sum": float(np.where(labels == -100, 0, labels).sum())}
+
+
+def meta(trainer: Any) -> dict[str, Any]:
+    """What the reference needs to know of the run."""
+    optimizer = trainer.optimizer.optimizer
+    engine = trainer.model_wrapped
+    if getattr(trainer, "is_deepspeed_enabled", False):  # the client torch optimizer
+        optimizer = engine.basic_optimizer
+    return {"optimizer": type(optimizer).__name__,
+            "defaults": {k: v for k, v in optimizer.defaults.items()
+                         if isinstance(v, (int, float, bool, tuple, type(None)))},
+            "max_steps": trainer.state.max_steps, "world": dist.get_world_size(),
+            "gas": trainer.args.gradient_accumulation_steps,
+            "average_tokens": trainer.args.average_tokens_across_devices,
+            "max_grad_norm": trainer.args.max_grad_norm,
+            "weight_decay": trainer.args.weight_decay,
+            "shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
+            "scheduler": str(trainer.args.lr_scheduler_type)}
+
+
+def params(model: Any) -> dict[str, torch.Tensor]:
+    inner = getattr(model, "module", model)
+    return {name: p.detach().cpu().clone() for name, p in inner.named_parameters()}
+
+
+# -- cells -------------------------------------------------------------------------------
+
+
+def map_cell(ctx: dict[str, Any], *, samples: int, gas: int = 1, eval_steps: int | None = None,
+             model: str = "gpt2", epochs: int = 2, max_steps: int = -1,
+             average_tokens: bool = True, save_steps: int | None = None) -> dict[str, Any]:
+    """A map-style dataset (the same on every rank); joinkit shards it exactly."""
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    train = rows_dataset(sequences(samples, seed=1))
+    evaluation = rows_dataset(sequences(7, seed=2))
+    extra: dict[str, Any] = {}
+    if eval_steps is not None:
+        extra.update(eval_strategy="steps", eval_steps=eval_steps)
+    if save_steps is not None:
+        extra.update(save_strategy="steps", save_steps=save_steps)
+    trainer = trainer_class(Trainer)(
+        model=tiny_model(model),
+        args=args(ctx["dir"], gradient_accumulation_steps=gas, num_train_epochs=epochs,
+                  max_steps=max_steps, average_tokens_across_devices=average_tokens, **extra),
+        train_dataset=train, eval_dataset=evaluation, data_collator=collate,
+        compute_metrics=metrics)
+    trainer.recorded = []
+    trainer.items = []
+    uneven_inputs(trainer)
+    output = trainer.train()
+    final = trainer.evaluate()
+    return {"recorded": trainer.recorded, "items": trainer.items, "params": params(trainer.model),
+            "log_history": trainer.state.log_history, "final_eval": final,
+            "global_step": output.global_step, "train_loss": output.training_loss,
+            "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
+            "meta": meta(trainer)}
+
+
+def stream_cell(ctx: dict[str, Any], *, rows: list[int], max_steps: int, gas: int = 1,
+                save_steps: int | None = None, model: str = "llama") -> dict[str, Any]:
+    """Each rank's own IterableDataset (as split_dataset_by_node gives), uneven lengths."""
+    from datasets import IterableDataset
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    rank = dist.get_rank()
+    own = IterableDataset.from_generator(stream, gen_kwargs={"count": rows[rank],
+                                                             "seed": 10 + rank})
+    extra: dict[str, Any] = {}
+    if save_steps is not None:
+        extra.update(save_strategy="steps", save_steps=save_steps)
+    trainer = trainer_class(Trainer)(
+        model=tiny_model(model),
+        args=args(ctx["dir"], gradient_accumulation_steps=gas, max_steps=max_steps, **extra),
+        train_dataset=own, data_collator=collate)
+    trainer.recorded = []
+    trainer.items = []
+    uneven_inputs(trainer)
+    output = trainer.train()
+    return {"recorded": trainer.recorded, "items": trainer.items, "params": params(trainer.model),
+            "log_history": trainer.state.log_history, "global_step": output.global_step,
+            "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
+            "checkpoint_files": sorted(str(p.relative_to(ctx["dir"]))
+                                       for p in Path(ctx["dir"]).glob("checkpoint-*/*")),
+            "meta": meta(trainer)}
+
+
+def sft_cell(ctx: dict[str, Any], *, counts: list[int], max_steps: int, gas: int = 1,
+             **settings: Any) -> dict[str, Any]:
+    """TRL's SFTTrainer, packing each rank's own text stream (different amounts of text)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    rank = dist.get_rank()
+    data = Dataset.from_list(texts(counts[rank], seed=20 + rank)).to_iterable_dataset()
+    config = SFTConfig(output_dir=str(ctx["dir"]), use_cpu=True, report_to=[], disable_tqdm=True,
+                       optim=optimizer_name(),
+                       logging_steps=1, save_strategy="no", seed=0, learning_rate=5e-2,
+                       per_device_train_batch_size=2, max_steps=max_steps,
+                       gradient_accumulation_steps=gas, dataloader_num_workers=0,
+                       packing=True, max_length=12, ddp_broadcast_buffers=False,
+                       bf16=False,  # SFTConfig's default bf16 autocast: float64 math here
+                       **settings)
+    trainer = trainer_class(SFTTrainer)(model=tiny_model("llama"), args=config,
+                                        train_dataset=data, processing_class=tokenizer())
+    trainer.recorded = []
+    trainer.items = []
+    uneven_inputs(trainer)
+    output = trainer.train()
+    return {"recorded": trainer.recorded, "items": trainer.items, "params": params(trainer.model),
+            "log_history": trainer.state.log_history, "global_step": output.global_step,
+            "meta": meta(trainer)}
+
+
+# -- DeepSpeed cells (their own launch: DeepSpeed is imported only there) -----------------
+
+
+def import_deepspeed() -> Any:
+    """DeepSpeed on CPU processes (gloo), without its shared-memory op's JIT build.
+
+    As ``tests/adapters/deepspeed/programs/deepspeed_runner.py``: DeepSpeed's CPU
+    accelerator would compile a
+    shared-memory all-reduce (minutes, behind a lock file a killed build leaves
+    behind); marking the op incompatible makes it use torch.distributed's.
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def deepspeed_trainer_class(base: type) -> type:
+    """``base`` whose Accelerator runs DeepSpeed on this CPU machine (a test-only override).
+
+    Accelerate 1.15 runs DeepSpeed on GPU-like devices only: with ``use_cpu=True`` it
+    ignores the Trainer's DeepSpeed plugin (``MULTI_CPU``). So, as the Accelerate
+    DeepSpeed cells of ``tests/adapters/deepspeed/programs/deepspeed_runner.py`` do, the
+    state is set to what a GPU
+    machine gets, ``DistributedType.DEEPSPEED`` with the plugin selected, right after the
+    Trainer built its Accelerator; the rest is the Trainer's and Accelerate's own.
+    """
+    def create_accelerator_and_postprocess(self: Any) -> None:
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType
+
+        base.create_accelerator_and_postprocess(self)
+        plugin = self.args.deepspeed_plugin
+        state = self.accelerator.state
+        state.distributed_type = DistributedType.DEEPSPEED
+        PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
+        plugin.set_mixed_precision("no")
+        plugin.select(_from_accelerator_state=True)
+        state.deepspeed_plugins = plugin
+        self.is_deepspeed_enabled = True
+
+    return type(f"DeepSpeed{base.__name__}", (base,),
+                {"create_accelerator_and_postprocess": create_accelerator_and_postprocess})
+
+
+def ds_config(stage: int, **zero: Any) -> dict[str, Any]:
+    """A DeepSpeed config whose batch, accumulation and clipping the Trainer fills in."""
+    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "zero_optimization": {"stage": stage, **zero}}
+
+
+def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "gpt2",
+                epochs: int = 2, eval_steps: int | None = None, clip: float = 0.05,
+                average_tokens: bool = True) -> dict[str, Any]:
+    """A map-style dataset under DeepSpeed ZeRO ``stage``; evaluation each epoch (or
+    every ``eval_steps``)."""
+    import_deepspeed()
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    trainer = deepspeed_trainer_class(trainer_class(Trainer))(
+        model=tiny_model(model),
+        args=args(ctx["dir"], num_train_epochs=epochs,
+                  eval_strategy="epoch" if eval_steps is None else "steps",
+                  eval_steps=eval_steps,
+                  average_tokens_across_devices=average_tokens, max_grad_norm=clip,
+                  deepspeed=ds_config(stage)),
+        train_dataset=rows_dataset(sequences(samples, seed=1)),
+        eval_dataset=rows_dataset(sequences(7, seed=2)), data_collator=collate,
+        compute_metrics=metrics)
+    trainer.recorded = []
+    trainer.items = []
+    uneven_inputs(trainer)
+    output = trainer.train()
+    final = trainer.evaluate()
+    return {"recorded": trainer.recorded, "items": trainer.items,
+            "params": ds_params(trainer), "log_history": trainer.state.log_history,
+            "final_eval": final, "global_step": output.global_step,
+            "engine": type(trainer.model_wrapped).__name__,
+            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer)}
+
+
+def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
+                   max_steps: int) -> dict[str, Any]:
+    """Each rank's own stream under DeepSpeed ZeRO ``stage``; one rank may have none."""
+    import_deepspeed()
+    from datasets import IterableDataset
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    rank = dist.get_rank()
+    own = IterableDataset.from_generator(stream, gen_kwargs={"count": rows[rank],
+                                                             "seed": 10 + rank})
+    trainer = deepspeed_trainer_class(trainer_class(Trainer))(
+        model=tiny_model("llama"),
+        args=args(ctx["dir"], max_steps=max_steps, deepspeed=ds_config(stage)),
+        train_dataset=own, data_collator=collate)
+    trainer.recorded = []
+    trainer.items = []
+    uneven_inputs(trainer)
+    output = trainer.train()
+    return {"recorded": trainer.recorded, "items": trainer.items,
+            "params": ds_params(trainer), "log_history": trainer.state.log_history,
+            "global_step": output.global_step,
+            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer)}
+
+
+def ds_params(trainer: Any) -> dict[str, torch.Tensor]:
+    """The full parameters of the Trainer's DeepSpeed engine (ZeRO-3's gathered)."""
+    import deepspeed
+
+    engine = trainer.model_wrapped
+    module = engine.module
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return params(module)
+    return params(module)
+
+
+def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
+    """What ``uneven_inputs`` refuses under DeepSpeed: on every rank, before any collective."""
+    import_deepspeed()
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    data = rows_dataset(sequences(6, seed=1))
+    messages = {}
+    cases = {
+        "gas2": {"gradient_accumulation_steps": 2, "deepspeed": ds_config(2)},
+        "offload": {"deepspeed": ds_config(2, offload_optimizer={"device": "cpu"})},
+        "save_steps": {"save_strategy": "steps", "save_steps": 2, "deepspeed": ds_config(2)},
+        "zero3_eval_steps": {"eval_strategy": "steps", "eval_steps": 2,
+                             "deepspeed": ds_config(3)},
+    }
+    for name, overrides in cases.items():
+        trainer = deepspeed_trainer_class(Trainer)(
+            model=tiny_model("gpt2"), args=args(ctx["dir"], **overrides), train_dataset=data,
+            eval_dataset=data, data_collator=collate)
+        try:
+            uneven_inputs(trainer)
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            messages[name] = f"{type(error).__name__}: {error}"
+        else:
+            messages[name] = None
+    box = [dist.get_rank()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, box)
+    return {"messages": messages, "after": gathered}
+
+
+def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Bad input raises on every rank before any collective, with what to do."""
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    data = rows_dataset(sequences(6, seed=1))
+    messages = {}
+
+    def attempt(name: str, trainer: Any) -> None:
+        try:
+            uneven_inputs(trainer)
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            messages[name] = f"{type(error).__name__}: {error}"
+        else:
+            messages[name] = None
+
+    def make(**overrides: Any) -> Any:
+        return Trainer(model=tiny_model("gpt2"), args=args(ctx["dir"], **overrides),
+                       train_dataset=data, data_collator=collate)
+
+    busy = make()
+    busy.is_in_train = True
+    attempt("already_training", busy)
+    deep = make()
+    deep.args.deepspeed = {"zero_optimization": {"stage": 2}}
+    attempt("deepspeed", deep)
+    attempt("group_by_length", make(train_sampling_strategy="group_by_length"))
+    attempt("split_batches", make(accelerator_config={"split_batches": True}))
+    attempt("not_a_trainer", object())
+    # The group still works: nothing was sent.
+    box = [dist.get_rank()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, box)
+    return {"messages": messages, "after": gathered}
+
+
+CELLS = {
+    # 13 samples of batch 2 on 2 ranks: 4 and 3 batches; an evaluation at step 4, after
+    # rank 1 joined (rank 0 evaluates alone), and a checkpoint there.
+    "map_gas1": lambda ctx: map_cell(ctx, samples=13, eval_steps=4, save_steps=4),
+    # Gradient accumulation 2: rank 1's last window is half empty; plain-mean losses.
+    "map_gas2": lambda ctx: map_cell(ctx, samples=13, gas=2, eval_steps=3, model="llama"),
+    "map_gas2_plain": lambda ctx: map_cell(ctx, samples=11, gas=2, average_tokens=False),
+    # max_steps ending in the middle of the second epoch.
+    "map_max_steps": lambda ctx: map_cell(ctx, samples=13, max_steps=6, epochs=3),
+    # Each rank's own stream; rank 1 has none; a checkpoint after rank 0 joined.
+    "stream_zero": lambda ctx: stream_cell(ctx, rows=[6, 0, 14] if ctx["world"] == 3
+                                           else [4, 11], max_steps=9, save_steps=5),
+    "stream_gas3": lambda ctx: stream_cell(ctx, rows=[7, 12, 3][: ctx["world"]], max_steps=7,
+                                           gas=3),
+    "sft_packing": lambda ctx: sft_cell(ctx, counts=[5, 14, 9][: ctx["world"]], max_steps=6),
+    "refusals": refusals,
+    # DeepSpeed (launched apart): 13 samples of batch 2 on 2 ranks, 4 and 3 batches.
+    # Without clipping here, with clipping that bites in the others.
+    "ds_map_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, clip=0.0),
+    "ds_map_s3": lambda ctx: ds_map_cell(ctx, stage=3, samples=13, model="llama"),
+    # ZeRO-1, plain-mean losses, evaluations at steps 4 and 8, after rank 1 joined
+    # (rank 0 evaluates alone). (Stage 0 is not run: its gradient all-reduce refuses
+    # the float64 gradients of these models, "unsupported grad type".)
+    "ds_map_s1": lambda ctx: ds_map_cell(ctx, stage=1, samples=13, eval_steps=4,
+                                         average_tokens=False),
+    # Each rank's own stream, rank 1 with none.
+    "ds_stream_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 0], max_steps=5),
+    "ds_stream_s3": lambda ctx: ds_stream_cell(ctx, stage=3, rows=[0, 9], max_steps=6),
+    # The control: even streams, nobody joins (DeepSpeed's own float32 error).
+    "ds_even_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 5], max_steps=5),
+    "ds_refusals": ds_refusals,
+}
+
+
+def main(argv: list[str]) -> None:
+    out, *names = argv
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)  # initializes gloo under torchrun and accelerate launch
+    rank, world = state.process_index, state.num_processes
+    for name in names:
+        cell_dir = Path(out) / name
+        ctx = {"dir": cell_dir / "run", "world": world, "rank": rank}
+        if rank == 0:
+            shutil.rmtree(cell_dir, ignore_errors=True)
+        dist.barrier()
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        try:
+            result = CELLS[name](ctx)
+            record = {"ok": True, **result}
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            record = {"ok": False, "error": "".join(traceback.format_exception(error))}
+        record["seconds"] = time.monotonic() - started
+        torch.save(record, cell_dir / f"rank{rank}.pt")
+        if not record["ok"]:
+            print(f"[rank {rank}] cell {name} failed:\n{record['error']}", flush=True)
+            os._exit(1)  # the ranks may disagree on where they are: stop the launch
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
