@@ -30,7 +30,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -692,8 +692,9 @@ class Join:
         peer failed, instead of when it runs out of inputs.
         """
         config = joinable._join_config
-        if config.is_first_joinable and config.enable and config.join is not None:
-            config.join._fused_total = total
+        join = cast("Join | None", config.join)  # a config names the Join that set it
+        if config.is_first_joinable and config.enable and join is not None:
+            join._fused_total = total
 
     def _recovery_progress(self) -> None:
         """The backend's recovery made a step (``RankLossConfig.progress``)."""
@@ -1395,11 +1396,12 @@ def _heartbeat_owner(joinable: Any) -> Join | None:
         raise _missing_config(joinable)
     if config.__class__ is not JoinConfig:
         raise _ForeignConfig
+    join = cast("Join | None", config.join)  # a config names the Join that set it
     if config.is_first_joinable and config.enable:
-        return config.join
-    if config.join is not None:
+        return join
+    if join is not None:
         if config.enable:
-            config.join._later_notify(joinable)
+            join._later_notify(joinable)
         return None
     if getattr(_active, "joins", 0) > 0:
         # Outside any Join the call does nothing (as in torch). Inside one that

@@ -51,7 +51,7 @@ from __future__ import annotations
 import pickle
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from . import _join, _ports
 from . import _machine as m
@@ -171,7 +171,7 @@ class SideChannel(Joinable):
     def join_loop_exited(self) -> None:
         """Start this rank's service thread (the Join calls it as the rank leaves its loop)."""
         config = self._config
-        join = config.join
+        join = cast("Join | None", config.join)  # a config names the Join that set it
         if not config.enable or join is None or self._wire is None:
             return
         inputs = _inputs(join)
@@ -240,7 +240,7 @@ class SideChannel(Joinable):
     def _begin(self) -> tuple[Any, int]:
         """The wire and this rank's window for a call, after the misuse checks."""
         config = self._config
-        join = config.join
+        join = cast("Join | None", config.join)  # a config names the Join that set it
         if config.enable and join is not None:
             thread = self._service
             if thread is not None and thread is not threading.current_thread():

@@ -126,7 +126,7 @@ from joinkit import (
     LocalProtocolError,
     split_heartbeat_flags,
 )
-from joinkit.lowlevel import AdapterCache, AdapterJoinable
+from joinkit.lowlevel import AdapterCache, AdapterJoinable, JoinContext
 
 from . import _private, _replay
 from ._fsdp_state import param_groups as _param_groups
@@ -236,7 +236,7 @@ class FSDPJoinable(AdapterJoinable):
             self._leave()
             _vouch(self, False)
 
-    def _enter_elastic(self, join: Join) -> None:
+    def _enter_elastic(self, join: JoinContext) -> None:
         """``Join(..., on_rank_loss="finish")``: unsharded while it lasts (``_fsdp_elastic``).
 
         Raises:
