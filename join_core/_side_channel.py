@@ -176,8 +176,8 @@ class SideChannel(Joinable):
             return
         inputs = _inputs(join)
         wire = self._wire
-        timeout = join._timeout
-        abort = join._caps.abort
+        timeout = join._setup.timeout
+        abort = join._setup.caps.abort
         self._service_error = None
         thread = threading.Thread(target=self._serve, args=(wire, inputs, abort),
                                   name=f"joinkit-side-channel-{wire.rank}", daemon=True)
@@ -244,7 +244,7 @@ class SideChannel(Joinable):
         if config.enable and join is not None:
             thread = self._service
             if thread is not None and thread is not threading.current_thread():
-                state = join._state
+                state = join._drive.state
                 if state is not None and state.phase in _SHADOWING and thread.is_alive():
                     raise LocalProtocolError(
                         f"{self!r} was called while this rank shadows the others (from a "
@@ -254,7 +254,7 @@ class SideChannel(Joinable):
                         "in the loop body (or in post hooks)"
                     )
                 self._settle_service()
-            state = join._state
+            state = join._drive.state
             window = _inputs(join) if state is not None and state.phase is m.Phase.ACTIVE else -1
             return self._wire, window
         if join is None and _join._enabled_joins() > 0:
@@ -454,8 +454,9 @@ class _ChannelHook(JoinHook):
 
 def _inputs(join: Join) -> int:
     """The heartbeats this rank sent in ``join`` (reported and not yet reported)."""
-    state = join._state
-    return 0 if state is None else state.heartbeats + join._beats
+    drive = join._drive
+    state = drive.state
+    return 0 if state is None else state.heartbeats + drive.beats
 
 
 def _wire_of(backend: Any, channel: SideChannel) -> Any:
