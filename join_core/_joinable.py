@@ -1,7 +1,8 @@
 """The joinable side of the API: ``Joinable``, ``JoinHook`` and ``JoinConfig``.
 
 What an author of a joinable implements and reads, apart from the shell that
-drives it (``_join``, the ``Join`` context manager and its command executor).
+drives it (``_join``, the ``Join`` context manager, and its parts: ``_drive``,
+the command executor, among them).
 A joinable subclasses :class:`Joinable` (its hooks in a :class:`JoinHook`) and
 reads its :class:`JoinConfig` (``self._join_config``), which the Join sets on
 entry and resets to the disabled one on exit. The names, arguments and
