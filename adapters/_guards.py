@@ -22,7 +22,8 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Need", "Member", "member", "problems", "version"]
+__all__ = ["Need", "Member", "member", "problems", "class_names", "names_in", "read_only_property",
+           "version"]
 
 
 class Need(enum.Enum):
@@ -32,6 +33,9 @@ class Need(enum.Enum):
     CALLABLE = "callable"
     #: An attribute of instances: the class's own code (or its class body) names it.
     ATTRIBUTE = "attribute"
+    #: An attribute of instances that joinkit sets (or puts back): as :attr:`ATTRIBUTE`,
+    #: and where the class defines it as a property, the property has a setter.
+    SETTABLE = "settable"
     #: A namedtuple class with exactly the fields :attr:`Member.params`.
     FIELDS = "fields"
     #: A ``staticmethod`` in the class body (joinkit takes it out and puts it back).
@@ -83,7 +87,7 @@ def problems(members: Sequence[Member]) -> list[str]:
 def _member_problems(member: Member) -> Iterator[str]:
     try:
         owner, value = _resolve(member.module, member.name,
-                                instance_attribute=member.need is Need.ATTRIBUTE)
+                                instance_attribute=member.need in _INSTANCE_ATTRIBUTES)
     except LookupError as error:
         yield f"{member.path} is missing ({error}); joinkit uses it: {member.why}"
         return
@@ -103,6 +107,8 @@ def _member_problems(member: Member) -> Iterator[str]:
     elif member.need is Need.STATICMETHOD:
         if not isinstance(vars(owner).get(leaf), staticmethod):
             yield f"{member.path} is not a staticmethod; joinkit uses it: {member.why}"
+    elif member.need is Need.SETTABLE and read_only_property(owner, leaf):
+        yield f"{member.path} is a property without a setter; joinkit sets it: {member.why}"
     for caller in member.called_by:
         module, _, qualname = caller.partition(":")
         try:
@@ -111,12 +117,27 @@ def _member_problems(member: Member) -> Iterator[str]:
             yield (f"{module}.{qualname}, which should call {member.path}, is missing; "
                    f"joinkit relies on that call: {member.why}")
             continue
-        if leaf not in _names_in(function):
+        if leaf not in names_in(function):
             yield (f"{module}.{qualname} no longer calls {leaf}; joinkit relies on that "
                    f"call ({member.why}) and would go wrong silently without it")
 
 
 _MISSING = object()
+_INSTANCE_ATTRIBUTES = (Need.ATTRIBUTE, Need.SETTABLE)
+
+
+def read_only_property(cls: Any, name: str) -> bool:
+    """Whether ``cls`` (or a base) defines ``name`` as a property without a setter.
+
+    Setting such an attribute on an instance raises ``AttributeError``; the
+    guard tables check it for :attr:`Need.SETTABLE`, and a room's compatibility
+    module asks it to choose a path on the releases where a property replaced
+    an attribute.
+    """
+    if not isinstance(cls, type):
+        return False
+    static = inspect.getattr_static(cls, name, None)
+    return isinstance(static, property) and static.fset is None
 
 
 def _resolve(module_name: str, qualname: str, *,
@@ -135,14 +156,14 @@ def _resolve(module_name: str, qualname: str, *,
             raise LookupError(f"no {part} in {module_name}")
     value = getattr(owner, leaf, _MISSING)
     if (value is _MISSING and instance_attribute and isinstance(owner, type)
-            and leaf in _class_names(owner)):
+            and leaf in class_names(owner)):
         return owner, _MISSING  # an instance attribute the class's code names
     if value is _MISSING:
         raise LookupError(f"{owner.__name__} has no {leaf}")
     return owner, value
 
 
-def _class_names(cls: type) -> set[str]:
+def class_names(cls: type) -> set[str]:
     """Every name the code and class bodies of ``cls`` and its bases mention."""
     names: set[str] = set()
     for klass in cls.__mro__:
@@ -154,11 +175,11 @@ def _class_names(cls: type) -> set[str]:
             function = value.fget if isinstance(value, property) else value
             function = getattr(function, "__func__", function)
             if isinstance(function, types.FunctionType):
-                names.update(_names_in(function))
+                names.update(names_in(function))
     return names
 
 
-def _names_in(function: Any) -> set[str]:
+def names_in(function: Any) -> set[str]:
     """The names a function's code (with nested code: comprehensions, lambdas) uses."""
     function = inspect.unwrap(getattr(function, "__func__", function))
     code = getattr(function, "__code__", None)

@@ -38,7 +38,7 @@ from typing import Any
 import _bench
 
 from joinkit import Join, Joinable, JoinHook, backends
-from joinkit._join import peer_status_lines
+from joinkit._reporting import peer_status_lines
 from joinkit.backends.threads import ThreadGroup, spawn
 
 BENCH = "world scale, threads"

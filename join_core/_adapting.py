@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from ._errors import LocalProtocolError
 from ._joinable import _DISABLED, Joinable, JoinConfig
@@ -132,7 +132,7 @@ class AdapterJoinable(Joinable):
         self.join_config_set(config)
         if entering:
             assert config.join is not None
-            self.join_entered(config.join)
+            self.join_entered(cast("Join", config.join))  # the Join that set the config
         elif leaving:
             self.join_left()
 

@@ -1,11 +1,15 @@
 """The joinable side of the API: ``Joinable``, ``JoinHook`` and ``JoinConfig``.
 
 What an author of a joinable implements and reads, apart from the shell that
-drives it (``_join``, the ``Join`` context manager and its command executor).
+drives it (``_join``, the ``Join`` context manager, and its parts: ``_drive``,
+the command executor, among them).
 A joinable subclasses :class:`Joinable` (its hooks in a :class:`JoinHook`) and
 reads its :class:`JoinConfig` (``self._join_config``), which the Join sets on
 entry and resets to the disabled one on exit. The names, arguments and
 defaults follow ``torch.distributed.algorithms.join``.
+
+This module sits below the shell, which imports it: the Join a config names is
+typed as :class:`JoinContext`, the Join as its joinables see it.
 
 Standard library and attrs only.
 """
@@ -13,14 +17,49 @@ Standard library and attrs only.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 if TYPE_CHECKING:
-    from ._join import Join
+    from ._machine import JoinState
+    from ._reports import JoinReport
 
-__all__ = ["Joinable", "JoinHook", "JoinConfig"]
+__all__ = ["Joinable", "JoinHook", "JoinConfig", "JoinContext"]
+
+
+class JoinContext(Protocol):
+    """The Join a joinable is inside, as the joinable sees it (``JoinConfig.join``).
+
+    The public members of :class:`~joinkit.Join` that a joinable reads; the
+    Join itself is what a config names.
+    """
+
+    @property
+    def backend(self) -> Any: ...
+    @property
+    def joinables(self) -> tuple[Joinable, ...]: ...
+    @property
+    def process_group(self) -> Any: ...
+    @property
+    def device(self) -> Any: ...
+    @property
+    def heartbeat_handle(self) -> Any: ...
+    @property
+    def fuses_heartbeat(self) -> bool: ...
+    @property
+    def heartbeat(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def state(self) -> JoinState | None: ...
+    @property
+    def on_rank_loss(self) -> str: ...
+    @property
+    def report(self) -> JoinReport | None: ...
+    def before_next_heartbeat(self, check: Callable[[], None]) -> bool: ...
+    def gather_report(self, dst: int = 0) -> list[JoinReport] | None: ...
 
 
 class JoinHook:
@@ -75,7 +114,7 @@ class JoinConfig:
     enable: bool = False
     throw_on_early_termination: bool = False
     is_first_joinable: bool = False
-    join: Join | None = None
+    join: JoinContext | None = None
 
 
 _DISABLED = JoinConfig()

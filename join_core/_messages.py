@@ -3,9 +3,10 @@ an error, a warning or a log line.
 
 Rules of this room: pure functions from values to text; no decisions (the
 machine decides which message applies, this module only words it). The
-standard library only; the values it words come from the machine and the
-report module and are imported for type checking alone, so that the machine
-can import this module.
+standard library only. It sits below the machine, which imports it: the
+machine's values it words (a state, a progress report) come in as the small
+protocols below, which say what it reads of them; the report module's values
+are imported for type checking alone.
 
 torch's own texts (``ACTIVE_RANK_MESSAGE``, ``joined_rank_message``, the skew
 warning) are kept word for word: code written for torch's Join matches them.
@@ -14,10 +15,9 @@ warning) are kept word for word: code written for torch's Join matches them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ._machine import JoinState, ReportProgress
     from ._reports import Failure, LostRank
 
 __all__ = [
@@ -43,8 +43,50 @@ __all__ = [
 ]
 
 
-def _draining(state: JoinState) -> bool:
-    # By name: this module imports the machine for type checking only.
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class _Ranked(Protocol):
+    @property
+    def rank(self) -> int: ...
+
+
+class StateView(Protocol):
+    """What the words read of the machine's ``JoinState``."""
+
+    @property
+    def phase(self) -> _Named: ...
+    @property
+    def config(self) -> _Ranked: ...
+    @property
+    def heartbeats(self) -> int: ...
+    @property
+    def shadow_rounds(self) -> int: ...
+    @property
+    def failure(self) -> Failure | None: ...
+
+
+class ProgressView(Protocol):
+    """What the words read of the machine's ``ReportProgress`` command."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def ended(self) -> str: ...
+    @property
+    def inputs(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def rounds(self) -> int: ...
+    @property
+    def active(self) -> int | None: ...
+
+
+def _draining(state: StateView) -> bool:
+    # By name: this module sits below the machine and does not import it.
     return state.phase.name == "DRAINING"
 
 
@@ -85,7 +127,7 @@ def lost_rank_message(lost: LostRank, world_size: int | None) -> str:
 _NAMED_RANKS = 8
 
 
-def progress_message(command: ReportProgress, active_ranks: Sequence[int] | None = None) -> str:
+def progress_message(command: ProgressView, active_ranks: Sequence[int] | None = None) -> str:
     """The progress line for ``command``, e.g. ``rank 0 joined after 1,204 inputs;
     shadowing rank(s) 3, 7 for 42 s (3,118 rounds)``.
 
@@ -110,7 +152,7 @@ def progress_message(command: ReportProgress, active_ranks: Sequence[int] | None
     )
 
 
-def drain_activity(state: JoinState, ticks: int) -> str:
+def drain_activity(state: StateView, ticks: int) -> str:
     """What a draining rank is blocked in, ``ticks`` steps into its drain.
 
     The shell counts a step when a count returns and when a round of main
@@ -123,7 +165,7 @@ def drain_activity(state: JoinState, ticks: int) -> str:
 
 
 def stall_message(
-    state: JoinState, doing: str, ticks: int, idle: float, timeout: float
+    state: StateView, doing: str, ticks: int, idle: float, timeout: float
 ) -> str:
     """Describe a rank that made no progress for ``idle`` seconds.
 
@@ -159,7 +201,7 @@ def failure_text(failure: Failure) -> str:
 
 
 def silence_message(
-    state: JoinState,
+    state: StateView,
     doing: str | None,
     ticks: int,
     silent: tuple[tuple[int, float, str], ...],

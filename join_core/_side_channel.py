@@ -51,7 +51,7 @@ from __future__ import annotations
 import pickle
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from . import _join, _ports
 from . import _machine as m
@@ -171,13 +171,13 @@ class SideChannel(Joinable):
     def join_loop_exited(self) -> None:
         """Start this rank's service thread (the Join calls it as the rank leaves its loop)."""
         config = self._config
-        join = config.join
+        join = cast("Join | None", config.join)  # a config names the Join that set it
         if not config.enable or join is None or self._wire is None:
             return
         inputs = _inputs(join)
         wire = self._wire
-        timeout = join._timeout
-        abort = join._caps.abort
+        timeout = join._setup.timeout
+        abort = join._setup.caps.abort
         self._service_error = None
         thread = threading.Thread(target=self._serve, args=(wire, inputs, abort),
                                   name=f"joinkit-side-channel-{wire.rank}", daemon=True)
@@ -240,11 +240,11 @@ class SideChannel(Joinable):
     def _begin(self) -> tuple[Any, int]:
         """The wire and this rank's window for a call, after the misuse checks."""
         config = self._config
-        join = config.join
+        join = cast("Join | None", config.join)  # a config names the Join that set it
         if config.enable and join is not None:
             thread = self._service
             if thread is not None and thread is not threading.current_thread():
-                state = join._state
+                state = join._drive.state
                 if state is not None and state.phase in _SHADOWING and thread.is_alive():
                     raise LocalProtocolError(
                         f"{self!r} was called while this rank shadows the others (from a "
@@ -254,7 +254,7 @@ class SideChannel(Joinable):
                         "in the loop body (or in post hooks)"
                     )
                 self._settle_service()
-            state = join._state
+            state = join._drive.state
             window = _inputs(join) if state is not None and state.phase is m.Phase.ACTIVE else -1
             return self._wire, window
         if join is None and _join._enabled_joins() > 0:
@@ -454,8 +454,9 @@ class _ChannelHook(JoinHook):
 
 def _inputs(join: Join) -> int:
     """The heartbeats this rank sent in ``join`` (reported and not yet reported)."""
-    state = join._state
-    return 0 if state is None else state.heartbeats + join._beats
+    drive = join._drive
+    state = drive.state
+    return 0 if state is None else state.heartbeats + drive.beats
 
 
 def _wire_of(backend: Any, channel: SideChannel) -> Any:

@@ -29,12 +29,15 @@ The adapter side (docs/guide/testing-joinables.md, the adapters' module docs):
 - :class:`Adapter`, :func:`register_adapter`, :func:`adapt`: the adapter registry;
 - :class:`AdapterJoinable`: the base of a Joinable standing for a framework
   object (held weakly; the Join's config seen as entry and exit hooks);
-- :class:`AdapterCache`: one adapter per live framework object.
+- :class:`AdapterCache`: one adapter per live framework object;
+- :class:`JoinContext`: the Join a joinable's config names (``JoinConfig.join``),
+  as the joinable sees it, for the annotations of code that receives it.
 """
 
 from __future__ import annotations
 
 from ._adapting import AdapterCache, AdapterJoinable
+from ._joinable import JoinContext
 from ._ports import (
     ADAPTER_ENTRY_POINTS,
     BACKEND_ENTRY_POINTS,
@@ -98,6 +101,7 @@ __all__ = [
     "adapt",
     "AdapterJoinable",
     "AdapterCache",
+    "JoinContext",
     "ACTIVE",
     "JOINED",
     "FAILING",

@@ -1,5 +1,7 @@
-"""joinkit's own import-linter contract: private names stay in their package.
+"""joinkit's own import-linter contracts: private names stay in their package,
+and the package's import graph is a hierarchy.
 
+*Private names* (``private_names``, :class:`PrivateNamesContract`).
 import-linter's ``private_modules`` contract keeps a private *module*
 (``pkg._mod``) inside its package; this one does the same for the private
 names a module defines (``from joinkit.backends.torch_dist._board import
@@ -15,8 +17,30 @@ the core's private modules (``from joinkit import _ports``), which
   as a third party's plug-in would.
 
 It reads the sources with ``ast``: ``from M import _x`` (absolute or relative),
-``import M`` / ``from P import M`` followed by ``M._x``. ``pyproject.toml``
-declares it (``contract_types``) and ``make lint`` runs it with the others.
+``import M`` / ``from P import M`` followed by ``M._x``.
+
+*No import cycles* (``acyclic``, :class:`AcyclicContract`). import-linter's
+``acyclic_siblings`` finds cycles among the children of each package, with a
+sub-package standing for everything in it; this one finds every cycle among
+the modules themselves (a strongly connected component of the import graph),
+so that each module can be read knowing only modules below it. Every import
+counts: those under ``if TYPE_CHECKING:`` (``pyproject.toml`` sets
+``exclude_type_checking_imports = false``, so the graph has them; a module
+that needs a higher one's type for an annotation takes a ``Protocol`` from a
+lower one instead) and those inside a function, with one exception: a
+package's ``__init__`` that imports one of its own modules *inside a function*
+(a ``__getattr__`` that loads a name on first use, an adapter loaded when its
+framework's object first shows up). That is the shape of a lazy facade: the
+package stands in front of its modules and re-exports them on demand, while
+they take its light names (``backends.register``, an adapter's error class)
+from an ``__init__`` that is complete by the time the function runs. It is
+left out because it is how ``joinkit.backends`` and ``joinkit.adapters`` keep
+torch, mpi4py and NumPy from loading with the package, in a dozen modules
+across their rooms; the same import at module level, or for type checking,
+is an ordinary edge and counts.
+
+``pyproject.toml`` declares both (``contract_types``) and ``make lint`` runs
+them with the others.
 """
 
 from __future__ import annotations
@@ -25,12 +49,13 @@ import ast
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from importlinter.application import output
 from importlinter.domain import fields
 from importlinter.domain.contract import Contract, ContractCheck
 
-__all__ = ["PrivateNamesContract", "violations"]
+__all__ = ["AcyclicContract", "PrivateNamesContract", "import_cycles", "violations"]
 
 
 def _private(name: str) -> bool:
@@ -146,4 +171,122 @@ class PrivateNamesContract(Contract):
         output.new_line()
         for importer, module, name, line in check.metadata["violations"]:
             output.print_error(f"- {importer} (l.{line}) uses {module}.{name}", bold=False)
+            output.new_line()
+
+
+def _deferred_lines(path: Path) -> set[int]:
+    """The lines of the imports a module makes inside a function."""
+    lines = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines.update(inner.lineno for inner in ast.walk(node)
+                         if isinstance(inner, (ast.Import, ast.ImportFrom)))
+    return lines
+
+
+def _components(edges: dict[str, dict[str, tuple[int, ...]]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's,
+    without recursion), each sorted, in order of their first module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def import_cycles(graph: Any, packages: set[str]) -> list[list[tuple[str, str, tuple[int, ...]]]]:
+    """Every import cycle among the modules of ``packages`` (module doc).
+
+    Args:
+        graph: grimp's import graph (``exclude_type_checking_imports=False`` for
+            the imports made for type checking to count).
+        packages: the packages whose modules are checked.
+
+    Returns:
+        One list per cycle (a strongly connected component): its imports as
+        ``(importer, imported, lines)``, sorted.
+    """
+    modules = {module for module in graph.modules
+               if any(_inside(module, package) for package in packages)}
+    edges: dict[str, dict[str, tuple[int, ...]]] = {module: {} for module in modules}
+    for importer in sorted(modules):
+        deferred: set[int] | None = None
+        for imported in graph.find_modules_directly_imported_by(importer):
+            if imported not in modules or imported == importer:
+                continue
+            lines = tuple(sorted({detail["line_number"] for detail in
+                                  graph.get_import_details(importer=importer, imported=imported)}))
+            if imported.startswith(importer + "."):  # a package importing its own module
+                if deferred is None:
+                    spec = importlib.util.find_spec(importer)
+                    origin = None if spec is None else spec.origin
+                    deferred = _deferred_lines(Path(origin)) if origin else set()
+                if lines and set(lines) <= deferred:
+                    continue  # a lazy facade's load on first use (module doc)
+            edges[importer][imported] = lines
+    return [[(importer, imported, edges[importer][imported])
+             for importer in component for imported in component
+             if imported in edges[importer]]
+            for component in _components(edges)]
+
+
+class AcyclicContract(Contract):
+    """No import cycles among the modules of the packages (module doc).
+
+    Configuration options:
+        - packages: the packages whose modules are checked.
+    """
+
+    type_name = "acyclic"
+
+    packages = fields.SetField(subfield=fields.StringField())
+
+    def check(self, graph, verbose: bool) -> ContractCheck:  # type: ignore[no-untyped-def]
+        found = import_cycles(graph, set(self.packages))  # type: ignore[call-overload]
+        return ContractCheck(kept=not found, metadata={"cycles": found})
+
+    def render_broken_contract(self, check: ContractCheck) -> None:
+        output.print_error(
+            "Import cycles (imports for type checking included; a lower module that "
+            "needs a higher one's type takes a Protocol from a lower one):", bold=False)
+        output.new_line()
+        for cycle in check.metadata["cycles"]:
+            for number, (importer, imported, lines) in enumerate(cycle):
+                where = ", ".join(f"l.{line}" for line in lines)
+                output.print_error(f"{'-' if number == 0 else ' '} {importer} -> {imported} "
+                                   f"({where})", bold=False)
             output.new_line()

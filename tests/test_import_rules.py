@@ -2,6 +2,9 @@
 
 - ``import_rules.py`` (the private-names contract) finds what it must and
   nothing else, on small trees written here;
+- its import-cycle contract finds every cycle, those made only of imports for
+  type checking too, and ``lint-imports`` under the project's configuration
+  fails on a package planted with one; the real package has none;
 - ``pyproject.toml``'s core contracts list every module of ``join_core/``;
 - ``joinkit.lowlevel`` and the other public surfaces export what they say;
 - every module path the README and the docs name still imports, and the old
@@ -13,6 +16,9 @@
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
 import re
 import subprocess
 import sys
@@ -29,7 +35,7 @@ except ModuleNotFoundError:  # Python 3.10: import-linter depends on tomli there
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.import_rules import violations  # noqa: E402
+from tests.import_rules import import_cycles, violations  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUG_INS = ("pkg.backends", "pkg.adapters")
@@ -91,6 +97,118 @@ def test_private_names(tmp_path: Path, importer: str, source: str,
     found = violations(modules, PLUG_INS)
     assert [(module, name) for who, module, name, _ in found if who == importer] == expected
     assert all(who == importer for who, _, _, _ in found)
+
+
+def _write_package(root: Path, name: str, files: dict[str, str]) -> None:
+    for module, text in files.items():
+        path = root / name / module
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _cycles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+            files: dict[str, str]) -> list[list[tuple[str, str]]]:
+    import grimp
+
+    _write_package(tmp_path, name, files)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph(name, include_external_packages=False,
+                              exclude_type_checking_imports=False, cache_dir=None)
+    return [[(importer, imported) for importer, imported, _ in cycle]
+            for cycle in import_cycles(graph, {name})]
+
+
+_PACKAGE_NUMBERS = itertools.count()
+TYPING = "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
+#: Two modules that import each other only for type checking.
+TYPE_CHECKING_CYCLE = {
+    "__init__.py": "",
+    "_low.py": TYPING + "if TYPE_CHECKING:\n    from ._high import High\n\n"
+               "def use(high: High) -> None: ...\n",
+    "_high.py": TYPING + "if TYPE_CHECKING:\n    from ._low import use\n\nclass High: ...\n",
+}
+#: A package's __init__ that loads its module in a function; the module takes
+#: a light name from the __init__.
+LAZY_FACADE = {
+    "__init__.py": "LIGHT = 1\n\ndef __getattr__(name):\n    from . import _heavy\n\n"
+                   "    return getattr(_heavy, name)\n",
+    "_heavy.py": "from . import LIGHT\n\nHEAVY = LIGHT\n",
+}
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    (TYPE_CHECKING_CYCLE, [[("_high", "_low"), ("_low", "_high")]]),
+    # one way only: a hierarchy
+    ({**TYPE_CHECKING_CYCLE, "_high.py": "class High: ...\n"}, []),
+    # an import inside a function counts
+    ({"__init__.py": "", "_a.py": "def f():\n    from . import _b\n",
+      "_b.py": "from . import _a\n"}, [[("_a", "_b"), ("_b", "_a")]]),
+    # three modules, sub-packages included
+    ({"__init__.py": "", "_a.py": "from .sub import _b\n", "sub/__init__.py": "",
+      "sub/_b.py": "from .. import _c\n", "_c.py": TYPING + "if TYPE_CHECKING:\n"
+      "    from . import _a\n"}, [[("_a", "sub._b"), ("_c", "_a"), ("sub._b", "_c")]]),
+    # a lazy facade is left out (tests/import_rules.py's module doc) ...
+    (LAZY_FACADE, []),
+    # ... but the same import at module level or for type checking counts
+    ({**LAZY_FACADE, "__init__.py": "LIGHT = 1\nfrom ._heavy import HEAVY\n"},
+     [[("", "_heavy"), ("_heavy", "")]]),
+    ({**LAZY_FACADE, "__init__.py": TYPING + "LIGHT = 1\nif TYPE_CHECKING:\n"
+      "    from ._heavy import HEAVY\n"}, [[("", "_heavy"), ("_heavy", "")]]),
+])
+def test_import_cycles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       files: dict[str, str], expected: list[list[tuple[str, str]]]) -> None:
+    name = f"cycles{next(_PACKAGE_NUMBERS)}"  # a fresh name: nothing imported or cached
+
+    def full(module: str) -> str:
+        return f"{name}.{module}" if module else name
+
+    found = _cycles(tmp_path, monkeypatch, name, files)
+    assert found == [[(full(a), full(b)) for a, b in cycle] for cycle in expected]
+
+
+def _lint(tmp_path: Path, name: str, files: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` on a package written here, under the project's own
+    settings and acyclic contract."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    [contract] = [c for c in config["contracts"] if c["type"] == "acyclic"]
+    _write_package(tmp_path / "src", name, files)
+    (tmp_path / "lint.toml").write_text("\n".join([
+        "[tool.importlinter]",
+        f"root_packages = [{json.dumps(name)}]",
+        f"exclude_type_checking_imports = {json.dumps(config['exclude_type_checking_imports'])}",
+        f"contract_types = {json.dumps(config['contract_types'])}",
+        "[[tool.importlinter.contracts]]",
+        f"name = {json.dumps(contract['name'])}",
+        'type = "acyclic"',
+        f"packages = [{json.dumps(name)}]",
+        "",
+    ]))
+    lint = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run(
+        [str(lint), str(tmp_path / "lint.toml"), "--no-cache", "--no-logo"], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), str(ROOT)])},
+        capture_output=True, text=True, timeout=300)
+
+
+def test_lint_fails_on_a_cycle_made_only_of_imports_for_type_checking(tmp_path: Path) -> None:
+    broken = _lint(tmp_path / "broken", "planted", TYPE_CHECKING_CYCLE)
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "planted._high -> planted._low (l.4)" in broken.stdout
+    assert "planted._low -> planted._high (l.4)" in broken.stdout
+    kept = _lint(tmp_path / "kept", "planted",
+                 {**TYPE_CHECKING_CYCLE, "_high.py": "class High: ...\n"})
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    import grimp
+
+    graph = grimp.build_graph("joinkit", include_external_packages=False,
+                              exclude_type_checking_imports=False, cache_dir=None)
+    assert import_cycles(graph, {"joinkit"}) == []
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert config["exclude_type_checking_imports"] is False
+    assert [c["packages"] for c in config["contracts"] if c["type"] == "acyclic"] == [["joinkit"]]
 
 
 def _contracts() -> list[dict[str, object]]:

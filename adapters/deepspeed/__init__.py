@@ -33,34 +33,18 @@ from typing import TYPE_CHECKING, Any
 
 from joinkit import Adapter, Joinable
 
+# Defined beside the guard table, which _engine imports without this package
+# (the package loads _engine, never the reverse).
+from ._private import SUPPORTED_DEEPSPEED, UnsupportedDeepSpeedError, is_engine
+
 if TYPE_CHECKING:
     from ._engine import DeepSpeedJoinable, adapt, engine_parts, evaluation
 
 __all__ = ["DEEPSPEED", "DeepSpeedJoinable", "adapt", "evaluation", "is_engine",
            "engine_parts", "SUPPORTED_DEEPSPEED", "UnsupportedDeepSpeedError"]
 
-#: The DeepSpeed versions joinkit's adapter supports (``_private`` checks it).
-SUPPORTED_DEEPSPEED = ">=0.19.8,<0.20"
-
-
-class UnsupportedDeepSpeedError(RuntimeError):
-    """This DeepSpeed is outside :data:`SUPPORTED_DEEPSPEED`, or lacks or changed an
-    internal the adapter relies on (``joinkit.adapters.deepspeed._private``).
-
-    Raised when ``Join`` adapts an engine, once per process, before any collective.
-    """
-
-
-_ENGINE_MODULE = "deepspeed.runtime.engine"
 _OPTIMIZER_MODULE = "deepspeed.runtime.base_optimizer"
 _ADAPTER_MODULE = "joinkit.adapters.deepspeed._engine"
-
-
-def is_engine(obj: Any) -> bool:
-    """Whether ``obj`` is a DeepSpeed engine (never imports DeepSpeed)."""
-    module = sys.modules.get(_ENGINE_MODULE)
-    cls = getattr(module, "DeepSpeedEngine", None)
-    return isinstance(cls, type) and isinstance(obj, cls)
 
 
 def _is_engine_part(obj: Any) -> bool:

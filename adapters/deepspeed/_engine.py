@@ -86,7 +86,8 @@ from joinkit import Join, Joinable, JoinHook, LocalProtocolError
 from joinkit.lowlevel import AdapterCache
 
 from ..torch.step_replay import StepReplay
-from . import _private, is_engine
+from . import _private
+from ._private import is_engine
 
 __all__ = ["DeepSpeedJoinable", "adapt", "check", "evaluation", "engine_parts",
            "owned_by_an_engine", "collectives_group"]

@@ -30,15 +30,25 @@ from __future__ import annotations
 
 import re
 import sys
+from typing import Any
 
 from .._guards import Member, Need, problems, version
-from . import SUPPORTED_DEEPSPEED, UnsupportedDeepSpeedError
 
-__all__ = ["SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED", "ENGINE_MEMBERS", "check"]
+__all__ = ["SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED", "UnsupportedDeepSpeedError",
+           "ENGINE_MEMBERS", "check", "is_engine"]
 
-#: The DeepSpeed version joinkit's tests ran on (the supported range,
-#: SUPPORTED_DEEPSPEED, is the package's).
+#: The DeepSpeed versions joinkit's adapter supports (:func:`check` checks it).
+SUPPORTED_DEEPSPEED = ">=0.19.8,<0.20"
+#: The DeepSpeed version joinkit's tests ran on.
 TESTED_DEEPSPEED = "0.19.8"
+
+
+class UnsupportedDeepSpeedError(RuntimeError):
+    """This DeepSpeed is outside :data:`SUPPORTED_DEEPSPEED`, or lacks or changed an
+    internal the adapter relies on (``joinkit.adapters.deepspeed._private``).
+
+    Raised when ``Join`` adapts an engine, once per process, before any collective.
+    """
 # SUPPORTED_DEEPSPEED as bounds on the release tuple (a test keeps them equal).
 _LOWEST, _BELOW = (0, 19, 8), (0, 20)
 
@@ -62,6 +72,13 @@ def _config(name: str, why: str) -> Member:
 
 def _attribute(name: str, why: str) -> Member:
     return _m(_ENGINE, f"DeepSpeedEngine.{name}", Need.ATTRIBUTE, why)
+
+
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a DeepSpeed engine (never imports DeepSpeed)."""
+    module = sys.modules.get(_ENGINE)
+    cls = getattr(module, "DeepSpeedEngine", None)
+    return isinstance(cls, type) and isinstance(obj, cls)
 
 
 #: Members of the engine (and around it) that the adapter reads or replaces.

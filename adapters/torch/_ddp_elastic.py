@@ -65,7 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _ddp_hook
+from . import _compat, _ddp_hook
 
 __all__ = ["ElasticDDP", "c10d_group", "has_hook", "refusal", "take_last_joiners"]
 
@@ -86,7 +86,7 @@ def refusal(ddp: Any, replays: bool) -> str | None:
                 "needs its own to send each backward's buckets as one unit that survives "
                 "a dead rank. Build the model without a comm hook, or use "
                 "on_rank_loss='raise'")
-    if ddp.forward_sync_buffers and len(getattr(ddp, "modules_buffers", [])) > 0:
+    if _compat.ddp_syncs_buffers_in_forward(ddp):
         return (head + "the model has buffers and broadcast_buffers=True: DDP broadcasts "
                 "them on its own group in each forward, which cannot survive a dead rank. "
                 "Pass DistributedDataParallel(..., broadcast_buffers=False) (each rank "

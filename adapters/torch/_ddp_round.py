@@ -76,7 +76,7 @@ import torch.distributed as dist
 from joinkit import Join, LocalProtocolError
 from joinkit.lowlevel import ALARM, NOBODY_ACTIVE_BELOW
 
-from . import _ddp_hook
+from . import _compat, _ddp_hook
 
 __all__ = ["RoundHeartbeat", "refusal"]
 
@@ -108,7 +108,7 @@ def refusal(ddp: Any, replays: bool) -> str | None:
         return "find_unused_parameters=True"
     if getattr(ddp, "static_graph", False):
         return "static_graph=True"
-    if ddp.forward_sync_buffers and len(getattr(ddp, "modules_buffers", [])) > 0:
+    if _compat.ddp_syncs_buffers_in_forward(ddp):
         return "its buffers are broadcast in forward (broadcast_buffers=True)"
     if getattr(ddp, "mixed_precision", None) is not None:
         return "mixed_precision"

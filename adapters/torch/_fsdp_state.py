@@ -1,7 +1,8 @@
 """FSDP2's state objects and parameter groups, as joinkit reads them.
 
 Rules of this room: the members read here are FSDP internals, listed in
-``_private``'s ``FSDP_MEMBERS`` (checked when a model is adapted); the FSDP
+``_private``'s FSDP2 groups (checked when a model is adapted; their spellings
+across torch releases are ``_compat``'s); the FSDP
 adapter (``fsdp``) and its finish mode (``_fsdp_elastic``) both read them
 through these two functions.
 """
@@ -12,6 +13,8 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from . import _compat
 
 __all__ = ["states", "param_groups"]
 
@@ -29,4 +32,4 @@ def states(model: nn.Module) -> list[Any]:
 
 def param_groups(model: nn.Module) -> list[Any]:
     """Every FSDP parameter group of ``model``, in module order."""
-    return [group for state in states(model) for group in state._fsdp_param_groups]
+    return [group for state in states(model) for group in _compat.fsdp_param_groups(state)]

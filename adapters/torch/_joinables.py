@@ -155,6 +155,7 @@ from joinkit import (
 )
 from joinkit.lowlevel import AdapterCache, AdapterJoinable
 
+from .. import UnsupportedTorchError
 from . import _ddp_hook, _ddp_round, _private
 
 __all__ = ["adapt", "TorchJoinable"]
@@ -284,14 +285,22 @@ class TorchJoinable(AdapterJoinable):
         join = config.join
         assert join is not None
         if rank_loss_finish(join):
-            # The same answer on every rank (the settings agree), before any collective.
+            # The same answer on every rank (the settings and torch agree), before
+            # any collective: a refused combination, or a torch without what finish
+            # mode needs (that feature alone is refused).
             message = _finish_refusal(self, join)
-            if message is not None:
+            refusal: Exception | None = None if message is None else ValueError(message)
+            if refusal is None:
+                try:
+                    _private.check(self.obj, _private.FINISH)
+                except UnsupportedTorchError as error:
+                    refusal = error
+            if refusal is not None:
                 # The Join leaves as if never entered: DDP's vouch goes too.
                 for joinable in join.joinables:
                     if isinstance(joinable, TorchJoinable):
                         _elastic_vouch(joinable, None)
-                raise ValueError(message)
+                raise refusal
 
     def join_config_set(self, config: JoinConfig) -> None:
         if config.enable and config.join is not None:

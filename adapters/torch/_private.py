@@ -15,34 +15,51 @@ nobody.
 
 So every such member is listed here, in :data:`GROUPS` (the format of
 ``adapters._guards``, whose checker this module uses), with what joinkit
-needs of it: that it exists; for a function, the parameters joinkit calls it
+does with it: that it exists; for a function, the parameters joinkit calls it
 with (``inspect.signature`` names; for torch's C++ bindings, their number);
-for an instance attribute, that the class's own code still names it; for a
+for an instance attribute, that the class's own code still names it, and,
+for one joinkit sets, that it is not a property without a setter; for a
 method joinkit replaces on the object, that the torch code which should call
-the replacement still calls it by that name. :func:`check` runs when an
-adapter adapts an object, once per group of members and process, and raises
-:class:`joinkit.adapters.UnsupportedTorchError` naming this torch version,
-every member that changed, and the torch versions this joinkit supports.
-Nothing is checked per iteration.
+the replacement still calls it by that name.
 
-The ``[torch]`` extra in ``pyproject.toml`` pins the same range as
+The groups follow the *features* that need them, not the objects: DDP's
+plain use and DDP in ``Join(on_rank_loss="finish")`` are two groups, and so
+are ZeRO's, FSDP2's, and FSDP2's summed reductions
+(``divide_by_initial_world_size=False``). :func:`check` runs when an adapter
+adapts an object (its plain groups), and again where a Join enters a feature
+(its feature's groups: finish mode on entry), once per group and process,
+before any collective; it raises :class:`joinkit.adapters.UnsupportedTorchError`
+naming this torch version, the feature refused, and every member that
+changed: a torch release that lacks what one feature needs refuses that
+feature alone. Nothing is checked per iteration.
+
+Where torch changed an internal between the releases joinkit supports (a
+rename, a list that was one object, an attribute that became a read-only
+property), ``_compat`` resolves the spelling once per process and the table
+lists the spelling it resolved.
+
+The torch-bearing extras in ``pyproject.toml`` say the same range as
 :data:`SUPPORTED_TORCH` (a test keeps them equal).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .. import UnsupportedTorchError
 from .._guards import Member, Need, member, problems, version
+from . import _compat
 
-__all__ = ["SUPPORTED_TORCH", "TESTED_TORCH", "GROUPS", "check"]
+__all__ = ["SUPPORTED_TORCH", "TESTED_TORCH", "GROUPS", "FINISH", "SUM_REDUCTIONS", "check"]
 
 #: The torch versions this joinkit release supports (a pip specifier), and the
-#: one its tests ran on. ``pyproject.toml``'s ``[torch]`` extra says the same.
-SUPPORTED_TORCH = ">=2.13,<2.14"
-TESTED_TORCH = "2.13.0"
+#: releases its tests ran on (one per minor: the compatibility matrix).
+#: ``pyproject.toml``'s torch-bearing extras say the same range.
+SUPPORTED_TORCH = ">=2.6"
+TESTED_TORCH = ("2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0",
+                "2.14.1", "2.15.0")
 
 
 _DDP = "torch.nn.parallel.distributed"
@@ -58,7 +75,7 @@ _DDP_FORWARD = f"{_DDP}:DistributedDataParallel._pre_forward"
 _m = member
 
 
-_CALL, _ATTR = Need.CALLABLE, Need.ATTRIBUTE
+_CALL, _ATTR, _SET = Need.CALLABLE, Need.ATTRIBUTE, Need.SETTABLE
 
 #: Members every torch Joinable's adapter relies on (``adapters.torch``).
 JOIN_MEMBERS = (
@@ -89,11 +106,11 @@ DDP_MEMBERS = (
        ("self", "input_rank", "rank_cond"),
        called_by=(f"{_DDP}:DistributedDataParallel._sync_buffers",
                   f"{_DDP}:DistributedDataParallel._check_and_sync_module_buffers")),
-    _m(_DDP, "DistributedDataParallel._join_config", _ATTR,
+    _m(_DDP, "DistributedDataParallel._join_config", _SET,
        "DDP's forward reads the join config the adapter writes"),
     _m(_DDP, "DistributedDataParallel.reducer", _ATTR, "the reducer's buckets"),
     _m(_DDP, "DistributedDataParallel.process_group", _ATTR, "the group of the fused check"),
-    _m(_DDP, "DistributedDataParallel.require_backward_grad_sync", _ATTR,
+    _m(_DDP, "DistributedDataParallel.require_backward_grad_sync", _SET,
        "whether this iteration syncs gradients (no_sync)"),
     _m(_DDP, "DistributedDataParallel.device_type", _ATTR, "the replay's device type"),
     _m(_C10D, "Reducer._get_zeros_like_grad_buckets", _CALL,
@@ -105,7 +122,10 @@ DDP_MEMBERS = (
        ("self", "work", "divide_by_initial_world_size"), called_by=(_DDP_FORWARD,)),
     _m(_C10D, "_create_work_from_future", _CALL,
        "a Work for the reducer from a future", ("future",)),
-    # on_rank_loss="finish" (adapters._ddp_elastic).
+)
+
+#: Members DDP in ``Join(on_rank_loss="finish")`` relies on (``adapters._ddp_elastic``).
+DDP_FINISH_MEMBERS = (
     _m(_DDP, "DistributedDataParallel._update_process_group", _CALL,
        "finish mode: the model follows the group rebuilt over the survivors",
        ("self", "new_process_group")),
@@ -113,12 +133,8 @@ DDP_MEMBERS = (
        "finish mode: each backward's buckets go out as one unit", ("self", "state", "hook")),
     _m(_DDP, "DistributedDataParallel._comm_hooks", _ATTR,
        "finish mode: a model with a comm hook of its own is refused"),
-    _m(_DDP, "DistributedDataParallel._has_rebuilt_buckets", _ATTR,
+    _m(_DDP, "DistributedDataParallel._has_rebuilt_buckets", _SET,
        "finish mode: whether the bucket rebuild is still due"),
-    _m(_DDP, "DistributedDataParallel.forward_sync_buffers", _ATTR,
-       "finish mode: buffers broadcast in forward are refused"),
-    _m(_DDP, "DistributedDataParallel.modules_buffers", _ATTR,
-       "finish mode: buffers broadcast in forward are refused"),
     _m(_C10D, "Reducer._rebuild_buckets", _CALL,
        "finish mode: the bucket rebuild (a broadcast on DDP's group) is put off "
        "while the Join lasts", ("self",),
@@ -132,11 +148,15 @@ ZERO_MEMBERS = (
     _m(_ZERO, "ZeroRedundancyOptimizer.step", _CALL,
        "ZeRO's join hook steps with the .grad the adapter puts in place",
        ("self",), called_by=(f"{_ZERO}:_ZeROJoinHook.main_hook",)),
-    # on_rank_loss="finish" beside DDP (adapters._zero_elastic).
+)
+
+#: Members ZeRO beside DDP in ``Join(on_rank_loss="finish")`` relies on
+#: (``adapters._zero_elastic``).
+ZERO_FINISH_MEMBERS = (
     _m(_ZERO, "ZeroRedundancyOptimizer._sync_params", _CALL,
        "finish mode: the parameter broadcasts after a step are skipped (every rank "
        "steps every parameter)", ("self",), called_by=(f"{_ZERO}:ZeroRedundancyOptimizer.step",)),
-    _m(_ZERO, "ZeroRedundancyOptimizer.optim", _ATTR,
+    _m(_ZERO, "ZeroRedundancyOptimizer.optim", _SET,
        "finish mode: the local optimizer, swapped for one over every parameter"),
     _m(_ZERO, "ZeroRedundancyOptimizer._optim_constructor", _ATTR,
        "finish mode: the optimizer class, for the optimizer over every parameter"),
@@ -146,12 +166,12 @@ ZERO_MEMBERS = (
        "finish mode: overlap_with_ddp=True is refused"),
     _m(_ZERO, "ZeroRedundancyOptimizer.parameters_as_bucket_view", _ATTR,
        "finish mode: parameters_as_bucket_view=True is refused"),
-    _m(_ZERO, "ZeroRedundancyOptimizer.process_group", _ATTR,
+    _m(_ZERO, "ZeroRedundancyOptimizer.process_group", _SET,
        "finish mode: ZeRO follows the group rebuilt over the survivors"),
-    _m(_ZERO, "ZeroRedundancyOptimizer.rank", _ATTR, "finish mode: the rebuilt group"),
-    _m(_ZERO, "ZeroRedundancyOptimizer.world_size", _ATTR, "finish mode: the rebuilt group"),
-    _m(_ZERO, "ZeroRedundancyOptimizer.global_rank", _ATTR, "finish mode: the rebuilt group"),
-    _m(_ZERO, "ZeroRedundancyOptimizer._all_state_dicts", _ATTR,
+    _m(_ZERO, "ZeroRedundancyOptimizer.rank", _SET, "finish mode: the rebuilt group"),
+    _m(_ZERO, "ZeroRedundancyOptimizer.world_size", _SET, "finish mode: the rebuilt group"),
+    _m(_ZERO, "ZeroRedundancyOptimizer.global_rank", _SET, "finish mode: the rebuilt group"),
+    _m(_ZERO, "ZeroRedundancyOptimizer._all_state_dicts", _SET,
        "finish mode: consolidated states of the old partition are dropped"),
     _m(_ZERO, "ZeroRedundancyOptimizer._clear_cache", _CALL,
        "finish mode: the partition over the survivors is computed afresh", ("self",)),
@@ -180,29 +200,21 @@ _GROUP = f"{_FSDP}._fsdp_param_group"
 _PARAM = f"{_FSDP}._fsdp_param"
 _COMMON = f"{_FSDP}._fsdp_common"
 
-#: Members the FSDP2 adapter relies on (``adapters.fsdp``).
+#: Members the FSDP2 adapter relies on (``adapters.fsdp``); :func:`_fsdp_members`
+#: adds those whose spelling ``_compat`` resolves.
 FSDP_MEMBERS = (
     _m(f"{_FSDP}._fully_shard", "FSDPModule._get_fsdp_state", _CALL,
        "each unit's FSDP state", ("self",)),
-    _m(f"{_FSDP}._fully_shard", "FSDPModule.reset_iter_state", _CALL,
-       "a rank that failed mid-iteration resets FSDP before its replay", ("self",)),
     _m(_STATE, "FSDPState._device", _ATTR, "the model's device"),
     _m(_STATE, "FSDPState._is_root", _ATTR, "Join refuses a non-root module"),
-    _m(_STATE, "FSDPState._fsdp_param_groups", _ATTR, "the units' parameter groups"),
     _m(_STATE, "FSDPState._training_state", _ATTR, "whether FSDP is mid-iteration"),
-    _m(_GROUP, "FSDPParamGroup.reduce_grads", _ATTR,
+    _m(_GROUP, "FSDPParamGroup.reduce_grads", _SET,
        "gradient sync (set_requires_gradient_sync), read and set for a replay"),
-    _m(_GROUP, "FSDPParamGroup.all_reduce_grads", _ATTR,
+    _m(_GROUP, "FSDPParamGroup.all_reduce_grads", _SET,
        "HSDP's all-reduce (set_requires_all_reduce), read and set for a replay"),
-    _m(_GROUP, "FSDPParamGroup.gradient_divide_factor", _ATTR,
-       "divide_by_initial_world_size=False"),
-    _m(_GROUP, "FSDPParamGroup.force_sum_reduction_for_comms", _ATTR,
-       "divide_by_initial_world_size=False (sum reductions)"),
     _m(_GROUP, "FSDPParamGroup.mesh_info", _ATTR, "the Join's process group"),
     _m(_GROUP, "FSDPParamGroup.fsdp_params", _ATTR, "gradients given back after the Join"),
     _m(_GROUP, "FSDPParamGroup._training_state", _ATTR, "whether FSDP is mid-iteration"),
-    _m(_PARAM, "FSDPParam.unsharded_accumulated_grad", _ATTR,
-       "FSDP's gradient accumulation, taken and given back"),
     _m(_PARAM, "FSDPParam._unsharded_param", _ATTR,
        "FSDP's gradient accumulation, taken and given back"),
     _m(_COMMON, "FSDPMeshInfo.mesh", _ATTR, "the Join's process group"),
@@ -211,34 +223,62 @@ FSDP_MEMBERS = (
     _m("torch.distributed.device_mesh", "DeviceMesh._flatten", _CALL,
        "the Join's group for an HSDP mesh over part of the world", ("self",)),
     _m(_DIST, "_get_default_group", _CALL, "the Join's group for HSDP over the world"),
-    # Join(on_rank_loss="finish"): unsharded while the Join lasts (adapters._fsdp_elastic).
+)
+
+
+def _fsdp_members() -> tuple[Member, ...]:
+    members = [*FSDP_MEMBERS, _m(
+        _STATE, f"FSDPState.{_compat.fsdp_param_groups_attribute()}", _ATTR,
+        "the units' parameter groups")]
+    accumulated = _compat.fsdp_accumulated_grad()
+    if accumulated is not None:  # 2.15 and later: none of its own (``_compat``)
+        members.append(_m(_PARAM, f"FSDPParam.{accumulated}", _SET,
+                          "FSDP's gradient accumulation, taken and given back"))
+    if _compat.fsdp_can_reset():  # before: refused when needed (``_compat``)
+        members.append(_m(f"{_FSDP}._fully_shard", "FSDPModule.reset_iter_state", _CALL,
+                          "a rank that failed mid-iteration resets FSDP before its replay",
+                          ("self",)))
+    return tuple(members)
+
+
+#: Members FSDP2 in ``Join(..., divide_by_initial_world_size=False)`` relies on.
+FSDP_SUM_MEMBERS = (
+    _m(_GROUP, "FSDPParamGroup.gradient_divide_factor", _SET,
+       "divide_by_initial_world_size=False: the reduction divides by the active ranks"),
+    _m(_GROUP, "FSDPParamGroup.force_sum_reduction_for_comms", _SET,
+       "divide_by_initial_world_size=False: sum reductions (gloo has no PREMUL_SUM)"),
+)
+
+#: Members FSDP2 in ``Join(on_rank_loss="finish")`` relies on: unsharded while
+#: the Join lasts (``adapters._fsdp_elastic``).
+FSDP_FINISH_MEMBERS = (
     _m(_STATE, "FSDPState._lazy_init", _CALL, "finish mode: FSDP's root set up before "
        "the unshard", ("self",)),
-    _m(_GROUP, "FSDPParamGroup.reshard_after_backward", _ATTR,
+    _m(_GROUP, "FSDPParamGroup.reshard_after_backward", _SET,
        "finish mode: no reshard after backward while the Join lasts"),
-    _m(_GROUP, "FSDPParamGroup.post_forward_mesh_info", _ATTR,
+    _m(_GROUP, "FSDPParamGroup.post_forward_mesh_info", _SET,
        "finish mode: no reshard after forward while the Join lasts"),
     _m(_GROUP, "FSDPParamGroup.device", _ATTR, "finish mode: CPU only"),
     _m(_GROUP, "FSDPParamGroup.mp_policy", _ATTR, "finish mode refuses mixed precision"),
     _m(_GROUP, "FSDPParamGroup.offload_policy", _ATTR, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup.lazy_init", _CALL, "finish mode: the rebuilt shards",
        ("self",)),
-    _m(_GROUP, "FSDPParamGroup._all_gather_output", _ATTR, "finish mode: the rebuilt shards"),
-    _m(_GROUP, "FSDPParamGroup._all_gather_result", _ATTR, "finish mode: the rebuilt shards"),
-    _m(_GROUP, "FSDPParamGroup._sharded_state", _ATTR, "finish mode: the rebuilt shards"),
+    _m(_GROUP, "FSDPParamGroup._all_gather_output", _SET, "finish mode: the rebuilt shards"),
+    _m(_GROUP, "FSDPParamGroup._all_gather_result", _SET, "finish mode: the rebuilt shards"),
+    _m(_GROUP, "FSDPParamGroup._sharded_state", _SET, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup._reset_sharded_params", _ATTR,
        "finish mode: the rebuilt shards"),
     _m(_PARAM, "FSDPParam", _CALL, "finish mode: FSDP re-sharded over the survivors",
        ("param", "module_info", "mesh_info", "post_forward_mesh_info", "device",
         "shard_placement_fn", "mp_policy", "offload_policy")),
-    _m(_PARAM, "FSDPParam.sharded_param", _ATTR, "finish mode: shards written on exit"),
+    _m(_PARAM, "FSDPParam.sharded_param", _SET, "finish mode: shards written on exit"),
     _m(_PARAM, "FSDPParam.fsdp_placement", _ATTR, "finish mode refuses Shard(d > 0)"),
     _m(_PARAM, "FSDPParam.offload_to_cpu", _ATTR, "finish mode refuses CPU offload"),
     _m(_PARAM, "FSDPParam.padded_sharded_param_size", _ATTR,
        "finish mode: a rank's slice of a full parameter"),
     _m(_PARAM, "FSDPParam.mesh_info", _ATTR, "finish mode: a rank's slice"),
     _m(_PARAM, "FSDPParam._module_info", _ATTR, "finish mode: the rebuilt shards"),
-    _m(_PARAM, "FSDPParam._param_fqn", _ATTR, "finish mode: the rebuilt shards"),
+    _m(_PARAM, "FSDPParam._param_fqn", _SET, "finish mode: the rebuilt shards"),
     _m(_PARAM, "FSDPParam._post_load_hook_handle", _ATTR, "finish mode: the rebuilt shards"),
     _m(_PARAM, "FSDPParam.to_sharded_dtensor", _CALL,
        "finish mode: a shard's gradient on exit", ("self", "tensor")),
@@ -251,35 +291,86 @@ FSDP_MEMBERS = (
        ("group_name", "group")),
     _m(_C10D, "ProcessGroup._set_group_name", _CALL,
        "finish mode: the survivors' group gets a name for its mesh", ("self", "name")),
+    # Set on the rebuilt groups (mesh_info, fsdp_params) and on every group while
+    # the Join lasts (reduce_grads).
+    _m(_GROUP, "FSDPParamGroup.mesh_info", _SET, "finish mode: the rebuilt shards"),
+    _m(_GROUP, "FSDPParamGroup.fsdp_params", _SET, "finish mode: the rebuilt shards"),
 )
 
-#: Every group of members, by the adapter that relies on it; :func:`check`
-#: decides which groups an object needs.
-GROUPS: dict[str, tuple[Member, ...]] = {
-    "torch Joinable": JOIN_MEMBERS,
-    "DistributedDataParallel": DDP_MEMBERS,
-    "ZeroRedundancyOptimizer": ZERO_MEMBERS,
-    "replay": REPLAY_MEMBERS,
-    "FSDP2": FSDP_MEMBERS,
-}
+
+def _ddp_members() -> tuple[Member, ...]:
+    flag = _compat.ddp_buffer_sync_flag()
+    why = ("whether DDP's forward broadcasts the buffers (the heartbeat in the gradients "
+           "and finish mode cannot carry that broadcast)")
+    return (*DDP_MEMBERS, _m(_DDP, f"DistributedDataParallel.{flag}", _ATTR, why),
+            _m(_DDP, "DistributedDataParallel.modules_buffers", _ATTR, why))
+
+
+#: The features a group serves beyond its object's plain use, as :func:`check`
+#: takes them: ``Join(on_rank_loss="finish")``, and FSDP2's summed reductions
+#: (``Join(..., divide_by_initial_world_size=False)``).
+FINISH = "in finish mode (Join(on_rank_loss='finish'))"
+SUM_REDUCTIONS = "with Join(divide_by_initial_world_size=False)"
+
+
+class _Groups(Mapping[str, tuple[Member, ...]]):
+    """Group name -> its members, each built once (some spellings are ``_compat``'s)."""
+
+    def __init__(self, builders: dict[str, Callable[[], tuple[Member, ...]]]) -> None:
+        self._builders = builders
+        self._built: dict[str, tuple[Member, ...]] = {}
+
+    def __getitem__(self, name: str) -> tuple[Member, ...]:
+        if name not in self._built:
+            self._built[name] = self._builders[name]()
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._builders)
+
+    def __len__(self) -> int:
+        return len(self._builders)
+
+
+def _static(members: tuple[Member, ...]) -> Callable[[], tuple[Member, ...]]:
+    return lambda: members
+
+
+#: Every group of members, by the feature that relies on it (a feature never
+#: needs a group another feature alone uses); :func:`check` decides which
+#: groups an object and its Join's features need.
+GROUPS: Mapping[str, tuple[Member, ...]] = _Groups({
+    "torch Joinable": _static(JOIN_MEMBERS),
+    "DistributedDataParallel": _ddp_members,
+    f"DistributedDataParallel {FINISH}": _static(DDP_FINISH_MEMBERS),
+    "ZeroRedundancyOptimizer": _static(ZERO_MEMBERS),
+    f"ZeroRedundancyOptimizer {FINISH}": _static(ZERO_FINISH_MEMBERS),
+    "replay": _static(REPLAY_MEMBERS),
+    "FSDP2": _fsdp_members,
+    f"FSDP2 {SUM_REDUCTIONS}": _static(FSDP_SUM_MEMBERS),
+    f"FSDP2 {FINISH}": _static(FSDP_FINISH_MEMBERS),
+})
 
 # The groups that passed in this process: each is checked once.
 _checked: set[str] = set()
 
 
-def check(obj: Any) -> None:
+def check(obj: Any, *features: str) -> None:
     """Check the torch members that adapting ``obj`` relies on; once per group and process.
 
     Args:
         obj: an object an adapter is about to adapt (a torch Joinable, a
             ``fully_shard`` module).
+        *features: the features of its Join beyond plain use that need groups of
+            their own (:data:`FINISH`, :data:`SUM_REDUCTIONS`); a feature that
+            does not apply to ``obj`` checks nothing.
 
     Raises:
         UnsupportedTorchError: a member is missing or changed; the message names
-            this torch version, each such member, and the torch versions this
-            joinkit supports.
+            this torch version, the feature refused, each such member, and the
+            torch versions this joinkit supports.
     """
-    groups = [name for name in _groups_for(obj) if name not in _checked]
+    groups = [name for name in _groups_for(obj, features) if name not in _checked]
     if not groups:
         return
     found = [(name, problem) for name in groups for problem in problems(GROUPS[name])]
@@ -288,34 +379,34 @@ def check(obj: Any) -> None:
     _checked.update(groups)
 
 
-def _groups_for(obj: Any) -> list[str]:
+def _groups_for(obj: Any, features: tuple[str, ...]) -> list[str]:
     def is_instance(module: str, name: str) -> bool:
         cls = getattr(sys.modules.get(module), name, None)
         return isinstance(cls, type) and isinstance(obj, cls)
 
     if is_instance("torch.distributed.fsdp", "FSDPModule"):
-        return ["FSDP2", "replay"]
-    groups = ["torch Joinable"]
-    if is_instance(_DDP, "DistributedDataParallel"):
-        groups += ["DistributedDataParallel", "replay"]
-    elif is_instance("torch.distributed.optim", "ZeroRedundancyOptimizer"):
-        groups.append("ZeroRedundancyOptimizer")
-    return groups
+        base = ["FSDP2", "replay"]
+    else:
+        base = ["torch Joinable"]
+        if is_instance(_DDP, "DistributedDataParallel"):
+            base += ["DistributedDataParallel", "replay"]
+        elif is_instance("torch.distributed.optim", "ZeroRedundancyOptimizer"):
+            base.append("ZeroRedundancyOptimizer")
+    featured = [f"{name} {feature}" for name in base for feature in features]
+    return base + [name for name in featured if name in GROUPS]
 
 
 def _message(found: list[tuple[str, str]]) -> str:
     torch_version = version("torch")
     joinkit_version = version("joinkit")
-    adapters = ", ".join(dict.fromkeys(group for group, _ in found))
+    features = ", ".join(dict.fromkeys(group for group, _ in found))
     lines = "\n".join(f"  - {problem}" for _, problem in found)
-    short = ".".join(torch_version.split("+")[0].split(".")[:2])
     return (
         f"joinkit {joinkit_version} supports torch {SUPPORTED_TORCH} (tested with "
-        f"{TESTED_TORCH}), but this process runs torch {torch_version}, in which "
-        f"internals that joinkit's adapters ({adapters}) rely on changed:\n{lines}\n"
+        f"{', '.join(TESTED_TORCH)}), but this process runs torch {torch_version}, which "
+        f"lacks or changed torch internals that joinkit needs for: {features}.\n{lines}\n"
         "Going on could silently train on wrong gradients or mismatch collectives, so "
-        f"joinkit stops here. Install a supported torch (pip install 'torch{SUPPORTED_TORCH}'), "
-        f"or a joinkit release that supports torch {short}."
+        f"joinkit refuses {features} on torch {torch_version} before any collective. "
+        "Use the feature on a torch release that has these internals, or a joinkit "
+        f"release that supports them on torch {torch_version}."
     )
-
-

@@ -126,9 +126,10 @@ from joinkit import (
     LocalProtocolError,
     split_heartbeat_flags,
 )
-from joinkit.lowlevel import AdapterCache, AdapterJoinable
+from joinkit.lowlevel import AdapterCache, AdapterJoinable, JoinContext
 
-from . import _private, _replay
+from .. import UnsupportedTorchError
+from . import _compat, _private, _replay
 from ._fsdp_state import param_groups as _param_groups
 from ._fsdp_state import states as _states
 
@@ -218,7 +219,18 @@ class FSDPJoinable(AdapterJoinable):
 
     def join_entering(self, config: JoinConfig) -> None:
         assert config.join is not None
-        if config.join.on_rank_loss == "finish":
+        finish = config.join.on_rank_loss == "finish"
+        # Before any collective, the same on every rank: a feature of this Join
+        # that this torch lacks what it needs for is refused (``_private``).
+        # Finish mode divides by itself (``_fsdp_elastic``), never through FSDP.
+        features = [_private.FINISH] if finish else (
+            [] if self._divide_by_initial_world_size else [_private.SUM_REDUCTIONS])
+        try:
+            _private.check(self.model, *features)
+        except UnsupportedTorchError:
+            _vouch(self, False)
+            raise
+        if finish:
             self._enter_elastic(config.join)  # may refuse: before any collective
 
     def join_entered(self, join: Join) -> None:
@@ -236,7 +248,7 @@ class FSDPJoinable(AdapterJoinable):
             self._leave()
             _vouch(self, False)
 
-    def _enter_elastic(self, join: Join) -> None:
+    def _enter_elastic(self, join: JoinContext) -> None:
         """``Join(..., on_rank_loss="finish")``: unsharded while it lasts (``_fsdp_elastic``).
 
         Raises:
@@ -693,11 +705,12 @@ def _take_gradients(model: nn.Module) -> list[tuple[Any, str, Any]]:
     for param in model.parameters():
         taken.append((param, "grad", param.grad))
         param.grad = None
+    accumulated = _compat.fsdp_accumulated_grad()  # None: it is the unsharded .grad
     for group in _param_groups(model):
         for fsdp_param in group.fsdp_params:
-            taken.append((fsdp_param, "unsharded_accumulated_grad",
-                          fsdp_param.unsharded_accumulated_grad))
-            fsdp_param.unsharded_accumulated_grad = None
+            if accumulated is not None:
+                taken.append((fsdp_param, accumulated, getattr(fsdp_param, accumulated)))
+                setattr(fsdp_param, accumulated, None)
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
                 taken.append((unsharded, "grad", unsharded.grad))
@@ -717,8 +730,15 @@ def _reset_if_mid_iteration(model: Any) -> None:
     states = _states(model)
     if any(state._training_state.name != idle for state in states) or any(
         group._training_state.name != idle
-        for state in states for group in state._fsdp_param_groups
+        for state in states for group in _compat.fsdp_param_groups(state)
     ):
+        if not _compat.fsdp_can_reset():
+            raise UnsupportedTorchError(
+                f"joinkit cannot shadow this rank: its loop raised inside an FSDP2 forward "
+                f"or backward, and torch {torch.__version__} has no "
+                "FSDPModule.reset_iter_state to reset FSDP's iteration before the shadow "
+                "(torch 2.13 and later have it). Every other use of FSDP2 under Join works "
+                "on this torch; this rank's own exception is chained below")
         model.reset_iter_state()
 
 

@@ -21,8 +21,9 @@ calls it, before Python finalizes: a daemon thread that comes back from a
 native call while Python finalizes is ended by ``pthread_exit``, and ended
 inside pybind11's GIL release that aborts the process (``std::terminate``).
 It reads and writes a few of ``TorchGroup``'s members (``_abort``,
-``_store_prefix``, ``_post``, ``rank``, ``world_size``): this is the group's
-own machinery, kept apart only to be read apart.
+``_store_prefix``, ``_post``, ``rank``, ``world_size``; :class:`BoardGroup`):
+this is the group's own machinery, kept apart only to be read apart (and
+below ``_group``, which imports it, so it names the group by that protocol).
 """
 
 from __future__ import annotations
@@ -32,14 +33,21 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from .. import _status
 
-if TYPE_CHECKING:
-    from ._group import TorchGroup
+
+class BoardGroup(Protocol):
+    """What this module reads and writes of a ``TorchGroup`` (module doc)."""
+
+    rank: int
+    world_size: int
+    _abort: tuple[int, str] | None
+    _store_prefix: str
+    _post: _status.Post
 
 #: Seconds a blocking wait on a CPU group waits before it looks for an abort.
 _WAIT_SLICE = 1.0
@@ -92,7 +100,7 @@ def _bounded(action: Callable[[Any], Any], patience: float = _STORE_PATIENCE) ->
 
 # Groups with a status to publish; the thread that publishes them; the store
 # helpers still running; set once the exit guard stops them all (module doc).
-_publishing: weakref.WeakSet[TorchGroup] = weakref.WeakSet()
+_publishing: weakref.WeakSet[BoardGroup] = weakref.WeakSet()
 _publisher: threading.Thread | None = None
 _helpers: set[threading.Thread] = set()
 _threads_lock = threading.Lock()
@@ -101,7 +109,7 @@ _exiting = threading.Event()
 _processes_posted: dict[str, Any] = {}
 # Groups with a wait past its first slice -> how many; the abort watcher, and
 # what wakes it when the first wait comes (or the exit guard stops it).
-_long_waits: dict[int, tuple[TorchGroup, int]] = {}  # by id: groups compare by their PG
+_long_waits: dict[int, tuple[BoardGroup, int]] = {}  # by id: groups compare by their PG
 _watcher: threading.Thread | None = None
 _waits_changed = threading.Condition(_threads_lock)
 # The other threads that read the store (the elastic watchers), with the event
@@ -140,7 +148,7 @@ def _abort_posted(store: Any, prefix: str) -> tuple[int, str] | None:
     return int(posted["rank"]), str(posted["reason"])
 
 
-def _watch_aborts(group: TorchGroup, change: int) -> bool:
+def _watch_aborts(group: BoardGroup, change: int) -> bool:
     """Count a long wait of ``group`` in (+1) or out (-1); start the watcher.
 
     Returns:
@@ -185,7 +193,7 @@ def _watch_loop() -> None:
                 group._abort = aborted
 
 
-def _publish_statuses(group: TorchGroup) -> None:
+def _publish_statuses(group: BoardGroup) -> None:
     global _publisher
     try:
         store = _store()

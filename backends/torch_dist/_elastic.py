@@ -80,7 +80,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -92,8 +92,16 @@ from joinkit.lowlevel import ACTIVE
 from .. import _status
 from . import _board
 
-if TYPE_CHECKING:
-    from ._group import TorchGroup
+
+class ElasticGroup(_board.BoardGroup, Protocol):
+    """What the recovery reads and calls of a ``TorchGroup`` (this module sits
+    below ``_group``, which imports it)."""
+
+    process_group: Any
+
+    def _aborted_error(self) -> Exception: ...
+    def _posted_abort(self) -> tuple[int, str] | None: ...
+    def _adopt(self, process_group: Any, rank: int, world_size: int) -> None: ...
 
 #: Seconds a wait of a unit waits before it looks at the failure flag.
 _SLICE = 0.01
@@ -177,7 +185,7 @@ class Elastic:
             it lives outside the ranks.
     """
 
-    def __init__(self, group: TorchGroup, progress: Callable[[], None], store: Any,
+    def __init__(self, group: ElasticGroup, progress: Callable[[], None], store: Any,
                  store_host: int | None) -> None:
         self.group = group
         self.progress = progress

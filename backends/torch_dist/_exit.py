@@ -22,15 +22,26 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from . import _board
 
-if TYPE_CHECKING:
-    from ._group import TorchGroup
+
+class ExitGroup(Protocol):
+    """What the exit guard takes from a ``TorchGroup`` (this module sits below
+    ``_group``, which imports it): its one-element buffers, their latest works,
+    its process group."""
+
+    process_group: Any
+    _beats: tuple[torch.Tensor, torch.Tensor]
+    _beat_works: list[Any]
+    _tally: torch.Tensor
+    _count_work: Any
+    _barrier_buf: torch.Tensor
+    _barrier_work: Any
 
 #: worker threads to finish their collectives (module doc).
 _EXIT_PATIENCE = 5.0
@@ -39,7 +50,7 @@ _EXIT_PATIENCE = 5.0
 # Every TorchGroup of the process; the staged tensors of collectives in flight,
 # as [work or None, *tensors], oldest first; the length at which _hold next
 # looks at every entry (not just the oldest).
-_groups: weakref.WeakSet[TorchGroup] = weakref.WeakSet()
+_groups: weakref.WeakSet[ExitGroup] = weakref.WeakSet()
 _held: collections.deque[list[Any]] = collections.deque()
 _held_lock = threading.Lock()
 _prune_at = 64
@@ -89,7 +100,7 @@ def _let_go(entry: list[Any]) -> bool:
     return all(_use_count(tensor) == 1 for tensor in entry[1:])
 
 
-def _group_entries(group: TorchGroup) -> list[list[Any]]:
+def _group_entries(group: ExitGroup) -> list[list[Any]]:
     """The group's one-element buffers with their latest works, taken from it."""
     entries = [
         [group._beat_works[0], group._beats[0]],

@@ -208,9 +208,9 @@ def test_shell_polls_after_heartbeats_and_at_the_end() -> None:
     assert ("on_rank_loss", "finish") in (join.state.config.signature or ())
     # The recovery's progress ticks the watchdog.
     assert group.config is not None and group.config.world_size == 1
-    ticks = join._watch.ticks
+    ticks = join._drive.watch.ticks
     group.config.progress()
-    assert join._watch.ticks == ticks + 1
+    assert join._drive.watch.ticks == ticks + 1
 
 
 def test_raise_mode_never_asks_the_backend() -> None:

@@ -195,7 +195,7 @@ def test_a_join_is_single_use_and_says_so_when_entered_again() -> None:
 
 
 def test_posted_statuses_follow_the_join_from_entry_to_exit() -> None:
-    # What a peer's stall diagnostic reads of this rank (Join._post).
+    # What a peer's stall diagnostic reads of this rank (_drive.Drive.post).
     def rank_fn(group: ThreadGroup) -> list[str]:
         posted: list[str] = []
         post = group.post_status

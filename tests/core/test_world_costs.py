@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from joinkit import AgreementError, Join, Joinable, JoinHook, PeerFailure, backends
-from joinkit._join import MOST_RANK_RANGES, MOST_STATUS_LINES, peer_status_lines
+from joinkit._reporting import MOST_RANK_RANGES, MOST_STATUS_LINES, peer_status_lines
 from joinkit.backends.threads import ThreadGroup, spawn
 
 TIMEOUT = 60.0

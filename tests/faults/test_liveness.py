@@ -147,15 +147,15 @@ def test_without_a_board_the_default_is_a_hard_limit_of_six_timeouts(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JOINKIT_DEFAULT_TIMEOUT", "2")
     join = Join([_OnBoardless()])
-    assert join._watch.hard and join._watch.timeout == 12.0  # 30 min unscaled
+    assert join._drive.watch.hard and join._drive.watch.timeout == 12.0  # 30 min unscaled
     explicit = Join([_OnBoardless()], timeout=5.0)
-    assert explicit._watch.hard and explicit._watch.timeout == 5.0
+    assert explicit._drive.watch.hard and explicit._drive.watch.timeout == 5.0
     with join:
         pass
 
     def on_threads(group: Any) -> tuple[bool, float]:
         join = Join([fs.Counter(group)])
-        return join._watch.hard, join._watch.timeout
+        return join._drive.watch.hard, join._drive.watch.timeout
 
     assert spawn(on_threads, 2, timeout=30.0) == [(False, 2.0)] * 2  # the board decides
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +54,14 @@ def test_pyproject_declares_the_range_that_is_checked() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     extra = re.search(r'^torch = \["torch([^"]*)"\]', pyproject, re.M)
     assert extra is not None and extra.group(1) == _torch_private.SUPPORTED_TORCH
-    constraints = (ROOT / "constraints.txt").read_text()
-    assert f"torch=={_torch_private.TESTED_TORCH}" in constraints.split()
+    constraints = (ROOT / "constraints.txt").read_text().split()
+    assert any(f"torch=={tested}" in constraints for tested in _torch_private.TESTED_TORCH)
 
 
 def test_the_readme_states_the_range() -> None:
     readme = (ROOT / "README.md").read_text()
     assert f"torch{_torch_private.SUPPORTED_TORCH}" in readme
-    assert _torch_private.TESTED_TORCH in readme
+    assert all(tested in readme for tested in _torch_private.TESTED_TORCH)
 
 
 def test_join_refuses_a_ddp_whose_join_method_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,8 +72,9 @@ def test_join_refuses_a_ddp_whose_join_method_is_gone(monkeypatch: pytest.Monkey
     assert isinstance(caught.value, RuntimeError)
     assert "DistributedDataParallel._match_all_reduce_for_bwd_pass is missing" in message
     assert f"this process runs torch {torch.__version__}" in message
-    assert "supports torch >=2.13,<2.14 (tested with 2.13.0)" in message
-    assert "pip install 'torch>=2.13,<2.14'" in message
+    assert "supports torch >=2.6 (tested with 2.6.0, 2.7.1, " in message
+    assert "joinkit needs for: DistributedDataParallel." in message
+    assert "pip install" not in message
 
 
 def test_changed_parameters_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,3 +175,43 @@ def test_a_group_that_failed_is_checked_again(monkeypatch: pytest.MonkeyPatch) -
         with pytest.raises(UnsupportedTorchError, match="_find_common_rank is missing"):
             check(bare(DDP))
     check(bare(DDP))  # torch as it is again: passes
+
+
+def test_a_finish_mode_member_missing_refuses_finish_mode_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member only Join(on_rank_loss="finish") uses never refuses plain DDP."""
+    monkeypatch.delattr(DDP, "_update_process_group")
+    check(bare(DDP))  # plain DDP: its groups pass
+    with pytest.raises(UnsupportedTorchError) as caught:
+        check(bare(DDP), _torch_private.FINISH)
+    message = str(caught.value)
+    assert "joinkit needs for: DistributedDataParallel in finish mode" in message
+    assert "_update_process_group is missing" in message
+    assert f"runs torch {torch.__version__}" in message
+
+
+def test_a_property_without_a_setter_is_refused_where_joinkit_sets_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Need.SETTABLE: torch 2.15 made FSDPParam.unsharded_accumulated_grad such a property."""
+
+    class Param:
+        def __init__(self) -> None:
+            self.plain = None
+
+        @property
+        def derived(self) -> None:
+            return None
+
+    module = type(sys)("guard_settable_test")
+    module.Param = Param  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    def settable(name: str) -> Member:
+        return Member(module=module.__name__, name=f"Param.{name}", need=Need.SETTABLE,
+                      why="a test")
+
+    assert problems([settable("plain")]) == []
+    assert problems([settable("derived")]) == [
+        "guard_settable_test.Param.derived is a property without a setter; joinkit sets "
+        "it: a test"]
+    assert "is missing" in problems([settable("gone")])[0]

@@ -1,0 +1,132 @@
+"""The torch internals that differ between the releases joinkit supports, resolved once.
+
+Rules of this room: this module is the one place that knows a torch internal
+has more than one spelling (or none) across torch 2.6 and later; the rest of
+``adapters.torch`` uses the names and answers resolved here, never a version
+number of its own. Each answer asks torch's objects, not ``torch.__version__``
+(does the class's code name the member, does its property have a setter), and
+is computed once per process (``functools.cache``). ``_private``'s guard table
+lists the spelling resolved here, so a torch that has neither spelling, or
+whose chosen member cannot be used as joinkit uses it, is refused by the table
+with the member it would have used.
+
+==================================  ==========================================
+What                                Spellings, newest first (releases seen)
+==================================  ==========================================
+DDP: "sync buffers in forward"      ``forward_sync_buffers`` (2.13 and later);
+                                    ``broadcast_buffers`` (2.6 to 2.12)
+FSDP2: a state's parameter groups   ``_fsdp_param_groups``, a list (2.11 and
+                                    later); ``_fsdp_param_group``, one or
+                                    ``None`` (2.6 to 2.10)
+FSDP2: a parameter's gradient kept  ``unsharded_accumulated_grad``, an attribute
+across backwards without sync       of its own (2.6 to 2.14); none: 2.15's
+                                    read-only property reads the unsharded
+                                    parameter's ``.grad`` (joinkit takes that
+                                    gradient already)
+FSDP2: reset after an exception     ``FSDPModule.reset_iter_state`` (2.13 and
+mid-iteration                       later); none before (:func:`fsdp_can_reset`)
+FSDP2: reductions that sum          ``gradient_divide_factor`` and
+(``divide_by_initial_world_size=    ``force_sum_reduction_for_comms`` (2.8 and
+False``)                            later); none before: refused by feature
+                                    (``_private``'s group of that name)
+==================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from .._guards import class_names, names_in, read_only_property
+
+__all__ = [
+    "ddp_buffer_sync_flag",
+    "ddp_syncs_buffers_in_forward",
+    "fsdp_param_groups_attribute",
+    "fsdp_param_groups",
+    "fsdp_accumulated_grad",
+    "fsdp_can_reset",
+]
+
+_DDP = "torch.nn.parallel.distributed"
+_FSDP = "torch.distributed.fsdp._fully_shard"
+
+
+def _cls(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module), name)
+
+
+@functools.cache
+def ddp_buffer_sync_flag() -> str:
+    """DDP's attribute that says whether its forward broadcasts the buffers.
+
+    torch 2.13 renamed ``broadcast_buffers`` (still accepted, deprecated, by the
+    constructor) to ``forward_sync_buffers``.
+    """
+    ddp = _cls(_DDP, "DistributedDataParallel")
+    return "forward_sync_buffers" if "forward_sync_buffers" in class_names(ddp) \
+        else "broadcast_buffers"
+
+
+def ddp_syncs_buffers_in_forward(ddp: Any) -> bool:
+    """Whether ``ddp``'s forward broadcasts its buffers on DDP's group."""
+    return bool(getattr(ddp, ddp_buffer_sync_flag())) and \
+        len(getattr(ddp, "modules_buffers", [])) > 0
+
+
+@functools.cache
+def fsdp_param_groups_attribute() -> str:
+    """FSDPState's attribute for its parameter groups (a list, or one group or None)."""
+    state = _cls(f"{_FSDP}._fsdp_state", "FSDPState")
+    return "_fsdp_param_groups" if "_fsdp_param_groups" in class_names(state) \
+        else "_fsdp_param_group"
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """The parameter groups of one FSDP state, as a list on every release."""
+    groups = getattr(state, fsdp_param_groups_attribute())
+    if isinstance(groups, (list, tuple)):
+        return list(groups)
+    return [] if groups is None else [groups]
+
+
+@functools.cache
+def fsdp_accumulated_grad() -> str | None:
+    """FSDPParam's own attribute for the gradient it keeps across backwards, or ``None``.
+
+    ``None`` where the name is a read-only property over the unsharded
+    parameter's ``.grad`` (torch 2.15): that gradient is the only one, and the
+    adapter takes it with the parameter's. Any other read-only property keeps
+    the name: the guard table (``Need.SETTABLE``) then refuses it.
+    """
+    name = "unsharded_accumulated_grad"
+    param = _cls(f"{_FSDP}._fsdp_param", "FSDPParam")
+    if read_only_property(param, name):
+        getter = _property(param, name).fget
+        # 2.15 reads it with getattr(self, "_unsharded_param", None): a string.
+        code = getattr(getter, "__code__", None)
+        strings = {c for c in (code.co_consts if code else ()) if isinstance(c, str)}
+        if {"_unsharded_param", "grad"} <= names_in(getter) | strings:
+            return None
+    return name
+
+
+def _property(cls: type, name: str) -> property:
+    """The property ``name`` of ``cls`` or a base."""
+    for klass in cls.__mro__:
+        value = vars(klass).get(name)
+        if isinstance(value, property):
+            return value
+    raise LookupError(f"{cls.__name__} has no property {name}")
+
+
+@functools.cache
+def fsdp_can_reset() -> bool:
+    """Whether FSDP2 can reset an iteration that an exception left mid-flight.
+
+    ``FSDPModule.reset_iter_state`` (torch 2.13); a rank whose loop raised
+    inside an FSDP forward or backward is then shadowed like a joined rank.
+    Without it that one case is refused (``fsdp``'s ``_reset_if_mid_iteration``).
+    """
+    return hasattr(_cls(f"{_FSDP}._fully_shard", "FSDPModule"), "reset_iter_state")
