@@ -62,7 +62,7 @@ test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not launches and not slow"
 
 # ruff, strict mypy, and the walls of the house: the import contracts in
-# pyproject.toml ([tool.importlinter]; tests/import_rules.py adds one).
+# pyproject.toml ([tool.importlinter]; tests/support/import_rules.py adds one).
 lint: setup
 	$(VENV)/bin/ruff check join_core backends adapters examples tests benchmarks docs/_hooks
 	$(VENV)/bin/mypy -p joinkit

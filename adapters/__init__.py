@@ -34,27 +34,10 @@ from typing import Any
 
 from joinkit import Adapter, Joinable
 
+from ._errors import UnsupportedTorchError, UnsupportedTorchmetricsError
+
 __all__ = ["TORCH", "FSDP", "OPTIM", "METRICS", "FABRIC", "UnsupportedTorchError",
            "UnsupportedTorchmetricsError"]
-
-
-class UnsupportedTorchError(RuntimeError):
-    """This torch lacks or changed an internal that an adapter relies on.
-
-    Raised when an adapter adapts an object (so when ``Join`` is built), once
-    per kind of object and process; the message names the torch version, each
-    member that changed and the torch versions this joinkit supports
-    (``joinkit.adapters.torch._private``).
-    """
-
-
-class UnsupportedTorchmetricsError(RuntimeError):
-    """This torchmetrics lacks or changed an internal that the metrics adapter relies on.
-
-    Raised when ``Join`` adapts a torchmetrics object (once per process); the
-    message names the torchmetrics version, each member that changed and the
-    versions this joinkit supports (``joinkit.adapters.torchmetrics._private``).
-    """
 
 
 _TORCH_JOIN = "torch.distributed.algorithms.join"

@@ -79,10 +79,8 @@ This module imports only the standard library and joinkit's core.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
-from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from joinkit.lowlevel import (
     BACKEND_ENTRY_POINTS,
@@ -92,6 +90,9 @@ from joinkit.lowlevel import (
 from joinkit.lowlevel import find_registered_backend as find_registered
 from joinkit.lowlevel import register_backend as register
 from joinkit.lowlevel import resolve_backend as resolve
+
+from ._collective_group import REDUCE_OPS, CollectiveGroup
+from ._detect import detect_launcher
 
 __all__ = [
     "Handle",
@@ -112,117 +113,6 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = BACKEND_ENTRY_POINTS
-
-
-REDUCE_OPS = ("sum", "prod", "min", "max", "band", "bor", "bxor")
-
-
-@runtime_checkable
-class CollectiveGroup(JoinBackend, Protocol):
-    """The framework-agnostic collectives every backend's group offers.
-
-    Buffers are NumPy arrays or torch CPU tensors and are updated in place.
-    ``op`` is one of :data:`REDUCE_OPS`. With ``async_op=True`` a call returns a
-    :class:`Handle` whose ``wait()`` returns what the blocking call would have
-    returned (and only then is the buffer guaranteed to hold the result; a
-    second ``wait()`` returns the same) and whose ``is_completed()`` says,
-    without blocking, whether the collective has completed. What every group
-    accepts and refuses is decided in one place, ``backends._checks``.
-    """
-
-    device: Any
-
-    def all_reduce(self, buf: Any, op: str = "sum", async_op: bool = False) -> Any:
-        """Reduce ``buf`` over all ranks; every rank gets the result."""
-        ...
-
-    def broadcast(self, buf: Any, src: int, async_op: bool = False) -> Any:
-        """Copy ``buf`` of rank ``src`` into ``buf`` of every rank."""
-        ...
-
-    def all_gather(self, buf: Any, async_op: bool = False) -> Any:
-        """Return a list of every rank's ``buf`` (new buffers, rank order)."""
-        ...
-
-    def reduce(self, buf: Any, dst: int, op: str = "sum", async_op: bool = False) -> Any:
-        """Reduce ``buf`` over all ranks into ``buf`` of rank ``dst``."""
-        ...
-
-    def gather(self, buf: Any, dst: int, async_op: bool = False) -> Any:
-        """Return the list of every rank's ``buf`` on ``dst``; ``None`` elsewhere."""
-        ...
-
-    def scatter(
-        self, buf: Any, src: int, chunks: Any = None, async_op: bool = False
-    ) -> Any:
-        """Fill ``buf`` with ``chunks[rank]`` of rank ``src`` (``chunks`` on src only)."""
-        ...
-
-    def barrier(self) -> None:
-        """Return once every rank has called ``barrier``."""
-        ...
-
-
-# Variables only an MPI launcher sets: Open MPI's mpirun, MPICH's Hydra (also
-# Intel MPI), MVAPICH's mpirun_rsh.
-_MPIRUN_MARKERS = ("OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
-# Set by any PMI/PMIx process manager, srun's MPI plugins included.
-_PMI_MARKERS = ("PMI_SIZE", "PMIX_RANK")
-# Set for the tasks of an srun step, not for the batch script itself (whose
-# SLURM_NTASKS would describe tasks that do not exist as processes yet).
-_SRUN_STEP_MARKERS = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS")
-# Set by Ray in every process of a Ray worker (and inherited by its
-# subprocesses); a Ray Train worker (TorchTrainer) also has torchrun's
-# RANK/WORLD_SIZE/LOCAL_RANK and MASTER_ADDR/MASTER_PORT, but no
-# TORCHELASTIC_RUN_ID: its rank 0 *process* serves the store at MASTER_PORT.
-_RAY_WORKER_MARKERS = ("RAY_RAYLET_PID",)
-_RAY_TRAIN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-def detect_launcher(environ: Mapping[str, str] | None = None) -> str | None:
-    """Name the launcher that started this process, from its environment.
-
-    The checks go from the most to the least specific variable, because
-    launchers nest: ``srun torchrun ...`` sets Slurm's variables as well as
-    torchrun's, an ``mpirun`` inside an sbatch script inherits Slurm's, srun
-    with an MPI plugin sets PMI variables, and ``init_torch`` under mpirun
-    exports torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``.
-
-    Args:
-        environ: the environment to inspect; ``None`` means ``os.environ``.
-
-    A Ray Train worker (``ray.train.torch.TorchTrainer``; ``RAY_RAYLET_PID``
-    with torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, which Ray
-    Train sets, and no ``TORCHELASTIC_RUN_ID``) and any subprocess of one is
-    ``"ray"``; a torchrun or mpirun started inside a Ray task is still that
-    launcher.
-
-    Returns:
-        ``"torchrun"``, ``"mpirun"`` (Open MPI, MPICH/Hydra, MVAPICH or a
-        PMI/PMIx process manager), ``"srun"`` (Slurm), ``"ray"`` (a Ray Train
-        worker or its subprocess), or ``None`` when no launcher is detected.
-    """
-    env = os.environ if environ is None else environ
-    if "TORCHELASTIC_RUN_ID" in env:
-        return "torchrun"
-    if any(key in env for key in _MPIRUN_MARKERS):
-        return "mpirun"
-    if (
-        "SLURM_PROCID" in env
-        and ("SLURM_NTASKS" in env or "SLURM_STEP_NUM_TASKS" in env)
-        and any(key in env for key in _SRUN_STEP_MARKERS)
-    ):
-        return "srun"
-    if any(key in env for key in _PMI_MARKERS):
-        return "mpirun"
-    if any(key in env for key in _RAY_WORKER_MARKERS) and all(
-        key in env for key in _RAY_TRAIN_VARIABLES
-    ):
-        return "ray"
-    if "LOCAL_RANK" in env and "WORLD_SIZE" in env:
-        # torch.distributed.launch or a hand-made torchrun environment.
-        return "torchrun"
-    return None
 
 
 # library module that must already be loaded -> our module that registers itself

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from . import REDUCE_OPS
+from ._collective_group import REDUCE_OPS
 
 __all__ = ["Checks", "DTYPES", "contiguous", "host_array", "is_tensor", "shares_elements",
            "write_back"]

@@ -155,7 +155,7 @@ from joinkit import (
 )
 from joinkit.lowlevel import AdapterCache, AdapterJoinable
 
-from .. import UnsupportedTorchError
+from .._errors import UnsupportedTorchError
 from . import _ddp_hook, _ddp_round, _private
 
 __all__ = ["adapt", "TorchJoinable"]

@@ -48,7 +48,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .. import UnsupportedTorchError
+from .._errors import UnsupportedTorchError
 from .._guards import Member, Need, member, problems, version
 from . import _compat
 

@@ -128,7 +128,7 @@ from joinkit import (
 )
 from joinkit.lowlevel import AdapterCache, AdapterJoinable, JoinContext
 
-from .. import UnsupportedTorchError
+from .._errors import UnsupportedTorchError
 from . import _compat, _private, _replay
 from ._fsdp_state import param_groups as _param_groups
 from ._fsdp_state import states as _states

@@ -82,7 +82,7 @@ except ImportError as _error:  # pragma: no cover - the message is the point
 from joinkit import Join, Joinable, JoinConfig, JoinHook, LocalProtocolError
 from joinkit.lowlevel import AdapterCache, AdapterJoinable
 
-from .. import UnsupportedTorchmetricsError
+from .._errors import UnsupportedTorchmetricsError
 from . import _private
 
 __all__ = ["adapt", "check", "gather_states", "MetricJoinable"]

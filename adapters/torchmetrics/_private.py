@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .. import UnsupportedTorchmetricsError
+from .._errors import UnsupportedTorchmetricsError
 from .._guards import Member, Need, problems
 
 __all__ = ["SUPPORTED_TORCHMETRICS", "TESTED_TORCHMETRICS", "MEMBERS", "check"]

@@ -41,7 +41,7 @@ from typing import Any
 
 import attrs
 
-from .. import detect_launcher
+from .._detect import detect_launcher
 from . import _plan
 from ._network import gloo_interface
 

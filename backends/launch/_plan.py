@@ -88,8 +88,10 @@ from typing import Any
 
 import attrs
 
-from .. import detect_launcher, register
+from joinkit.lowlevel import register_backend as register
+
 from .._checks import Checks, host_array, write_back
+from .._detect import detect_launcher
 from ._network import (
     DEFAULT_RENDEZVOUS_TIMEOUT,
     HostFacts,

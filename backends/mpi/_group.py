@@ -78,9 +78,9 @@ from typing import Any
 import numpy as np
 
 from joinkit import LostRank
+from joinkit.lowlevel import register_backend
 
 from .. import _objects
-from .. import register as register_backend
 from .._checks import Checks, host_array, is_tensor
 from . import _board
 from ._elastic import Done, ElasticGroup, _Rounds

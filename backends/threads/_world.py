@@ -90,9 +90,10 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from joinkit import CollectiveMismatch, PeerAborted, PeerFailure, RankTimeout
+from joinkit.lowlevel import register_backend as register
 
-from .. import REDUCE_OPS, register
 from .._checks import Checks, host_array, is_tensor, write_back
+from .._collective_group import REDUCE_OPS
 from ._board import ThreadsBoard
 from ._mismatch import _JOIN, _USER, _format_site, _ranks, _Signature, _Site, mismatch_table
 

@@ -134,9 +134,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from joinkit import LocalProtocolError, PeerFailure
+from joinkit.lowlevel import register_backend
 
 from .. import _objects, _status
-from .. import register as register_backend
 from .._checks import Checks
 from .._status import Post
 from . import _board, _elastic

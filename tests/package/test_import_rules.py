@@ -1,4 +1,4 @@
-"""The walls of the house (issue 29): the import contracts, the public surface, old paths.
+"""The walls of the house (issue 29): the import contracts and the public surface.
 
 - ``import_rules.py`` (the private-names contract) finds what it must and
   nothing else, on small trees written here;
@@ -7,9 +7,8 @@
   fails on a package planted with one; the real package has none;
 - ``pyproject.toml``'s core contracts list every module of ``join_core/``;
 - ``joinkit.lowlevel`` and the other public surfaces export what they say;
-- every module path the README and the docs name still imports, and the old
-  paths of moved modules re-export the same objects with one
-  ``DeprecationWarning``.
+- every module path the README and the docs name imports (the paths before
+  the one-room-per-library layout are gone: issue 47).
 
 ``make lint`` runs the contracts themselves (``lint-imports``).
 """
@@ -22,8 +21,6 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,11 +30,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10: import-linter depends on tomli there
     import tomli as tomllib
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from support import ROOT
+from support.import_rules import import_cycles, violations
 
-from tests.import_rules import import_cycles, violations  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 PLUG_INS = ("pkg.backends", "pkg.adapters")
 
 
@@ -128,7 +123,8 @@ TYPE_CHECKING_CYCLE = {
     "_high.py": TYPING + "if TYPE_CHECKING:\n    from ._low import use\n\nclass High: ...\n",
 }
 #: A package's __init__ that loads its module in a function; the module takes
-#: a light name from the __init__.
+#: a light name from the __init__: still a cycle (the light name belongs in a
+#: lower module of its own).
 LAZY_FACADE = {
     "__init__.py": "LIGHT = 1\n\ndef __getattr__(name):\n    from . import _heavy\n\n"
                    "    return getattr(_heavy, name)\n",
@@ -147,9 +143,14 @@ LAZY_FACADE = {
     ({"__init__.py": "", "_a.py": "from .sub import _b\n", "sub/__init__.py": "",
       "sub/_b.py": "from .. import _c\n", "_c.py": TYPING + "if TYPE_CHECKING:\n"
       "    from . import _a\n"}, [[("_a", "sub._b"), ("_c", "_a"), ("sub._b", "_c")]]),
-    # a lazy facade is left out (tests/import_rules.py's module doc) ...
-    (LAZY_FACADE, []),
-    # ... but the same import at module level or for type checking counts
+    # a lazy facade whose module takes a name from the facade is a cycle ...
+    (LAZY_FACADE, [[("", "_heavy"), ("_heavy", "")]]),
+    # ... not once the name lives below both
+    ({"__init__.py": "from ._light import LIGHT\n\ndef __getattr__(name):\n"
+      "    from . import _heavy\n\n    return getattr(_heavy, name)\n",
+      "_light.py": "LIGHT = 1\n", "_heavy.py": "from ._light import LIGHT\n\nHEAVY = LIGHT\n"},
+     []),
+    # the same import at module level or for type checking counts too
     ({**LAZY_FACADE, "__init__.py": "LIGHT = 1\nfrom ._heavy import HEAVY\n"},
      [[("", "_heavy"), ("_heavy", "")]]),
     ({**LAZY_FACADE, "__init__.py": TYPING + "LIGHT = 1\nif TYPE_CHECKING:\n"
@@ -190,6 +191,7 @@ def _lint(tmp_path: Path, name: str, files: dict[str, str]) -> subprocess.Comple
         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.launches
 def test_lint_fails_on_a_cycle_made_only_of_imports_for_type_checking(tmp_path: Path) -> None:
     broken = _lint(tmp_path / "broken", "planted", TYPE_CHECKING_CYCLE)
     assert broken.returncode == 1, broken.stdout + broken.stderr
@@ -301,6 +303,7 @@ def _documented_modules() -> set[str]:
     return modules
 
 
+@pytest.mark.launches
 def test_every_documented_module_path_imports() -> None:
     modules = sorted(_documented_modules())
     assert "joinkit.adapters.torch.data" in modules and "joinkit.lowlevel" in modules
@@ -308,51 +311,3 @@ def test_every_documented_module_path_imports() -> None:
     run = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:joinkit",
                           "-c", code, *modules], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-
-
-#: old path -> new path of the modules issue 29 moved.
-MOVED = {
-    "joinkit.adapters.fsdp": "joinkit.adapters.torch.fsdp",
-    "joinkit.adapters.optim": "joinkit.adapters.torch.optim",
-    "joinkit.adapters.data": "joinkit.adapters.torch.data",
-    "joinkit.adapters.collectives": "joinkit.adapters.torch.collectives",
-    "joinkit.adapters.fabric": "joinkit.adapters.lightning.fabric",
-}
-
-
-def _moved_check(old: str, new: str) -> subprocess.CompletedProcess[str]:
-    """A fresh interpreter imports ``new``, then ``old`` twice: one warning."""
-    code = f"""
-import importlib, warnings
-new = importlib.import_module({new!r})
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    old = importlib.import_module({old!r})
-    importlib.import_module({old!r})
-moved = [w for w in caught if issubclass(w.category, DeprecationWarning)
-         and {old!r} in str(w.message)]
-assert len(moved) == 1, [str(w.message) for w in caught]
-assert {new!r} in str(moved[0].message)
-for name in new.__all__:
-    assert getattr(old, name) is getattr(new, name), name
-print("ok", len(new.__all__))
-"""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
-
-
-@pytest.fixture(scope="module")
-def moved_checks() -> Iterator[dict[str, Future[subprocess.CompletedProcess[str]]]]:
-    """The checks of every moved path, two interpreters at a time (each mostly
-    imports torch, one at a time left a core idle)."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {old: pool.submit(_moved_check, old, new) for old, new in sorted(MOVED.items())}
-
-
-@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
-def test_an_old_path_re_exports_the_new_module_and_warns_once(
-        old: str, new: str,
-        moved_checks: dict[str, Future[subprocess.CompletedProcess[str]]]) -> None:
-    run = moved_checks[old].result()
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.startswith("ok ")

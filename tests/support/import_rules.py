@@ -27,20 +27,12 @@ so that each module can be read knowing only modules below it. Every import
 counts: those under ``if TYPE_CHECKING:`` (``pyproject.toml`` sets
 ``exclude_type_checking_imports = false``, so the graph has them; a module
 that needs a higher one's type for an annotation takes a ``Protocol`` from a
-lower one instead) and those inside a function, with one exception: a
-package's ``__init__`` that imports one of its own modules *inside a function*
-(a ``__getattr__`` that loads a name on first use, an adapter loaded when its
-framework's object first shows up). That is the shape of a lazy facade: the
-package stands in front of its modules and re-exports them on demand, while
-they take its light names (``backends.register``, an adapter's error class)
-from an ``__init__`` that is complete by the time the function runs. It is
-left out because it is how ``joinkit.backends`` and ``joinkit.adapters`` keep
-torch, mpi4py and NumPy from loading with the package, in a dozen modules
-across their rooms; the same import at module level, or for type checking,
-is an ordinary edge and counts.
-
-``pyproject.toml`` declares both (``contract_types``) and ``make lint`` runs
-them with the others.
+lower one instead) and those inside a function. A package's ``__init__`` that
+loads its modules on first use (``joinkit.backends``, ``joinkit.adapters``:
+torch, mpi4py and NumPy load only with the room that needs them) is a facade
+above them: the names its modules share live in a lower module of their own
+(``backends._collective_group``, ``backends._detect``, ``adapters._errors``),
+which the ``__init__`` re-exports, so no module imports the package above it.
 """
 
 from __future__ import annotations
@@ -174,16 +166,6 @@ class PrivateNamesContract(Contract):
             output.new_line()
 
 
-def _deferred_lines(path: Path) -> set[int]:
-    """The lines of the imports a module makes inside a function."""
-    lines = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            lines.update(inner.lineno for inner in ast.walk(node)
-                         if isinstance(inner, (ast.Import, ast.ImportFrom)))
-    return lines
-
-
 def _components(edges: dict[str, dict[str, tuple[int, ...]]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan's,
     without recursion), each sorted, in order of their first module."""
@@ -244,19 +226,11 @@ def import_cycles(graph: Any, packages: set[str]) -> list[list[tuple[str, str, t
                if any(_inside(module, package) for package in packages)}
     edges: dict[str, dict[str, tuple[int, ...]]] = {module: {} for module in modules}
     for importer in sorted(modules):
-        deferred: set[int] | None = None
         for imported in graph.find_modules_directly_imported_by(importer):
             if imported not in modules or imported == importer:
                 continue
             lines = tuple(sorted({detail["line_number"] for detail in
                                   graph.get_import_details(importer=importer, imported=imported)}))
-            if imported.startswith(importer + "."):  # a package importing its own module
-                if deferred is None:
-                    spec = importlib.util.find_spec(importer)
-                    origin = None if spec is None else spec.origin
-                    deferred = _deferred_lines(Path(origin)) if origin else set()
-                if lines and set(lines) <= deferred:
-                    continue  # a lazy facade's load on first use (module doc)
             edges[importer][imported] = lines
     return [[(importer, imported, edges[importer][imported])
              for importer in component for imported in component
