@@ -15,20 +15,26 @@ What                                Spellings, newest first (releases seen)
 ==================================  ==========================================
 DDP: "sync buffers in forward"      ``forward_sync_buffers`` (2.13 and later);
                                     ``broadcast_buffers`` (2.6 to 2.12)
-FSDP2: a state's parameter groups   ``_fsdp_param_groups``, a list (2.11 and
+FSDP2: a state's parameter groups   ``_fsdp_param_groups``, a list (2.12 and
                                     later); ``_fsdp_param_group``, one or
-                                    ``None`` (2.6 to 2.10)
+                                    ``None`` (2.6 to 2.11)
 FSDP2: a parameter's gradient kept  ``unsharded_accumulated_grad``, an attribute
 across backwards without sync       of its own (2.6 to 2.14); none: 2.15's
                                     read-only property reads the unsharded
                                     parameter's ``.grad`` (joinkit takes that
                                     gradient already)
 FSDP2: reset after an exception     ``FSDPModule.reset_iter_state`` (2.13 and
-mid-iteration                       later); none before (:func:`fsdp_can_reset`)
+mid-iteration                       later); none before: that one case is
+                                    refused (:func:`fsdp_can_reset`)
+FSDP2: a group's all-gather buffer  ``_all_gather_output`` (2.10 and later);
+(finish mode empties it)            none before (:func:`fsdp_all_gather_buffer`)
 FSDP2: reductions that sum          ``gradient_divide_factor`` and
 (``divide_by_initial_world_size=    ``force_sum_reduction_for_comms`` (2.8 and
-False``)                            later); none before: refused by feature
-                                    (``_private``'s group of that name)
+False``)                            later); none before: that feature is refused
+                                    (``_private``'s group for it)
+FSDP2 on the CPU                    torch.cpu.Stream.record_event (2.7 and
+                                    later); none in 2.6, whose FSDP2 cannot run
+                                    on the CPU: refused (:func:`fsdp_runs_on_cpu`)
 ==================================  ==========================================
 """
 
@@ -47,6 +53,8 @@ __all__ = [
     "fsdp_param_groups",
     "fsdp_accumulated_grad",
     "fsdp_can_reset",
+    "fsdp_all_gather_buffer",
+    "fsdp_runs_on_cpu",
 ]
 
 _DDP = "torch.nn.parallel.distributed"
@@ -130,3 +138,26 @@ def fsdp_can_reset() -> bool:
     Without it that one case is refused (``fsdp``'s ``_reset_if_mid_iteration``).
     """
     return hasattr(_cls(f"{_FSDP}._fully_shard", "FSDPModule"), "reset_iter_state")
+
+
+@functools.cache
+def fsdp_all_gather_buffer() -> str | None:
+    """FSDPParamGroup's all-gather output buffer, kept across all-gathers, or ``None``.
+
+    Finish mode empties it on the groups it rebuilds; releases without it
+    allocate each all-gather's output afresh, and there is nothing to empty.
+    """
+    group = _cls(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup")
+    return "_all_gather_output" if "_all_gather_output" in class_names(group) else None
+
+
+@functools.cache
+def fsdp_runs_on_cpu() -> bool:
+    """Whether FSDP2 can run on the CPU: its collectives record events on CPU streams.
+
+    torch 2.6's ``torch.cpu.Stream`` has no ``record_event``, which FSDP2's
+    all-gather calls; the adapter refuses a CPU model there (torch's own
+    forward would fail on every rank).
+    """
+    cpu = importlib.import_module("torch.cpu")
+    return hasattr(cpu.Stream, "record_event")

@@ -94,6 +94,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from . import _compat
 from ._ddp_elastic import take_last_joiners
 from ._fsdp_state import param_groups as _param_groups
 
@@ -614,7 +615,9 @@ class ElasticFSDP:
             group.fsdp_params = fresh
             group.mesh_info = info
             group.post_forward_mesh_info = post
-            group._all_gather_output = torch.empty(0, device=group.device)
+            buffer = _compat.fsdp_all_gather_buffer()
+            if buffer is not None:
+                setattr(group, buffer, torch.empty(0, device=group.device))
             group._all_gather_result = None
             group._sharded_state = param_module.ShardedState.SHARDED
             group._reset_sharded_params = False

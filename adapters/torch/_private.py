@@ -263,7 +263,6 @@ FSDP_FINISH_MEMBERS = (
     _m(_GROUP, "FSDPParamGroup.offload_policy", _ATTR, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup.lazy_init", _CALL, "finish mode: the rebuilt shards",
        ("self",)),
-    _m(_GROUP, "FSDPParamGroup._all_gather_output", _SET, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup._all_gather_result", _SET, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup._sharded_state", _SET, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup._reset_sharded_params", _ATTR,
@@ -296,6 +295,14 @@ FSDP_FINISH_MEMBERS = (
     _m(_GROUP, "FSDPParamGroup.mesh_info", _SET, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup.fsdp_params", _SET, "finish mode: the rebuilt shards"),
 )
+
+
+def _fsdp_finish_members() -> tuple[Member, ...]:
+    buffer = _compat.fsdp_all_gather_buffer()
+    if buffer is None:  # before 2.8: none to reset (``_compat``)
+        return FSDP_FINISH_MEMBERS
+    return (*FSDP_FINISH_MEMBERS, _m(_GROUP, f"FSDPParamGroup.{buffer}", _SET,
+                                     "finish mode: the rebuilt shards"))
 
 
 def _ddp_members() -> tuple[Member, ...]:
@@ -348,7 +355,7 @@ GROUPS: Mapping[str, tuple[Member, ...]] = _Groups({
     "replay": _static(REPLAY_MEMBERS),
     "FSDP2": _fsdp_members,
     f"FSDP2 {SUM_REDUCTIONS}": _static(FSDP_SUM_MEMBERS),
-    f"FSDP2 {FINISH}": _static(FSDP_FINISH_MEMBERS),
+    f"FSDP2 {FINISH}": _fsdp_finish_members,
 })
 
 # The groups that passed in this process: each is checked once.

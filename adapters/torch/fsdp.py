@@ -162,6 +162,14 @@ def adapt(model: Any) -> FSDPJoinable:
             f"{type(model).__qualname__}"
         )
     _private.check(model)  # once per process
+    device = model._get_fsdp_state()._device
+    if torch.device(device).type == "cpu" and not _compat.fsdp_runs_on_cpu():
+        # FSDP's own forward fails on every rank alike; refused before any collective.
+        raise UnsupportedTorchError(
+            f"joinkit refuses FSDP2 on the CPU on torch {torch.__version__}: this torch's "
+            "FSDP2 cannot run on the CPU itself (its all-gather records an event on a "
+            "torch.cpu.Stream, which has no record_event before torch 2.7). Run FSDP2 on "
+            "CUDA, or on torch 2.7 or later")
     return _adapters.get(model, FSDPJoinable)
 
 
