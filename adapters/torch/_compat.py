@@ -24,9 +24,11 @@ across backwards without sync       of its own (2.6 to 2.14); none: 2.15's
                                     parameter's ``.grad`` (joinkit takes that
                                     gradient already)
 FSDP2: reset after an exception     ``FSDPModule.reset_iter_state`` (2.13 and
-mid-iteration                       later); none before: that one case is
-                                    refused (:func:`fsdp_can_reset`)
-FSDP2: a group's all-gather buffer  ``_all_gather_output`` (2.10 and later);
+mid-iteration                       later); before, joinkit resets the one state
+                                    it can know is clean (the root's pre-forward
+                                    ran, nothing issued) and refuses the rest
+                                    (:func:`fsdp_reset`)
+FSDP2: a group's all-gather buffer  ``_all_gather_output`` (2.9 and later);
 (finish mode empties it)            none before (:func:`fsdp_all_gather_buffer`)
 FSDP2: reductions that sum          ``gradient_divide_factor`` and
 (``divide_by_initial_world_size=    ``force_sum_reduction_for_comms`` (2.8 and
@@ -53,6 +55,7 @@ __all__ = [
     "fsdp_param_groups",
     "fsdp_accumulated_grad",
     "fsdp_can_reset",
+    "fsdp_reset",
     "fsdp_all_gather_buffer",
     "fsdp_runs_on_cpu",
 ]
@@ -161,3 +164,36 @@ def fsdp_runs_on_cpu() -> bool:
     """
     cpu = importlib.import_module("torch.cpu")
     return hasattr(cpu.Stream, "record_event")
+
+
+def fsdp_reset(model: Any, states: list[Any]) -> bool:
+    """Reset FSDP's iteration that an exception left mid-flight; ``False`` where it cannot.
+
+    With ``reset_iter_state`` (2.13 and later) torch resets any state. Before,
+    the reset joinkit can do is the state an exception right after the root's
+    pre-forward leaves (the documented case: right after joinkit's step check,
+    before FSDP issued anything): the root state in FORWARD as the iteration's
+    root, every other state and every parameter group idle, no all-gather
+    pending. That state is put back as a forward finds it.
+
+    Args:
+        model: the root ``fully_shard`` module.
+        states: its FSDP states, the root's first (``_fsdp_state.states``).
+    """
+    if fsdp_can_reset():
+        model.reset_iter_state()
+        return True
+    root, *others = states
+    idle = type(root._training_state).IDLE
+    groups = [group for state in states for group in fsdp_param_groups(state)]
+    clean = (root._training_state.name == "FORWARD"
+             and root._state_ctx.iter_forward_root is root
+             and all(state._training_state == idle for state in others)
+             and all(group._training_state.name == "IDLE"
+                     and getattr(group, "_all_gather_result", None) is None
+                     for group in groups))
+    if not clean:
+        return False
+    root._training_state = idle
+    root._state_ctx.iter_forward_root = None
+    return True

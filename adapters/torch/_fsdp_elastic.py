@@ -188,7 +188,7 @@ def refusal(model: Any, joinables: list[Any], adapter: Any) -> str | None:
                         "only Shard(0) (fully_shard's default) is in this version. " + works)
             if fsdp_param.offload_to_cpu:
                 return _HEAD + "CPU offload is not in this version. " + works
-            policy = group.mp_policy
+            policy = fsdp_param.mp_policy  # each parameter's (2.15 keeps no group's)
             if policy.param_dtype is not None or policy.reduce_dtype is not None:
                 return _HEAD + "mixed precision is not in this version. " + works
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
@@ -597,7 +597,7 @@ class ElasticFSDP:
                     data = nn.Parameter(full.detach().clone(),
                                         requires_grad=old.sharded_param.requires_grad)
                 new = param_module.FSDPParam(data, old._module_info, info, post,
-                                             group.device, None, group.mp_policy,
+                                             group.device, None, old.mp_policy,
                                              group.offload_policy)
                 new._param_fqn = old._param_fqn
                 # The old parameter object takes the new shard: the optimizer's and

@@ -733,21 +733,20 @@ def _give_back(taken: list[tuple[Any, str, Any]]) -> None:
 
 
 def _reset_if_mid_iteration(model: Any) -> None:
-    """``reset_iter_state()`` when the loop body left FSDP inside an iteration."""
+    """Reset FSDP's iteration when the loop body left FSDP inside one (``_compat``)."""
     idle = "IDLE"
     states = _states(model)
     if any(state._training_state.name != idle for state in states) or any(
         group._training_state.name != idle
         for state in states for group in _compat.fsdp_param_groups(state)
     ):
-        if not _compat.fsdp_can_reset():
+        if not _compat.fsdp_reset(model, states):
             raise UnsupportedTorchError(
                 f"joinkit cannot shadow this rank: its loop raised inside an FSDP2 forward "
-                f"or backward, and torch {torch.__version__} has no "
-                "FSDPModule.reset_iter_state to reset FSDP's iteration before the shadow "
-                "(torch 2.13 and later have it). Every other use of FSDP2 under Join works "
-                "on this torch; this rank's own exception is chained below")
-        model.reset_iter_state()
+                f"or backward after FSDP issued collectives, and torch {torch.__version__} "
+                "has no FSDPModule.reset_iter_state to reset FSDP's iteration before the "
+                "shadow (torch 2.13 and later have it). Every other use of FSDP2 under Join "
+                "works on this torch; this rank's own exception is chained below")
 
 
 def check(joinables: Iterable[Joinable]) -> None:
