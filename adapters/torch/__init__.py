@@ -17,6 +17,8 @@ What is here (each module's doc says more):
   torch.distributed calls;
 - ``_replay``: a joined rank's replay of a model's forward and backward;
 - ``_private``: the guard table of every torch internal the adapters use.
+- ``_compat``: the torch internals that differ between the releases joinkit
+  supports (2.6 and later), each resolved once; the rest of the room uses its answers.
 
 Importing this package imports nothing of torch: the core reaches these
 adapters through ``joinkit.adapters``' entry points once the program imported

@@ -15,20 +15,34 @@ What                                Spellings, newest first (releases seen)
 ==================================  ==========================================
 DDP: "sync buffers in forward"      ``forward_sync_buffers`` (2.13 and later);
                                     ``broadcast_buffers`` (2.6 to 2.12)
-FSDP2: a state's parameter groups   ``_fsdp_param_groups``, a list (2.11 and
+FSDP2: a state's parameter groups   ``_fsdp_param_groups``, a list (2.12 and
                                     later); ``_fsdp_param_group``, one or
-                                    ``None`` (2.6 to 2.10)
+                                    ``None`` (2.6 to 2.11)
 FSDP2: a parameter's gradient kept  ``unsharded_accumulated_grad``, an attribute
 across backwards without sync       of its own (2.6 to 2.14); none: 2.15's
                                     read-only property reads the unsharded
                                     parameter's ``.grad`` (joinkit takes that
                                     gradient already)
 FSDP2: reset after an exception     ``FSDPModule.reset_iter_state`` (2.13 and
-mid-iteration                       later); none before (:func:`fsdp_can_reset`)
+mid-iteration                       later); before, joinkit resets the one state
+                                    it can know is clean (the root's pre-forward
+                                    ran, nothing issued) and refuses the rest
+                                    (:func:`fsdp_reset`)
+FSDP2: a group's all-gather buffer  ``_all_gather_output`` (2.9 and later);
+(finish mode empties it)            none before (:func:`fsdp_all_gather_buffer`)
 FSDP2: reductions that sum          ``gradient_divide_factor`` and
 (``divide_by_initial_world_size=    ``force_sum_reduction_for_comms`` (2.8 and
-False``)                            later); none before: refused by feature
-                                    (``_private``'s group of that name)
+False``)                            later); none before: that feature is refused
+                                    (``_private``'s group for it)
+gloo's reduce_scatter with          the average (2.9 and later); the *sum*,
+``ReduceOp.AVG`` (FSDP2's default   silently (2.7, 2.8): joinkit makes FSDP2 sum
+for float32)                        and divide (``force_sum_reduction_for_comms``,
+                                    2.8) or refuses FSDP2 over gloo (2.7).
+                                    The one answer read from the version
+                                    (:func:`gloo_reduce_scatter_averages`)
+FSDP2 on the CPU                    torch.cpu.Stream.record_event (2.7 and
+                                    later); none in 2.6, whose FSDP2 cannot run
+                                    on the CPU: refused (:func:`fsdp_runs_on_cpu`)
 ==================================  ==========================================
 """
 
@@ -47,6 +61,11 @@ __all__ = [
     "fsdp_param_groups",
     "fsdp_accumulated_grad",
     "fsdp_can_reset",
+    "fsdp_reset",
+    "fsdp_all_gather_buffer",
+    "fsdp_runs_on_cpu",
+    "fsdp_can_sum",
+    "gloo_reduce_scatter_averages",
 ]
 
 _DDP = "torch.nn.parallel.distributed"
@@ -130,3 +149,79 @@ def fsdp_can_reset() -> bool:
     Without it that one case is refused (``fsdp``'s ``_reset_if_mid_iteration``).
     """
     return hasattr(_cls(f"{_FSDP}._fully_shard", "FSDPModule"), "reset_iter_state")
+
+
+@functools.cache
+def fsdp_all_gather_buffer() -> str | None:
+    """FSDPParamGroup's all-gather output buffer, kept across all-gathers, or ``None``.
+
+    Finish mode empties it on the groups it rebuilds; releases without it
+    allocate each all-gather's output afresh, and there is nothing to empty.
+    """
+    group = _cls(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup")
+    return "_all_gather_output" if "_all_gather_output" in class_names(group) else None
+
+
+@functools.cache
+def fsdp_runs_on_cpu() -> bool:
+    """Whether FSDP2 can run on the CPU: its collectives record events on CPU streams.
+
+    torch 2.6's ``torch.cpu.Stream`` has no ``record_event``, which FSDP2's
+    all-gather calls; the adapter refuses a CPU model there (torch's own
+    forward would fail on every rank).
+    """
+    cpu = importlib.import_module("torch.cpu")
+    return hasattr(cpu.Stream, "record_event")
+
+
+def fsdp_reset(model: Any, states: list[Any]) -> bool:
+    """Reset FSDP's iteration that an exception left mid-flight; ``False`` where it cannot.
+
+    With ``reset_iter_state`` (2.13 and later) torch resets any state. Before,
+    the reset joinkit can do is the state an exception right after the root's
+    pre-forward leaves (the documented case: right after joinkit's step check,
+    before FSDP issued anything): the root state in FORWARD as the iteration's
+    root, every other state and every parameter group idle, no all-gather
+    pending. That state is put back as a forward finds it.
+
+    Args:
+        model: the root ``fully_shard`` module.
+        states: its FSDP states, the root's first (``_fsdp_state.states``).
+    """
+    if fsdp_can_reset():
+        model.reset_iter_state()
+        return True
+    root, *others = states
+    idle = type(root._training_state).IDLE
+    groups = [group for state in states for group in fsdp_param_groups(state)]
+    clean = (root._training_state.name == "FORWARD"
+             and root._state_ctx.iter_forward_root is root
+             and all(state._training_state == idle for state in others)
+             and all(group._training_state.name == "IDLE"
+                     and getattr(group, "_all_gather_result", None) is None
+                     for group in groups))
+    if not clean:
+        return False
+    root._training_state = idle
+    root._state_ctx.iter_forward_root = None
+    return True
+
+
+@functools.cache
+def fsdp_can_sum() -> bool:
+    """Whether FSDP2's groups can be told to sum and divide (``force_sum_reduction_for_comms``)."""
+    group = _cls(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup")
+    return "force_sum_reduction_for_comms" in class_names(group)
+
+
+@functools.cache
+def gloo_reduce_scatter_averages() -> bool:
+    """Whether gloo's ``reduce_scatter_tensor`` honours ``ReduceOp.AVG``.
+
+    torch 2.7's and 2.8's return the sum, silently (2.9 fixed it); FSDP2 asks
+    for AVG for float32 gradients. No object says so short of a collective
+    between two ranks, so this one answer is read from the version.
+    """
+    torch = importlib.import_module("torch")
+    major, minor = (int(part) for part in str(torch.__version__).split(".")[:2])
+    return (major, minor) >= (2, 9)

@@ -94,6 +94,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from . import _compat
 from ._ddp_elastic import take_last_joiners
 from ._fsdp_state import param_groups as _param_groups
 
@@ -187,7 +188,7 @@ def refusal(model: Any, joinables: list[Any], adapter: Any) -> str | None:
                         "only Shard(0) (fully_shard's default) is in this version. " + works)
             if fsdp_param.offload_to_cpu:
                 return _HEAD + "CPU offload is not in this version. " + works
-            policy = group.mp_policy
+            policy = fsdp_param.mp_policy  # each parameter's (2.15 keeps no group's)
             if policy.param_dtype is not None or policy.reduce_dtype is not None:
                 return _HEAD + "mixed precision is not in this version. " + works
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
@@ -596,7 +597,7 @@ class ElasticFSDP:
                     data = nn.Parameter(full.detach().clone(),
                                         requires_grad=old.sharded_param.requires_grad)
                 new = param_module.FSDPParam(data, old._module_info, info, post,
-                                             group.device, None, group.mp_policy,
+                                             group.device, None, old.mp_policy,
                                              group.offload_policy)
                 new._param_fqn = old._param_fqn
                 # The old parameter object takes the new shard: the optimizer's and
@@ -614,7 +615,9 @@ class ElasticFSDP:
             group.fsdp_params = fresh
             group.mesh_info = info
             group.post_forward_mesh_info = post
-            group._all_gather_output = torch.empty(0, device=group.device)
+            buffer = _compat.fsdp_all_gather_buffer()
+            if buffer is not None:
+                setattr(group, buffer, torch.empty(0, device=group.device))
             group._all_gather_result = None
             group._sharded_state = param_module.ShardedState.SHARDED
             group._reset_sharded_params = False

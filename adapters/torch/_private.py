@@ -234,10 +234,16 @@ def _fsdp_members() -> tuple[Member, ...]:
     if accumulated is not None:  # 2.15 and later: none of its own (``_compat``)
         members.append(_m(_PARAM, f"FSDPParam.{accumulated}", _SET,
                           "FSDP's gradient accumulation, taken and given back"))
-    if _compat.fsdp_can_reset():  # before: refused when needed (``_compat``)
+    why = "a rank that failed mid-iteration resets FSDP before its replay"
+    if _compat.fsdp_can_reset():
         members.append(_m(f"{_FSDP}._fully_shard", "FSDPModule.reset_iter_state", _CALL,
-                          "a rank that failed mid-iteration resets FSDP before its replay",
-                          ("self",)))
+                          why, ("self",)))
+    else:  # before 2.13: joinkit's reset of the one clean case (``_compat.fsdp_reset``)
+        members += [_m(_STATE, "FSDPState._state_ctx", _ATTR, why),
+                    _m(_STATE, "FSDPStateContext.iter_forward_root", _SET, why),
+                    _m(_STATE, "FSDPState._training_state", _SET, why),
+                    _m(_GROUP, "FSDPParamGroup._all_gather_result", _ATTR, why),
+                    _m(_COMMON, "TrainingState.FORWARD", Need.EXISTS, why)]
     return tuple(members)
 
 
@@ -259,11 +265,11 @@ FSDP_FINISH_MEMBERS = (
     _m(_GROUP, "FSDPParamGroup.post_forward_mesh_info", _SET,
        "finish mode: no reshard after forward while the Join lasts"),
     _m(_GROUP, "FSDPParamGroup.device", _ATTR, "finish mode: CPU only"),
-    _m(_GROUP, "FSDPParamGroup.mp_policy", _ATTR, "finish mode refuses mixed precision"),
+    _m(_PARAM, "FSDPParam.mp_policy", _ATTR,
+       "finish mode refuses mixed precision, and rebuilds each parameter with its policy"),
     _m(_GROUP, "FSDPParamGroup.offload_policy", _ATTR, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup.lazy_init", _CALL, "finish mode: the rebuilt shards",
        ("self",)),
-    _m(_GROUP, "FSDPParamGroup._all_gather_output", _SET, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup._all_gather_result", _SET, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup._sharded_state", _SET, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup._reset_sharded_params", _ATTR,
@@ -296,6 +302,14 @@ FSDP_FINISH_MEMBERS = (
     _m(_GROUP, "FSDPParamGroup.mesh_info", _SET, "finish mode: the rebuilt shards"),
     _m(_GROUP, "FSDPParamGroup.fsdp_params", _SET, "finish mode: the rebuilt shards"),
 )
+
+
+def _fsdp_finish_members() -> tuple[Member, ...]:
+    buffer = _compat.fsdp_all_gather_buffer()
+    if buffer is None:  # before 2.9: none to empty (``_compat``)
+        return FSDP_FINISH_MEMBERS
+    return (*FSDP_FINISH_MEMBERS, _m(_GROUP, f"FSDPParamGroup.{buffer}", _SET,
+                                     "finish mode: the rebuilt shards"))
 
 
 def _ddp_members() -> tuple[Member, ...]:
@@ -348,7 +362,7 @@ GROUPS: Mapping[str, tuple[Member, ...]] = _Groups({
     "replay": _static(REPLAY_MEMBERS),
     "FSDP2": _fsdp_members,
     f"FSDP2 {SUM_REDUCTIONS}": _static(FSDP_SUM_MEMBERS),
-    f"FSDP2 {FINISH}": _static(FSDP_FINISH_MEMBERS),
+    f"FSDP2 {FINISH}": _fsdp_finish_members,
 })
 
 # The groups that passed in this process: each is checked once.

@@ -162,6 +162,14 @@ def adapt(model: Any) -> FSDPJoinable:
             f"{type(model).__qualname__}"
         )
     _private.check(model)  # once per process
+    device = model._get_fsdp_state()._device
+    if torch.device(device).type == "cpu" and not _compat.fsdp_runs_on_cpu():
+        # FSDP's own forward fails on every rank alike; refused before any collective.
+        raise UnsupportedTorchError(
+            f"joinkit refuses FSDP2 on the CPU on torch {torch.__version__}: this torch's "
+            "FSDP2 cannot run on the CPU itself (its all-gather records an event on a "
+            "torch.cpu.Stream, which has no record_event before torch 2.7). Run FSDP2 on "
+            "CUDA, or on torch 2.7 or later")
     return _adapters.get(model, FSDPJoinable)
 
 
@@ -223,9 +231,17 @@ class FSDPJoinable(AdapterJoinable):
         # Before any collective, the same on every rank: a feature of this Join
         # that this torch lacks what it needs for is refused (``_private``).
         # Finish mode divides by itself (``_fsdp_elastic``), never through FSDP.
-        features = [_private.FINISH] if finish else (
-            [] if self._divide_by_initial_world_size else [_private.SUM_REDUCTIONS])
+        sums = not self._divide_by_initial_world_size or self._averages_wrongly()
+        features = [_private.FINISH] if finish else ([_private.SUM_REDUCTIONS] if sums else [])
         try:
+            if not finish and self._averages_wrongly() and not _compat.fsdp_can_sum():
+                raise UnsupportedTorchError(
+                    f"joinkit refuses FSDP2 over gloo on torch {torch.__version__}: this "
+                    "torch's gloo reduce_scatter returns the sum where FSDP2 asks for the "
+                    "average (ReduceOp.AVG; fixed in torch 2.9), so FSDP2 trains on "
+                    "gradients world-size times too large, with or without joinkit, and "
+                    "this torch's FSDP2 has no force_sum_reduction_for_comms (2.8 and "
+                    "later) to sum and divide instead. Use nccl, or torch 2.8 or later")
             _private.check(self.model, *features)
         except UnsupportedTorchError:
             _vouch(self, False)
@@ -291,10 +307,18 @@ class FSDPJoinable(AdapterJoinable):
             model.register_forward_hook(self._watch_backward)]
         if not self._divide_by_initial_world_size:
             self._handles.append(model.register_forward_hook(self._post_forward))
+        if not self._divide_by_initial_world_size or self._averages_wrongly():
+            # Sums, then FSDP's own division: gloo has no PREMUL_SUM, and torch
+            # 2.7-2.8's gloo sums where asked to average (``_compat``).
             self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms)
                            for g in self._groups]
             for group, _, _ in self._saved:
-                group.force_sum_reduction_for_comms = True  # gloo has no PREMUL_SUM
+                group.force_sum_reduction_for_comms = True
+
+    def _averages_wrongly(self) -> bool:
+        """Whether FSDP's averaging reductions would sum here (gloo on torch 2.7-2.8)."""
+        return (not _compat.gloo_reduce_scatter_averages()
+                and dist.get_backend(self.join_process_group) == "gloo")
 
     def _leave(self) -> None:
         self._forget_pending()
@@ -725,21 +749,20 @@ def _give_back(taken: list[tuple[Any, str, Any]]) -> None:
 
 
 def _reset_if_mid_iteration(model: Any) -> None:
-    """``reset_iter_state()`` when the loop body left FSDP inside an iteration."""
+    """Reset FSDP's iteration when the loop body left FSDP inside one (``_compat``)."""
     idle = "IDLE"
     states = _states(model)
     if any(state._training_state.name != idle for state in states) or any(
         group._training_state.name != idle
         for state in states for group in _compat.fsdp_param_groups(state)
     ):
-        if not _compat.fsdp_can_reset():
+        if not _compat.fsdp_reset(model, states):
             raise UnsupportedTorchError(
                 f"joinkit cannot shadow this rank: its loop raised inside an FSDP2 forward "
-                f"or backward, and torch {torch.__version__} has no "
-                "FSDPModule.reset_iter_state to reset FSDP's iteration before the shadow "
-                "(torch 2.13 and later have it). Every other use of FSDP2 under Join works "
-                "on this torch; this rank's own exception is chained below")
-        model.reset_iter_state()
+                f"or backward after FSDP issued collectives, and torch {torch.__version__} "
+                "has no FSDPModule.reset_iter_state to reset FSDP's iteration before the "
+                "shadow (torch 2.13 and later have it). Every other use of FSDP2 under Join "
+                "works on this torch; this rank's own exception is chained below")
 
 
 def check(joinables: Iterable[Joinable]) -> None:

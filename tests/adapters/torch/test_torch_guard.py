@@ -45,8 +45,16 @@ def bare(cls: type) -> Any:
     return cls.__new__(cls)
 
 
+# Features a torch release truly lacks: refused by design there (the group says why).
+LACKING = {f"FSDP2 {_torch_private.SUM_REDUCTIONS}": (2, 8)}
+
+
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_every_member_is_there_in_this_torch(group: str) -> None:
+    since = LACKING.get(group)
+    if since is not None and tuple(map(int, torch.__version__.split(".")[:2])) < since:
+        assert problems(GROUPS[group]) != []
+        pytest.skip(f"torch {torch.__version__} lacks it: {group} is refused by design")
     assert problems(GROUPS[group]) == []
 
 

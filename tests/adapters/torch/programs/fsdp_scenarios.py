@@ -854,7 +854,7 @@ def torch_guard(ctx: Ctx) -> Any:
     _torch_private._checked.clear()
     for joinables in ([ddp, zero], [model, optimizer]):
         Join(joinables)  # this torch as it is: no error
-    with _patched(DDP, "_match_all_reduce_for_bwd_pass"), _patched(FSDPModule, "reset_iter_state"):
+    with _patched(DDP, "_match_all_reduce_for_bwd_pass"), _patched(Mesh, "_flatten"):
         Join([ddp, zero])  # checked once per process: not again
         Join([model, optimizer])
     out["cached"] = True
