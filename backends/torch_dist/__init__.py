@@ -17,6 +17,8 @@ The room (each module's doc says more):
 - ``_elastic``: the group rebuilt over the survivors of a lost rank
   (``Join(on_rank_loss="finish")``);
 - ``_launcher``: what ``joinkit.backends.launch`` and the doctor need of torch;
+- ``_compat``: the torch.distributed members that differ between the torch
+  releases joinkit supports (a store's own connection, a group's abort);
 - ``_run``: ``python -m joinkit run``, torchrun's launcher with an agent that
   keeps the survivors of a finish-mode worker's death (:func:`run_command`).
 """

@@ -22,7 +22,8 @@ of the input of the unit in flight (what an in-place all-reduce overwrites).
 *Detection.* A unit's waits go in slices of ``_SLICE`` s. Between slices they
 look at a flag that the group's *watcher* thread sets when the store key
 ``failed`` of the current generation appears. The watcher checks for it on a
-clone of the store (no lock shared with the main thread) every
+clone of the store (no lock shared with the main thread; before torch 2.8,
+which cannot clone one, it shares the main thread's: ``_compat``) every
 ``_WATCH_INTERVAL`` s, less often in a big world: the watchers of a world make
 at most ``_WATCH_POLLS_PER_SECOND`` reads per second together. It does not
 block in a ``store.wait``, which nothing can wake: a watcher whose wait
@@ -49,7 +50,10 @@ The others wait for it; if the decider dies first, a ``compare_set`` of
 with the same expected members.
 
 *Rebuild.* Generation g+1 is a fresh ``ProcessGroupGloo`` over
-``PrefixStore("joinkit/elastic/<group>/<g+1>/pg/", store)``, built in a helper
+``PrefixStore("joinkit/elastic/<group>/<g+1>/pg/", store)`` on a store
+connection of its own (``_compat.own_connection``: its rendezvous waits for a
+member that may have died, which on a shared TCPStore connection would hold
+every other request for the store's timeout), built in a helper
 thread while the main thread watches for a new failure (a member that dies
 during the recovery: the next generation starts over, see
 ``tests/elastic/test_elastic_torch.py``). The old group is never destroyed (a gloo
@@ -78,6 +82,7 @@ import pickle
 import socket
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -90,7 +95,7 @@ from joinkit import LostRank, PeerFailure
 from joinkit.lowlevel import ACTIVE
 
 from .. import _status
-from . import _board
+from . import _board, _compat
 
 
 class ElasticGroup(_board.BoardGroup, Protocol):
@@ -210,14 +215,15 @@ class Elastic:
         self.failed_seen = -1  # generation whose failure key the watcher saw
         self.processes: dict[int, dict[str, Any]] = {}
         self.kept: list[Any] = []  # old process groups, never destroyed
+        self._scope_token: str | None = None
         self.timeout = datetime.timedelta(seconds=float(os.environ.get(
             "JOINKIT_ELASTIC_GLOO_TIMEOUT", "60")))
         self._stop = threading.Event()
         self._post_process()
         announce_finish_mode()
-        try:  # the watcher's own connection (module doc)
-            watched = self.store.clone()
-        except Exception:  # noqa: BLE001 - a store without clone(): share it
+        try:  # the watcher's own connection (module doc); shared before torch 2.8
+            watched = _compat.clone_or_share(self.store)
+        except Exception:  # noqa: BLE001 - no second connection: share it
             watched = self.store
         self._watcher = threading.Thread(target=self._watch, args=(watched,),
                                          name="joinkit-elastic", daemon=True)
@@ -505,11 +511,12 @@ class Elastic:
     def _build(self, generation: int, members: list[int]) -> Any:
         """A gloo group of ``members`` for ``generation``, or GenerationFailed."""
         rank = members.index(self.initial_rank)
-        # The group's rendezvous blocks on the store: a connection of its own,
-        # so this thread's store reads (who is gone, a new failure) go on.
+        # The group's rendezvous blocks on the store (for a rank that died during
+        # the recovery: up to the store's timeout): a connection of its own, so
+        # the other threads' store requests, and the next generation's, go on.
         try:
-            base = self.store.clone()
-        except Exception:  # noqa: BLE001 - a store without clone()
+            base = _compat.own_connection(self.store, self._scope)
+        except Exception:  # noqa: BLE001 - no second connection
             base = self.store
         store = dist.PrefixStore(self.key(generation, "pg/"), base)  # type: ignore[attr-defined]
         self._peer_processes()
@@ -545,6 +552,14 @@ class Elastic:
             raise GenerationFailed(f"gloo error while rebuilding: {errors[0]}")
         self.progress()
         return built[0]
+
+    def _scope(self) -> str:
+        """This group's key space on a connection of its own before torch 2.8
+        (``_compat.own_connection``): one token, the first rank's, agreed in the store."""
+        if self._scope_token is None:
+            token = self.store.compare_set(f"{self.root}scope", "", uuid.uuid4().hex)
+            self._scope_token = token.decode()
+        return f"joinkit/elastic-scope/{self._scope_token}/"
 
     def _post_failed(self, generation: int, detail: str) -> None:
         try:

@@ -139,7 +139,7 @@ from joinkit.lowlevel import register_backend
 from .. import _objects, _status
 from .._checks import Checks
 from .._status import Post
-from . import _board, _elastic
+from . import _board, _compat, _elastic
 from ._board import (
     _GONE_PATIENCE,
     _STORE_PATIENCE,
@@ -367,7 +367,7 @@ class TorchGroup:
     def __repr__(self) -> str:
         return (
             f"TorchGroup(rank={self.rank}, world_size={self.world_size}, "
-            f"device={self.device}, backend={_backend_name(self.process_group)!r})"
+            f"device={self.device}, backend={_compat.backend_name(self.process_group)!r})"
         )
 
     # A TorchGroup stands for its ProcessGroup: DDP (whose join_process_group is
@@ -419,7 +419,7 @@ class TorchGroup:
             elastic.progress = config.progress
             elastic.reset_counts()
             return
-        backend = _backend_name(self.process_group)
+        backend = _compat.backend_name(self.process_group)
         if self._on_cuda or "nccl" in backend:
             raise _elastic.ElasticUnavailable(
                 "Join(on_rank_loss='finish') is not available on nccl in this version: "
@@ -658,10 +658,8 @@ class TorchGroup:
         _board._bounded(lambda store: store.compare_set(self._store_prefix + "abort", "", reason))
         if self._abort is None:
             self._abort = (self.rank, message)
-        abort = getattr(self.process_group, "abort", None)  # none in torch 2.6
         try:
-            if abort is not None:
-                abort()
+            _compat.abort_group(self.process_group)
         except (RuntimeError, NotImplementedError):
             pass  # gloo: peers learn of it from the store (module doc)
 
@@ -1212,15 +1210,8 @@ def _usable_device(device: Any) -> torch.device:
     return parsed
 
 
-def _backend_name(group: Any) -> str:
-    try:
-        return str(dist.get_backend(group))
-    except (RuntimeError, ValueError, TypeError):  # 2.6: TypeError for a group it does not map
-        return "?"
-
-
 def _default_device(group: Any) -> torch.device:
-    if "nccl" not in _backend_name(group) or "gloo" in _backend_name(group):
+    if "nccl" not in _compat.backend_name(group) or "gloo" in _compat.backend_name(group):
         return torch.device("cpu")
     bound = getattr(group, "bound_device_id", None)
     if bound is not None:

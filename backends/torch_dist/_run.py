@@ -58,6 +58,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from . import _compat
+
 # Set in every worker's environment (JOINKIT_RUN=1 and the folder where a
 # worker announces finish mode, finish-<RANK>): _elastic reads them.
 from ._elastic import RUN_DIR_ENV, RUN_ENV
@@ -218,7 +220,7 @@ class JoinkitAgent(LocalElasticAgent):
         ranks = [worker.global_rank for worker in worker_group.workers]
         try:
             store.set(f"{_PREFIX}ranks/{me}", json.dumps(ranks))
-            beats = store.clone() if hasattr(store, "clone") else store
+            beats = _compat.clone_or_share(store)
         except Exception:  # noqa: BLE001 - no shared store: a single node's verdict only
             return
 

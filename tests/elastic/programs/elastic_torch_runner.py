@@ -247,12 +247,15 @@ def run_refusals(rank: int, world: int, host: str, port: int, cell: int, out: Pa
                             timeout=datetime.timedelta(seconds=60))
     found: dict[str, Any] = {}
 
+    from joinkit.adapters import UnsupportedTorchError
+
     def refusal(joinables: list[Any]) -> str:
-        """The ValueError a finish-mode Join over ``joinables`` raises on entry."""
+        """The ValueError a finish-mode Join over ``joinables`` raises on entry (or the
+        UnsupportedTorchError of a torch that cannot run one of them at all)."""
         try:
             with Join(joinables, on_rank_loss="finish"):
                 pass
-        except ValueError as exc:
+        except (ValueError, UnsupportedTorchError) as exc:
             return str(exc)
         return "(not refused)"
 
