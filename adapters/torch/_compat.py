@@ -35,10 +35,11 @@ FSDP2: reductions that sum          ``gradient_divide_factor`` and
 False``)                            later); none before: that feature is refused
                                     (``_private``'s group for it)
 gloo's reduce_scatter with          the average (2.9 and later); the *sum*,
-``ReduceOp.AVG`` (FSDP2's default   silently (2.7, 2.8): joinkit makes FSDP2 sum
-for float32)                        and divide (``force_sum_reduction_for_comms``,
-                                    2.8) or refuses FSDP2 over gloo (2.7).
-                                    The one answer read from the version
+``ReduceOp.AVG`` (FSDP2's default   silently (2.6 to 2.8): FSDP2 over gloo trains
+for float32)                        wrong there with or without joinkit, so
+                                    joinkit refuses it in every Join mode
+                                    (nccl is unaffected). The one answer read
+                                    from the version
                                     (:func:`gloo_reduce_scatter_averages`)
 FSDP2 on the CPU                    torch.cpu.Stream.record_event (2.7 and
                                     later); none in 2.6, whose FSDP2 cannot run
@@ -64,7 +65,6 @@ __all__ = [
     "fsdp_reset",
     "fsdp_all_gather_buffer",
     "fsdp_runs_on_cpu",
-    "fsdp_can_sum",
     "gloo_reduce_scatter_averages",
 ]
 
@@ -208,17 +208,10 @@ def fsdp_reset(model: Any, states: list[Any]) -> bool:
 
 
 @functools.cache
-def fsdp_can_sum() -> bool:
-    """Whether FSDP2's groups can be told to sum and divide (``force_sum_reduction_for_comms``)."""
-    group = _cls(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup")
-    return "force_sum_reduction_for_comms" in class_names(group)
-
-
-@functools.cache
 def gloo_reduce_scatter_averages() -> bool:
     """Whether gloo's ``reduce_scatter_tensor`` honours ``ReduceOp.AVG``.
 
-    torch 2.7's and 2.8's return the sum, silently (2.9 fixed it); FSDP2 asks
+    torch 2.6's to 2.8's return the sum, silently (2.9 fixed it); FSDP2 asks
     for AVG for float32 gradients. No object says so short of a collective
     between two ranks, so this one answer is read from the version.
     """

@@ -231,18 +231,19 @@ class FSDPJoinable(AdapterJoinable):
         # Before any collective, the same on every rank: a feature of this Join
         # that this torch lacks what it needs for is refused (``_private``).
         # Finish mode divides by itself (``_fsdp_elastic``), never through FSDP.
-        wrongly = not finish and self._averages_wrongly()
-        sums = not self._divide_by_initial_world_size or wrongly
+        sums = not self._divide_by_initial_world_size
         features = [_private.FINISH] if finish else ([_private.SUM_REDUCTIONS] if sums else [])
         try:
-            if wrongly and not _compat.fsdp_can_sum():
+            if self._averages_wrongly():
+                # FSDP2 itself, in either mode: the model trains wrong before and
+                # after any Join, and a finish-mode Join hands it back over gloo.
                 raise UnsupportedTorchError(
                     f"joinkit refuses FSDP2 over gloo on torch {torch.__version__}: this "
                     "torch's gloo reduce_scatter returns the sum where FSDP2 asks for the "
-                    "average (ReduceOp.AVG; fixed in torch 2.9), so FSDP2 trains on "
-                    "gradients world-size times too large, with or without joinkit, and "
-                    "this torch's FSDP2 has no force_sum_reduction_for_comms (2.8 and "
-                    "later) to sum and divide instead. Use nccl, or torch 2.8 or later")
+                    "average (ReduceOp.AVG; torch 2.6 to 2.8, fixed in 2.9), so FSDP2 "
+                    "over gloo trains on gradients world-size times too large on this "
+                    "torch, with or without joinkit, and no Join can make the steps "
+                    "outside it right. Use nccl (unaffected), or torch 2.9 or later")
             _private.check(self.model, *features)
         except UnsupportedTorchError:
             _vouch(self, False)
@@ -308,16 +309,14 @@ class FSDPJoinable(AdapterJoinable):
             model.register_forward_hook(self._watch_backward)]
         if not self._divide_by_initial_world_size:
             self._handles.append(model.register_forward_hook(self._post_forward))
-        if not self._divide_by_initial_world_size or self._averages_wrongly():
-            # Sums, then FSDP's own division: gloo has no PREMUL_SUM, and torch
-            # 2.7-2.8's gloo sums where asked to average (``_compat``).
+            # Sums, then FSDP's own division: gloo has no PREMUL_SUM.
             self._saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms)
                            for g in self._groups]
             for group, _, _ in self._saved:
                 group.force_sum_reduction_for_comms = True
 
     def _averages_wrongly(self) -> bool:
-        """Whether FSDP's averaging reductions would sum here (gloo on torch 2.7-2.8)."""
+        """Whether FSDP's averaging reductions sum here (gloo before torch 2.9: refused)."""
         # The group's own name: a raw group (store_outlives_ranks) is not in the
         # map dist.get_backend reads.
         return (not _compat.gloo_reduce_scatter_averages()

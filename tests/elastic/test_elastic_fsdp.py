@@ -45,6 +45,7 @@ from support.fork import (  # noqa: E402
     run_runner,
     survivors,
 )
+from support.refusals import fsdp_refusal, or_refused  # noqa: E402
 
 pytestmark = pytest.mark.launches
 
@@ -81,6 +82,27 @@ def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
     return consumed_inputs(world, kills, runner.INPUTS)
 
 
+def check_refused(spec: str, record: dict[str, Any], ranks: dict[int, Any], words: str,
+                  ) -> None:
+    """Where this torch refuses FSDP2 over gloo (``support.refusals``): every rank of
+    ``spec`` was refused by name at its first Join (before any kill point) and exited 0."""
+    world = runner.parse(spec)[0]
+    assert record.get("mpirun", 0) == 0, record
+    assert all(code == 0 for code in record.get("exit", {}).values()), record
+    assert set(ranks) == set(range(world)), (spec, record)
+    for rank, data in ranks.items():
+        assert data["refused"].startswith(words), (spec, rank, data)
+
+
+def fsdp2_cells(*specs: str) -> Any:
+    """A test of the cells ``specs`` (or its ``spec`` parameter): on a torch that
+    refuses FSDP2 over gloo it asserts :func:`check_refused` of each instead."""
+    def check(words: str, arguments: dict[str, Any]) -> None:
+        for spec in specs or (arguments["spec"],):
+            record, ranks, _ = arguments["results"][spec]
+            check_refused(spec, record, ranks, words)
+
+    return or_refused(fsdp_refusal, check)
 
 
 def _flat(values: list[list[float]]) -> np.ndarray:
@@ -136,17 +158,20 @@ def check_cell(spec: str, ranks: dict[int, Any]) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("spec", KILL_CELLS)
+@fsdp2_cells()
 def test_kill(results: dict[str, Any], spec: str) -> None:
     check_cell(spec, survivors(results, spec, runner.parse))
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("spec", STATE_CELLS)
+@fsdp2_cells()
 def test_kill_with_a_stateful_optimizer(results: dict[str, Any], spec: str) -> None:
     check_cell(spec, survivors(results, spec, runner.parse))
 
 
 @pytest.mark.timeout(900)
+@fsdp2_cells(ENTRY_CELL)
 def test_death_while_the_state_is_gathered_at_entry(results: dict[str, Any]) -> None:
     """The state unit at entry lost a rank's shards: every survivor raises, none loops."""
     ranks = survivors(results, ENTRY_CELL, runner.parse)
@@ -158,6 +183,7 @@ def test_death_while_the_state_is_gathered_at_entry(results: dict[str, Any]) -> 
 
 
 @pytest.mark.timeout(900)
+@fsdp2_cells(POST_CELL)
 def test_last_joiner_dies_in_post_hook(results: dict[str, Any]) -> None:
     ranks = survivors(results, POST_CELL, runner.parse)
     world = 3
@@ -175,6 +201,7 @@ def test_last_joiner_dies_in_post_hook(results: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(900)
+@fsdp2_cells("3:", "3:~raise", "3:~count", "3:~accum", "3:~adam", "3:~adam.raise", "3:~momentum")
 def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> None:
     finish = survivors(results, "3:", runner.parse)
     default = survivors(results, "3:~raise", runner.parse)
@@ -206,6 +233,7 @@ def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> 
 
 
 @pytest.mark.timeout(900)
+@fsdp2_cells("4:refusals")
 def test_refusals(results: dict[str, Any]) -> None:
     record, ranks, stderr = results["4:refusals"]
     assert record["exit"] == {str(r): 0 for r in range(4)}, (record, stderr[-3000:])
@@ -251,6 +279,10 @@ def test_under_mpirun_with_ft_ulfm(tmp_path: Path) -> None:
     (record,) = records
     assert record["mpirun"] != "killed after deadline", record
     ranks = rank_results(tmp_path, record)
+    words = fsdp_refusal()
+    if words is not None:  # this torch refuses FSDP2 over gloo
+        check_refused(MPIRUN_CELL, record, ranks, words)
+        return
     assert set(ranks) == {0, 2}, (record, stderr[-3000:])
     check_cell(MPIRUN_CELL, ranks)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from support import run_scenarios, scenario_names, scenario_records
+from support.refusals import fsdp2_scenarios as fsdp2
 
 pytestmark = pytest.mark.launches
 
@@ -125,6 +126,7 @@ def test_over_nccl(tmp_path: Path) -> None:
         assert all(r["worst"] < 1e-4 for r in ranks_of(records, name)), name
 
 
+@fsdp2("fsdp_eval_only", "fsdp_train_eval_mixed", "fsdp_divisor_positions")
 def test_fsdp2_eval_mixed_and_divisor(results: dict[str, Any]) -> None:
     """FSDP2: forward-only loops (no_grad, inference_mode, eval(); resharding after
     forward or not; first or after a Ticker), a no_grad forward after every step,
@@ -154,6 +156,7 @@ def test_ddp_after_a_fused_first_joinable(results: dict[str, Any]) -> None:
                 assert error["type"] in ("PeerFailure", "LocalProtocolError"), error
 
 
+@fsdp2("fsdp_grad_forward_without_backward")
 def test_fsdp2_grad_forward_without_backward(results: dict[str, Any]) -> None:
     """FSDP2 in eval() with gradients and no backward (first, after a Ticker,
     after a fused Gather; 3 vs 5, 0 vs 4, 0 vs 1 batches): the rank that made

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from support import run_scenarios, scenario_names, scenario_records
+from support.refusals import fsdp2_scenarios as fsdp2
 
 WORKER = Path(__file__).parent / "programs" / "fsdp_scenarios.py"
 LAUNCH_TIMEOUT = 150.0  # seconds, for all ranks of one world together
@@ -58,8 +59,10 @@ def within(value: float) -> bool:
 
 
 # -- FSDP2 ------------------------------------------------------------------------------
+# Where this torch refuses FSDP2 over gloo, each test asserts the refusal (support.refusals).
 
 
+@fsdp2("fsdp_reference")
 def test_fsdp_equals_the_reference(results: Results) -> None:
     """SGD and AdamW, nested and flat units, reshard_after_forward True and False,
     uneven counts including a rank with no inputs."""
@@ -70,6 +73,7 @@ def test_fsdp_equals_the_reference(results: Results) -> None:
         assert max(r[config]["shadow_rounds"] for r in ranks) > 0
 
 
+@fsdp2("hsdp_reference")
 def test_hsdp_equals_the_reference(results: Results) -> None:
     """A 2-D (replicate, shard) mesh: reduce-scatter and all-reduce, with a
     gradient-accumulation window too."""
@@ -77,43 +81,51 @@ def test_hsdp_equals_the_reference(results: Results) -> None:
         assert within(rank["plain"]) and within(rank["accumulate"]), rank
 
 
+@fsdp2("fsdp_divide_by_active")
 def test_fsdp_divide_by_the_active_ranks(results: Results) -> None:
     for rank in outcome(results, "fsdp_divide_by_active"):
         assert within(rank["deviation"])
         assert within(rank["after"])  # back to FSDP's own averaging after the Join
 
 
+@fsdp2("fsdp_accumulate")
 def test_fsdp_gradient_accumulation(results: Results) -> None:
     for rank in outcome(results, "fsdp_accumulate"):
         assert within(rank["aligned"]) and within(rank["mid-window"]), rank
 
 
+@fsdp2("fsdp_shadow_input")
 def test_fsdp_shadow_input(results: Results) -> None:
     for rank in outcome(results, "fsdp_shadow_input"):
         assert within(rank["empty"]) and within(rank["zeros"]), rank
 
 
+@fsdp2("fsdp_unfused")
 def test_fsdp_without_a_fused_heartbeat(results: Results) -> None:
     assert all(within(r["deviation"]) for r in outcome(results, "fsdp_unfused"))
 
 
+@fsdp2("fsdp_not_first")
 def test_fsdp_model_that_is_not_the_first_joinable(results: Results) -> None:
     for rank in outcome(results, "fsdp_not_first"):
         assert within(rank["deviation"])
         assert rank["count"] == rank["expected_count"]
 
 
+@fsdp2("fsdp_eval")
 def test_fsdp_evaluation_loop(results: Results) -> None:
     ranks = outcome(results, "fsdp_eval")
     assert all(r["change"] == 0.0 for r in ranks)
     assert sum(r["outputs"] for r in ranks) > 0
 
 
+@fsdp2("fsdp_after_exit")
 def test_fsdp_sends_no_join_collectives_after_the_block(results: Results) -> None:
     for rank in outcome(results, "fsdp_after_exit"):
         assert rank["after"] == rank["alone"]
 
 
+@fsdp2("fsdp_throw")
 def test_fsdp_throw_mode_raises_torchs_messages(results: Results) -> None:
     ranks = outcome(results, "fsdp_throw")
     assert ranks[0]["message"] == "Rank 0 exhausted all inputs."
@@ -123,6 +135,7 @@ def test_fsdp_throw_mode_raises_torchs_messages(results: Results) -> None:
 
 
 @pytest.mark.parametrize("name", ["fsdp_peer_failure", "fsdp_peer_failure_in_forward"])
+@fsdp2()
 def test_fsdp_failure_propagation(results: Results, name: str) -> None:
     """Rank 1 raises (between iterations, or in the root's forward right after the
     step check): it leaves with its own error, every other rank with PeerFailure."""
@@ -135,6 +148,7 @@ def test_fsdp_failure_propagation(results: Results, name: str) -> None:
 
 
 
+@fsdp2("fsdp_epochs")
 def test_fsdp_over_epochs_leaves_every_grad_as_the_loop_left_it(results: Results) -> None:
     """Three epochs, one Join each (SGD, AdamW; zero_grad first and last; windows
     of 1 and 2, aligned and mid-window; a GradScaler and an LR scheduler): after
@@ -160,18 +174,21 @@ def test_fsdp_over_epochs_leaves_every_grad_as_the_loop_left_it(results: Results
 # -- the rest of a training step --------------------------------------------------------
 
 
+@fsdp2("fsdp_scheduler")
 def test_fsdp_lr_scheduler(results: Results) -> None:
     for rank in outcome(results, "fsdp_scheduler"):
         assert within(rank["deviation"])
         assert rank["lr"] == pytest.approx(rank["expected_lr"])
 
 
+@fsdp2("fsdp_clip_grad_norm")
 def test_fsdp_gradient_clipping_through_shadow_step(results: Results) -> None:
     for rank in outcome(results, "fsdp_clip_grad_norm"):
         assert within(rank["deviation"])
         assert rank["clipped"]  # the norm exceeded the limit: clipping mattered
 
 
+@fsdp2("fsdp_grad_scaler")
 def test_fsdp_grad_scaler_agrees_on_inf(results: Results) -> None:
     ranks = outcome(results, "fsdp_grad_scaler")
     for rank in ranks:

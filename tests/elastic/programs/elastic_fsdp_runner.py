@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 from elastic_ddp_runner import DIM, INPUTS, _die, init_cell, sample
 from support.fork import cells_main, parse_cell
+from support.refusals import fsdp_refusal
 
 LR = 0.05
 WEIGHT_DECAY = 0.01
@@ -253,9 +254,13 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
             param.grad = torch.zeros_like(param)
         optimizer.step()
         optimizer.zero_grad()
-    arm_fsdp_kills(mine, path)
     mode = "raise" if "raise" in options else "finish"
     kwargs = {"divide_by_initial_world_size": False} if "count" in options else {}
+    if fsdp_refusal() is not None:  # this torch refuses FSDP2 over gloo: the test checks
+        record_refusal(path, rank, lambda: Join([model, optimizer], on_rank_loss=mode,
+                                                store_outlives_ranks=True, **kwargs))
+        return
+    arm_fsdp_kills(mine, path)
     times: list[float] = []
     if any(point == "entry" for _, point, _ in kills):
         try:  # every survivor: a clear error before the loop, no hang
@@ -324,6 +329,18 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     }))
 
 
+def record_refusal(path: Path, rank: int, join: Any) -> None:
+    """Enter ``join()`` where this torch refuses FSDP2 over gloo; record its refusal."""
+    from joinkit.adapters import UnsupportedTorchError
+
+    try:
+        with join():
+            refused = "(not refused)"
+    except UnsupportedTorchError as exc:
+        refused = str(exc)
+    path.write_text(json.dumps({"rank": rank, "refused": refused}))
+
+
 def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None:
     """Each refused configuration, on every rank; then a Join that works (no mismatch)."""
     import torch
@@ -332,6 +349,10 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
 
     init_cell(rank, world, port, cell)
     model, optimizer = build(world)
+    if fsdp_refusal() is not None:  # this torch refuses FSDP2 over gloo: the test checks
+        record_refusal(out / f"cell{cell}-rank{rank}.json", rank, lambda: Join(
+            [model, optimizer], on_rank_loss="finish", store_outlives_ranks=True))
+        return
     # An optimizer state entry that is neither sharded like its parameter nor a scalar.
     odd = torch.optim.SGD(model.parameters(), lr=LR)
     odd.state[model.first.weight]["odd"] = torch.zeros(3)

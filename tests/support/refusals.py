@@ -1,0 +1,85 @@
+"""Where this torch refuses what a test exercises, the test asserts the refusal instead.
+
+joinkit refuses a feature, on every rank before any collective, where a torch
+release cannot do it right; the tests of that feature then check the refusal
+(its words, on every rank of every scenario) rather than numbers that cannot
+be had. Each test still asserts something on every torch; nothing is skipped.
+
+- :func:`fsdp_refusal`: how this torch refuses FSDP2 on the CPU over gloo,
+  which is how every FSDP2 test here runs (``None`` where it runs);
+- :func:`or_refused`: a decorator for such a test: where the feature is
+  refused it calls the module's check of the refusal with the test's
+  arguments instead of the test; :func:`fsdp2_scenarios` is the one for
+  the FSDP2 scenarios of a ``support.run_scenarios`` worker.
+
+Importing this module imports nothing of torch; :func:`fsdp_refusal` does.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["fsdp_refusal", "or_refused", "scenario_refused", "fsdp2_scenarios"]
+
+Test = TypeVar("Test", bound=Callable[..., Any])
+
+
+def fsdp_refusal() -> str | None:
+    """The words that start joinkit's refusal of FSDP2 on the CPU over gloo on this
+    torch, or ``None`` where it runs: torch 2.6 (its FSDP2 cannot run on the CPU),
+    2.7 and 2.8 (gloo's reduce_scatter sums where FSDP2 asks for the average)."""
+    from joinkit.adapters.torch import _compat
+
+    if not _compat.fsdp_runs_on_cpu():
+        return "joinkit refuses FSDP2 on the CPU on torch "
+    if not _compat.gloo_reduce_scatter_averages():
+        return "joinkit refuses FSDP2 over gloo on torch "
+    return None
+
+
+def or_refused(refusal: Callable[[], str | None],
+               check: Callable[[str, dict[str, Any]], None]) -> Callable[[Test], Test]:
+    """Decorate a test of a feature that ``refusal()`` says this torch may refuse.
+
+    Where ``refusal()`` gives words, the test runs ``check(words, arguments)``
+    instead (``arguments``: the test's fixtures and parameters by name), which
+    asserts that every rank was refused with those words.
+    """
+    def wrap(test: Test) -> Test:
+        @functools.wraps(test)
+        def run(**arguments: Any) -> Any:
+            words = refusal()
+            if words is None:
+                return test(**arguments)
+            check(words, arguments)
+            return None
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+def scenario_refused(results: dict[str, Any], name: str, words: str) -> None:
+    """Every rank of scenario ``name`` (``support.run_scenarios``'s results) was
+    refused with ``words``: its error, or the error its result recorded."""
+    failed = [f["why"] for f in results.get("_failed", []) if f["name"] == name]
+    assert not failed, failed
+    records = results.get(name, [])
+    assert len(records) == results["_world"][0]["world"], (name, records)
+    for record in records:
+        text = (record.get("error") or "") if not record["ok"] else repr(record["result"])
+        assert words in text, (name, record)
+
+
+def fsdp2_scenarios(*names: str) -> Callable[[Test], Test]:
+    """Decorate a test of the FSDP2 scenarios ``names`` (or of its ``name``
+    parameter) in its ``results`` fixture (``support.run_scenarios``'s): where
+    this torch refuses FSDP2 on the CPU over gloo (:func:`fsdp_refusal`) it
+    asserts that every rank of each was refused by name instead."""
+    def check(words: str, arguments: dict[str, Any]) -> None:
+        for name in names or (arguments["name"],):
+            scenario_refused(arguments["results"], name, words)
+
+    return or_refused(fsdp_refusal, check)
