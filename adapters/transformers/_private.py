@@ -95,6 +95,9 @@ GROUPS: dict[str, tuple[Member, ...]] = {
         _m(_T, "Trainer.prediction_step", _CALL,
            "wrapped: an empty evaluation batch adds no rows",
            ("self", "model", "inputs", "prediction_loss_only"), (f"{_TRAINER}.evaluation_loop",)),
+        _m("transformers.trainer_pt_utils", "find_batch_size", _CALL,
+           "an evaluation batch's rows: a partial batch's loss, repeated eval_batch_size "
+           "times, is cut to them in gather_for_metrics", ("tensors",)),
         _m(_T, "Trainer.evaluation_loop", _CALL,
            "wrapped: run inside a Join of the side channel (uneven evaluation shards)",
            ("self", "dataloader", "description"), (f"{_TRAINER}.evaluate", f"{_TRAINER}.predict")),

@@ -77,7 +77,10 @@ of an epoch after a rank joined): the ranks evaluating (every rank, or inside
 a training Join the active ones, found with one side call) split the batches
 and the ranks with one batch fewer add an *empty batch* (no rows in any
 gather), so every sample is seen exactly once and every rank runs the same
-number of steps. An ``IterableDataset`` evaluation set (each rank's own
+number of steps. A partial batch's loss, which ``evaluation_loop`` repeats
+``eval_batch_size`` times, is cut to the batch's rows in ``gather_for_metrics``
+(as Accelerate cuts the last batch), so ``eval_loss`` counts each sample once.
+An ``IterableDataset`` evaluation set (each rank's own
 stream) is evaluated inside a Join of the side channel instead, outside
 training only. While rank 0 has joined, the lowest active rank writes a
 checkpoint (``save_steps``).
@@ -145,6 +148,8 @@ class Session:
         self.global_updates = 0
         self.predicting = False
         self.local_count = False
+        #: The rows of the evaluation batch in hand when it is partial (_partial_rows).
+        self.partial_rows: int | None = None
 
     # -- installing ----------------------------------------------------------------
 
@@ -441,6 +446,7 @@ class Session:
     def _t_prediction_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def prediction_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             self.phantom = isinstance(inputs, _Phantom)
+            self.partial_rows = self._partial_rows(inputs)
             before, self.predicting = self.predicting, True
             try:
                 return original(model, inputs, *args, **kwargs)
@@ -460,7 +466,26 @@ class Session:
                     return original(dataloader, *args, **kwargs)
             finally:
                 self.phantom = phantom
+                self.partial_rows = None
         return evaluation_loop
+
+    def _partial_rows(self, inputs: Any) -> int | None:
+        """The rows of an evaluation batch smaller than the Trainer's, else ``None``.
+
+        ``evaluation_loop`` gathers a batch's loss repeated ``eval_batch_size``
+        times and leaves it to ``gather_for_metrics`` to drop what a partial
+        batch does not have (Accelerate drops it from the last batch): the
+        session's ``gather_for_metrics`` keeps the first ``rows`` of each tensor
+        of such a batch, so each sample's loss counts once.
+        """
+        if isinstance(inputs, _Phantom):
+            return None
+        from transformers.trainer_pt_utils import find_batch_size
+
+        rows = find_batch_size(inputs)
+        if rows is None or rows >= self.trainer.args.eval_batch_size:
+            return None
+        return int(rows)
 
     # -- the routed collectives ----------------------------------------------------------
 
@@ -497,6 +522,9 @@ class Session:
                 return original(input_data, use_gather_object=use_gather_object)
             if use_gather_object or not _all_tensors(input_data):
                 return self.gather_objects(input_data)
+            rows = self.partial_rows
+            if rows is not None:  # a partial evaluation batch (_partial_rows)
+                input_data = _apply(lambda t: t[:rows] if t.ndim else t, input_data)
             return self.gather(input_data)
         return gather_for_metrics
 

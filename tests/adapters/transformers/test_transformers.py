@@ -35,7 +35,7 @@ EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 DOC = ROOT / "docs" / "transformers.md"
 BIN = Path(sys.executable).parent
 LAUNCH_TIMEOUT = 480.0
-CELLS = ["map_gas1", "map_gas2", "map_gas2_plain", "map_max_steps", "stream_zero",
+CELLS = ["map_gas1", "map_gas2", "map_gas2_plain", "map_max_steps", "map_eval", "stream_zero",
          "stream_gas3", "sft_packing", "refusals"]
 LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2}
 #: The DeepSpeed cells, launched apart (only that launch imports DeepSpeed).
@@ -145,7 +145,7 @@ def _compare(records: list[dict[str, Any]], model: str, sft: bool = False,
     history = records[0]["log_history"]
     for record in records[1:]:  # every rank ends with the same log
         assert _clean(record["log_history"]) == _clean(history)
-    evaluation = w.sequences(7, seed=2)
+    evaluation = w.sequences(records[0].get("eval_size", 7), seed=2)
     evals = {entry["step"]: evaluation for entry in history if "eval_loss" in entry}
     want = ref.train(records, model, evals=evals, sft=sft)
     if tolerance is None:
@@ -214,6 +214,29 @@ def test_map_style_dataset_evaluation_and_checkpoint_after_a_rank_joined(
     assert all(e["eval_rows"] == 7 for e in history if "eval_rows" in e)
     assert records[0]["checkpoints"][0] == "checkpoint-4"
     assert all(r["global_step"] == 2 * batches for r in records)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", DDP_LAUNCHES)
+def test_evaluation_counts_every_sample_once_with_partial_batches_and_a_rank_without_data(
+        launches: dict[str, Any], launch: str) -> None:
+    """9 evaluation samples in batches of 4: the last batch (1 sample) is evaluated by
+    one rank, the others add an empty batch; the rank without training data joins at
+    once, and the ranks with data evaluate in training (eval_steps=1)."""
+    records = _records(launches, launch, "map_eval")
+    world = len(records)
+    assert [len(r["recorded"]) for r in records] == [2] * (world - 1) + [0]
+    _check_shards(records, world - 1, 1, epochs=2)
+    want = _compare(records, "gpt2")
+    history = records[0]["log_history"]
+    evaluated = [e["step"] for e in history if "eval_loss" in e]
+    assert evaluated == [1, 2, 2]  # after each step (inside the Join), and evaluate()
+    assert all(e["eval_rows"] == 9 for e in history if "eval_rows" in e)
+    # eval_loss counts each sample once: not each batch once (the mean of 3 batch
+    # means), nor the last batch's loss 4 times (what was gathered).
+    final = want["evals"][2]
+    assert records[0]["final_eval"]["eval_loss"] == pytest.approx(final["eval_loss"],
+                                                                  abs=LOG_TOLERANCE)
 
 
 @pytest.mark.launches
@@ -407,3 +430,26 @@ def test_a_changed_internal_is_a_loud_error(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(_private, "_checked", set())
     with pytest.raises(UnsupportedTransformersError, match="Trainer.get_batch_samples"):
         _private.check("Trainer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("samples", "batch"), [(7, 2), (9, 4), (1, 3)])
+def test_the_references_evaluation_is_the_single_process_trainers(
+        tmp_path: Path, samples: int, batch: int) -> None:
+    """Checked against its peer: ``hf_reference.evaluate`` gives what ``Trainer.evaluate``
+    gives in one process (no joinkit), a partial last batch counting its samples once."""
+    import hf_reference as ref
+    import hf_worker as w
+    from transformers import Trainer
+
+    rows = w.sequences(samples, seed=2)
+    trainer = Trainer(model=w.tiny_model("gpt2"),
+                      args=w.args(tmp_path, per_device_eval_batch_size=batch),
+                      eval_dataset=w.rows_dataset(rows), data_collator=w.collate,
+                      compute_metrics=w.metrics)
+    got = trainer.evaluate()
+    # These models' loss_type is unset: the Trainer counts unshifted labels (meta()).
+    want = ref.evaluate(w.tiny_model("gpt2"), rows, shifted=trainer._loss_shifts_labels,
+                        batch_size=batch)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, abs=LOG_TOLERANCE), key

@@ -118,7 +118,8 @@ def optimizer_name() -> str:
     """AdamW on 2 ranks; SGD on 3, where gloo's float64 all-reduce differs from a
     single process's sum by about 1e-8 (plain DDP too), which Adam's normalization
     would blow up on gradients near its eps."""
-    return "adamw_torch_fused" if dist.get_world_size() % 2 == 0 else "sgd"
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return "adamw_torch_fused" if world % 2 == 0 else "sgd"
 
 
 def args(out: Path, **overrides: Any) -> Any:
@@ -161,6 +162,7 @@ def meta(trainer: Any) -> dict[str, Any]:
             "gas": trainer.args.gradient_accumulation_steps,
             "average_tokens": trainer.args.average_tokens_across_devices,
             "max_grad_norm": trainer.args.max_grad_norm,
+            "eval_batch": trainer.args.per_device_eval_batch_size,
             "weight_decay": trainer.args.weight_decay,
             "shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
             "scheduler": str(trainer.args.lr_scheduler_type)}
@@ -176,15 +178,16 @@ def params(model: Any) -> dict[str, torch.Tensor]:
 
 def map_cell(ctx: dict[str, Any], *, samples: int, gas: int = 1, eval_steps: int | None = None,
              model: str = "gpt2", epochs: int = 2, max_steps: int = -1,
-             average_tokens: bool = True, save_steps: int | None = None) -> dict[str, Any]:
+             average_tokens: bool = True, save_steps: int | None = None,
+             eval_size: int = 7, eval_batch: int = 2) -> dict[str, Any]:
     """A map-style dataset (the same on every rank); joinkit shards it exactly."""
     from transformers import Trainer
 
     from joinkit.adapters.transformers import uneven_inputs
 
     train = rows_dataset(sequences(samples, seed=1))
-    evaluation = rows_dataset(sequences(7, seed=2))
-    extra: dict[str, Any] = {}
+    evaluation = rows_dataset(sequences(eval_size, seed=2))
+    extra: dict[str, Any] = {"per_device_eval_batch_size": eval_batch}
     if eval_steps is not None:
         extra.update(eval_strategy="steps", eval_steps=eval_steps)
     if save_steps is not None:
@@ -204,7 +207,7 @@ def map_cell(ctx: dict[str, Any], *, samples: int, gas: int = 1, eval_steps: int
             "log_history": trainer.state.log_history, "final_eval": final,
             "global_step": output.global_step, "train_loss": output.training_loss,
             "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
-            "meta": meta(trainer)}
+            "eval_size": eval_size, "meta": meta(trainer)}
 
 
 def stream_cell(ctx: dict[str, Any], *, rows: list[int], max_steps: int, gas: int = 1,
@@ -489,6 +492,11 @@ CELLS = {
     "map_gas2_plain": lambda ctx: map_cell(ctx, samples=11, gas=2, average_tokens=False),
     # max_steps ending in the middle of the second epoch.
     "map_max_steps": lambda ctx: map_cell(ctx, samples=13, max_steps=6, epochs=3),
+    # One training sample per rank but the last, which has none; 9 evaluation samples
+    # in batches of 4 (the last of 1), evaluated in training by the ranks with data
+    # (after each step) and by every rank after it.
+    "map_eval": lambda ctx: map_cell(ctx, samples=ctx["world"] - 1, eval_steps=1,
+                                     eval_size=9, eval_batch=4),
     # Each rank's own stream; rank 1 has none; a checkpoint after rank 0 joined.
     "stream_zero": lambda ctx: stream_cell(ctx, rows=[6, 0, 14] if ctx["world"] == 3
                                            else [4, 11], max_steps=9, save_steps=5),
