@@ -93,6 +93,7 @@ import copy
 import copyreg
 import importlib
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -104,6 +105,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from joinkit import Join, Joinable, JoinHook, SideChannel
 from joinkit.adapters.torch.data import ShardSampler
 from joinkit.adapters.torch.optim import gradients_set_aside
+
+from . import _resume
 
 __all__ = ["Session", "current"]
 
@@ -150,6 +153,18 @@ class Session:
         self.local_count = False
         #: The rows of the evaluation batch in hand when it is partial (_partial_rows).
         self.partial_rows: int | None = None
+        #: The training set's sampler (a map-style set), whose state a checkpoint keeps.
+        self.train_sampler: ShardSampler | None = None
+        #: The checkpoint train() resumes from, its record (_resume) and where it starts.
+        self.resume_from: str | None = None
+        self.saved: _resume.Saved | None = None
+        self.start: _resume.Plan | None = None
+        #: A full epoch's (local, global) batches and global steps, and the resumed
+        #: epoch's (local, global) batches.
+        self.full_lengths: tuple[int | None, int | None, int] = (None, None, 0)
+        self.resumed_lengths: tuple[int | None, int | None] = (None, None)
+        #: The share of the current epoch done before this run (a resumed epoch's).
+        self.epoch_start = 0.0
 
     # -- installing ----------------------------------------------------------------
 
@@ -157,7 +172,8 @@ class Session:
         trainer = self.trainer
         accelerator = trainer.accelerator
         for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader",
-                     "set_initial_training_values", "_run_epoch", "get_batch_samples",
+                     "_inner_training_loop", "set_initial_training_values",
+                     "_init_training_state", "_run_epoch", "get_batch_samples",
                      "_get_num_items_in_batch", "training_step", "floating_point_ops",
                      "_track_num_input_tokens", "_save_checkpoint", "prediction_step",
                      "evaluation_loop"):
@@ -227,7 +243,8 @@ class Session:
             seed = args.data_seed if args.data_seed is not None else args.seed
             sampler = ShardSampler(dataset, num_replicas=self.world, rank=self.rank,
                                    shuffle=args.train_sampling_strategy != "sequential",
-                                   seed=seed)
+                                   seed=seed, batch_size=loader.batch_size or 1)
+            self.train_sampler = sampler
             return _OwnLoader(dataset, batch_size=loader.batch_size, sampler=sampler,
                               drop_last=loader.drop_last, **params)
         ranks = self.eval_ranks or tuple(range(self.world))
@@ -258,19 +275,97 @@ class Session:
             values = original(args, dataloader if self.global_len is None
                               else _Sized(self.global_len, dataloader))
             self.global_updates = int(values[1])
+            self.full_lengths = (self.local_len, self.global_len, self.global_updates)
+            if self.resume_from is not None:
+                values = self._resumed_values(args, dataloader, values)
             return values
         return set_initial_training_values
 
+    # -- resuming in the middle of an epoch (_resume) ------------------------------------
+
+    def _t_inner_training_loop(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def inner_training_loop(*args: Any, **kwargs: Any) -> Any:
+            self.resume_from = kwargs.get("resume_from_checkpoint")
+            self.saved = self.start = None
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.resume_from = None
+        return inner_training_loop
+
+    def _resumed_values(self, args: Any, dataloader: Any, values: tuple[Any, ...]
+                        ) -> tuple[Any, ...]:
+        """Load the sampler's state of the checkpoint; the training values of the run."""
+        assert self.resume_from is not None
+        saved = self.saved = _resume.read(self.resume_from)
+        sampler = self.train_sampler
+        if getattr(dataloader, "sampler", None) is not sampler or sampler is None:
+            return values  # streams: the Trainer's own resume (_t_init_training_state)
+        if saved is None or args.ignore_data_skip:
+            return values
+        if self.deepspeed and saved.world != self.world and not _loads_universal(self):
+            raise ValueError(
+                f"joinkit.adapters.transformers: the checkpoint {self.resume_from} was saved "
+                f"on {saved.world} ranks, and DeepSpeed's optimizer state in it is "
+                f"partitioned over them; this run has {self.world}. Resume on {saved.world} "
+                "ranks, or convert it to a universal checkpoint (DeepSpeed's "
+                "ds_to_universal.py) and set \"checkpoint\": {\"load_universal\": true}")
+        start = self.start = _resume.plan(saved)
+        local = None
+        if start.mid_epoch:
+            sampler.load_state_dict(saved.sampler or {})
+            local = len(dataloader)
+        # Every rank read the same record: all gather here, or none.
+        longest = max(self.channel.all_gather_object(local)) if start.mid_epoch else None
+        self.resumed_lengths = (local, longest)
+        gas = args.gradient_accumulation_steps
+        return _resume.training_values(
+            values, saved=saved, start=start, world=self.world,
+            resumed_updates=max(math.ceil(longest / gas), 1) if longest else 0,
+            max_steps=args.max_steps, num_train_epochs=args.num_train_epochs)
+
+    def _t_init_training_state(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def init_training_state(*args: Any, **kwargs: Any) -> tuple[int, int]:
+            epochs, steps = original(*args, **kwargs)
+            if self.start is not None:
+                return self.start.epoch, 0  # the sampler holds what is left of it
+            if steps > 0 and not self.trainer.args.ignore_data_skip:
+                raise NotImplementedError(_mid_epoch_refusal(self))
+            return epochs, steps
+        return init_training_state
+
+    def _set_epoch_lengths(self, epoch: int) -> None:
+        """This epoch's batch counts: a resumed epoch's are what its sampler left."""
+        self.local_len, self.global_len, self.global_updates = self.full_lengths
+        self.epoch_start = 0.0
+        start = self.start
+        if start is None or not start.mid_epoch or epoch != start.epoch:
+            return
+        self.local_len, self.global_len = self.resumed_lengths
+        gas = self.trainer.args.gradient_accumulation_steps
+        self.global_updates = max(math.ceil((self.global_len or 0) / gas), 1)
+        self.epoch_start = start.done_fraction
+
+    def _position_saved(self, result: Any, trial: Any) -> Any:
+        """The checkpoint writer adds what the data consumed (``_resume.write``)."""
+        trainer = self.trainer
+        if not trainer.args.should_save:
+            return result
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        step = trainer.state.global_step
+        folder = os.path.join(trainer._get_output_dir(trial=trial),
+                              f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        in_epoch = self.join is not None
+        sampler = self.train_sampler if in_epoch else None
+        _resume.write(folder, world=self.world, global_step=step, epoch=self.epoch,
+                      epoch_done=not in_epoch,
+                      sampler=None if sampler is None else sampler.state_dict())
+        return result
+
     def _t_run_epoch(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def run_epoch(**kwargs: Any) -> Any:
-            if kwargs.get("resume_from_checkpoint") is not None and kwargs.get(
-                    "steps_trained_in_current_epoch", 0) > 0 and kwargs["epoch"] == kwargs.get(
-                    "epochs_trained"):
-                raise NotImplementedError(
-                    "joinkit.adapters.transformers: resuming in the middle of an epoch is not "
-                    "supported yet (the ranks' batches before the checkpoint differ); resume "
-                    "from a checkpoint saved at an epoch's end, or set ignore_data_skip=True"
-                )
+            self._set_epoch_lengths(int(kwargs["epoch"]))
             gas = self.trainer.args.gradient_accumulation_steps
             steps, updates = kwargs["steps_in_epoch"], kwargs["num_update_steps_per_epoch"]
             if self.global_len is not None and self.local_len is not None:
@@ -424,10 +519,10 @@ class Session:
     def _t_save_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def save_checkpoint(model: Any, trial: Any) -> Any:
             if self.join is None:
-                return original(model, trial)
+                return self._position_saved(original(model, trial), trial)
             active = self.channel.active_ranks()
             if 0 in active or self.rank != min(active):
-                return original(model, trial)
+                return self._position_saved(original(model, trial), trial)
             trainer = self.trainer
             args = trainer.args
             trainer.args = _writer_args(args)
@@ -435,7 +530,7 @@ class Session:
             inner = trainer.accelerator.unwrap_model(trainer.model)
             inner.should_save_on_this_rank = _writes
             try:
-                return original(model, trial)
+                return self._position_saved(original(model, trial), trial)
             finally:
                 trainer.args = args
                 del inner.should_save_on_this_rank
@@ -480,9 +575,9 @@ class Session:
         """
         if isinstance(inputs, _Phantom):
             return None
-        from transformers.trainer_pt_utils import find_batch_size
+        from transformers import trainer_pt_utils
 
-        rows = find_batch_size(inputs)
+        rows = trainer_pt_utils.find_batch_size(inputs)  # type: ignore[no-untyped-call]
         if rows is None or rows >= self.trainer.args.eval_batch_size:
             return None
         return int(rows)
@@ -711,7 +806,9 @@ def _callback_class() -> type:
                     # Every rank's epoch fraction is the longest rank's.
                     gas = args.gradient_accumulation_steps
                     done = min(session.window * gas, session.global_len)
-                    state.epoch = session.epoch + done / session.global_len
+                    start = session.epoch_start  # of a resumed epoch, done before
+                    state.epoch = (session.epoch + start
+                                   + (1 - start) * done / session.global_len)
 
             def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 self.session.leave()
@@ -890,6 +987,27 @@ class _PaddedEval:
                 last = self.inner.collate_fn([self.dataset[i] for i in next(iter(first))])
             for _ in range(self._steps - count):
                 yield _Phantom(last)
+
+
+def _loads_universal(session: Session) -> bool:
+    """The DeepSpeed config loads universal checkpoints (any world size)."""
+    plugin = session.trainer.accelerator.state.deepspeed_plugin
+    config = dict(getattr(plugin, "deepspeed_config", None) or {})
+    return bool(dict(config.get("checkpoint") or {}).get("load_universal", False))
+
+
+def _mid_epoch_refusal(session: Session) -> str:
+    if session.saved is None:
+        why = (f"has no {_resume.FILE}, joinkit's record of what every rank's data consumed "
+               "(the checkpoints written under uneven_inputs have it)")
+    else:
+        why = ("each rank reads its own IterableDataset stream, whose position joinkit does "
+               "not record (it does for a map-style training set, from its ShardSampler)")
+    return (
+        f"joinkit.adapters.transformers: the checkpoint {session.resume_from} is in the "
+        f"middle of an epoch, and {why}. Resume from a checkpoint saved at an epoch's end, "
+        "or set ignore_data_skip=True (the epoch's data starts over)"
+    )
 
 
 def _writes(is_main_process: bool) -> bool:

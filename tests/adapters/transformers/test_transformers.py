@@ -1,9 +1,12 @@
 """The Hugging Face Trainer and TRL's SFTTrainer under ``uneven_inputs``, against one process.
 
-One module fixture starts three launches at once: ``programs/hf_worker.py`` under
-``torchrun`` with 2 ranks and under ``accelerate launch --multi_gpu`` with 3 CPU ranks
-(every cell in one process per rank: transformers is imported once per rank), and
-``examples/hf_trainer.py`` under ``torchrun`` with 2 ranks. Each cell's ranks are
+One module fixture starts the launches at once: ``programs/hf_worker.py`` under
+``torchrun`` with 2 ranks, under ``accelerate launch --multi_gpu`` with 3 CPU ranks
+(every cell in one process per rank: transformers is imported once per rank) and
+under ``torchrun`` with 2 ranks for the DeepSpeed cells, and
+``examples/hf_trainer.py`` under ``torchrun`` with 2 ranks; then a second round
+resumes, on 3 and on 2 ranks, checkpoints the first round's runs wrote. Only the
+launches the selected tests read are started. Each cell's ranks are
 compared with a float64 single-process reference trained on the batches they
 recorded (``programs/hf_reference.py``), and the recorded batches with the data: every
 sample once per epoch (map-style sets, in ``ShardSampler``'s order), each rank's
@@ -37,7 +40,13 @@ BIN = Path(sys.executable).parent
 LAUNCH_TIMEOUT = 480.0
 CELLS = ["map_gas1", "map_gas2", "map_gas2_plain", "map_max_steps", "map_eval", "stream_zero",
          "stream_gas3", "sft_packing", "refusals"]
-LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2}
+#: The first runs of the resumed cells (RESUMES), by launch.
+FIRST_RUNS = {"torchrun-2": ["resume23_a"], "accelerate-3": ["resume32_a"]}
+LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2, "resume-3": 3, "resume-2": 2}
+#: The second round: launch -> (ranks, cells, the first-round launches they resume).
+RESUMES = {"resume-3": (3, ["resume23_b"], ["torchrun-2"]),
+           "resume-2": (2, ["resume32_b", "resume22_b"], ["accelerate-3", "torchrun-2"])}
+RESUME_TIMEOUT = 300.0
 #: The DeepSpeed cells, launched apart (only that launch imports DeepSpeed).
 DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_stream_s2", "ds_stream_s3",
             "ds_even_s2", "ds_refusals"]
@@ -58,7 +67,8 @@ SFT_PARAM_TOLERANCE = 1e-6
 LOG_TOLERANCE = 2e-6
 RUNTIME = ("runtime", "per_second", "model_preparation_time")
 
-pytestmark = [pytest.mark.needs_torch, pytest.mark.timeout(2 * LAUNCH_TIMEOUT)]
+pytestmark = [pytest.mark.needs_torch,
+              pytest.mark.timeout(2 * LAUNCH_TIMEOUT + RESUME_TIMEOUT)]
 
 
 def _environment() -> dict[str, str]:
@@ -79,27 +89,58 @@ def _tool(name: str, module: str) -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", module]
 
 
+def _needed(request: pytest.FixtureRequest) -> set[str]:
+    """The launches the selected tests of this module read (every one if none says)."""
+    needed: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        name = getattr(item, "originalname", item.name)
+        callspec = getattr(item, "callspec", None)
+        launch = callspec.params.get("launch") if callspec is not None else None
+        if launch is not None:
+            needed.add(launch)
+        elif name.startswith("test_deepspeed"):
+            needed.add("deepspeed-2")
+        elif name.startswith("test_the_example_runs"):
+            needed.add("example")
+    for launch in list(needed):
+        needed.update(RESUMES.get(launch, ((), (), ()))[2])
+    return needed or {*LAUNCHES, "example"}
+
+
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def launches(request: pytest.FixtureRequest,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("transformers")
     torchrun = [*_tool("torchrun", "torch.distributed.run"), "--standalone"]
     # Accelerate launches CPU processes with torch's launcher under --multi_gpu (its
     # --cpu flag alone starts one process); the worker's use_cpu=True does the rest.
     accelerate = [*_tool("accelerate", "accelerate.commands.accelerate_cli"), "launch",
                   "--multi_gpu", "--main_process_port", "0"]
-    commands = {
-        "torchrun-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(out / "t2"),
-                       *CELLS],
+    dirs = {"torchrun-2": out / "t2", "accelerate-3": out / "a3", "deepspeed-2": out / "d2",
+            "resume-3": out / "r3", "resume-2": out / "r2"}
+    first = {
+        "torchrun-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(dirs["torchrun-2"]),
+                       *CELLS, *FIRST_RUNS["torchrun-2"]],
         "accelerate-3": [*accelerate, "--num_processes", "3", str(WORKER),
-                         str(out / "a3"), *CELLS],
+                         str(dirs["accelerate-3"]), *CELLS, *FIRST_RUNS["accelerate-3"]],
         "example": [*torchrun, "--nproc-per-node", "2", str(EXAMPLE)],
-        "deepspeed-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(out / "d2"),
-                        *DS_CELLS],
+        "deepspeed-2": [*torchrun, "--nproc-per-node", "2", str(WORKER),
+                        str(dirs["deepspeed-2"]), *DS_CELLS],
     }
-    runs = launch_ranks(list(commands.values()), LAUNCH_TIMEOUT, env=_environment(), cwd=ROOT)
-    return {"out": out, "runs": dict(zip(commands, runs, strict=True)),
-            "dirs": {"torchrun-2": out / "t2", "accelerate-3": out / "a3",
-                     "deepspeed-2": out / "d2"}}
+    # The resumed runs find the first round's checkpoints under --root (hf_worker's CELLS).
+    second = {launch: [*torchrun, "--nproc-per-node", str(world), str(WORKER),
+                       str(dirs[launch]), f"--root={out}", *cells]
+              for launch, (world, cells, _) in RESUMES.items()}
+    needed = _needed(request)
+    runs: dict[str, Any] = {}
+    for commands, timeout in ((first, LAUNCH_TIMEOUT), (second, RESUME_TIMEOUT)):
+        chosen = {name: command for name, command in commands.items() if name in needed}
+        if chosen:
+            done = launch_ranks(list(chosen.values()), timeout, env=_environment(), cwd=ROOT)
+            runs.update(zip(chosen, done, strict=True))
+    return {"out": out, "runs": runs, "dirs": dirs}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -117,7 +158,10 @@ def _records(launches: dict[str, Any], launch: str, cell: str) -> list[dict[str,
     directory = launches["dirs"][launch] / cell
     paths = [directory / f"rank{rank}.pt" for rank in range(world)]
     if not all(path.exists() for path in paths):
-        run = launches["runs"][launch]
+        run = launches["runs"].get(launch)
+        if run is None:
+            pytest.fail(f"{launch} was not launched (a first-round launch of a resumed one "
+                        "failed, or _needed missed it)")
         pytest.fail(f"{launch}: cell {cell} did not finish on every rank:\n"
                     f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
     records = [torch.load(path, weights_only=False) for path in paths]
@@ -137,7 +181,11 @@ def _clean(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _compare(records: list[dict[str, Any]], model: str, sft: bool = False,
-             tolerance: float | None = None, norm_relative: float = 1e-6) -> dict[str, Any]:
+             tolerance: float | None = None, norm_relative: float = 1e-6,
+             trained: list[dict[str, Any]] | None = None,
+             totals: dict[int, int] | None = None) -> dict[str, Any]:
+    """``records``' parameters and logs against the reference trained on the batches of
+    ``trained`` (default: ``records``; a resumed run's and its first run's)."""
     import hf_reference as ref
     import hf_worker as w
 
@@ -147,7 +195,7 @@ def _compare(records: list[dict[str, Any]], model: str, sft: bool = False,
         assert _clean(record["log_history"]) == _clean(history)
     evaluation = w.sequences(records[0].get("eval_size", 7), seed=2)
     evals = {entry["step"]: evaluation for entry in history if "eval_loss" in entry}
-    want = ref.train(records, model, evals=evals, sft=sft)
+    want = ref.train(trained or records, model, evals=evals, sft=sft, totals=totals)
     if tolerance is None:
         tolerance = SFT_PARAM_TOLERANCE if sft else PARAM_TOLERANCE[world]
     for record in records:
@@ -198,6 +246,44 @@ def _check_streams(records: list[dict[str, Any]], rows: list[int]) -> None:
 
 
 DDP_LAUNCHES = ["torchrun-2", "accelerate-3"]
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(("launch", "cell", "first", "first_cell"), [
+    ("resume-3", "resume23_b", "torchrun-2", "resume23_a"),
+    ("resume-2", "resume32_b", "accelerate-3", "resume32_a"),
+    ("resume-2", "resume22_b", "torchrun-2", "resume23_a")])
+def test_resuming_in_the_middle_of_an_epoch_on_any_number_of_ranks(
+        launches: dict[str, Any], launch: str, cell: str, first: str, first_cell: str) -> None:
+    """A run stopped in the middle of an epoch resumes from its checkpoint (on 2 -> 3,
+    3 -> 2 and 2 -> 2 ranks): every sample once per epoch over both runs, and the whole
+    run equal to one float64 reference (the first run's steps, then the resumed ones)."""
+    import hf_worker as w
+
+    before, after = _records(launches, first, first_cell), _records(launches, launch, cell)
+    stop = before[0]["global_step"]
+    assert {r["global_step"] for r in before} == {stop}
+    assert after[0]["checkpoints"][0] > f"checkpoint-{stop}"  # it saved on after the resume
+    assert all(step < stop for r in before for step, _ in r["recorded"])
+    data = [row["input_ids"] for row in w.sequences(13, seed=1)]
+    for epoch in range(2):  # every sample once per epoch, over both runs
+        seen = [row for record in before + after
+                for (_, batch), e in zip(record["recorded"], record["epochs"], strict=True)
+                if e == epoch for row in batch["input_ids"].tolist()]
+        assert sorted(seen) == sorted(data), epoch
+    worlds = {len(before), len(after)}
+    # The first run's linear schedule counts its own max_steps, and so does the resumed
+    # one's from its second step on; its first step has the learning rate the checkpoint
+    # saved (the optimizer's and scheduler's state), as the Trainer resumes.
+    _compare(after, "gpt2", tolerance=PARAM_TOLERANCE[max(worlds)], trained=after + before,
+             totals={0: before[0]["meta"]["max_steps"],
+                     stop + 1: after[0]["meta"]["max_steps"]})
+    if worlds == {2}:
+        # The same world: each rank goes on with the rest of its own shard, as if the run
+        # had not stopped (ShardSampler's order, 4 steps per epoch).
+        _check_shards([{"recorded": b["recorded"] + a["recorded"]}
+                       for b, a in zip(before, after, strict=True)], 13, 4, epochs=2)
+        assert after[0]["meta"]["max_steps"] == before[0]["meta"]["max_steps"]
 
 
 @pytest.mark.launches
@@ -310,6 +396,8 @@ def test_bad_input_raises_on_every_rank_before_any_collective(
         assert "'group_by_length'" in messages["group_by_length"]
         assert "split_batches" in messages["split_batches"]
         assert messages["not_a_trainer"].startswith("TypeError")
+        assert messages["resume_mid_epoch"].startswith("NotImplementedError")
+        assert "joinkit_trainer.json" in messages["resume_mid_epoch"]
         assert record["after"] == [[r] for r in range(len(records))]
 
 

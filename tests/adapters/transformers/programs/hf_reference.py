@@ -42,7 +42,8 @@ def token_loss_sum(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train(records: list[dict[str, Any]], model_kind: str,
-          evals: dict[int, Any] | None = None, sft: bool = False) -> dict[str, Any]:
+          evals: dict[int, Any] | None = None, sft: bool = False,
+          totals: dict[int, int] | None = None) -> dict[str, Any]:
     """Train the reference on the ranks' recorded batches.
 
     Args:
@@ -51,6 +52,9 @@ def train(records: list[dict[str, Any]], model_kind: str,
         sft: the loss of TRL's SFTTrainer (its fused LM head).
         evals: global step -> an evaluation set (a list of rows) to evaluate after
             that step (``0``: before training is not used).
+        totals: first global step -> the ``max_steps`` the linear schedule counts
+            from that step on (a run resumed on another number of ranks counts its
+            own); default: ``meta["max_steps"]`` throughout.
 
     Returns:
         ``params`` (name -> tensor), ``losses`` (logged loss per step), ``lrs``,
@@ -80,10 +84,11 @@ def train(records: list[dict[str, Any]], model_kind: str,
                                       betas=tuple(defaults["betas"]), eps=defaults["eps"],
                                       weight_decay=meta["weight_decay"],
                                       fused=defaults.get("fused") or None)
-    total = meta["max_steps"]
+    totals = totals or {0: meta["max_steps"]}
     base_lr = defaults["lr"]
     losses, lrs, norms, evaluations = [], [], [], {}
     for step in sorted(steps):
+        total = totals[max(first for first in totals if first <= step)]
         lr = base_lr * max(0.0, (total - step) / total)
         for group in optimizer.param_groups:
             group["lr"] = lr

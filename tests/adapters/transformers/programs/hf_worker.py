@@ -105,6 +105,8 @@ class Recording:
             self.recorded.append((int(self.state.global_step),  # type: ignore[attr-defined]
                                   {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor)
                                    else v for k, v in inputs.items()}))
+            # The epoch the batch belongs to (state.epoch: its integer part).
+            getattr(self, "epochs", []).append(int(self.state.epoch + 1e-9))  # type: ignore[attr-defined]
             self.items.append(None if num_items_in_batch is None  # type: ignore[attr-defined]
                               else float(num_items_in_batch))
         return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
@@ -208,6 +210,47 @@ def map_cell(ctx: dict[str, Any], *, samples: int, gas: int = 1, eval_steps: int
             "global_step": output.global_step, "train_loss": output.training_loss,
             "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
             "eval_size": eval_size, "meta": meta(trainer)}
+
+
+def stop_after(step: int) -> Any:
+    """A callback that stops training after ``step`` (an interrupted run)."""
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step >= step:
+                control.should_training_stop = True
+
+    return StopAfter()
+
+
+def resume_cell(ctx: dict[str, Any], *, samples: int, save_steps: int, gas: int = 1,
+                stop: int | None = None, source: str | None = None) -> dict[str, Any]:
+    """A run stopped after ``stop`` steps (a checkpoint every ``save_steps``), or one that
+    resumes from ``source`` (``ROOT/launch/cell/run/checkpoint-N``), maybe on another
+    number of ranks. SGD with momentum on every world size (the same optimizer in both
+    runs), no evaluation."""
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    trainer = trainer_class(Trainer)(
+        model=tiny_model("gpt2"),
+        args=args(ctx["dir"], gradient_accumulation_steps=gas, save_strategy="steps",
+                  save_steps=save_steps, optim="sgd", optim_args="momentum=0.9"),
+        train_dataset=rows_dataset(sequences(samples, seed=1)), data_collator=collate,
+        callbacks=[] if stop is None else [stop_after(stop)])
+    trainer.recorded = []
+    trainer.items = []
+    trainer.epochs = []
+    uneven_inputs(trainer)
+    output = trainer.train(resume_from_checkpoint=None if source is None
+                           else str(Path(ctx["root"]) / source))
+    return {"recorded": trainer.recorded, "epochs": trainer.epochs, "items": trainer.items,
+            "params": params(trainer.model), "log_history": trainer.state.log_history,
+            "global_step": output.global_step,
+            "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
+            "meta": meta(trainer)}
 
 
 def stream_cell(ctx: dict[str, Any], *, rows: list[int], max_steps: int, gas: int = 1,
@@ -476,6 +519,23 @@ def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     attempt("group_by_length", make(train_sampling_strategy="group_by_length"))
     attempt("split_batches", make(accelerator_config={"split_batches": True}))
     attempt("not_a_trainer", object())
+    # Resuming in the middle of an epoch from a checkpoint joinkit did not write (no
+    # record of what each rank's data consumed): refused when train() starts.
+    trainer = make()
+    checkpoint = Path(ctx["dir"]) / "checkpoint-1"
+    if dist.get_rank() == 0:
+        trainer.save_model(str(checkpoint))
+        trainer.state.global_step = 1  # 6 samples: 2 or 3 steps per epoch
+        trainer.state.train_batch_size = 2
+        trainer.state.save_to_json(str(checkpoint / "trainer_state.json"))
+    dist.barrier()
+    uneven_inputs(trainer)
+    try:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        messages["resume_mid_epoch"] = f"{type(error).__name__}: {error}"
+    else:
+        messages["resume_mid_epoch"] = None
     # The group still works: nothing was sent.
     box = [dist.get_rank()]
     gathered = [None] * dist.get_world_size()
@@ -504,6 +564,22 @@ CELLS = {
                                            gas=3),
     "sft_packing": lambda ctx: sft_cell(ctx, counts=[5, 14, 9][: ctx["world"]], max_steps=6),
     "refusals": refusals,
+    # Resumed in the middle of an epoch, on another number of ranks (and the same): the
+    # first runs in the torchrun-2 and accelerate-3 launches, the resumed ones after
+    # them (test_transformers.py's second round, ROOT = the first round's folder).
+    # 13 samples on 2 ranks, stopped after step 2 of epoch 0 (8 samples consumed).
+    "resume23_a": lambda ctx: resume_cell(ctx, samples=13, save_steps=2, stop=2),
+    # ... resumed on 3 ranks (5 samples left: one batch each, one of 1 sample) and on 2.
+    "resume23_b": lambda ctx: resume_cell(ctx, samples=13, save_steps=2,
+                                          source="t2/resume23_a/run/checkpoint-2"),
+    "resume22_b": lambda ctx: resume_cell(ctx, samples=13, save_steps=2,
+                                          source="t2/resume23_a/run/checkpoint-2"),
+    # 13 samples on 3 ranks with accumulation 2 (3, 2 and 2 batches: one window each
+    # but rank 0's second, half empty), stopped after step 3, the first of epoch 1:
+    # 1 sample left, which 2 ranks resume (rank 1 has none).
+    "resume32_a": lambda ctx: resume_cell(ctx, samples=13, save_steps=3, gas=2, stop=3),
+    "resume32_b": lambda ctx: resume_cell(ctx, samples=13, save_steps=3, gas=2,
+                                          source="a3/resume32_a/run/checkpoint-3"),
     # DeepSpeed (launched apart): 13 samples of batch 2 on 2 ranks, 4 and 3 batches.
     # Without clipping here, with clipping that bites in the others.
     "ds_map_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, clip=0.0),
@@ -523,14 +599,17 @@ CELLS = {
 
 
 def main(argv: list[str]) -> None:
-    out, *names = argv
+    """``OUT [--root=DIR] CELL...``: ``--root`` is where resumed cells find checkpoints."""
+    options = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith("--")}
+    out, *names = [a for a in argv if not a.startswith("--")]
     from accelerate import PartialState
 
     state = PartialState(cpu=True)  # initializes gloo under torchrun and accelerate launch
     rank, world = state.process_index, state.num_processes
     for name in names:
         cell_dir = Path(out) / name
-        ctx = {"dir": cell_dir / "run", "world": world, "rank": rank}
+        ctx = {"dir": cell_dir / "run", "world": world, "rank": rank,
+               "root": options.get("--root", "")}
         if rank == 0:
             shutil.rmtree(cell_dir, ignore_errors=True)
         dist.barrier()
