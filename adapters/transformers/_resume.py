@@ -72,12 +72,10 @@ class Plan:
     Attributes:
         epoch: the epoch the run starts in.
         mid_epoch: it starts inside that epoch, on the samples the sampler left.
-        done_fraction: the share of that epoch's samples consumed before.
     """
 
     epoch: int
     mid_epoch: bool
-    done_fraction: float
 
 
 def write(folder: str, *, world: int, global_step: int, epoch: int, epoch_done: bool,
@@ -116,11 +114,8 @@ def plan(saved: Saved) -> Plan:
     """Where the run resumed from ``saved`` starts."""
     sampler = saved.sampler
     if saved.epoch_done or sampler is None or not sampler["remaining"]:
-        return Plan(epoch=saved.epoch + 1, mid_epoch=False, done_fraction=0.0)
-    left = sum(stop - start for start, stop in sampler["remaining"])
-    total = int(sampler["dataset_length"])
-    return Plan(epoch=saved.epoch, mid_epoch=True,
-                done_fraction=(total - left) / total if total else 0.0)
+        return Plan(epoch=saved.epoch + 1, mid_epoch=False)
+    return Plan(epoch=saved.epoch, mid_epoch=True)
 
 
 def training_values(values: tuple[Any, ...], *, saved: Saved, start: Plan, world: int,

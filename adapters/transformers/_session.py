@@ -151,6 +151,8 @@ class Session:
         self.global_updates = 0
         self.predicting = False
         self.local_count = False
+        #: This step's save was agreed on with the joined ranks (DeepSpeed).
+        self.save_announced = False
         #: The rows of the evaluation batch in hand when it is partial (_partial_rows).
         self.partial_rows: int | None = None
         #: The training set's sampler (a map-style set), whose state a checkpoint keeps.
@@ -163,8 +165,8 @@ class Session:
         #: epoch's (local, global) batches.
         self.full_lengths: tuple[int | None, int | None, int] = (None, None, 0)
         self.resumed_lengths: tuple[int | None, int | None] = (None, None)
-        #: The share of the current epoch done before this run (a resumed epoch's).
-        self.epoch_start = 0.0
+        #: The batches of the current epoch done before this run (a resumed epoch's).
+        self.epoch_offset = 0
 
     # -- installing ----------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class Session:
                      "_init_training_state", "_run_epoch", "get_batch_samples",
                      "_get_num_items_in_batch", "training_step", "floating_point_ops",
                      "_track_num_input_tokens", "_save_checkpoint", "prediction_step",
-                     "evaluation_loop"):
+                     "evaluation_loop", "_maybe_log_save_evaluate"):
             _wrap(trainer, name, getattr(self, f"_t_{name.lstrip('_')}"))
         for name in ("prepare", "gather", "gather_for_metrics", "reduce",
                      "pad_across_processes", "wait_for_everyone", "no_sync", "backward"):
@@ -337,29 +339,25 @@ class Session:
     def _set_epoch_lengths(self, epoch: int) -> None:
         """This epoch's batch counts: a resumed epoch's are what its sampler left."""
         self.local_len, self.global_len, self.global_updates = self.full_lengths
-        self.epoch_start = 0.0
+        self.epoch_offset = 0
         start = self.start
         if start is None or not start.mid_epoch or epoch != start.epoch:
             return
         self.local_len, self.global_len = self.resumed_lengths
         gas = self.trainer.args.gradient_accumulation_steps
         self.global_updates = max(math.ceil((self.global_len or 0) / gas), 1)
-        self.epoch_start = start.done_fraction
+        self.epoch_offset = max((self.full_lengths[1] or 0) - (self.global_len or 0), 0)
 
     def _position_saved(self, result: Any, trial: Any) -> Any:
         """The checkpoint writer adds what the data consumed (``_resume.write``)."""
         trainer = self.trainer
         if not trainer.args.should_save:
             return result
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        step = trainer.state.global_step
-        folder = os.path.join(trainer._get_output_dir(trial=trial),
-                              f"{PREFIX_CHECKPOINT_DIR}-{step}")
         in_epoch = self.join is not None
         sampler = self.train_sampler if in_epoch else None
-        _resume.write(folder, world=self.world, global_step=step, epoch=self.epoch,
-                      epoch_done=not in_epoch,
+        step = trainer.state.global_step
+        _resume.write(self._checkpoint_folder(trial), world=self.world, global_step=step,
+                      epoch=self.epoch, epoch_done=not in_epoch,
                       sampler=None if sampler is None else sampler.state_dict())
         return result
 
@@ -520,6 +518,9 @@ class Session:
         def save_checkpoint(model: Any, trial: Any) -> Any:
             if self.join is None:
                 return self._position_saved(original(model, trial), trial)
+            if self.deepspeed:  # the joined ranks save their partitions with us
+                self.save_announced = True
+                self.agree_on_save(self._checkpoint_folder(trial))
             active = self.channel.active_ranks()
             if 0 in active or self.rank != min(active):
                 return self._position_saved(original(model, trial), trial)
@@ -530,11 +531,101 @@ class Session:
             inner = trainer.accelerator.unwrap_model(trainer.model)
             inner.should_save_on_this_rank = _writes
             try:
-                return self._position_saved(original(model, trial), trial)
+                with self._model_files_by_rank_0(args):
+                    return self._position_saved(original(model, trial), trial)
             finally:
                 trainer.args = args
                 del inner.should_save_on_this_rank
         return save_checkpoint
+
+    def _checkpoint_folder(self, trial: Any) -> str:
+        """The folder ``_save_checkpoint`` writes at this step."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        trainer = self.trainer
+        return os.path.join(trainer._get_output_dir(trial=trial),
+                            f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+
+    # -- DeepSpeed checkpoints in the middle of an epoch ---------------------------------
+
+    def _t_maybe_log_save_evaluate(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def maybe_log_save_evaluate(*args: Any, **kwargs: Any) -> Any:
+            if not (self.deepspeed and self.join is not None):
+                return original(*args, **kwargs)
+            self.save_announced = False
+            result = original(*args, **kwargs)
+            if not self.save_announced:  # no save at this step (_t_save_checkpoint)
+                self.agree_on_save(None)
+            return result
+        return maybe_log_save_evaluate
+
+    def agree_on_save(self, folder: str | None) -> str | None:
+        """The checkpoint folder of this optimizer step, if any rank saves one.
+
+        DeepSpeed's ``save_checkpoint`` (and ZeRO-3's gathered model) is a collective
+        of every rank of the engine, so under DeepSpeed the ranks agree after every
+        optimizer step of a Join: the active ranks in ``_maybe_log_save_evaluate``
+        (the folder where they save, else ``None``), a joined rank in the state
+        sync's main hook, after its replay of that step (``None``), which then saves
+        its partition (:meth:`save_as_joined`). Two collectives on the engine's
+        group, a third with the folder when there is one.
+        """
+        engine = self.trainer.model_wrapped
+        group = _deepspeed_group(engine)
+        flag = torch.tensor([int(folder is not None)], dtype=torch.int64, device=engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not int(flag.item()):
+            return None
+        folders: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(folders, folder, group=group)
+        return str(next(f for f in folders if f is not None))
+
+    def save_as_joined(self, folder: str) -> None:
+        """A joined rank's part of a DeepSpeed checkpoint: the Trainer's own calls.
+
+        ``save_model`` (ZeRO-3's gather of the model, whose files rank 0 writes when
+        it holds the gathered weights), ``_save_optimizer_and_scheduler`` (the
+        engine's ``save_checkpoint``: this rank's partition) and its RNG state; the
+        Trainer's files are the writer's (an active rank's).
+        """
+        trainer = self.trainer
+        args = trainer.args
+        try:
+            trainer.args = _writer_args(args, self.rank == 0 and _gathers_model(self))
+            trainer.save_model(folder, _internal_call=True)
+            trainer.args = _writer_args(args, False)
+            if not args.save_only_model:
+                trainer._save_optimizer_and_scheduler(folder)
+                trainer._save_rng_state(folder)
+        finally:
+            trainer.args = args
+
+    @contextlib.contextmanager
+    def _model_files_by_rank_0(self, args: Any) -> Iterator[None]:
+        """While rank 0 has joined, its ``save_model`` writes ZeRO-3's gathered model.
+
+        ``_zero3_consolidated_16bit_state_dict`` gives the weights to torch rank 0
+        alone: the writer gathers with it but writes no model files (``args``, whose
+        ``should_save`` is false here).
+        """
+        trainer = self.trainer
+        if not (self.deepspeed and _gathers_model(self)):
+            yield
+            return
+        save_model = trainer.save_model
+
+        def gathering_only(*call_args: Any, **kwargs: Any) -> Any:
+            writer, trainer.args = trainer.args, args
+            try:
+                return save_model(*call_args, **kwargs)
+            finally:
+                trainer.args = writer
+
+        trainer.save_model = gathering_only
+        try:
+            yield
+        finally:
+            del trainer.save_model
 
     # -- evaluation --------------------------------------------------------------------
 
@@ -716,14 +807,24 @@ class _SyncHook(JoinHook):
         self.session = session
 
     def main_hook(self) -> None:
+        session = self.session
+        if not session.deepspeed:
+            return
+        self._step_scheduler(session.trainer)
+        # Then, as the active ranks in _maybe_log_save_evaluate (after their scheduler
+        # step: the optimizer's saved learning rate is the next step's), the agreement
+        # on a checkpoint, and this rank's part of it.
+        if _ended_a_step(session.trainer.model_wrapped):
+            folder = session.agree_on_save(None)
+            if folder is not None:
+                session.save_as_joined(folder)
+
+    @staticmethod
+    def _step_scheduler(trainer: Any) -> None:
         # After the engine's replay (its optimizer step, on a joined DeepSpeed rank):
         # the Trainer's own scheduler step, as _run_epoch takes it after each optimizer
         # step (gradient_accumulation_steps=1: one per shadow round). A scheduler the
         # engine steps itself is Accelerate's no-op wrapper here, as on the active ranks.
-        session = self.session
-        if not session.deepspeed:
-            return
-        trainer = session.trainer
         if trainer.accelerator.optimizer_step_was_skipped:
             return
         if type(trainer.lr_scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
@@ -806,9 +907,9 @@ def _callback_class() -> type:
                     # Every rank's epoch fraction is the longest rank's.
                     gas = args.gradient_accumulation_steps
                     done = min(session.window * gas, session.global_len)
-                    start = session.epoch_start  # of a resumed epoch, done before
-                    state.epoch = (session.epoch + start
-                                   + (1 - start) * done / session.global_len)
+                    # A resumed epoch counts on from the batches done before it.
+                    full = session.full_lengths[1] or session.global_len
+                    state.epoch = session.epoch + min(session.epoch_offset + done, full) / full
 
             def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 self.session.leave()
@@ -1010,13 +1111,32 @@ def _mid_epoch_refusal(session: Session) -> str:
     )
 
 
+def _deepspeed_group(engine: Any) -> Any:
+    from joinkit.adapters.deepspeed import collectives_group
+
+    return collectives_group(engine)
+
+
+def _gathers_model(session: Session) -> bool:
+    """ZeRO-3 gathers the model on torch rank 0 to save it (``stage3_gather_16bit...``)."""
+    engine = session.trainer.model_wrapped
+    return bool(engine.zero_optimization_stage() == 3
+                and engine.zero_gather_16bit_weights_on_model_save())
+
+
+def _ended_a_step(engine: Any) -> bool:
+    """The engine's micro-step just replayed ended an optimizer step (a boundary)."""
+    return bool(engine.micro_steps % engine.gradient_accumulation_steps() == 0)
+
+
 def _writes(is_main_process: bool) -> bool:
     """The checkpoint writer's ``PreTrainedModel.should_save_on_this_rank``."""
     return is_main_process
 
 
-def _writer_args(args: Any) -> Any:
-    """A copy of ``args`` whose ``should_save`` is true (the checkpoint writer's)."""
+def _writer_args(args: Any, writes: bool = True) -> Any:
+    """A copy of ``args`` whose ``should_save`` is ``writes`` (true: the checkpoint
+    writer's)."""
     base = type(args)
     writer = copy.copy(args)
 
@@ -1026,7 +1146,7 @@ def _writer_args(args: Any) -> Any:
         return (reconstructor, (base, object, None), dict(self.__dict__))
 
     writer.__class__ = type(f"Writer{base.__name__}", (base,), {
-        "should_save": property(lambda self: True),
+        "should_save": property(lambda self: writes),
         "__reduce_ex__": reduce_ex,
         "__module__": base.__module__,
     })

@@ -48,8 +48,8 @@ RESUMES = {"resume-3": (3, ["resume23_b"], ["torchrun-2"]),
            "resume-2": (2, ["resume32_b", "resume22_b"], ["accelerate-3", "torchrun-2"])}
 RESUME_TIMEOUT = 300.0
 #: The DeepSpeed cells, launched apart (only that launch imports DeepSpeed).
-DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_stream_s2", "ds_stream_s3",
-            "ds_even_s2", "ds_refusals"]
+DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_resume_s2", "ds_resume_s3",
+            "ds_stream_s2", "ds_stream_s3", "ds_even_s2", "ds_refusals"]
 #: DeepSpeed's ZeRO optimizer steps float32 master weights (its flat partitions are
 #: ``.float()``) and sums the gradient norm in float32, so a float64 model trains in
 #: float32 under it: measured at most 1.5e-6 from the float64 reference (norms 6.4e-7
@@ -421,6 +421,65 @@ def test_deepspeed_zero_map_style_dataset_and_evaluation(
     assert all(r["global_step"] == 2 * batches for r in records)
     evaluated = [e["step"] for e in history if "eval_loss" in e]
     assert evaluated == [4, 8, 8]  # each epoch's end (ZeRO-1: eval_steps=4), and evaluate()
+    # Checkpoints in the middle of an epoch and at steps rank 0 took alone (rank 1 had
+    # joined and saved its partition with it); ZeRO-1: save_strategy="best".
+    saved = records[0]["checkpoints"]
+    if stage > 1:
+        assert saved == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    else:  # at each evaluation in training whose eval_loss is the best so far
+        losses = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e][:2]
+        assert saved == [f"checkpoint-{s}" for i, (s, loss) in enumerate(losses)
+                         if all(loss < before for _, before in losses[:i])]
+    for name in saved:
+        _check_deepspeed_checkpoint(records, name, gathered=stage == 3)
+
+
+def _check_deepspeed_checkpoint(records: list[dict[str, Any]], name: str,
+                                gathered: bool) -> None:
+    """Every rank's optimizer partition and RNG state, the Trainer's files and joinkit's
+    record; a ZeRO-3 model gathered to save it (``gathered``) whole."""
+    files = records[0]["checkpoint_files"]
+    step = name.split("-")[1]
+    for rank in range(len(records)):
+        assert f"{name}/global_step{step}/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in files
+        assert f"{name}/rng_state_{rank}.pth" in files
+    for file in ("trainer_state.json", "joinkit_trainer.json", "latest", "scheduler.pt",
+                 "config.json"):
+        assert f"{name}/{file}" in files, (name, file)
+    if gathered:
+        shapes = records[0]["model_shapes"][name]
+        params = {n: tuple(p.shape) for n, p in records[0]["params"].items()}
+        assert shapes and all(params[n] == shape and all(shape) for n, shape in shapes.items())
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(("cell", "whole", "model", "stage", "step"), [
+    ("ds_resume_s2", "ds_map_s2", "gpt2", 2, 4), ("ds_resume_s3", "ds_map_s3", "llama", 3, 2)])
+def test_deepspeed_resumes_a_checkpoint_to_the_uninterrupted_runs_numbers(
+        launches: dict[str, Any], cell: str, whole: str, model: str, stage: int,
+        step: int) -> None:
+    """ZeRO-2 from the checkpoint of step 4 (rank 1 had joined: its partition was saved by
+    its shadow of the step), ZeRO-3 from step 2 (in the middle of epoch 0): the resumed
+    run trains the uninterrupted run's batches and ends with its exact numbers."""
+    import hf_reference as ref
+
+    records = _records(launches, "deepspeed-2", cell)
+    uninterrupted = _records(launches, "deepspeed-2", whole)
+    assert {(r["engine"], r["stage"]) for r in records} == {("DeepSpeedEngine", stage)}
+    for resumed, full in zip(records, uninterrupted, strict=True):
+        assert [(s, b["input_ids"].tolist()) for s, b in resumed["recorded"]] == [
+            (s, b["input_ids"].tolist()) for s, b in full["recorded"] if s >= step]
+        assert ref.max_param_error(resumed["params"], full["params"]) == 0.0
+        # Every step's log, and the evaluations after the checkpoint (one at the end of
+        # the epoch of step 4 came after its checkpoint: not in the resumed log).
+        logged, logged_full = ([_clean([e])[0] for e in run["log_history"]
+                                if "loss" in e or ("eval_loss" in e and e["step"] > step)]
+                               for run in (resumed, full))
+        assert logged == logged_full
+    first_part = [{**r, "recorded": [(s, b) for s, b in r["recorded"] if s < step]}
+                  for r in uninterrupted]
+    _compare(records, model, tolerance=DS_PARAM_TOLERANCE, norm_relative=DS_NORM_RELATIVE,
+             trained=records + first_part)
 
 
 @pytest.mark.launches
@@ -434,6 +493,13 @@ def test_deepspeed_own_streams_a_rank_with_none(launches: dict[str, Any], cell: 
     # The rank without data replayed every step and trained on nothing.
     assert [bool(r["recorded"]) for r in records] == [n > 0 for n in rows]
     _compare(records, "llama", tolerance=DS_PARAM_TOLERANCE, norm_relative=DS_NORM_RELATIVE)
+    # A checkpoint every 2 steps, the rank without data taking part (ZeRO-3: it is rank
+    # 0, which writes the gathered model; rank 1 the Trainer's files).
+    # (and one at max_steps, the Trainer's last)
+    assert records[0]["checkpoints"] == [f"checkpoint-{n}"
+                                         for n in sorted({*range(2, steps + 1, 2), steps})]
+    for name in records[0]["checkpoints"]:
+        _check_deepspeed_checkpoint(records, name, gathered=stage == 3)
 
 
 @pytest.mark.launches
@@ -456,12 +522,13 @@ def test_deepspeed_settings_it_cannot_replay_raise_on_every_rank_before_any_coll
     records = _records(launches, "deepspeed-2", "ds_refusals")
     for record in records:
         messages = record["messages"]
+        other_world = messages.pop("resume_other_world")
         assert all(m is not None and m.startswith("NotImplementedError")
                    for m in messages.values()), messages
         assert "gradient_accumulation_steps=1" in messages["gas2"]
         assert "offload_optimizer" in messages["offload"]
-        assert "save_strategy='epoch'" in messages["save_steps"]
         assert "ZeRO-3" in messages["zero3_eval_steps"]
+        assert other_world.startswith("ValueError") and "saved on 3 ranks" in other_world
         assert record["after"] == [[0], [1]]
 
 

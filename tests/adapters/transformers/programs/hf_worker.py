@@ -17,6 +17,7 @@ single-process reference on it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -389,9 +390,12 @@ def ds_config(stage: int, **zero: Any) -> dict[str, Any]:
 
 def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "gpt2",
                 epochs: int = 2, eval_steps: int | None = None, clip: float = 0.05,
-                average_tokens: bool = True) -> dict[str, Any]:
+                average_tokens: bool = True, save: dict[str, Any] | None = None,
+                zero: dict[str, Any] | None = None, source: str | None = None
+                ) -> dict[str, Any]:
     """A map-style dataset under DeepSpeed ZeRO ``stage``; evaluation each epoch (or
-    every ``eval_steps``)."""
+    every ``eval_steps``); checkpoints as ``save`` says (TrainingArguments); resumed
+    from ``source`` (``OUT/cell/run/checkpoint-N`` of this launch) if given."""
     import_deepspeed()
     from transformers import Trainer
 
@@ -403,24 +407,27 @@ def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "
                   eval_strategy="epoch" if eval_steps is None else "steps",
                   eval_steps=eval_steps,
                   average_tokens_across_devices=average_tokens, max_grad_norm=clip,
-                  deepspeed=ds_config(stage)),
+                  deepspeed=ds_config(stage, **(zero or {})), **(save or {})),
         train_dataset=rows_dataset(sequences(samples, seed=1)),
         eval_dataset=rows_dataset(sequences(7, seed=2)), data_collator=collate,
         compute_metrics=metrics)
     trainer.recorded = []
     trainer.items = []
     uneven_inputs(trainer)
-    output = trainer.train()
+    output = trainer.train(resume_from_checkpoint=None if source is None
+                           else str(Path(ctx["out"]) / source))
     final = trainer.evaluate()
     return {"recorded": trainer.recorded, "items": trainer.items,
             "params": ds_params(trainer), "log_history": trainer.state.log_history,
             "final_eval": final, "global_step": output.global_step,
             "engine": type(trainer.model_wrapped).__name__,
-            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer)}
+            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer),
+            **checkpoints(ctx)}
 
 
-def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
-                   max_steps: int) -> dict[str, Any]:
+def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int], max_steps: int,
+                   save_steps: int | None = None,
+                   zero: dict[str, Any] | None = None) -> dict[str, Any]:
     """Each rank's own stream under DeepSpeed ZeRO ``stage``; one rank may have none."""
     import_deepspeed()
     from datasets import IterableDataset
@@ -433,7 +440,9 @@ def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
                                                              "seed": 10 + rank})
     trainer = deepspeed_trainer_class(trainer_class(Trainer))(
         model=tiny_model("llama"),
-        args=args(ctx["dir"], max_steps=max_steps, deepspeed=ds_config(stage)),
+        args=args(ctx["dir"], max_steps=max_steps, deepspeed=ds_config(stage, **(zero or {})),
+                  **({} if save_steps is None else {"save_strategy": "steps",
+                                                    "save_steps": save_steps})),
         train_dataset=own, data_collator=collate)
     trainer.recorded = []
     trainer.items = []
@@ -442,7 +451,29 @@ def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
     return {"recorded": trainer.recorded, "items": trainer.items,
             "params": ds_params(trainer), "log_history": trainer.state.log_history,
             "global_step": output.global_step,
-            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer)}
+            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer),
+            **checkpoints(ctx)}
+
+
+def checkpoints(ctx: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint folders a cell wrote, their files, and their model files' tensors'
+    shapes (a ZeRO-3 gathered model: full ones)."""
+    from safetensors import safe_open
+
+    folder = Path(ctx["dir"])
+    found = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    shapes = {}
+    for checkpoint in found:
+        weights = checkpoint / "model.safetensors"
+        if weights.exists():
+            with safe_open(str(weights), framework="pt") as model_file:
+                shapes[checkpoint.name] = {name: tuple(model_file.get_slice(name).get_shape())
+                                           for name in model_file.keys()}  # noqa: SIM118
+    return {"checkpoints": [p.name for p in found],
+            "checkpoint_files": sorted(str(p.relative_to(folder))
+                                       for p in folder.glob("checkpoint-*/**/*")
+                                       if p.is_file()),
+            "model_shapes": shapes}
 
 
 def ds_params(trainer: Any) -> dict[str, torch.Tensor]:
@@ -469,7 +500,6 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     cases = {
         "gas2": {"gradient_accumulation_steps": 2, "deepspeed": ds_config(2)},
         "offload": {"deepspeed": ds_config(2, offload_optimizer={"device": "cpu"})},
-        "save_steps": {"save_strategy": "steps", "save_steps": 2, "deepspeed": ds_config(2)},
         "zero3_eval_steps": {"eval_strategy": "steps", "eval_steps": 2,
                              "deepspeed": ds_config(3)},
     }
@@ -483,6 +513,27 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
             messages[name] = f"{type(error).__name__}: {error}"
         else:
             messages[name] = None
+    # Resuming on 2 ranks a checkpoint written on 3: DeepSpeed's optimizer state is
+    # partitioned over 3 (refused when train() starts, before DeepSpeed is set up).
+    trainer = deepspeed_trainer_class(Trainer)(
+        model=tiny_model("gpt2"), args=args(ctx["dir"], deepspeed=ds_config(2)),
+        train_dataset=data, data_collator=collate)
+    checkpoint = Path(ctx["dir"]) / "checkpoint-1"
+    if dist.get_rank() == 0:
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        trainer.state.global_step, trainer.state.train_batch_size = 1, 2
+        trainer.state.save_to_json(str(checkpoint / "trainer_state.json"))
+        record = {"format": "joinkit.transformers.Trainer", "version": 1, "world": 3,
+                  "global_step": 1, "epoch": 0, "epoch_done": False, "sampler": None}
+        (checkpoint / "joinkit_trainer.json").write_text(json.dumps(record))
+    dist.barrier()
+    uneven_inputs(trainer)
+    try:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        messages["resume_other_world"] = f"{type(error).__name__}: {error}"
+    else:
+        messages["resume_other_world"] = None
     box = [dist.get_rank()]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, box)
@@ -582,16 +633,42 @@ CELLS = {
                                           source="a3/resume32_a/run/checkpoint-3"),
     # DeepSpeed (launched apart): 13 samples of batch 2 on 2 ranks, 4 and 3 batches.
     # Without clipping here, with clipping that bites in the others.
-    "ds_map_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, clip=0.0),
-    "ds_map_s3": lambda ctx: ds_map_cell(ctx, stage=3, samples=13, model="llama"),
+    # Checkpoints every 2 steps: at steps 2 and 6 in the middle of an epoch, at 4 and 8
+    # at an epoch's last step, which rank 0 takes alone (rank 1 has joined: it saves its
+    # partition with rank 0). ZeRO-3 gathers the model to save it (rank 0's files).
+    "ds_map_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, clip=0.0,
+                                         save={"save_strategy": "steps", "save_steps": 2}),
+    "ds_map_s3": lambda ctx: ds_map_cell(
+        ctx, stage=3, samples=13, model="llama",
+        save={"save_strategy": "steps", "save_steps": 2},
+        zero={"stage3_gather_16bit_weights_on_model_save": True}),
+    # Resumed from those checkpoints: ZeRO-2 from step 4 (saved while rank 1 had
+    # joined), ZeRO-3 from step 2 (in the middle of epoch 0).
+    "ds_resume_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, clip=0.0,
+                                            save={"save_strategy": "steps", "save_steps": 2},
+                                            source="ds_map_s2/run/checkpoint-4"),
+    "ds_resume_s3": lambda ctx: ds_map_cell(
+        ctx, stage=3, samples=13, model="llama",
+        save={"save_strategy": "steps", "save_steps": 2},
+        zero={"stage3_gather_16bit_weights_on_model_save": True},
+        source="ds_map_s3/run/checkpoint-2"),
     # ZeRO-1, plain-mean losses, evaluations at steps 4 and 8, after rank 1 joined
     # (rank 0 evaluates alone). (Stage 0 is not run: its gradient all-reduce refuses
     # the float64 gradients of these models, "unsupported grad type".)
+    # save_strategy="best" (of eval_loss): a checkpoint at each evaluation that improves.
     "ds_map_s1": lambda ctx: ds_map_cell(ctx, stage=1, samples=13, eval_steps=4,
+                                         save={"save_strategy": "best",
+                                               "metric_for_best_model": "eval_loss"},
                                          average_tokens=False),
     # Each rank's own stream, rank 1 with none.
-    "ds_stream_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 0], max_steps=5),
-    "ds_stream_s3": lambda ctx: ds_stream_cell(ctx, stage=3, rows=[0, 9], max_steps=6),
+    # Checkpoints every 2 steps with a rank that has no data (joined at once): rank 1
+    # (ZeRO-2); rank 0 (ZeRO-3: rank 1 writes the Trainer's files, rank 0 the gathered
+    # model's).
+    "ds_stream_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 0], max_steps=5,
+                                               save_steps=2),
+    "ds_stream_s3": lambda ctx: ds_stream_cell(
+        ctx, stage=3, rows=[0, 9], max_steps=6, save_steps=2,
+        zero={"stage3_gather_16bit_weights_on_model_save": True}),
     # The control: even streams, nobody joins (DeepSpeed's own float32 error).
     "ds_even_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 5], max_steps=5),
     "ds_refusals": ds_refusals,
@@ -608,7 +685,7 @@ def main(argv: list[str]) -> None:
     rank, world = state.process_index, state.num_processes
     for name in names:
         cell_dir = Path(out) / name
-        ctx = {"dir": cell_dir / "run", "world": world, "rank": rank,
+        ctx = {"dir": cell_dir / "run", "world": world, "rank": rank, "out": out,
                "root": options.get("--root", "")}
         if rank == 0:
             shutil.rmtree(cell_dir, ignore_errors=True)
