@@ -14,8 +14,9 @@ not yet consumed, the same on every rank, loadable on any world size).
 *Saving.* The rank that writes the Trainer's checkpoint files (``should_save``:
 rank 0, or while rank 0 has joined the lowest active rank) also writes
 :data:`FILE` into the checkpoint folder: the world size, ``global_step``, the
-epoch, whether that epoch had ended (a save after its Join), and in the middle
-of an epoch the sampler's state (:func:`write`).
+epoch, the optimizer steps taken in it, whether that epoch had ended (a save
+after its Join), and in the middle of an epoch the sampler's state
+(:func:`write`).
 
 *Resuming* (``train(resume_from_checkpoint=...)``, on any number of ranks):
 :func:`read` gives a :class:`Saved`; the session loads the sampler's state,
@@ -26,6 +27,12 @@ new ranks, and the Trainer starts at that epoch with nothing to skip.
 done, the resumed epoch's (from the ranks' new batch counts), and the new
 world's steps per epoch for the epochs after it. On the same world size the
 Trainer's own values are kept (they are the same).
+
+*Streams.* With each rank's own ``IterableDataset`` an epoch is one pass over
+every rank's stream, and after ``k`` steps of a pass rank ``r`` has consumed
+``min(k * gradient_accumulation_steps, its batches)``: the Trainer's own skip
+of ``k * gradient_accumulation_steps`` batches in pass ``epoch`` is exact, on
+the same world size (on another, the streams are other ones: refused).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from typing import Any
 
 import attrs
 
-__all__ = ["FILE", "Saved", "Plan", "read", "write", "plan", "training_values"]
+__all__ = ["FILE", "Saved", "Plan", "read", "write", "plan", "stream_start",
+           "training_values"]
 
 #: The file joinkit adds to a Trainer checkpoint folder.
 FILE = "joinkit_trainer.json"
@@ -53,6 +61,7 @@ class Saved:
         world: the number of ranks that wrote it.
         global_step: the Trainer's ``global_step`` at the save.
         epoch: the epoch the save was made in.
+        steps: the optimizer steps taken in that epoch by this run.
         epoch_done: the save came after that epoch's end.
         sampler: the training set's ``ShardSampler.state_dict()`` in the middle
             of an epoch (a map-style training set), else ``None``.
@@ -61,6 +70,7 @@ class Saved:
     world: int
     global_step: int
     epoch: int
+    steps: int
     epoch_done: bool
     sampler: dict[str, Any] | None
 
@@ -78,12 +88,12 @@ class Plan:
     mid_epoch: bool
 
 
-def write(folder: str, *, world: int, global_step: int, epoch: int, epoch_done: bool,
-          sampler: dict[str, Any] | None) -> None:
+def write(folder: str, *, world: int, global_step: int, epoch: int, steps: int,
+          epoch_done: bool, sampler: dict[str, Any] | None) -> None:
     """Write :data:`FILE` into the checkpoint ``folder``."""
     record = {"format": FORMAT, "version": VERSION, "world": world,
-              "global_step": global_step, "epoch": epoch, "epoch_done": epoch_done,
-              "sampler": sampler}
+              "global_step": global_step, "epoch": epoch, "steps": steps,
+              "epoch_done": epoch_done, "sampler": sampler}
     with open(os.path.join(folder, FILE), "w", encoding="utf-8") as out:
         json.dump(record, out)
 
@@ -105,9 +115,12 @@ def read(checkpoint: str) -> Saved | None:
         raise ValueError(
             f"{path} is of version {record.get('version')!r}; this joinkit reads version "
             f"{VERSION}: resume with the joinkit release that wrote it")
-    return Saved(world=int(record["world"]), global_step=int(record["global_step"]),
-                 epoch=int(record["epoch"]), epoch_done=bool(record["epoch_done"]),
-                 sampler=record["sampler"])
+    try:
+        return Saved(world=int(record["world"]), global_step=int(record["global_step"]),
+                     epoch=int(record["epoch"]), steps=int(record["steps"]),
+                     epoch_done=bool(record["epoch_done"]), sampler=record["sampler"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path} is not a whole joinkit Trainer state: {error!r}") from error
 
 
 def plan(saved: Saved) -> Plan:
@@ -116,6 +129,24 @@ def plan(saved: Saved) -> Plan:
     if saved.epoch_done or sampler is None or not sampler["remaining"]:
         return Plan(epoch=saved.epoch + 1, mid_epoch=False)
     return Plan(epoch=saved.epoch, mid_epoch=True)
+
+
+def stream_start(saved: Saved, *, world: int, gas: int) -> tuple[int, int]:
+    """The Trainer's ``(epochs_trained, steps_trained_in_current_epoch)`` for per-rank
+    streams (module doc).
+
+    Raises:
+        ValueError: another world size than the checkpoint's.
+    """
+    if world != saved.world:
+        raise ValueError(
+            f"joinkit.adapters.transformers: resuming on {world} ranks a run of per-rank "
+            f"IterableDataset streams saved on {saved.world}: each rank's stream is its own, "
+            "and what the new ranks' streams hold of the old ones is not known. Resume on "
+            f"{saved.world} ranks, or set ignore_data_skip=True (the streams start over)")
+    if saved.epoch_done:
+        return saved.epoch + 1, 0
+    return saved.epoch, saved.steps * gas
 
 
 def training_values(values: tuple[Any, ...], *, saved: Saved, start: Plan, world: int,

@@ -71,6 +71,11 @@ LR scheduler as ``_run_epoch`` does after each optimizer step. The engine's
 collectives run on its ZeRO group, a group of its own: inside the epoch's Join the
 session's calls go through a second side channel that follows it. The post hook
 sends no optimizer state (each rank's is its own partition, stepped by the replay).
+A DeepSpeed checkpoint is a collective of every rank (each writes its partition):
+after every optimizer step of a Join the ranks agree whether the Trainer saves
+(:meth:`Session.agree_on_save`: the active ranks in ``_maybe_log_save_evaluate``, a
+joined rank in the sync's main hook, after its replay and scheduler step), and a
+joined rank then runs the Trainer's own saving calls for its part.
 
 *Evaluation* (``evaluate``, ``predict``, ``eval_strategy``, also in the middle
 of an epoch after a rank joined): the ranks evaluating (every rank, or inside
@@ -83,7 +88,9 @@ number of steps. A partial batch's loss, which ``evaluation_loop`` repeats
 An ``IterableDataset`` evaluation set (each rank's own
 stream) is evaluated inside a Join of the side channel instead, outside
 training only. While rank 0 has joined, the lowest active rank writes a
-checkpoint (``save_steps``).
+checkpoint (``save_steps``), with joinkit's record of what the data consumed, from
+which ``train(resume_from_checkpoint=...)`` resumes in the middle of an epoch on
+any number of ranks (``_resume``).
 """
 
 from __future__ import annotations
@@ -160,6 +167,8 @@ class Session:
         #: The checkpoint train() resumes from, its record (_resume) and where it starts.
         self.resume_from: str | None = None
         self.saved: _resume.Saved | None = None
+        #: The pass of per-rank streams a run resumed into (until it ran).
+        self.resumed_pass: int | None = None
         self.start: _resume.Plan | None = None
         #: A full epoch's (local, global) batches and global steps, and the resumed
         #: epoch's (local, global) batches.
@@ -303,8 +312,9 @@ class Session:
         sampler = self.train_sampler
         if getattr(dataloader, "sampler", None) is not sampler or sampler is None:
             return values  # streams: the Trainer's own resume (_t_init_training_state)
-        if saved is None or args.ignore_data_skip:
-            return values
+        if saved is None or args.ignore_data_skip or (saved.sampler is None
+                                                       and not saved.epoch_done):
+            return values  # no record, or a stream's: refused (_t_init_training_state)
         if self.deepspeed and saved.world != self.world and not _loads_universal(self):
             raise ValueError(
                 f"joinkit.adapters.transformers: the checkpoint {self.resume_from} was saved "
@@ -329,9 +339,17 @@ class Session:
     def _t_init_training_state(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def init_training_state(*args: Any, **kwargs: Any) -> tuple[int, int]:
             epochs, steps = original(*args, **kwargs)
+            trainer_args = self.trainer.args
             if self.start is not None:
                 return self.start.epoch, 0  # the sampler holds what is left of it
-            if steps > 0 and not self.trainer.args.ignore_data_skip:
+            saved = self.saved
+            if (saved is not None and saved.sampler is None and self.train_sampler is None
+                    and not trainer_args.ignore_data_skip):  # per-rank streams
+                epochs, steps = _resume.stream_start(
+                    saved, world=self.world, gas=trainer_args.gradient_accumulation_steps)
+                self.resumed_pass = epochs if steps else None
+                return epochs, steps
+            if steps > 0 and not trainer_args.ignore_data_skip:
                 raise NotImplementedError(_mid_epoch_refusal(self))
             return epochs, steps
         return init_training_state
@@ -357,13 +375,14 @@ class Session:
         sampler = self.train_sampler if in_epoch else None
         step = trainer.state.global_step
         _resume.write(self._checkpoint_folder(trial), world=self.world, global_step=step,
-                      epoch=self.epoch, epoch_done=not in_epoch,
+                      epoch=self.epoch, steps=self.window, epoch_done=not in_epoch,
                       sampler=None if sampler is None else sampler.state_dict())
         return result
 
     def _t_run_epoch(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def run_epoch(**kwargs: Any) -> Any:
             self._set_epoch_lengths(int(kwargs["epoch"]))
+            first_step = self.trainer.state.global_step
             gas = self.trainer.args.gradient_accumulation_steps
             steps, updates = kwargs["steps_in_epoch"], kwargs["num_update_steps_per_epoch"]
             if self.global_len is not None and self.local_len is not None:
@@ -396,8 +415,23 @@ class Session:
                 _local.session = before
             if self.join is join:  # no on_epoch_end (a subclass's own _run_epoch)
                 self.leave()
+            self._go_on_after_an_empty_resumed_pass(int(kwargs["epoch"]), first_step)
             return result
         return run_epoch
+
+    def _go_on_after_an_empty_resumed_pass(self, epoch: int, first_step: int) -> None:
+        """A stream checkpoint saved at its pass's last step resumes into an empty pass.
+
+        The Trainer stops training after an epoch without a batch on this rank;
+        when the resumed pass was empty on every rank (the streams had ended at
+        the checkpoint's step; the state sync gave every rank the last joiner's
+        flags), the next pass is still to train.
+        """
+        if self.resumed_pass != epoch:
+            return
+        self.resumed_pass = None
+        if self.trainer.state.global_step == first_step:
+            self.trainer.control.should_training_stop = False
 
     def _epoch_join_kwargs(self) -> dict[str, Any]:
         if not self.deepspeed:
@@ -1102,8 +1136,8 @@ def _mid_epoch_refusal(session: Session) -> str:
         why = (f"has no {_resume.FILE}, joinkit's record of what every rank's data consumed "
                "(the checkpoints written under uneven_inputs have it)")
     else:
-        why = ("each rank reads its own IterableDataset stream, whose position joinkit does "
-               "not record (it does for a map-style training set, from its ShardSampler)")
+        why = ("its data is not of this run's kind (a map-style training set's position, "
+               "from its ShardSampler, or per-rank IterableDataset streams', in steps)")
     return (
         f"joinkit.adapters.transformers: the checkpoint {session.resume_from} is in the "
         f"middle of an epoch, and {why}. Resume from a checkpoint saved at an epoch's end, "

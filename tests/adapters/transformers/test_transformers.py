@@ -41,11 +41,12 @@ LAUNCH_TIMEOUT = 480.0
 CELLS = ["map_gas1", "map_gas2", "map_gas2_plain", "map_max_steps", "map_eval", "stream_zero",
          "stream_gas3", "sft_packing", "refusals"]
 #: The first runs of the resumed cells (RESUMES), by launch.
-FIRST_RUNS = {"torchrun-2": ["resume23_a"], "accelerate-3": ["resume32_a"]}
+FIRST_RUNS = {"torchrun-2": ["resume23_a", "stream_resume_a"], "accelerate-3": ["resume32_a"]}
 LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2, "resume-3": 3, "resume-2": 2}
 #: The second round: launch -> (ranks, cells, the first-round launches they resume).
-RESUMES = {"resume-3": (3, ["resume23_b"], ["torchrun-2"]),
-           "resume-2": (2, ["resume32_b", "resume22_b"], ["accelerate-3", "torchrun-2"])}
+RESUMES = {"resume-3": (3, ["resume23_b", "stream_resume_refused"], ["torchrun-2"]),
+           "resume-2": (2, ["resume32_b", "resume22_b", "stream_resume3_b", "stream_resume6_b"],
+                        ["accelerate-3", "torchrun-2"])}
 RESUME_TIMEOUT = 300.0
 #: The DeepSpeed cells, launched apart (only that launch imports DeepSpeed).
 DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_resume_s2", "ds_resume_s3",
@@ -104,6 +105,8 @@ def _needed(request: pytest.FixtureRequest) -> set[str]:
             needed.add("deepspeed-2")
         elif name.startswith("test_the_example_runs"):
             needed.add("example")
+        elif name.startswith("test_own_streams_resumed_on_another"):
+            needed.add("resume-3")
     for launch in list(needed):
         needed.update(RESUMES.get(launch, ((), (), ()))[2])
     return needed or {*LAUNCHES, "example"}
@@ -300,6 +303,33 @@ def test_map_style_dataset_evaluation_and_checkpoint_after_a_rank_joined(
     assert all(e["eval_rows"] == 7 for e in history if "eval_rows" in e)
     assert records[0]["checkpoints"][0] == "checkpoint-4"
     assert all(r["global_step"] == 2 * batches for r in records)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(("launch", "cell", "step"), [("resume-2", "stream_resume3_b", 3),
+                                                      ("resume-2", "stream_resume6_b", 6)])
+def test_resuming_own_streams_in_the_middle_of_a_pass(launches: dict[str, Any], launch: str,
+                                                      cell: str, step: int) -> None:
+    """Per-rank streams resumed from step 3 (rank 0 had joined; rank 1 wrote the
+    checkpoint) and from step 6 (the last of the first pass: the resumed pass is empty on
+    every rank and the next one trains): each rank reads its stream on from where it
+    was, and the whole run equals one float64 reference."""
+    before = _records(launches, "torchrun-2", "stream_resume_a")
+    after = _records(launches, launch, cell)
+    assert {r["global_step"] for r in after} == {9}
+    first = [{**r, "recorded": [(s, b) for s, b in r["recorded"] if s < step]} for r in before]
+    _check_streams([{"recorded": b["recorded"] + a["recorded"]}
+                    for b, a in zip(first, after, strict=True)], [4, 11])
+    _compare(after, "llama", trained=after + first)
+
+
+@pytest.mark.launches
+def test_own_streams_resumed_on_another_number_of_ranks_are_refused(
+        launches: dict[str, Any]) -> None:
+    for record in _records(launches, "resume-3", "stream_resume_refused"):
+        message = record["messages"]["stream_other_world"]
+        assert message.startswith("ValueError") and "saved on 2" in message, message
+        assert record["after"] == [[0], [1], [2]]
 
 
 @pytest.mark.launches
@@ -608,3 +638,63 @@ def test_the_references_evaluation_is_the_single_process_trainers(
                         batch_size=batch)
     for key, value in want.items():
         assert got[key] == pytest.approx(value, abs=LOG_TOLERANCE), key
+
+
+def test_joinkits_checkpoint_record_round_trips_and_plans_the_resume(tmp_path: Path) -> None:
+    from joinkit.adapters.transformers import _resume
+
+    sampler = {"remaining": [[8, 13]], "dataset_length": 13}
+    _resume.write(str(tmp_path), world=2, global_step=2, epoch=0, steps=2, epoch_done=False,
+                  sampler=sampler)
+    saved = _resume.read(str(tmp_path))
+    assert saved == _resume.Saved(world=2, global_step=2, epoch=0, steps=2, epoch_done=False,
+                                  sampler=sampler)
+    assert _resume.plan(saved) == _resume.Plan(epoch=0, mid_epoch=True)
+    ended = _resume.Saved(world=2, global_step=4, epoch=0, steps=4, epoch_done=True,
+                          sampler=None)
+    assert _resume.plan(ended) == _resume.Plan(epoch=1, mid_epoch=False)
+    emptied = _resume.Saved(world=2, global_step=4, epoch=0, steps=4, epoch_done=False,
+                            sampler={"remaining": [], "dataset_length": 13})
+    assert _resume.plan(emptied) == _resume.Plan(epoch=1, mid_epoch=False)
+    assert _resume.read(str(tmp_path / "none")) is None
+    (tmp_path / _resume.FILE).write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="not a joinkit Trainer state"):
+        _resume.read(str(tmp_path))
+    (tmp_path / _resume.FILE).write_text('{"format": "joinkit.transformers.Trainer", '
+                                         '"version": 1}')
+    with pytest.raises(ValueError, match="not a whole joinkit Trainer state"):
+        _resume.read(str(tmp_path))
+
+
+def test_a_resume_on_another_world_counts_the_steps_that_world_takes() -> None:
+    from joinkit.adapters.transformers import _resume
+
+    # 13 samples, batches of 2: 4 steps an epoch on 2 ranks, 3 on 3; 2 epochs.
+    values = (2, 3, 13, 26, 6, 3, 6)  # the Trainer's, for 3 ranks
+    saved = _resume.Saved(world=2, global_step=2, epoch=0, steps=2, epoch_done=False,
+                          sampler={"remaining": [[8, 13]], "dataset_length": 13})
+    start = _resume.plan(saved)
+    same = _resume.training_values(values, saved=saved, start=start, world=2,
+                                   resumed_updates=1, max_steps=-1, num_train_epochs=2)
+    assert same is values
+    # 2 steps done, 1 for the 5 samples left, 3 for epoch 1: 6.
+    other = _resume.training_values(values, saved=saved, start=start, world=3,
+                                    resumed_updates=1, max_steps=-1, num_train_epochs=2)
+    assert other == (2, 3, 13, 26, 6, 3, 6)
+    longer = _resume.training_values(values, saved=saved, start=start, world=3,
+                                     resumed_updates=1, max_steps=-1, num_train_epochs=3)
+    assert longer[-1] == 9
+    # max_steps given: kept, with enough epochs to reach it.
+    stepped = _resume.training_values(values, saved=saved, start=start, world=3,
+                                      resumed_updates=1, max_steps=10, num_train_epochs=3)
+    assert stepped[0] == 4 and stepped[-1] == 10  # epoch 0, then 3 + 3 + 1 steps
+    with pytest.raises(ValueError, match="num_train_epochs=2.5"):
+        _resume.training_values(values, saved=saved, start=start, world=3,
+                                resumed_updates=1, max_steps=-1, num_train_epochs=2.5)
+    # Streams: the pass and its steps, on the same world only.
+    assert _resume.stream_start(saved, world=2, gas=3) == (0, 6)
+    assert _resume.stream_start(_resume.Saved(world=2, global_step=4, epoch=1, steps=0,
+                                              epoch_done=True, sampler=None),
+                                world=2, gas=1) == (2, 0)
+    with pytest.raises(ValueError, match="saved on 2"):
+        _resume.stream_start(saved, world=3, gas=1)

@@ -254,9 +254,26 @@ def resume_cell(ctx: dict[str, Any], *, samples: int, save_steps: int, gas: int 
             "meta": meta(trainer)}
 
 
+def stream_resume_refused(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Per-rank streams saved on 2 ranks, resumed on this world (3): refused on every
+    rank alike when train() starts; the group works after."""
+    try:
+        stream_cell(ctx, rows=[4, 11, 3][: ctx["world"]], max_steps=9, save_steps=3,
+                    source="t2/stream_resume_a/run/checkpoint-3")
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        message: str | None = f"{type(error).__name__}: {error}"
+    else:
+        message = None
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [dist.get_rank()])
+    return {"messages": {"stream_other_world": message}, "after": gathered}
+
+
 def stream_cell(ctx: dict[str, Any], *, rows: list[int], max_steps: int, gas: int = 1,
-                save_steps: int | None = None, model: str = "llama") -> dict[str, Any]:
-    """Each rank's own IterableDataset (as split_dataset_by_node gives), uneven lengths."""
+                save_steps: int | None = None, model: str = "llama", stop: int | None = None,
+                source: str | None = None) -> dict[str, Any]:
+    """Each rank's own IterableDataset (as split_dataset_by_node gives), uneven lengths;
+    stopped after ``stop`` steps, or resumed from ``source`` (as ``resume_cell``)."""
     from datasets import IterableDataset
     from transformers import Trainer
 
@@ -271,11 +288,13 @@ def stream_cell(ctx: dict[str, Any], *, rows: list[int], max_steps: int, gas: in
     trainer = trainer_class(Trainer)(
         model=tiny_model(model),
         args=args(ctx["dir"], gradient_accumulation_steps=gas, max_steps=max_steps, **extra),
-        train_dataset=own, data_collator=collate)
+        train_dataset=own, data_collator=collate,
+        callbacks=[] if stop is None else [stop_after(stop)])
     trainer.recorded = []
     trainer.items = []
     uneven_inputs(trainer)
-    output = trainer.train()
+    output = trainer.train(resume_from_checkpoint=None if source is None
+                           else str(Path(ctx["root"]) / source))
     return {"recorded": trainer.recorded, "items": trainer.items, "params": params(trainer.model),
             "log_history": trainer.state.log_history, "global_step": output.global_step,
             "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
@@ -524,20 +543,28 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
         trainer.state.global_step, trainer.state.train_batch_size = 1, 2
         trainer.state.save_to_json(str(checkpoint / "trainer_state.json"))
         record = {"format": "joinkit.transformers.Trainer", "version": 1, "world": 3,
-                  "global_step": 1, "epoch": 0, "epoch_done": False, "sampler": None}
+                  "global_step": 1, "epoch": 0, "steps": 1, "epoch_done": False,
+                  "sampler": None}
         (checkpoint / "joinkit_trainer.json").write_text(json.dumps(record))
+    messages["resume_other_world"] = refused_resume(trainer, checkpoint)
+    box = [dist.get_rank()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, box)
+    return {"messages": messages, "after": gathered}
+
+
+def refused_resume(trainer: Any, checkpoint: Path) -> str | None:
+    """``train(resume_from_checkpoint=checkpoint)`` under ``uneven_inputs`` on every rank
+    (after rank 0 wrote the checkpoint): the error it raised, if any."""
+    from joinkit.adapters.transformers import uneven_inputs
+
     dist.barrier()
     uneven_inputs(trainer)
     try:
         trainer.train(resume_from_checkpoint=str(checkpoint))
     except Exception as error:  # noqa: BLE001 - recorded for the test
-        messages["resume_other_world"] = f"{type(error).__name__}: {error}"
-    else:
-        messages["resume_other_world"] = None
-    box = [dist.get_rank()]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, box)
-    return {"messages": messages, "after": gathered}
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -579,14 +606,7 @@ def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
         trainer.state.global_step = 1  # 6 samples: 2 or 3 steps per epoch
         trainer.state.train_batch_size = 2
         trainer.state.save_to_json(str(checkpoint / "trainer_state.json"))
-    dist.barrier()
-    uneven_inputs(trainer)
-    try:
-        trainer.train(resume_from_checkpoint=str(checkpoint))
-    except Exception as error:  # noqa: BLE001 - recorded for the test
-        messages["resume_mid_epoch"] = f"{type(error).__name__}: {error}"
-    else:
-        messages["resume_mid_epoch"] = None
+    messages["resume_mid_epoch"] = refused_resume(trainer, checkpoint)
     # The group still works: nothing was sent.
     box = [dist.get_rank()]
     gathered = [None] * dist.get_world_size()
@@ -631,6 +651,17 @@ CELLS = {
     "resume32_a": lambda ctx: resume_cell(ctx, samples=13, save_steps=3, gas=2, stop=3),
     "resume32_b": lambda ctx: resume_cell(ctx, samples=13, save_steps=3, gas=2,
                                           source="a3/resume32_a/run/checkpoint-3"),
+    # Each rank's own stream (2 and 6 batches a pass), stopped after step 6 (the first
+    # pass's last), with checkpoints at 3 (rank 0 had joined: rank 1 wrote it) and 6.
+    "stream_resume_a": lambda ctx: stream_cell(ctx, rows=[4, 11], max_steps=9, save_steps=3,
+                                               stop=6),
+    # Resumed on 2 ranks from step 3 (rank 0's stream is done, rank 1 skips 3 batches)
+    # and from step 6 (the pass was over: the next one starts).
+    "stream_resume3_b": lambda ctx: stream_cell(ctx, rows=[4, 11], max_steps=9, save_steps=3,
+                                                source="t2/stream_resume_a/run/checkpoint-3"),
+    "stream_resume6_b": lambda ctx: stream_cell(ctx, rows=[4, 11], max_steps=9, save_steps=3,
+                                                source="t2/stream_resume_a/run/checkpoint-6"),
+    "stream_resume_refused": stream_resume_refused,
     # DeepSpeed (launched apart): 13 samples of batch 2 on 2 ranks, 4 and 3 batches.
     # Without clipping here, with clipping that bites in the others.
     # Checkpoints every 2 steps: at steps 2 and 6 in the middle of an epoch, at 4 and 8
