@@ -73,8 +73,8 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
             Accelerate does not run (``use_cpu=True``).
         NotImplementedError: FSDP, DataParallel, tensor, context or sequence
             parallelism; under DeepSpeed gradient accumulation, offloading, ZeRO++,
-            mid-epoch checkpoints, ZeRO-3 mid-epoch or stream evaluation, a model
-            whose main input is not ``input_ids``.
+            ZeRO-3 mid-epoch or stream evaluation, a model whose main input is not
+            ``input_ids``.
         ValueError: a setting this adapter does not handle (the message says
             which, and what to use instead).
         UnsupportedTransformersError: this transformers/Accelerate changed an
@@ -235,14 +235,6 @@ def _refuse_deepspeed(trainer: Any) -> None:
         raise NotImplementedError(
             "uneven_inputs does not handle ZeRO++ (zero_hpz_partition_size, "
             "zero_quantized_weights, zero_quantized_gradients): joinkit has not run it"
-        )
-    saving = str(getattr(args.save_strategy, "value", args.save_strategy))
-    if saving not in ("no", "epoch"):
-        raise NotImplementedError(
-            f"uneven_inputs with DeepSpeed: save_strategy={saving!r} saves in the middle of "
-            "an epoch, where a rank may have joined, and DeepSpeed's save_checkpoint is a "
-            "collective of every rank that a joined rank does not replay. Use "
-            "save_strategy='epoch' (or 'no')"
         )
     if stage == 3:
         import torch
