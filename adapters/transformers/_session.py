@@ -278,7 +278,7 @@ class Session:
             # Trainer's scheduler as the loop does).
             self.channel = self.epoch_channel
             try:
-                join = Join([kwargs["model"], self.channel, self.sync],
+                join = Join([self._epoch_model(kwargs["model"]), self.channel, self.sync],
                             **self._epoch_join_kwargs())
                 join.__enter__()
             except BaseException:
@@ -300,6 +300,33 @@ class Session:
                 self.leave()
             return result
         return run_epoch
+
+    def _epoch_model(self, model: Any) -> Any:
+        """What the epoch's Join takes for the model: DDP as it is; for a DeepSpeed
+        engine its joinable on the Trainer's windows (module doc, *DeepSpeed*)."""
+        if not self.deepspeed:
+            return model
+        from joinkit.adapters.deepspeed import DeepSpeedJoinable
+
+        return DeepSpeedJoinable(model, boundaries=self._window_end,
+                                 after_step=self._engine_stepped)
+
+    def _window_end(self, micro_step: int) -> bool:
+        """Whether the epoch's micro-step ``micro_step`` ends a window, on every rank:
+        every ``gradient_accumulation_steps``, and at the longest rank's last batch
+        (the ranks' windows are padded alike, ``get_batch_samples``)."""
+        done = micro_step + 1
+        gas = self.trainer.args.gradient_accumulation_steps
+        return done % gas == 0 or done == self.global_len
+
+    def _engine_stepped(self, window_end: bool) -> None:
+        """After a joined rank's replay of the engine's micro-step: the Trainer's LR
+        scheduler steps after each optimizer step, as ``_run_epoch`` steps it."""
+        trainer = self.trainer
+        if not window_end or trainer.accelerator.optimizer_step_was_skipped:
+            return
+        if type(trainer.lr_scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
+            trainer.lr_scheduler.step()
 
     def _epoch_join_kwargs(self) -> dict[str, Any]:
         if not self.deepspeed:
@@ -406,7 +433,9 @@ class Session:
                         "finite, so its empty micro-batch (that batch with the loss times "
                         "zero) would not give a zero gradient")
                 loss = loss * 0.0
-            if self.trainer.args.gradient_accumulation_steps == 1:
+            if self.trainer.args.gradient_accumulation_steps == 1 or self.deepspeed:
+                # (A DeepSpeed engine accumulates itself: every rank's micro-steps are
+                # the same window's, _window_end.)
                 return original(loss, **kwargs)
             # Every backward syncs during a Join: set the accumulated gradient
             # aside (DDP all-reduces a parameter's whole .grad) and add it back.
@@ -591,20 +620,6 @@ class _TrainerSync(Joinable):
 class _SyncHook(JoinHook):
     def __init__(self, session: Session) -> None:
         self.session = session
-
-    def main_hook(self) -> None:
-        # After the engine's replay (its optimizer step, on a joined DeepSpeed rank):
-        # the Trainer's own scheduler step, as _run_epoch takes it after each optimizer
-        # step (gradient_accumulation_steps=1: one per shadow round). A scheduler the
-        # engine steps itself is Accelerate's no-op wrapper here, as on the active ranks.
-        session = self.session
-        if not session.deepspeed:
-            return
-        trainer = session.trainer
-        if trainer.accelerator.optimizer_step_was_skipped:
-            return
-        if type(trainer.lr_scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
-            trainer.lr_scheduler.step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         session = self.session

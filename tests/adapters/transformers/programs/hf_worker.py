@@ -313,30 +313,57 @@ def deepspeed_trainer_class(base: type) -> type:
                 {"create_accelerator_and_postprocess": create_accelerator_and_postprocess})
 
 
-def ds_config(stage: int, **zero: Any) -> dict[str, Any]:
-    """A DeepSpeed config whose batch, accumulation and clipping the Trainer fills in."""
+def ds_config(stage: int, *, settings: dict[str, Any] | None = None,
+              **zero: Any) -> dict[str, Any]:
+    """A DeepSpeed config whose batch, accumulation and clipping the Trainer fills in
+    (``zero``: more of ``zero_optimization``; ``settings``: more of the config)."""
     return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "zero_optimization": {"stage": stage, **zero}}
+            "zero_optimization": {"stage": stage, **zero}, **(settings or {})}
+
+
+def ds_model(kind: str, float32: bool) -> Any:
+    """``tiny_model(kind)``, in float32 where DeepSpeed needs it (ZeRO-3's zero.Init and
+    parameter offload take float16, bfloat16 and float32 parameters only)."""
+    model = tiny_model(kind)
+    return model.float() if float32 else model
+
+
+def ds_facts(trainer: Any) -> dict[str, Any]:
+    """What trained: the engine, its ZeRO stage, its offload devices, its optimizers."""
+    engine = trainer.model_wrapped
+    devices = {}
+    for what, offload in (("optimizer", engine.zero_offload_optimizer()),
+                          ("param", engine.zero_offload_param())):
+        device = getattr(offload, "device", None)
+        devices[what] = str(getattr(device, "value", device))
+    inner = getattr(engine.optimizer, "optimizer", None)
+    return {"engine": type(engine).__name__, "stage": engine.zero_optimization_stage(),
+            "offload": devices, "zero_optimizer": type(engine.optimizer).__name__,
+            "torch_optimizer": type(inner).__name__,
+            "engine_gas": engine.gradient_accumulation_steps(),
+            "engine_global_steps": engine.global_steps}
 
 
 def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "gpt2",
                 epochs: int = 2, eval_steps: int | None = None, clip: float = 0.05,
-                average_tokens: bool = True) -> dict[str, Any]:
+                average_tokens: bool = True, gas: int = 1, float32: bool = False,
+                zero: dict[str, Any] | None = None, **settings: Any) -> dict[str, Any]:
     """A map-style dataset under DeepSpeed ZeRO ``stage``; evaluation each epoch (or
-    every ``eval_steps``)."""
+    every ``eval_steps``); ``zero``: more of the config's ``zero_optimization``,
+    ``settings``: more of the config."""
     import_deepspeed()
     from transformers import Trainer
 
     from joinkit.adapters.transformers import uneven_inputs
 
     trainer = deepspeed_trainer_class(trainer_class(Trainer))(
-        model=tiny_model(model),
+        model=ds_model(model, float32),
         args=args(ctx["dir"], num_train_epochs=epochs,
                   eval_strategy="epoch" if eval_steps is None else "steps",
-                  eval_steps=eval_steps,
+                  eval_steps=eval_steps, gradient_accumulation_steps=gas,
                   average_tokens_across_devices=average_tokens, max_grad_norm=clip,
-                  deepspeed=ds_config(stage)),
+                  deepspeed=ds_config(stage, settings=settings, **(zero or {}))),
         train_dataset=rows_dataset(sequences(samples, seed=1)),
         eval_dataset=rows_dataset(sequences(7, seed=2)), data_collator=collate,
         compute_metrics=metrics)
@@ -347,13 +374,13 @@ def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "
     final = trainer.evaluate()
     return {"recorded": trainer.recorded, "items": trainer.items,
             "params": ds_params(trainer), "log_history": trainer.state.log_history,
-            "final_eval": final, "global_step": output.global_step,
-            "engine": type(trainer.model_wrapped).__name__,
-            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer)}
+            "final_eval": final, "global_step": output.global_step, **ds_facts(trainer),
+            "meta": meta(trainer)}
 
 
-def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
-                   max_steps: int) -> dict[str, Any]:
+def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int], max_steps: int,
+                   gas: int = 1, float32: bool = False, zero: dict[str, Any] | None = None,
+                   **settings: Any) -> dict[str, Any]:
     """Each rank's own stream under DeepSpeed ZeRO ``stage``; one rank may have none."""
     import_deepspeed()
     from datasets import IterableDataset
@@ -365,8 +392,9 @@ def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
     own = IterableDataset.from_generator(stream, gen_kwargs={"count": rows[rank],
                                                              "seed": 10 + rank})
     trainer = deepspeed_trainer_class(trainer_class(Trainer))(
-        model=tiny_model("llama"),
-        args=args(ctx["dir"], max_steps=max_steps, deepspeed=ds_config(stage)),
+        model=ds_model("llama", float32),
+        args=args(ctx["dir"], max_steps=max_steps, gradient_accumulation_steps=gas,
+                  deepspeed=ds_config(stage, settings=settings, **(zero or {}))),
         train_dataset=own, data_collator=collate)
     trainer.recorded = []
     trainer.items = []
@@ -374,8 +402,7 @@ def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
     output = trainer.train()
     return {"recorded": trainer.recorded, "items": trainer.items,
             "params": ds_params(trainer), "log_history": trainer.state.log_history,
-            "global_step": output.global_step,
-            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer)}
+            "global_step": output.global_step, **ds_facts(trainer), "meta": meta(trainer)}
 
 
 def ds_params(trainer: Any) -> dict[str, torch.Tensor]:
@@ -490,6 +517,17 @@ CELLS = {
     # The control: even streams, nobody joins (DeepSpeed's own float32 error).
     "ds_even_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 5], max_steps=5),
     "ds_refusals": ds_refusals,
+    # Gradient accumulation under DeepSpeed: rank 1's data ends inside a window.
+    "ds_gas2_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, gas=2),
+    "ds_gas3_s2_streams": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[3, 12], max_steps=2,
+                                                     gas=3),
+    "ds_off_s2": lambda ctx: ds_stream_cell(
+        ctx, stage=2, rows=[5, 0], max_steps=5, zero={"offload_optimizer": {"device": "cpu"}},
+        zero_force_ds_cpu_optimizer=False),
+    "ds_off_s3": lambda ctx: ds_map_cell(
+        ctx, stage=3, samples=13, model="llama", float32=True,
+        zero={"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+        zero_force_ds_cpu_optimizer=False),
 }
 
 
