@@ -282,7 +282,28 @@ def import_deepspeed() -> Any:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    _zero3_converts_float64_on_every_cpu()
     return deepspeed
+
+
+def _zero3_converts_float64_on_every_cpu() -> None:
+    """The same ZeRO-3 conversion of a float64 model on every CPU (a test-only override).
+
+    A model not built under ``zero.Init`` (these cells' float64 models: ``zero.Init``
+    builds in float32 at most) is converted by the engine with ``zero.Init(module=...,
+    dtype=<its first parameter's dtype>)``, and DeepSpeed 0.19.8 picks that Init's dtype
+    with ``dtype or torch.float16 if accelerator.is_fp16_supported() else torch.bfloat16``.
+    By operator precedence, on a CPU whose oneDNN has float16 (avx512_fp16, AMX-FP16) it
+    keeps float64, which its own check then refuses ("Invalid data type torch.float64");
+    on any other CPU it takes bfloat16, which converting an existing module reads only to
+    keep a model's ``_keep_in_fp32_modules_strict`` buffers in float32 (these models have
+    none). The cells never use float16, so DeepSpeed's CPU accelerator says it has none:
+    every CPU takes the second path, the float64 parameters are partitioned as they are.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: False
 
 
 def deepspeed_trainer_class(base: type) -> type:
