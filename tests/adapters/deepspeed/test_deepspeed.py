@@ -45,6 +45,7 @@ if importlib.util.find_spec("deepspeed") is None:  # the no-torch CI job; `make 
 import deepspeed_cells as c  # noqa: E402
 import torch  # noqa: E402
 from support import launch_ranks, records_by_name  # noqa: E402
+from support.deepspeed_ops import build_cpu_adam  # noqa: E402
 
 pytestmark = pytest.mark.needs_torch
 
@@ -115,36 +116,9 @@ def reference(spec: dict[str, Any], world: int) -> list[list[float]]:
 _REFERENCES: dict[Any, list[list[float]]] = {}
 
 
-#: DeepSpeedCPUAdam's JIT build: about 2.5 minutes on 2 idle cores.
-BUILD_TIMEOUT = 1200.0
-
-
-def build_cpu_adam(env: dict[str, str]) -> None:
-    """Build DeepSpeed's CPU Adam op (``DeepSpeedCPUAdam``) once, before the launches.
-
-    DeepSpeed JIT-compiles it with ninja into ``~/.cache/torch_extensions`` on first
-    use; in the launched jobs that would count against their timeout, with every
-    rank but one waiting on the build's lock file. Here it builds once, in its own
-    process, or says why not.
-    """
-    import subprocess
-
-    code = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
-    try:
-        subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
-                       capture_output=True, text=True, timeout=BUILD_TIMEOUT)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"DeepSpeedCPUAdam's build took over {BUILD_TIMEOUT:.0f} s. A build killed "
-                    "earlier leaves ~/.cache/torch_extensions/*/cpu_adam/lock behind, and every "
-                    f"later one waits on it: delete it when no build runs.\n{error.stdout}")
-    except subprocess.CalledProcessError as error:
-        pytest.fail(f"DeepSpeedCPUAdam could not be built (it needs a C++ compiler and "
-                    f"ninja):\n{error.stdout[-3000:]}\n{error.stderr[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    build_cpu_adam(_environment())
+    build_cpu_adam(_environment(), ROOT)
     outs = {name: tmp_path_factory.mktemp(name) for name in JOBS}
     runs = launch_ranks([_command(launcher, world, outs[name], groups)
                          for name, (launcher, world, groups) in JOBS.items()],
@@ -465,7 +439,7 @@ def test_the_training_cells_on_nccl(tmp_path: Path) -> None:
     env = _environment()
     env.pop("DS_ACCELERATOR")
     env["JOINKIT_DS_BACKEND"] = "nccl"
-    build_cpu_adam(env)
+    build_cpu_adam(env, ROOT)
     run, = launch_ranks([_command("torchrun", world, tmp_path, "train_cells")], LAUNCH_TIMEOUT,
                         env=env, cwd=ROOT)
     records = records_by_name(tmp_path, world)
