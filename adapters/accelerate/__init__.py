@@ -39,12 +39,23 @@ data loaders for the block, as Accelerate's does: pass ``False`` (or build the
 each rank sees its own share of the data exactly once, and the Join takes the
 unevenness; with ``True`` the data is padded and the Join has nothing to do.
 
+*DeepSpeed* (Accelerate's DeepSpeed plugin): the engine joins as a
+``joinkit.adapters.deepspeed.DeepSpeedJoinable`` on Accelerate's windows
+(:func:`_deepspeed_items`): ``accumulate()`` sets the engine's boundary itself and
+``accelerator.backward`` steps the engine at a window's end only, so a joined
+process must know where the windows end. They end every
+``gradient_accumulation_steps`` micro-steps from ``Accelerator.step`` at the
+block's start, and not at a process's own end of data while the Join lasts
+(:func:`_deepspeed_windows`); the last one closes when every process has run out.
+
 A world of one Accelerate process does nothing (as Accelerate); one whose
 launcher started more processes (``WORLD_SIZE``) while Accelerate sees one
 (on a machine without GPUs ``Accelerator()`` without ``cpu=True`` is
-``DistributedType.NO``: every process trains alone) is an error. The list of
-data loaders is ``Accelerator._dataloaders``, a private member, read through
-:data:`_PRIVATE` and checked against the supported versions.
+``DistributedType.NO``: every process trains alone) is an error. The members
+of Accelerate read that it does not document (the list of data loaders
+``Accelerator._dataloaders``; under DeepSpeed its micro-step count and gradient
+state) are listed in :data:`_PRIVATE`; a missing one raises
+:class:`UnsupportedAccelerateError`.
 
 Tested with accelerate 1.15 (constraints.txt); ``pip install 'joinkit[accelerate]'``.
 """
@@ -149,14 +160,14 @@ def _deepspeed_items(accelerator: Any, joinables: list[Any],
     schedulers = [given for given, item in zip(joinables, items, strict=True)
                   if isinstance(given, scheduler_class) and all(item is not p for p in parts)]
     every = int(accelerator.gradient_accumulation_steps)
-    start = int(_member(accelerator, "step"))
+    start = int(_private(accelerator, "step"))
     state = accelerator.gradient_state
 
     def boundaries(micro_step: int) -> bool:
         return (start + micro_step + 1) % every == 0
 
     def after_step(window_end: bool) -> None:
-        _member(state, "_set_sync_gradients")(window_end)
+        _private(state, "_set_sync_gradients")(window_end)
         for scheduler in schedulers:
             scheduler.step()
 
@@ -188,13 +199,13 @@ def _deepspeed_windows(accelerator: Any, on: bool) -> Iterator[None]:
         yield
         return
     state = accelerator.gradient_state
-    kwargs = _member(state, "plugin_kwargs")
+    kwargs = _private(state, "plugin_kwargs")
     before = kwargs.get("sync_with_dataloader", _UNSET)
     kwargs["sync_with_dataloader"] = False
     try:
         yield
         accelerator.step = 0
-        _member(state, "_set_sync_gradients")(True)
+        _private(state, "_set_sync_gradients")(True)
     finally:
         if before is _UNSET:
             kwargs.pop("sync_with_dataloader", None)
@@ -205,36 +216,27 @@ def _deepspeed_windows(accelerator: Any, on: bool) -> Iterator[None]:
 _UNSET = object()
 
 
-def _member(obj: Any, name: str) -> Any:
-    """A member of :data:`_PRIVATE` used under DeepSpeed, or a loud error."""
+def _private(obj: Any, name: str, advice: str = "") -> Any:
+    """A member of :data:`_PRIVATE`, or :class:`UnsupportedAccelerateError` saying why
+    joinkit reads it."""
     try:
         return getattr(obj, name)
     except AttributeError:
+        owner = type(obj).__name__
+        why = next(what for cls, attr, what in _PRIVATE if (cls, attr) == (owner, name))
         version = getattr(_accelerate(), "__version__", "?")
         raise UnsupportedAccelerateError(
-            f"accelerate {version} has no {type(obj).__name__}.{name}, which joinkit reads to "
-            "run DeepSpeed's gradient accumulation windows under join_uneven_inputs "
-            f"(supported: accelerate {SUPPORTED_ACCELERATE})"
-        ) from None
-
-
-def _private(accelerator: Any, name: str) -> Any:
-    try:
-        return getattr(accelerator, name)
-    except AttributeError:
-        version = getattr(_accelerate(), "__version__", "?")
-        raise UnsupportedAccelerateError(
-            f"accelerate {version} has no Accelerator.{name}, which joinkit reads to "
-            f"override even_batches (supported: accelerate {SUPPORTED_ACCELERATE}). Build "
-            "the Accelerator with DataLoaderConfiguration(even_batches=False) and leave "
-            "join_uneven_inputs(even_batches=None)"
+            f"accelerate {version} has no {owner}.{name}, which joinkit reads ({why}; "
+            f"supported: accelerate {SUPPORTED_ACCELERATE}){advice}"
         ) from None
 
 
 def _override_even_batches(accelerator: Any, even_batches: bool) -> list[tuple[Any, bool]]:
     """Set ``even_batches`` on the accelerator's map-style loaders; return what to restore."""
     restore = []
-    for loader in _private(accelerator, "_dataloaders"):
+    advice = (". Build the Accelerator with DataLoaderConfiguration(even_batches=False) and "
+              "leave join_uneven_inputs(even_batches=None)")
+    for loader in _private(accelerator, "_dataloaders", advice):
         sampler = getattr(loader, "batch_sampler", None)
         if sampler is None or not hasattr(sampler, "even_batches"):
             continue  # iterable-style: Accelerate cannot override it either

@@ -58,8 +58,9 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
     Args:
         trainer: a ``transformers.Trainer`` or a subclass (TRL's ``SFTTrainer``...),
             under DDP (``torchrun``, ``accelerate launch``), CPU or GPU, or with a
-            DeepSpeed config (ZeRO 1-3, ``gradient_accumulation_steps=1``; a joined
-            rank replays the engine's step, :data:`DEEPSPEED_PATH`).
+            DeepSpeed config (ZeRO 1-3, gradient accumulation, offload to the CPU;
+            a joined rank replays the engine's micro-steps on the Trainer's
+            windows, :data:`DEEPSPEED_PATH`).
         timeout: the Joins' watchdog (``joinkit.Join(timeout=...)``); ``None``
             keeps joinkit's default.
 
@@ -72,9 +73,9 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
             several processes and Accelerate sees one; or a DeepSpeed config that
             Accelerate does not run (``use_cpu=True``).
         NotImplementedError: FSDP, DataParallel, tensor, context or sequence
-            parallelism; under DeepSpeed gradient accumulation, offloading, ZeRO++,
-            mid-epoch checkpoints, ZeRO-3 mid-epoch or stream evaluation, a model
-            whose main input is not ``input_ids``.
+            parallelism; under DeepSpeed offloading to NVMe, ZeRO++, mid-epoch
+            checkpoints, ZeRO-3 mid-epoch or stream evaluation, a model whose main
+            input is not ``input_ids``.
         ValueError: a setting this adapter does not handle (the message says
             which, and what to use instead).
         UnsupportedTransformersError: this transformers/Accelerate changed an

@@ -61,13 +61,17 @@ rank that missed log entries while it was joined calls its ``on_log``
 callbacks for them (with ``global_step`` as at the entry), so rank 0's
 reporting integrations see every entry.
 
-*DeepSpeed* (``TrainingArguments(deepspeed=...)``, gradient accumulation 1; the
-rest is refused in ``uneven_inputs``). The epoch's Join takes the engine
-(``model_wrapped``) where it takes the DDP model: ``joinkit.adapters.deepspeed``
-makes it a joinable whose joined rank replays the engine's step, on one token of
+*DeepSpeed* (``TrainingArguments(deepspeed=...)``; what it cannot replay is
+refused in ``uneven_inputs``). The epoch's Join takes the engine
+(``model_wrapped``) where it takes the DDP model, as a
+``joinkit.adapters.deepspeed.DeepSpeedJoinable`` on the Trainer's windows
+(``_window_end``: the Trainer sets the engine's boundary itself and steps it at a
+window's end only; the windows are padded alike on every rank, see *Gradient
+accumulation*). A joined rank replays the engine's micro-steps on one token of
 ``input_ids`` (a Hugging Face model's attention does not take 0 rows, and a rank
-without data has no batch); the state sync's main hook then steps the Trainer's
-LR scheduler as ``_run_epoch`` does after each optimizer step. The engine's
+without data has no batch), and after each window's step the Trainer's LR
+scheduler steps as ``_run_epoch`` steps it (``_engine_stepped``). The engine
+accumulates itself: no gradient is set aside around its backward. The engine's
 collectives run on its ZeRO group, a group of its own: inside the epoch's Join the
 session's calls go through a second side channel that follows it. The post hook
 sends no optimizer state (each rank's is its own partition, stepped by the replay).

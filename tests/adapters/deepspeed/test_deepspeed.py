@@ -415,6 +415,14 @@ def test_importing_the_adapter_imports_neither_torch_nor_deepspeed() -> None:
     assert done.stdout.split() == ["deepspeed", "False", "False"]
 
 
+def test_a_deepspeed_joinable_refuses_wrong_arguments() -> None:
+    from joinkit.adapters.deepspeed import DeepSpeedJoinable
+
+    for name in ("boundaries", "after_step"):
+        with pytest.raises(TypeError, match=f"{name} must be callable or None"):
+            DeepSpeedJoinable(object(), **{name: 3})
+
+
 def test_step_replay_refuses_wrong_arguments() -> None:
     from joinkit.adapters.torch.step_replay import StepReplay
 
