@@ -334,6 +334,8 @@ MISTAKES = {
     "no-step": "an iteration without its step",
     "no-backward": "an iteration without its backward",
     "boundary": "gradient accumulation boundary was set to False",
+    "window-step": "which does not end an accumulation window",
+    "window-no-sync": "inside engine.no_sync() at a micro-step that ends",
 }
 
 

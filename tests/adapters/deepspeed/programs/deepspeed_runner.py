@@ -388,14 +388,21 @@ def accelerate(out: Path, rank: int, world: int) -> None:
 
 
 def _mistake(out: Path, name: str, stage: int, world: int, rank: int,
-             loop: Callable[[Any, list[Any]], None], gas: int = 1) -> None:
+             loop: Callable[[Any, list[Any]], None], gas: int = 1,
+             windows: bool = False) -> None:
+    """``loop`` under ``Join([engine])`` (``windows``: on the loop's windows of ``gas``
+    micro-steps, ``DeepSpeedJoinable(engine, boundaries=...)``)."""
+    from joinkit.adapters.deepspeed import DeepSpeedJoinable
+
     with recording(out, f"mistake-{name}") as record:
         spec = c.cell(name, stage=stage, plan=[3] * world, gas=gas)
         engine = engine_for(spec, world)
+        joinable = (DeepSpeedJoinable(engine, boundaries=lambda i: (i + 1) % gas == 0)
+                    if windows else engine)
         batches = [c.batch(rank, i) for i in range(3)]
         began = time.monotonic()
         try:
-            with Join([engine]):
+            with Join([joinable]):
                 loop(engine, batches)
             record["error"] = None
         except (LocalProtocolError, PeerFailure) as error:
@@ -437,7 +444,30 @@ def mistakes(out: Path, rank: int, world: int) -> None:
     _mistake(out, "no-step", 2, world, rank, no_step)
     _mistake(out, "no-backward", 3, world, rank, no_backward_at_the_end)
     _mistake(out, "boundary", 0, world, rank, outside_boundary)
-    # The group still works after the four: a collective every rank takes part in.
+
+    # On the loop's windows (the loop sets the boundary and steps at a window's end):
+    def step_inside_a_window(engine: Any, batches: list[Any]) -> None:
+        for i, (x, y) in enumerate(batches):
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.set_gradient_accumulation_boundary((i + 1) % 2 == 0)
+            engine.backward(loss)
+            if (i + 1) % 2 == 0 or (rank == 0 and i == 0):
+                engine.step()
+
+    def no_sync_at_a_window_end(engine: Any, batches: list[Any]) -> None:
+        for i, (x, y) in enumerate(batches):
+            end = (i + 1) % 2 == 0
+            with engine.no_sync() if not end or rank == 0 else contextlib.nullcontext():
+                loss = torch.nn.functional.mse_loss(engine(x), y)
+                engine.set_gradient_accumulation_boundary(end)
+                engine.backward(loss)
+            if end:
+                engine.step()
+
+    _mistake(out, "window-step", 2, world, rank, step_inside_a_window, gas=2, windows=True)
+    _mistake(out, "window-no-sync", 1, world, rank, no_sync_at_a_window_end, gas=2,
+             windows=True)
+    # The group still works after them: a collective every rank takes part in.
     with recording(out, "mistakes-then-all-reduce") as record:
         value = torch.ones(())
         dist.all_reduce(value)
