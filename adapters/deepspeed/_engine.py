@@ -276,6 +276,7 @@ class DeepSpeedJoinable(StepReplay):
         self._after_step = after_step
         self._index = -1  # the Join's current micro-step (own or replayed)
         self._boundary = False  # whether it ends a window
+        self._closing = False  # the post hook's replay closing the last window
         self._world = int(engine.dp_world_size)
         self._average = bool(engine.gradient_average)
         self._divide_by_initial_world_size = True
@@ -383,9 +384,7 @@ class DeepSpeedJoinable(StepReplay):
         if self._after_step is not None:
             self._after_step(self._boundary)
 
-    _closing = False
-
-    def close_window(self) -> None:
+    def _close_window(self) -> None:
         """At the Join's end, close a window the loop's boundaries left open (module doc).
 
         Every rank calls it at the same point (the post hook), so the micro-step it
@@ -562,13 +561,13 @@ class DeepSpeedJoinable(StepReplay):
 def _boundary_message(given: bool, counted: bool) -> str:
     return (
         f"the DeepSpeed engine's gradient accumulation boundary was set to {given} inside a "
-        f"Join, where its micro-step counter says {counted}: a joined rank replays each "
-        "micro-step with the counter's boundary, so a boundary set from outside (Accelerate's "
-        "accumulate(), set_gradient_accumulation_boundary) cannot be replayed. Let the engine "
-        "count: set \"gradient_accumulation_steps\" in the DeepSpeed config (with Accelerate: "
-        "gradient_accumulation_steps=1 in the Accelerator and the number in the DeepSpeed "
-        "config), and call engine.step() after every backward. (joinkit completed the open "
-        "micro-step as joined ranks do, so no collective mismatched.)"
+        f"Join, where its micro-step counter says {counted}: Join([engine]) replays each "
+        "micro-step with the counter's boundary. Either let the engine count (call "
+        "engine.step() after every backward and leave the boundary alone), or, for a loop "
+        "that sets the boundary itself and steps at a window's end only, join "
+        "DeepSpeedJoinable(engine, boundaries=...) saying where its windows end (Accelerate's "
+        "accumulate(): joinkit.adapters.accelerate.join_uneven_inputs does). (joinkit "
+        "completed the open micro-step as joined ranks do, so no collective mismatched.)"
     )
 
 
@@ -683,7 +682,7 @@ class _EngineHook(JoinHook):
         # Every rank ran every micro-step (its own or a replay) and holds the same model:
         # nothing to send. Every rank is here at once: a window the loop's boundaries
         # left open closes now, on all of them.
-        self.joinable.close_window()
+        self.joinable._close_window()
 
 
 def _private_class(module: str, name: str) -> Any:
