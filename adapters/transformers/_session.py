@@ -61,13 +61,17 @@ rank that missed log entries while it was joined calls its ``on_log``
 callbacks for them (with ``global_step`` as at the entry), so rank 0's
 reporting integrations see every entry.
 
-*DeepSpeed* (``TrainingArguments(deepspeed=...)``, gradient accumulation 1; the
-rest is refused in ``uneven_inputs``). The epoch's Join takes the engine
-(``model_wrapped``) where it takes the DDP model: ``joinkit.adapters.deepspeed``
-makes it a joinable whose joined rank replays the engine's step, on one token of
+*DeepSpeed* (``TrainingArguments(deepspeed=...)``; what it cannot replay is
+refused in ``uneven_inputs``). The epoch's Join takes the engine
+(``model_wrapped``) where it takes the DDP model, as a
+``joinkit.adapters.deepspeed.DeepSpeedJoinable`` on the Trainer's windows
+(``_window_end``: the Trainer sets the engine's boundary itself and steps it at a
+window's end only; the windows are padded alike on every rank, see *Gradient
+accumulation*). A joined rank replays the engine's micro-steps on one token of
 ``input_ids`` (a Hugging Face model's attention does not take 0 rows, and a rank
-without data has no batch); the state sync's main hook then steps the Trainer's
-LR scheduler as ``_run_epoch`` does after each optimizer step. The engine's
+without data has no batch), and after each window's step the Trainer's LR
+scheduler steps as ``_run_epoch`` steps it (``_engine_stepped``). The engine
+accumulates itself: no gradient is set aside around its backward. The engine's
 collectives run on its ZeRO group, a group of its own: inside the epoch's Join the
 session's calls go through a second side channel that follows it. The post hook
 sends no optimizer state (each rank's is its own partition, stepped by the replay).
@@ -160,6 +164,8 @@ class Session:
         self.local_count = False
         #: This step's save was agreed on with the joined ranks (DeepSpeed).
         self.save_announced = False
+        #: A joined DeepSpeed rank's replayed micro-step ended a window (_engine_stepped).
+        self.replayed_window_end = False
         #: The rows of the evaluation batch in hand when it is partial (_partial_rows).
         self.partial_rows: int | None = None
         #: The training set's sampler (a map-style set), whose state a checkpoint keeps.
@@ -395,7 +401,7 @@ class Session:
             # Trainer's scheduler as the loop does).
             self.channel = self.epoch_channel
             try:
-                join = Join([kwargs["model"], self.channel, self.sync],
+                join = Join([self._epoch_model(kwargs["model"]), self.channel, self.sync],
                             **self._epoch_join_kwargs())
                 join.__enter__()
             except BaseException:
@@ -432,6 +438,34 @@ class Session:
         self.resumed_pass = None
         if self.trainer.state.global_step == first_step:
             self.trainer.control.should_training_stop = False
+
+    def _epoch_model(self, model: Any) -> Any:
+        """What the epoch's Join takes for the model: DDP as it is; for a DeepSpeed
+        engine its joinable on the Trainer's windows (module doc, *DeepSpeed*)."""
+        if not self.deepspeed:
+            return model
+        from joinkit.adapters.deepspeed import DeepSpeedJoinable
+
+        return DeepSpeedJoinable(model, boundaries=self._window_end,
+                                 after_step=self._engine_stepped)
+
+    def _window_end(self, micro_step: int) -> bool:
+        """Whether the epoch's micro-step ``micro_step`` ends a window, on every rank:
+        every ``gradient_accumulation_steps``, and at the longest rank's last batch
+        (the ranks' windows are padded alike, ``get_batch_samples``)."""
+        done = micro_step + 1
+        gas = self.trainer.args.gradient_accumulation_steps
+        return done % gas == 0 or done == self.global_len
+
+    def _engine_stepped(self, window_end: bool) -> None:
+        """After a joined rank's replay of the engine's micro-step: the Trainer's LR
+        scheduler steps after each optimizer step, as ``_run_epoch`` steps it."""
+        self.replayed_window_end = window_end  # for the sync hook's checkpoint agreement
+        trainer = self.trainer
+        if not window_end or trainer.accelerator.optimizer_step_was_skipped:
+            return
+        if type(trainer.lr_scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
+            trainer.lr_scheduler.step()
 
     def _epoch_join_kwargs(self) -> dict[str, Any]:
         if not self.deepspeed:
@@ -538,7 +572,9 @@ class Session:
                         "finite, so its empty micro-batch (that batch with the loss times "
                         "zero) would not give a zero gradient")
                 loss = loss * 0.0
-            if self.trainer.args.gradient_accumulation_steps == 1:
+            if self.trainer.args.gradient_accumulation_steps == 1 or self.deepspeed:
+                # (A DeepSpeed engine accumulates itself: every rank's micro-steps are
+                # the same window's, _window_end.)
                 return original(loss, **kwargs)
             # Every backward syncs during a Join: set the accumulated gradient
             # aside (DDP all-reduces a parameter's whole .grad) and add it back.
@@ -842,27 +878,15 @@ class _SyncHook(JoinHook):
 
     def main_hook(self) -> None:
         session = self.session
-        if not session.deepspeed:
+        if not session.deepspeed or not session.replayed_window_end:
             return
-        self._step_scheduler(session.trainer)
-        # Then, as the active ranks in _maybe_log_save_evaluate (after their scheduler
-        # step: the optimizer's saved learning rate is the next step's), the agreement
-        # on a checkpoint, and this rank's part of it.
-        if _ended_a_step(session.trainer.model_wrapped):
-            folder = session.agree_on_save(None)
-            if folder is not None:
-                session.save_as_joined(folder)
-
-    @staticmethod
-    def _step_scheduler(trainer: Any) -> None:
-        # After the engine's replay (its optimizer step, on a joined DeepSpeed rank):
-        # the Trainer's own scheduler step, as _run_epoch takes it after each optimizer
-        # step (gradient_accumulation_steps=1: one per shadow round). A scheduler the
-        # engine steps itself is Accelerate's no-op wrapper here, as on the active ranks.
-        if trainer.accelerator.optimizer_step_was_skipped:
-            return
-        if type(trainer.lr_scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
-            trainer.lr_scheduler.step()
+        # After the engine's replay of a window's end (its optimizer step, then the
+        # Trainer's scheduler step, Session._engine_stepped), as the active ranks in
+        # _maybe_log_save_evaluate: the agreement on a checkpoint, and this rank's part.
+        session.replayed_window_end = False
+        folder = session.agree_on_save(None)
+        if folder is not None:
+            session.save_as_joined(folder)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         session = self.session
@@ -1156,11 +1180,6 @@ def _gathers_model(session: Session) -> bool:
     engine = session.trainer.model_wrapped
     return bool(engine.zero_optimization_stage() == 3
                 and engine.zero_gather_16bit_weights_on_model_save())
-
-
-def _ended_a_step(engine: Any) -> bool:
-    """The engine's micro-step just replayed ended an optimizer step (a boundary)."""
-    return bool(engine.micro_steps % engine.gradient_accumulation_steps() == 0)
 
 
 def _writes(is_main_process: bool) -> bool:

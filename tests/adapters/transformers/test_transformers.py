@@ -2,11 +2,12 @@
 
 One module fixture starts the launches at once: ``programs/hf_worker.py`` under
 ``torchrun`` with 2 ranks, under ``accelerate launch --multi_gpu`` with 3 CPU ranks
-(every cell in one process per rank: transformers is imported once per rank) and
-under ``torchrun`` with 2 ranks for the DeepSpeed cells, and
-``examples/hf_trainer.py`` under ``torchrun`` with 2 ranks; then a second round
-resumes, on 3 and on 2 ranks, checkpoints the first round's runs wrote. Only the
-launches the selected tests read are started. Each cell's ranks are
+(every cell in one process per rank: transformers is imported once per rank), its
+DeepSpeed cells under ``torchrun`` with 2 and with 3 ranks (only those import
+DeepSpeed; DeepSpeed's CPU Adam op is built first), and ``examples/hf_trainer.py``
+under ``torchrun`` with 2 ranks; then a second round resumes, on 3 and on 2 ranks,
+checkpoints the first round's runs wrote. Only the launches the selected tests read
+are started. Each cell's ranks are
 compared with a float64 single-process reference trained on the batches they
 recorded (``programs/hf_reference.py``), and the recorded batches with the data: every
 sample once per epoch (map-style sets, in ``ShardSampler``'s order), each rank's
@@ -29,6 +30,7 @@ pytest.importorskip("trl")
 
 import torch  # noqa: E402
 from support import launch_ranks  # noqa: E402
+from support.deepspeed_ops import build_cpu_adam  # noqa: E402
 
 pytestmark = pytest.mark.needs_torch
 
@@ -42,15 +44,18 @@ CELLS = ["map_gas1", "map_gas2", "map_gas2_plain", "map_max_steps", "map_eval", 
          "stream_gas3", "sft_packing", "refusals"]
 #: The first runs of the resumed cells (RESUMES), by launch.
 FIRST_RUNS = {"torchrun-2": ["resume23_a", "stream_resume_a"], "accelerate-3": ["resume32_a"]}
-LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2, "resume-3": 3, "resume-2": 2}
+LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2, "deepspeed-3": 3,
+            "resume-3": 3, "resume-2": 2}
 #: The second round: launch -> (ranks, cells, the first-round launches they resume).
 RESUMES = {"resume-3": (3, ["resume23_b", "stream_resume_refused"], ["torchrun-2"]),
            "resume-2": (2, ["resume32_b", "resume22_b", "stream_resume3_b", "stream_resume6_b"],
                         ["accelerate-3", "torchrun-2"])}
 RESUME_TIMEOUT = 300.0
-#: The DeepSpeed cells, launched apart (only that launch imports DeepSpeed).
+#: The DeepSpeed cells, launched apart (only those launches import DeepSpeed).
 DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_resume_s2", "ds_resume_s3",
-            "ds_stream_s2", "ds_stream_s3", "ds_even_s2", "ds_refusals"]
+            "ds_stream_s2", "ds_stream_s3", "ds_even_s2", "ds_refusals", "ds_gas2_s1",
+            "ds_gas3_s2", "ds_gas2_s3", "ds_offload_s2", "ds_offload_s3", "ds_cpu_adam_s2"]
+DS3_CELLS = ["ds3_gas2_s2", "ds3_gas3_s1", "ds3_gas2_s3", "ds3_offload_s3"]
 #: DeepSpeed's ZeRO optimizer steps float32 master weights (its flat partitions are
 #: ``.float()``) and sums the gradient norm in float32, so a float64 model trains in
 #: float32 under it: measured at most 1.5e-6 from the float64 reference (norms 6.4e-7
@@ -131,12 +136,17 @@ def launches(request: pytest.FixtureRequest,
         "example": [*torchrun, "--nproc-per-node", "2", str(EXAMPLE)],
         "deepspeed-2": [*torchrun, "--nproc-per-node", "2", str(WORKER),
                         str(dirs["deepspeed-2"]), *DS_CELLS],
+        "deepspeed-3": [*torchrun, "--nproc-per-node", "3", str(WORKER),
+                        str(dirs["deepspeed-3"]), *DS3_CELLS],
     }
     # The resumed runs find the first round's checkpoints under --root (hf_worker's CELLS).
     second = {launch: [*torchrun, "--nproc-per-node", str(world), str(WORKER),
                        str(dirs[launch]), f"--root={out}", *cells]
               for launch, (world, cells, _) in RESUMES.items()}
     needed = _needed(request)
+    if needed & {"deepspeed-2", "deepspeed-3"}:
+        # DeepSpeed's CPU Adam op, built once before the launches (minutes, once per machine).
+        build_cpu_adam({**_environment(), "DS_ACCELERATOR": "cpu"}, ROOT)
     runs: dict[str, Any] = {}
     for commands, timeout in ((first, LAUNCH_TIMEOUT), (second, RESUME_TIMEOUT)):
         chosen = {name: command for name, command in commands.items() if name in needed}
@@ -186,9 +196,13 @@ def _clean(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _compare(records: list[dict[str, Any]], model: str, sft: bool = False,
              tolerance: float | None = None, norm_relative: float = 1e-6,
              trained: list[dict[str, Any]] | None = None,
-             totals: dict[int, int] | None = None) -> dict[str, Any]:
-    """``records``' parameters and logs against the reference trained on the batches of
-    ``trained`` (default: ``records``; a resumed run's and its first run's)."""
+             totals: dict[int, int] | None = None,
+             lr_after_step: bool = False) -> dict[str, Any]:
+    """Every rank against the float64 reference trained on the batches of ``trained``
+    (default: ``records``; a resumed run's and its first run's): parameters, logged
+    losses, learning rates (``lr_after_step``: the rate after each step's, as the
+    Trainer logs it when DeepSpeed's engine steps the scheduler inside its step, before
+    the Trainer reads it: its optimizer section), gradient norms, evaluations."""
     import hf_reference as ref
     import hf_worker as w
 
@@ -206,7 +220,9 @@ def _compare(records: list[dict[str, Any]], model: str, sft: bool = False,
     losses = [entry["loss"] for entry in history if "loss" in entry]
     assert losses == pytest.approx(want["losses"], abs=LOG_TOLERANCE)
     lrs = [entry["learning_rate"] for entry in history if "learning_rate" in entry]
-    assert lrs == pytest.approx(want["lrs"], abs=1e-12)
+    # The linear schedule reaches 0 at max_steps, the rate after the last step.
+    assert lrs == pytest.approx([*want["lrs"][1:], 0.0] if lr_after_step else want["lrs"],
+                                abs=1e-12)
     norms = [entry["grad_norm"] for entry in history if "grad_norm" in entry]
     assert norms == pytest.approx(want["norms"], rel=norm_relative)
     for entry in history:
@@ -546,6 +562,95 @@ def test_deepspeed_control_even_streams_show_deepspeeds_own_float32_error(
     assert 1e-8 < error < DS_PARAM_TOLERANCE
 
 
+#: The DeepSpeed cells with gradient accumulation: (launch, cell, stage, gas, model,
+#: each rank's rows of its own stream, or None for the 13-sample map-style set).
+DS_GAS_CELLS = [
+    ("deepspeed-2", "ds_gas2_s1", 1, 2, "gpt2", None),  # rank 1 ends inside a window
+    ("deepspeed-2", "ds_gas3_s2", 2, 3, "llama", [3, 12]),  # rank 0 ends inside one, joins
+    ("deepspeed-2", "ds_gas2_s3", 3, 2, "llama", [0, 9]),  # a rank without data
+    ("deepspeed-3", "ds3_gas2_s2", 2, 2, "llama", [6, 0, 11]),
+    ("deepspeed-3", "ds3_gas3_s1", 1, 3, "gpt2", None),
+    ("deepspeed-3", "ds3_gas2_s3", 3, 2, "llama", [3, 9, 5]),
+]
+
+
+def _windows(batches: int, gas: int) -> int:
+    return -(-batches // gas)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(("launch", "cell", "stage", "gas", "model", "rows"), DS_GAS_CELLS,
+                         ids=[c[1] for c in DS_GAS_CELLS])
+def test_deepspeed_gradient_accumulation(launches: dict[str, Any], launch: str, cell: str,
+                                         stage: int, gas: int, model: str,
+                                         rows: list[int] | None) -> None:
+    """The Trainer's windows under DeepSpeed: a rank whose data ends inside a window pads
+    it with empty micro-batches, a rank that ran out replays the others' whole windows
+    (its micro-steps contribute zero; DeepSpeed divides by the world size), the engine
+    steps once per window on every rank; parameters, logged losses, gradient norms and
+    evaluations equal the float64 reference that averages each window's batches."""
+    records = _records(launches, launch, cell)
+    world = len(records)
+    for record in records:  # DeepSpeed trained, with the Trainer's accumulation
+        assert (record["engine"], record["stage"], record["engine_gas"]) == (
+            "DeepSpeedEngine", stage, gas)
+        assert record["engine_global_steps"] == record["global_step"]
+    if rows is None:
+        per_epoch = _windows(_batches(13, world), gas)
+        _check_shards(records, 13, per_epoch, epochs=2)
+        assert all(r["global_step"] == 2 * per_epoch for r in records)
+        batches = [len(r["recorded"]) // 2 for r in records]
+    else:
+        _check_streams(records, rows)
+        batches = [len(r["recorded"]) for r in records]
+        steps = records[0]["global_step"]
+        # Some rank ran out windows before the end: it replayed the others' micro-steps.
+        assert min(_windows(b, gas) for b in batches) < steps
+    assert any(b % gas for b in batches)  # a rank's data ended inside a window
+    _compare(records, model, tolerance=DS_PARAM_TOLERANCE, norm_relative=DS_NORM_RELATIVE)
+
+
+#: The ZeRO-Offload cells: (launch, cell, stage, where to, optimizer, gradient
+#: accumulation, each rank's rows of its own stream or None for the map-style set).
+DS_OFFLOAD_CELLS = [
+    ("deepspeed-2", "ds_offload_s2", 2, {"optimizer": "cpu", "param": "None"}, "AdamW", 2,
+     [5, 0]),
+    ("deepspeed-2", "ds_offload_s3", 3, {"optimizer": "cpu", "param": "cpu"}, "AdamW", 1,
+     None),
+    ("deepspeed-2", "ds_cpu_adam_s2", 2, {"optimizer": "cpu", "param": "None"},
+     "DeepSpeedCPUAdam", 3, [9, 4]),
+    ("deepspeed-3", "ds3_offload_s3", 3, {"optimizer": "cpu", "param": "cpu"}, "SGD", 1,
+     [4, 0, 7]),
+]
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(("launch", "cell", "stage", "offload", "optimizer", "gas", "rows"),
+                         DS_OFFLOAD_CELLS, ids=[c[1] for c in DS_OFFLOAD_CELLS])
+def test_deepspeed_zero_offload(launches: dict[str, Any], launch: str, cell: str, stage: int,
+                                offload: dict[str, str], optimizer: str, gas: int,
+                                rows: list[int] | None) -> None:
+    """ZeRO-Offload under the Trainer: the optimizer (ZeRO 2, 3) and the parameters
+    (ZeRO 3) on the CPU, a torch optimizer and DeepSpeed's own CPU Adam (the config's
+    optimizer section); a rank without data, a rank that replays whole windows,
+    evaluation each epoch; equal to the float64 reference."""
+    records = _records(launches, launch, cell)
+    for record in records:
+        assert (record["engine"], record["stage"], record["offload"]) == (
+            "DeepSpeedEngine", stage, offload)
+        assert (record["torch_optimizer"], record["engine_gas"]) == (optimizer, gas)
+    if rows is None:
+        _check_shards(records, 13, _batches(13, len(records)), epochs=2)
+        assert records[0]["final_eval"]["eval_rows"] == 7
+    else:
+        _check_streams(records, rows)
+        # A rank ran out before the end and replayed the others' micro-steps.
+        steps = records[0]["global_step"]
+        assert min(_windows(len(r["recorded"]), gas) for r in records) < steps
+    _compare(records, "llama", tolerance=DS_PARAM_TOLERANCE, norm_relative=DS_NORM_RELATIVE,
+             lr_after_step=optimizer == "DeepSpeedCPUAdam")
+
+
 @pytest.mark.launches
 def test_deepspeed_settings_it_cannot_replay_raise_on_every_rank_before_any_collective(
         launches: dict[str, Any]) -> None:
@@ -555,8 +660,7 @@ def test_deepspeed_settings_it_cannot_replay_raise_on_every_rank_before_any_coll
         other_world = messages.pop("resume_other_world")
         assert all(m is not None and m.startswith("NotImplementedError")
                    for m in messages.values()), messages
-        assert "gradient_accumulation_steps=1" in messages["gas2"]
-        assert "offload_optimizer" in messages["offload"]
+        assert "offload_param to 'nvme'" in messages["nvme"]
         assert "ZeRO-3" in messages["zero3_eval_steps"]
         assert other_world.startswith("ValueError") and "saved on 3 ranks" in other_world
         assert record["after"] == [[0], [1]]

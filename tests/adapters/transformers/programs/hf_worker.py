@@ -160,7 +160,7 @@ def meta(trainer: Any) -> dict[str, Any]:
         optimizer = engine.basic_optimizer
     return {"optimizer": type(optimizer).__name__,
             "defaults": {k: v for k, v in optimizer.defaults.items()
-                         if isinstance(v, (int, float, bool, tuple, type(None)))},
+                         if isinstance(v, (int, float, bool, tuple, list, type(None)))},
             "max_steps": trainer.state.max_steps, "world": dist.get_world_size(),
             "gas": trainer.args.gradient_accumulation_steps,
             "average_tokens": trainer.args.average_tokens_across_devices,
@@ -400,21 +400,40 @@ def deepspeed_trainer_class(base: type) -> type:
                 {"create_accelerator_and_postprocess": create_accelerator_and_postprocess})
 
 
-def ds_config(stage: int, **zero: Any) -> dict[str, Any]:
-    """A DeepSpeed config whose batch, accumulation and clipping the Trainer fills in."""
+def ds_config(stage: int, *, settings: dict[str, Any] | None = None,
+              **zero: Any) -> dict[str, Any]:
+    """A DeepSpeed config whose batch, accumulation and clipping the Trainer fills in
+    (``zero``: more of ``zero_optimization``; ``settings``: more of the config)."""
     return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "zero_optimization": {"stage": stage, **zero}}
+            "zero_optimization": {"stage": stage, **zero}, **(settings or {})}
+
+
+def ds_facts(trainer: Any) -> dict[str, Any]:
+    """What trained: the engine, its ZeRO stage, its offload devices, its optimizers."""
+    engine = trainer.model_wrapped
+    devices = {}
+    for what, offload in (("optimizer", engine.zero_offload_optimizer()),
+                          ("param", engine.zero_offload_param())):
+        device = getattr(offload, "device", None)
+        devices[what] = str(getattr(device, "value", device))
+    inner = getattr(engine.optimizer, "optimizer", None)
+    return {"engine": type(engine).__name__, "stage": engine.zero_optimization_stage(),
+            "offload": devices, "zero_optimizer": type(engine.optimizer).__name__,
+            "torch_optimizer": type(inner).__name__,
+            "engine_gas": engine.gradient_accumulation_steps(),
+            "engine_global_steps": engine.global_steps}
 
 
 def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "gpt2",
                 epochs: int = 2, eval_steps: int | None = None, clip: float = 0.05,
-                average_tokens: bool = True, save: dict[str, Any] | None = None,
-                zero: dict[str, Any] | None = None, source: str | None = None
-                ) -> dict[str, Any]:
+                average_tokens: bool = True, gas: int = 1, save: dict[str, Any] | None = None,
+                zero: dict[str, Any] | None = None, source: str | None = None,
+                **settings: Any) -> dict[str, Any]:
     """A map-style dataset under DeepSpeed ZeRO ``stage``; evaluation each epoch (or
     every ``eval_steps``); checkpoints as ``save`` says (TrainingArguments); resumed
-    from ``source`` (``OUT/cell/run/checkpoint-N`` of this launch) if given."""
+    from ``source`` (``OUT/cell/run/checkpoint-N`` of this launch) if given; ``zero``:
+    more of the config's ``zero_optimization``, ``settings``: more of the config."""
     import_deepspeed()
     from transformers import Trainer
 
@@ -424,9 +443,10 @@ def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "
         model=tiny_model(model),
         args=args(ctx["dir"], num_train_epochs=epochs,
                   eval_strategy="epoch" if eval_steps is None else "steps",
-                  eval_steps=eval_steps,
+                  eval_steps=eval_steps, gradient_accumulation_steps=gas,
                   average_tokens_across_devices=average_tokens, max_grad_norm=clip,
-                  deepspeed=ds_config(stage, **(zero or {})), **(save or {})),
+                  deepspeed=ds_config(stage, settings=settings, **(zero or {})),
+                  **(save or {})),
         train_dataset=rows_dataset(sequences(samples, seed=1)),
         eval_dataset=rows_dataset(sequences(7, seed=2)), data_collator=collate,
         compute_metrics=metrics)
@@ -438,15 +458,13 @@ def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "
     final = trainer.evaluate()
     return {"recorded": trainer.recorded, "items": trainer.items,
             "params": ds_params(trainer), "log_history": trainer.state.log_history,
-            "final_eval": final, "global_step": output.global_step,
-            "engine": type(trainer.model_wrapped).__name__,
-            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer),
-            **checkpoints(ctx)}
+            "final_eval": final, "global_step": output.global_step, **ds_facts(trainer),
+            "meta": meta(trainer), **checkpoints(ctx)}
 
 
 def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int], max_steps: int,
-                   save_steps: int | None = None,
-                   zero: dict[str, Any] | None = None) -> dict[str, Any]:
+                   save_steps: int | None = None, gas: int = 1,
+                   zero: dict[str, Any] | None = None, **settings: Any) -> dict[str, Any]:
     """Each rank's own stream under DeepSpeed ZeRO ``stage``; one rank may have none."""
     import_deepspeed()
     from datasets import IterableDataset
@@ -459,7 +477,8 @@ def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int], max_step
                                                              "seed": 10 + rank})
     trainer = deepspeed_trainer_class(trainer_class(Trainer))(
         model=tiny_model("llama"),
-        args=args(ctx["dir"], max_steps=max_steps, deepspeed=ds_config(stage, **(zero or {})),
+        args=args(ctx["dir"], max_steps=max_steps, gradient_accumulation_steps=gas,
+                  deepspeed=ds_config(stage, settings=settings, **(zero or {})),
                   **({} if save_steps is None else {"save_strategy": "steps",
                                                     "save_steps": save_steps})),
         train_dataset=own, data_collator=collate)
@@ -469,8 +488,7 @@ def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int], max_step
     output = trainer.train()
     return {"recorded": trainer.recorded, "items": trainer.items,
             "params": ds_params(trainer), "log_history": trainer.state.log_history,
-            "global_step": output.global_step,
-            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer),
+            "global_step": output.global_step, **ds_facts(trainer), "meta": meta(trainer),
             **checkpoints(ctx)}
 
 
@@ -507,6 +525,14 @@ def ds_params(trainer: Any) -> dict[str, torch.Tensor]:
     return params(module)
 
 
+OFFLOAD_OPTIMIZER = {"offload_optimizer": {"device": "cpu"}}
+OFFLOAD_PARAM = {"offload_param": {"device": "cpu"}}
+#: DeepSpeed's optimizer section: with the optimizer offloaded, DeepSpeed builds its
+#: ``DeepSpeedCPUAdam`` (AdamW mode), the Trainer fills in the values.
+DS_ADAMW = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                        "weight_decay": "auto"}}
+
+
 def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     """What ``uneven_inputs`` refuses under DeepSpeed: on every rank, before any collective."""
     import_deepspeed()
@@ -517,8 +543,8 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     data = rows_dataset(sequences(6, seed=1))
     messages = {}
     cases = {
-        "gas2": {"gradient_accumulation_steps": 2, "deepspeed": ds_config(2)},
-        "offload": {"deepspeed": ds_config(2, offload_optimizer={"device": "cpu"})},
+        "nvme": {"deepspeed": ds_config(3, offload_param={"device": "nvme",
+                                                          "nvme_path": str(ctx["dir"])})},
         "zero3_eval_steps": {"eval_strategy": "steps", "eval_steps": 2,
                              "deepspeed": ds_config(3)},
     }
@@ -703,6 +729,35 @@ CELLS = {
     # The control: even streams, nobody joins (DeepSpeed's own float32 error).
     "ds_even_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 5], max_steps=5),
     "ds_refusals": ds_refusals,
+    # Gradient accumulation under DeepSpeed (the Trainer's windows, padded alike on every
+    # rank): rank 1's data ends inside a window (13 samples: 4 and 3 batches).
+    "ds_gas2_s1": lambda ctx: ds_map_cell(ctx, stage=1, samples=13, gas=2,
+                                          average_tokens=False),
+    # Rank 0's stream ends inside its first window, then it replays the second.
+    "ds_gas3_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[3, 12], max_steps=2, gas=3),
+    # A rank without data replays every window.
+    "ds_gas2_s3": lambda ctx: ds_stream_cell(ctx, stage=3, rows=[0, 9], max_steps=3, gas=2),
+    # ZeRO-Offload: the optimizer on the CPU (a torch optimizer), a rank without data.
+    "ds_offload_s2": lambda ctx: ds_stream_cell(
+        ctx, stage=2, rows=[5, 0], max_steps=3, gas=2, zero=OFFLOAD_OPTIMIZER,
+        zero_force_ds_cpu_optimizer=False),
+    # ZeRO-3 with the optimizer and the parameters on the CPU, evaluation each epoch.
+    "ds_offload_s3": lambda ctx: ds_map_cell(
+        ctx, stage=3, samples=13, model="llama",
+        zero={**OFFLOAD_OPTIMIZER, **OFFLOAD_PARAM}, zero_force_ds_cpu_optimizer=False),
+    # DeepSpeed's own CPU Adam (its optimizer section, offload): rank 1 replays a window.
+    "ds_cpu_adam_s2": lambda ctx: ds_stream_cell(
+        ctx, stage=2, rows=[9, 4], max_steps=2, gas=3, zero=OFFLOAD_OPTIMIZER,
+        optimizer=DS_ADAMW),
+    # 3 ranks (SGD, optimizer_name).
+    "ds3_gas2_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[6, 0, 11], max_steps=3,
+                                              gas=2),
+    "ds3_gas3_s1": lambda ctx: ds_map_cell(ctx, stage=1, samples=13, gas=3),
+    "ds3_gas2_s3": lambda ctx: ds_stream_cell(ctx, stage=3, rows=[3, 9, 5], max_steps=3,
+                                              gas=2),
+    "ds3_offload_s3": lambda ctx: ds_stream_cell(
+        ctx, stage=3, rows=[4, 0, 7], max_steps=4,
+        zero={**OFFLOAD_OPTIMIZER, **OFFLOAD_PARAM}, zero_force_ds_cpu_optimizer=False),
 }
 
 
