@@ -17,6 +17,12 @@ constraint file; the matrix's pip commands lift it (``PIP_CONSTRAINT=/dev/null``
 without touching the file. A venv is rebuilt only when its release, the pins or
 the extras changed (a stamp in the venv).
 
+*The tree under test* is the one this script is in, whichever tree's ``-e .``
+the venv holds (a worktree reuses the main tree's venvs through a ``.venvs``
+link): every process of a run imports joinkit from a link tree of this tree
+(:func:`tree_path`, first on ``PYTHONPATH``, ahead of the venv's editable
+finder), so a run never tests another tree's code.
+
 *The torch part.* :data:`FEATURES` maps each feature joinkit promises on every
 torch (issue 48's list) to the tests that show it; a run selects the union of a
 *part* (``all``, or ``edge``: the subset CI runs on the oldest and newest
@@ -172,11 +178,30 @@ def _torch_version(py: Path) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def refusals(py: Path) -> dict[str, str]:
+def tree_path() -> str:
+    """A directory whose ``joinkit`` is this tree (module doc): the package layout
+    ``pip install -e .`` maps (``join_core`` as ``joinkit``, with ``backends`` and
+    ``adapters`` inside), as links."""
+    top = Path(tempfile.mkdtemp(prefix="matrix-tree-"))
+    package = top / "joinkit"
+    package.mkdir()
+    for path in (ROOT / "join_core").iterdir():
+        (package / path.name).symlink_to(path)
+    for name in ("backends", "adapters"):
+        (package / name).symlink_to(ROOT / name)
+    return str(top)
+
+
+def _test_env(tree: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": tree}
+
+
+def refusals(py: Path, tree: str) -> dict[str, str]:
     """feature -> why the torch adapter refuses it on this venv's torch (module doc)."""
     code = ("import json\nfrom joinkit.adapters.torch import _private\n"
             "print(json.dumps(getattr(_private, 'refused_features', dict)()))")
-    done = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env=_test_env(tree))
     if done.returncode != 0:
         raise SystemExit(f"asking {py} what it refuses failed:\n{done.stderr[-3000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -187,13 +212,13 @@ def selected(part: str) -> list[str]:
     return list(dict.fromkeys(tests))
 
 
-def run_part(py: Path, tests: list[str], report: Path, timeout: float) -> int:
+def run_part(py: Path, tests: list[str], report: Path, timeout: float, tree: str) -> int:
     command = [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
                *tests]
     print("+", " ".join(command), flush=True)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     try:
-        return subprocess.run(command, cwd=ROOT, env=env, timeout=timeout).returncode
+        return subprocess.run(command, cwd=ROOT, env=_test_env(tree),
+                              timeout=timeout).returncode
     except subprocess.TimeoutExpired:
         print(f"matrix: the torch part ran past {timeout:.0f} s", flush=True)
         return 124
@@ -319,13 +344,14 @@ def main(argv: list[str]) -> int:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     failed = []
     out = Path(tempfile.mkdtemp(prefix="matrix-"))
+    tree = tree_path()
     for minor in minors:
         release = releases[minor]
         venv = venv_for(minor, release, args.python)
         py = venv / "bin" / "python"
         started = time.monotonic()
-        run_part(py, selected(args.part), out / f"junit-{minor}.xml", args.timeout)
-        refused = refusals(py)
+        run_part(py, selected(args.part), out / f"junit-{minor}.xml", args.timeout, tree)
+        refused = refusals(py, tree)
         column = cells(outcomes(out / f"junit-{minor}.xml"), refused, args.part)
         data[release] = {"date": datetime.date.today().isoformat(), "commit": _commit(),
                          "part": args.part, "seconds": time.monotonic() - started,
