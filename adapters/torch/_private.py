@@ -52,7 +52,8 @@ from .._errors import UnsupportedTorchError
 from .._guards import Member, Need, member, problems, version
 from . import _compat
 
-__all__ = ["SUPPORTED_TORCH", "TESTED_TORCH", "GROUPS", "FINISH", "SUM_REDUCTIONS", "check"]
+__all__ = ["SUPPORTED_TORCH", "TESTED_TORCH", "GROUPS", "FINISH", "SUM_REDUCTIONS", "check",
+           "fsdp_cpu_refusal", "fsdp_gloo_refusal", "refused_features"]
 
 #: The torch versions this joinkit release supports (a pip specifier), and the
 #: releases its tests ran on (one per minor: the compatibility matrix).
@@ -424,3 +425,67 @@ def _message(found: list[tuple[str, str]]) -> str:
         "Use the feature on a torch release that has these internals, or a joinkit "
         f"release that supports them on torch {torch_version}."
     )
+
+
+def fsdp_cpu_refusal() -> str | None:
+    """Why joinkit refuses FSDP2 on the CPU on this torch, or ``None`` where it runs there."""
+    if _compat.fsdp_runs_on_cpu():
+        return None
+    return (f"joinkit refuses FSDP2 on the CPU on torch {version('torch')}: this torch's "
+            "FSDP2 cannot run on the CPU itself (its all-gather records an event on a "
+            "torch.cpu.Stream, which has no record_event before torch 2.7). Run FSDP2 on "
+            "CUDA, or on torch 2.7 or later")
+
+
+def fsdp_gloo_refusal() -> str | None:
+    """Why joinkit refuses FSDP2 over gloo on this torch, or ``None`` where it runs there."""
+    if _compat.gloo_reduce_scatter_averages():
+        return None
+    return (f"joinkit refuses FSDP2 over gloo on torch {version('torch')}: this torch's "
+            "gloo reduce_scatter returns the sum where FSDP2 asks for the average "
+            "(ReduceOp.AVG; torch 2.6 to 2.8, fixed in 2.9), so FSDP2 over gloo trains on "
+            "gradients world-size times too large on this torch, with or without joinkit, "
+            "and no Join can make the steps outside it right. Use nccl (unaffected), or "
+            "torch 2.9 or later")
+
+
+#: The groups that stand for a whole feature, by that feature's name in the
+#: compatibility matrix (``.ci/matrix.py``'s rows); every other group is part
+#: of a feature and keeps its own name.
+_FEATURE_OF_GROUP = {
+    "DistributedDataParallel": "DDP",
+    "ZeroRedundancyOptimizer": "ZeroRedundancyOptimizer",
+    "FSDP2": "FSDP2",
+    "replay": "replayed step",
+}
+
+
+def refused_features() -> dict[str, str]:
+    """What joinkit refuses on this torch by design, as the matrix runs it (CPU, gloo).
+
+    Asked by the compatibility matrix of each torch's venv (``.ci/matrix.py``):
+    a whole feature under its row's name (``"FSDP2"``, ``"DDP"``, ...), a part
+    of one (finish mode of one object, FSDP2's summed reductions, ...) under its
+    group's name here. Each reason names this torch's version and what it lacks.
+
+    Returns:
+        feature -> why it is refused; empty where this torch runs everything.
+    """
+    refused: dict[str, str] = {}
+    fsdp = [why for why in (fsdp_cpu_refusal(), fsdp_gloo_refusal()) if why is not None]
+    if fsdp:
+        refused["FSDP2"] = "; ".join(fsdp)
+    for name in GROUPS:
+        found = problems(GROUPS[name])
+        if found:
+            feature = _FEATURE_OF_GROUP.get(name, name)
+            why = (f"torch {version('torch')} lacks or changed what joinkit needs for {name}: "
+                   + "; ".join(found))
+            refused[feature] = "; ".join(filter(None, [refused.get(feature), why]))
+    if not _compat.fsdp_can_reset():
+        refused.setdefault(
+            "FSDP2: a rank that failed mid-iteration, shadowed",
+            f"torch {version('torch')} has no FSDPModule.reset_iter_state (torch 2.13 and "
+            "later): joinkit resets only an exception right after the root's pre-forward "
+            "and refuses a failure later in the iteration")
+    return refused

@@ -163,13 +163,10 @@ def adapt(model: Any) -> FSDPJoinable:
         )
     _private.check(model)  # once per process
     device = model._get_fsdp_state()._device
-    if torch.device(device).type == "cpu" and not _compat.fsdp_runs_on_cpu():
+    refusal = _private.fsdp_cpu_refusal() if torch.device(device).type == "cpu" else None
+    if refusal is not None:
         # FSDP's own forward fails on every rank alike; refused before any collective.
-        raise UnsupportedTorchError(
-            f"joinkit refuses FSDP2 on the CPU on torch {torch.__version__}: this torch's "
-            "FSDP2 cannot run on the CPU itself (its all-gather records an event on a "
-            "torch.cpu.Stream, which has no record_event before torch 2.7). Run FSDP2 on "
-            "CUDA, or on torch 2.7 or later")
+        raise UnsupportedTorchError(refusal)
     return _adapters.get(model, FSDPJoinable)
 
 
@@ -234,16 +231,11 @@ class FSDPJoinable(AdapterJoinable):
         sums = not self._divide_by_initial_world_size
         features = [_private.FINISH] if finish else ([_private.SUM_REDUCTIONS] if sums else [])
         try:
-            if self._averages_wrongly():
+            refusal = _private.fsdp_gloo_refusal() if self._on_gloo() else None
+            if refusal is not None:
                 # FSDP2 itself, in either mode: the model trains wrong before and
                 # after any Join, and a finish-mode Join hands it back over gloo.
-                raise UnsupportedTorchError(
-                    f"joinkit refuses FSDP2 over gloo on torch {torch.__version__}: this "
-                    "torch's gloo reduce_scatter returns the sum where FSDP2 asks for the "
-                    "average (ReduceOp.AVG; torch 2.6 to 2.8, fixed in 2.9), so FSDP2 "
-                    "over gloo trains on gradients world-size times too large on this "
-                    "torch, with or without joinkit, and no Join can make the steps "
-                    "outside it right. Use nccl (unaffected), or torch 2.9 or later")
+                raise UnsupportedTorchError(refusal)
             _private.check(self.model, *features)
         except UnsupportedTorchError:
             _vouch(self, False)
@@ -315,12 +307,11 @@ class FSDPJoinable(AdapterJoinable):
             for group, _, _ in self._saved:
                 group.force_sum_reduction_for_comms = True
 
-    def _averages_wrongly(self) -> bool:
-        """Whether FSDP's averaging reductions sum here (gloo before torch 2.9: refused)."""
+    def _on_gloo(self) -> bool:
+        """Whether the Join's group is gloo's (whose averaging before torch 2.9 is refused)."""
         # The group's own name: a raw group (store_outlives_ranks) is not in the
         # map dist.get_backend reads.
-        return (not _compat.gloo_reduce_scatter_averages()
-                and self.join_process_group.name() == "gloo")
+        return bool(self.join_process_group.name() == "gloo")
 
     def _leave(self) -> None:
         self._forget_pending()

@@ -121,3 +121,15 @@ def test_the_page_shows_every_row_and_explains_each_refusal_and_failure() -> Non
     assert "2. 2.15.0, FSDP2: 2 of 10 failed" in page
     assert "2.6.0: FSDP2 with divide_by_initial_world_size=False is refused" in page
     assert "torch 2.6.0: 2026-11-28, commit `abc1234`" in page
+
+
+@pytest.mark.needs_torch
+def test_the_adapters_refusals_use_the_rows_names() -> None:
+    """``refused_features()`` names a whole feature by its row here, so its cell reads
+    *refused*; any other name is a part of a row (a note on the page)."""
+    from joinkit.adapters.torch import _private
+
+    assert {"FSDP2", *_private._FEATURE_OF_GROUP.values()} <= set(matrix.FEATURES)
+    # A group not mapped to a row is a part of one: its name is no row's.
+    for group in set(_private.GROUPS) - set(_private._FEATURE_OF_GROUP):
+        assert group not in matrix.FEATURES, group

@@ -27,16 +27,14 @@ Test = TypeVar("Test", bound=Callable[..., Any])
 
 
 def fsdp_refusal() -> str | None:
-    """The words that start joinkit's refusal of FSDP2 on the CPU over gloo on this
-    torch, or ``None`` where it runs: torch 2.6 (its FSDP2 cannot run on the CPU),
-    2.7 and 2.8 (gloo's reduce_scatter sums where FSDP2 asks for the average)."""
-    from joinkit.adapters.torch import _compat
+    """joinkit's refusal of FSDP2 on the CPU over gloo on this torch, word for word
+    (it names the torch version and what is missing), or ``None`` where it runs:
+    torch 2.6 (its FSDP2 cannot run on the CPU: refused when the model is adapted),
+    2.7 and 2.8 (gloo's reduce_scatter sums where FSDP2 asks for the average:
+    refused as the Join enters)."""
+    from joinkit.adapters.torch import _private
 
-    if not _compat.fsdp_runs_on_cpu():
-        return "joinkit refuses FSDP2 on the CPU on torch "
-    if not _compat.gloo_reduce_scatter_averages():
-        return "joinkit refuses FSDP2 over gloo on torch "
-    return None
+    return _private.fsdp_cpu_refusal() or _private.fsdp_gloo_refusal()
 
 
 def or_refused(refusal: Callable[[], str | None],

@@ -228,3 +228,66 @@ def test_a_property_without_a_setter_is_refused_where_joinkit_sets_it(
         "guard_settable_test.Param.derived is a property without a setter; joinkit sets "
         "it: a test"]
     assert "is missing" in problems([settable("gone")])[0]
+
+
+# -- what this torch refuses by design: the compatibility matrix asks each venv --------
+
+
+def _minor() -> tuple[int, int]:
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return major, minor
+
+
+def test_refused_features_on_this_torch() -> None:
+    """What the matrix's column of this torch says it refuses (docs/compat.md), as
+    ``_compat``'s table has it: FSDP2 on the CPU before 2.7, over gloo before 2.9;
+    FSDP2's summed reductions before 2.8; FSDP2's reset mid-iteration before 2.13."""
+    refused = _torch_private.refused_features()
+    version = torch.__version__
+    expected = set()
+    if _minor() < (2, 9):
+        expected.add("FSDP2")
+        assert f"on torch {version}: " in refused["FSDP2"], refused
+        assert ("FSDP2 on the CPU" in refused["FSDP2"]) == (_minor() < (2, 7)), refused
+        assert "FSDP2 over gloo" in refused["FSDP2"], refused
+    if _minor() < (2, 8):
+        expected.add(f"FSDP2 {_torch_private.SUM_REDUCTIONS}")
+    if _minor() < (2, 13):
+        expected.add("FSDP2: a rank that failed mid-iteration, shadowed")
+    assert set(refused) == expected, refused
+    for why in refused.values():
+        assert f"torch {version}" in why, why
+
+
+def test_a_feature_this_torch_cannot_do_is_refused_by_its_matrix_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from joinkit.adapters.torch import _compat
+
+    monkeypatch.setattr(_compat, "fsdp_runs_on_cpu", lambda: False)
+    monkeypatch.setattr(_compat, "gloo_reduce_scatter_averages", lambda: True)
+    why = _torch_private.refused_features()["FSDP2"]
+    assert why == _torch_private.fsdp_cpu_refusal()
+    assert why.startswith(f"joinkit refuses FSDP2 on the CPU on torch {torch.__version__}: ")
+    assert "torch.cpu.Stream, which has no record_event" in why
+    monkeypatch.setattr(_compat, "fsdp_runs_on_cpu", lambda: True)
+    monkeypatch.setattr(_compat, "gloo_reduce_scatter_averages", lambda: False)
+    why = _torch_private.refused_features()["FSDP2"]
+    assert why.startswith(f"joinkit refuses FSDP2 over gloo on torch {torch.__version__}: ")
+    assert "ReduceOp.AVG" in why
+
+
+def test_a_member_missing_is_refused_under_its_feature_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole feature's group under the matrix's row (DDP); a part of one (DDP's
+    finish mode) under its group's name, refusing nothing else."""
+    before = _torch_private.refused_features()
+    monkeypatch.delattr(DDP, "_update_process_group")
+    refused = _torch_private.refused_features()
+    part = f"DistributedDataParallel {_torch_private.FINISH}"
+    assert set(refused) == set(before) | {part}, refused
+    assert "_update_process_group is missing" in refused[part]
+    assert refused[part].startswith(f"torch {torch.__version__} lacks or changed ")
+    monkeypatch.delattr(DDP, "_find_common_rank")
+    refused = _torch_private.refused_features()
+    assert "_find_common_rank is missing" in refused["DDP"], refused
+    assert "DistributedDataParallel" not in refused
