@@ -66,9 +66,17 @@ T = "tests/adapters/torch/"
 D = T + "test_torch_dist.py::"
 E = "tests/elastic/"
 
-#: feature -> (the tests that show it, whether CI's edge columns run them). A test is
-#: a file or ``file::test_name`` (every parameter of it).
-FEATURES: dict[str, tuple[list[str], bool]] = {
+F = T + "test_fsdp.py::"
+W2 = "[world2]"  # test_fsdp.py's smaller world
+S = T + "test_torch_suite.py::test_torch_ddp_join_test[joinkit-ddp2-"
+
+#: feature -> (the tests that show it, the ones CI's edge columns run: all, none, or a
+#: list). A test is a file, ``file::test_name`` (every parameter of it) or one node id
+#: (``file::test_name[params]``). The edge picks single tests and cells: the module
+#: fixtures launch only the scenarios, cells and launches their selected tests read
+#: (``support.selected_scenarios``), so each edge column stays within ~8 minutes on
+#: two cores (``.ci/run``: ``make test`` and both columns under 60).
+FEATURES: dict[str, tuple[list[str], bool | list[str]]] = {
     "DDP": ([D + "test_ddp_tutorial_loop",
              D + "test_join_kwargs_reach_ddp_and_divide_by_active_ranks",
              D + "test_ddp_over_epochs_leaves_every_grad_as_torchs_join",
@@ -76,51 +84,93 @@ FEATURES: dict[str, tuple[list[str], bool]] = {
              D + "test_ddp_find_unused_parameters",
              D + "test_ddp_with_batchnorm_buffers",
              D + "test_a_rank_failing_inside_ddp_forward_is_reported_to_its_peers",
-             T + "test_ddp_round.py"], True),
+             T + "test_ddp_round.py"],
+            [D + "test_ddp_tutorial_loop",
+             D + "test_join_kwargs_reach_ddp_and_divide_by_active_ranks",
+             D + "test_ddp_over_epochs_leaves_every_grad_as_torchs_join",
+             D + "test_ddp_no_sync_with_uneven_inputs",
+             D + "test_ddp_with_batchnorm_buffers",
+             D + "test_a_rank_failing_inside_ddp_forward_is_reported_to_its_peers"]),
     "ZeroRedundancyOptimizer": ([D + "test_ddp_zero_matches_a_single_process_reference",
                                  D + "test_ddp_zero_over_epochs_matches_the_reference",
                                  D + "test_zero_alone_does_not_deadlock"], True),
-    "FSDP2": ([T + "test_fsdp.py::test_fsdp_equals_the_reference",
-               T + "test_fsdp.py::test_hsdp_equals_the_reference",
-               T + "test_fsdp.py::test_fsdp_divide_by_the_active_ranks",
-               T + "test_fsdp.py::test_fsdp_gradient_accumulation",
-               T + "test_fsdp.py::test_fsdp_shadow_input",
-               T + "test_fsdp.py::test_fsdp_without_a_fused_heartbeat",
-               T + "test_fsdp.py::test_fsdp_model_that_is_not_the_first_joinable",
-               T + "test_fsdp.py::test_fsdp_over_epochs_leaves_every_grad_as_the_loop_left_it",
-               T + "test_fsdp.py::test_fsdp_failure_propagation",
-               T + "test_fsdp.py::test_fsdp_throw_mode_raises_torchs_messages"], True),
+    "FSDP2": ([F + "test_fsdp_equals_the_reference",
+               F + "test_hsdp_equals_the_reference",
+               F + "test_fsdp_divide_by_the_active_ranks",
+               F + "test_fsdp_gradient_accumulation",
+               F + "test_fsdp_shadow_input",
+               F + "test_fsdp_without_a_fused_heartbeat",
+               F + "test_fsdp_model_that_is_not_the_first_joinable",
+               F + "test_fsdp_over_epochs_leaves_every_grad_as_the_loop_left_it",
+               F + "test_fsdp_failure_propagation",
+               F + "test_fsdp_throw_mode_raises_torchs_messages"],
+              [F + "test_fsdp_equals_the_reference" + W2,
+               F + "test_fsdp_divide_by_the_active_ranks" + W2,
+               F + "test_fsdp_gradient_accumulation" + W2,
+               F + "test_fsdp_over_epochs_leaves_every_grad_as_the_loop_left_it" + W2]),
     "SyncBatchNorm (CPU stand-in)": (
-        [T + "test_fsdp.py::test_ddp_sync_batch_norm_equals_the_union_batch_reference"], True),
+        [F + "test_ddp_sync_batch_norm_equals_the_union_batch_reference"],
+        [F + "test_ddp_sync_batch_norm_equals_the_union_batch_reference" + W2]),
     "replayed step": ([T + "test_replay.py"], True),
     "optimizers, LR schedulers, GradScaler": (
-        [T + "test_fsdp.py::test_fsdp_lr_scheduler",
-         T + "test_fsdp.py::test_fsdp_gradient_clipping_through_shadow_step",
-         T + "test_fsdp.py::test_fsdp_grad_scaler_agrees_on_inf",
-         T + "test_fsdp.py::test_ddp_zero_lr_scheduler"], True),
-    "exact evaluation": ([T + "test_ddp_eval.py", T + "test_fsdp.py::test_fsdp_evaluation_loop"],
-                         False),
+        [F + "test_fsdp_lr_scheduler",
+         F + "test_fsdp_gradient_clipping_through_shadow_step",
+         F + "test_fsdp_grad_scaler_agrees_on_inf",
+         F + "test_ddp_zero_lr_scheduler"],
+        [F + "test_fsdp_grad_scaler_agrees_on_inf" + W2,
+         F + "test_ddp_zero_lr_scheduler" + W2]),
+    "exact evaluation": ([T + "test_ddp_eval.py", F + "test_fsdp_evaluation_loop"],
+                         [T + "test_ddp_eval.py::test_eval_loops_match_one_process[2]",
+                          F + "test_fsdp_evaluation_loop" + W2]),
     "torchmetrics": (["tests/adapters/torchmetrics/test_metrics_dist.py"], False),
-    "side collectives": ([T + "test_side_torch.py"], False),
+    "side collectives": ([T + "test_side_torch.py"],
+                         [T + "test_side_torch.py::"
+                          "test_training_with_side_collectives_matches_a_single_process"]),
     "the guard table": ([T + "test_torch_guard.py",
-                         T + "test_fsdp.py::test_a_changed_torch_internal_is_refused_by_name",
-                         T + "test_fsdp.py::test_the_torch_internals_are_checked_once_per_process",
-                         T + "test_fsdp.py::test_misuse_is_refused_with_a_clear_error",
+                         F + "test_a_changed_torch_internal_is_refused_by_name",
+                         F + "test_the_torch_internals_are_checked_once_per_process",
+                         F + "test_misuse_is_refused_with_a_clear_error",
                          D + "test_bad_input_is_a_clear_error",
-                         D + "test_nested_join_over_one_ddp_is_refused"], True),
+                         D + "test_nested_join_over_one_ddp_is_refused"],
+                        [T + "test_torch_guard.py",
+                         F + "test_the_torch_internals_are_checked_once_per_process" + W2,
+                         D + "test_bad_input_is_a_clear_error",
+                         D + "test_nested_join_over_one_ddp_is_refused"]),
     "torch's Join beside joinkit's": (
         [D + "test_torch_join_and_joinkit_join_share_a_group",
          D + "test_a_torch_joinable_may_notify_joinkits_join",
          D + "test_torch_join_and_joinkit_join_share_a_ddp",
          D + "test_a_torch_joinable_calling_joinkits_notify_is_routed"], True),
-    "torch's own DDP join tests": ([T + "test_torch_suite.py"], False),
+    # The edge: one launch (joinkit's Join, world 2) runs torch's DDP join tests that
+    # every release from 2.6 has.
+    "torch's own DDP join tests": ([T + "test_torch_suite.py"],
+                                   [S + "test_ddp_uneven_inputs]",
+                                    S + "test_ddp_join_model_equivalence]",
+                                    S + "test_ddp_grad_div_uneven_inputs]",
+                                    S + "test_ddp_uneven_input_join_disable]",
+                                    S + "test_ddp_uneven_input_exception]",
+                                    S + "test_ddp_uneven_inputs_stop_iteration_sync_bn]"]),
     "TorchGroup collectives": ([D + "test_torch_group_collectives",
                                 D + "test_object_collectives_and_long_waits",
-                                "tests/faults/test_faults_torch.py"], True),
+                                "tests/faults/test_faults_torch.py"],
+                               [D + "test_torch_group_collectives",
+                                D + "test_object_collectives_and_long_waits"]),
     "elastic finish on gloo": ([E + "test_elastic_ddp.py", E + "test_elastic_zero.py",
-                                E + "test_elastic_fsdp.py", E + "test_elastic_torch.py"], False),
-    "joinkit run": ([E + "test_joinkit_run.py"], False),
+                                E + "test_elastic_fsdp.py", E + "test_elastic_torch.py"],
+                               [E + "test_elastic_ddp.py::test_kill[3:1/body/3]",
+                                E + "test_elastic_ddp.py::"
+                                "test_no_death_equals_reference_and_default_mode",
+                                E + "test_elastic_zero.py::test_kill[3:2/step/4~momentum]",
+                                E + "test_elastic_fsdp.py::test_kill[3:1/body/3]"]),
+    "joinkit run": ([E + "test_joinkit_run.py"],
+                    [E + "test_joinkit_run.py::test_kill_matrix_under_joinkit_run[a]"]),
 }
+
+
+def edge_tests(feature: str) -> list[str]:
+    """The tests of ``feature`` that CI's edge columns run (:data:`FEATURES`)."""
+    tests, edge = FEATURES[feature]
+    return list(edge) if isinstance(edge, list) else tests if edge else []
 
 
 def tested_releases() -> dict[str, str]:
@@ -208,7 +258,8 @@ def refusals(py: Path, tree: str) -> dict[str, str]:
 
 
 def selected(part: str) -> list[str]:
-    tests = [t for tests, edge in FEATURES.values() if part == "all" or edge for t in tests]
+    tests = [t for feature, (every, _) in FEATURES.items()
+             for t in (every if part == "all" else edge_tests(feature))]
     return list(dict.fromkeys(tests))
 
 
@@ -245,8 +296,9 @@ def outcomes(report: Path) -> dict[str, str]:
 def cells(results: dict[str, str], refused: dict[str, str], part: str) -> dict[str, dict]:
     """feature -> its cell (module doc) on one torch."""
     out: dict[str, dict] = {}
-    for feature, (tests, edge) in FEATURES.items():
-        if part != "all" and not edge:
+    for feature, (every, _) in FEATURES.items():
+        tests = every if part == "all" else edge_tests(feature)
+        if not tests:
             continue
         mine = {node: result for node, result in results.items()
                 if any(node == t or node.startswith(t + "::") or node.startswith(t + "[")

@@ -52,6 +52,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here, not in pyproject.toml: a mark only the test tree reads.
+    config.addinivalue_line(
+        "markers", "scenarios(*names): the launched scenarios or cells a test reads, so a "
+        "run of chosen tests launches only those (support.selected_scenarios)")
+
+
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> None:
     """Put a test module's ``programs/`` on ``sys.path`` before the module is imported."""
     programs = file_path.parent / "programs"

@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("torch.distributed")
 
 import elastic_ddp_runner as runner  # noqa: E402
+from support import selected_scenarios  # noqa: E402
 from support.fork import (  # noqa: E402
     cell_results,
     consumed_inputs,
@@ -52,8 +53,11 @@ TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return cell_results(runner.__file__, tmp_path_factory.mktemp("elastic_ddp"), CELLS, DEADLINE)
+def results(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # The cells the selected tests read (support.selected_scenarios): all, for the module.
+    return cell_results(runner.__file__, tmp_path_factory.mktemp("elastic_ddp"),
+                        selected_scenarios(request, CELLS), DEADLINE)
 
 
 def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
@@ -62,6 +66,7 @@ def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("spec", KILL_CELLS)
+@pytest.mark.scenarios()
 def test_kill(results: dict[str, Any], spec: str) -> None:
     ranks = survivors(results, spec, runner.parse)
     check_kill(spec, ranks)
@@ -88,6 +93,7 @@ def check_kill(spec: str, ranks: dict[int, Any]) -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.scenarios("3:", "3:~raise", "3:~count")
 def test_no_death_equals_reference_and_default_mode(results: dict[str, Any]) -> None:
     finish = survivors(results, "3:", runner.parse)
     default = survivors(results, "3:~raise", runner.parse)

@@ -38,6 +38,7 @@ import pytest
 pytest.importorskip("torch.distributed")
 
 import elastic_fsdp_runner as runner  # noqa: E402
+from support import selected_scenarios  # noqa: E402
 from support.fork import (  # noqa: E402
     cell_results,
     consumed_inputs,
@@ -74,8 +75,11 @@ TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return cell_results(runner.__file__, tmp_path_factory.mktemp("elastic_fsdp"), CELLS, DEADLINE)
+def results(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # The cells the selected tests read (support.selected_scenarios): all, for the module.
+    return cell_results(runner.__file__, tmp_path_factory.mktemp("elastic_fsdp"),
+                        selected_scenarios(request, CELLS), DEADLINE)
 
 
 def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
@@ -102,7 +106,11 @@ def fsdp2_cells(*specs: str) -> Any:
             record, ranks, _ = arguments["results"][spec]
             check_refused(spec, record, ranks, words)
 
-    return or_refused(fsdp_refusal, check)
+    def wrap(test: Any) -> Any:
+        # The cells it reads, for a run of chosen tests (support.selected_scenarios).
+        return pytest.mark.scenarios(*specs)(or_refused(fsdp_refusal, check)(test))
+
+    return wrap
 
 
 def _flat(values: list[list[float]]) -> np.ndarray:

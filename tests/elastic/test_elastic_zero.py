@@ -37,6 +37,7 @@ import pytest
 pytest.importorskip("torch.distributed")
 
 import elastic_zero_runner as runner  # noqa: E402
+from support import selected_scenarios  # noqa: E402
 from support.fork import (  # noqa: E402
     cell_results,
     consumed_inputs,
@@ -69,8 +70,11 @@ TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return cell_results(runner.__file__, tmp_path_factory.mktemp("elastic_zero"), CELLS, DEADLINE)
+def results(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # The cells the selected tests read (support.selected_scenarios): all, for the module.
+    return cell_results(runner.__file__, tmp_path_factory.mktemp("elastic_zero"),
+                        selected_scenarios(request, CELLS), DEADLINE)
 
 
 def consumed(world: int, kills: list[tuple[int, str, int]]) -> dict[int, int]:
@@ -149,6 +153,7 @@ def check_kill(spec: str, ranks: dict[int, Any], used: dict[int, int] | None = N
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("spec", KILL_CELLS)
+@pytest.mark.scenarios()
 def test_kill(results: dict[str, Any], spec: str) -> None:
     check_kill(spec, survivors(results, spec, runner.parse))
 

@@ -43,6 +43,7 @@ EXACT = ROOT / "tests" / "adapters" / "torch" / "programs"
 sys.path.insert(0, str(EXACT))
 from exact_plan import check_take_over, record_error  # noqa: E402
 from run_checks import check_cells, death_to_next_iteration, parse_cell  # noqa: E402
+from support import selected_scenarios  # noqa: E402
 
 PROGRAM = HERE / "programs" / "elastic_run_program.py"
 TIMEOUT = 480.0  # all launches together, on a loaded 2-core machine
@@ -71,16 +72,24 @@ def _joinkit_run(world: int, *argv: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def launched(request: pytest.FixtureRequest,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("joinkit_run")
+    # The launches the selected tests read (support.selected_scenarios): all, for the module.
+    wanted = set(selected_scenarios(request, [*KILL_LAUNCHES, *TAKEOVER_LAUNCHES, "example",
+                                              "raise"]))
     procs: dict[str, Any] = {}
     for name, (world, cells) in KILL_LAUNCHES.items():
+        if name not in wanted:
+            continue
         out = root / name
         out.mkdir()
         procs[name] = (out, subprocess.Popen(
             _joinkit_run(world, str(PROGRAM), str(out), *cells), env=_env(), cwd=ROOT,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for index, spec in enumerate(TAKEOVER_LAUNCHES):
+        if spec not in wanted:
+            continue
         out = root / f"takeover{index}"
         out.mkdir()
         procs[spec] = (out, subprocess.Popen(
@@ -88,15 +97,17 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                          "--cell", "0", spec),
             env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True))
-    procs["example"] = (root, subprocess.Popen(
-        _joinkit_run(3, str(ROOT / "examples" / "elastic_run.py")), env=_env(),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = root / "raise"
-    out.mkdir()
-    procs["raise"] = (out, subprocess.Popen(
-        _joinkit_run(3, str(PROGRAM), str(out), "1/body/2"),
-        env={**_env(), "ELASTIC_RUN_MODE": "raise"}, cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    if "example" in wanted:
+        procs["example"] = (root, subprocess.Popen(
+            _joinkit_run(3, str(ROOT / "examples" / "elastic_run.py")), env=_env(),
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    if "raise" in wanted:
+        out = root / "raise"
+        out.mkdir()
+        procs["raise"] = (out, subprocess.Popen(
+            _joinkit_run(3, str(PROGRAM), str(out), "1/body/2"),
+            env={**_env(), "ELASTIC_RUN_MODE": "raise"}, cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     started = time.monotonic()
     done = {}
     for name, (out, proc) in procs.items():
@@ -125,6 +136,7 @@ def _lost_line(stderr: str) -> str:
 @pytest.mark.launches
 @pytest.mark.timeout(int(TIMEOUT) + 120)
 @pytest.mark.parametrize("name", list(KILL_LAUNCHES))
+@pytest.mark.scenarios()
 def test_kill_matrix_under_joinkit_run(launched: dict[str, Any], name: str) -> None:
     run = launched[name]
     world, cells = KILL_LAUNCHES[name]
@@ -154,6 +166,7 @@ def test_kill_matrix_under_joinkit_run(launched: dict[str, Any], name: str) -> N
 @pytest.mark.launches
 @pytest.mark.timeout(int(TIMEOUT) + 120)
 @pytest.mark.parametrize("spec", TAKEOVER_LAUNCHES)
+@pytest.mark.scenarios()
 def test_take_over_under_joinkit_run(launched: dict[str, Any], spec: str) -> None:
     import exact_runner as runner
 
@@ -170,6 +183,7 @@ def test_take_over_under_joinkit_run(launched: dict[str, Any], spec: str) -> Non
 
 @pytest.mark.launches
 @pytest.mark.timeout(int(TIMEOUT) + 120)
+@pytest.mark.scenarios("raise")
 def test_without_finish_mode_it_is_torchrun(launched: dict[str, Any]) -> None:
     run = launched["raise"]
     assert run["code"] == 1, _explain(run)
@@ -182,6 +196,7 @@ def test_without_finish_mode_it_is_torchrun(launched: dict[str, Any]) -> None:
 
 @pytest.mark.launches
 @pytest.mark.timeout(int(TIMEOUT) + 120)
+@pytest.mark.scenarios("example")
 def test_the_example_trains_every_sample_once(launched: dict[str, Any]) -> None:
     # examples/elastic_run.py, as docs/elastic-torch.md runs it.
     run = launched["example"]

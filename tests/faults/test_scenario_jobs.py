@@ -21,6 +21,7 @@ from support import (
     run_scenario_jobs,
     run_scenarios,
     scenario_records,
+    selected_scenarios,
     started_path,
 )
 
@@ -172,3 +173,26 @@ def test_the_memcheck_summary_counts_errors_outside_the_loader(tmp_path: Path) -
     assert "Invalid write of size 4" in found[0] and "Pair::read()" in found[0]
     assert "free'd" in found[0]
     assert found[1].startswith("==7== Invalid free()")
+
+
+def test_a_fixture_launches_only_what_the_selected_tests_read() -> None:
+    """support.selected_scenarios: the scenarios of the selected tests' marks (or their
+    ``name``/``spec`` parameter); every scenario once a selected test has no mark."""
+    from types import SimpleNamespace
+
+    module, other = object(), object()
+
+    def item(marks: tuple[str, ...] | None, owner: object = module,
+             **params: str) -> SimpleNamespace:
+        mark = None if marks is None else SimpleNamespace(args=marks)
+        return SimpleNamespace(module=owner, callspec=SimpleNamespace(params=params),
+                               get_closest_marker=lambda name: mark)
+
+    def request(*items: SimpleNamespace) -> SimpleNamespace:
+        return SimpleNamespace(module=module, session=SimpleNamespace(items=list(items)))
+
+    every = ["a", "b", "c", "d"]
+    assert selected_scenarios(request(item(("c", "a")), item((), spec="b")), every) == \
+        ["a", "b", "c"]
+    assert selected_scenarios(request(item(("d",)), item(None, owner=other)), every) == ["d"]
+    assert selected_scenarios(request(item(("d",)), item(None)), every) == every

@@ -20,7 +20,10 @@
   job whose rank died fails the scenario it died in, and the scenarios after
   it run again in a fresh job;
 - :func:`scenario_names` lists the ``@scenario`` functions of a worker file
-  without importing it (importing would import torch into the test process).
+  without importing it (importing would import torch into the test process);
+  :func:`selected_scenarios` keeps those the session's selected tests read
+  (``@pytest.mark.scenarios``), so a run of a few chosen tests launches only
+  what they need.
 
 This module imports neither torch nor mpi4py.
 """
@@ -531,6 +534,32 @@ def scenario_records(results: Results, name: str) -> list[dict[str, Any]]:
     errors = [r["error"] for r in records if not r["ok"]]
     assert not errors, "\n".join(errors)
     return records
+
+
+def selected_scenarios(request: Any, every: Sequence[str]) -> list[str]:
+    """The scenarios (or cells) of ``every`` that this session's selected tests of the
+    requesting module fixture's module read, in ``every``'s order.
+
+    A test says what it reads with ``@pytest.mark.scenarios(name, ...)``, or, with
+    the mark and no names, through its ``name`` or ``spec`` parameter. A selected
+    test of the module without the mark reads them all, so running a whole module
+    launches everything as before; a run of chosen tests (the compatibility
+    matrix's ``edge`` part, ``.ci/matrix.py``) launches only what they read.
+
+    Args:
+        request: the module fixture's ``request``.
+        every: the scenarios the fixture would run for the whole module.
+    """
+    wanted: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        marker = item.get_closest_marker("scenarios")
+        if marker is None:
+            return list(every)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        wanted.update(marker.args or [params.get("name", params.get("spec"))])
+    return [name for name in every if name in wanted]
 
 
 def scenario_names(worker: Path) -> list[str]:

@@ -6,7 +6,8 @@ release cannot do it right; the tests of that feature then check the refusal
 be had. Each test still asserts something on every torch; nothing is skipped.
 
 - :func:`fsdp_refusal`: how this torch refuses FSDP2 on the CPU over gloo,
-  which is how every FSDP2 test here runs (``None`` where it runs);
+  which is how every FSDP2 test here runs (``None`` where it runs), and
+  :func:`fsdp_cpu_refusal`, the part of it raised as early as ``Join(...)``;
 - :func:`or_refused`: a decorator for such a test: where the feature is
   refused it calls the module's check of the refusal with the test's
   arguments instead of the test; :func:`fsdp2_scenarios` is the one for
@@ -21,7 +22,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["fsdp_refusal", "or_refused", "scenario_refused", "fsdp2_scenarios"]
+__all__ = ["fsdp_refusal", "fsdp_cpu_refusal", "or_refused", "scenario_refused",
+           "fsdp2_scenarios"]
 
 Test = TypeVar("Test", bound=Callable[..., Any])
 
@@ -35,6 +37,14 @@ def fsdp_refusal() -> str | None:
     from joinkit.adapters.torch import _private
 
     return _private.fsdp_cpu_refusal() or _private.fsdp_gloo_refusal()
+
+
+def fsdp_cpu_refusal() -> str | None:
+    """joinkit's refusal of FSDP2 on the CPU on this torch (torch 2.6), raised where a
+    CPU model is adapted (``Join(...)``), or ``None`` where it runs on the CPU."""
+    from joinkit.adapters.torch import _private
+
+    return _private.fsdp_cpu_refusal()
 
 
 def or_refused(refusal: Callable[[], str | None],
@@ -76,8 +86,15 @@ def fsdp2_scenarios(*names: str) -> Callable[[Test], Test]:
     parameter) in its ``results`` fixture (``support.run_scenarios``'s): where
     this torch refuses FSDP2 on the CPU over gloo (:func:`fsdp_refusal`) it
     asserts that every rank of each was refused by name instead."""
+    import pytest
+
     def check(words: str, arguments: dict[str, Any]) -> None:
         for name in names or (arguments["name"],):
             scenario_refused(arguments["results"], name, words)
 
-    return or_refused(fsdp_refusal, check)
+    def wrap(test: Test) -> Test:
+        # What the test reads, for a run of chosen tests (support.selected_scenarios).
+        marked: Test = pytest.mark.scenarios(*names)(or_refused(fsdp_refusal, check)(test))
+        return marked
+
+    return wrap

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import run_scenarios, scenario_names, scenario_records
+from support import run_scenarios, scenario_names, scenario_records, selected_scenarios
 from support.refusals import fsdp2_scenarios as fsdp2
 
 pytestmark = pytest.mark.launches
@@ -31,7 +31,9 @@ COUNTS_3_5 = {2: [3, 5], 3: [3, 5, 4]}  # eval_scenarios.COUNTS[world][0]
 @pytest.fixture(scope="module", params=[2, 3])
 def results(request: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp(f"eval{request.param}")
-    return run_scenarios(WORKER, request.param, out, scenario_names(WORKER), LAUNCH_TIMEOUT)
+    # The scenarios the selected tests read (support.selected_scenarios): all, for the module.
+    return run_scenarios(WORKER, request.param, out,
+                         selected_scenarios(request, scenario_names(WORKER)), LAUNCH_TIMEOUT)
 
 
 def ranks_of(results: dict[str, Any], name: str) -> list[Any]:
@@ -47,6 +49,8 @@ def check_eval(results: dict[str, Any]) -> None:
         assert all(r["finals"] == ranks[0]["finals"] for r in ranks)  # ranks agree
 
 
+@pytest.mark.scenarios("ddp_eval_only", "ddp_train_eval_mixed", "ddp_train_then_eval_epochs",
+                       "ddp_eval_throw_mode")
 def test_eval_loops_match_one_process(results: dict[str, Any]) -> None:
     check_eval(results)
     world = results["_world"][0]["world"]

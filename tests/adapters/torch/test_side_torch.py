@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import run_scenarios, scenario_names, scenario_records
+from support import run_scenarios, scenario_names, scenario_records, selected_scenarios
 
 torch = pytest.importorskip("torch")
 
@@ -27,9 +27,12 @@ pytestmark = [pytest.mark.timeout(2 * LAUNCH_TIMEOUT), pytest.mark.launches]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+def results(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("side_scenarios")
-    names = [n for n in scenario_names(WORKER) if not n.startswith("cuda_")]
+    # The scenarios the selected tests read (support.selected_scenarios): all, for the module.
+    names = selected_scenarios(request, [n for n in scenario_names(WORKER)
+                                         if not n.startswith("cuda_")])
     return run_scenarios(WORKER, WORLD, out, names, LAUNCH_TIMEOUT)
 
 
@@ -60,6 +63,7 @@ def reference() -> tuple[list[float], list[float]]:
 
 
 @pytest.mark.parametrize("name", ["ddp_log_mean_and_barrier", "broadcast_first_then_ddp"])
+@pytest.mark.scenarios()
 def test_training_with_side_collectives_matches_a_single_process(results: Any, name: str) -> None:
     ranks = outcome(results, name)
     want_params, want_losses = reference()
