@@ -385,6 +385,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-page", action="store_true", help="write neither compat file")
     parser.add_argument("--python", default=sys.executable, help="the interpreter of the venvs")
     parser.add_argument("--timeout", type=float, default=5400.0, help="seconds per torch")
+    parser.add_argument("--venvs-only", action="store_true",
+                        help="build (or check) the venvs and stop: CI builds its two while "
+                             "make test runs")
     args = parser.parse_args(argv)
     releases = tested_releases()
     minors = args.torch or list(releases)
@@ -393,6 +396,13 @@ def main(argv: list[str]) -> int:
     unknown = [m for m in minors if m not in releases]
     if unknown:
         parser.error(f"no tested release for {unknown}; TESTED_TORCH has {list(releases)}")
+    if args.venvs_only:
+        for minor in minors:
+            started = time.monotonic()
+            venv_for(minor, releases[minor], args.python)
+            print(f"matrix: the venv of torch {releases[minor]}: "
+                  f"{time.monotonic() - started:.0f} s", flush=True)
+        return 0
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     failed = []
     out = Path(tempfile.mkdtemp(prefix="matrix-"))
