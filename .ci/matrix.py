@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -323,9 +324,13 @@ def _commit() -> str:
     return done.stdout.strip() or "?"
 
 
-def render(data: dict[str, dict]) -> str:
-    releases = sorted(data, key=lambda r: tuple(int(p) for p in r.split("+")[0].split(".")))
-    marks = {"passed": "passed", "failed": "**failed**", "refused": "refused", "not run": "–"}
+def render(data: dict[str, dict], tested: Sequence[str] = ()) -> str:
+    """The page from every run's cells; a tested release without a run is a column of
+    *not run* cells."""
+    releases = sorted({*data, *tested},
+                      key=lambda r: tuple(int(p) for p in r.split("+")[0].split(".")))
+    marks = {"passed": "passed", "failed": "**failed**", "refused": "refused",
+             "not run": "not run"}
     notes: list[str] = []
     lines = [
         "# Compatibility: torch releases",
@@ -340,8 +345,9 @@ def render(data: dict[str, dict]) -> str:
         "every rank before any collective, with the reason below, and the tests showed the",
         "refusal; *failed* means some of its tests failed. `make matrix` builds a venv per",
         "torch minor (`.venvs/`, about 4 GB each) and writes this page; CI runs the `edge`",
-        "part on the oldest and newest torch (`.ci/run`). The tests behind each row are",
-        "listed in `.ci/matrix.py` (`FEATURES`).",
+        "part (chosen tests of each row) on the oldest and newest torch (`.ci/run`); *not",
+        "run* marks a column or a row that no run covered yet. The tests behind each row",
+        "(all, and the edge's) are listed in `.ci/matrix.py` (`FEATURES`).",
         "",
         "| feature | " + " | ".join(releases) + " |",
         "|---|" + "---|" * len(releases),
@@ -349,9 +355,9 @@ def render(data: dict[str, dict]) -> str:
     for feature in FEATURES:
         row = []
         for release in releases:
-            cell = data[release]["cells"].get(feature)
+            cell = data.get(release, {"cells": {}})["cells"].get(feature)
             if cell is None:
-                row.append("–")
+                row.append(marks["not run"])
                 continue
             text = marks[cell["result"]]
             if cell["result"] in ("refused", "failed"):
@@ -361,12 +367,16 @@ def render(data: dict[str, dict]) -> str:
             row.append(text)
         lines.append(f"| {feature} | " + " | ".join(row) + " |")
     for release in releases:
-        for feature, why in sorted(data[release].get("partial", {}).items()):
+        for feature, why in sorted(data.get(release, {}).get("partial", {}).items()):
             notes.append(f"{release}: {feature} is refused (the rest of its row runs): {why}")
     lines += ["", "Notes:", ""]
     lines += [f"{number}. {note}" for number, note in enumerate(notes, 1)] or ["none"]
     lines += ["", "Columns (when each was run, on which commit, which part):", ""]
     for release in releases:
+        if release not in data:
+            minor = ".".join(release.split(".")[:2])
+            lines.append(f"- torch {release}: not run yet (`make matrix TORCH={minor}`)")
+            continue
         run = data[release]
         lines.append(f"- torch {release}: {run['date']}, commit `{run['commit']}`, part "
                      f"`{run['part']}`, {run['seconds']:.0f} s")
@@ -427,7 +437,7 @@ def main(argv: list[str]) -> int:
             failed.append(f"torch {release}: {', '.join(bad)}")
         if not args.no_page:
             RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-            PAGE.write_text(render(data))
+            PAGE.write_text(render(data, list(releases.values())))
     if failed:
         print("matrix: failed cells:\n  " + "\n  ".join(failed), flush=True)
     return 1 if failed and args.check else 0

@@ -144,3 +144,13 @@ def test_the_adapters_refusals_use_the_rows_names() -> None:
     # A group not mapped to a row is a part of one: its name is no row's.
     for group in set(_private.GROUPS) - set(_private._FEATURE_OF_GROUP):
         assert group not in matrix.FEATURES, group
+
+
+def test_a_tested_release_without_a_run_is_a_column_not_run() -> None:
+    run = {"date": "2026-11-28", "commit": "abc1234", "part": "edge", "seconds": 60.0,
+           "partial": {}, "cells": {"DDP": {"result": "passed", "detail": "6 tests"}}}
+    page = matrix.render({"2.6.0": run}, ["2.6.0", "2.7.1"])
+    assert "| feature | 2.6.0 | 2.7.1 |" in page
+    assert "| DDP | passed | not run |" in page
+    assert "| torchmetrics | not run | not run |" in page  # no edge test of it ran
+    assert "- torch 2.7.1: not run yet (`make matrix TORCH=2.7`)" in page
