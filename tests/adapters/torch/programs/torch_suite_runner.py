@@ -270,6 +270,21 @@ def dist_test_case() -> type:
     return Case
 
 
+#: Every test's default group, kept alive until the process ends (``os._exit``). A gloo
+#: group destroyed mid-run can deadlock inside torch (seen on torch 2.6, torch's own
+#: Join, after test_ddp_join_model_equivalence; gdb: the main thread, holding the GIL,
+#: in ~ProcessGroupGloo joining a worker thread that waits for the GIL to drop a
+#: tensor's Python object). The same teardown deadlock as test_torch_suite.py's
+#: RPC_LAUNCH_TIMEOUT note; torch's own harness never meets it (a process per test).
+_KEPT_GROUPS: list[Any] = []
+
+
+def _leave_group() -> None:
+    """``destroy_process_group()`` with the group itself kept alive (``_KEPT_GROUPS``)."""
+    _KEPT_GROUPS.append(dist.group.WORLD)
+    dist.destroy_process_group()
+
+
 def run_dist_test(case_class: type, name: str, index: int, rank: int, world: int) -> None:
     """One ``_DistTestBase`` test on a fresh default group, as torch's harness runs it."""
     dist.init_process_group(
@@ -282,7 +297,7 @@ def run_dist_test(case_class: type, name: str, index: int, rank: int, world: int
         without_gpu_gate(getattr(case_class, name))(case)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        _leave_group()
 
 
 def check_sync_batch_norm_stand_in(rank: int, world: int) -> None:
@@ -319,7 +334,7 @@ def check_sync_batch_norm_stand_in(rank: int, world: int) -> None:
         torch.testing.assert_close(stand_in.running_mean, reference.running_mean)
         torch.testing.assert_close(stand_in.running_var, reference.running_var)
     finally:
-        dist.destroy_process_group()
+        _leave_group()
 
 
 def rpc_test_case(base_name: str, trainers: int, world: int) -> type:
@@ -365,6 +380,11 @@ def main() -> None:
             else:
                 run(name, lambda name=name, index=index: run_dist_test(
                     dist_case, name, index, rank, world))
+        # The kept groups are never destroyed (``_KEPT_GROUPS``): every record is
+        # written; the process ends without finalizing them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     elif SUITE == "rpc_comparison":
         comparison = rpc_test_case("DdpComparisonTest", world, world)
         for name in TESTS:
