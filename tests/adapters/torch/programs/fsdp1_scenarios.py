@@ -32,6 +32,7 @@ from typing import Any
 
 import fsdp_scenarios
 import torch
+import torch.distributed as dist
 from fsdp_scenarios import adamw, counts, sequence, sgd
 from support import Ctx, scenario_registry
 from torch import nn
@@ -188,6 +189,30 @@ def fsdp1_reference(ctx: Ctx) -> Any:
         out[name] = {"deviation": deviation(model, reference(n, make_optimizer)),
                      "moved": deviation(model, net()),  # it trained: not the start
                      "shadow_rounds": shadowed(join), "wrapped": type(model).__name__}
+    return out
+
+
+@scenario
+def fsdp1_hybrid(ctx: Ctx) -> Any:
+    """HYBRID_SHARD over 4 ranks: shard groups {0, 1} and {2, 3}, replicate groups {0, 2}
+    and {1, 3} (a reduce-scatter, then an all-reduce), nested and flat, uneven counts
+    with a rank that has none. (FSDP1 runs a shard group of one rank as NO_SHARD and
+    skips the replicate all-reduce, with or without joinkit: so 4 ranks.)"""
+    assert ctx.world == 4, "run with 4 ranks"
+    shards = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
+    replicas = [dist.new_group([0, 2], backend="gloo"), dist.new_group([1, 3], backend="gloo")]
+    groups = (shards[ctx.rank // 2], replicas[ctx.rank % 2])
+    out = {}
+    for nested, table in ((True, {4: [3, 0, 1, 4]}), (False, {4: [2, 5, 0, 3]})):
+        n = counts(ctx, table)
+        model = FSDP(net(), process_group=groups, device_id=torch.device("cpu"),
+                     auto_wrap_policy=ModuleWrapPolicy({nn.Linear}) if nested else None,
+                     sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        optimizer = adamw(model.parameters())
+        join = train(model, optimizer, n[ctx.rank], ctx.rank)
+        out["nested" if nested else "flat"] = {
+            "deviation": deviation(model, reference(n, adamw)),
+            "moved": deviation(model, net()), "shadow_rounds": shadowed(join)}
     return out
 
 
