@@ -72,6 +72,14 @@ collectives run on its ZeRO group, a group of its own: inside the epoch's Join t
 session's calls go through a second side channel that follows it. The post hook
 sends no optimizer state (each rank's is its own partition, stepped by the replay).
 
+*FSDP* (``TrainingArguments(fsdp=...)``, FSDP2 or FSDP1; ``_fsdp`` says how). The
+epoch's Join takes the FSDP model and the Trainer's torch optimizer: a joined rank
+replays the model's forward and backward on the DeepSpeed path's one token, then
+the Trainer's clipping, optimizer step and scheduler step (``shadow_step``) after
+each micro-batch that synced. ``no_sync`` stays FSDP's own (its windows end on every
+rank together) and no gradient is set aside; the post hook sends no optimizer state
+(each rank's shards are its own).
+
 *Evaluation* (``evaluate``, ``predict``, ``eval_strategy``, also in the middle
 of an epoch after a rank joined): the ranks evaluating (every rank, or inside
 a training Join the active ones, found with one side call) split the batches
@@ -102,6 +110,8 @@ from joinkit import Join, Joinable, JoinHook, SideChannel
 from joinkit.adapters.torch.data import ShardSampler
 from joinkit.adapters.torch.optim import gradients_set_aside
 
+from . import _fsdp
+
 __all__ = ["Session", "current"]
 
 _local = threading.local()
@@ -127,6 +137,8 @@ class Session:
         self.channel = SideChannel(dist.group.WORLD, name="transformers side channel")
         #: The Trainer runs a DeepSpeed engine (``model_wrapped``), not DDP.
         self.deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
+        #: The Trainer runs an FSDP1 or FSDP2 model (``_fsdp``), not DDP.
+        self.fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
         # The channel outside the epochs' Joins, and the one in them: a DeepSpeed
         # engine's Join runs on its own (ZeRO) group, which the channel then follows.
         self.world_channel = self.channel
@@ -278,8 +290,9 @@ class Session:
             # Trainer's scheduler as the loop does).
             self.channel = self.epoch_channel
             try:
-                join = Join([kwargs["model"], self.channel, self.sync],
-                            **self._epoch_join_kwargs())
+                models = ([kwargs["model"]] if not self.fsdp
+                          else _fsdp.epoch_joinables(self.trainer, kwargs["model"]))
+                join = Join([*models, self.channel, self.sync], **self._epoch_join_kwargs())
                 join.__enter__()
             except BaseException:
                 self.channel = self.world_channel
@@ -302,15 +315,21 @@ class Session:
         return run_epoch
 
     def _epoch_join_kwargs(self) -> dict[str, Any]:
+        if self.fsdp:  # the same replay input; the Trainer's step after a synced round
+            return {**self._one_token(), "shadow_step": _fsdp.shadow_step(self.trainer),
+                    **self.join_kwargs}
         if not self.deepspeed:
             return self.join_kwargs
+        return {**self._one_token(), **self.join_kwargs}
+
+    def _one_token(self) -> dict[str, Any]:
         # A joined rank replays the engine's step on this input: one token and no
         # labels, whose logits (times zero) give every parameter a zero gradient. The
         # empty batch joinkit's replay would build otherwise does not go through a
         # Hugging Face model's attention (a view of 0 elements), and a rank without
         # data has no batch of its own.
         token = torch.zeros((1, 1), dtype=torch.long, device=self.trainer.args.device)
-        return {"shadow_input": ((), {"input_ids": token}), **self.join_kwargs}
+        return {"shadow_input": ((), {"input_ids": token})}
 
     def leave(self, error: BaseException | None = None) -> None:
         """Leave the epoch's Join: shadow until every rank finished it, then sync."""
@@ -390,7 +409,7 @@ class Session:
 
     def _a_no_sync(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def no_sync(model: Any) -> Any:
-            if self.join is not None:
+            if self.join is not None and not self.fsdp:  # FSDP's windows stay (_fsdp)
                 return contextlib.nullcontext()
             return original(model)
         return no_sync
@@ -406,7 +425,7 @@ class Session:
                         "finite, so its empty micro-batch (that batch with the loss times "
                         "zero) would not give a zero gradient")
                 loss = loss * 0.0
-            if self.trainer.args.gradient_accumulation_steps == 1:
+            if self.trainer.args.gradient_accumulation_steps == 1 or self.fsdp:
                 return original(loss, **kwargs)
             # Every backward syncs during a Join: set the accumulated gradient
             # aside (DDP all-reduces a parameter's whole .grad) and add it back.
@@ -614,9 +633,10 @@ class _SyncHook(JoinHook):
         payload = None
         if session.rank == source:
             payload = {
-                # A DeepSpeed optimizer's state is this rank's partition, which every
-                # rank stepped itself (the engine's replay): not sent.
-                "optimizer": None if session.deepspeed else trainer.optimizer.state_dict(),
+                # A DeepSpeed or FSDP optimizer's state is this rank's partition or
+                # shards, which every rank stepped itself (the replay): not sent.
+                "optimizer": (None if session.deepspeed or session.fsdp
+                              else trainer.optimizer.state_dict()),
                 "scheduler": trainer.lr_scheduler.state_dict(),
                 "state": {name: getattr(trainer.state, name) for name in _STATE},
                 "control": {name: getattr(trainer.control, name) for name in _CONTROL},

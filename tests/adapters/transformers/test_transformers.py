@@ -36,7 +36,9 @@ DOC = ROOT / "docs" / "transformers.md"
 BIN = Path(sys.executable).parent
 LAUNCH_TIMEOUT = 480.0
 CELLS = ["map_gas1", "map_gas2", "map_gas2_plain", "map_max_steps", "stream_zero",
-         "stream_gas3", "sft_packing", "refusals"]
+         "stream_gas3", "sft_packing", "refusals", "fsdp2_map", "fsdp2_gas2",
+         "fsdp2_stream_zero", "fsdp1_map", "fsdp1_gas2_stream_zero", "fsdp1_even",
+         "fsdp_refusals"]
 LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2}
 #: The DeepSpeed cells, launched apart (only that launch imports DeepSpeed).
 DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_stream_s2", "ds_stream_s3",
@@ -54,6 +56,11 @@ PARAM_TOLERANCE = {2: 1e-9, 3: 1e-6}
 #: agree to 1e-11 (relative) after the first step, where they are equal, and Adam's
 #: normalization grows that on small gradients. Not pinned down (one process is exact).
 SFT_PARAM_TOLERANCE = 1e-6
+#: FSDP1 trains float32 here (its clip_grad_norm_, which the Trainer calls every step,
+#: refuses float64 gradients), with SGD: measured at most 2e-7 from the float64
+#: reference, and the same where nobody joins (``fsdp1_even``, the control).
+FSDP1_PARAM_TOLERANCE = 1e-6
+FSDP1_NORM_RELATIVE = 1e-5
 #: The Trainer logs float32 values.
 LOG_TOLERANCE = 2e-6
 RUNTIME = ("runtime", "per_second", "model_preparation_time")
@@ -287,6 +294,84 @@ def test_bad_input_raises_on_every_rank_before_any_collective(
         assert "'group_by_length'" in messages["group_by_length"]
         assert "split_batches" in messages["split_batches"]
         assert messages["not_a_trainer"].startswith("TypeError")
+        assert record["after"] == [[r] for r in range(len(records))]
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", DDP_LAUNCHES)
+@pytest.mark.parametrize(("cell", "kind"), [("fsdp2_map", "FSDP2"), ("fsdp1_map", "FSDP1"),
+                                            ("fsdp1_even", "FSDP1")])
+def test_fsdp_map_style_dataset_clipping_and_evaluation(
+        launches: dict[str, Any], launch: str, cell: str, kind: str) -> None:
+    """fsdp="full_shard", FSDP2 (float64) and FSDP1 (float32): the model really is
+    FSDP-wrapped, a joined rank replays its forward and backward and steps its shards
+    (clipping that bites), and evaluation each epoch and after training is exact."""
+    records = _records(launches, launch, cell)
+    world = len(records)
+    assert {r["wrapped"] for r in records} == {kind}
+    samples = 12 if cell == "fsdp1_even" else 13
+    batches = _batches(samples, world)
+    _check_shards(records, samples, batches, epochs=2)
+    if kind == "FSDP1":
+        _compare(records, "gpt2", tolerance=FSDP1_PARAM_TOLERANCE,
+                 norm_relative=FSDP1_NORM_RELATIVE)
+    else:
+        _compare(records, "gpt2")
+    history = records[0]["log_history"]
+    assert [e["step"] for e in history if "eval_loss" in e] == [batches, 2 * batches,
+                                                                2 * batches]
+    assert all(e["eval_rows"] == 7 for e in history if "eval_rows" in e)
+    assert all(r["global_step"] == 2 * batches for r in records)
+    counts = {len(r["recorded"]) for r in records}
+    assert len(counts) == (1 if cell == "fsdp1_even" else 2)  # uneven, but for the control
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", DDP_LAUNCHES)
+def test_fsdp2_gradient_accumulation_with_a_half_empty_last_window(
+        launches: dict[str, Any], launch: str) -> None:
+    records = _records(launches, launch, "fsdp2_gas2")
+    assert {r["wrapped"] for r in records} == {"FSDP2"}
+    world = len(records)
+    _check_shards(records, 13, math.ceil(_batches(13, world) / 2), epochs=2)
+    _compare(records, "llama")
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", DDP_LAUNCHES)
+@pytest.mark.parametrize(("cell", "kind", "rows"), [
+    ("fsdp2_stream_zero", "FSDP2", [5, 0, 12]),
+    ("fsdp1_gas2_stream_zero", "FSDP1", [0, 13, 7])])
+def test_fsdp_own_streams_a_rank_with_none(launches: dict[str, Any], launch: str, cell: str,
+                                          kind: str, rows: list[int]) -> None:
+    """Each rank's own stream, one rank with none (it replays every step); FSDP1 with
+    gradient accumulation 2 (FSDP1's no_sync windows inside the Join)."""
+    records = _records(launches, launch, cell)
+    rows = rows[: len(records)]
+    assert {r["wrapped"] for r in records} == {kind}
+    _check_streams(records, rows)
+    assert [bool(r["recorded"]) for r in records] == [n > 0 for n in rows]
+    if kind == "FSDP1":
+        _compare(records, "llama", tolerance=FSDP1_PARAM_TOLERANCE,
+                 norm_relative=FSDP1_NORM_RELATIVE)
+    else:
+        _compare(records, "llama")
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", DDP_LAUNCHES)
+def test_fsdp_settings_it_cannot_shadow_raise_on_every_rank_before_any_collective(
+        launches: dict[str, Any], launch: str) -> None:
+    records = _records(launches, launch, "fsdp_refusals")
+    for record in records:
+        messages = record["messages"]
+        assert messages["save_steps"].startswith("NotImplementedError")
+        assert "save_strategy='epoch'" in messages["save_steps"]
+        assert "eval_strategy='epoch'" in messages["eval_steps"]
+        assert "IterableDataset evaluation set" in messages["stream_eval"]
+        # FSDP settings Accelerate ignored (use_cpu=True): said, not trained as DDP.
+        assert messages["ignored"].startswith("RuntimeError")
+        assert "is_fsdp_enabled is False" in messages["ignored"]
         assert record["after"] == [[r] for r in range(len(records))]
 
 
