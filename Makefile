@@ -12,7 +12,7 @@ PACKAGE_DIRS := $(shell find join_core backends adapters -type d -not -name __py
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup demo test test-fast lint docs
+.PHONY: setup demo test test-fast lint docs matrix matrix-edges
 
 setup: $(STAMP)
 
@@ -73,3 +73,13 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	@echo "== the site is in site/ (open site/index.html)"
+
+# The torch compatibility matrix (issue 48): a venv per torch minor in .venvs/ (PyPI's
+# wheels, about 4 GB each; .ci/matrix.py's doc), the torch part of the suite on each,
+# and docs/compat.md from the results. TORCH="2.6 2.15" reruns some columns only.
+matrix:
+	$(PYTHON) .ci/matrix.py $(if $(TORCH),--torch $(TORCH))
+
+# What CI runs beside `make test`: the edge part on the oldest and newest torch.
+matrix-edges:
+	$(PYTHON) .ci/matrix.py --edges --part edge --check --no-page

@@ -39,12 +39,23 @@ data loaders for the block, as Accelerate's does: pass ``False`` (or build the
 each rank sees its own share of the data exactly once, and the Join takes the
 unevenness; with ``True`` the data is padded and the Join has nothing to do.
 
+*DeepSpeed* (Accelerate's DeepSpeed plugin): the engine joins as a
+``joinkit.adapters.deepspeed.DeepSpeedJoinable`` on Accelerate's windows
+(:func:`_deepspeed_items`): ``accumulate()`` sets the engine's boundary itself and
+``accelerator.backward`` steps the engine at a window's end only, so a joined
+process must know where the windows end. They end every
+``gradient_accumulation_steps`` micro-steps from ``Accelerator.step`` at the
+block's start, and not at a process's own end of data while the Join lasts
+(:func:`_deepspeed_windows`); the last one closes when every process has run out.
+
 A world of one Accelerate process does nothing (as Accelerate); one whose
 launcher started more processes (``WORLD_SIZE``) while Accelerate sees one
 (on a machine without GPUs ``Accelerator()`` without ``cpu=True`` is
-``DistributedType.NO``: every process trains alone) is an error. The list of
-data loaders is ``Accelerator._dataloaders``, a private member, read through
-:data:`_PRIVATE` and checked against the supported versions.
+``DistributedType.NO``: every process trains alone) is an error. The members
+of Accelerate read that it does not document (the list of data loaders
+``Accelerator._dataloaders``; under DeepSpeed its micro-step count and gradient
+state) are listed in :data:`_PRIVATE`; a missing one raises
+:class:`UnsupportedAccelerateError`.
 
 Tested with accelerate 1.15 (constraints.txt); ``pip install 'joinkit[accelerate]'``.
 """
@@ -66,6 +77,11 @@ SUPPORTED_ACCELERATE = ">=1.15,<1.16"
 #: The private members of Accelerate this module reads: (class, attribute, what for).
 _PRIVATE = (
     ("Accelerator", "_dataloaders", "the prepared data loaders whose even_batches to override"),
+    ("Accelerator", "step", "DeepSpeed: the micro-step count accumulate() starts its windows "
+                            "from, reset at the end of the data"),
+    ("GradientState", "plugin_kwargs", "DeepSpeed: sync_with_dataloader, turned off in the Join"),
+    ("GradientState", "_set_sync_gradients", "DeepSpeed: a joined process's scheduler step "
+                                             "sees its micro-step's boundary"),
 )
 
 
@@ -117,65 +133,110 @@ def _is_step_object(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer | torch.optim.lr_scheduler.LRScheduler)
 
 
-def _deepspeed_items(accelerator: Any, joinables: list[Any], items: list[Any]) -> list[Any]:
-    """With a DeepSpeed engine: what the Join takes instead of ``items``.
+def _deepspeed_items(accelerator: Any, joinables: list[Any],
+                     items: list[Any]) -> tuple[list[Any], bool]:
+    """With a DeepSpeed engine: what the Join takes instead of ``items``, and ``True``.
 
-    The engine's step (``accelerator.backward`` calls it) steps its optimizer
-    and a DeepSpeed LR scheduler, and a joined process replays that step, so
-    they are left out (``joinkit.adapters.deepspeed``). A torch LR scheduler
-    Accelerate wrapped itself (an ``AcceleratedScheduler``, which the loop's
-    ``scheduler.step()`` steps, ``num_processes`` times per optimizer step)
-    becomes a ``joinkit.SideCollective`` whose shadow is that same call, so a
-    joined process steps it after each replay as the active ones do.
-    Accelerate's gradient accumulation sets the engine's accumulation boundary
-    from outside, which a joined process cannot replay: refused here, before
-    any collective.
+    The engine's step (``accelerator.backward`` calls it at a window's end)
+    steps its optimizer and a DeepSpeed LR scheduler, and a joined process
+    replays that step, so they are left out (``joinkit.adapters.deepspeed``).
+    The engine joins as a ``DeepSpeedJoinable`` on Accelerate's windows:
+    ``accelerator.accumulate()`` ends one every ``gradient_accumulation_steps``
+    micro-steps, counted from ``Accelerator.step`` at the Join's start
+    (:func:`_deepspeed_windows` keeps a process's own end of data from ending
+    one early). A torch LR scheduler Accelerate wrapped itself (an
+    ``AcceleratedScheduler``, which the loop's ``scheduler.step()`` steps,
+    ``num_processes`` times per optimizer step) is stepped by a joined process
+    after each micro-step it replays, with that micro-step's boundary as
+    Accelerate's ``sync_gradients``, as the loop's call steps it.
     """
-    from joinkit import SideCollective
-
     from .. import deepspeed
 
-    engines = [obj for obj in items if deepspeed.is_engine(obj)]
-    if not engines:
-        return items
-    if int(getattr(accelerator, "gradient_accumulation_steps", 1)) > 1:
-        raise ValueError(
-            "join_uneven_inputs with DeepSpeed and Accelerate's gradient accumulation "
-            f"(gradient_accumulation_steps={accelerator.gradient_accumulation_steps}): "
-            "Accelerate sets the engine's accumulation boundary from outside (and at the end "
-            "of each process's own data), which a process that ran out cannot replay. Use "
-            "gradient_accumulation_steps=1 (docs/deepspeed.md)"
-        )
-    parts = [part for engine in engines for part in deepspeed.engine_parts(engine)]
+    if not any(deepspeed.is_engine(obj) for obj in items):
+        return items, False
+    parts = [part for obj in items if deepspeed.is_engine(obj)
+             for part in deepspeed.engine_parts(obj)]
     scheduler_class = _accelerate().scheduler.AcceleratedScheduler
+    schedulers = [given for given, item in zip(joinables, items, strict=True)
+                  if isinstance(given, scheduler_class) and all(item is not p for p in parts)]
+    every = int(accelerator.gradient_accumulation_steps)
+    start = int(_private(accelerator, "step"))
+    state = accelerator.gradient_state
+
+    def boundaries(micro_step: int) -> bool:
+        return (start + micro_step + 1) % every == 0
+
+    def after_step(window_end: bool) -> None:
+        _private(state, "_set_sync_gradients")(window_end)
+        for scheduler in schedulers:
+            scheduler.step()
+
     kept: list[Any] = []
     for given, item in zip(joinables, items, strict=True):
-        if any(item is part for part in parts):
-            continue  # the engine steps it
-        if isinstance(given, scheduler_class):
-            kept.append(SideCollective(given.step, shadow=given.step))
-        else:
+        if deepspeed.is_engine(item):
+            kept.append(deepspeed.DeepSpeedJoinable(item, boundaries=boundaries,
+                                                    after_step=after_step))
+        elif not (any(item is part for part in parts) or isinstance(given, scheduler_class)):
             kept.append(item)
-    return kept
+    return kept, True
 
 
-def _private(accelerator: Any, name: str) -> Any:
+@contextlib.contextmanager
+def _deepspeed_windows(accelerator: Any, on: bool) -> Iterator[None]:
+    """Accelerate's windows under a DeepSpeed Join: counted, never cut by a process's data.
+
+    ``accelerator.accumulate()`` ends a window at the end of the process's own
+    data (``sync_with_dataloader``), where the others are still inside theirs,
+    and the engine's step at that boundary would meet no peer. So while the
+    Join lasts that is off: every window ends after ``gradient_accumulation_steps``
+    micro-steps, a process that ran out replays the rest of its windows with
+    zeros, and a window still open when every process has run out is closed by
+    the Join (``DeepSpeedJoinable``'s post hook: one more step on every process,
+    as Accelerate steps at the end of the data). Then the window count starts
+    again, as at the end of Accelerate's data.
+    """
+    if not on:
+        yield
+        return
+    state = accelerator.gradient_state
+    kwargs = _private(state, "plugin_kwargs")
+    before = kwargs.get("sync_with_dataloader", _UNSET)
+    kwargs["sync_with_dataloader"] = False
     try:
-        return getattr(accelerator, name)
+        yield
+        accelerator.step = 0
+        _private(state, "_set_sync_gradients")(True)
+    finally:
+        if before is _UNSET:
+            kwargs.pop("sync_with_dataloader", None)
+        else:
+            kwargs["sync_with_dataloader"] = before
+
+
+_UNSET = object()
+
+
+def _private(obj: Any, name: str, advice: str = "") -> Any:
+    """A member of :data:`_PRIVATE`, or :class:`UnsupportedAccelerateError` saying why
+    joinkit reads it."""
+    try:
+        return getattr(obj, name)
     except AttributeError:
+        owner = type(obj).__name__
+        why = next(what for cls, attr, what in _PRIVATE if (cls, attr) == (owner, name))
         version = getattr(_accelerate(), "__version__", "?")
         raise UnsupportedAccelerateError(
-            f"accelerate {version} has no Accelerator.{name}, which joinkit reads to "
-            f"override even_batches (supported: accelerate {SUPPORTED_ACCELERATE}). Build "
-            "the Accelerator with DataLoaderConfiguration(even_batches=False) and leave "
-            "join_uneven_inputs(even_batches=None)"
+            f"accelerate {version} has no {owner}.{name}, which joinkit reads ({why}; "
+            f"supported: accelerate {SUPPORTED_ACCELERATE}){advice}"
         ) from None
 
 
 def _override_even_batches(accelerator: Any, even_batches: bool) -> list[tuple[Any, bool]]:
     """Set ``even_batches`` on the accelerator's map-style loaders; return what to restore."""
     restore = []
-    for loader in _private(accelerator, "_dataloaders"):
+    advice = (". Build the Accelerator with DataLoaderConfiguration(even_batches=False) and "
+              "leave join_uneven_inputs(even_batches=None)")
+    for loader in _private(accelerator, "_dataloaders", advice):
         sampler = getattr(loader, "batch_sampler", None)
         if sampler is None or not hasattr(sampler, "even_batches"):
             continue  # iterable-style: Accelerate cannot override it either
@@ -250,7 +311,8 @@ def join_uneven_inputs(
             )
         yield None  # nothing to join, as Accelerate's own method
         return
-    items = _deepspeed_items(accelerator, list(joinables), [unwrap(obj) for obj in joinables])
+    items, windows = _deepspeed_items(accelerator, list(joinables),
+                                      [unwrap(obj) for obj in joinables])
     if any(_is_ddp(obj) for obj in items):
         items = [obj for obj in items if not _is_step_object(obj)]
     restore = [] if even_batches is None else _override_even_batches(accelerator,
@@ -259,7 +321,7 @@ def join_uneven_inputs(
         accelerator.gradient_accumulation_steps > 1)
     try:
         with _sync_every_backward(accelerator, items, accumulating), \
-                Join(items, **join_kwargs) as join:
+                _deepspeed_windows(accelerator, windows), Join(items, **join_kwargs) as join:
             yield join
     finally:
         for sampler, value in restore:

@@ -19,7 +19,10 @@ Public names:
 - :class:`DeepSpeedJoinable`, :func:`adapt` (what ``Join`` does with an engine);
 - :func:`evaluation`: the joinable of an evaluation loop (forward only);
 - :func:`is_engine`, :func:`engine_parts`: for integrations that take the objects
-  a framework prepared (joinkit's Accelerate path);
+  a framework prepared (joinkit's Accelerate path); :func:`collectives_group`: the
+  group an engine's step (and its Join) runs its collectives on, for integrations
+  that run more of the engine's collectives beside the Join (the Trainer's
+  checkpoints);
 - :data:`SUPPORTED_DEEPSPEED`, :class:`UnsupportedDeepSpeedError`.
 
 ``pip install 'joinkit[deepspeed]'`` (deepspeed 0.19.8).
@@ -38,10 +41,11 @@ from joinkit import Adapter, Joinable
 from ._private import SUPPORTED_DEEPSPEED, UnsupportedDeepSpeedError, is_engine
 
 if TYPE_CHECKING:
-    from ._engine import DeepSpeedJoinable, adapt, engine_parts, evaluation
+    from ._engine import DeepSpeedJoinable, adapt, collectives_group, engine_parts, evaluation
 
 __all__ = ["DEEPSPEED", "DeepSpeedJoinable", "adapt", "evaluation", "is_engine",
-           "engine_parts", "SUPPORTED_DEEPSPEED", "UnsupportedDeepSpeedError"]
+           "engine_parts", "collectives_group", "SUPPORTED_DEEPSPEED",
+           "UnsupportedDeepSpeedError"]
 
 _OPTIMIZER_MODULE = "deepspeed.runtime.base_optimizer"
 _ADAPTER_MODULE = "joinkit.adapters.deepspeed._engine"
@@ -73,7 +77,7 @@ def _check(joinables: Sequence[Joinable]) -> None:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("DeepSpeedJoinable", "adapt", "evaluation", "engine_parts"):
+    if name in ("DeepSpeedJoinable", "adapt", "evaluation", "engine_parts", "collectives_group"):
         from . import _engine
 
         return getattr(_engine, name)

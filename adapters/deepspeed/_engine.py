@@ -57,12 +57,39 @@ its loop) after a micro-step without its backward or step completes that
 micro-step, then raises. ``engine.no_sync()`` and ``coalesce_grad_reduction()``
 are refused at the forward, before the heartbeat.
 
+*The loop's windows.* The Hugging Face Trainer and Accelerate's
+``accumulate()`` do not let the engine count: before each backward they set
+the boundary themselves (``set_gradient_accumulation_boundary``) and call
+``engine.step()`` at a window's end only, so the engine's counter advances once
+per window. Such a loop's joinable is ``DeepSpeedJoinable(engine,
+boundaries=...)``, where ``boundaries(i)`` says whether the Join's micro-step
+``i`` (counted from 0 on every rank: its own forwards and its replays) ends a
+window; the integration knows (the Trainer pads every rank's windows alike;
+Accelerate ends one every ``gradient_accumulation_steps`` micro-steps). A
+joined rank replays micro-step ``i`` with that boundary set and steps the engine
+only where it is true; an active rank must set the same boundary (else the
+micro-step is completed as a joined rank would and ``LocalProtocolError``
+raised) and step there only. ``engine.no_sync()`` is allowed inside a window
+(Accelerate's ``accumulate()`` under ZeRO 0 and 1, where such a micro-step
+reduces nothing anyway). When every rank has run out and the last micro-step
+did not end a window, the post hook closes it on every rank at once (one more
+replayed micro-step, boundary set, engine stepped: Accelerate steps at the end
+of its data). ``after_step(window_end)`` runs after each replayed micro-step:
+the shadow of what the loop does after the engine's step (its LR scheduler's).
+
+*ZeRO-Offload* (``offload_optimizer`` / ``offload_param`` to ``cpu``) changes
+where the partitions live, not which collectives a micro-step runs: a joined
+rank's replay copies its zero gradients to its CPU partition, steps its CPU
+optimizer partition (a torch optimizer or ``DeepSpeedCPUAdam``) and takes part
+in the all-gather as an active rank does.
+
 *Refused on entry* (``ValueError`` from ``Join(...)``, on every rank alike,
 before any collective: it depends on the configuration only): pipeline
 parallelism (``PipelineEngine.train_batch`` runs its own schedule of
-point-to-point sends), MoE layers (expert routing), ZeRO-Offload and
-ZeRO-Infinity (``offload_optimizer`` / ``offload_param`` to ``cpu`` or ``nvme``:
-not run by these tests), ZenFlow, DeepCompile, ZeRO++ (hpZ, quantized weights or gradients),
+point-to-point sends), MoE layers (expert routing), ZeRO-Infinity
+(``offload_optimizer`` / ``offload_param`` to ``nvme``: DeepSpeed's async I/O op
+does not build on the test machines, so no replay with it was run), ZenFlow,
+DeepCompile, ZeRO++ (hpZ, quantized weights or gradients),
 ``managed_gradient_accumulation: false``, tensor, sequence or model
 parallelism (AutoTP, Ulysses, an ``mpu``), an engine without an optimizer (use
 :func:`evaluation`), and the engine's own optimizer or LR scheduler listed in
@@ -77,7 +104,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -211,15 +238,45 @@ _engines: weakref.WeakSet[Any] = weakref.WeakSet()
 class DeepSpeedJoinable(StepReplay):
     """A DeepSpeed engine in a Join: a joined rank replays its micro-steps (module doc).
 
+    ``Join([engine])`` makes one with the engine alone: the engine's micro-step
+    counter decides the accumulation boundary and the loop calls
+    ``engine.step()`` after every backward. A loop that decides the boundary
+    itself (the Hugging Face Trainer's, Accelerate's ``accumulate()``) passes
+    ``boundaries`` (module doc, *The loop's windows*).
+
     Args:
         engine: what ``deepspeed.initialize`` returned first.
+        boundaries: ``None``: the micro-step counter's boundaries. Else
+            ``boundaries(i)`` says whether the Join's micro-step ``i`` (``0``
+            for its first) ends an accumulation window, the same on every rank;
+            the loop sets that boundary on the engine
+            (``set_gradient_accumulation_boundary``) before each backward and
+            calls ``engine.step()`` at the micro-steps that end a window only.
+        after_step: called on a joined rank after each micro-step it replays
+            (and after the one that closes the last window) with whether that
+            micro-step ended a window: the shadow of what the loop does after
+            the engine's step (its own LR scheduler's step).
+
+    Raises:
+        TypeError: ``boundaries`` or ``after_step`` is not callable.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, *, boundaries: Callable[[int], bool] | None = None,
+                 after_step: Callable[[bool], Any] | None = None) -> None:
+        for name, value in (("boundaries", boundaries), ("after_step", after_step)):
+            if value is not None and not callable(value):
+                raise TypeError(f"DeepSpeedJoinable: {name} must be callable or None, not "
+                                f"{type(value).__qualname__}")
         super().__init__(engine, backward=self._engine_backward, step=self._engine_step,
                          process_group=collectives_group(engine), device=engine.device)
+        _engines.add(engine)
         # Weak: the adapter cache must not keep the engine alive.
         self._module = weakref.ref(engine)
+        self._boundaries = boundaries
+        self._after_step = after_step
+        self._index = -1  # the Join's current micro-step (own or replayed)
+        self._boundary = False  # whether it ends a window
+        self._closing = False  # the post hook's replay closing the last window
         self._world = int(engine.dp_world_size)
         self._average = bool(engine.gradient_average)
         self._divide_by_initial_world_size = True
@@ -258,7 +315,8 @@ class DeepSpeedJoinable(StepReplay):
                 "engine average"
             )
         self._divide_by_initial_world_size = divide
-        return super().join_hook(**kwargs)
+        super().join_hook(**kwargs)  # the replay's input source
+        return _EngineHook(self)
 
     def _refuse_on_entry(self, join: Join) -> None:
         super()._refuse_on_entry(join)
@@ -274,6 +332,7 @@ class DeepSpeedJoinable(StepReplay):
         engine = self.engine
         self._forwarded = self._stepped = False
         self._heartbeat, self._scale = None, None
+        self._index, self._boundary = -1, False
         replacements = {"step": self._watched_step,
                         "set_gradient_accumulation_boundary": self._watched_boundary}
         for name in _WATCHED:
@@ -299,11 +358,45 @@ class DeepSpeedJoinable(StepReplay):
         self.engine.backward(loss)
 
     def _engine_step(self) -> None:
+        if self._boundaries is not None and not self._boundary:
+            return  # the loop steps at a window's end only
         step = self._originals.get("step")
         (step if step is not None else self.engine.step)()
 
+    def _set_boundary(self, is_boundary: bool) -> None:
+        """The engine's own ``set_gradient_accumulation_boundary`` (not the watched one)."""
+        original = self._originals.get("set_gradient_accumulation_boundary")
+        (original if original is not None
+         else self.engine.set_gradient_accumulation_boundary)(is_boundary)
+
     def _replay_context(self) -> contextlib.AbstractContextManager[Any]:
-        return self._counted_boundary_set()
+        self._index += 1
+        if self._boundaries is None:
+            self._boundary = self._counted_boundary()
+            return self._counted_boundary_set()
+        self._boundary = self._closing or bool(self._boundaries(self._index))
+        self._set_boundary(self._boundary)  # as the loop sets it, and leaves it
+        return contextlib.nullcontext()
+
+    def replay(self) -> None:
+        """A joined rank's replay of one micro-step, then ``after_step`` (class doc)."""
+        super().replay()
+        if self._after_step is not None:
+            self._after_step(self._boundary)
+
+    def _close_window(self) -> None:
+        """At the Join's end, close a window the loop's boundaries left open (module doc).
+
+        Every rank calls it at the same point (the post hook), so the micro-step it
+        replays, with the boundary set, is a collective of every rank.
+        """
+        if self._boundaries is None or self._index < 0 or self._boundary:
+            return
+        self._closing = True
+        try:
+            self.replay()
+        finally:
+            self._closing = False
 
     @contextlib.contextmanager
     def _counted_boundary_set(self) -> Iterator[None]:
@@ -326,9 +419,29 @@ class DeepSpeedJoinable(StepReplay):
         engine = self.engine
         return bool((engine.micro_steps + 1) % engine.gradient_accumulation_steps() == 0)
 
+    def _window_end(self) -> bool:
+        """Whether this rank's open micro-step ends a window (the next one's, if none is open)."""
+        if self._boundaries is None:
+            return self._counted_boundary()
+        if self._forwarded:
+            return self._boundary
+        return bool(self._boundaries(self._index + 1))
+
     def _check_forward(self) -> None:
         super()._check_forward()
         engine = self.engine
+        if self._boundaries is not None:
+            # The loop sets the boundary after this forward. engine.no_sync() (Accelerate's
+            # accumulate() under ZeRO 0/1) skips only a reduction that a micro-step inside
+            # a window does not run: allowed there.
+            if engine.inside_no_sync_ctxt and self._boundaries(self._index + 1):
+                raise LocalProtocolError(
+                    "a forward of the DeepSpeed engine inside engine.no_sync() at a micro-step "
+                    "that ends an accumulation window inside a Join: the window's reduction "
+                    "would be skipped on this rank and run on the others. Leave no_sync() "
+                    "out of the micro-step that ends a window"
+                )
+            return
         if engine.inside_no_sync_ctxt:
             raise LocalProtocolError(
                 "a forward of the DeepSpeed engine inside engine.no_sync() or "
@@ -341,6 +454,9 @@ class DeepSpeedJoinable(StepReplay):
             raise LocalProtocolError(_boundary_message(bool(flag), self._counted_boundary()))
 
     def _heartbeat_sent(self, handle: Any) -> None:
+        self._index += 1
+        self._boundary = (self._counted_boundary() if self._boundaries is None
+                          else bool(self._boundaries(self._index)))
         self._forwarded, self._stepped = True, False
         self._scale = None
         join = self._config.join
@@ -349,7 +465,8 @@ class DeepSpeedJoinable(StepReplay):
 
     def _open_iteration(self) -> str | None:
         missing = super()._open_iteration()
-        if missing is None and self._forwarded and not self._stepped:
+        if (missing is None and self._forwarded and not self._stepped
+                and (self._boundaries is None or self._boundary)):
             missing = "step"
         return missing
 
@@ -361,7 +478,11 @@ class DeepSpeedJoinable(StepReplay):
 
     def _complete(self, missing: str) -> None:
         try:
-            with self._counted_boundary_set():
+            if self._boundaries is None:
+                with self._counted_boundary_set():
+                    super()._complete(missing)
+            else:
+                self._set_boundary(self._boundary)
                 super()._complete(missing)
         finally:
             self._forwarded, self._stepped = False, True
@@ -376,6 +497,19 @@ class DeepSpeedJoinable(StepReplay):
                 "step: joined ranks replay one forward, backward and step per forward. Call "
                 "engine(batch), engine.backward(loss), engine.step() once each per micro-batch"
             ))
+        if self._boundaries is not None and not self._boundary:
+            missing = self._open_iteration()  # a joined rank steps nothing here
+            if missing is not None:
+                self._complete(missing)
+            self._forget_pending()
+            self._forwarded = False
+            self._refuse(LocalProtocolError(
+                f"engine.step() at the Join's micro-step {self._index}, which does not end an "
+                "accumulation window by the loop's boundaries: joined ranks step the engine "
+                "at a window's end only. Call engine.step() after the backward of the "
+                "micro-step that ends a window (Accelerate's accelerator.backward does it "
+                "inside accelerator.accumulate(model))"
+            ))
         result = step(*args, **kwargs)
         self._stepped = True
         return result
@@ -383,12 +517,15 @@ class DeepSpeedJoinable(StepReplay):
     def _watched_boundary(self, is_boundary: bool) -> Any:
         original = self._originals["set_gradient_accumulation_boundary"]
         if self._active():
-            counted = self._counted_boundary()
-            if bool(is_boundary) != counted:
+            expected = self._window_end()
+            if bool(is_boundary) != expected:
                 missing = self._open_iteration()
                 if missing is not None:
                     self._complete(missing)  # as the joined ranks replay it
-                self._refuse(LocalProtocolError(_boundary_message(bool(is_boundary), counted)))
+                message = (_boundary_message(bool(is_boundary), expected)
+                           if self._boundaries is None
+                           else _window_message(bool(is_boundary), expected, self._index))
+                self._refuse(LocalProtocolError(message))
         return original(is_boundary)
 
     def _scale_gradient(self, grad: torch.Tensor) -> torch.Tensor:
@@ -424,13 +561,33 @@ class DeepSpeedJoinable(StepReplay):
 def _boundary_message(given: bool, counted: bool) -> str:
     return (
         f"the DeepSpeed engine's gradient accumulation boundary was set to {given} inside a "
-        f"Join, where its micro-step counter says {counted}: a joined rank replays each "
-        "micro-step with the counter's boundary, so a boundary set from outside (Accelerate's "
-        "accumulate(), set_gradient_accumulation_boundary) cannot be replayed. Let the engine "
-        "count: set \"gradient_accumulation_steps\" in the DeepSpeed config (with Accelerate: "
-        "gradient_accumulation_steps=1 in the Accelerator and the number in the DeepSpeed "
-        "config), and call engine.step() after every backward. (joinkit completed the open "
-        "micro-step as joined ranks do, so no collective mismatched.)"
+        f"Join, where its micro-step counter says {counted}: Join([engine]) replays each "
+        "micro-step with the counter's boundary. Either let the engine count (call "
+        "engine.step() after every backward and leave the boundary alone), or, for a loop "
+        "that sets the boundary itself and steps at a window's end only, join "
+        "DeepSpeedJoinable(engine, boundaries=...) saying where its windows end (Accelerate's "
+        "accumulate(): joinkit.adapters.accelerate.join_uneven_inputs does). (joinkit "
+        "completed the open micro-step as joined ranks do, so no collective mismatched.)"
+    )
+
+
+def _nvme_message(what: str) -> str:
+    return (
+        f"Join does not replay a DeepSpeed engine with zero_optimization.{what} to 'nvme' "
+        "(ZeRO-Infinity): joinkit's tests have no NVMe device with DeepSpeed's async I/O "
+        "op to run a joined rank's replay on, so nothing vouches that it matches. Offload "
+        "to 'cpu' (ZeRO-Offload, supported) or leave offloading out inside a Join"
+    )
+
+
+def _window_message(given: bool, expected: bool, index: int) -> str:
+    return (
+        f"the DeepSpeed engine's gradient accumulation boundary was set to {given} at the "
+        f"Join's micro-step {index}, where the loop's windows say {expected}: joined ranks "
+        "replay each micro-step with those windows' boundaries. With Accelerate, accumulate "
+        "inside accelerator.accumulate(model) on every micro-batch (gradient_accumulation_steps "
+        "micro-batches per window, counted from the Join's start). (joinkit completed the "
+        "open micro-step as joined ranks do, so no collective mismatched.)"
     )
 
 
@@ -471,13 +628,8 @@ def _refusal(engine: Any, *, training: bool) -> str | None:
                           ("offload_param", engine.zero_offload_param())):
         device = str(getattr(getattr(offload, "device", None), "value",
                              getattr(offload, "device", "none")))
-        if offload is not None and device not in ("none", "None"):
-            return (
-                f"Join does not replay a DeepSpeed engine with zero_optimization.{what} to "
-                f"{device!r} (ZeRO-Offload / ZeRO-Infinity): joinkit has not run it and "
-                "cannot vouch that a joined rank's replay matches. Leave offloading out of "
-                "the config inside a Join"
-            )
+        if offload is not None and device == "nvme":
+            return _nvme_message(what)
     if getattr(engine, "zenflow", False):
         return "Join does not replay a DeepSpeed engine with ZenFlow (its own update schedule)"
     if engine.is_deepcompile_enabled():
@@ -515,6 +667,22 @@ def _refusal(engine: Any, *, training: bool) -> str | None:
             "an evaluation loop use Join([joinkit.adapters.deepspeed.evaluation(engine)])"
         )
     return None
+
+
+class _EngineHook(JoinHook):
+    """A joined rank replays each micro-step; at the Join's end an open window closes."""
+
+    def __init__(self, joinable: DeepSpeedJoinable) -> None:
+        self.joinable = joinable
+
+    def main_hook(self) -> None:
+        self.joinable.replay()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # Every rank ran every micro-step (its own or a replay) and holds the same model:
+        # nothing to send. Every rank is here at once: a window the loop's boundaries
+        # left open closes now, on all of them.
+        self.joinable._close_window()
 
 
 def _private_class(module: str, name: str) -> Any:

@@ -6,7 +6,7 @@ Theory of operation
 the engine's public ``forward``, ``backward`` and ``step``, but it also reads
 members DeepSpeed does not promise to keep: the engine's data-parallel group
 and world size (the Join's group, the divisor), its configuration accessors
-(what it refuses: pipeline parallelism, MoE, offload...), its micro-step
+(what it refuses: pipeline parallelism, MoE, NVMe offload...), its micro-step
 counter and the accumulation boundary flag it keeps in
 ``_is_gradient_accumulation_boundary`` (a joined rank replays with the
 counter's boundary), and it replaces ``step`` and
@@ -119,8 +119,8 @@ ENGINE_MEMBERS = (
     _attribute("mp_world_size", "model parallelism (mpu) is refused"),
     _attribute("zenflow", "ZenFlow is refused"),
     _config("zero_optimization_stage", "the stage, for messages and refusals"),
-    _config("zero_offload_optimizer", "offload modes are refused"),
-    _config("zero_offload_param", "offload modes are refused"),
+    _config("zero_offload_optimizer", "offload to NVMe is refused"),
+    _config("zero_offload_param", "offload to NVMe is refused"),
     _config("managed_gradient_accumulation", "unmanaged accumulation is refused"),
     _config("is_deepcompile_enabled", "DeepCompile is refused"),
     _config("autotp_size", "AutoTP is refused"),

@@ -239,10 +239,11 @@ class FSDPJoinable(AdapterJoinable):
         # Before any collective, the same on every rank: a feature of this Join
         # that this torch lacks what it needs for is refused (``_private``).
         # Finish mode divides by itself (``_fsdp_elastic``), never through FSDP.
-        sums = not self._divide_by_initial_world_size or self._averages_wrongly()
+        wrongly = not finish and self._averages_wrongly()
+        sums = not self._divide_by_initial_world_size or wrongly
         features = [_private.FINISH] if finish else ([_private.SUM_REDUCTIONS] if sums else [])
         try:
-            if not finish and self._averages_wrongly() and not _compat.fsdp_can_sum():
+            if wrongly and not _compat.fsdp_can_sum():
                 raise UnsupportedTorchError(
                     f"joinkit refuses FSDP2 over gloo on torch {torch.__version__}: this "
                     "torch's gloo reduce_scatter returns the sum where FSDP2 asks for the "
@@ -331,8 +332,10 @@ class FSDPJoinable(AdapterJoinable):
 
     def _averages_wrongly(self) -> bool:
         """Whether FSDP's averaging reductions would sum here (gloo on torch 2.7-2.8)."""
+        # The group's own name: a raw group (store_outlives_ranks) is not in the
+        # map dist.get_backend reads.
         return (not _compat.gloo_reduce_scatter_averages()
-                and dist.get_backend(self.join_process_group) == "gloo")
+                and self.join_process_group.name() == "gloo")
 
     def _leave_units(self) -> None:
         """On exit: put back what :meth:`_enter_units` set."""

@@ -58,10 +58,11 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
     Args:
         trainer: a ``transformers.Trainer`` or a subclass (TRL's ``SFTTrainer``...),
             under DDP (``torchrun``, ``accelerate launch``), CPU or GPU, with a
-            DeepSpeed config (ZeRO 1-3, ``gradient_accumulation_steps=1``; a joined
-            rank replays the engine's step, :data:`DEEPSPEED_PATH`), or with FSDP
-            (FSDP2 or FSDP1: a joined rank replays the model's forward and backward
-            and runs the Trainer's clipping and step, ``_fsdp``).
+            DeepSpeed config (ZeRO 1-3, gradient accumulation, offload to the CPU;
+            a joined rank replays the engine's micro-steps on the Trainer's
+            windows, :data:`DEEPSPEED_PATH`), or with FSDP (FSDP2 or FSDP1: a
+            joined rank replays the model's forward and backward and runs the
+            Trainer's clipping and step, ``_fsdp``).
         timeout: the Joins' watchdog (``joinkit.Join(timeout=...)``); ``None``
             keeps joinkit's default.
 
@@ -73,11 +74,11 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
         RuntimeError: the trainer is training already; or the launcher started
             several processes and Accelerate sees one; or a DeepSpeed or FSDP config
             that Accelerate does not run (``use_cpu=True``).
-        NotImplementedError: DataParallel, tensor, context or sequence parallelism;
-            under DeepSpeed gradient accumulation, offloading, ZeRO++, mid-epoch
-            checkpoints, ZeRO-3 mid-epoch or stream evaluation; under FSDP mid-epoch
-            checkpoints and evaluation, stream evaluation, FSDP1's CPU offload; a model
-            whose main input is not ``input_ids`` (DeepSpeed, FSDP).
+        NotImplementedError: DataParallel, tensor, context or sequence
+            parallelism; under DeepSpeed offloading to NVMe, ZeRO++, ZeRO-3 mid-epoch
+            or stream evaluation; under FSDP mid-epoch checkpoints and evaluation,
+            stream evaluation, FSDP1's CPU offload; a model whose main input is not
+            ``input_ids`` (DeepSpeed, FSDP).
         ValueError: a setting this adapter does not handle (the message says
             which, and what to use instead).
         UnsupportedTransformersError: this transformers/Accelerate changed an
@@ -235,37 +236,20 @@ def _refuse_deepspeed(trainer: Any) -> None:
     config = dict(getattr(plugin, "deepspeed_config", None) or {})
     zero = dict(config.get("zero_optimization") or {})
     stage = int(zero.get("stage", 0))
-    if args.gradient_accumulation_steps > 1:
-        raise NotImplementedError(
-            "uneven_inputs with DeepSpeed handles gradient_accumulation_steps=1 only (here "
-            f"{args.gradient_accumulation_steps}): the Trainer sets the engine's accumulation "
-            "boundary from outside and calls engine.step() at the boundary only, while a "
-            "joined rank's replay of the engine (joinkit.adapters.deepspeed) steps the "
-            "engine's own micro-step counter, so their accumulation windows would part. "
-            "Use gradient_accumulation_steps=1 (a larger per_device_train_batch_size), or "
-            "DDP without DeepSpeed, where uneven_inputs handles accumulation"
-        )
     for what in ("offload_optimizer", "offload_param"):
         device = str(dict(zero.get(what) or {}).get("device", "none")).lower()
-        if device not in ("none", "null"):
+        if device == "nvme":
             raise NotImplementedError(
                 f"uneven_inputs does not handle DeepSpeed's zero_optimization.{what} to "
-                f"{device!r} (ZeRO-Offload / ZeRO-Infinity): joinkit has not run a joined "
-                "rank's replay with it. Leave offloading out of the DeepSpeed config"
+                "'nvme' (ZeRO-Infinity): joinkit's tests have no NVMe device with "
+                "DeepSpeed's async I/O op to run a joined rank's replay on. Offload to "
+                "'cpu' (ZeRO-Offload, supported) or leave offloading out"
             )
     if (int(zero.get("zero_hpz_partition_size", 1) or 1) > 1
             or zero.get("zero_quantized_weights") or zero.get("zero_quantized_gradients")):
         raise NotImplementedError(
             "uneven_inputs does not handle ZeRO++ (zero_hpz_partition_size, "
             "zero_quantized_weights, zero_quantized_gradients): joinkit has not run it"
-        )
-    saving = str(getattr(args.save_strategy, "value", args.save_strategy))
-    if saving not in ("no", "epoch"):
-        raise NotImplementedError(
-            f"uneven_inputs with DeepSpeed: save_strategy={saving!r} saves in the middle of "
-            "an epoch, where a rank may have joined, and DeepSpeed's save_checkpoint is a "
-            "collective of every rank that a joined rank does not replay. Use "
-            "save_strategy='epoch' (or 'no')"
         )
     if stage == 3:
         import torch

@@ -61,16 +61,25 @@ rank that missed log entries while it was joined calls its ``on_log``
 callbacks for them (with ``global_step`` as at the entry), so rank 0's
 reporting integrations see every entry.
 
-*DeepSpeed* (``TrainingArguments(deepspeed=...)``, gradient accumulation 1; the
-rest is refused in ``uneven_inputs``). The epoch's Join takes the engine
-(``model_wrapped``) where it takes the DDP model: ``joinkit.adapters.deepspeed``
-makes it a joinable whose joined rank replays the engine's step, on one token of
+*DeepSpeed* (``TrainingArguments(deepspeed=...)``; what it cannot replay is
+refused in ``uneven_inputs``). The epoch's Join takes the engine
+(``model_wrapped``) where it takes the DDP model, as a
+``joinkit.adapters.deepspeed.DeepSpeedJoinable`` on the Trainer's windows
+(``_window_end``: the Trainer sets the engine's boundary itself and steps it at a
+window's end only; the windows are padded alike on every rank, see *Gradient
+accumulation*). A joined rank replays the engine's micro-steps on one token of
 ``input_ids`` (a Hugging Face model's attention does not take 0 rows, and a rank
-without data has no batch); the state sync's main hook then steps the Trainer's
-LR scheduler as ``_run_epoch`` does after each optimizer step. The engine's
+without data has no batch), and after each window's step the Trainer's LR
+scheduler steps as ``_run_epoch`` steps it (``_engine_stepped``). The engine
+accumulates itself: no gradient is set aside around its backward. The engine's
 collectives run on its ZeRO group, a group of its own: inside the epoch's Join the
 session's calls go through a second side channel that follows it. The post hook
 sends no optimizer state (each rank's is its own partition, stepped by the replay).
+A DeepSpeed checkpoint is a collective of every rank (each writes its partition):
+after every optimizer step of a Join the ranks agree whether the Trainer saves
+(:meth:`Session.agree_on_save`: the active ranks in ``_maybe_log_save_evaluate``, a
+joined rank in the sync's main hook, after its replay and scheduler step), and a
+joined rank then runs the Trainer's own saving calls for its part.
 
 *FSDP* (``TrainingArguments(fsdp=...)``, FSDP2 or FSDP1; ``_fsdp`` says how). The
 epoch's Join takes the FSDP model and the Trainer's torch optimizer: a joined rank
@@ -85,10 +94,15 @@ of an epoch after a rank joined): the ranks evaluating (every rank, or inside
 a training Join the active ones, found with one side call) split the batches
 and the ranks with one batch fewer add an *empty batch* (no rows in any
 gather), so every sample is seen exactly once and every rank runs the same
-number of steps. An ``IterableDataset`` evaluation set (each rank's own
+number of steps. A partial batch's loss, which ``evaluation_loop`` repeats
+``eval_batch_size`` times, is cut to the batch's rows in ``gather_for_metrics``
+(as Accelerate cuts the last batch), so ``eval_loss`` counts each sample once.
+An ``IterableDataset`` evaluation set (each rank's own
 stream) is evaluated inside a Join of the side channel instead, outside
 training only. While rank 0 has joined, the lowest active rank writes a
-checkpoint (``save_steps``).
+checkpoint (``save_steps``), with joinkit's record of what the data consumed, from
+which ``train(resume_from_checkpoint=...)`` resumes in the middle of an epoch on
+any number of ranks (``_resume``).
 """
 
 from __future__ import annotations
@@ -98,6 +112,7 @@ import copy
 import copyreg
 import importlib
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -110,7 +125,7 @@ from joinkit import Join, Joinable, JoinHook, SideChannel
 from joinkit.adapters.torch.data import ShardSampler
 from joinkit.adapters.torch.optim import gradients_set_aside
 
-from . import _fsdp
+from . import _fsdp, _resume
 
 __all__ = ["Session", "current"]
 
@@ -157,6 +172,26 @@ class Session:
         self.global_updates = 0
         self.predicting = False
         self.local_count = False
+        #: This step's save was agreed on with the joined ranks (DeepSpeed).
+        self.save_announced = False
+        #: A joined DeepSpeed rank's replayed micro-step ended a window (_engine_stepped).
+        self.replayed_window_end = False
+        #: The rows of the evaluation batch in hand when it is partial (_partial_rows).
+        self.partial_rows: int | None = None
+        #: The training set's sampler (a map-style set), whose state a checkpoint keeps.
+        self.train_sampler: ShardSampler | None = None
+        #: The checkpoint train() resumes from, its record (_resume) and where it starts.
+        self.resume_from: str | None = None
+        self.saved: _resume.Saved | None = None
+        #: The pass of per-rank streams a run resumed into (until it ran).
+        self.resumed_pass: int | None = None
+        self.start: _resume.Plan | None = None
+        #: A full epoch's (local, global) batches and global steps, and the resumed
+        #: epoch's (local, global) batches.
+        self.full_lengths: tuple[int | None, int | None, int] = (None, None, 0)
+        self.resumed_lengths: tuple[int | None, int | None] = (None, None)
+        #: The batches of the current epoch done before this run (a resumed epoch's).
+        self.epoch_offset = 0
 
     # -- installing ----------------------------------------------------------------
 
@@ -164,10 +199,11 @@ class Session:
         trainer = self.trainer
         accelerator = trainer.accelerator
         for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader",
-                     "set_initial_training_values", "_run_epoch", "get_batch_samples",
+                     "_inner_training_loop", "set_initial_training_values",
+                     "_init_training_state", "_run_epoch", "get_batch_samples",
                      "_get_num_items_in_batch", "training_step", "floating_point_ops",
                      "_track_num_input_tokens", "_save_checkpoint", "prediction_step",
-                     "evaluation_loop"):
+                     "evaluation_loop", "_maybe_log_save_evaluate"):
             _wrap(trainer, name, getattr(self, f"_t_{name.lstrip('_')}"))
         for name in ("prepare", "gather", "gather_for_metrics", "reduce",
                      "pad_across_processes", "wait_for_everyone", "no_sync", "backward"):
@@ -234,7 +270,8 @@ class Session:
             seed = args.data_seed if args.data_seed is not None else args.seed
             sampler = ShardSampler(dataset, num_replicas=self.world, rank=self.rank,
                                    shuffle=args.train_sampling_strategy != "sequential",
-                                   seed=seed)
+                                   seed=seed, batch_size=loader.batch_size or 1)
+            self.train_sampler = sampler
             return _OwnLoader(dataset, batch_size=loader.batch_size, sampler=sampler,
                               drop_last=loader.drop_last, **params)
         ranks = self.eval_ranks or tuple(range(self.world))
@@ -265,19 +302,103 @@ class Session:
             values = original(args, dataloader if self.global_len is None
                               else _Sized(self.global_len, dataloader))
             self.global_updates = int(values[1])
+            self.full_lengths = (self.local_len, self.global_len, self.global_updates)
+            if self.resume_from is not None:
+                values = self._resumed_values(args, dataloader, values)
             return values
         return set_initial_training_values
 
+    # -- resuming in the middle of an epoch (_resume) ------------------------------------
+
+    def _t_inner_training_loop(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def inner_training_loop(*args: Any, **kwargs: Any) -> Any:
+            self.resume_from = kwargs.get("resume_from_checkpoint")
+            self.saved = self.start = None
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.resume_from = None
+        return inner_training_loop
+
+    def _resumed_values(self, args: Any, dataloader: Any, values: tuple[Any, ...]
+                        ) -> tuple[Any, ...]:
+        """Load the sampler's state of the checkpoint; the training values of the run."""
+        assert self.resume_from is not None
+        saved = self.saved = _resume.read(self.resume_from)
+        sampler = self.train_sampler
+        if getattr(dataloader, "sampler", None) is not sampler or sampler is None:
+            return values  # streams: the Trainer's own resume (_t_init_training_state)
+        if saved is None or args.ignore_data_skip or (saved.sampler is None
+                                                       and not saved.epoch_done):
+            return values  # no record, or a stream's: refused (_t_init_training_state)
+        if self.deepspeed and saved.world != self.world and not _loads_universal(self):
+            raise ValueError(
+                f"joinkit.adapters.transformers: the checkpoint {self.resume_from} was saved "
+                f"on {saved.world} ranks, and DeepSpeed's optimizer state in it is "
+                f"partitioned over them; this run has {self.world}. Resume on {saved.world} "
+                "ranks, or convert it to a universal checkpoint (DeepSpeed's "
+                "ds_to_universal.py) and set \"checkpoint\": {\"load_universal\": true}")
+        start = self.start = _resume.plan(saved)
+        local = None
+        if start.mid_epoch:
+            sampler.load_state_dict(saved.sampler or {})
+            local = len(dataloader)
+        # Every rank read the same record: all gather here, or none.
+        longest = max(self.channel.all_gather_object(local)) if start.mid_epoch else None
+        self.resumed_lengths = (local, longest)
+        gas = args.gradient_accumulation_steps
+        return _resume.training_values(
+            values, saved=saved, start=start, world=self.world,
+            resumed_updates=max(math.ceil(longest / gas), 1) if longest else 0,
+            max_steps=args.max_steps, num_train_epochs=args.num_train_epochs)
+
+    def _t_init_training_state(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def init_training_state(*args: Any, **kwargs: Any) -> tuple[int, int]:
+            epochs, steps = original(*args, **kwargs)
+            trainer_args = self.trainer.args
+            if self.start is not None:
+                return self.start.epoch, 0  # the sampler holds what is left of it
+            saved = self.saved
+            if (saved is not None and saved.sampler is None and self.train_sampler is None
+                    and not trainer_args.ignore_data_skip):  # per-rank streams
+                epochs, steps = _resume.stream_start(
+                    saved, world=self.world, gas=trainer_args.gradient_accumulation_steps)
+                self.resumed_pass = epochs if steps else None
+                return epochs, steps
+            if steps > 0 and not trainer_args.ignore_data_skip:
+                raise NotImplementedError(_mid_epoch_refusal(self))
+            return epochs, steps
+        return init_training_state
+
+    def _set_epoch_lengths(self, epoch: int) -> None:
+        """This epoch's batch counts: a resumed epoch's are what its sampler left."""
+        self.local_len, self.global_len, self.global_updates = self.full_lengths
+        self.epoch_offset = 0
+        start = self.start
+        if start is None or not start.mid_epoch or epoch != start.epoch:
+            return
+        self.local_len, self.global_len = self.resumed_lengths
+        gas = self.trainer.args.gradient_accumulation_steps
+        self.global_updates = max(math.ceil((self.global_len or 0) / gas), 1)
+        self.epoch_offset = max((self.full_lengths[1] or 0) - (self.global_len or 0), 0)
+
+    def _position_saved(self, result: Any, trial: Any) -> Any:
+        """The checkpoint writer adds what the data consumed (``_resume.write``)."""
+        trainer = self.trainer
+        if not trainer.args.should_save:
+            return result
+        in_epoch = self.join is not None
+        sampler = self.train_sampler if in_epoch else None
+        step = trainer.state.global_step
+        _resume.write(self._checkpoint_folder(trial), world=self.world, global_step=step,
+                      epoch=self.epoch, steps=self.window, epoch_done=not in_epoch,
+                      sampler=None if sampler is None else sampler.state_dict())
+        return result
+
     def _t_run_epoch(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def run_epoch(**kwargs: Any) -> Any:
-            if kwargs.get("resume_from_checkpoint") is not None and kwargs.get(
-                    "steps_trained_in_current_epoch", 0) > 0 and kwargs["epoch"] == kwargs.get(
-                    "epochs_trained"):
-                raise NotImplementedError(
-                    "joinkit.adapters.transformers: resuming in the middle of an epoch is not "
-                    "supported yet (the ranks' batches before the checkpoint differ); resume "
-                    "from a checkpoint saved at an epoch's end, or set ignore_data_skip=True"
-                )
+            self._set_epoch_lengths(int(kwargs["epoch"]))
+            first_step = self.trainer.state.global_step
             gas = self.trainer.args.gradient_accumulation_steps
             steps, updates = kwargs["steps_in_epoch"], kwargs["num_update_steps_per_epoch"]
             if self.global_len is not None and self.local_len is not None:
@@ -290,9 +411,8 @@ class Session:
             # Trainer's scheduler as the loop does).
             self.channel = self.epoch_channel
             try:
-                models = ([kwargs["model"]] if not self.fsdp
-                          else _fsdp.epoch_joinables(self.trainer, kwargs["model"]))
-                join = Join([*models, self.channel, self.sync], **self._epoch_join_kwargs())
+                join = Join([*self._epoch_models(kwargs["model"]), self.channel, self.sync],
+                            **self._epoch_join_kwargs())
                 join.__enter__()
             except BaseException:
                 self.channel = self.world_channel
@@ -311,8 +431,54 @@ class Session:
                 _local.session = before
             if self.join is join:  # no on_epoch_end (a subclass's own _run_epoch)
                 self.leave()
+            self._go_on_after_an_empty_resumed_pass(int(kwargs["epoch"]), first_step)
             return result
         return run_epoch
+
+    def _go_on_after_an_empty_resumed_pass(self, epoch: int, first_step: int) -> None:
+        """A stream checkpoint saved at its pass's last step resumes into an empty pass.
+
+        The Trainer stops training after an epoch without a batch on this rank;
+        when the resumed pass was empty on every rank (the streams had ended at
+        the checkpoint's step; the state sync gave every rank the last joiner's
+        flags), the next pass is still to train.
+        """
+        if self.resumed_pass != epoch:
+            return
+        self.resumed_pass = None
+        if self.trainer.state.global_step == first_step:
+            self.trainer.control.should_training_stop = False
+
+    def _epoch_models(self, model: Any) -> list[Any]:
+        """What the epoch's Join takes for the model: DDP as it is; for a DeepSpeed
+        engine its joinable on the Trainer's windows (module doc, *DeepSpeed*); for
+        FSDP the model and the Trainer's optimizer (``_fsdp``)."""
+        if self.fsdp:
+            return _fsdp.epoch_joinables(self.trainer, model)
+        if not self.deepspeed:
+            return [model]
+        from joinkit.adapters.deepspeed import DeepSpeedJoinable
+
+        return [DeepSpeedJoinable(model, boundaries=self._window_end,
+                                  after_step=self._engine_stepped)]
+
+    def _window_end(self, micro_step: int) -> bool:
+        """Whether the epoch's micro-step ``micro_step`` ends a window, on every rank:
+        every ``gradient_accumulation_steps``, and at the longest rank's last batch
+        (the ranks' windows are padded alike, ``get_batch_samples``)."""
+        done = micro_step + 1
+        gas = self.trainer.args.gradient_accumulation_steps
+        return done % gas == 0 or done == self.global_len
+
+    def _engine_stepped(self, window_end: bool) -> None:
+        """After a joined rank's replay of the engine's micro-step: the Trainer's LR
+        scheduler steps after each optimizer step, as ``_run_epoch`` steps it."""
+        self.replayed_window_end = window_end  # for the sync hook's checkpoint agreement
+        trainer = self.trainer
+        if not window_end or trainer.accelerator.optimizer_step_was_skipped:
+            return
+        if type(trainer.lr_scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
+            trainer.lr_scheduler.step()
 
     def _epoch_join_kwargs(self) -> dict[str, Any]:
         if self.fsdp:  # the same replay input; the Trainer's step after a synced round
@@ -425,7 +591,9 @@ class Session:
                         "finite, so its empty micro-batch (that batch with the loss times "
                         "zero) would not give a zero gradient")
                 loss = loss * 0.0
-            if self.trainer.args.gradient_accumulation_steps == 1 or self.fsdp:
+            if self.trainer.args.gradient_accumulation_steps == 1 or self.deepspeed or self.fsdp:
+                # (A DeepSpeed engine accumulates itself: every rank's micro-steps are
+                # the same window's, _window_end; FSDP keeps its own no_sync windows.)
                 return original(loss, **kwargs)
             # Every backward syncs during a Join: set the accumulated gradient
             # aside (DDP all-reduces a parameter's whole .grad) and add it back.
@@ -438,10 +606,13 @@ class Session:
     def _t_save_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def save_checkpoint(model: Any, trial: Any) -> Any:
             if self.join is None:
-                return original(model, trial)
+                return self._position_saved(original(model, trial), trial)
+            if self.deepspeed:  # the joined ranks save their partitions with us
+                self.save_announced = True
+                self.agree_on_save(self._checkpoint_folder(trial))
             active = self.channel.active_ranks()
             if 0 in active or self.rank != min(active):
-                return original(model, trial)
+                return self._position_saved(original(model, trial), trial)
             trainer = self.trainer
             args = trainer.args
             trainer.args = _writer_args(args)
@@ -449,17 +620,108 @@ class Session:
             inner = trainer.accelerator.unwrap_model(trainer.model)
             inner.should_save_on_this_rank = _writes
             try:
-                return original(model, trial)
+                with self._model_files_by_rank_0(args):
+                    return self._position_saved(original(model, trial), trial)
             finally:
                 trainer.args = args
                 del inner.should_save_on_this_rank
         return save_checkpoint
+
+    def _checkpoint_folder(self, trial: Any) -> str:
+        """The folder ``_save_checkpoint`` writes at this step."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        trainer = self.trainer
+        return os.path.join(trainer._get_output_dir(trial=trial),
+                            f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+
+    # -- DeepSpeed checkpoints in the middle of an epoch ---------------------------------
+
+    def _t_maybe_log_save_evaluate(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def maybe_log_save_evaluate(*args: Any, **kwargs: Any) -> Any:
+            if not (self.deepspeed and self.join is not None):
+                return original(*args, **kwargs)
+            self.save_announced = False
+            result = original(*args, **kwargs)
+            if not self.save_announced:  # no save at this step (_t_save_checkpoint)
+                self.agree_on_save(None)
+            return result
+        return maybe_log_save_evaluate
+
+    def agree_on_save(self, folder: str | None) -> str | None:
+        """The checkpoint folder of this optimizer step, if any rank saves one.
+
+        DeepSpeed's ``save_checkpoint`` (and ZeRO-3's gathered model) is a collective
+        of every rank of the engine, so under DeepSpeed the ranks agree after every
+        optimizer step of a Join: the active ranks in ``_maybe_log_save_evaluate``
+        (the folder where they save, else ``None``), a joined rank in the state
+        sync's main hook, after its replay of that step (``None``), which then saves
+        its partition (:meth:`save_as_joined`). Two collectives on the engine's
+        group, a third with the folder when there is one.
+        """
+        engine = self.trainer.model_wrapped
+        group = _deepspeed_group(engine)
+        flag = torch.tensor([int(folder is not None)], dtype=torch.int64, device=engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not int(flag.item()):
+            return None
+        folders: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(folders, folder, group=group)
+        return str(next(f for f in folders if f is not None))
+
+    def save_as_joined(self, folder: str) -> None:
+        """A joined rank's part of a DeepSpeed checkpoint: the Trainer's own calls.
+
+        ``save_model`` (ZeRO-3's gather of the model, whose files rank 0 writes when
+        it holds the gathered weights), ``_save_optimizer_and_scheduler`` (the
+        engine's ``save_checkpoint``: this rank's partition) and its RNG state; the
+        Trainer's files are the writer's (an active rank's).
+        """
+        trainer = self.trainer
+        args = trainer.args
+        try:
+            trainer.args = _writer_args(args, self.rank == 0 and _gathers_model(self))
+            trainer.save_model(folder, _internal_call=True)
+            trainer.args = _writer_args(args, False)
+            if not args.save_only_model:
+                trainer._save_optimizer_and_scheduler(folder)
+                trainer._save_rng_state(folder)
+        finally:
+            trainer.args = args
+
+    @contextlib.contextmanager
+    def _model_files_by_rank_0(self, args: Any) -> Iterator[None]:
+        """While rank 0 has joined, its ``save_model`` writes ZeRO-3's gathered model.
+
+        ``_zero3_consolidated_16bit_state_dict`` gives the weights to torch rank 0
+        alone: the writer gathers with it but writes no model files (``args``, whose
+        ``should_save`` is false here).
+        """
+        trainer = self.trainer
+        if not (self.deepspeed and _gathers_model(self)):
+            yield
+            return
+        save_model = trainer.save_model
+
+        def gathering_only(*call_args: Any, **kwargs: Any) -> Any:
+            writer, trainer.args = trainer.args, args
+            try:
+                return save_model(*call_args, **kwargs)
+            finally:
+                trainer.args = writer
+
+        trainer.save_model = gathering_only
+        try:
+            yield
+        finally:
+            del trainer.save_model
 
     # -- evaluation --------------------------------------------------------------------
 
     def _t_prediction_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def prediction_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             self.phantom = isinstance(inputs, _Phantom)
+            self.partial_rows = self._partial_rows(inputs)
             before, self.predicting = self.predicting, True
             try:
                 return original(model, inputs, *args, **kwargs)
@@ -479,7 +741,26 @@ class Session:
                     return original(dataloader, *args, **kwargs)
             finally:
                 self.phantom = phantom
+                self.partial_rows = None
         return evaluation_loop
+
+    def _partial_rows(self, inputs: Any) -> int | None:
+        """The rows of an evaluation batch smaller than the Trainer's, else ``None``.
+
+        ``evaluation_loop`` gathers a batch's loss repeated ``eval_batch_size``
+        times and leaves it to ``gather_for_metrics`` to drop what a partial
+        batch does not have (Accelerate drops it from the last batch): the
+        session's ``gather_for_metrics`` keeps the first ``rows`` of each tensor
+        of such a batch, so each sample's loss counts once.
+        """
+        if isinstance(inputs, _Phantom):
+            return None
+        from transformers import trainer_pt_utils
+
+        rows = trainer_pt_utils.find_batch_size(inputs)  # type: ignore[no-untyped-call]
+        if rows is None or rows >= self.trainer.args.eval_batch_size:
+            return None
+        return int(rows)
 
     # -- the routed collectives ----------------------------------------------------------
 
@@ -516,6 +797,9 @@ class Session:
                 return original(input_data, use_gather_object=use_gather_object)
             if use_gather_object or not _all_tensors(input_data):
                 return self.gather_objects(input_data)
+            rows = self.partial_rows
+            if rows is not None:  # a partial evaluation batch (_partial_rows)
+                input_data = _apply(lambda t: t[:rows] if t.ndim else t, input_data)
             return self.gather(input_data)
         return gather_for_metrics
 
@@ -612,18 +896,16 @@ class _SyncHook(JoinHook):
         self.session = session
 
     def main_hook(self) -> None:
-        # After the engine's replay (its optimizer step, on a joined DeepSpeed rank):
-        # the Trainer's own scheduler step, as _run_epoch takes it after each optimizer
-        # step (gradient_accumulation_steps=1: one per shadow round). A scheduler the
-        # engine steps itself is Accelerate's no-op wrapper here, as on the active ranks.
         session = self.session
-        if not session.deepspeed:
+        if not session.deepspeed or not session.replayed_window_end:
             return
-        trainer = session.trainer
-        if trainer.accelerator.optimizer_step_was_skipped:
-            return
-        if type(trainer.lr_scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
-            trainer.lr_scheduler.step()
+        # After the engine's replay of a window's end (its optimizer step, then the
+        # Trainer's scheduler step, Session._engine_stepped), as the active ranks in
+        # _maybe_log_save_evaluate: the agreement on a checkpoint, and this rank's part.
+        session.replayed_window_end = False
+        folder = session.agree_on_save(None)
+        if folder is not None:
+            session.save_as_joined(folder)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         session = self.session
@@ -703,7 +985,9 @@ def _callback_class() -> type:
                     # Every rank's epoch fraction is the longest rank's.
                     gas = args.gradient_accumulation_steps
                     done = min(session.window * gas, session.global_len)
-                    state.epoch = session.epoch + done / session.global_len
+                    # A resumed epoch counts on from the batches done before it.
+                    full = session.full_lengths[1] or session.global_len
+                    state.epoch = session.epoch + min(session.epoch_offset + done, full) / full
 
             def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 self.session.leave()
@@ -884,13 +1168,48 @@ class _PaddedEval:
                 yield _Phantom(last)
 
 
+def _loads_universal(session: Session) -> bool:
+    """The DeepSpeed config loads universal checkpoints (any world size)."""
+    plugin = session.trainer.accelerator.state.deepspeed_plugin
+    config = dict(getattr(plugin, "deepspeed_config", None) or {})
+    return bool(dict(config.get("checkpoint") or {}).get("load_universal", False))
+
+
+def _mid_epoch_refusal(session: Session) -> str:
+    if session.saved is None:
+        why = (f"has no {_resume.FILE}, joinkit's record of what every rank's data consumed "
+               "(the checkpoints written under uneven_inputs have it)")
+    else:
+        why = ("its data is not of this run's kind (a map-style training set's position, "
+               "from its ShardSampler, or per-rank IterableDataset streams', in steps)")
+    return (
+        f"joinkit.adapters.transformers: the checkpoint {session.resume_from} is in the "
+        f"middle of an epoch, and {why}. Resume from a checkpoint saved at an epoch's end, "
+        "or set ignore_data_skip=True (the epoch's data starts over)"
+    )
+
+
+def _deepspeed_group(engine: Any) -> Any:
+    from joinkit.adapters.deepspeed import collectives_group
+
+    return collectives_group(engine)
+
+
+def _gathers_model(session: Session) -> bool:
+    """ZeRO-3 gathers the model on torch rank 0 to save it (``stage3_gather_16bit...``)."""
+    engine = session.trainer.model_wrapped
+    return bool(engine.zero_optimization_stage() == 3
+                and engine.zero_gather_16bit_weights_on_model_save())
+
+
 def _writes(is_main_process: bool) -> bool:
     """The checkpoint writer's ``PreTrainedModel.should_save_on_this_rank``."""
     return is_main_process
 
 
-def _writer_args(args: Any) -> Any:
-    """A copy of ``args`` whose ``should_save`` is true (the checkpoint writer's)."""
+def _writer_args(args: Any, writes: bool = True) -> Any:
+    """A copy of ``args`` whose ``should_save`` is ``writes`` (true: the checkpoint
+    writer's)."""
     base = type(args)
     writer = copy.copy(args)
 
@@ -900,7 +1219,7 @@ def _writer_args(args: Any) -> Any:
         return (reconstructor, (base, object, None), dict(self.__dict__))
 
     writer.__class__ = type(f"Writer{base.__name__}", (base,), {
-        "should_save": property(lambda self: True),
+        "should_save": property(lambda self: writes),
         "__reduce_ex__": reduce_ex,
         "__module__": base.__module__,
     })

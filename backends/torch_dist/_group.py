@@ -658,8 +658,10 @@ class TorchGroup:
         _board._bounded(lambda store: store.compare_set(self._store_prefix + "abort", "", reason))
         if self._abort is None:
             self._abort = (self.rank, message)
+        abort = getattr(self.process_group, "abort", None)  # none in torch 2.6
         try:
-            self.process_group.abort()
+            if abort is not None:
+                abort()
         except (RuntimeError, NotImplementedError):
             pass  # gloo: peers learn of it from the store (module doc)
 
@@ -1213,7 +1215,7 @@ def _usable_device(device: Any) -> torch.device:
 def _backend_name(group: Any) -> str:
     try:
         return str(dist.get_backend(group))
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError, TypeError):  # 2.6: TypeError for a group it does not map
         return "?"
 
 

@@ -98,8 +98,8 @@ def check_torch() -> None:
     if missing:
         raise RuntimeError(
             f"joinkit run: torch {torch.__version__}'s elastic agent lacks "
-            f"{', '.join(missing)}, which joinkit run's agent overrides; joinkit supports "
-            "torch 2.13 (pip install 'torch>=2.13,<2.14'), or launch with torchrun")
+            f"{', '.join(missing)}, which joinkit run's agent overrides: joinkit run is "
+            f"refused on torch {torch.__version__}; launch with torchrun")
 
 
 class JoinkitAgent(LocalElasticAgent):
@@ -292,13 +292,15 @@ class JoinkitAgent(LocalElasticAgent):
         _say(f"lost rank(s) {', '.join(parts)}; the survivors finished")
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
-                  timeout: int = 30) -> None:
+                  *args: Any, **kwargs: Any) -> None:
+        # torch passes (death_sig, is_restart) in 2.6-2.7, (death_sig) in 2.8-2.11,
+        # (death_sig, timeout) from 2.12: whatever it passes goes on.
         self._beating.set()
         if self._beat_thread is not None:
             # Not still in a store call once Python finalizes (a thread that comes
             # back from one then aborts the process: torch_dist._board's doc).
             self._beat_thread.join(_BEAT_JOIN)
-        super()._shutdown(death_sig, timeout)
+        super()._shutdown(death_sig, *args, **kwargs)
         shutil.rmtree(self._folder, ignore_errors=True)
 
 

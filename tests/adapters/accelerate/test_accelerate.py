@@ -225,3 +225,20 @@ def test_the_docs_show_the_example_as_it_is() -> None:
     page = (ROOT / "docs" / "accelerate.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
     assert blocks and all(block in EXAMPLE.read_text() for block in blocks)
+
+
+def test_a_missing_accelerate_internal_is_a_loud_error() -> None:
+    """Each member of Accelerate read that it does not document (``_PRIVATE``) is
+    refused by name, with what joinkit reads it for, when a release lacks it."""
+    from joinkit.adapters import accelerate
+
+    class Accelerator:  # an Accelerate whose Accelerator has neither member
+        pass
+
+    for name in ("step", "_dataloaders"):
+        with pytest.raises(accelerate.UnsupportedAccelerateError,
+                           match=rf"has no Accelerator\.{name}, which joinkit reads \("):
+            accelerate._private(Accelerator(), name)
+    assert {(cls, attr) for cls, attr, _ in accelerate._PRIVATE} == {
+        ("Accelerator", "_dataloaders"), ("Accelerator", "step"),
+        ("GradientState", "plugin_kwargs"), ("GradientState", "_set_sync_gradients")}

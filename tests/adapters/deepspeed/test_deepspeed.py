@@ -9,10 +9,17 @@ at once, each importing DeepSpeed once per process and running many cells
   1/2/3, clipping, AdamW/Adam/SGD, an LR scheduler, both divisors),
   ``StepReplay`` over a user's step, an evaluation Join, the refusals, loop
   mistakes;
-- ``torchrun-3``: the training cells, ``StepReplay`` and evaluation on 3 ranks;
+- ``torchrun-3``: the training cells, ``StepReplay``, evaluation and Accelerate's
+  DeepSpeed plugin on 3 ranks;
 - ``deepspeed-2``: the ``deepspeed`` launcher, 2 ranks: a training cell per
-  stage and plan, Accelerate's DeepSpeed plugin through ``join_uneven_inputs``,
-  and ``examples/deepspeed_uneven.py``.
+  stage and plan, Accelerate's DeepSpeed plugin through ``join_uneven_inputs``
+  (gradient accumulation in ``accelerator.accumulate``), and
+  ``examples/deepspeed_uneven.py``.
+
+The training cells include ZeRO-Offload (optimizer to the CPU under ZeRO 2 and
+3, parameters too under ZeRO 3) with a torch optimizer and with DeepSpeed's
+``DeepSpeedCPUAdam``, whose C++ op the fixture builds first (minutes, once per
+machine: DeepSpeed JIT-compiles it into ``~/.cache/torch_extensions``).
 
 The reference (``deepspeed_cells.reference``) trains one float64 model in this
 process, without DeepSpeed: each micro-step's gradient over the documented
@@ -38,6 +45,7 @@ if importlib.util.find_spec("deepspeed") is None:  # the no-torch CI job; `make 
 import deepspeed_cells as c  # noqa: E402
 import torch  # noqa: E402
 from support import launch_ranks, records_by_name  # noqa: E402
+from support.deepspeed_ops import build_cpu_adam  # noqa: E402
 
 pytestmark = pytest.mark.needs_torch
 
@@ -52,7 +60,7 @@ TOLERANCE = 2e-6
 JOBS: dict[str, tuple[str, int, str]] = {
     "torchrun-2": ("torchrun", 2, "train_cells,step_replay,eval_cells,refusals,mistakes,"
                                   "parallel_refusals"),
-    "torchrun-3": ("torchrun", 3, "train_cells,step_replay,eval_cells"),
+    "torchrun-3": ("torchrun", 3, "train_cells,step_replay,eval_cells,accelerate"),
     "deepspeed-2": ("deepspeed", 2, "launcher_cells,accelerate,example"),
 }
 #: The training cells each job runs.
@@ -110,6 +118,7 @@ _REFERENCES: dict[Any, list[list[float]]] = {}
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    build_cpu_adam(_environment(), ROOT)
     outs = {name: tmp_path_factory.mktemp(name) for name in JOBS}
     runs = launch_ranks([_command(launcher, world, outs[name], groups)
                          for name, (launcher, world, groups) in JOBS.items()],
@@ -145,6 +154,14 @@ def test_every_cell_equals_the_float64_reference(jobs: dict[str, Any], job: str)
         want = reference(spec, world)
         errors = [c.max_error(r["params"], want) for r in ranks]
         assert max(errors) < TOLERANCE, (spec["name"], errors)
+        # What trained: ZeRO-Offload where the cell says so, DeepSpeed's CPU Adam.
+        offload = spec["offload"]
+        for record in ranks:
+            assert record["offload"] == {
+                "optimizer": "cpu" if offload in ("optimizer", "both") else "none",
+                "param": "cpu" if offload == "both" else "none"}, spec["name"]
+            if spec["optimizer"] == "cpu_adam":
+                assert record["optimizer"] == "DeepSpeedCPUAdam"
         # Every rank holds the same model after the Join (no post hook needed).
         assert all(r["params"] == ranks[0]["params"] for r in ranks), spec["name"]
         longest = max(spec["plan"])
@@ -157,10 +174,30 @@ def test_every_cell_equals_the_float64_reference(jobs: dict[str, Any], job: str)
                 longest, longest // spec["gas"]), spec["name"]
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_cells_cover_zero_offload(world: int) -> None:
+    """The training cells include ZeRO-Offload (``test_every_cell_equals_the_float64_reference``
+    checks each, and that the engine offloaded): ZeRO 2 and 3 with the optimizer on the
+    CPU, ZeRO 3 with the parameters too, a torch optimizer and DeepSpeed's CPU Adam,
+    accumulation, clipping, a rank with no batch."""
+    cells = c.offload_cells(world)
+    assert {(s["stage"], s["offload"], s["optimizer"]) for s in cells} == {
+        (2, "optimizer", "adam"), (3, "both", "adamw"), (2, "optimizer", "cpu_adam"),
+        (3, "both", "cpu_adam")}
+    assert any(0 in s["plan"] for s in cells) and {s["gas"] for s in cells} == {1, 2, 3}
+    assert any(s["clip"] == 0.05 for s in cells)
+    assert all(s in c.cells(world) for s in cells)
+
+
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_the_cells_tell_the_settings_apart() -> None:
-    """The controls: the other divisor, or no clipping, misses the reference by far."""
+    """The controls: the other divisor, or no clipping, misses the reference by far;
+    so does Accelerate's last window left open."""
     for world in (2, 3):
+        for spec in c.accelerate_cells(world):
+            if max(spec["plan"]) % spec["gas"]:
+                unclosed = reference({**spec, "close": False}, world)
+                assert c.max_error(unclosed, reference(spec, world)) > 1e-3, spec["name"]
         for spec in c.cells(world):
             want = reference(spec, world)
             if not spec["divide"]:
@@ -213,27 +250,48 @@ def test_evaluation_over_zero3_sums_every_batch_once(jobs: dict[str, Any], job: 
 
 @pytest.mark.launches
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-@pytest.mark.parametrize("stage", [2, 3])
-def test_accelerates_deepspeed_plugin_is_exact(jobs: dict[str, Any], stage: int) -> None:
-    ranks = _records(jobs, "deepspeed-2", f"accelerate-s{stage}")
-    # Accelerate's LambdaLR wrapper steps num_processes times per step, on a
-    # joined rank too (the shadow of the loop's scheduler.step()).
-    spec = c.cell("accelerate", stage=stage, plan=[4, 3], clip=0.05, scheduler_steps=2)
-    want = reference(spec, 2)
-    assert [r["steps"] for r in ranks] == [4, 3]
-    for record in ranks:
-        assert record["engine"] == "DeepSpeedEngine"
-        # Accelerate ignores the plugin with cpu=True: the runner's override.
-        assert record["distributed_type"] == "DistributedType.MULTI_CPU"
-        assert c.max_error(record["params"], want) < TOLERANCE
+@pytest.mark.parametrize("job", ["deepspeed-2", "torchrun-3"])
+def test_accelerates_deepspeed_plugin_is_exact(jobs: dict[str, Any], job: str) -> None:
+    """Accelerate's loop with ``accelerator.accumulate``: windows of ``gas`` micro-steps
+    (a rank's own end of data does not end one; a joined rank's rest contributes zero),
+    the last one closed when every rank ran out, as Accelerate steps at the end of the
+    data. Accelerate's LambdaLR wrapper steps ``num_processes`` times per optimizer step,
+    on a joined rank too. Parameters and every micro-step's loss equal the reference."""
+    world = jobs[job]["world"]
+    cells = c.accelerate_cells(world)
+    if world == 2:
+        assert {s["stage"] for s in cells} == {1, 2, 3} and {s["gas"] for s in cells} == {
+            1, 2, 3}
+    assert any(0 in s["plan"] for s in cells)
+    for spec in cells:
+        ranks = _records(jobs, job, spec["name"])
+        losses: dict[tuple[int, int], float] = {}
+        want = c.reference(spec, world, losses)
+        windows = -(-max(spec["plan"]) // spec["gas"])
+        assert [r["steps"] for r in ranks] == spec["plan"], spec["name"]
+        for rank, record in enumerate(ranks):
+            # DeepSpeed trained (Accelerate chose MULTI_CPU with cpu=True: the override).
+            assert (record["engine"], record["stage"]) == ("DeepSpeedEngine", spec["stage"])
+            assert record["distributed_type"] == "DistributedType.MULTI_CPU"
+            assert c.max_error(record["params"], want) < TOLERANCE, spec["name"]
+            assert record["losses"] == pytest.approx(
+                [losses[rank, t] for t in range(spec["plan"][rank])], abs=1e-6)
+            assert record["global_steps"] == windows, spec["name"]
+            # Accelerate's count starts again, as at the end of its data.
+            assert (record["accelerator_step"], record["sync_gradients"]) == (0, True)
 
 
 @pytest.mark.launches
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-def test_accelerates_gradient_accumulation_is_refused(jobs: dict[str, Any]) -> None:
-    for record in _records(jobs, "deepspeed-2", "accelerate-accumulation"):
-        assert record["error"].startswith("ValueError: join_uneven_inputs with DeepSpeed and "
-                                          "Accelerate's gradient accumulation")
+@pytest.mark.parametrize("job", ["deepspeed-2", "torchrun-3"])
+def test_accumulation_without_accelerates_accumulate_is_refused_at_once(
+        jobs: dict[str, Any], job: str) -> None:
+    """Gradient accumulation in the DeepSpeed config, ``accelerator.backward`` outside
+    ``accumulate()``: each micro-step would end a window; refused on the first."""
+    for record in _records(jobs, job, "accelerate-no-accumulate"):
+        assert record["error"].split(":")[0] in ("LocalProtocolError", "PeerFailure")
+        assert "accelerator.accumulate(model)" in record["error"]
+        assert record["seconds"] < 60
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -246,7 +304,7 @@ REFUSALS = {
     "sum-active": "sums gradients",
     "finish": "on_rank_loss='finish'",
     "unmanaged": "managed gradient accumulation",
-    "offload": "offload_optimizer to 'cpu'",
+    "nvme": "offload_param to 'nvme'",
     "moe": "MoE layers",
     "pipeline": "pipeline parallelism",
 }
@@ -276,6 +334,8 @@ MISTAKES = {
     "no-step": "an iteration without its step",
     "no-backward": "an iteration without its backward",
     "boundary": "gradient accumulation boundary was set to False",
+    "window-step": "which does not end an accumulation window",
+    "window-no-sync": "inside engine.no_sync() at a micro-step that ends",
 }
 
 
@@ -357,6 +417,14 @@ def test_importing_the_adapter_imports_neither_torch_nor_deepspeed() -> None:
     assert done.stdout.split() == ["deepspeed", "False", "False"]
 
 
+def test_a_deepspeed_joinable_refuses_wrong_arguments() -> None:
+    from joinkit.adapters.deepspeed import DeepSpeedJoinable
+
+    for name in ("boundaries", "after_step"):
+        with pytest.raises(TypeError, match=f"{name} must be callable or None"):
+            DeepSpeedJoinable(object(), **{name: 3})
+
+
 def test_step_replay_refuses_wrong_arguments() -> None:
     from joinkit.adapters.torch.step_replay import StepReplay
 
@@ -381,6 +449,7 @@ def test_the_training_cells_on_nccl(tmp_path: Path) -> None:
     env = _environment()
     env.pop("DS_ACCELERATOR")
     env["JOINKIT_DS_BACKEND"] = "nccl"
+    build_cpu_adam(env, ROOT)
     run, = launch_ranks([_command("torchrun", world, tmp_path, "train_cells")], LAUNCH_TIMEOUT,
                         env=env, cwd=ROOT)
     records = records_by_name(tmp_path, world)

@@ -1,9 +1,13 @@
 """The Hugging Face Trainer and TRL's SFTTrainer under ``uneven_inputs``, against one process.
 
-One module fixture starts three launches at once: ``programs/hf_worker.py`` under
-``torchrun`` with 2 ranks and under ``accelerate launch --multi_gpu`` with 3 CPU ranks
-(every cell in one process per rank: transformers is imported once per rank), and
-``examples/hf_trainer.py`` under ``torchrun`` with 2 ranks. Each cell's ranks are
+One module fixture starts the launches at once: ``programs/hf_worker.py`` under
+``torchrun`` with 2 ranks, under ``accelerate launch --multi_gpu`` with 3 CPU ranks
+(every cell in one process per rank: transformers is imported once per rank), its
+DeepSpeed cells under ``torchrun`` with 2 and with 3 ranks (only those import
+DeepSpeed; DeepSpeed's CPU Adam op is built first), and ``examples/hf_trainer.py``
+under ``torchrun`` with 2 ranks; then a second round resumes, on 3 and on 2 ranks,
+checkpoints the first round's runs wrote. Only the launches the selected tests read
+are started. Each cell's ranks are
 compared with a float64 single-process reference trained on the batches they
 recorded (``programs/hf_reference.py``), and the recorded batches with the data: every
 sample once per epoch (map-style sets, in ``ShardSampler``'s order), each rank's
@@ -26,6 +30,7 @@ pytest.importorskip("trl")
 
 import torch  # noqa: E402
 from support import launch_ranks  # noqa: E402
+from support.deepspeed_ops import build_cpu_adam  # noqa: E402
 
 pytestmark = pytest.mark.needs_torch
 
@@ -35,14 +40,26 @@ EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 DOC = ROOT / "docs" / "transformers.md"
 BIN = Path(sys.executable).parent
 LAUNCH_TIMEOUT = 480.0
-CELLS = ["map_gas1", "map_gas2", "map_gas2_plain", "map_max_steps", "stream_zero",
-         "stream_gas3", "sft_packing", "refusals", "fsdp2_map", "fsdp2_gas2",
-         "fsdp2_stream_zero", "fsdp1_map", "fsdp1_gas2_stream_zero", "fsdp1_even",
-         "fsdp_refusals"]
-LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2}
-#: The DeepSpeed cells, launched apart (only that launch imports DeepSpeed).
-DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_stream_s2", "ds_stream_s3",
-            "ds_even_s2", "ds_refusals"]
+CELLS = ["map_gas1", "map_gas2", "map_gas2_plain", "map_max_steps", "map_eval", "stream_zero",
+         "stream_gas3", "sft_packing", "refusals"]
+#: The first runs of the resumed cells (RESUMES), by launch.
+FIRST_RUNS = {"torchrun-2": ["resume23_a", "stream_resume_a"], "accelerate-3": ["resume32_a"]}
+LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2, "deepspeed-3": 3,
+            "resume-3": 3, "resume-2": 2, "fsdp-2": 2, "fsdp-3": 3}
+#: The second round: launch -> (ranks, cells, the first-round launches they resume).
+RESUMES = {"resume-3": (3, ["resume23_b", "stream_resume_refused"], ["torchrun-2"]),
+           "resume-2": (2, ["resume32_b", "resume22_b", "stream_resume3_b", "stream_resume6_b"],
+                        ["accelerate-3", "torchrun-2"])}
+RESUME_TIMEOUT = 300.0
+#: The DeepSpeed cells, launched apart (only those launches import DeepSpeed).
+DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_resume_s2", "ds_resume_s3",
+            "ds_stream_s2", "ds_stream_s3", "ds_even_s2", "ds_refusals", "ds_gas2_s1",
+            "ds_gas3_s2", "ds_gas2_s3", "ds_offload_s2", "ds_offload_s3", "ds_cpu_adam_s2"]
+DS3_CELLS = ["ds3_gas2_s2", "ds3_gas3_s1", "ds3_gas2_s3", "ds3_offload_s3"]
+#: The Trainer with FSDP (FSDP1 and FSDP2), launched apart on 2 and 3 ranks.
+FSDP_CELLS = ["fsdp2_map", "fsdp2_gas2", "fsdp2_stream_zero", "fsdp1_map",
+              "fsdp1_gas2_stream_zero", "fsdp1_even", "fsdp_refusals"]
+FSDP_LAUNCHES = ["fsdp-2", "fsdp-3"]
 #: DeepSpeed's ZeRO optimizer steps float32 master weights (its flat partitions are
 #: ``.float()``) and sums the gradient norm in float32, so a float64 model trains in
 #: float32 under it: measured at most 1.5e-6 from the float64 reference (norms 6.4e-7
@@ -65,7 +82,8 @@ FSDP1_NORM_RELATIVE = 1e-5
 LOG_TOLERANCE = 2e-6
 RUNTIME = ("runtime", "per_second", "model_preparation_time")
 
-pytestmark = [pytest.mark.needs_torch, pytest.mark.timeout(2 * LAUNCH_TIMEOUT)]
+pytestmark = [pytest.mark.needs_torch,
+              pytest.mark.timeout(2 * LAUNCH_TIMEOUT + RESUME_TIMEOUT)]
 
 
 def _environment() -> dict[str, str]:
@@ -86,27 +104,70 @@ def _tool(name: str, module: str) -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", module]
 
 
+def _needed(request: pytest.FixtureRequest) -> set[str]:
+    """The launches the selected tests of this module read (every one if none says)."""
+    needed: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        name = getattr(item, "originalname", item.name)
+        callspec = getattr(item, "callspec", None)
+        launch = callspec.params.get("launch") if callspec is not None else None
+        if launch is not None:
+            needed.add(launch)
+        elif name.startswith("test_deepspeed"):
+            needed.add("deepspeed-2")
+        elif name.startswith("test_the_example_runs"):
+            needed.add("example")
+        elif name.startswith("test_own_streams_resumed_on_another"):
+            needed.add("resume-3")
+    for launch in list(needed):
+        needed.update(RESUMES.get(launch, ((), (), ()))[2])
+    return needed or {*LAUNCHES, "example"}
+
+
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def launches(request: pytest.FixtureRequest,
+             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("transformers")
     torchrun = [*_tool("torchrun", "torch.distributed.run"), "--standalone"]
     # Accelerate launches CPU processes with torch's launcher under --multi_gpu (its
     # --cpu flag alone starts one process); the worker's use_cpu=True does the rest.
     accelerate = [*_tool("accelerate", "accelerate.commands.accelerate_cli"), "launch",
                   "--multi_gpu", "--main_process_port", "0"]
-    commands = {
-        "torchrun-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(out / "t2"),
-                       *CELLS],
+    dirs = {"torchrun-2": out / "t2", "accelerate-3": out / "a3", "deepspeed-2": out / "d2",
+            "deepspeed-3": out / "d3", "resume-3": out / "r3", "resume-2": out / "r2",
+            "fsdp-2": out / "f2", "fsdp-3": out / "f3"}
+    first = {
+        "torchrun-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(dirs["torchrun-2"]),
+                       *CELLS, *FIRST_RUNS["torchrun-2"]],
         "accelerate-3": [*accelerate, "--num_processes", "3", str(WORKER),
-                         str(out / "a3"), *CELLS],
+                         str(dirs["accelerate-3"]), *CELLS, *FIRST_RUNS["accelerate-3"]],
         "example": [*torchrun, "--nproc-per-node", "2", str(EXAMPLE)],
-        "deepspeed-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(out / "d2"),
-                        *DS_CELLS],
+        "deepspeed-2": [*torchrun, "--nproc-per-node", "2", str(WORKER),
+                        str(dirs["deepspeed-2"]), *DS_CELLS],
+        "deepspeed-3": [*torchrun, "--nproc-per-node", "3", str(WORKER),
+                        str(dirs["deepspeed-3"]), *DS3_CELLS],
+        "fsdp-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(dirs["fsdp-2"]),
+                   *FSDP_CELLS],
+        "fsdp-3": [*accelerate, "--num_processes", "3", str(WORKER), str(dirs["fsdp-3"]),
+                   *FSDP_CELLS],
     }
-    runs = launch_ranks(list(commands.values()), LAUNCH_TIMEOUT, env=_environment(), cwd=ROOT)
-    return {"out": out, "runs": dict(zip(commands, runs, strict=True)),
-            "dirs": {"torchrun-2": out / "t2", "accelerate-3": out / "a3",
-                     "deepspeed-2": out / "d2"}}
+    # The resumed runs find the first round's checkpoints under --root (hf_worker's CELLS).
+    second = {launch: [*torchrun, "--nproc-per-node", str(world), str(WORKER),
+                       str(dirs[launch]), f"--root={out}", *cells]
+              for launch, (world, cells, _) in RESUMES.items()}
+    needed = _needed(request)
+    if needed & {"deepspeed-2", "deepspeed-3"}:
+        # DeepSpeed's CPU Adam op, built once before the launches (minutes, once per machine).
+        build_cpu_adam({**_environment(), "DS_ACCELERATOR": "cpu"}, ROOT)
+    runs: dict[str, Any] = {}
+    for commands, timeout in ((first, LAUNCH_TIMEOUT), (second, RESUME_TIMEOUT)):
+        chosen = {name: command for name, command in commands.items() if name in needed}
+        if chosen:
+            done = launch_ranks(list(chosen.values()), timeout, env=_environment(), cwd=ROOT)
+            runs.update(zip(chosen, done, strict=True))
+    return {"out": out, "runs": runs, "dirs": dirs}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -124,7 +185,10 @@ def _records(launches: dict[str, Any], launch: str, cell: str) -> list[dict[str,
     directory = launches["dirs"][launch] / cell
     paths = [directory / f"rank{rank}.pt" for rank in range(world)]
     if not all(path.exists() for path in paths):
-        run = launches["runs"][launch]
+        run = launches["runs"].get(launch)
+        if run is None:
+            pytest.fail(f"{launch} was not launched (a first-round launch of a resumed one "
+                        "failed, or _needed missed it)")
         pytest.fail(f"{launch}: cell {cell} did not finish on every rank:\n"
                     f"{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
     records = [torch.load(path, weights_only=False) for path in paths]
@@ -144,7 +208,15 @@ def _clean(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _compare(records: list[dict[str, Any]], model: str, sft: bool = False,
-             tolerance: float | None = None, norm_relative: float = 1e-6) -> dict[str, Any]:
+             tolerance: float | None = None, norm_relative: float = 1e-6,
+             trained: list[dict[str, Any]] | None = None,
+             totals: dict[int, int] | None = None,
+             lr_after_step: bool = False) -> dict[str, Any]:
+    """Every rank against the float64 reference trained on the batches of ``trained``
+    (default: ``records``; a resumed run's and its first run's): parameters, logged
+    losses, learning rates (``lr_after_step``: the rate after each step's, as the
+    Trainer logs it when DeepSpeed's engine steps the scheduler inside its step, before
+    the Trainer reads it: its optimizer section), gradient norms, evaluations."""
     import hf_reference as ref
     import hf_worker as w
 
@@ -152,9 +224,9 @@ def _compare(records: list[dict[str, Any]], model: str, sft: bool = False,
     history = records[0]["log_history"]
     for record in records[1:]:  # every rank ends with the same log
         assert _clean(record["log_history"]) == _clean(history)
-    evaluation = w.sequences(7, seed=2)
+    evaluation = w.sequences(records[0].get("eval_size", 7), seed=2)
     evals = {entry["step"]: evaluation for entry in history if "eval_loss" in entry}
-    want = ref.train(records, model, evals=evals, sft=sft)
+    want = ref.train(trained or records, model, evals=evals, sft=sft, totals=totals)
     if tolerance is None:
         tolerance = SFT_PARAM_TOLERANCE if sft else PARAM_TOLERANCE[world]
     for record in records:
@@ -162,7 +234,9 @@ def _compare(records: list[dict[str, Any]], model: str, sft: bool = False,
     losses = [entry["loss"] for entry in history if "loss" in entry]
     assert losses == pytest.approx(want["losses"], abs=LOG_TOLERANCE)
     lrs = [entry["learning_rate"] for entry in history if "learning_rate" in entry]
-    assert lrs == pytest.approx(want["lrs"], abs=1e-12)
+    # The linear schedule reaches 0 at max_steps, the rate after the last step.
+    assert lrs == pytest.approx([*want["lrs"][1:], 0.0] if lr_after_step else want["lrs"],
+                                abs=1e-12)
     norms = [entry["grad_norm"] for entry in history if "grad_norm" in entry]
     assert norms == pytest.approx(want["norms"], rel=norm_relative)
     for entry in history:
@@ -208,6 +282,44 @@ DDP_LAUNCHES = ["torchrun-2", "accelerate-3"]
 
 
 @pytest.mark.launches
+@pytest.mark.parametrize(("launch", "cell", "first", "first_cell"), [
+    ("resume-3", "resume23_b", "torchrun-2", "resume23_a"),
+    ("resume-2", "resume32_b", "accelerate-3", "resume32_a"),
+    ("resume-2", "resume22_b", "torchrun-2", "resume23_a")])
+def test_resuming_in_the_middle_of_an_epoch_on_any_number_of_ranks(
+        launches: dict[str, Any], launch: str, cell: str, first: str, first_cell: str) -> None:
+    """A run stopped in the middle of an epoch resumes from its checkpoint (on 2 -> 3,
+    3 -> 2 and 2 -> 2 ranks): every sample once per epoch over both runs, and the whole
+    run equal to one float64 reference (the first run's steps, then the resumed ones)."""
+    import hf_worker as w
+
+    before, after = _records(launches, first, first_cell), _records(launches, launch, cell)
+    stop = before[0]["global_step"]
+    assert {r["global_step"] for r in before} == {stop}
+    assert after[0]["checkpoints"][0] > f"checkpoint-{stop}"  # it saved on after the resume
+    assert all(step < stop for r in before for step, _ in r["recorded"])
+    data = [row["input_ids"] for row in w.sequences(13, seed=1)]
+    for epoch in range(2):  # every sample once per epoch, over both runs
+        seen = [row for record in before + after
+                for (_, batch), e in zip(record["recorded"], record["epochs"], strict=True)
+                if e == epoch for row in batch["input_ids"].tolist()]
+        assert sorted(seen) == sorted(data), epoch
+    worlds = {len(before), len(after)}
+    # The first run's linear schedule counts its own max_steps, and so does the resumed
+    # one's from its second step on; its first step has the learning rate the checkpoint
+    # saved (the optimizer's and scheduler's state), as the Trainer resumes.
+    _compare(after, "gpt2", tolerance=PARAM_TOLERANCE[max(worlds)], trained=after + before,
+             totals={0: before[0]["meta"]["max_steps"],
+                     stop + 1: after[0]["meta"]["max_steps"]})
+    if worlds == {2}:
+        # The same world: each rank goes on with the rest of its own shard, as if the run
+        # had not stopped (ShardSampler's order, 4 steps per epoch).
+        _check_shards([{"recorded": b["recorded"] + a["recorded"]}
+                       for b, a in zip(before, after, strict=True)], 13, 4, epochs=2)
+        assert after[0]["meta"]["max_steps"] == before[0]["meta"]["max_steps"]
+
+
+@pytest.mark.launches
 @pytest.mark.parametrize("launch", DDP_LAUNCHES)
 def test_map_style_dataset_evaluation_and_checkpoint_after_a_rank_joined(
         launches: dict[str, Any], launch: str) -> None:
@@ -221,6 +333,56 @@ def test_map_style_dataset_evaluation_and_checkpoint_after_a_rank_joined(
     assert all(e["eval_rows"] == 7 for e in history if "eval_rows" in e)
     assert records[0]["checkpoints"][0] == "checkpoint-4"
     assert all(r["global_step"] == 2 * batches for r in records)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(("launch", "cell", "step"), [("resume-2", "stream_resume3_b", 3),
+                                                      ("resume-2", "stream_resume6_b", 6)])
+def test_resuming_own_streams_in_the_middle_of_a_pass(launches: dict[str, Any], launch: str,
+                                                      cell: str, step: int) -> None:
+    """Per-rank streams resumed from step 3 (rank 0 had joined; rank 1 wrote the
+    checkpoint) and from step 6 (the last of the first pass: the resumed pass is empty on
+    every rank and the next one trains): each rank reads its stream on from where it
+    was, and the whole run equals one float64 reference."""
+    before = _records(launches, "torchrun-2", "stream_resume_a")
+    after = _records(launches, launch, cell)
+    assert {r["global_step"] for r in after} == {9}
+    first = [{**r, "recorded": [(s, b) for s, b in r["recorded"] if s < step]} for r in before]
+    _check_streams([{"recorded": b["recorded"] + a["recorded"]}
+                    for b, a in zip(first, after, strict=True)], [4, 11])
+    _compare(after, "llama", trained=after + first)
+
+
+@pytest.mark.launches
+def test_own_streams_resumed_on_another_number_of_ranks_are_refused(
+        launches: dict[str, Any]) -> None:
+    for record in _records(launches, "resume-3", "stream_resume_refused"):
+        message = record["messages"]["stream_other_world"]
+        assert message.startswith("ValueError") and "saved on 2" in message, message
+        assert record["after"] == [[0], [1], [2]]
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", DDP_LAUNCHES)
+def test_evaluation_counts_every_sample_once_with_partial_batches_and_a_rank_without_data(
+        launches: dict[str, Any], launch: str) -> None:
+    """9 evaluation samples in batches of 4: the last batch (1 sample) is evaluated by
+    one rank, the others add an empty batch; the rank without training data joins at
+    once, and the ranks with data evaluate in training (eval_steps=1)."""
+    records = _records(launches, launch, "map_eval")
+    world = len(records)
+    assert [len(r["recorded"]) for r in records] == [2] * (world - 1) + [0]
+    _check_shards(records, world - 1, 1, epochs=2)
+    want = _compare(records, "gpt2")
+    history = records[0]["log_history"]
+    evaluated = [e["step"] for e in history if "eval_loss" in e]
+    assert evaluated == [1, 2, 2]  # after each step (inside the Join), and evaluate()
+    assert all(e["eval_rows"] == 9 for e in history if "eval_rows" in e)
+    # eval_loss counts each sample once: not each batch once (the mean of 3 batch
+    # means), nor the last batch's loss 4 times (what was gathered).
+    final = want["evals"][2]
+    assert records[0]["final_eval"]["eval_loss"] == pytest.approx(final["eval_loss"],
+                                                                  abs=LOG_TOLERANCE)
 
 
 @pytest.mark.launches
@@ -294,11 +456,13 @@ def test_bad_input_raises_on_every_rank_before_any_collective(
         assert "'group_by_length'" in messages["group_by_length"]
         assert "split_batches" in messages["split_batches"]
         assert messages["not_a_trainer"].startswith("TypeError")
+        assert messages["resume_mid_epoch"].startswith("NotImplementedError")
+        assert "joinkit_trainer.json" in messages["resume_mid_epoch"]
         assert record["after"] == [[r] for r in range(len(records))]
 
 
 @pytest.mark.launches
-@pytest.mark.parametrize("launch", DDP_LAUNCHES)
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
 @pytest.mark.parametrize(("cell", "kind"), [("fsdp2_map", "FSDP2"), ("fsdp1_map", "FSDP1"),
                                             ("fsdp1_even", "FSDP1")])
 def test_fsdp_map_style_dataset_clipping_and_evaluation(
@@ -327,7 +491,7 @@ def test_fsdp_map_style_dataset_clipping_and_evaluation(
 
 
 @pytest.mark.launches
-@pytest.mark.parametrize("launch", DDP_LAUNCHES)
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
 def test_fsdp2_gradient_accumulation_with_a_half_empty_last_window(
         launches: dict[str, Any], launch: str) -> None:
     records = _records(launches, launch, "fsdp2_gas2")
@@ -338,7 +502,7 @@ def test_fsdp2_gradient_accumulation_with_a_half_empty_last_window(
 
 
 @pytest.mark.launches
-@pytest.mark.parametrize("launch", DDP_LAUNCHES)
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
 @pytest.mark.parametrize(("cell", "kind", "rows"), [
     ("fsdp2_stream_zero", "FSDP2", [5, 0, 12]),
     ("fsdp1_gas2_stream_zero", "FSDP1", [0, 13, 7])])
@@ -359,7 +523,7 @@ def test_fsdp_own_streams_a_rank_with_none(launches: dict[str, Any], launch: str
 
 
 @pytest.mark.launches
-@pytest.mark.parametrize("launch", DDP_LAUNCHES)
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
 def test_fsdp_settings_it_cannot_shadow_raise_on_every_rank_before_any_collective(
         launches: dict[str, Any], launch: str) -> None:
     records = _records(launches, launch, "fsdp_refusals")
@@ -395,6 +559,65 @@ def test_deepspeed_zero_map_style_dataset_and_evaluation(
     assert all(r["global_step"] == 2 * batches for r in records)
     evaluated = [e["step"] for e in history if "eval_loss" in e]
     assert evaluated == [4, 8, 8]  # each epoch's end (ZeRO-1: eval_steps=4), and evaluate()
+    # Checkpoints in the middle of an epoch and at steps rank 0 took alone (rank 1 had
+    # joined and saved its partition with it); ZeRO-1: save_strategy="best".
+    saved = records[0]["checkpoints"]
+    if stage > 1:
+        assert saved == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    else:  # at each evaluation in training whose eval_loss is the best so far
+        losses = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e][:2]
+        assert saved == [f"checkpoint-{s}" for i, (s, loss) in enumerate(losses)
+                         if all(loss < before for _, before in losses[:i])]
+    for name in saved:
+        _check_deepspeed_checkpoint(records, name, gathered=stage == 3)
+
+
+def _check_deepspeed_checkpoint(records: list[dict[str, Any]], name: str,
+                                gathered: bool) -> None:
+    """Every rank's optimizer partition and RNG state, the Trainer's files and joinkit's
+    record; a ZeRO-3 model gathered to save it (``gathered``) whole."""
+    files = records[0]["checkpoint_files"]
+    step = name.split("-")[1]
+    for rank in range(len(records)):
+        assert f"{name}/global_step{step}/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in files
+        assert f"{name}/rng_state_{rank}.pth" in files
+    for file in ("trainer_state.json", "joinkit_trainer.json", "latest", "scheduler.pt",
+                 "config.json"):
+        assert f"{name}/{file}" in files, (name, file)
+    if gathered:
+        shapes = records[0]["model_shapes"][name]
+        params = {n: tuple(p.shape) for n, p in records[0]["params"].items()}
+        assert shapes and all(params[n] == shape and all(shape) for n, shape in shapes.items())
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(("cell", "whole", "model", "stage", "step"), [
+    ("ds_resume_s2", "ds_map_s2", "gpt2", 2, 4), ("ds_resume_s3", "ds_map_s3", "llama", 3, 2)])
+def test_deepspeed_resumes_a_checkpoint_to_the_uninterrupted_runs_numbers(
+        launches: dict[str, Any], cell: str, whole: str, model: str, stage: int,
+        step: int) -> None:
+    """ZeRO-2 from the checkpoint of step 4 (rank 1 had joined: its partition was saved by
+    its shadow of the step), ZeRO-3 from step 2 (in the middle of epoch 0): the resumed
+    run trains the uninterrupted run's batches and ends with its exact numbers."""
+    import hf_reference as ref
+
+    records = _records(launches, "deepspeed-2", cell)
+    uninterrupted = _records(launches, "deepspeed-2", whole)
+    assert {(r["engine"], r["stage"]) for r in records} == {("DeepSpeedEngine", stage)}
+    for resumed, full in zip(records, uninterrupted, strict=True):
+        assert [(s, b["input_ids"].tolist()) for s, b in resumed["recorded"]] == [
+            (s, b["input_ids"].tolist()) for s, b in full["recorded"] if s >= step]
+        assert ref.max_param_error(resumed["params"], full["params"]) == 0.0
+        # Every step's log, and the evaluations after the checkpoint (one at the end of
+        # the epoch of step 4 came after its checkpoint: not in the resumed log).
+        logged, logged_full = ([_clean([e])[0] for e in run["log_history"]
+                                if "loss" in e or ("eval_loss" in e and e["step"] > step)]
+                               for run in (resumed, full))
+        assert logged == logged_full
+    first_part = [{**r, "recorded": [(s, b) for s, b in r["recorded"] if s < step]}
+                  for r in uninterrupted]
+    _compare(records, model, tolerance=DS_PARAM_TOLERANCE, norm_relative=DS_NORM_RELATIVE,
+             trained=records + first_part)
 
 
 @pytest.mark.launches
@@ -408,6 +631,13 @@ def test_deepspeed_own_streams_a_rank_with_none(launches: dict[str, Any], cell: 
     # The rank without data replayed every step and trained on nothing.
     assert [bool(r["recorded"]) for r in records] == [n > 0 for n in rows]
     _compare(records, "llama", tolerance=DS_PARAM_TOLERANCE, norm_relative=DS_NORM_RELATIVE)
+    # A checkpoint every 2 steps, the rank without data taking part (ZeRO-3: it is rank
+    # 0, which writes the gathered model; rank 1 the Trainer's files).
+    # (and one at max_steps, the Trainer's last)
+    assert records[0]["checkpoints"] == [f"checkpoint-{n}"
+                                         for n in sorted({*range(2, steps + 1, 2), steps})]
+    for name in records[0]["checkpoints"]:
+        _check_deepspeed_checkpoint(records, name, gathered=stage == 3)
 
 
 @pytest.mark.launches
@@ -424,18 +654,107 @@ def test_deepspeed_control_even_streams_show_deepspeeds_own_float32_error(
     assert 1e-8 < error < DS_PARAM_TOLERANCE
 
 
+#: The DeepSpeed cells with gradient accumulation: (launch, cell, stage, gas, model,
+#: each rank's rows of its own stream, or None for the 13-sample map-style set).
+DS_GAS_CELLS = [
+    ("deepspeed-2", "ds_gas2_s1", 1, 2, "gpt2", None),  # rank 1 ends inside a window
+    ("deepspeed-2", "ds_gas3_s2", 2, 3, "llama", [3, 12]),  # rank 0 ends inside one, joins
+    ("deepspeed-2", "ds_gas2_s3", 3, 2, "llama", [0, 9]),  # a rank without data
+    ("deepspeed-3", "ds3_gas2_s2", 2, 2, "llama", [6, 0, 11]),
+    ("deepspeed-3", "ds3_gas3_s1", 1, 3, "gpt2", None),
+    ("deepspeed-3", "ds3_gas2_s3", 3, 2, "llama", [3, 9, 5]),
+]
+
+
+def _windows(batches: int, gas: int) -> int:
+    return -(-batches // gas)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(("launch", "cell", "stage", "gas", "model", "rows"), DS_GAS_CELLS,
+                         ids=[c[1] for c in DS_GAS_CELLS])
+def test_deepspeed_gradient_accumulation(launches: dict[str, Any], launch: str, cell: str,
+                                         stage: int, gas: int, model: str,
+                                         rows: list[int] | None) -> None:
+    """The Trainer's windows under DeepSpeed: a rank whose data ends inside a window pads
+    it with empty micro-batches, a rank that ran out replays the others' whole windows
+    (its micro-steps contribute zero; DeepSpeed divides by the world size), the engine
+    steps once per window on every rank; parameters, logged losses, gradient norms and
+    evaluations equal the float64 reference that averages each window's batches."""
+    records = _records(launches, launch, cell)
+    world = len(records)
+    for record in records:  # DeepSpeed trained, with the Trainer's accumulation
+        assert (record["engine"], record["stage"], record["engine_gas"]) == (
+            "DeepSpeedEngine", stage, gas)
+        assert record["engine_global_steps"] == record["global_step"]
+    if rows is None:
+        per_epoch = _windows(_batches(13, world), gas)
+        _check_shards(records, 13, per_epoch, epochs=2)
+        assert all(r["global_step"] == 2 * per_epoch for r in records)
+        batches = [len(r["recorded"]) // 2 for r in records]
+    else:
+        _check_streams(records, rows)
+        batches = [len(r["recorded"]) for r in records]
+        steps = records[0]["global_step"]
+        # Some rank ran out windows before the end: it replayed the others' micro-steps.
+        assert min(_windows(b, gas) for b in batches) < steps
+    assert any(b % gas for b in batches)  # a rank's data ended inside a window
+    _compare(records, model, tolerance=DS_PARAM_TOLERANCE, norm_relative=DS_NORM_RELATIVE)
+
+
+#: The ZeRO-Offload cells: (launch, cell, stage, where to, optimizer, gradient
+#: accumulation, each rank's rows of its own stream or None for the map-style set).
+DS_OFFLOAD_CELLS = [
+    ("deepspeed-2", "ds_offload_s2", 2, {"optimizer": "cpu", "param": "None"}, "AdamW", 2,
+     [5, 0]),
+    ("deepspeed-2", "ds_offload_s3", 3, {"optimizer": "cpu", "param": "cpu"}, "AdamW", 1,
+     None),
+    ("deepspeed-2", "ds_cpu_adam_s2", 2, {"optimizer": "cpu", "param": "None"},
+     "DeepSpeedCPUAdam", 3, [9, 4]),
+    ("deepspeed-3", "ds3_offload_s3", 3, {"optimizer": "cpu", "param": "cpu"}, "SGD", 1,
+     [4, 0, 7]),
+]
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(("launch", "cell", "stage", "offload", "optimizer", "gas", "rows"),
+                         DS_OFFLOAD_CELLS, ids=[c[1] for c in DS_OFFLOAD_CELLS])
+def test_deepspeed_zero_offload(launches: dict[str, Any], launch: str, cell: str, stage: int,
+                                offload: dict[str, str], optimizer: str, gas: int,
+                                rows: list[int] | None) -> None:
+    """ZeRO-Offload under the Trainer: the optimizer (ZeRO 2, 3) and the parameters
+    (ZeRO 3) on the CPU, a torch optimizer and DeepSpeed's own CPU Adam (the config's
+    optimizer section); a rank without data, a rank that replays whole windows,
+    evaluation each epoch; equal to the float64 reference."""
+    records = _records(launches, launch, cell)
+    for record in records:
+        assert (record["engine"], record["stage"], record["offload"]) == (
+            "DeepSpeedEngine", stage, offload)
+        assert (record["torch_optimizer"], record["engine_gas"]) == (optimizer, gas)
+    if rows is None:
+        _check_shards(records, 13, _batches(13, len(records)), epochs=2)
+        assert records[0]["final_eval"]["eval_rows"] == 7
+    else:
+        _check_streams(records, rows)
+        # A rank ran out before the end and replayed the others' micro-steps.
+        steps = records[0]["global_step"]
+        assert min(_windows(len(r["recorded"]), gas) for r in records) < steps
+    _compare(records, "llama", tolerance=DS_PARAM_TOLERANCE, norm_relative=DS_NORM_RELATIVE,
+             lr_after_step=optimizer == "DeepSpeedCPUAdam")
+
+
 @pytest.mark.launches
 def test_deepspeed_settings_it_cannot_replay_raise_on_every_rank_before_any_collective(
         launches: dict[str, Any]) -> None:
     records = _records(launches, "deepspeed-2", "ds_refusals")
     for record in records:
         messages = record["messages"]
+        other_world = messages.pop("resume_other_world")
         assert all(m is not None and m.startswith("NotImplementedError")
                    for m in messages.values()), messages
-        assert "gradient_accumulation_steps=1" in messages["gas2"]
-        assert "offload_optimizer" in messages["offload"]
-        assert "save_strategy='epoch'" in messages["save_steps"]
+        assert "offload_param to 'nvme'" in messages["nvme"]
         assert "ZeRO-3" in messages["zero3_eval_steps"]
+        assert other_world.startswith("ValueError") and "saved on 3 ranks" in other_world
         assert record["after"] == [[0], [1]]
 
 
@@ -492,3 +811,86 @@ def test_a_changed_internal_is_a_loud_error(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(_private, "_checked", set())
     with pytest.raises(UnsupportedTransformersError, match="Trainer.get_batch_samples"):
         _private.check("Trainer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("samples", "batch"), [(7, 2), (9, 4), (1, 3)])
+def test_the_references_evaluation_is_the_single_process_trainers(
+        tmp_path: Path, samples: int, batch: int) -> None:
+    """Checked against its peer: ``hf_reference.evaluate`` gives what ``Trainer.evaluate``
+    gives in one process (no joinkit), a partial last batch counting its samples once."""
+    import hf_reference as ref
+    import hf_worker as w
+    from transformers import Trainer
+
+    rows = w.sequences(samples, seed=2)
+    trainer = Trainer(model=w.tiny_model("gpt2"),
+                      args=w.args(tmp_path, per_device_eval_batch_size=batch),
+                      eval_dataset=w.rows_dataset(rows), data_collator=w.collate,
+                      compute_metrics=w.metrics)
+    got = trainer.evaluate()
+    # These models' loss_type is unset: the Trainer counts unshifted labels (meta()).
+    want = ref.evaluate(w.tiny_model("gpt2"), rows, shifted=trainer._loss_shifts_labels,
+                        batch_size=batch)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, abs=LOG_TOLERANCE), key
+
+
+def test_joinkits_checkpoint_record_round_trips_and_plans_the_resume(tmp_path: Path) -> None:
+    from joinkit.adapters.transformers import _resume
+
+    sampler = {"remaining": [[8, 13]], "dataset_length": 13}
+    _resume.write(str(tmp_path), world=2, global_step=2, epoch=0, steps=2, epoch_done=False,
+                  sampler=sampler)
+    saved = _resume.read(str(tmp_path))
+    assert saved == _resume.Saved(world=2, global_step=2, epoch=0, steps=2, epoch_done=False,
+                                  sampler=sampler)
+    assert _resume.plan(saved) == _resume.Plan(epoch=0, mid_epoch=True)
+    ended = _resume.Saved(world=2, global_step=4, epoch=0, steps=4, epoch_done=True,
+                          sampler=None)
+    assert _resume.plan(ended) == _resume.Plan(epoch=1, mid_epoch=False)
+    emptied = _resume.Saved(world=2, global_step=4, epoch=0, steps=4, epoch_done=False,
+                            sampler={"remaining": [], "dataset_length": 13})
+    assert _resume.plan(emptied) == _resume.Plan(epoch=1, mid_epoch=False)
+    assert _resume.read(str(tmp_path / "none")) is None
+    (tmp_path / _resume.FILE).write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="not a joinkit Trainer state"):
+        _resume.read(str(tmp_path))
+    (tmp_path / _resume.FILE).write_text('{"format": "joinkit.transformers.Trainer", '
+                                         '"version": 1}')
+    with pytest.raises(ValueError, match="not a whole joinkit Trainer state"):
+        _resume.read(str(tmp_path))
+
+
+def test_a_resume_on_another_world_counts_the_steps_that_world_takes() -> None:
+    from joinkit.adapters.transformers import _resume
+
+    # 13 samples, batches of 2: 4 steps an epoch on 2 ranks, 3 on 3; 2 epochs.
+    values = (2, 3, 13, 26, 6, 3, 6)  # the Trainer's, for 3 ranks
+    saved = _resume.Saved(world=2, global_step=2, epoch=0, steps=2, epoch_done=False,
+                          sampler={"remaining": [[8, 13]], "dataset_length": 13})
+    start = _resume.plan(saved)
+    same = _resume.training_values(values, saved=saved, start=start, world=2,
+                                   resumed_updates=1, max_steps=-1, num_train_epochs=2)
+    assert same is values
+    # 2 steps done, 1 for the 5 samples left, 3 for epoch 1: 6.
+    other = _resume.training_values(values, saved=saved, start=start, world=3,
+                                    resumed_updates=1, max_steps=-1, num_train_epochs=2)
+    assert other == (2, 3, 13, 26, 6, 3, 6)
+    longer = _resume.training_values(values, saved=saved, start=start, world=3,
+                                     resumed_updates=1, max_steps=-1, num_train_epochs=3)
+    assert longer[-1] == 9
+    # max_steps given: kept, with enough epochs to reach it.
+    stepped = _resume.training_values(values, saved=saved, start=start, world=3,
+                                      resumed_updates=1, max_steps=10, num_train_epochs=3)
+    assert stepped[0] == 4 and stepped[-1] == 10  # epoch 0, then 3 + 3 + 1 steps
+    with pytest.raises(ValueError, match="num_train_epochs=2.5"):
+        _resume.training_values(values, saved=saved, start=start, world=3,
+                                resumed_updates=1, max_steps=-1, num_train_epochs=2.5)
+    # Streams: the pass and its steps, on the same world only.
+    assert _resume.stream_start(saved, world=2, gas=3) == (0, 6)
+    assert _resume.stream_start(_resume.Saved(world=2, global_step=4, epoch=1, steps=0,
+                                              epoch_done=True, sampler=None),
+                                world=2, gas=1) == (2, 0)
+    with pytest.raises(ValueError, match="saved on 2"):
+        _resume.stream_start(saved, world=3, gas=1)

@@ -13,7 +13,8 @@ default) or the number of ranks active at ``t``; at each boundary
 (``(t + 1) % gas == 0``) the gradient is clipped to ``clip`` by the global norm
 as DeepSpeed clips (``min(1, clip / (norm + 1e-6))``), the optimizer steps and
 the LR scheduler steps. A trailing partial window is not stepped (nobody
-reaches its boundary).
+reaches its boundary), except in the cells that say ``close`` (Accelerate's, which
+steps at the end of its data).
 """
 
 from __future__ import annotations
@@ -46,8 +47,14 @@ def lr_lambda(step: int) -> float:
     return 1.0 / (1.0 + 0.3 * step)
 
 
-def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    if kind == "adamw":
+def make_optimizer(kind: str, params: Any, reference: bool = False) -> torch.optim.Optimizer:
+    """``kind``'s optimizer; ``"cpu_adam"`` is DeepSpeed's ``DeepSpeedCPUAdam`` in AdamW
+    mode (ZeRO-Offload's own; its JIT-built C++ op), torch's AdamW in the reference."""
+    if kind == "cpu_adam" and not reference:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=LR, weight_decay=0.05, adamw_mode=True)
+    if kind in ("adamw", "cpu_adam"):
         return torch.optim.AdamW(params, lr=LR, weight_decay=0.05)
     if kind == "adam":
         return torch.optim.Adam(params, lr=LR)
@@ -57,12 +64,16 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
 
 
 def cell(name: str, *, stage: int, plan: list[int], gas: int = 1, clip: float = 0.0,
-         optimizer: str = "adamw", divide: bool = True,
-         scheduler_steps: int = 1) -> dict[str, Any]:
+         optimizer: str = "adamw", divide: bool = True, scheduler_steps: int = 1,
+         offload: str = "none", close: bool = False) -> dict[str, Any]:
     """One training cell: a ZeRO stage, each rank's number of batches, the settings
-    (``scheduler_steps``: LR scheduler steps per optimizer step)."""
+    (``scheduler_steps``: LR scheduler steps per optimizer step; ``offload``: ZeRO-Offload
+    of ``"optimizer"`` or of ``"both"`` optimizer and parameters to the CPU; ``close``: a
+    trailing partial window is stepped at the end, as Accelerate steps at the end of
+    its data)."""
     return {"name": name, "stage": stage, "plan": plan, "gas": gas, "clip": clip,
-            "optimizer": optimizer, "divide": divide, "scheduler_steps": scheduler_steps}
+            "optimizer": optimizer, "divide": divide, "scheduler_steps": scheduler_steps,
+            "offload": offload, "close": close}
 
 
 def cells(world: int) -> list[dict[str, Any]]:
@@ -79,7 +90,23 @@ def cells(world: int) -> list[dict[str, Any]]:
                             clip=1.0, optimizer="adam"))
             out.append(cell(f"s{stage}-p{index}-gas2-active-sgd", stage=stage, plan=plan,
                             gas=2, optimizer="sgd", divide=False))
-    return out
+    return out + offload_cells(world)
+
+
+def offload_cells(world: int) -> list[dict[str, Any]]:
+    """ZeRO-Offload: the optimizer (ZeRO 2, 3) and the parameters (ZeRO 3) on the CPU,
+    with a torch optimizer and with DeepSpeed's own ``DeepSpeedCPUAdam``."""
+    first, second = {2: ([3, 7], [0, 5]), 3: ([5, 2, 0], [1, 6, 4])}[world]
+    return [
+        cell("off-s2-opt-p1-gas2-adam", stage=2, plan=second, gas=2, optimizer="adam",
+             offload="optimizer"),
+        cell("off-s3-both-p0-gas1-clip-adamw", stage=3, plan=first, clip=0.05,
+             offload="both"),
+        cell("off-s2-opt-p0-gas3-cpuadam", stage=2, plan=first, gas=3, clip=1.0,
+             optimizer="cpu_adam", offload="optimizer"),
+        cell("off-s3-both-p1-gas2-clip-cpuadam", stage=3, plan=second, gas=2, clip=0.05,
+             optimizer="cpu_adam", offload="both"),
+    ]
 
 
 def launcher_cells(world: int) -> list[dict[str, Any]]:
@@ -88,26 +115,64 @@ def launcher_cells(world: int) -> list[dict[str, Any]]:
             if spec["name"].endswith(("p0-gas3-adam", "p1-gas2-active-sgd"))]
 
 
+def accelerate_cells(world: int) -> list[dict[str, Any]]:
+    """Accelerate's DeepSpeed cells (``deepspeed_runner.accelerate``).
+
+    Accelerate steps the loop's scheduler ``num_processes`` times per optimizer
+    step; its windows end every ``gas`` micro-steps and at the end of the data
+    (``close``). ``prepared``: the batches come from a data loader Accelerate
+    prepared, which deals them round-robin (the ranks' counts differ by one at
+    most, and a rank's data may end inside a window, where Accelerate would end
+    it); else each rank has its own (a rank may have none).
+    """
+    def spec(stage: int, plan: list[int], gas: int, prepared: bool,
+             clip: float = 0.05) -> dict[str, Any]:
+        made = cell(f"accelerate-s{stage}-gas{gas}-{'-'.join(map(str, plan))}", stage=stage,
+                    plan=plan, gas=gas, clip=clip, scheduler_steps=world, close=True)
+        return {**made, "prepared": prepared}
+
+    if world == 2:
+        return [spec(2, [4, 3], 1, True), spec(3, [4, 3], 1, True),
+                spec(1, [4, 3], 2, True),  # rank 1's data ends inside a window
+                spec(2, [5, 4], 3, True, clip=0.0),  # the last window closed at the end
+                spec(3, [0, 5], 2, False)]  # a rank without data
+    return [spec(2, [5, 0, 3], 2, False, clip=0.0), spec(3, [3, 3, 2], 3, True),
+            spec(1, [4, 4, 3], 2, True)]
+
+
 def ds_config(spec: dict[str, Any], world: int) -> dict[str, Any]:
-    return {
+    zero: dict[str, Any] = {"stage": spec["stage"]}
+    offload = spec.get("offload", "none")
+    if offload in ("optimizer", "both"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if offload == "both":
+        zero["offload_param"] = {"device": "cpu"}
+    config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": spec["gas"],
         "train_batch_size": BATCH * spec["gas"] * world,
         "gradient_clipping": spec["clip"],
-        "zero_optimization": {"stage": spec["stage"]},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if offload != "none" and spec["optimizer"] != "cpu_adam":
+        # ZeRO-Offload with a torch optimizer (DeepSpeed asks for its CPU Adam by default).
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
 
 
-def reference(spec: dict[str, Any], world: int) -> list[list[float]]:
-    """The full parameters after one process trains the cell in float64 (module doc)."""
+def reference(spec: dict[str, Any], world: int,
+              losses: dict[tuple[int, int], float] | None = None) -> list[list[float]]:
+    """The full parameters after one process trains the cell in float64 (module doc);
+    ``losses`` gets each rank's loss at each micro-step, ``(rank, t)``."""
     model = make_model().double()
-    optimizer = make_optimizer(spec["optimizer"], model.parameters())
+    optimizer = make_optimizer(spec["optimizer"], model.parameters(), reference=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     plan, gas = spec["plan"], spec["gas"]
     params = list(model.parameters())
+    last = max(plan) - 1
     for t in range(max(plan)):
         active = [r for r in range(world) if t < plan[r]]
         divisor = gas * (world if spec["divide"] else len(active))
@@ -115,7 +180,9 @@ def reference(spec: dict[str, Any], world: int) -> list[list[float]]:
             x, y = batch(rank, t, torch.float64)
             loss = torch.nn.functional.mse_loss(model(x), y)
             (loss / divisor).backward()
-        if (t + 1) % gas == 0:
+            if losses is not None:
+                losses[rank, t] = float(loss.detach())
+        if (t + 1) % gas == 0 or (spec.get("close") and t == last):
             if spec["clip"] > 0:
                 grads = [p.grad for p in params if p.grad is not None]
                 norm = torch.sqrt(sum((g * g).sum() for g in grads))

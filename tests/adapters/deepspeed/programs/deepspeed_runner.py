@@ -8,7 +8,9 @@ launcher (which appends ``--local_rank=N``)::
 with ``DS_ACCELERATOR=cpu`` and gloo (``JOINKIT_DS_BACKEND=nccl``: CUDA and nccl,
 each rank on its ``LOCAL_RANK``'s device). GROUPs, run in the order given:
 
-- ``train_cells``: every cell of ``deepspeed_cells.cells(world)``
+- ``train_cells``: every cell of ``deepspeed_cells.cells(world)`` (ZeRO-Offload's
+  among them: ``DeepSpeedCPUAdam`` needs its C++ op built, ``test_deepspeed.py``
+  builds it first)
   (``launcher_cells``: ``deepspeed_cells.launcher_cells(world)``): a fresh engine
   (``deepspeed.initialize`` with a client torch optimizer and LR scheduler),
   each rank's batches of the cell's plan under ``Join([engine])``; records the
@@ -22,7 +24,9 @@ each rank on its ``LOCAL_RANK``'s device). GROUPs, run in the order given:
   ``parallel_refusals``: MoE and pipeline engines, last (they change
   DeepSpeed's global process groups);
 - ``accelerate``: Accelerate's DeepSpeed plugin through joinkit's
-  ``join_uneven_inputs`` (2 ranks);
+  ``join_uneven_inputs`` (``deepspeed_cells.accelerate_cells``: gradient
+  accumulation in ``accelerator.accumulate``, ZeRO 1-3), and a loop that
+  accumulates without ``accumulate()`` (refused at its first micro-step);
 - ``mistakes``: loop mistakes caught on the rank that makes them
   (``LocalProtocolError`` there, ``PeerFailure`` on its peers, no hang);
 - ``example``: ``examples/deepspeed_uneven.py`` run in this process (its output
@@ -96,6 +100,16 @@ def full_params(engine: Any) -> list[list[float]]:
         return [p.detach().double().flatten().tolist() for p in params]
 
 
+def offload_devices(engine: Any) -> dict[str, str]:
+    """Where the engine keeps its optimizer state and parameters (``none``, ``cpu``)."""
+    devices = {}
+    for what, offload in (("optimizer", engine.zero_offload_optimizer()),
+                          ("param", engine.zero_offload_param())):
+        device = getattr(offload, "device", "none")
+        devices[what] = str(getattr(device, "value", device))
+    return devices
+
+
 def train(engine: Any, batches: list[tuple[Any, Any]]) -> None:
     for x, y in batches:
         x, y = x.to(engine.device), y.to(engine.device)
@@ -125,6 +139,8 @@ def _train(out: Path, rank: int, world: int, specs: list[dict[str, Any]]) -> Non
             report = join.report
             assert report is not None
             record.update(
+                offload=offload_devices(engine),
+                optimizer=type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
                 params=full_params(engine), micro_steps=engine.micro_steps,
                 global_steps=engine.global_steps, inputs=report.inputs,
                 shadow_rounds=report.shadow_rounds, lr=engine.get_lr()[0],
@@ -203,9 +219,9 @@ def refusals(out: Path, rank: int, world: int) -> None:
     for name, make in cases.items():
         with recording(out, f"refuse-{name}") as record:
             record["error"] = refused(make)
-    with recording(out, "refuse-offload") as record:
-        offload = _offload_engine(world)
-        record["error"] = refused(lambda: Join([offload]))
+    with recording(out, "refuse-nvme") as record:
+        nvme = _nvme_engine(world)
+        record["error"] = refused(lambda: Join([nvme]))
     # A Join that refused leaves the engine as it was: it trains in the next one.
     with recording(out, "after-refusals") as record:
         with Join([engine]):
@@ -222,10 +238,20 @@ def parallel_refusals(out: Path, rank: int, world: int) -> None:
             record["error"] = refused(lambda built=built: Join([built]))
 
 
-def _offload_engine(world: int) -> Any:
-    spec = c.cell("offload", stage=2, plan=[1] * world)
-    return engine_for(spec, world, zero_optimization={
-        "stage": 2, "offload_optimizer": {"device": "cpu"}}, zero_force_ds_cpu_optimizer=False)
+def _nvme_engine(world: int) -> Any:
+    """An engine whose config reads ``offload_param`` to NVMe (ZeRO-Infinity).
+
+    DeepSpeed cannot build such an engine here (its async I/O op needs libaio,
+    which this machine lacks), so a ZeRO-3 engine's config accessor answers
+    as that config's would: the refusal reads the config only.
+    """
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
+
+    spec = c.cell("nvme", stage=3, plan=[1] * world)
+    engine = engine_for(spec, world)
+    nvme = DeepSpeedZeroOffloadParamConfig(device="nvme", nvme_path="/tmp")
+    engine.zero_offload_param = lambda: nvme
+    return engine
 
 
 def _pipeline_engine(world: int) -> Any:
@@ -304,62 +330,79 @@ def deepspeed_accelerator(config: dict[str, Any]) -> tuple[Any, str]:
 def accelerate(out: Path, rank: int, world: int) -> None:
     from joinkit.adapters.accelerate import join_uneven_inputs
 
-    for stage in (2, 3):
-        spec = accelerate_cell(stage, world)
+    for spec in c.accelerate_cells(world):
         with recording(out, spec["name"]) as record:
             accelerator, record["distributed_type"] = deepspeed_accelerator(
                 c.ds_config(spec, world))
             model = c.make_model()
             optimizer = c.make_optimizer(spec["optimizer"], model.parameters())
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, c.lr_lambda)
-            # Accelerate deals batch i to rank i % world: rank r's j-th batch is
-            # batch j * world + r, so the dataset lists them in that order.
-            xs, ys = zip(*(c.batch(r, j) for j in range(max(ACCELERATE_PLAN))
-                           for r in range(world) if j < ACCELERATE_PLAN[r]), strict=True)
-            data = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
-            loader = torch.utils.data.DataLoader(data, batch_size=c.BATCH)
-            engine, optimizer, loader, scheduler = accelerator.prepare(
-                model, optimizer, loader, scheduler)
+            plan = spec["plan"]
+            if spec["prepared"]:
+                # Accelerate deals batch i to rank i % world: rank r's j-th batch is
+                # batch j * world + r, so the dataset lists them in that order.
+                xs, ys = zip(*(c.batch(r, j) for j in range(max(plan)) for r in range(world)
+                               if j < plan[r]), strict=True)
+                data = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
+                loader: Any = torch.utils.data.DataLoader(data, batch_size=c.BATCH)
+                engine, optimizer, loader, scheduler = accelerator.prepare(
+                    model, optimizer, loader, scheduler)
+            else:  # each rank's own batches (a rank may have none)
+                engine, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+                loader = [c.batch(rank, j) for j in range(plan[rank])]
             record["engine"] = type(engine).__name__
-            steps = 0
+            record["stage"] = engine.zero_optimization_stage()
+            steps, losses = 0, []
             with join_uneven_inputs(accelerator, [engine, optimizer, scheduler],
                                     even_batches=False):
                 for x, y in loader:
-                    accelerator.backward(torch.nn.functional.mse_loss(engine(x), y))
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
+                    with accelerator.accumulate(engine):
+                        loss = torch.nn.functional.mse_loss(engine(x), y)
+                        accelerator.backward(loss)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad()
+                    losses.append(float(loss))
                     steps += 1
-            record.update(params=full_params(engine), steps=steps)
-    with recording(out, "accelerate-accumulation") as record:
-        spec = c.cell("accelerate-gas", stage=2, plan=ACCELERATE_PLAN, gas=2)
+            record.update(params=full_params(engine), steps=steps, losses=losses,
+                          global_steps=engine.global_steps, accelerator_step=accelerator.step,
+                          sync_gradients=accelerator.sync_gradients,
+                          lr=scheduler.get_last_lr()[0])
+    with recording(out, "accelerate-no-accumulate") as record:
+        # Accumulation in the DeepSpeed config without accelerator.accumulate(): each
+        # micro-step would end a window (Accelerate's sync_gradients stays True).
+        spec = c.cell("accelerate-plain-gas", stage=2, plan=[3] * world, gas=2)
         accelerator, _ = deepspeed_accelerator(c.ds_config(spec, world))
         model = c.make_model()
         optimizer = c.make_optimizer("adamw", model.parameters())
         engine, optimizer = accelerator.prepare(model, optimizer)
-        record["error"] = refused(lambda: join_uneven_inputs(
-            accelerator, [engine, optimizer]).__enter__())
-
-
-#: Accelerate's cells: rank 0 has 4 batches, rank 1 has 3.
-ACCELERATE_PLAN = [4, 3]
-
-
-def accelerate_cell(stage: int, world: int) -> dict[str, Any]:
-    """Accelerate steps the loop's scheduler ``num_processes`` times per step."""
-    return c.cell(f"accelerate-s{stage}", stage=stage, plan=ACCELERATE_PLAN, clip=0.05,
-                  scheduler_steps=world)
+        began = time.monotonic()
+        try:
+            with join_uneven_inputs(accelerator, [engine, optimizer]):
+                for x, y in [c.batch(rank, j) for j in range(3)]:
+                    accelerator.backward(torch.nn.functional.mse_loss(engine(x), y))
+            record["error"] = None
+        except (LocalProtocolError, PeerFailure) as error:
+            record["error"] = f"{type(error).__name__}: {error}"
+        record["seconds"] = time.monotonic() - began
 
 
 def _mistake(out: Path, name: str, stage: int, world: int, rank: int,
-             loop: Callable[[Any, list[Any]], None], gas: int = 1) -> None:
+             loop: Callable[[Any, list[Any]], None], gas: int = 1,
+             windows: bool = False) -> None:
+    """``loop`` under ``Join([engine])`` (``windows``: on the loop's windows of ``gas``
+    micro-steps, ``DeepSpeedJoinable(engine, boundaries=...)``)."""
+    from joinkit.adapters.deepspeed import DeepSpeedJoinable
+
     with recording(out, f"mistake-{name}") as record:
         spec = c.cell(name, stage=stage, plan=[3] * world, gas=gas)
         engine = engine_for(spec, world)
+        joinable = (DeepSpeedJoinable(engine, boundaries=lambda i: (i + 1) % gas == 0)
+                    if windows else engine)
         batches = [c.batch(rank, i) for i in range(3)]
         began = time.monotonic()
         try:
-            with Join([engine]):
+            with Join([joinable]):
                 loop(engine, batches)
             record["error"] = None
         except (LocalProtocolError, PeerFailure) as error:
@@ -401,7 +444,30 @@ def mistakes(out: Path, rank: int, world: int) -> None:
     _mistake(out, "no-step", 2, world, rank, no_step)
     _mistake(out, "no-backward", 3, world, rank, no_backward_at_the_end)
     _mistake(out, "boundary", 0, world, rank, outside_boundary)
-    # The group still works after the four: a collective every rank takes part in.
+
+    # On the loop's windows (the loop sets the boundary and steps at a window's end):
+    def step_inside_a_window(engine: Any, batches: list[Any]) -> None:
+        for i, (x, y) in enumerate(batches):
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.set_gradient_accumulation_boundary((i + 1) % 2 == 0)
+            engine.backward(loss)
+            if (i + 1) % 2 == 0 or (rank == 0 and i == 0):
+                engine.step()
+
+    def no_sync_at_a_window_end(engine: Any, batches: list[Any]) -> None:
+        for i, (x, y) in enumerate(batches):
+            end = (i + 1) % 2 == 0
+            with engine.no_sync() if not end or rank == 0 else contextlib.nullcontext():
+                loss = torch.nn.functional.mse_loss(engine(x), y)
+                engine.set_gradient_accumulation_boundary(end)
+                engine.backward(loss)
+            if end:
+                engine.step()
+
+    _mistake(out, "window-step", 2, world, rank, step_inside_a_window, gas=2, windows=True)
+    _mistake(out, "window-no-sync", 1, world, rank, no_sync_at_a_window_end, gas=2,
+             windows=True)
+    # The group still works after them: a collective every rank takes part in.
     with recording(out, "mistakes-then-all-reduce") as record:
         value = torch.ones(())
         dist.all_reduce(value)

@@ -7,8 +7,10 @@ its batches (``average_tokens_across_devices``; without it, each rank's window
 normalized by its own tokens, the world size dividing the gradient as DDP
 does), the gradient is clipped to ``max_grad_norm``, AdamW steps with the
 Trainer's linear schedule. Evaluation is the single-process Trainer's: the
-evaluation set in its sequential batches, ``eval_loss`` the mean of the
-batches' token means, the metrics over every sample.
+evaluation set in its sequential batches, ``eval_loss`` the mean over the
+samples of their batch's token mean (each sample once: the Trainer repeats a
+batch's loss ``eval_batch_size`` times and Accelerate drops the repeats a
+partial last batch does not have), the metrics over every sample.
 
 Plain loops over the recorded tensors: no Trainer, no joinkit, no
 torch.distributed.
@@ -40,7 +42,8 @@ def token_loss_sum(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train(records: list[dict[str, Any]], model_kind: str,
-          evals: dict[int, Any] | None = None, sft: bool = False) -> dict[str, Any]:
+          evals: dict[int, Any] | None = None, sft: bool = False,
+          totals: dict[int, int] | None = None) -> dict[str, Any]:
     """Train the reference on the ranks' recorded batches.
 
     Args:
@@ -49,6 +52,9 @@ def train(records: list[dict[str, Any]], model_kind: str,
         sft: the loss of TRL's SFTTrainer (its fused LM head).
         evals: global step -> an evaluation set (a list of rows) to evaluate after
             that step (``0``: before training is not used).
+        totals: first global step -> the ``max_steps`` the linear schedule counts
+            from that step on (a run resumed on another number of ranks counts its
+            own); default: ``meta["max_steps"]`` throughout.
 
     Returns:
         ``params`` (name -> tensor), ``losses`` (logged loss per step), ``lrs``,
@@ -78,10 +84,11 @@ def train(records: list[dict[str, Any]], model_kind: str,
                                       betas=tuple(defaults["betas"]), eps=defaults["eps"],
                                       weight_decay=meta["weight_decay"],
                                       fused=defaults.get("fused") or None)
-    total = meta["max_steps"]
+    totals = totals or {0: meta["max_steps"]}
     base_lr = defaults["lr"]
     losses, lrs, norms, evaluations = [], [], [], {}
     for step in sorted(steps):
+        total = totals[max(first for first in totals if first <= step)]
         lr = base_lr * max(0.0, (total - step) / total)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -113,7 +120,8 @@ def train(records: list[dict[str, Any]], model_kind: str,
         losses.append(logged)
         lrs.append(lr)
         if evals and step + 1 in evals:
-            evaluations[step + 1] = evaluate(model, evals[step + 1], meta["shifts_labels"])
+            evaluations[step + 1] = evaluate(model, evals[step + 1], meta["shifts_labels"],
+                                             meta.get("eval_batch", 2))
             model.train()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "losses": losses, "lrs": lrs, "norms": norms, "evals": evaluations,
@@ -122,20 +130,22 @@ def train(records: list[dict[str, Any]], model_kind: str,
 
 def evaluate(model: Any, rows: list[dict[str, Any]], shifted: bool,
              batch_size: int = 2) -> dict[str, float]:
-    """The single-process Trainer's evaluation: eval_loss (each batch's loss normalized
-    by its token count, ``tokens``) and ``hf_worker.metrics``."""
+    """The single-process Trainer's evaluation: eval_loss (the mean over the samples of
+    their batch's loss, normalized by its token count, ``tokens``) and
+    ``hf_worker.metrics``."""
     model.eval()
-    batch_losses, logits, labels = [], [], []
+    sample_losses, logits, labels = [], [], []
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
             batch = w.collate(rows[start:start + batch_size])
             out = model(**batch)
-            batch_losses.append(float(token_loss_sum(model, batch)) / tokens(batch, shifted))
+            loss = float(token_loss_sum(model, batch)) / tokens(batch, shifted)
+            sample_losses += [loss] * len(batch["labels"])
             logits.append(out.logits)
             labels.append(batch["labels"])
     prediction = _Prediction(torch.cat(logits).numpy(), torch.cat(labels).numpy())
     result = {f"eval_{k}": v for k, v in w.metrics(prediction).items()}
-    result["eval_loss"] = sum(batch_losses) / len(batch_losses)
+    result["eval_loss"] = sum(sample_losses) / len(sample_losses)
     return result
 
 

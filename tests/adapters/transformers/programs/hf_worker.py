@@ -17,6 +17,7 @@ single-process reference on it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -105,6 +106,8 @@ class Recording:
             self.recorded.append((int(self.state.global_step),  # type: ignore[attr-defined]
                                   {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor)
                                    else v for k, v in inputs.items()}))
+            # The epoch the batch belongs to (state.epoch: its integer part).
+            getattr(self, "epochs", []).append(int(self.state.epoch + 1e-9))  # type: ignore[attr-defined]
             self.items.append(None if num_items_in_batch is None  # type: ignore[attr-defined]
                               else float(num_items_in_batch))
         return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
@@ -118,7 +121,8 @@ def optimizer_name() -> str:
     """AdamW on 2 ranks; SGD on 3, where gloo's float64 all-reduce differs from a
     single process's sum by about 1e-8 (plain DDP too), which Adam's normalization
     would blow up on gradients near its eps."""
-    return "adamw_torch_fused" if dist.get_world_size() % 2 == 0 else "sgd"
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return "adamw_torch_fused" if world % 2 == 0 else "sgd"
 
 
 def args(out: Path, **overrides: Any) -> Any:
@@ -156,11 +160,12 @@ def meta(trainer: Any) -> dict[str, Any]:
         optimizer = engine.basic_optimizer
     return {"optimizer": type(optimizer).__name__,
             "defaults": {k: v for k, v in optimizer.defaults.items()
-                         if isinstance(v, (int, float, bool, tuple, type(None)))},
+                         if isinstance(v, (int, float, bool, tuple, list, type(None)))},
             "max_steps": trainer.state.max_steps, "world": dist.get_world_size(),
             "gas": trainer.args.gradient_accumulation_steps,
             "average_tokens": trainer.args.average_tokens_across_devices,
             "max_grad_norm": trainer.args.max_grad_norm,
+            "eval_batch": trainer.args.per_device_eval_batch_size,
             "weight_decay": trainer.args.weight_decay,
             "shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
             "scheduler": str(trainer.args.lr_scheduler_type)}
@@ -176,15 +181,16 @@ def params(model: Any) -> dict[str, torch.Tensor]:
 
 def map_cell(ctx: dict[str, Any], *, samples: int, gas: int = 1, eval_steps: int | None = None,
              model: str = "gpt2", epochs: int = 2, max_steps: int = -1,
-             average_tokens: bool = True, save_steps: int | None = None) -> dict[str, Any]:
+             average_tokens: bool = True, save_steps: int | None = None,
+             eval_size: int = 7, eval_batch: int = 2) -> dict[str, Any]:
     """A map-style dataset (the same on every rank); joinkit shards it exactly."""
     from transformers import Trainer
 
     from joinkit.adapters.transformers import uneven_inputs
 
     train = rows_dataset(sequences(samples, seed=1))
-    evaluation = rows_dataset(sequences(7, seed=2))
-    extra: dict[str, Any] = {}
+    evaluation = rows_dataset(sequences(eval_size, seed=2))
+    extra: dict[str, Any] = {"per_device_eval_batch_size": eval_batch}
     if eval_steps is not None:
         extra.update(eval_strategy="steps", eval_steps=eval_steps)
     if save_steps is not None:
@@ -204,12 +210,70 @@ def map_cell(ctx: dict[str, Any], *, samples: int, gas: int = 1, eval_steps: int
             "log_history": trainer.state.log_history, "final_eval": final,
             "global_step": output.global_step, "train_loss": output.training_loss,
             "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
+            "eval_size": eval_size, "meta": meta(trainer)}
+
+
+def stop_after(step: int) -> Any:
+    """A callback that stops training after ``step`` (an interrupted run)."""
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step >= step:
+                control.should_training_stop = True
+
+    return StopAfter()
+
+
+def resume_cell(ctx: dict[str, Any], *, samples: int, save_steps: int, gas: int = 1,
+                stop: int | None = None, source: str | None = None) -> dict[str, Any]:
+    """A run stopped after ``stop`` steps (a checkpoint every ``save_steps``), or one that
+    resumes from ``source`` (``ROOT/launch/cell/run/checkpoint-N``), maybe on another
+    number of ranks. SGD with momentum on every world size (the same optimizer in both
+    runs), no evaluation."""
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    trainer = trainer_class(Trainer)(
+        model=tiny_model("gpt2"),
+        args=args(ctx["dir"], gradient_accumulation_steps=gas, save_strategy="steps",
+                  save_steps=save_steps, optim="sgd", optim_args="momentum=0.9"),
+        train_dataset=rows_dataset(sequences(samples, seed=1)), data_collator=collate,
+        callbacks=[] if stop is None else [stop_after(stop)])
+    trainer.recorded = []
+    trainer.items = []
+    trainer.epochs = []
+    uneven_inputs(trainer)
+    output = trainer.train(resume_from_checkpoint=None if source is None
+                           else str(Path(ctx["root"]) / source))
+    return {"recorded": trainer.recorded, "epochs": trainer.epochs, "items": trainer.items,
+            "params": params(trainer.model), "log_history": trainer.state.log_history,
+            "global_step": output.global_step,
+            "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
             "meta": meta(trainer)}
 
 
+def stream_resume_refused(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Per-rank streams saved on 2 ranks, resumed on this world (3): refused on every
+    rank alike when train() starts; the group works after."""
+    try:
+        stream_cell(ctx, rows=[4, 11, 3][: ctx["world"]], max_steps=9, save_steps=3,
+                    source="t2/stream_resume_a/run/checkpoint-3")
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        message: str | None = f"{type(error).__name__}: {error}"
+    else:
+        message = None
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [dist.get_rank()])
+    return {"messages": {"stream_other_world": message}, "after": gathered}
+
+
 def stream_cell(ctx: dict[str, Any], *, rows: list[int], max_steps: int, gas: int = 1,
-                save_steps: int | None = None, model: str = "llama") -> dict[str, Any]:
-    """Each rank's own IterableDataset (as split_dataset_by_node gives), uneven lengths."""
+                save_steps: int | None = None, model: str = "llama", stop: int | None = None,
+                source: str | None = None) -> dict[str, Any]:
+    """Each rank's own IterableDataset (as split_dataset_by_node gives), uneven lengths;
+    stopped after ``stop`` steps, or resumed from ``source`` (as ``resume_cell``)."""
     from datasets import IterableDataset
     from transformers import Trainer
 
@@ -224,11 +288,13 @@ def stream_cell(ctx: dict[str, Any], *, rows: list[int], max_steps: int, gas: in
     trainer = trainer_class(Trainer)(
         model=tiny_model(model),
         args=args(ctx["dir"], gradient_accumulation_steps=gas, max_steps=max_steps, **extra),
-        train_dataset=own, data_collator=collate)
+        train_dataset=own, data_collator=collate,
+        callbacks=[] if stop is None else [stop_after(stop)])
     trainer.recorded = []
     trainer.items = []
     uneven_inputs(trainer)
-    output = trainer.train()
+    output = trainer.train(resume_from_checkpoint=None if source is None
+                           else str(Path(ctx["root"]) / source))
     return {"recorded": trainer.recorded, "items": trainer.items, "params": params(trainer.model),
             "log_history": trainer.state.log_history, "global_step": output.global_step,
             "checkpoints": sorted(p.name for p in Path(ctx["dir"]).glob("checkpoint-*")),
@@ -282,7 +348,28 @@ def import_deepspeed() -> Any:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    _zero3_converts_float64_on_every_cpu()
     return deepspeed
+
+
+def _zero3_converts_float64_on_every_cpu() -> None:
+    """The same ZeRO-3 conversion of a float64 model on every CPU (a test-only override).
+
+    A model not built under ``zero.Init`` (these cells' float64 models: ``zero.Init``
+    builds in float32 at most) is converted by the engine with ``zero.Init(module=...,
+    dtype=<its first parameter's dtype>)``, and DeepSpeed 0.19.8 picks that Init's dtype
+    with ``dtype or torch.float16 if accelerator.is_fp16_supported() else torch.bfloat16``.
+    By operator precedence, on a CPU whose oneDNN has float16 (avx512_fp16, AMX-FP16) it
+    keeps float64, which its own check then refuses ("Invalid data type torch.float64");
+    on any other CPU it takes bfloat16, which converting an existing module reads only to
+    keep a model's ``_keep_in_fp32_modules_strict`` buffers in float32 (these models have
+    none). The cells never use float16, so DeepSpeed's CPU accelerator says it has none:
+    every CPU takes the second path, the float64 parameters are partitioned as they are.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: False
 
 
 def deepspeed_trainer_class(base: type) -> type:
@@ -456,18 +543,40 @@ def fsdp_params(trainer: Any) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def ds_config(stage: int, **zero: Any) -> dict[str, Any]:
-    """A DeepSpeed config whose batch, accumulation and clipping the Trainer fills in."""
+def ds_config(stage: int, *, settings: dict[str, Any] | None = None,
+              **zero: Any) -> dict[str, Any]:
+    """A DeepSpeed config whose batch, accumulation and clipping the Trainer fills in
+    (``zero``: more of ``zero_optimization``; ``settings``: more of the config)."""
     return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "zero_optimization": {"stage": stage, **zero}}
+            "zero_optimization": {"stage": stage, **zero}, **(settings or {})}
+
+
+def ds_facts(trainer: Any) -> dict[str, Any]:
+    """What trained: the engine, its ZeRO stage, its offload devices, its optimizers."""
+    engine = trainer.model_wrapped
+    devices = {}
+    for what, offload in (("optimizer", engine.zero_offload_optimizer()),
+                          ("param", engine.zero_offload_param())):
+        device = getattr(offload, "device", None)
+        devices[what] = str(getattr(device, "value", device))
+    inner = getattr(engine.optimizer, "optimizer", None)
+    return {"engine": type(engine).__name__, "stage": engine.zero_optimization_stage(),
+            "offload": devices, "zero_optimizer": type(engine.optimizer).__name__,
+            "torch_optimizer": type(inner).__name__,
+            "engine_gas": engine.gradient_accumulation_steps(),
+            "engine_global_steps": engine.global_steps}
 
 
 def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "gpt2",
                 epochs: int = 2, eval_steps: int | None = None, clip: float = 0.05,
-                average_tokens: bool = True) -> dict[str, Any]:
+                average_tokens: bool = True, gas: int = 1, save: dict[str, Any] | None = None,
+                zero: dict[str, Any] | None = None, source: str | None = None,
+                **settings: Any) -> dict[str, Any]:
     """A map-style dataset under DeepSpeed ZeRO ``stage``; evaluation each epoch (or
-    every ``eval_steps``)."""
+    every ``eval_steps``); checkpoints as ``save`` says (TrainingArguments); resumed
+    from ``source`` (``OUT/cell/run/checkpoint-N`` of this launch) if given; ``zero``:
+    more of the config's ``zero_optimization``, ``settings``: more of the config."""
     import_deepspeed()
     from transformers import Trainer
 
@@ -477,26 +586,28 @@ def ds_map_cell(ctx: dict[str, Any], *, stage: int, samples: int, model: str = "
         model=tiny_model(model),
         args=args(ctx["dir"], num_train_epochs=epochs,
                   eval_strategy="epoch" if eval_steps is None else "steps",
-                  eval_steps=eval_steps,
+                  eval_steps=eval_steps, gradient_accumulation_steps=gas,
                   average_tokens_across_devices=average_tokens, max_grad_norm=clip,
-                  deepspeed=ds_config(stage)),
+                  deepspeed=ds_config(stage, settings=settings, **(zero or {})),
+                  **(save or {})),
         train_dataset=rows_dataset(sequences(samples, seed=1)),
         eval_dataset=rows_dataset(sequences(7, seed=2)), data_collator=collate,
         compute_metrics=metrics)
     trainer.recorded = []
     trainer.items = []
     uneven_inputs(trainer)
-    output = trainer.train()
+    output = trainer.train(resume_from_checkpoint=None if source is None
+                           else str(Path(ctx["out"]) / source))
     final = trainer.evaluate()
     return {"recorded": trainer.recorded, "items": trainer.items,
             "params": ds_params(trainer), "log_history": trainer.state.log_history,
-            "final_eval": final, "global_step": output.global_step,
-            "engine": type(trainer.model_wrapped).__name__,
-            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer)}
+            "final_eval": final, "global_step": output.global_step, **ds_facts(trainer),
+            "meta": meta(trainer), **checkpoints(ctx)}
 
 
-def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
-                   max_steps: int) -> dict[str, Any]:
+def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int], max_steps: int,
+                   save_steps: int | None = None, gas: int = 1,
+                   zero: dict[str, Any] | None = None, **settings: Any) -> dict[str, Any]:
     """Each rank's own stream under DeepSpeed ZeRO ``stage``; one rank may have none."""
     import_deepspeed()
     from datasets import IterableDataset
@@ -509,7 +620,10 @@ def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
                                                              "seed": 10 + rank})
     trainer = deepspeed_trainer_class(trainer_class(Trainer))(
         model=tiny_model("llama"),
-        args=args(ctx["dir"], max_steps=max_steps, deepspeed=ds_config(stage)),
+        args=args(ctx["dir"], max_steps=max_steps, gradient_accumulation_steps=gas,
+                  deepspeed=ds_config(stage, settings=settings, **(zero or {})),
+                  **({} if save_steps is None else {"save_strategy": "steps",
+                                                    "save_steps": save_steps})),
         train_dataset=own, data_collator=collate)
     trainer.recorded = []
     trainer.items = []
@@ -517,8 +631,29 @@ def ds_stream_cell(ctx: dict[str, Any], *, stage: int, rows: list[int],
     output = trainer.train()
     return {"recorded": trainer.recorded, "items": trainer.items,
             "params": ds_params(trainer), "log_history": trainer.state.log_history,
-            "global_step": output.global_step,
-            "stage": trainer.model_wrapped.zero_optimization_stage(), "meta": meta(trainer)}
+            "global_step": output.global_step, **ds_facts(trainer), "meta": meta(trainer),
+            **checkpoints(ctx)}
+
+
+def checkpoints(ctx: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint folders a cell wrote, their files, and their model files' tensors'
+    shapes (a ZeRO-3 gathered model: full ones)."""
+    from safetensors import safe_open
+
+    folder = Path(ctx["dir"])
+    found = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    shapes = {}
+    for checkpoint in found:
+        weights = checkpoint / "model.safetensors"
+        if weights.exists():
+            with safe_open(str(weights), framework="pt") as model_file:
+                shapes[checkpoint.name] = {name: tuple(model_file.get_slice(name).get_shape())
+                                           for name in model_file.keys()}  # noqa: SIM118
+    return {"checkpoints": [p.name for p in found],
+            "checkpoint_files": sorted(str(p.relative_to(folder))
+                                       for p in folder.glob("checkpoint-*/**/*")
+                                       if p.is_file()),
+            "model_shapes": shapes}
 
 
 def ds_params(trainer: Any) -> dict[str, torch.Tensor]:
@@ -533,6 +668,14 @@ def ds_params(trainer: Any) -> dict[str, torch.Tensor]:
     return params(module)
 
 
+OFFLOAD_OPTIMIZER = {"offload_optimizer": {"device": "cpu"}}
+OFFLOAD_PARAM = {"offload_param": {"device": "cpu"}}
+#: DeepSpeed's optimizer section: with the optimizer offloaded, DeepSpeed builds its
+#: ``DeepSpeedCPUAdam`` (AdamW mode), the Trainer fills in the values.
+DS_ADAMW = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                        "weight_decay": "auto"}}
+
+
 def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     """What ``uneven_inputs`` refuses under DeepSpeed: on every rank, before any collective."""
     import_deepspeed()
@@ -543,9 +686,8 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     data = rows_dataset(sequences(6, seed=1))
     messages = {}
     cases = {
-        "gas2": {"gradient_accumulation_steps": 2, "deepspeed": ds_config(2)},
-        "offload": {"deepspeed": ds_config(2, offload_optimizer={"device": "cpu"})},
-        "save_steps": {"save_strategy": "steps", "save_steps": 2, "deepspeed": ds_config(2)},
+        "nvme": {"deepspeed": ds_config(3, offload_param={"device": "nvme",
+                                                          "nvme_path": str(ctx["dir"])})},
         "zero3_eval_steps": {"eval_strategy": "steps", "eval_steps": 2,
                              "deepspeed": ds_config(3)},
     }
@@ -559,10 +701,39 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
             messages[name] = f"{type(error).__name__}: {error}"
         else:
             messages[name] = None
+    # Resuming on 2 ranks a checkpoint written on 3: DeepSpeed's optimizer state is
+    # partitioned over 3 (refused when train() starts, before DeepSpeed is set up).
+    trainer = deepspeed_trainer_class(Trainer)(
+        model=tiny_model("gpt2"), args=args(ctx["dir"], deepspeed=ds_config(2)),
+        train_dataset=data, data_collator=collate)
+    checkpoint = Path(ctx["dir"]) / "checkpoint-1"
+    if dist.get_rank() == 0:
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        trainer.state.global_step, trainer.state.train_batch_size = 1, 2
+        trainer.state.save_to_json(str(checkpoint / "trainer_state.json"))
+        record = {"format": "joinkit.transformers.Trainer", "version": 1, "world": 3,
+                  "global_step": 1, "epoch": 0, "steps": 1, "epoch_done": False,
+                  "sampler": None}
+        (checkpoint / "joinkit_trainer.json").write_text(json.dumps(record))
+    messages["resume_other_world"] = refused_resume(trainer, checkpoint)
     box = [dist.get_rank()]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, box)
     return {"messages": messages, "after": gathered}
+
+
+def refused_resume(trainer: Any, checkpoint: Path) -> str | None:
+    """``train(resume_from_checkpoint=checkpoint)`` under ``uneven_inputs`` on every rank
+    (after rank 0 wrote the checkpoint): the error it raised, if any."""
+    from joinkit.adapters.transformers import uneven_inputs
+
+    dist.barrier()
+    uneven_inputs(trainer)
+    try:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -595,6 +766,16 @@ def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     attempt("group_by_length", make(train_sampling_strategy="group_by_length"))
     attempt("split_batches", make(accelerator_config={"split_batches": True}))
     attempt("not_a_trainer", object())
+    # Resuming in the middle of an epoch from a checkpoint joinkit did not write (no
+    # record of what each rank's data consumed): refused when train() starts.
+    trainer = make()
+    checkpoint = Path(ctx["dir"]) / "checkpoint-1"
+    if dist.get_rank() == 0:
+        trainer.save_model(str(checkpoint))
+        trainer.state.global_step = 1  # 6 samples: 2 or 3 steps per epoch
+        trainer.state.train_batch_size = 2
+        trainer.state.save_to_json(str(checkpoint / "trainer_state.json"))
+    messages["resume_mid_epoch"] = refused_resume(trainer, checkpoint)
     # The group still works: nothing was sent.
     box = [dist.get_rank()]
     gathered = [None] * dist.get_world_size()
@@ -611,6 +792,11 @@ CELLS = {
     "map_gas2_plain": lambda ctx: map_cell(ctx, samples=11, gas=2, average_tokens=False),
     # max_steps ending in the middle of the second epoch.
     "map_max_steps": lambda ctx: map_cell(ctx, samples=13, max_steps=6, epochs=3),
+    # One training sample per rank but the last, which has none; 9 evaluation samples
+    # in batches of 4 (the last of 1), evaluated in training by the ranks with data
+    # (after each step) and by every rank after it.
+    "map_eval": lambda ctx: map_cell(ctx, samples=ctx["world"] - 1, eval_steps=1,
+                                     eval_size=9, eval_batch=4),
     # Each rank's own stream; rank 1 has none; a checkpoint after rank 0 joined.
     "stream_zero": lambda ctx: stream_cell(ctx, rows=[6, 0, 14] if ctx["world"] == 3
                                            else [4, 11], max_steps=9, save_steps=5),
@@ -618,21 +804,103 @@ CELLS = {
                                            gas=3),
     "sft_packing": lambda ctx: sft_cell(ctx, counts=[5, 14, 9][: ctx["world"]], max_steps=6),
     "refusals": refusals,
+    # Resumed in the middle of an epoch, on another number of ranks (and the same): the
+    # first runs in the torchrun-2 and accelerate-3 launches, the resumed ones after
+    # them (test_transformers.py's second round, ROOT = the first round's folder).
+    # 13 samples on 2 ranks, stopped after step 2 of epoch 0 (8 samples consumed).
+    "resume23_a": lambda ctx: resume_cell(ctx, samples=13, save_steps=2, stop=2),
+    # ... resumed on 3 ranks (5 samples left: one batch each, one of 1 sample) and on 2.
+    "resume23_b": lambda ctx: resume_cell(ctx, samples=13, save_steps=2,
+                                          source="t2/resume23_a/run/checkpoint-2"),
+    "resume22_b": lambda ctx: resume_cell(ctx, samples=13, save_steps=2,
+                                          source="t2/resume23_a/run/checkpoint-2"),
+    # 13 samples on 3 ranks with accumulation 2 (3, 2 and 2 batches: one window each
+    # but rank 0's second, half empty), stopped after step 3, the first of epoch 1:
+    # 1 sample left, which 2 ranks resume (rank 1 has none).
+    "resume32_a": lambda ctx: resume_cell(ctx, samples=13, save_steps=3, gas=2, stop=3),
+    "resume32_b": lambda ctx: resume_cell(ctx, samples=13, save_steps=3, gas=2,
+                                          source="a3/resume32_a/run/checkpoint-3"),
+    # Each rank's own stream (2 and 6 batches a pass), stopped after step 6 (the first
+    # pass's last), with checkpoints at 3 (rank 0 had joined: rank 1 wrote it) and 6.
+    "stream_resume_a": lambda ctx: stream_cell(ctx, rows=[4, 11], max_steps=9, save_steps=3,
+                                               stop=6),
+    # Resumed on 2 ranks from step 3 (rank 0's stream is done, rank 1 skips 3 batches)
+    # and from step 6 (the pass was over: the next one starts).
+    "stream_resume3_b": lambda ctx: stream_cell(ctx, rows=[4, 11], max_steps=9, save_steps=3,
+                                                source="t2/stream_resume_a/run/checkpoint-3"),
+    "stream_resume6_b": lambda ctx: stream_cell(ctx, rows=[4, 11], max_steps=9, save_steps=3,
+                                                source="t2/stream_resume_a/run/checkpoint-6"),
+    "stream_resume_refused": stream_resume_refused,
     # DeepSpeed (launched apart): 13 samples of batch 2 on 2 ranks, 4 and 3 batches.
     # Without clipping here, with clipping that bites in the others.
-    "ds_map_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, clip=0.0),
-    "ds_map_s3": lambda ctx: ds_map_cell(ctx, stage=3, samples=13, model="llama"),
+    # Checkpoints every 2 steps: at steps 2 and 6 in the middle of an epoch, at 4 and 8
+    # at an epoch's last step, which rank 0 takes alone (rank 1 has joined: it saves its
+    # partition with rank 0). ZeRO-3 gathers the model to save it (rank 0's files).
+    "ds_map_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, clip=0.0,
+                                         save={"save_strategy": "steps", "save_steps": 2}),
+    "ds_map_s3": lambda ctx: ds_map_cell(
+        ctx, stage=3, samples=13, model="llama",
+        save={"save_strategy": "steps", "save_steps": 2},
+        zero={"stage3_gather_16bit_weights_on_model_save": True}),
+    # Resumed from those checkpoints: ZeRO-2 from step 4 (saved while rank 1 had
+    # joined), ZeRO-3 from step 2 (in the middle of epoch 0).
+    "ds_resume_s2": lambda ctx: ds_map_cell(ctx, stage=2, samples=13, clip=0.0,
+                                            save={"save_strategy": "steps", "save_steps": 2},
+                                            source="ds_map_s2/run/checkpoint-4"),
+    "ds_resume_s3": lambda ctx: ds_map_cell(
+        ctx, stage=3, samples=13, model="llama",
+        save={"save_strategy": "steps", "save_steps": 2},
+        zero={"stage3_gather_16bit_weights_on_model_save": True},
+        source="ds_map_s3/run/checkpoint-2"),
     # ZeRO-1, plain-mean losses, evaluations at steps 4 and 8, after rank 1 joined
     # (rank 0 evaluates alone). (Stage 0 is not run: its gradient all-reduce refuses
     # the float64 gradients of these models, "unsupported grad type".)
+    # save_strategy="best" (of eval_loss): a checkpoint at each evaluation that improves.
     "ds_map_s1": lambda ctx: ds_map_cell(ctx, stage=1, samples=13, eval_steps=4,
+                                         save={"save_strategy": "best",
+                                               "metric_for_best_model": "eval_loss"},
                                          average_tokens=False),
     # Each rank's own stream, rank 1 with none.
-    "ds_stream_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 0], max_steps=5),
-    "ds_stream_s3": lambda ctx: ds_stream_cell(ctx, stage=3, rows=[0, 9], max_steps=6),
+    # Checkpoints every 2 steps with a rank that has no data (joined at once): rank 1
+    # (ZeRO-2); rank 0 (ZeRO-3: rank 1 writes the Trainer's files, rank 0 the gathered
+    # model's).
+    "ds_stream_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 0], max_steps=5,
+                                               save_steps=2),
+    "ds_stream_s3": lambda ctx: ds_stream_cell(
+        ctx, stage=3, rows=[0, 9], max_steps=6, save_steps=2,
+        zero={"stage3_gather_16bit_weights_on_model_save": True}),
     # The control: even streams, nobody joins (DeepSpeed's own float32 error).
     "ds_even_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[5, 5], max_steps=5),
     "ds_refusals": ds_refusals,
+    # Gradient accumulation under DeepSpeed (the Trainer's windows, padded alike on every
+    # rank): rank 1's data ends inside a window (13 samples: 4 and 3 batches).
+    "ds_gas2_s1": lambda ctx: ds_map_cell(ctx, stage=1, samples=13, gas=2,
+                                          average_tokens=False),
+    # Rank 0's stream ends inside its first window, then it replays the second.
+    "ds_gas3_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[3, 12], max_steps=2, gas=3),
+    # A rank without data replays every window.
+    "ds_gas2_s3": lambda ctx: ds_stream_cell(ctx, stage=3, rows=[0, 9], max_steps=3, gas=2),
+    # ZeRO-Offload: the optimizer on the CPU (a torch optimizer), a rank without data.
+    "ds_offload_s2": lambda ctx: ds_stream_cell(
+        ctx, stage=2, rows=[5, 0], max_steps=3, gas=2, zero=OFFLOAD_OPTIMIZER,
+        zero_force_ds_cpu_optimizer=False),
+    # ZeRO-3 with the optimizer and the parameters on the CPU, evaluation each epoch.
+    "ds_offload_s3": lambda ctx: ds_map_cell(
+        ctx, stage=3, samples=13, model="llama",
+        zero={**OFFLOAD_OPTIMIZER, **OFFLOAD_PARAM}, zero_force_ds_cpu_optimizer=False),
+    # DeepSpeed's own CPU Adam (its optimizer section, offload): rank 1 replays a window.
+    "ds_cpu_adam_s2": lambda ctx: ds_stream_cell(
+        ctx, stage=2, rows=[9, 4], max_steps=2, gas=3, zero=OFFLOAD_OPTIMIZER,
+        optimizer=DS_ADAMW),
+    # 3 ranks (SGD, optimizer_name).
+    "ds3_gas2_s2": lambda ctx: ds_stream_cell(ctx, stage=2, rows=[6, 0, 11], max_steps=3,
+                                              gas=2),
+    "ds3_gas3_s1": lambda ctx: ds_map_cell(ctx, stage=1, samples=13, gas=3),
+    "ds3_gas2_s3": lambda ctx: ds_stream_cell(ctx, stage=3, rows=[3, 9, 5], max_steps=3,
+                                              gas=2),
+    "ds3_offload_s3": lambda ctx: ds_stream_cell(
+        ctx, stage=3, rows=[4, 0, 7], max_steps=4,
+        zero={**OFFLOAD_OPTIMIZER, **OFFLOAD_PARAM}, zero_force_ds_cpu_optimizer=False),
     # FSDP2 and FSDP1 (fsdp="full_shard"): 13 samples of batch 2 (4 and 3 batches on 2
     # ranks, 3, 2 and 2 on 3), clipping that bites, evaluation each epoch and after
     # training; gradient accumulation 2 with a half-empty last window; each rank's own
@@ -656,14 +924,17 @@ CELLS = {
 
 
 def main(argv: list[str]) -> None:
-    out, *names = argv
+    """``OUT [--root=DIR] CELL...``: ``--root`` is where resumed cells find checkpoints."""
+    options = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith("--")}
+    out, *names = [a for a in argv if not a.startswith("--")]
     from accelerate import PartialState
 
     state = PartialState(cpu=True)  # initializes gloo under torchrun and accelerate launch
     rank, world = state.process_index, state.num_processes
     for name in names:
         cell_dir = Path(out) / name
-        ctx = {"dir": cell_dir / "run", "world": world, "rank": rank}
+        ctx = {"dir": cell_dir / "run", "world": world, "rank": rank, "out": out,
+               "root": options.get("--root", "")}
         if rank == 0:
             shutil.rmtree(cell_dir, ignore_errors=True)
         dist.barrier()
