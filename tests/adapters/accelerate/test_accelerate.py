@@ -35,7 +35,7 @@ _SCRIPT = Path(sys.executable).with_name("torchrun")
 TORCHRUN = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "torch.distributed.run"]
 LAUNCH_TIMEOUT = 240.0
 WORLD = 2
-MODES = ["ddp", "fsdp2"]
+MODES = ["ddp", "fsdp2", "fsdp1"]
 
 
 def _environment() -> dict[str, str]:
@@ -107,7 +107,8 @@ def test_join_uneven_inputs_on_prepared_objects_is_exact(launches: Any, mode: st
     ranks = _records(launches, mode, "joinkit")
     assert [r["num_processes"] for r in ranks] == [WORLD, WORLD]
     assert [r["steps"] for r in ranks] == [8, 6]  # 4 and 3 batches per epoch, 2 epochs
-    assert ranks[0]["model"] == {"ddp": "DistributedDataParallel", "fsdp2": "FSDPSequential"}[mode]
+    assert ranks[0]["model"] == {"ddp": "DistributedDataParallel", "fsdp2": "FSDPSequential",
+                                 "fsdp1": "FullyShardedDataParallel"}[mode]
     want = _reference(padded=False)
     for rank in ranks:
         _assert_params(rank["params"], want)

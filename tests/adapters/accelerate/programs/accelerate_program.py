@@ -59,6 +59,11 @@ def dataset() -> torch.utils.data.TensorDataset:
 
 
 def full_params(model: torch.nn.Module) -> list[list[float]]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):  # FSDP1: a collective of every rank
+        with FullyShardedDataParallel.summon_full_params(model):
+            return [p.detach().flatten().tolist() for p in model.parameters()]
     out = []
     for p in model.parameters():
         data = p.detach()
@@ -77,7 +82,11 @@ def make_accelerator(mode: str) -> tuple[Any, dict[str, Any]]:
         InitProcessGroupKwargs,
     )
 
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if mode == "fsdp2" else None
+    plugin = None
+    if mode == "fsdp2":
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    elif mode == "fsdp1":  # the plugin's default version; sync_module_states looks for a GPU
+        plugin = FullyShardedDataParallelPlugin(sync_module_states=False)
     accelerator = Accelerator(
         cpu=True, fsdp_plugin=plugin,
         dataloader_config=DataLoaderConfiguration(even_batches=False),
@@ -85,17 +94,31 @@ def make_accelerator(mode: str) -> tuple[Any, dict[str, Any]]:
     )
     facts = {"distributed_type": str(accelerator.distributed_type),
              "num_processes": accelerator.num_processes}
-    if mode == "fsdp2":
+    if plugin is not None:
         facts["ignored_plugin"] = accelerator.distributed_type != DistributedType.FSDP
         accelerator.state.distributed_type = DistributedType.FSDP  # test-only: see the doc
         accelerator.state.fsdp_plugin = plugin
+        # MULTI_CPU's device is cpu:<local rank>, which FSDP1 refuses as its device_id
+        # for a model on "cpu" (a GPU machine's is cuda:<local rank>).
+        accelerator.state.device = torch.device("cpu")
     return accelerator, facts
 
 
 def prepared(accelerator: Any) -> tuple[Any, Any, Any]:
+    from accelerate.utils import DistributedType
+
     model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH)
+    if (accelerator.distributed_type == DistributedType.FSDP
+            and not accelerator.is_fsdp2):
+        # FSDP1 flattens the parameters, and Accelerate does not give an optimizer
+        # built before the model's prepare the flat ones: the model first (Accelerate's
+        # FSDP1 advice; the Trainer does the same).
+        model = accelerator.prepare(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        optimizer, loader = accelerator.prepare(optimizer, loader)
+        return model, optimizer, loader
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     return accelerator.prepare(model, optimizer, loader)
 
 
