@@ -126,8 +126,20 @@ runs in a Join of the model too (entered at ``on_validation_epoch_start``,
 left at the rank's last validation batch). A forward without a backward leaves
 the root's parameters unsharded; ``reshard()`` at each epoch start puts back
 the sharded parameters that the optimizer steps (and the Join links to it).
-Refused at ``setup``/``on_fit_start``: tensor parallelism,
-``accumulate_grad_batches > 1``, no or several root ``fully_shard`` modules.
+Gradient accumulation (``accumulate_grad_batches > 1``) under FSDP2 keeps
+FSDP2's own windows: while the Join lasts a batch that does not end a window
+(counted from the epoch's start, the same batches on every rank) runs its
+backward under ``set_requires_gradient_sync(False)`` (``block_backward_sync``),
+and a rank's own last batch does not step unless it ends a window (the epoch
+loop's ``_should_accumulate``), since the others are still inside it. The
+epoch's Join has shared windows (``Join(..., shared_windows=True)``,
+``joinkit.adapters.torch.fsdp``): a rank that ran out inside a window keeps its
+part for the window's step, which it replays with the others, and a window
+still open when every rank has run out (Lightning steps at the end of the
+data) is closed in the Join's post hooks on every rank (one synced replay, the
+optimizer's and step-interval schedulers' step); that step counts in
+``trainer.global_step``. Refused at ``setup``/``on_fit_start``: tensor
+parallelism, no or several root ``fully_shard`` modules.
 
 *What it patches.* Instance attributes only, set in ``setup`` and removed in
 ``teardown``: the epoch loop's ``_broadcast_sigterm_tensor`` and the fit loop's
@@ -287,6 +299,9 @@ class UnevenInputs(Callback):
         self._patch(strategy, "reduce", _deferring_reduce(self, strategy.reduce))
         block: Any = getattr(strategy, "block_backward_sync")  # ParallelStrategy's  # noqa: B009
         self._patch(strategy, "block_backward_sync", _syncing_block(self, block))
+        if self._fsdp and trainer.accumulate_grad_batches > 1:
+            # Every training batch of a world of 2 or more is in a Join.
+            self._patch(epoch_loop, "_should_accumulate", _windowed_accumulation(epoch_loop))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._leave_validation(None)
@@ -406,8 +421,10 @@ class UnevenInputs(Callback):
         if self.side_channel is not None:
             joinables.append(self.side_channel)
         joinables.append(self._log_sync)
-        join = Join(joinables) if self._timeout is None else Join(joinables,
-                                                                  timeout=self._timeout)
+        kwargs: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
+        if self._fsdp_root is not None and trainer.accumulate_grad_batches > 1:
+            kwargs["shared_windows"] = True  # FSDP2's windows (module doc)
+        join = Join(joinables, **kwargs)
         join.__enter__()
         self._join, self._active, self._cut = join, True, False
         self._route_metric_syncs(metrics)
@@ -597,6 +614,8 @@ class UnevenInputs(Callback):
                              dtype=torch.int64, device=trainer.strategy.root_device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         sigterm, any_cut, steps = (int(v) for v in flags.tolist())
+        if self._fsdp_root is not None and _closed_a_window(self._fsdp_root):
+            steps += 1  # the post hooks' step of the last window, on every rank
         if sigterm:
             trainer._signal_connector.received_sigterm = True
         self._cut = bool(any_cut)
@@ -718,6 +737,15 @@ def _syncing_block(callback: UnevenInputs,
                    original: Callable[[], Any]) -> Callable[[], Any]:
     @contextlib.contextmanager
     def block_backward_sync() -> Iterator[None]:
+        root = callback._fsdp_root
+        if callback._active and root is not None:
+            # FSDP2's own window (module doc): Lightning blocks nothing for it.
+            root.set_requires_gradient_sync(False)
+            try:
+                yield None
+            finally:
+                root.set_requires_gradient_sync(True)
+            return
         if callback._active:
             yield None  # every backward syncs while the Join lasts (module doc)
             return
@@ -725,6 +753,25 @@ def _syncing_block(callback: UnevenInputs,
             yield None
 
     return block_backward_sync
+
+
+def _windowed_accumulation(epoch_loop: Any) -> Callable[[], bool]:
+    """The epoch loop's ``_should_accumulate`` under FSDP2 accumulation: a batch steps
+    only where it ends a window, not at the rank's own last batch (module doc). Also
+    after the rank left the Join at that batch (Lightning asks again for the LR
+    schedulers and the logging step): the window's step is the post hooks'."""
+
+    def should_accumulate() -> bool:
+        return not epoch_loop._accumulated_batches_reached()
+
+    return should_accumulate
+
+
+def _closed_a_window(root: Any) -> bool:
+    """Whether the epoch's Join closed an open FSDP2 window in its post hooks."""
+    from joinkit.adapters.torch import fsdp
+
+    return fsdp.adapt(root).closed_window
 
 
 def _agreeing_setup_data(callback: UnevenInputs, trainer: pl.Trainer,
@@ -858,12 +905,6 @@ def _check_model_parallel(trainer: pl.Trainer) -> None:
             "UnevenInputs with ModelParallelStrategy supports data parallelism only "
             f"(tensor_parallel_size=1), got tensor_parallel_size="
             f"{strategy._tensor_parallel_size}: tensor-parallel ranks share their batches"
-        )
-    if trainer.accumulate_grad_batches != 1:
-        raise TypeError(
-            "UnevenInputs with ModelParallelStrategy does not support "
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches} (a joined rank's "
-            "shard would step every shadow round): use accumulate_grad_batches=1"
         )
 
 

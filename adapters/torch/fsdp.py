@@ -62,6 +62,22 @@ synced. So with ``set_requires_gradient_sync`` accumulation the joined rank's
 shard is stepped with the active ranks' accumulated window, and it steps only
 in rounds that sync.
 
+*Shared windows* (``Join(..., shared_windows=True)``, for loops whose
+accumulation windows are counted from the Join's start on every rank, as
+Accelerate's ``accumulate()`` and Lightning's ``accumulate_grad_batches`` under
+joinkit's helpers). Accumulation is then one window of the whole world, not
+of each rank: a rank that runs out in the middle of a window keeps its partial
+window (FSDP's unsharded accumulation) in the model instead of setting it
+aside, so the replayed backward that syncs reduces it with the active ranks'
+(its own part counts in that step, as one process stepping once per window of
+batch positions would count it); and a window still open when every rank has
+run out (the last rank's count was not a multiple of the window) is closed in
+the post hooks: every rank replays one syncing backward from a zero loss
+(FSDP reduces what each accumulated) and the optimizer's joinable steps
+(``closed_window``). After the Join every gradient of the model is dropped
+(every window was stepped). Refused with ``divide_by_initial_world_size=False``
+(a shared window mixes rounds of different active counts).
+
 *Divisor.* FSDP divides reduced gradients by the data-parallel world size; a
 joined rank contributes zero, so the default is DDP's
 ``divide_by_initial_world_size=True``. With ``Join(...,
@@ -218,6 +234,13 @@ class FSDPJoinable(AdapterJoinable):
         #: Whether this rank's latest shadow round synced gradients: the
         #: optimizer's shadow steps after such a round (``adapters.optim``).
         self.shadow_synced = False
+        # Join(..., shared_windows=True) (module doc), and the flags of the
+        # iteration this rank last ran or shadowed.
+        self._shared_windows = False
+        self._last_flags = 0
+        #: Whether the post hooks closed an open shared window: the optimizer's
+        #: joinable steps after it (``adapters.optim``).
+        self.closed_window = False
         # Join(..., on_rank_loss="finish"): adapters._fsdp_elastic, while one lasts.
         self._elastic: Any = None
 
@@ -306,6 +329,8 @@ class FSDPJoinable(AdapterJoinable):
         self._window_open = False
         self._own_gradients = None
         self.shadow_synced = False
+        self._last_flags = 0
+        self.closed_window = False
         self._divisor = None
         self._checked_root = False
         # Before FSDP's own pre-forward (it prepends too, at fully_shard time).
@@ -418,6 +443,14 @@ class FSDPJoinable(AdapterJoinable):
         """
         self._divide_by_initial_world_size = bool(
             kwargs.get("divide_by_initial_world_size", True))
+        self._shared_windows = bool(kwargs.get("shared_windows", False))
+        if self._shared_windows and not self._divide_by_initial_world_size:
+            raise ValueError(
+                f"Join(..., shared_windows=True) with an {self.describes} takes "
+                "divide_by_initial_world_size=True only: a shared accumulation window "
+                "mixes rounds with different numbers of active ranks, which no one "
+                "divisor fits"
+            )
         self._source = _replay.InputSource(self.join_process_group,
                                            kwargs.get(_replay.SHADOW_INPUT))
         if self.finishes:
@@ -471,7 +504,9 @@ class FSDPJoinable(AdapterJoinable):
             self._source.record(tuple(args), dict(kwargs), self.join_device.type)
         if self._pending is not None:
             self._settle()  # the last forward's backward, before this step check
-        self._check.send(self, self._iteration_flags())
+        flags = self._iteration_flags()
+        self._check.send(self, flags)
+        self._last_flags = flags
         return None
 
     def _watch_backward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -561,10 +596,7 @@ class FSDPJoinable(AdapterJoinable):
         assert self._check is not None and self._source is not None
         active, flags = self._check.round()
         if self._first_round:
-            self._first_round = False
-            self._before_first_replay()
-            self._own_gradients = self._take()  # given back by _leave
-            self._window_open = True
+            self._begin_shadowing()
         if not self._window_open:
             self._take()  # the previous window's, already stepped
             self._window_open = True
@@ -580,8 +612,42 @@ class FSDPJoinable(AdapterJoinable):
         finally:
             self._replaying = False
         self.shadow_synced = backward and bool(flags & SYNC)
+        self._last_flags = flags
         if self.shadow_synced:
             self._window_open = False  # the optimizer steps; the next window starts empty
+
+    def _begin_shadowing(self) -> None:
+        """Before this rank's first replay: set its own gradients aside (module doc),
+        or, in a shared window it ran out inside, keep them for the window's step."""
+        self._first_round = False
+        self._before_first_replay()
+        if self._shared_windows and self._mid_window():
+            self._own_gradients = []  # its window is stepped with the others': none back
+        else:
+            self._own_gradients = self._take()  # given back by _leave
+        self._window_open = True
+
+    def _mid_window(self) -> bool:
+        """Whether the last iteration run or shadowed had a backward that did not sync."""
+        return bool(self._last_flags & GRAD) and not self._last_flags & SYNC
+
+    def _close_window(self) -> None:
+        """In the post hooks, on every rank: close a shared window still open (module doc)."""
+        if not (self._shared_windows and self._mid_window()):
+            return
+        assert self._source is not None
+        if self._first_round:  # ran to the end without shadowing: drop all on leaving
+            self._begin_shadowing()
+        args, kwargs, autocast = self._source.inputs(self.join_device)
+        self._replaying = True
+        try:
+            with self._replay_settings(GRAD | SYNC | ALL_REDUCE):
+                _replay.replay(self.model, args, kwargs, backward=True, autocast=autocast,
+                               inference=False)
+        finally:
+            self._replaying = False
+        self._last_flags = GRAD | SYNC
+        self.closed_window = True
 
 
 class _FSDPShadow(JoinHook):
@@ -609,6 +675,8 @@ class _FSDPShadow(JoinHook):
         elastic = self.adapter._elastic
         if elastic is not None:
             elastic.sync_final_model(is_last_joiner)
+        else:
+            self.adapter._close_window()
 
 
 # -- the step check ---------------------------------------------------------------------

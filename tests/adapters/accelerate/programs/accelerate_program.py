@@ -44,6 +44,7 @@ BATCH = 2
 EPOCHS = 2
 LR = 0.1
 ACCUMULATE = 2  # the accumulate case's gradient_accumulation_steps
+CLIP = 0.05  # the clipping cases' max norm (it bites: the norms are about 0.1 to 1)
 PG_TIMEOUT_S = 30
 
 
@@ -74,7 +75,7 @@ def full_params(model: torch.nn.Module) -> list[list[float]]:
 
 
 def make_accelerator(mode: str) -> tuple[Any, dict[str, Any]]:
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from accelerate.utils import (
         DataLoaderConfiguration,
         DistributedType,
@@ -97,18 +98,26 @@ def make_accelerator(mode: str) -> tuple[Any, dict[str, Any]]:
     if plugin is not None:
         facts["ignored_plugin"] = accelerator.distributed_type != DistributedType.FSDP
         accelerator.state.distributed_type = DistributedType.FSDP  # test-only: see the doc
+        # Every AcceleratorState() built later (a data loader's prepare) copies
+        # PartialState's shared state over its own: set there too, or the type goes
+        # back to MULTI_CPU after the first prepare (no_sync, clipping: not FSDP's).
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
         # MULTI_CPU's device is cpu:<local rank>, which FSDP1 refuses as its device_id
         # for a model on "cpu" (a GPU machine's is cuda:<local rank>).
-        accelerator.state.device = torch.device("cpu")
+        accelerator.state.device = PartialState._shared_state["device"] = torch.device("cpu")
     return accelerator, facts
 
 
-def prepared(accelerator: Any) -> tuple[Any, Any, Any]:
+def prepared(accelerator: Any, batches: int = BATCHES) -> tuple[Any, Any, Any]:
     from accelerate.utils import DistributedType
 
+    # A fresh start for each case: Accelerate's FSDP clip_grad_norm_ looks for the
+    # model among every one prepared before (comparing parameter lists).
+    accelerator.free_memory()
     model = make_model()
-    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH)
+    data = torch.utils.data.Subset(dataset(), range(batches * BATCH))
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH)
     if (accelerator.distributed_type == DistributedType.FSDP
             and not accelerator.is_fsdp2):
         # FSDP1 flattens the parameters, and Accelerate does not give an optimizer
@@ -128,6 +137,38 @@ def step(accelerator: Any, model: Any, optimizer: Any, x: Any, y: Any) -> None:
     optimizer.step()
 
 
+def accumulated(accelerator: Any, gas: int, clip: bool = False,
+                batches: int = BATCHES) -> dict[str, Any]:
+    """``accelerator.accumulate(model)`` in windows of ``gas`` batches inside
+    ``join_uneven_inputs``, clipping (``CLIP``) at each window's end when ``clip``: a
+    joined process clips in its shadow step (``shadow_step``), as the loop does."""
+    from joinkit.adapters.accelerate import join_uneven_inputs
+
+    model, optimizer, loader = prepared(accelerator, batches)
+    accelerator.gradient_accumulation_steps = gas
+    kwargs: dict[str, Any] = {}
+    if clip:
+        def shadow_step() -> None:
+            accelerator.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.optimizer.step()
+
+        kwargs["shadow_step"] = shadow_step
+    steps = 0
+    with join_uneven_inputs(accelerator, [model, optimizer], even_batches=False, **kwargs):
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                if clip and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), CLIP)
+                optimizer.step()
+                optimizer.zero_grad()
+            steps += 1
+    accelerator.gradient_accumulation_steps = 1
+    return {"params": [full_params(model)], "steps": steps, "model": type(model).__name__,
+            "distributed_type": str(accelerator.distributed_type),
+            "grads": [p.grad is None for p in model.parameters()]}
+
+
 def write(out: Path, mode: str, case: str, rank: int, record: dict[str, Any]) -> None:
     Path(out, f"{mode}-{case}-{rank}.json").write_text(json.dumps(record))
 
@@ -138,6 +179,14 @@ def main() -> None:
 
     accelerator, facts = make_accelerator(mode)
     rank = accelerator.process_index
+    if accelerator.num_processes == 3:  # FSDP's accumulation on 3 processes, then done
+        # 7 batches: 3, 2 and 2, rank 0's last window half full (closed at the end);
+        # 2 batches: 1, 1 and none, the one window closed at the end.
+        write(out, mode, "accumulate", rank, accumulated(accelerator, ACCUMULATE))
+        write(out, mode, "no_data_clip", rank,
+              accumulated(accelerator, ACCUMULATE, clip=True, batches=2))
+        sys.stdout.flush()
+        os._exit(0)
 
     model, optimizer, loader = prepared(accelerator)
     per_epoch, steps = [], 0
@@ -158,19 +207,12 @@ def main() -> None:
             steps += 1
     write(out, mode, "padded", rank, {"params": [full_params(model)], "steps": steps})
 
-    if mode == "ddp":  # accelerator.accumulate: windows of 2 batches, the last one short
-        model, optimizer, loader = prepared(accelerator)
-        accelerator.gradient_accumulation_steps = ACCUMULATE
-        steps = 0
-        with join_uneven_inputs(accelerator, [model, optimizer], even_batches=False):
-            for x, y in loader:
-                with accelerator.accumulate(model):
-                    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
-                    optimizer.step()
-                    optimizer.zero_grad()
-                steps += 1
-        accelerator.gradient_accumulation_steps = 1
-        write(out, mode, "accumulate", rank, {"params": [full_params(model)], "steps": steps})
+    # accelerator.accumulate: windows of 2 batches, rank 1's last one short.
+    write(out, mode, "accumulate", rank, accumulated(accelerator, ACCUMULATE))
+    if mode != "ddp":
+        # Windows of 3 with clipping: rank 0's second window (one batch) is still open
+        # when both have run out, and the Join's post hooks close it.
+        write(out, mode, "accumulate3_clip", rank, accumulated(accelerator, 3, clip=True))
 
     model, optimizer, loader = prepared(accelerator)
     steps, error = 0, None
