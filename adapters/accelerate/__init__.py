@@ -207,9 +207,10 @@ def _counted_windows(accelerator: Any, on: bool) -> Iterator[None]:
     and the engine's step (FSDP's reduce-scatter) at that boundary would meet no
     peer. So while the Join lasts that is off: every window ends after
     ``gradient_accumulation_steps`` micro-steps, a process that ran out replays the
-    rest of its windows with zeros, and a window still open when every process has run out is closed by
-    the Join (``DeepSpeedJoinable``'s post hook, or FSDP's shared windows: one
-    more step on every process, as Accelerate steps at the end of the data).
+    rest of its windows with zeros, and a window still open when every process
+    has run out is closed by the Join (``DeepSpeedJoinable``'s post hook, or
+    FSDP's shared windows: one more step on every process, as Accelerate steps at
+    the end of the data).
     Then the window count starts again, as at the end of Accelerate's data.
     """
     if not on:
