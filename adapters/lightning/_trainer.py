@@ -254,8 +254,12 @@ class UnevenInputs(Callback):
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._patched: list[tuple[Any, str]] = []
         self._active = False
-        self._fsdp = False  # ModelParallelStrategy (FSDP2)
-        self._fsdp_root: Any = None  # its root fully_shard module, from on_fit_start
+        self._fsdp = False  # ModelParallelStrategy (FSDP2) or FSDPStrategy (FSDP1)
+        self._fsdp1 = False  # FSDPStrategy
+        self._fsdp_root: Any = None  # its root FSDP module, from on_fit_start
+        # FSDP1: the LightningModule's latest forward input (the replay's), and the hook.
+        self._forward_input: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._forward_hook: Any = None
         self._val_join: Join | None = None
         self._trainer: pl.Trainer | None = None
         self._sigterm_seen = False  # this rank got SIGTERM (the swapped handler)
@@ -270,17 +274,17 @@ class UnevenInputs(Callback):
             return
         _private.check("Trainer")
         strategy = trainer.strategy
-        self._fsdp_root, self._fsdp = None, False
+        self._fsdp_root, self._fsdp, self._fsdp1 = None, False, False
         if _is_model_parallel(strategy):
             _check_model_parallel(trainer)
             self._fsdp = True  # its root module exists after configure_model: on_fit_start
+        elif _is_fsdp1(strategy):
+            self._fsdp = self._fsdp1 = True  # wrapped in strategy.setup: on_fit_start
         elif not _is_ddp(strategy):
             raise TypeError(
-                f"UnevenInputs supports Lightning's DDP strategies ('ddp', 'ddp_spawn', ...) "
-                f"and ModelParallelStrategy (FSDP2, fully_shard), not "
-                f"{type(strategy).__qualname__}: FSDPStrategy builds FSDP1, which joinkit "
-                "cannot shadow; use ModelParallelStrategy(data_parallel_size=N, "
-                "tensor_parallel_size=1) and apply fully_shard in configure_model"
+                f"UnevenInputs supports Lightning's DDP strategies ('ddp', 'ddp_spawn', ...), "
+                f"FSDPStrategy ('fsdp', FSDP1) and ModelParallelStrategy (FSDP2, "
+                f"fully_shard), not {type(strategy).__qualname__}"
             )
         epoch_loop = trainer.fit_loop.epoch_loop
         self._trainer, self._sigterm_seen = trainer, False
@@ -310,7 +314,10 @@ class UnevenInputs(Callback):
         if self._sigterm_seen and self._trainer is not None:
             self._trainer._signal_connector.received_sigterm = True
         self._trainer = None
-        self._fsdp_root, self._fsdp = None, False
+        self._fsdp_root, self._fsdp, self._fsdp1 = None, False, False
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+        self._forward_hook = self._forward_input = None
         self._empty = self._any_empty = self._cut = False
         for obj, name in reversed(self._patched):
             with contextlib.suppress(AttributeError):
@@ -318,8 +325,48 @@ class UnevenInputs(Callback):
         self._patched.clear()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fsdp:
+        if self._fsdp1:
+            self._fsdp_root = _fsdp1_root(trainer)
+            self._forward_hook = pl_module.register_forward_pre_hook(
+                self._record_forward, with_kwargs=True)
+        elif self._fsdp:
             self._fsdp_root = _fsdp2_root(pl_module)
+
+    # -- FSDP1: the replay's input --------------------------------------------------------
+
+    def _record_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        """The LightningModule's forward input (FSDP1's replay input, module doc)."""
+        self._forward_input = (tuple(args), dict(kwargs))
+
+    def _shadow_input(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """FSDP1: a joined rank replays the LightningModule's forward on an empty batch
+        shaped as its own latest forward input (``Join(shadow_input=...)``).
+
+        Raises:
+            LocalProtocolError: the LightningModule's forward never ran on this rank.
+        """
+        if self._forward_input is None:
+            raise LocalProtocolError(
+                "UnevenInputs with FSDPStrategy (FSDP1) replays the LightningModule's "
+                "forward on a joined rank, and this rank's training_step never called it: "
+                "call self(...) in training_step (FSDP1 wraps the whole LightningModule, "
+                "whose forward is what a joined rank can replay)"
+            )
+        args, kwargs = self._forward_input
+
+        def empty(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                return value[:0]
+            return value
+
+        return (tuple(empty(a) for a in args), {k: empty(v) for k, v in kwargs.items()})
+
+    def _join_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of the Joins of the model (training and validation)."""
+        kwargs: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
+        if self._fsdp1:
+            kwargs["shadow_input"] = self._shadow_input
+        return kwargs
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
         setattr(obj, name, value)
@@ -404,8 +451,9 @@ class UnevenInputs(Callback):
                     )
             # The root keeps its unsharded parameters after a forward without a
             # backward (validation); reshard (local) so it holds the sharded
-            # parameters the optimizer steps, which the Join links to it.
-            self._fsdp_root.reshard()
+            # parameters the optimizer steps, which the Join links to it (FSDP2).
+            if not self._fsdp1:
+                self._fsdp_root.reshard()
             joinables = [self._sigterm, self._fsdp_root, *trainer.optimizers]
             joinables += [config.scheduler for config in trainer.lr_scheduler_configs
                           if config.interval == "step"]
@@ -421,9 +469,10 @@ class UnevenInputs(Callback):
         if self.side_channel is not None:
             joinables.append(self.side_channel)
         joinables.append(self._log_sync)
-        kwargs: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
+        kwargs = self._join_kwargs() if self._fsdp_root is not None else (
+            {} if self._timeout is None else {"timeout": self._timeout})
         if self._fsdp_root is not None and trainer.accumulate_grad_batches > 1:
-            kwargs["shared_windows"] = True  # FSDP2's windows (module doc)
+            kwargs["shared_windows"] = True  # FSDP's windows (module doc)
         join = Join(joinables, **kwargs)
         join.__enter__()
         self._join, self._active, self._cut = join, True, False
@@ -532,8 +581,7 @@ class UnevenInputs(Callback):
         # forward (no backward: gradients are off) until every rank has finished.
         if self._fsdp_root is None or trainer.world_size < 2:
             return
-        join = Join([self._fsdp_root]) if self._timeout is None else Join(
-            [self._fsdp_root], timeout=self._timeout)
+        join = Join([self._fsdp_root], **self._join_kwargs())
         join.__enter__()
         self._val_join = join
 
@@ -739,7 +787,11 @@ def _syncing_block(callback: UnevenInputs,
     def block_backward_sync() -> Iterator[None]:
         root = callback._fsdp_root
         if callback._active and root is not None:
-            # FSDP2's own window (module doc): Lightning blocks nothing for it.
+            # FSDP's own window (module doc): Lightning blocks nothing for it.
+            if callback._fsdp1:
+                with root.no_sync():
+                    yield None
+                return
             root.set_requires_gradient_sync(False)
             try:
                 yield None
@@ -768,10 +820,33 @@ def _windowed_accumulation(epoch_loop: Any) -> Callable[[], bool]:
 
 
 def _closed_a_window(root: Any) -> bool:
-    """Whether the epoch's Join closed an open FSDP2 window in its post hooks."""
-    from joinkit.adapters.torch import fsdp
+    """Whether the epoch's Join closed an open FSDP window in its post hooks."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-    return fsdp.adapt(root).closed_window
+    from joinkit.adapters.torch import fsdp, fsdp1
+
+    adapter = fsdp1.adapt(root) if isinstance(root, FullyShardedDataParallel) else (
+        fsdp.adapt(root))
+    return adapter.closed_window
+
+
+def _is_fsdp1(strategy: Any) -> bool:
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    return isinstance(strategy, FSDPStrategy)
+
+
+def _fsdp1_root(trainer: pl.Trainer) -> Any:
+    """FSDPStrategy's root ``FullyShardedDataParallel`` (the wrapped LightningModule)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    root = trainer.strategy.model
+    if not isinstance(root, FullyShardedDataParallel):
+        raise TypeError(
+            "UnevenInputs with FSDPStrategy expects the strategy's model to be the root "
+            f"FullyShardedDataParallel, got {type(root).__qualname__}"
+        )
+    return root
 
 
 def _agreeing_setup_data(callback: UnevenInputs, trainer: pl.Trainer,

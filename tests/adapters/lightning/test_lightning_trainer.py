@@ -47,7 +47,9 @@ NAIVE = Path(__file__).parent / "programs" / "lightning_naive.py"
 # did not end it).
 NAIVE_TIMEOUT = 100
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler", "fsdp2", "ddp_empty_rank",
+SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler", "fsdp2", "fsdp2_accumulate",
+             "fsdp1", "fsdp1_accumulate",
+             "ddp_empty_rank",
              "ddp_max_steps", "ddp_side_channel",
              "ddp_empty_rank_epoch_metric"]  # last: it is refused, which ends the launch's fits
 
@@ -271,6 +273,42 @@ def test_accumulate_grad_batches_matches_a_single_process(runs: Any) -> None:
         assert got["params"] == pytest.approx(want["params"], abs=1e-5)
         assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
         assert got["train_mse"] == pytest.approx(want["train_mse"], abs=1e-5)
+
+
+def test_fsdp2_accumulate_grad_batches_matches_a_single_process(runs: Any) -> None:
+    """ModelParallelStrategy (FSDP2) with accumulate_grad_batches=3 and a step-interval
+    LR scheduler: rank 0 runs out inside a window (its part counts in that window's
+    step), rank 1's last window is open when both have run out (the Join closes it on
+    both, as Lightning steps at the end of the data), momentum and global_step as one
+    process."""
+    want = reference(accumulate=3, scheduler=True)
+    for got in result(runs, "fsdp2_accumulate"):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        assert got["train_mse"] == pytest.approx(want["train_mse"], abs=1e-5)
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        assert got["global_step"] == want["global_step"] == 3 * 2
+
+
+@pytest.mark.parametrize(("name", "accumulate"), [("fsdp1", 1), ("fsdp1_accumulate", 3)])
+def test_fsdp1_strategy_matches_a_single_process(runs: Any, name: str,
+                                                 accumulate: int) -> None:
+    """Lightning's strategy="fsdp" (FSDPStrategy: FSDP1 around the whole LightningModule,
+    run on CPU by the worker's test-only subclass): a joined rank replays the
+    LightningModule's forward on an empty batch shaped as its own last input; with
+    accumulate_grad_batches=3 as FSDP2's windows. (Momentum is each rank's flat shard
+    under FSDP1: the parameters, which it moves, are compared.)"""
+    want = reference(accumulate=accumulate, scheduler=True)
+    for rank, got in enumerate(result(runs, name)):
+        assert got["fsdp1"] is True
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        assert got["train_mse"] == pytest.approx(want["train_mse"], abs=1e-5)
+        assert got["global_step"] == want["global_step"]
+        if accumulate == 1:
+            assert got["loss"] == pytest.approx([m for m, _ in want["logged"][rank]],
+                                                abs=1e-5)
+            assert got["shadow_rounds"] == [max(w) - w[rank] for w in want["batches"]]
 
 
 def test_the_example_under_lightnings_own_launcher(runs: Any) -> None:
