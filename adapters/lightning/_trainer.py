@@ -473,6 +473,8 @@ class UnevenInputs(Callback):
             {} if self._timeout is None else {"timeout": self._timeout})
         if self._fsdp_root is not None and trainer.accumulate_grad_batches > 1:
             kwargs["shared_windows"] = True  # FSDP's windows (module doc)
+        if self._fsdp_root is not None and trainer.gradient_clip_val:
+            kwargs["shadow_step"] = _clipping_step(trainer, pl_module)
         join = Join(joinables, **kwargs)
         join.__enter__()
         self._join, self._active, self._cut = join, True, False
@@ -805,6 +807,29 @@ def _syncing_block(callback: UnevenInputs,
             yield None
 
     return block_backward_sync
+
+
+def _clipping_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[], None]:
+    """Under FSDP with ``gradient_clip_val``: a joined rank's step clips as the active
+    ranks' optimizer step does (the module's ``configure_gradient_clipping``: by norm a
+    norm all-reduce over the shards, by value each rank's own shard), then steps.
+
+    Raises:
+        TypeError: several optimizers (the Join's one step would step each).
+    """
+    if len(trainer.optimizers) != 1:
+        raise TypeError(
+            "UnevenInputs under FSDP with gradient_clip_val clips in a joined rank's step, "
+            f"which steps one optimizer; this module has {len(trainer.optimizers)}"
+        )
+    optimizer = trainer.optimizers[0]
+
+    def step() -> None:
+        pl_module.configure_gradient_clipping(optimizer, trainer.gradient_clip_val,
+                                              trainer.gradient_clip_algorithm)
+        optimizer.step()
+
+    return step
 
 
 def _windowed_accumulation(epoch_loop: Any) -> Callable[[], bool]:

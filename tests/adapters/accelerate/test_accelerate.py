@@ -198,6 +198,30 @@ def test_fsdp_accumulate_with_clipping_closes_the_last_window(launches: Any,
 @pytest.mark.launches
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("mode", FSDP_MODES)
+def test_fsdp_mixed_precision_equals_zero_weight_padding(launches: Any, mode: str) -> None:
+    """FSDP's bf16 mixed precision (the plugin's policy: bfloat16 parameters and
+    reductions), windows of 2, rank 1 running out inside one: bit for bit the run
+    without joinkit where rank 1 is padded (even_batches=True) with zero-weight
+    batches, the same casts and collectives; both 3.0e-4 from the float32 reference
+    (measured; bfloat16's rounding), which the bound checks really is bf16."""
+    import accelerate_program as p
+
+    joined = _records(launches, mode, "bf16")
+    padded = _records(launches, mode, "bf16_zero_padded")
+    assert [r["steps"] for r in joined] == [4, 3]
+    assert [r["steps"] for r in padded] == [4, 4]
+    _assert_trained_by(joined, mode)
+    want = _accumulated_reference(WORLD, p.ACCUMULATE)
+    for got, same in zip(joined, padded, strict=True):
+        assert got["params"] == same["params"]
+        error = max(abs(a - b) for g, w in zip(got["params"][0], want, strict=True)
+                    for a, b in zip(g, w, strict=True))
+        assert 1e-5 < error < 1e-3
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("mode", FSDP_MODES)
 @pytest.mark.parametrize(("case", "batches", "clip", "steps"), [
     ("accumulate", 7, False, [3, 2, 2]), ("no_data_clip", 2, True, [1, 1, 0])])
 def test_fsdp_accumulate_on_three_processes(launches: Any, mode: str, case: str,

@@ -48,7 +48,7 @@ NAIVE = Path(__file__).parent / "programs" / "lightning_naive.py"
 NAIVE_TIMEOUT = 100
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 SCENARIOS = ["ddp", "ddp_accumulate", "ddp_shard_sampler", "fsdp2", "fsdp2_accumulate",
-             "fsdp1", "fsdp1_accumulate",
+             "fsdp1", "fsdp1_accumulate", "fsdp2_clip",
              "ddp_empty_rank",
              "ddp_max_steps", "ddp_side_channel",
              "ddp_empty_rank_epoch_metric"]  # last: it is refused, which ends the launch's fits
@@ -110,8 +110,8 @@ def _epoch_data(epoch: int, shards: bool, inputs: list[int]
 
 
 def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False,
-              inputs: list[int] | None = None, max_steps: int = -1, epochs: int | None = None
-              ) -> dict[str, Any]:
+              inputs: list[int] | None = None, max_steps: int = -1, epochs: int | None = None,
+              clip: float | None = None) -> dict[str, Any]:
     """The single process: each step the active ranks' batches (module doc); with
     ``max_steps``, it stops after that many optimizer steps, and an epoch it ends early
     is not validated (Lightning validates at an epoch's last batch)."""
@@ -153,6 +153,8 @@ def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
                 logged[rank].append((sum(losses) / len(losses), max(losses)))
                 actives[rank].append(active)
             if (step + 1) % accumulate == 0 or step == most - 1:
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
                 optimizer.step()
                 steps += 1
                 if scheduler:
@@ -282,12 +284,20 @@ def test_fsdp2_accumulate_grad_batches_matches_a_single_process(runs: Any) -> No
     both, as Lightning steps at the end of the data), momentum and global_step as one
     process."""
     want = reference(accumulate=3, scheduler=True)
+    unclipped = want
     for got in result(runs, "fsdp2_accumulate"):
         assert got["params"] == pytest.approx(want["params"], abs=1e-5)
         assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
         assert got["train_mse"] == pytest.approx(want["train_mse"], abs=1e-5)
         assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
         assert got["global_step"] == want["global_step"] == 3 * 2
+    # The same with gradient_clip_val (by norm) that bites: a joined rank clips too.
+    want = reference(accumulate=3, scheduler=True, clip=0.05)
+    assert max(abs(a - b) for a, b in zip(want["params"], unclipped["params"],
+                                          strict=True)) > 1e-3
+    for got in result(runs, "fsdp2_clip"):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
 
 
 @pytest.mark.parametrize(("name", "accumulate"), [("fsdp1", 1), ("fsdp1_accumulate", 3)])

@@ -28,6 +28,7 @@ Each rank writes ``OUT/MODE-CASE-RANK.json`` as soon as a case ends.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -137,14 +138,25 @@ def step(accelerator: Any, model: Any, optimizer: Any, x: Any, y: Any) -> None:
     optimizer.step()
 
 
-def accumulated(accelerator: Any, gas: int, clip: bool = False,
-                batches: int = BATCHES) -> dict[str, Any]:
+def accumulated(accelerator: Any, gas: int, clip: bool = False, batches: int = BATCHES,
+                bf16: bool = False, zero_padded: bool = False) -> dict[str, Any]:
     """``accelerator.accumulate(model)`` in windows of ``gas`` batches inside
     ``join_uneven_inputs``, clipping (``CLIP``) at each window's end when ``clip``: a
-    joined process clips in its shadow step (``shadow_step``), as the loop does."""
+    joined process clips in its shadow step (``shadow_step``), as the loop does.
+
+    ``bf16``: FSDP's mixed precision (the plugin's bf16 policy: parameters and
+    reductions in bfloat16). ``zero_padded``: no Join, the reference computed the same
+    way: Accelerate's padding (``even_batches=True``) with the padded batches' loss
+    times zero, so a short process runs the same collectives with zero contributions
+    through FSDP itself."""
     from joinkit.adapters.accelerate import join_uneven_inputs
 
+    plugin = getattr(accelerator.state, "fsdp_plugin", None) if bf16 else None
+    if bf16:
+        plugin.set_mixed_precision("bf16", override=True)
     model, optimizer, loader = prepared(accelerator, batches)
+    if bf16:
+        plugin.mixed_precision_policy = None
     accelerator.gradient_accumulation_steps = gas
     kwargs: dict[str, Any] = {}
     if clip:
@@ -154,10 +166,18 @@ def accumulated(accelerator: Any, gas: int, clip: bool = False,
 
         kwargs["shadow_step"] = shadow_step
     steps = 0
-    with join_uneven_inputs(accelerator, [model, optimizer], even_batches=False, **kwargs):
+    own = len(range(accelerator.process_index, batches, accelerator.num_processes))
+    block: Any = join_uneven_inputs(accelerator, [model, optimizer], even_batches=False,
+                                    **kwargs)
+    if zero_padded:
+        loader.batch_sampler.even_batches = True
+        block = contextlib.nullcontext()
+    with block:
         for x, y in loader:
             with accelerator.accumulate(model):
-                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                weight = 0.0 if steps >= own else 1.0  # a padded batch (zero_padded)
+                loss = torch.nn.functional.mse_loss(model(x).float(), y) * weight
+                accelerator.backward(loss)
                 if clip and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), CLIP)
                 optimizer.step()
@@ -213,6 +233,11 @@ def main() -> None:
         # Windows of 3 with clipping: rank 0's second window (one batch) is still open
         # when both have run out, and the Join's post hooks close it.
         write(out, mode, "accumulate3_clip", rank, accumulated(accelerator, 3, clip=True))
+        # bfloat16 parameters and reductions (FSDP's mixed precision), windows of 2,
+        # with the Join and with zero-weight padding (the same casts and collectives).
+        write(out, mode, "bf16", rank, accumulated(accelerator, ACCUMULATE, bf16=True))
+        write(out, mode, "bf16_zero_padded", rank,
+              accumulated(accelerator, ACCUMULATE, bf16=True, zero_padded=True))
 
     model, optimizer, loader = prepared(accelerator)
     steps, error = 0, None

@@ -182,7 +182,8 @@ class ActiveRanks(pl.Callback):
 def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         validate: bool = True, shards: bool = False, fsdp: bool | str = False,
         inputs: list[int] = INPUTS, max_steps: int = -1, epochs: int = EPOCHS,
-        epoch_metric: bool = True, side_model: bool = False) -> dict[str, Any]:
+        epoch_metric: bool = True, side_model: bool = False,
+        clip: float | None = None) -> dict[str, Any]:
     logger = ListLogger()
     active = ActiveRanks()
     side = SideChannel() if side_model else None
@@ -192,7 +193,7 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         max_steps=max_steps, logger=logger,
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
-        accumulate_grad_batches=accumulate,
+        accumulate_grad_batches=accumulate, gradient_clip_val=clip,
         callbacks=[active, uneven],
         limit_val_batches=1.0 if validate else 0,
     )
@@ -279,6 +280,8 @@ SCENARIOS = {
     "fsdp2_accumulate": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp=True),
     # Lightning's strategy="fsdp" (FSDP1, the whole LightningModule wrapped): the same.
     "fsdp1": lambda rank: fit(rank, scheduler=True, fsdp="fsdp1"),
+    # FSDP2 with clipping by norm that bites (a norm all-reduce in every step).
+    "fsdp2_clip": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp=True, clip=CLIP),
     "fsdp1_accumulate": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp="fsdp1"),
     "ddp": lambda rank: fit(rank, scheduler=True),
     "ddp_accumulate": lambda rank: fit(rank, accumulate=2, validate=False),
@@ -295,6 +298,7 @@ SCENARIOS = {
 }
 
 EMPTY_INPUTS = [0, 8]
+CLIP = 0.05
 MAX_STEPS = 15
 
 
