@@ -469,7 +469,7 @@ class UnevenInputs(Callback):
         if self.side_channel is not None:
             joinables.append(self.side_channel)
         joinables.append(self._log_sync)
-        kwargs = self._join_kwargs() if self._fsdp_root is not None else (
+        kwargs: dict[str, Any] = self._join_kwargs() if self._fsdp_root is not None else (
             {} if self._timeout is None else {"timeout": self._timeout})
         if self._fsdp_root is not None and trainer.accumulate_grad_batches > 1:
             kwargs["shared_windows"] = True  # FSDP's windows (module doc)

@@ -58,7 +58,14 @@ DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_resume_s2", "ds_resume_s3
 DS3_CELLS = ["ds3_gas2_s2", "ds3_gas3_s1", "ds3_gas2_s3", "ds3_offload_s3"]
 #: The Trainer with FSDP (FSDP1 and FSDP2), launched apart on 2 and 3 ranks.
 FSDP_CELLS = ["fsdp2_map", "fsdp2_gas2", "fsdp2_stream_zero", "fsdp1_map",
-              "fsdp1_gas2_stream_zero", "fsdp1_even", "fsdp_refusals"]
+              "fsdp1_gas2_stream_zero", "fsdp1_even", "fsdp_refusals", "fsdp2_bf16",
+              "fsdp2_bf16_even", "fsdp1_bf16", "fsdp1_bf16_even"]
+#: bf16=True under FSDP (bfloat16 parameters, reductions and autocast; float32 models
+#: and master weights) against the float64 reference: measured at most BF16_MEASURED
+#: from it, the same as the control where nobody joins (its error times at most
+#: BF16_CONTROL_FACTOR, bfloat16's rounding of other batches).
+BF16_PARAM_TOLERANCE = 5e-3
+BF16_CONTROL_FACTOR = 3.0
 FSDP_LAUNCHES = ["fsdp-2", "fsdp-3"]
 #: DeepSpeed's ZeRO optimizer steps float32 master weights (its flat partitions are
 #: ``.float()``) and sums the gradient norm in float32, so a float64 model trains in
@@ -520,6 +527,29 @@ def test_fsdp_own_streams_a_rank_with_none(launches: dict[str, Any], launch: str
                  norm_relative=FSDP1_NORM_RELATIVE)
     else:
         _compare(records, "llama")
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+@pytest.mark.parametrize(("cell", "kind"), [("fsdp2_bf16", "FSDP2"), ("fsdp1_bf16", "FSDP1")])
+def test_fsdp_mixed_precision_within_the_bound_of_a_run_where_nobody_joins(
+        launches: dict[str, Any], launch: str, cell: str, kind: str) -> None:
+    """bf16=True: the plugin's bfloat16 policy really applied, parameters within the
+    measured bound of the float64 reference, and no further from it than a control
+    where nobody joins (12 samples: even) is from its own."""
+    import hf_reference as ref
+
+    errors = []
+    for name in (cell, f"{cell}_even"):
+        records = _records(launches, launch, name)
+        assert {(r["wrapped"], r["param_dtype"]) for r in records} == {
+            (kind, "torch.bfloat16")}
+        want = ref.train(records, "gpt2")
+        errors.append(max(ref.max_param_error(r["params"], want["params"])
+                          for r in records))
+    print(f"{launch} {cell}: {errors[0]:.2e} (control {errors[1]:.2e})")
+    assert 1e-6 < errors[0] < BF16_PARAM_TOLERANCE  # bfloat16 rounding, really
+    assert errors[0] < BF16_CONTROL_FACTOR * errors[1]
 
 
 @pytest.mark.launches

@@ -477,7 +477,9 @@ def fsdp_cell(ctx: dict[str, Any], *, version: int, samples: int | None = None,
     return {"recorded": trainer.recorded, "items": trainer.items,
             "params": fsdp_params(trainer), "log_history": trainer.state.log_history,
             "final_eval": final, "global_step": output.global_step,
-            "wrapped": wrapped_kind(trainer), "meta": meta(trainer)}
+            "wrapped": wrapped_kind(trainer), "meta": meta(trainer),
+            "param_dtype": str(getattr(trainer.accelerator.state.fsdp_plugin
+                                       .mixed_precision_policy, "param_dtype", None))}
 
 
 def fsdp_config(version: int) -> dict[str, Any]:
@@ -920,6 +922,17 @@ CELLS = {
     "fsdp1_even": lambda ctx: fsdp_cell(ctx, version=1, samples=12, clip=0.05,
                                         dtype=torch.float32, optim="sgd"),
     "fsdp_refusals": lambda ctx: fsdp_refusals(ctx),
+    # bf16=True: Accelerate's bf16 autocast and FSDP's bfloat16 parameters and
+    # reductions (float32 models), uneven (13 samples) and a control where nobody joins
+    # (12), against the float64 reference: a measured bound.
+    "fsdp2_bf16": lambda ctx: fsdp_cell(ctx, version=2, samples=13, clip=0.05,
+                                        dtype=torch.float32, bf16=True),
+    "fsdp2_bf16_even": lambda ctx: fsdp_cell(ctx, version=2, samples=12, clip=0.05,
+                                             dtype=torch.float32, bf16=True),
+    "fsdp1_bf16": lambda ctx: fsdp_cell(ctx, version=1, samples=13, clip=0.05,
+                                        dtype=torch.float32, optim="sgd", bf16=True),
+    "fsdp1_bf16_even": lambda ctx: fsdp_cell(ctx, version=1, samples=12, clip=0.05,
+                                             dtype=torch.float32, optim="sgd", bf16=True),
 }
 
 
