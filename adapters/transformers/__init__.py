@@ -150,6 +150,8 @@ def _refuse(trainer: Any, distributed_type: Any) -> None:
         from . import _fsdp
 
         _fsdp.refuse(trainer)
+        _refuse_gathering_evaluation(trainer, "FSDP", "FSDP's forward all-gathers the "
+                                                     "parameters")
     elif getattr(args, "fsdp", None):
         raise RuntimeError(
             "uneven_inputs: TrainingArguments(fsdp=...) is set but the Trainer's Accelerator "
@@ -230,7 +232,6 @@ def _refuse_deepspeed(trainer: Any) -> None:
     first epoch's Join, after the Trainer's first collectives: the settings
     they read are checked here first, from the configuration alone.
     """
-    args = trainer.args
     _refuse_replayed_input(trainer, "DeepSpeed")
     plugin = trainer.accelerator.state.deepspeed_plugin
     config = dict(getattr(plugin, "deepspeed_config", None) or {})
@@ -252,25 +253,38 @@ def _refuse_deepspeed(trainer: Any) -> None:
             "zero_quantized_weights, zero_quantized_gradients): joinkit has not run it"
         )
     if stage == 3:
-        import torch
+        _refuse_gathering_evaluation(trainer, "DeepSpeed ZeRO-3",
+                                     "ZeRO-3's forward gathers the parameters",
+                                     ", or ZeRO stage 0-2")
 
-        evaluating = str(getattr(args.eval_strategy, "value", args.eval_strategy))
-        if evaluating == "steps":
-            raise NotImplementedError(
-                "uneven_inputs with DeepSpeed ZeRO-3: eval_strategy='steps' evaluates in "
-                "the middle of an epoch on the ranks still training, and ZeRO-3's forward "
-                "gathers the parameters from every rank. Use eval_strategy='epoch' (every "
-                "rank evaluates), or ZeRO stage 0-2"
-            )
-        eval_data = trainer.eval_dataset
-        datasets = eval_data.values() if isinstance(eval_data, dict) else [eval_data]
-        if any(isinstance(d, torch.utils.data.IterableDataset) for d in datasets):
-            raise NotImplementedError(
-                "uneven_inputs with DeepSpeed ZeRO-3: an IterableDataset evaluation set (each "
-                "rank its own stream, uneven) runs different numbers of forwards on the "
-                "ranks, and ZeRO-3's forward gathers the parameters from every rank. Use a "
-                "map-style evaluation set (joinkit splits it evenly), or ZeRO stage 0-2"
-            )
+
+def _refuse_gathering_evaluation(trainer: Any, what: str, gathers: str,
+                                 instead: str = "") -> None:
+    """Raise for evaluation that runs a forward gathering from every rank unevenly.
+
+    Raises:
+        NotImplementedError: ``eval_strategy='steps'`` (the ranks still training
+            evaluate) or an ``IterableDataset`` evaluation set (uneven forwards).
+    """
+    import torch
+
+    args = trainer.args
+    evaluating = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    if evaluating == "steps":
+        raise NotImplementedError(
+            f"uneven_inputs with {what}: eval_strategy='steps' evaluates in the middle of "
+            f"an epoch on the ranks still training, and {gathers} from every rank. Use "
+            f"eval_strategy='epoch' (every rank evaluates){instead}"
+        )
+    eval_data = trainer.eval_dataset
+    datasets = eval_data.values() if isinstance(eval_data, dict) else [eval_data]
+    if any(isinstance(d, torch.utils.data.IterableDataset) for d in datasets):
+        raise NotImplementedError(
+            f"uneven_inputs with {what}: an IterableDataset evaluation set (each rank its "
+            f"own stream, uneven) runs different numbers of forwards on the ranks, and "
+            f"{gathers} from every rank. Use a map-style evaluation set (joinkit splits it "
+            f"evenly){instead}"
+        )
 
 
 def _launched() -> int | None:

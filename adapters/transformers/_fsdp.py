@@ -54,13 +54,12 @@ def is_fsdp2(trainer: Any) -> bool:
 
 
 def refuse(trainer: Any) -> None:
-    """Raise for an FSDP setting the Join cannot shadow (module doc; local checks only).
+    """Raise for an FSDP setting the Join cannot shadow (module doc; local checks only;
+    evaluation: ``uneven_inputs``, as ZeRO-3's).
 
     Raises:
         NotImplementedError: the setting, why, and what to use instead.
     """
-    import torch
-
     args = trainer.args
     saving = str(getattr(args.save_strategy, "value", args.save_strategy))
     if saving not in ("no", "epoch"):
@@ -69,22 +68,6 @@ def refuse(trainer: Any) -> None:
             "epoch, where a rank may have joined, and an FSDP checkpoint is a collective of "
             "every rank (each rank's shards are gathered or written) that a joined rank does "
             "not take part in. Use save_strategy='epoch' (or 'no')"
-        )
-    evaluating = str(getattr(args.eval_strategy, "value", args.eval_strategy))
-    if evaluating == "steps":
-        raise NotImplementedError(
-            "uneven_inputs with FSDP: eval_strategy='steps' evaluates in the middle of an "
-            "epoch on the ranks still training, and FSDP's forward all-gathers the "
-            "parameters from every rank. Use eval_strategy='epoch' (every rank evaluates)"
-        )
-    eval_data = trainer.eval_dataset
-    datasets = eval_data.values() if isinstance(eval_data, dict) else [eval_data]
-    if any(isinstance(d, torch.utils.data.IterableDataset) for d in datasets):
-        raise NotImplementedError(
-            "uneven_inputs with FSDP: an IterableDataset evaluation set (each rank its own "
-            "stream, uneven) runs different numbers of forwards on the ranks, and FSDP's "
-            "forward all-gathers the parameters from every rank. Use a map-style "
-            "evaluation set (joinkit splits it evenly over the ranks)"
         )
     plugin = trainer.accelerator.state.fsdp_plugin
     offload = getattr(plugin, "cpu_offload", None)
