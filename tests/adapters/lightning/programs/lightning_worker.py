@@ -117,6 +117,19 @@ class FSDPModel(Model):
         fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
 
+class FSDPBF16Model(Model):
+    """FSDP2 with bfloat16 parameters and gradient reductions (``MixedPrecisionPolicy``;
+    float32 outputs for the loss), the mixed precision FSDP2 gives Lightning."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                      reduce_dtype=torch.bfloat16,
+                                      output_dtype=torch.float32)
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     full = getattr(tensor, "full_tensor", None)  # a DTensor shard (FSDP2): all-gathered
     return full() if full is not None else tensor
@@ -183,7 +196,7 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         validate: bool = True, shards: bool = False, fsdp: bool | str = False,
         inputs: list[int] = INPUTS, max_steps: int = -1, epochs: int = EPOCHS,
         epoch_metric: bool = True, side_model: bool = False,
-        clip: float | None = None) -> dict[str, Any]:
+        clip: float | None = None, bf16: bool = False) -> dict[str, Any]:
     logger = ListLogger()
     active = ActiveRanks()
     side = SideChannel() if side_model else None
@@ -201,12 +214,15 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
     if side is not None:
         model = SideModel(side)
     else:
-        model = (FSDPModel if fsdp is True else Model)(scheduler and not shards, epoch_metric)
+        kind = FSDPBF16Model if bf16 else FSDPModel if fsdp is True else Model
+        model = kind(scheduler and not shards, epoch_metric)
     train = DataLoader(rows(rank, inputs[rank], 1), batch_size=BATCH)
     val = DataLoader(rows(rank, VAL_INPUTS[rank], 2), batch_size=BATCH)
     if shards:
         train, val = shard_loaders(rank)
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val if validate else None)
+    if hasattr(model.net, "reshard"):  # FSDP2: the float32 shards, not what the last
+        model.net.reshard()             # forward (validation) left unsharded
     with _full_parameters(trainer):
         params = [float(v) for p in model.net.parameters() for v in _full(p.detach()).reshape(-1)]
     momentum = ([] if fsdp == "fsdp1" else  # FSDP1: each rank's flat shard of it
@@ -282,6 +298,10 @@ SCENARIOS = {
     "fsdp1": lambda rank: fit(rank, scheduler=True, fsdp="fsdp1"),
     # FSDP2 with clipping by norm that bites (a norm all-reduce in every step).
     "fsdp2_clip": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp=True, clip=CLIP),
+    # FSDP2's bfloat16 mixed precision, uneven and a control where nobody joins (8 and 8).
+    "fsdp2_bf16": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp=True, bf16=True),
+    "fsdp2_bf16_even": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp=True,
+                                        bf16=True, inputs=[8, 8]),
     "fsdp1_accumulate": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp="fsdp1"),
     "ddp": lambda rank: fit(rank, scheduler=True),
     "ddp_accumulate": lambda rank: fit(rank, accumulate=2, validate=False),
