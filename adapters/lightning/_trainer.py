@@ -907,10 +907,10 @@ def _agreeing_setup_data(callback: UnevenInputs, trainer: pl.Trainer,
         callback._empty = empty and any_batches
         if callback._any_empty and callback._fsdp:
             raise TypeError(
-                "UnevenInputs with ModelParallelStrategy needs at least one training batch "
-                "on every rank (a joined FSDP2 rank replays the forward of batches it has "
-                "seen); some rank's training loader is empty: use strategy='ddp', or give "
-                "every rank a batch"
+                "UnevenInputs under FSDP (ModelParallelStrategy, FSDPStrategy) needs at least "
+                "one training batch on every rank (a joined FSDP rank replays the forward of "
+                "batches it has seen); some rank's training loader is empty: use "
+                "strategy='ddp', or give every rank a batch"
             )
         if callback._empty:
             fit_loop.max_batches = 1  # one stand-in batch; the fetch finds none
