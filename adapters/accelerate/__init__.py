@@ -90,8 +90,8 @@ _PRIVATE = (
     ("Accelerator", "step", "DeepSpeed, FSDP: the micro-step count accumulate() starts "
                             "its windows from, reset at the end of the data"),
     ("GradientState", "plugin_kwargs", "DeepSpeed, FSDP: sync_with_dataloader, off in the Join"),
-    ("GradientState", "_set_sync_gradients", "DeepSpeed: a joined process's scheduler step "
-                                             "sees its micro-step's boundary"),
+    ("GradientState", "_set_sync_gradients", "DeepSpeed, FSDP: a joined process's scheduler "
+                                             "step sees its step's boundary"),
 )
 
 
@@ -339,6 +339,9 @@ def join_uneven_inputs(
     fsdp_windows = accumulating and any(_is_fsdp(obj) for obj in items)
     if fsdp_windows:
         join_kwargs = {"shared_windows": True, **join_kwargs}
+    if any(_is_fsdp(obj) for obj in items):
+        items, join_kwargs = _fsdp_schedulers(accelerator, list(joinables), items,
+                                              join_kwargs)
     try:
         with _sync_every_backward(accelerator, items,
                                   accumulating and any(_is_ddp(obj) for obj in items)), \
@@ -348,6 +351,56 @@ def join_uneven_inputs(
     finally:
         for sampler, value in restore:
             sampler.even_batches = value
+
+
+def _fsdp_schedulers(accelerator: Any, joinables: list[Any], items: list[Any],
+                     join_kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Under FSDP, a scheduler Accelerate wrapped steps as the loop's call steps it.
+
+    ``AcceleratedScheduler.step()`` steps its scheduler ``num_processes`` times
+    per optimizer step (without ``split_batches``); joinkit's scheduler joinable
+    would step it once. So such a scheduler is left out of the Join, and a joined
+    process's step (the Join's ``shadow_step``, or the optimizer's ``step()``)
+    is followed by the wrapper's own ``step()``, with Accelerate's
+    ``sync_gradients`` on, as after the loop's optimizer step.
+
+    Raises:
+        ValueError: a wrapped scheduler with several optimizers in the Join (the
+            Join's one step runs once per optimizer).
+    """
+    scheduler_class = _accelerate().scheduler.AcceleratedScheduler
+    schedulers = [obj for obj in joinables if isinstance(obj, scheduler_class)]
+    if not schedulers:
+        return items, join_kwargs
+    optimizers = [obj for obj in items if _is_step_object(obj)
+                  and not isinstance(obj, _torch_scheduler())]
+    if len(optimizers) != 1:
+        raise ValueError(
+            "join_uneven_inputs under FSDP steps an Accelerate-wrapped scheduler after a "
+            f"joined process's optimizer step, and takes one optimizer; got {len(optimizers)}"
+        )
+    inner = [scheduler.scheduler for scheduler in schedulers]
+    kept = [obj for obj in items if all(obj is not s for s in inner)]
+    given = join_kwargs.get("shadow_step")
+    optimizer = optimizers[0]
+    state = accelerator.gradient_state
+
+    def step() -> None:
+        if given is not None:
+            given()
+        else:
+            optimizer.step()
+        _private(state, "_set_sync_gradients")(True)
+        for scheduler in schedulers:
+            scheduler.step()
+
+    return kept, {**join_kwargs, "shadow_step": step}
+
+
+def _torch_scheduler() -> type:
+    import torch
+
+    return torch.optim.lr_scheduler.LRScheduler
 
 
 @contextlib.contextmanager

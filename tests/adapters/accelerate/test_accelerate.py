@@ -137,11 +137,14 @@ def _assert_trained_by(ranks: list[dict[str, Any]], mode: str) -> None:
 
 
 def _accumulated_reference(world: int, gas: int, clip: bool = False,
-                           batches: int | None = None) -> list[list[float]]:
+                           batches: int | None = None,
+                           scheduler: bool = False) -> list[list[float]]:
     """One process: a step per window of ``gas`` batch positions, each batch's loss
     divided by the accumulation steps (Accelerate's backward) and the world (DDP's and
     FSDP's averaging), the window's gradient clipped to ``CLIP`` when ``clip``; the last
-    window steps however full (Accelerate steps at the end of the data)."""
+    window steps however full (Accelerate steps at the end of the data). ``scheduler``:
+    the rate halves ``world`` times after each step (Accelerate's wrapper steps a
+    StepLR of one step once per process)."""
     import accelerate_program as p
 
     model = p.make_model()
@@ -160,6 +163,9 @@ def _accumulated_reference(world: int, gas: int, clip: bool = False,
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), p.CLIP)
         optimizer.step()
+        if scheduler:
+            for group in optimizer.param_groups:
+                group["lr"] *= 0.5 ** world
     return p.full_params(model)
 
 
@@ -223,18 +229,22 @@ def test_fsdp_mixed_precision_equals_zero_weight_padding(launches: Any, mode: st
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("mode", FSDP_MODES)
 @pytest.mark.parametrize(("case", "batches", "clip", "steps"), [
-    ("accumulate", 7, False, [3, 2, 2]), ("no_data_clip", 2, True, [1, 1, 0])])
+    ("accumulate", 7, False, [3, 2, 2]), ("no_data_clip", 2, True, [1, 1, 0]),
+    ("scheduler_clip", 7, True, [3, 2, 2])])
 def test_fsdp_accumulate_on_three_processes(launches: Any, mode: str, case: str,
                                             batches: int, clip: bool,
                                             steps: list[int]) -> None:
     """3 processes: rank 0's last window open at the end (closed by the post hooks); a
-    process with no data at all, which replays every micro-step and the closing one."""
+    process with no data at all, which replays every micro-step and the closing one; an
+    LR scheduler Accelerate wrapped (stepped by a joined process as the wrapper steps
+    it: once per process per optimizer step)."""
     import accelerate_program as p
 
     ranks = _records(launches, f"{mode}-3", case, world=3)
     assert [r["steps"] for r in ranks] == steps
     _assert_trained_by(ranks, mode)
-    want = _accumulated_reference(3, p.ACCUMULATE, clip=clip, batches=batches)
+    want = _accumulated_reference(3, p.ACCUMULATE, clip=clip, batches=batches,
+                                  scheduler=case.startswith("scheduler"))
     for rank in ranks:
         _assert_params(rank["params"], [want])
 

@@ -139,10 +139,13 @@ def step(accelerator: Any, model: Any, optimizer: Any, x: Any, y: Any) -> None:
 
 
 def accumulated(accelerator: Any, gas: int, clip: bool = False, batches: int = BATCHES,
-                bf16: bool = False, zero_padded: bool = False) -> dict[str, Any]:
+                bf16: bool = False, zero_padded: bool = False,
+                scheduler: bool = False) -> dict[str, Any]:
     """``accelerator.accumulate(model)`` in windows of ``gas`` batches inside
     ``join_uneven_inputs``, clipping (``CLIP``) at each window's end when ``clip``: a
     joined process clips in its shadow step (``shadow_step``), as the loop does.
+    ``scheduler``: a StepLR (halving every step) that Accelerate wraps, stepped after
+    each optimizer step (the wrapper steps it once per process).
 
     ``bf16``: FSDP's mixed precision (the plugin's bf16 policy: parameters and
     reductions in bfloat16). ``zero_padded``: no Join, the reference computed the same
@@ -158,6 +161,11 @@ def accumulated(accelerator: Any, gas: int, clip: bool = False, batches: int = B
     if bf16:
         plugin.mixed_precision_policy = None
     accelerator.gradient_accumulation_steps = gas
+    joinables = [model, optimizer]
+    if scheduler:
+        lr_scheduler = accelerator.prepare(
+            torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=1, gamma=0.5))
+        joinables.append(lr_scheduler)
     kwargs: dict[str, Any] = {}
     if clip:
         def shadow_step() -> None:
@@ -167,8 +175,7 @@ def accumulated(accelerator: Any, gas: int, clip: bool = False, batches: int = B
         kwargs["shadow_step"] = shadow_step
     steps = 0
     own = len(range(accelerator.process_index, batches, accelerator.num_processes))
-    block: Any = join_uneven_inputs(accelerator, [model, optimizer], even_batches=False,
-                                    **kwargs)
+    block: Any = join_uneven_inputs(accelerator, joinables, even_batches=False, **kwargs)
     if zero_padded:
         loader.batch_sampler.even_batches = True
         block = contextlib.nullcontext()
@@ -181,6 +188,8 @@ def accumulated(accelerator: Any, gas: int, clip: bool = False, batches: int = B
                 if clip and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), CLIP)
                 optimizer.step()
+                if scheduler:
+                    lr_scheduler.step()
                 optimizer.zero_grad()
             steps += 1
     accelerator.gradient_accumulation_steps = 1
@@ -205,6 +214,9 @@ def main() -> None:
         write(out, mode, "accumulate", rank, accumulated(accelerator, ACCUMULATE))
         write(out, mode, "no_data_clip", rank,
               accumulated(accelerator, ACCUMULATE, clip=True, batches=2))
+        # An LR scheduler Accelerate wrapped, clipping, 7 batches (the last window open).
+        write(out, mode, "scheduler_clip", rank,
+              accumulated(accelerator, ACCUMULATE, clip=True, scheduler=True))
         sys.stdout.flush()
         os._exit(0)
 
