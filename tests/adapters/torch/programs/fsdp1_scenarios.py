@@ -457,6 +457,8 @@ def fsdp1_refusals(ctx: Ctx) -> Any:
         "comm_hook": ([hooked, sgd(hooked.parameters())],
                       {"divide_by_initial_world_size": False}),
         "offload": ([offloaded, sgd(offloaded.parameters())], {}),
+        "shared_windows_divisor": ([model, optimizer], {
+            "shared_windows": True, "divide_by_initial_world_size": False}),
     }
     out["collectives"] = {}
     for name, (joinables, kwargs) in cases.items():
