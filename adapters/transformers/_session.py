@@ -315,19 +315,22 @@ class Session:
         """Load the sampler's state of the checkpoint; the training values of the run."""
         assert self.resume_from is not None
         saved = self.saved = _resume.read(self.resume_from)
-        sampler = self.train_sampler
-        if getattr(dataloader, "sampler", None) is not sampler or sampler is None:
-            return values  # streams: the Trainer's own resume (_t_init_training_state)
-        if saved is None or args.ignore_data_skip or (saved.sampler is None
-                                                       and not saved.epoch_done):
-            return values  # no record, or a stream's: refused (_t_init_training_state)
-        if self.deepspeed and saved.world != self.world and not _loads_universal(self):
+        if (saved is not None and self.deepspeed and saved.world != self.world
+                and not _loads_universal(self)):
+            # DeepSpeed's optimizer state is partitioned over the saving world,
+            # wherever in an epoch the checkpoint was written (and data skipped or not).
             raise ValueError(
                 f"joinkit.adapters.transformers: the checkpoint {self.resume_from} was saved "
                 f"on {saved.world} ranks, and DeepSpeed's optimizer state in it is "
                 f"partitioned over them; this run has {self.world}. Resume on {saved.world} "
                 "ranks, or convert it to a universal checkpoint (DeepSpeed's "
                 "ds_to_universal.py) and set \"checkpoint\": {\"load_universal\": true}")
+        sampler = self.train_sampler
+        if getattr(dataloader, "sampler", None) is not sampler or sampler is None:
+            return values  # streams: the Trainer's own resume (_t_init_training_state)
+        if saved is None or args.ignore_data_skip or (saved.sampler is None
+                                                       and not saved.epoch_done):
+            return values  # no record, or a stream's: refused (_t_init_training_state)
         start = self.start = _resume.plan(saved)
         local = None
         if start.mid_epoch:

@@ -127,7 +127,7 @@ def launches(request: pytest.FixtureRequest,
     accelerate = [*_tool("accelerate", "accelerate.commands.accelerate_cli"), "launch",
                   "--multi_gpu", "--main_process_port", "0"]
     dirs = {"torchrun-2": out / "t2", "accelerate-3": out / "a3", "deepspeed-2": out / "d2",
-            "resume-3": out / "r3", "resume-2": out / "r2"}
+            "deepspeed-3": out / "d3", "resume-3": out / "r3", "resume-2": out / "r2"}
     first = {
         "torchrun-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(dirs["torchrun-2"]),
                        *CELLS, *FIRST_RUNS["torchrun-2"]],

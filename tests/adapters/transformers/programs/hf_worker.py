@@ -625,11 +625,12 @@ def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     attempt("not_a_trainer", object())
     # Resuming in the middle of an epoch from a checkpoint joinkit did not write (no
     # record of what each rank's data consumed): refused when train() starts.
-    trainer = make()
+    trainer = Trainer(model=tiny_model("gpt2"), args=args(ctx["dir"]),
+                      train_dataset=rows_dataset(sequences(12, seed=1)), data_collator=collate)
     checkpoint = Path(ctx["dir"]) / "checkpoint-1"
     if dist.get_rank() == 0:
         trainer.save_model(str(checkpoint))
-        trainer.state.global_step = 1  # 6 samples: 2 or 3 steps per epoch
+        trainer.state.global_step = 1  # 12 samples: 3 or 2 steps per epoch on 2 or 3 ranks
         trainer.state.train_batch_size = 2
         trainer.state.save_to_json(str(checkpoint / "trainer_state.json"))
     messages["resume_mid_epoch"] = refused_resume(trainer, checkpoint)
