@@ -77,7 +77,8 @@ def parse(cell: str) -> dict[str, Any]:
                 "workers": int(workers), "loader": loader}
     if kind == "takeover":
         world, epochs, *more = rest.split(":")
-        n, loop = (more + ["", "passes"])[:2]
+        n = more[0] if more else ""
+        loop = more[1] if len(more) > 1 else "passes"
         assert loop in ("passes", "plain"), loop
         return {"kind": kind, "world": int(world), "n": int(n or N), "loop": loop,
                 "epochs": [parse_kills(e) for e in epochs.split(",")]}
