@@ -44,6 +44,7 @@ _SIGNALS = "pytorch_lightning.trainer.connectors.signal_connector"
 _TRAINER = "pytorch_lightning.trainer.trainer"
 _FIT_LOOP = "pytorch_lightning.loops.fit_loop"
 _AUTOMATIC = "pytorch_lightning.loops.optimization.automatic"
+_CHECKPOINT = "pytorch_lightning.callbacks.model_checkpoint"
 
 
 def _m(module: str, name: str, need: Need, why: str, params: tuple[str, ...] = (),
@@ -99,6 +100,16 @@ GROUPS: dict[str, tuple[Member, ...]] = {
            "holds the optimizer-step count behind trainer.global_step"),
         _m(_AUTOMATIC, "_AutomaticOptimization.optim_progress", Need.ATTRIBUTE,
            "the optimizer-step count set to the last joiner's after each epoch"),
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop._should_accumulate", Need.CALLABLE,
+           "whether a batch steps; under FSDP2 accumulation not at a rank's own last batch "
+           "while the Join lasts", ("self",)),
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop._accumulated_batches_reached", Need.CALLABLE,
+           "whether a batch ends an accumulation window (counted from the epoch's start)",
+           ("self",)),
+        _m(_CHECKPOINT, "ModelCheckpoint._every_n_train_steps", Need.ATTRIBUTE,
+           "a checkpoint every N training steps (mid-epoch: refused)"),
+        _m(_CHECKPOINT, "ModelCheckpoint._train_time_interval", Need.ATTRIBUTE,
+           "a checkpoint after a training time (mid-epoch: refused)"),
     ),
 }
 
