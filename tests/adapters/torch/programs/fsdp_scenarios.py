@@ -349,14 +349,16 @@ def fsdp_after_exit(ctx: Ctx) -> Any:
         optimizer.zero_grad()
         return sequence(ctx.group) - before
 
-    plain = shard(net(), ctx.group)
-    plain_optimizer = sgd(plain.parameters())
-    per_iteration(plain, plain_optimizer)  # lazy init
-    alone = per_iteration(plain, plain_optimizer)
+    # The Join first: where this torch refuses FSDP2 (support.refusals), its refusal
+    # is what every rank records, before any FSDP2 forward (2.6's cannot run on the CPU).
     model = shard(net(), ctx.group)
     optimizer = sgd(model.parameters())
     train(model, optimizer, counts(ctx, UNEVEN)[ctx.rank], ctx.rank)
-    return {"alone": alone, "after": per_iteration(model, optimizer)}
+    after = per_iteration(model, optimizer)
+    plain = shard(net(), ctx.group)
+    plain_optimizer = sgd(plain.parameters())
+    per_iteration(plain, plain_optimizer)  # lazy init
+    return {"alone": per_iteration(plain, plain_optimizer), "after": after}
 
 
 # -- the rest of a training step ------------------------------------------------------------
