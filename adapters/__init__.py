@@ -7,8 +7,9 @@ imports torch:
 
 - :data:`TORCH`: torch's own Joinables (DDP, ZeroRedundancyOptimizer, any
   ``torch.distributed.algorithms.join.Joinable``), ``joinkit.adapters.torch``;
-- :data:`FSDP`: root ``torch.distributed.fsdp.fully_shard`` modules,
-  ``joinkit.adapters.torch.fsdp``;
+- :data:`FSDP`: root ``torch.distributed.fsdp.fully_shard`` (FSDP2) modules,
+  ``joinkit.adapters.torch.fsdp``, and root ``FullyShardedDataParallel`` (FSDP1)
+  modules, ``joinkit.adapters.torch.fsdp1``;
 - :data:`OPTIM`: plain ``torch.optim`` optimizers, LR schedulers and
   ``torch.amp.GradScaler`` (the rest of a training step on a joined rank),
   ``joinkit.adapters.torch.optim``;
@@ -71,16 +72,28 @@ def _check_torch(joinables: Sequence[Joinable]) -> None:
         torch_adapter.check_order(joinables)
 
 
-def _is_fsdp_module(obj: Any) -> bool:
+def _fsdp_classes() -> tuple[type, ...]:
+    """FSDP2's ``FSDPModule`` and FSDP1's ``FullyShardedDataParallel``, once torch has them."""
     fsdp = sys.modules.get(_FSDP)
-    module_class = getattr(fsdp, "FSDPModule", None)
-    return module_class is not None and isinstance(obj, module_class)
+    return tuple(cls for cls in (getattr(fsdp, "FSDPModule", None),
+                                 getattr(fsdp, "FullyShardedDataParallel", None))
+                 if isinstance(cls, type))
+
+
+def _is_fsdp_module(obj: Any) -> bool:
+    classes = _fsdp_classes()
+    return bool(classes) and isinstance(obj, classes)
 
 
 def _adapt_fsdp(obj: Any) -> Joinable:
-    from .torch import fsdp  # its adapt checks torch's FSDP internals
+    fsdp2 = getattr(sys.modules.get(_FSDP), "FSDPModule", None)
+    if isinstance(fsdp2, type) and isinstance(obj, fsdp2):
+        from .torch import fsdp  # its adapt checks torch's FSDP internals
 
-    return fsdp.adapt(obj)
+        return fsdp.adapt(obj)
+    from .torch import fsdp1
+
+    return fsdp1.adapt(obj)
 
 
 def _check_fsdp(joinables: Sequence[Joinable]) -> None:
@@ -161,7 +174,8 @@ def _adapt_fabric(obj: Any) -> Joinable:
 #: torch's Joinables, through ``joinkit.adapters.torch`` (the entry point).
 TORCH = Adapter(name="torch", matches=_is_torch_joinable, adapt=_adapt_torch, check=_check_torch)
 
-#: Root FSDP2 modules, through ``joinkit.adapters.torch.fsdp``.
+#: Root FSDP2 modules, through ``joinkit.adapters.torch.fsdp``, and root FSDP1
+#: modules, through ``joinkit.adapters.torch.fsdp1``.
 FSDP = Adapter(name="fsdp", matches=_is_fsdp_module, adapt=_adapt_fsdp, check=_check_fsdp)
 
 #: Optimizers, LR schedulers and GradScalers, through ``joinkit.adapters.torch.optim``.

@@ -16,8 +16,9 @@ every distributed type whose model joinkit adapts: it takes the objects
 
 - ``AcceleratedOptimizer`` -> its torch optimizer, ``AcceleratedScheduler`` ->
   its LR scheduler (joinkit's optimizer adapter steps them on a joined rank);
-- the model: DDP (``MULTI_CPU``, ``MULTI_GPU``) and a root FSDP2 module
-  (``fully_shard``; Accelerate's FSDP plugin with ``fsdp_version=2``) are
+- the model: DDP (``MULTI_CPU``, ``MULTI_GPU``), a root FSDP2 module
+  (``fully_shard``; Accelerate's FSDP plugin with ``fsdp_version=2``) and an
+  FSDP1 module (``FullyShardedDataParallel``, the plugin's default version) are
   joinkit joinables as they are;
 - with a DDP model the optimizer and scheduler are left out of the Join: a
   joined DDP rank does not step (DDP's post hook broadcasts the last joiner's
@@ -33,6 +34,15 @@ gradient accumulated since the window began is set aside around each backward
 and added back): each step gets its window's summed gradient, and the last
 joiner's model, which DDP's post hook gives every rank, is exact.
 
+*Gradient accumulation under FSDP* (FSDP1 or FSDP2): FSDP's own ``no_sync``
+windows stay, counted as under DeepSpeed (:func:`_counted_windows`: not cut by
+a process's own end of data), and the Join's windows are shared
+(``Join(..., shared_windows=True)``, ``joinkit.adapters.torch.fsdp``): a
+process that runs out inside a window keeps its part of it for the window's
+step, which a joined process replays with the others, and a window still open
+when every process has run out is closed in the Join's post hooks (one more
+synced replay and optimizer step on every process, ``shadow_step`` if given).
+
 ``even_batches`` overrides the setting of the accelerator's prepared map-style
 data loaders for the block, as Accelerate's does: pass ``False`` (or build the
 ``Accelerator`` with ``DataLoaderConfiguration(even_batches=False)``) so that
@@ -46,7 +56,7 @@ unevenness; with ``True`` the data is padded and the Join has nothing to do.
 process must know where the windows end. They end every
 ``gradient_accumulation_steps`` micro-steps from ``Accelerator.step`` at the
 block's start, and not at a process's own end of data while the Join lasts
-(:func:`_deepspeed_windows`); the last one closes when every process has run out.
+(:func:`_counted_windows`); the last one closes when every process has run out.
 
 A world of one Accelerate process does nothing (as Accelerate); one whose
 launcher started more processes (``WORLD_SIZE``) while Accelerate sees one
@@ -85,11 +95,11 @@ SUPPORTED_ACCELERATE = supported_spec(TESTED_ACCELERATE)
 #: The private members of Accelerate this module reads: (class, attribute, what for).
 _PRIVATE = (
     ("Accelerator", "_dataloaders", "the prepared data loaders whose even_batches to override"),
-    ("Accelerator", "step", "DeepSpeed: the micro-step count accumulate() starts its windows "
-                            "from, reset at the end of the data"),
-    ("GradientState", "plugin_kwargs", "DeepSpeed: sync_with_dataloader, turned off in the Join"),
-    ("GradientState", "_set_sync_gradients", "DeepSpeed: a joined process's scheduler step "
-                                             "sees its micro-step's boundary"),
+    ("Accelerator", "step", "DeepSpeed, FSDP: the micro-step count accumulate() starts "
+                            "its windows from, reset at the end of the data"),
+    ("GradientState", "plugin_kwargs", "DeepSpeed, FSDP: sync_with_dataloader, off in the Join"),
+    ("GradientState", "_set_sync_gradients", "DeepSpeed, FSDP: a joined process's scheduler "
+                                             "step sees its step's boundary"),
 )
 
 
@@ -135,6 +145,12 @@ def _is_ddp(obj: Any) -> bool:
     return isinstance(obj, DistributedDataParallel)
 
 
+def _is_fsdp(obj: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(obj, FSDPModule | FullyShardedDataParallel)
+
+
 def _is_step_object(obj: Any) -> bool:
     import torch
 
@@ -151,7 +167,7 @@ def _deepspeed_items(accelerator: Any, joinables: list[Any],
     The engine joins as a ``DeepSpeedJoinable`` on Accelerate's windows:
     ``accelerator.accumulate()`` ends one every ``gradient_accumulation_steps``
     micro-steps, counted from ``Accelerator.step`` at the Join's start
-    (:func:`_deepspeed_windows` keeps a process's own end of data from ending
+    (:func:`_counted_windows` keeps a process's own end of data from ending
     one early). A torch LR scheduler Accelerate wrapped itself (an
     ``AcceleratedScheduler``, which the loop's ``scheduler.step()`` steps,
     ``num_processes`` times per optimizer step) is stepped by a joined process
@@ -190,18 +206,20 @@ def _deepspeed_items(accelerator: Any, joinables: list[Any],
 
 
 @contextlib.contextmanager
-def _deepspeed_windows(accelerator: Any, on: bool) -> Iterator[None]:
-    """Accelerate's windows under a DeepSpeed Join: counted, never cut by a process's data.
+def _counted_windows(accelerator: Any, on: bool) -> Iterator[None]:
+    """Accelerate's windows under a DeepSpeed or FSDP Join: counted, never cut by a
+    process's data.
 
     ``accelerator.accumulate()`` ends a window at the end of the process's own
     data (``sync_with_dataloader``), where the others are still inside theirs,
-    and the engine's step at that boundary would meet no peer. So while the
-    Join lasts that is off: every window ends after ``gradient_accumulation_steps``
-    micro-steps, a process that ran out replays the rest of its windows with
-    zeros, and a window still open when every process has run out is closed by
-    the Join (``DeepSpeedJoinable``'s post hook: one more step on every process,
-    as Accelerate steps at the end of the data). Then the window count starts
-    again, as at the end of Accelerate's data.
+    and the engine's step (FSDP's reduce-scatter) at that boundary would meet no
+    peer. So while the Join lasts that is off: every window ends after
+    ``gradient_accumulation_steps`` micro-steps, a process that ran out replays the
+    rest of its windows with zeros, and a window still open when every process
+    has run out is closed by the Join (``DeepSpeedJoinable``'s post hook, or
+    FSDP's shared windows: one more step on every process, as Accelerate steps at
+    the end of the data).
+    Then the window count starts again, as at the end of Accelerate's data.
     """
     if not on:
         yield
@@ -325,15 +343,72 @@ def join_uneven_inputs(
         items = [obj for obj in items if not _is_step_object(obj)]
     restore = [] if even_batches is None else _override_even_batches(accelerator,
                                                                      bool(even_batches))
-    accumulating = any(_is_ddp(obj) for obj in items) and (
-        accelerator.gradient_accumulation_steps > 1)
+    accumulating = accelerator.gradient_accumulation_steps > 1
+    fsdp_windows = accumulating and any(_is_fsdp(obj) for obj in items)
+    if fsdp_windows:
+        join_kwargs = {"shared_windows": True, **join_kwargs}
+    if any(_is_fsdp(obj) for obj in items):
+        items, join_kwargs = _fsdp_schedulers(accelerator, list(joinables), items,
+                                              join_kwargs)
     try:
-        with _sync_every_backward(accelerator, items, accumulating), \
-                _deepspeed_windows(accelerator, windows), Join(items, **join_kwargs) as join:
+        with _sync_every_backward(accelerator, items,
+                                  accumulating and any(_is_ddp(obj) for obj in items)), \
+                _counted_windows(accelerator, windows or fsdp_windows), \
+                Join(items, **join_kwargs) as join:
             yield join
     finally:
         for sampler, value in restore:
             sampler.even_batches = value
+
+
+def _fsdp_schedulers(accelerator: Any, joinables: list[Any], items: list[Any],
+                     join_kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Under FSDP, a scheduler Accelerate wrapped steps as the loop's call steps it.
+
+    ``AcceleratedScheduler.step()`` steps its scheduler ``num_processes`` times
+    per optimizer step (without ``split_batches``); joinkit's scheduler joinable
+    would step it once. So such a scheduler is left out of the Join, and a joined
+    process's step (the Join's ``shadow_step``, or the optimizer's ``step()``)
+    is followed by the wrapper's own ``step()``, with Accelerate's
+    ``sync_gradients`` on, as after the loop's optimizer step.
+
+    Raises:
+        ValueError: a wrapped scheduler with several optimizers in the Join (the
+            Join's one step runs once per optimizer).
+    """
+    scheduler_class = _accelerate().scheduler.AcceleratedScheduler
+    schedulers = [obj for obj in joinables if isinstance(obj, scheduler_class)]
+    if not schedulers:
+        return items, join_kwargs
+    optimizers = [obj for obj in items if _is_step_object(obj)
+                  and not isinstance(obj, _torch_scheduler())]
+    if len(optimizers) != 1:
+        raise ValueError(
+            "join_uneven_inputs under FSDP steps an Accelerate-wrapped scheduler after a "
+            f"joined process's optimizer step, and takes one optimizer; got {len(optimizers)}"
+        )
+    inner = [scheduler.scheduler for scheduler in schedulers]
+    kept = [obj for obj in items if all(obj is not s for s in inner)]
+    given = join_kwargs.get("shadow_step")
+    optimizer = optimizers[0]
+    state = accelerator.gradient_state
+
+    def step() -> None:
+        if given is not None:
+            given()
+        else:
+            optimizer.step()
+        _private(state, "_set_sync_gradients")(True)
+        for scheduler in schedulers:
+            scheduler.step()
+
+    return kept, {**join_kwargs, "shadow_step": step}
+
+
+def _torch_scheduler() -> type:
+    import torch
+
+    return torch.optim.lr_scheduler.LRScheduler
 
 
 @contextlib.contextmanager

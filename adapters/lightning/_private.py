@@ -101,6 +101,12 @@ GROUPS: dict[str, tuple[Member, ...]] = {
            "holds the optimizer-step count behind trainer.global_step"),
         _m(_AUTOMATIC, "_AutomaticOptimization.optim_progress", Need.ATTRIBUTE,
            "the optimizer-step count set to the last joiner's after each epoch"),
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop._should_accumulate", Need.CALLABLE,
+           "whether a batch steps; under FSDP2 accumulation not at a rank's own last batch "
+           "while the Join lasts", ("self",)),
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop._accumulated_batches_reached", Need.CALLABLE,
+           "whether a batch ends an accumulation window (counted from the epoch's start)",
+           ("self",)),
     ),
 }
 

@@ -126,8 +126,20 @@ runs in a Join of the model too (entered at ``on_validation_epoch_start``,
 left at the rank's last validation batch). A forward without a backward leaves
 the root's parameters unsharded; ``reshard()`` at each epoch start puts back
 the sharded parameters that the optimizer steps (and the Join links to it).
-Refused at ``setup``/``on_fit_start``: tensor parallelism,
-``accumulate_grad_batches > 1``, no or several root ``fully_shard`` modules.
+Gradient accumulation (``accumulate_grad_batches > 1``) under FSDP2 keeps
+FSDP2's own windows: while the Join lasts a batch that does not end a window
+(counted from the epoch's start, the same batches on every rank) runs its
+backward under ``set_requires_gradient_sync(False)`` (``block_backward_sync``),
+and a rank's own last batch does not step unless it ends a window (the epoch
+loop's ``_should_accumulate``), since the others are still inside it. The
+epoch's Join has shared windows (``Join(..., shared_windows=True)``,
+``joinkit.adapters.torch.fsdp``): a rank that ran out inside a window keeps its
+part for the window's step, which it replays with the others, and a window
+still open when every rank has run out (Lightning steps at the end of the
+data) is closed in the Join's post hooks on every rank (one synced replay, the
+optimizer's and step-interval schedulers' step); that step counts in
+``trainer.global_step``. Refused at ``setup``/``on_fit_start``: tensor
+parallelism, no or several root ``fully_shard`` modules.
 
 *What it patches.* Instance attributes only, set in ``setup`` and removed in
 ``teardown``: the epoch loop's ``_broadcast_sigterm_tensor`` and the fit loop's
@@ -242,8 +254,12 @@ class UnevenInputs(Callback):
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._patched: list[tuple[Any, str]] = []
         self._active = False
-        self._fsdp = False  # ModelParallelStrategy (FSDP2)
-        self._fsdp_root: Any = None  # its root fully_shard module, from on_fit_start
+        self._fsdp = False  # ModelParallelStrategy (FSDP2) or FSDPStrategy (FSDP1)
+        self._fsdp1 = False  # FSDPStrategy
+        self._fsdp_root: Any = None  # its root FSDP module, from on_fit_start
+        # FSDP1: the LightningModule's latest forward input (the replay's), and the hook.
+        self._forward_input: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._forward_hook: Any = None
         self._val_join: Join | None = None
         self._trainer: pl.Trainer | None = None
         self._sigterm_seen = False  # this rank got SIGTERM (the swapped handler)
@@ -258,17 +274,17 @@ class UnevenInputs(Callback):
             return
         _private.check("Trainer")
         strategy = trainer.strategy
-        self._fsdp_root, self._fsdp = None, False
+        self._fsdp_root, self._fsdp, self._fsdp1 = None, False, False
         if _is_model_parallel(strategy):
             _check_model_parallel(trainer)
             self._fsdp = True  # its root module exists after configure_model: on_fit_start
+        elif _is_fsdp1(strategy):
+            self._fsdp = self._fsdp1 = True  # wrapped in strategy.setup: on_fit_start
         elif not _is_ddp(strategy):
             raise TypeError(
-                f"UnevenInputs supports Lightning's DDP strategies ('ddp', 'ddp_spawn', ...) "
-                f"and ModelParallelStrategy (FSDP2, fully_shard), not "
-                f"{type(strategy).__qualname__}: FSDPStrategy builds FSDP1, which joinkit "
-                "cannot shadow; use ModelParallelStrategy(data_parallel_size=N, "
-                "tensor_parallel_size=1) and apply fully_shard in configure_model"
+                f"UnevenInputs supports Lightning's DDP strategies ('ddp', 'ddp_spawn', ...), "
+                f"FSDPStrategy ('fsdp', FSDP1) and ModelParallelStrategy (FSDP2, "
+                f"fully_shard), not {type(strategy).__qualname__}"
             )
         epoch_loop = trainer.fit_loop.epoch_loop
         self._trainer, self._sigterm_seen = trainer, False
@@ -287,6 +303,9 @@ class UnevenInputs(Callback):
         self._patch(strategy, "reduce", _deferring_reduce(self, strategy.reduce))
         block: Any = getattr(strategy, "block_backward_sync")  # ParallelStrategy's  # noqa: B009
         self._patch(strategy, "block_backward_sync", _syncing_block(self, block))
+        if self._fsdp and trainer.accumulate_grad_batches > 1:
+            # Every training batch of a world of 2 or more is in a Join.
+            self._patch(epoch_loop, "_should_accumulate", _windowed_accumulation(epoch_loop))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._leave_validation(None)
@@ -295,7 +314,10 @@ class UnevenInputs(Callback):
         if self._sigterm_seen and self._trainer is not None:
             self._trainer._signal_connector.received_sigterm = True
         self._trainer = None
-        self._fsdp_root, self._fsdp = None, False
+        self._fsdp_root, self._fsdp, self._fsdp1 = None, False, False
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+        self._forward_hook = self._forward_input = None
         self._empty = self._any_empty = self._cut = False
         for obj, name in reversed(self._patched):
             with contextlib.suppress(AttributeError):
@@ -303,8 +325,48 @@ class UnevenInputs(Callback):
         self._patched.clear()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._fsdp:
+        if self._fsdp1:
+            self._fsdp_root = _fsdp1_root(trainer)
+            self._forward_hook = pl_module.register_forward_pre_hook(
+                self._record_forward, with_kwargs=True)
+        elif self._fsdp:
             self._fsdp_root = _fsdp2_root(pl_module)
+
+    # -- FSDP1: the replay's input --------------------------------------------------------
+
+    def _record_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        """The LightningModule's forward input (FSDP1's replay input, module doc)."""
+        self._forward_input = (tuple(args), dict(kwargs))
+
+    def _shadow_input(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """FSDP1: a joined rank replays the LightningModule's forward on an empty batch
+        shaped as its own latest forward input (``Join(shadow_input=...)``).
+
+        Raises:
+            LocalProtocolError: the LightningModule's forward never ran on this rank.
+        """
+        if self._forward_input is None:
+            raise LocalProtocolError(
+                "UnevenInputs with FSDPStrategy (FSDP1) replays the LightningModule's "
+                "forward on a joined rank, and this rank's training_step never called it: "
+                "call self(...) in training_step (FSDP1 wraps the whole LightningModule, "
+                "whose forward is what a joined rank can replay)"
+            )
+        args, kwargs = self._forward_input
+
+        def empty(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                return value[:0]
+            return value
+
+        return (tuple(empty(a) for a in args), {k: empty(v) for k, v in kwargs.items()})
+
+    def _join_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of the Joins of the model (training and validation)."""
+        kwargs: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
+        if self._fsdp1:
+            kwargs["shadow_input"] = self._shadow_input
+        return kwargs
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
         setattr(obj, name, value)
@@ -389,8 +451,9 @@ class UnevenInputs(Callback):
                     )
             # The root keeps its unsharded parameters after a forward without a
             # backward (validation); reshard (local) so it holds the sharded
-            # parameters the optimizer steps, which the Join links to it.
-            self._fsdp_root.reshard()
+            # parameters the optimizer steps, which the Join links to it (FSDP2).
+            if not self._fsdp1:
+                self._fsdp_root.reshard()
             joinables = [self._sigterm, self._fsdp_root, *trainer.optimizers]
             joinables += [config.scheduler for config in trainer.lr_scheduler_configs
                           if config.interval == "step"]
@@ -406,8 +469,13 @@ class UnevenInputs(Callback):
         if self.side_channel is not None:
             joinables.append(self.side_channel)
         joinables.append(self._log_sync)
-        join = Join(joinables) if self._timeout is None else Join(joinables,
-                                                                  timeout=self._timeout)
+        kwargs: dict[str, Any] = self._join_kwargs() if self._fsdp_root is not None else (
+            {} if self._timeout is None else {"timeout": self._timeout})
+        if self._fsdp_root is not None and trainer.accumulate_grad_batches > 1:
+            kwargs["shared_windows"] = True  # FSDP's windows (module doc)
+        if self._fsdp_root is not None and trainer.gradient_clip_val:
+            kwargs["shadow_step"] = _clipping_step(trainer, pl_module)
+        join = Join(joinables, **kwargs)
         join.__enter__()
         self._join, self._active, self._cut = join, True, False
         self._route_metric_syncs(metrics)
@@ -515,8 +583,7 @@ class UnevenInputs(Callback):
         # forward (no backward: gradients are off) until every rank has finished.
         if self._fsdp_root is None or trainer.world_size < 2:
             return
-        join = Join([self._fsdp_root]) if self._timeout is None else Join(
-            [self._fsdp_root], timeout=self._timeout)
+        join = Join([self._fsdp_root], **self._join_kwargs())
         join.__enter__()
         self._val_join = join
 
@@ -597,6 +664,8 @@ class UnevenInputs(Callback):
                              dtype=torch.int64, device=trainer.strategy.root_device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         sigterm, any_cut, steps = (int(v) for v in flags.tolist())
+        if self._fsdp_root is not None and _closed_a_window(self._fsdp_root):
+            steps += 1  # the post hooks' step of the last window, on every rank
         if sigterm:
             trainer._signal_connector.received_sigterm = True
         self._cut = bool(any_cut)
@@ -718,6 +787,19 @@ def _syncing_block(callback: UnevenInputs,
                    original: Callable[[], Any]) -> Callable[[], Any]:
     @contextlib.contextmanager
     def block_backward_sync() -> Iterator[None]:
+        root = callback._fsdp_root
+        if callback._active and root is not None:
+            # FSDP's own window (module doc): Lightning blocks nothing for it.
+            if callback._fsdp1:
+                with root.no_sync():
+                    yield None
+                return
+            root.set_requires_gradient_sync(False)
+            try:
+                yield None
+            finally:
+                root.set_requires_gradient_sync(True)
+            return
         if callback._active:
             yield None  # every backward syncs while the Join lasts (module doc)
             return
@@ -725,6 +807,71 @@ def _syncing_block(callback: UnevenInputs,
             yield None
 
     return block_backward_sync
+
+
+def _clipping_step(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[], None]:
+    """Under FSDP with ``gradient_clip_val``: a joined rank's step clips as the active
+    ranks' optimizer step does (the module's ``configure_gradient_clipping``: by norm a
+    norm all-reduce over the shards, by value each rank's own shard), then steps.
+
+    Raises:
+        TypeError: several optimizers (the Join's one step would step each).
+    """
+    if len(trainer.optimizers) != 1:
+        raise TypeError(
+            "UnevenInputs under FSDP with gradient_clip_val clips in a joined rank's step, "
+            f"which steps one optimizer; this module has {len(trainer.optimizers)}"
+        )
+    optimizer = trainer.optimizers[0]
+
+    def step() -> None:
+        pl_module.configure_gradient_clipping(optimizer, trainer.gradient_clip_val,
+                                              trainer.gradient_clip_algorithm)
+        optimizer.step()
+
+    return step
+
+
+def _windowed_accumulation(epoch_loop: Any) -> Callable[[], bool]:
+    """The epoch loop's ``_should_accumulate`` under FSDP2 accumulation: a batch steps
+    only where it ends a window, not at the rank's own last batch (module doc). Also
+    after the rank left the Join at that batch (Lightning asks again for the LR
+    schedulers and the logging step): the window's step is the post hooks'."""
+
+    def should_accumulate() -> bool:
+        return not epoch_loop._accumulated_batches_reached()
+
+    return should_accumulate
+
+
+def _closed_a_window(root: Any) -> bool:
+    """Whether the epoch's Join closed an open FSDP window in its post hooks."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from joinkit.adapters.torch import fsdp, fsdp1
+
+    adapter = fsdp1.adapt(root) if isinstance(root, FullyShardedDataParallel) else (
+        fsdp.adapt(root))
+    return adapter.closed_window
+
+
+def _is_fsdp1(strategy: Any) -> bool:
+    from pytorch_lightning.strategies import FSDPStrategy
+
+    return isinstance(strategy, FSDPStrategy)
+
+
+def _fsdp1_root(trainer: pl.Trainer) -> Any:
+    """FSDPStrategy's root ``FullyShardedDataParallel`` (the wrapped LightningModule)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    root = trainer.strategy.model
+    if not isinstance(root, FullyShardedDataParallel):
+        raise TypeError(
+            "UnevenInputs with FSDPStrategy expects the strategy's model to be the root "
+            f"FullyShardedDataParallel, got {type(root).__qualname__}"
+        )
+    return root
 
 
 def _agreeing_setup_data(callback: UnevenInputs, trainer: pl.Trainer,
@@ -760,10 +907,10 @@ def _agreeing_setup_data(callback: UnevenInputs, trainer: pl.Trainer,
         callback._empty = empty and any_batches
         if callback._any_empty and callback._fsdp:
             raise TypeError(
-                "UnevenInputs with ModelParallelStrategy needs at least one training batch "
-                "on every rank (a joined FSDP2 rank replays the forward of batches it has "
-                "seen); some rank's training loader is empty: use strategy='ddp', or give "
-                "every rank a batch"
+                "UnevenInputs under FSDP (ModelParallelStrategy, FSDPStrategy) needs at least "
+                "one training batch on every rank (a joined FSDP rank replays the forward of "
+                "batches it has seen); some rank's training loader is empty: use "
+                "strategy='ddp', or give every rank a batch"
             )
         if callback._empty:
             fit_loop.max_batches = 1  # one stand-in batch; the fetch finds none
@@ -858,12 +1005,6 @@ def _check_model_parallel(trainer: pl.Trainer) -> None:
             "UnevenInputs with ModelParallelStrategy supports data parallelism only "
             f"(tensor_parallel_size=1), got tensor_parallel_size="
             f"{strategy._tensor_parallel_size}: tensor-parallel ranks share their batches"
-        )
-    if trainer.accumulate_grad_batches != 1:
-        raise TypeError(
-            "UnevenInputs with ModelParallelStrategy does not support "
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches} (a joined rank's "
-            "shard would step every shadow round): use accumulate_grad_batches=1"
         )
 
 

@@ -66,16 +66,19 @@ def adapt(obj: Any) -> Joinable:
     _private.check("Fabric")
     if isinstance(obj, wrappers._FabricModule):
         inner = obj._forward_module
+        if _is_fsdp1(inner):
+            # Before the torch adapter takes it: this module's optimizer adapter would
+            # sync a DDP optimizer's state, and an FSDP1 rank's state is its own shard.
+            raise TypeError(
+                "Join got a Fabric model set up by Lightning's FSDPStrategy (FSDP1, "
+                "FullyShardedDataParallel): pass what Fabric wraps, "
+                "Join([model._forward_module, optimizer.optimizer]) (joinkit's FSDP1 "
+                "adapter replays the model and steps a joined rank's shards), or use "
+                "Fabric(strategy=ModelParallelStrategy(parallelize_fn=...)) (FSDP2)"
+            )
         joinable = ports.adapt(inner)
         if joinable is not None:
             return joinable
-        if _is_fsdp1(inner):
-            raise TypeError(
-                "Join got a Fabric model set up by Lightning's FSDPStrategy, which wraps it in "
-                "torch's FSDP1 (FullyShardedDataParallel); joinkit shadows FSDP2: use "
-                "Fabric(strategy=ModelParallelStrategy(parallelize_fn=...)) whose parallelize_fn "
-                "applies torch.distributed.fsdp.fully_shard, or strategy='ddp'"
-            )
         raise TypeError(
             f"Join got a Fabric model whose strategy built a {type(inner).__qualname__}, not a "
             "DistributedDataParallel or fully_shard module: joinkit supports Fabric's 'ddp' "

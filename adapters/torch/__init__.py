@@ -9,6 +9,8 @@ What is here (each module's doc says more):
   ``_ddp_elastic``, ``_zero_elastic``);
 - :mod:`joinkit.adapters.torch.fsdp`: root ``fully_shard`` (FSDP2) modules
   (finish mode: ``_fsdp_elastic``; FSDP's state as read: ``_fsdp_state``);
+- :mod:`joinkit.adapters.torch.fsdp1`: root ``FullyShardedDataParallel`` (FSDP1)
+  modules, the FSDP2 joinable with FSDP1's state where the two differ;
 - :mod:`joinkit.adapters.torch.optim`: optimizers, LR schedulers and
   GradScalers, the rest of a joined rank's training step;
 - :mod:`joinkit.adapters.torch.data`: exact shards (``ShardSampler``,

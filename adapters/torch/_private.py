@@ -304,6 +304,48 @@ FSDP_FINISH_MEMBERS = (
 )
 
 
+_FSDP1 = "torch.distributed.fsdp.fully_sharded_data_parallel"
+_FSDP1_MODULE = f"{_FSDP1}:FullyShardedDataParallel"
+_FLAT = "torch.distributed.fsdp._flat_param"
+
+#: Members the FSDP1 adapter relies on (``adapters.torch.fsdp1``).
+FSDP1_MEMBERS = (
+    _m(_FSDP1, "FullyShardedDataParallel.fsdp_modules", _CALL,
+       "the FSDP1 modules of the root's tree", ("module", "root_only")),
+    _m(_FSDP1, "FullyShardedDataParallel._sync_gradients", _SET,
+       "gradient sync (no_sync), read for the step check and set for a replay",
+       called_by=(f"{_FSDP1_MODULE}.no_sync",)),
+    _m(_FSDP1, "FullyShardedDataParallel._is_root", _ATTR, "Join refuses a non-root module"),
+    _m(_FSDP1, "FullyShardedDataParallel._handle", _ATTR,
+       "each unit's flat parameter, whose gradient a joined rank sets aside"),
+    _m(_FSDP1, "FullyShardedDataParallel.training_state", _ATTR,
+       "whether FSDP1 is mid-iteration"),
+    _m(_FSDP1, "FullyShardedDataParallel.compute_device", _ATTR, "the step check's device"),
+    _m(_FSDP1, "FullyShardedDataParallel.process_group", _ATTR, "the Join's process group"),
+    _m(_FSDP1, "FullyShardedDataParallel._inter_node_pg", _ATTR,
+       "HYBRID_SHARD: whether the model spans the world"),
+    _m(_FSDP1, "FullyShardedDataParallel.sharding_strategy", _ATTR,
+       "HYBRID_SHARD is joined over the whole world only"),
+    _m(_FSDP1, "FullyShardedDataParallel.cpu_offload", _ATTR,
+       "parameter CPU offload is refused"),
+    _m(_FSDP1, "FullyShardedDataParallel._comm_hook", _ATTR,
+       "a communication hook with divide_by_initial_world_size=False is refused"),
+    _m(_FLAT, "FlatParamHandle.flat_param", _ATTR,
+       "the unit's gradient, set aside by a joined rank"),
+    _m(_FLAT, "FlatParamHandle._training_state", _ATTR, "whether FSDP1 is mid-iteration"),
+    _m("torch.distributed.fsdp._common_utils", "TrainingState.IDLE", Need.EXISTS,
+       "whether FSDP1 is mid-iteration"),
+)
+
+#: Members FSDP1 in ``Join(..., divide_by_initial_world_size=False)`` relies on.
+FSDP1_SUM_MEMBERS = (
+    _m(_FSDP1, "FullyShardedDataParallel._gradient_predivide_factor", _SET,
+       "divide_by_initial_world_size=False: no division before the reduction"),
+    _m(_FSDP1, "FullyShardedDataParallel._gradient_postdivide_factor", _SET,
+       "divide_by_initial_world_size=False: the reduction divides by the active ranks"),
+)
+
+
 def _fsdp_finish_members() -> tuple[Member, ...]:
     buffer = _compat.fsdp_all_gather_buffer()
     if buffer is None:  # before 2.9: none to empty (``_compat``)
@@ -363,6 +405,8 @@ GROUPS: Mapping[str, tuple[Member, ...]] = _Groups({
     "FSDP2": _fsdp_members,
     f"FSDP2 {SUM_REDUCTIONS}": _static(FSDP_SUM_MEMBERS),
     f"FSDP2 {FINISH}": _fsdp_finish_members,
+    "FSDP1": _static(FSDP1_MEMBERS),
+    f"FSDP1 {SUM_REDUCTIONS}": _static(FSDP1_SUM_MEMBERS),
 })
 
 # The groups that passed in this process: each is checked once.
@@ -400,6 +444,8 @@ def _groups_for(obj: Any, features: tuple[str, ...]) -> list[str]:
 
     if is_instance("torch.distributed.fsdp", "FSDPModule"):
         base = ["FSDP2", "replay"]
+    elif is_instance("torch.distributed.fsdp", "FullyShardedDataParallel"):
+        base = ["FSDP1", "replay"]
     else:
         base = ["torch Joinable"]
         if is_instance(_DDP, "DistributedDataParallel"):

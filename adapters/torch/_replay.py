@@ -41,7 +41,10 @@ has shown an active rank, whose heartbeat went out after its spec, so the
 store read never waits. ``Join(..., shadow_input=x)`` overrides all of this:
 ``x`` (a tensor, a tuple of positional arguments, or ``(args, kwargs)``) is
 used *as given* — pass an empty batch (``batch[:0]``), or any batch for a model
-without statistics-exchanging layers, whose contribution the zero loss cancels.
+without statistics-exchanging layers, whose contribution the zero loss cancels;
+a callable ``x`` is called at each replay and returns such an ``x`` (for an
+input known only once the loop ran: Lightning's FSDP1, whose root module's
+forward is not the step's).
 The autocast state of the first forward travels with the spec, so the replay
 runs under the same autocast as the active ranks.
 
@@ -223,7 +226,9 @@ class InputSource:
         serial = _serials.get(name, 0)
         _serials[name] = serial + 1
         self.key = f"joinkit/shadow_input/{name}/{serial}"
-        self.given = None if shadow_input is None else _as_call(shadow_input)
+        # A callable is asked at each replay (an input known only once the loop ran).
+        self.given: Any = (None if shadow_input is None else
+                           shadow_input if callable(shadow_input) else _as_call(shadow_input))
         self.spec: InputSpec | None = None
         self.published = False
 
@@ -269,6 +274,9 @@ class InputSource:
 
     def inputs(self, device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
         """Arguments for one replay, and the autocast it runs under (or ``None``)."""
+        if callable(self.given):
+            args, kwargs = _as_call(self.given())
+            return args, kwargs, None
         if self.given is not None:
             return self.given[0], self.given[1], None
         if self.spec is None:

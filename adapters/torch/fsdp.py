@@ -62,6 +62,22 @@ synced. So with ``set_requires_gradient_sync`` accumulation the joined rank's
 shard is stepped with the active ranks' accumulated window, and it steps only
 in rounds that sync.
 
+*Shared windows* (``Join(..., shared_windows=True)``, for loops whose
+accumulation windows are counted from the Join's start on every rank, as
+Accelerate's ``accumulate()`` and Lightning's ``accumulate_grad_batches`` under
+joinkit's helpers). Accumulation is then one window of the whole world, not
+of each rank: a rank that runs out in the middle of a window keeps its partial
+window (FSDP's unsharded accumulation) in the model instead of setting it
+aside, so the replayed backward that syncs reduces it with the active ranks'
+(its own part counts in that step, as one process stepping once per window of
+batch positions would count it); and a window still open when every rank has
+run out (the last rank's count was not a multiple of the window) is closed in
+the post hooks: every rank replays one syncing backward from a zero loss
+(FSDP reduces what each accumulated) and the optimizer's joinable steps
+(``closed_window``). After the Join every gradient of the model is dropped
+(every window was stepped). Refused with ``divide_by_initial_world_size=False``
+(a shared window mixes rounds of different active counts).
+
 *Divisor.* FSDP divides reduced gradients by the data-parallel world size; a
 joined rank contributes zero, so the default is DDP's
 ``divide_by_initial_world_size=True``. With ``Join(...,
@@ -108,8 +124,9 @@ leaves them unmatched, as with DDP: the watchdog reports the stall.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -188,6 +205,13 @@ class FSDPJoinable(AdapterJoinable):
 
     describes = "FSDP module"
 
+    #: What the model is, in messages.
+    unit = "fully_shard module"
+
+    #: Whether a ``Join(on_rank_loss="finish")`` can take the model (FSDP2 can:
+    #: ``_fsdp_elastic``).
+    finishes = True
+
     def __init__(self, model: Any) -> None:
         super().__init__(model)
         self._group: Any = None
@@ -210,6 +234,13 @@ class FSDPJoinable(AdapterJoinable):
         #: Whether this rank's latest shadow round synced gradients: the
         #: optimizer's shadow steps after such a round (``adapters.optim``).
         self.shadow_synced = False
+        # Join(..., shared_windows=True) (module doc), and the flags of the
+        # iteration this rank last ran or shadowed.
+        self._shared_windows = False
+        self._last_flags = 0
+        #: Whether the post hooks closed an open shared window: the optimizer's
+        #: joinable steps after it (``adapters.optim``).
+        self.closed_window = False
         # Join(..., on_rank_loss="finish"): adapters._fsdp_elastic, while one lasts.
         self._elastic: Any = None
 
@@ -298,8 +329,9 @@ class FSDPJoinable(AdapterJoinable):
         self._window_open = False
         self._own_gradients = None
         self.shadow_synced = False
+        self._last_flags = 0
+        self.closed_window = False
         self._divisor = None
-        self._groups = _param_groups(model)  # made by fully_shard; read per iteration
         self._checked_root = False
         # Before FSDP's own pre-forward (it prepends too, at fully_shard time).
         self._pending = None
@@ -308,6 +340,13 @@ class FSDPJoinable(AdapterJoinable):
             model.register_forward_hook(self._watch_backward)]
         if not self._divide_by_initial_world_size:
             self._handles.append(model.register_forward_hook(self._post_forward))
+        self._enter_units()
+
+    # -- what FSDP2 and FSDP1 do differently (``fsdp1.FSDP1Joinable`` overrides these) --
+
+    def _enter_units(self) -> None:
+        """On entry, after the hooks: read (and set) the units' state for the Join."""
+        self._groups = _param_groups(self.model)  # made by fully_shard; read per iteration
         if not self._divide_by_initial_world_size or self._averages_wrongly():
             # Sums, then FSDP's own division: gloo has no PREMUL_SUM, and torch
             # 2.7-2.8's gloo sums where asked to average (``_compat``).
@@ -323,23 +362,69 @@ class FSDPJoinable(AdapterJoinable):
         return (not _compat.gloo_reduce_scatter_averages()
                 and self.join_process_group.name() == "gloo")
 
-    def _leave(self) -> None:
-        self._forget_pending()
-        model = self._obj()
-        if self._own_gradients is not None and model is not None:
-            # After the hooks of every round: the shadow's gradients go, the
-            # rank's own come back (module doc).
-            _take_gradients(model)
-            _give_back(self._own_gradients)
-        self._own_gradients = None
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def _leave_units(self) -> None:
+        """On exit: put back what :meth:`_enter_units` set."""
         self._groups = []
         for group, factor, force_sum in self._saved:
             group.gradient_divide_factor = factor
             group.force_sum_reduction_for_comms = force_sum
         self._saved = []
+
+    def _is_root(self, module: Any) -> bool | None:
+        """Whether ``module`` is its FSDP tree's root (``None``: not known yet)."""
+        root: bool | None = module._get_fsdp_state()._is_root
+        return root
+
+    def _iteration_flags(self) -> int:
+        """This rank's flags for the step check (module doc)."""
+        return _flags(self._groups)
+
+    def _apply_divisor(self, active: int) -> None:
+        """Make the next reductions divide by ``active`` ranks (the summing divisor)."""
+        for group, _, _ in self._saved:
+            group.gradient_divide_factor = float(active)
+
+    def _before_first_replay(self) -> None:
+        """Reset FSDP's iteration if this rank's loop left it mid-flight (module doc)."""
+        _reset_if_mid_iteration(self.model)
+
+    def _take(self) -> list[tuple[Any, str, Any]]:
+        """Take every gradient out of the model (:func:`_take_gradients`)."""
+        return _take_gradients(self.model)
+
+    def _give(self, taken: list[tuple[Any, str, Any]]) -> None:
+        """Put back gradients :meth:`_take` took."""
+        _give_back(taken)
+
+    @contextlib.contextmanager
+    def _replay_settings(self, flags: int) -> Iterator[None]:
+        """Gradient sync set for a replay as the active ranks set it (the step check's flags)."""
+        groups = self._groups
+        saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
+        for group in groups:
+            group.reduce_grads = bool(flags & SYNC)
+            group.all_reduce_grads = bool(flags & ALL_REDUCE)
+        try:
+            yield
+        finally:
+            for group, reduce_grads, all_reduce_grads in saved:
+                group.reduce_grads = reduce_grads
+                group.all_reduce_grads = all_reduce_grads
+
+    # -- leaving -------------------------------------------------------------------
+
+    def _leave(self) -> None:
+        self._forget_pending()
+        if self._own_gradients is not None and self._obj() is not None:
+            # After the hooks of every round: the shadow's gradients go, the
+            # rank's own come back (module doc).
+            self._take()
+            self._give(self._own_gradients)
+        self._own_gradients = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._leave_units()
         if self._check is not None:
             self._check.close()
             self._check = None
@@ -358,10 +443,19 @@ class FSDPJoinable(AdapterJoinable):
         """
         self._divide_by_initial_world_size = bool(
             kwargs.get("divide_by_initial_world_size", True))
+        self._shared_windows = bool(kwargs.get("shared_windows", False))
+        if self._shared_windows and not self._divide_by_initial_world_size:
+            raise ValueError(
+                f"Join(..., shared_windows=True) with an {self.describes} takes "
+                "divide_by_initial_world_size=True only: a shared accumulation window "
+                "mixes rounds with different numbers of active ranks, which no one "
+                "divisor fits"
+            )
         self._source = _replay.InputSource(self.join_process_group,
                                            kwargs.get(_replay.SHADOW_INPUT))
-        # Its group may be rebuilt in a finish-mode Join (adapters._fsdp_elastic).
-        _vouch(self, True, kwargs.get("store_outlives_ranks"))
+        if self.finishes:
+            # Its group may be rebuilt in a finish-mode Join (adapters._fsdp_elastic).
+            _vouch(self, True, kwargs.get("store_outlives_ranks"))
         return _FSDPShadow(self)
 
     @property
@@ -400,9 +494,9 @@ class FSDPJoinable(AdapterJoinable):
             return None
         assert self._source is not None and self._check is not None
         if not self._checked_root:
-            if module._get_fsdp_state()._is_root is False:
+            if self._is_root(module) is False:
                 raise LocalProtocolError(
-                    f"{type(module).__qualname__} is not the root fully_shard module; pass "
+                    f"{type(module).__qualname__} is not the root {self.unit}; pass "
                     "the module the training loop calls to Join"
                 )
             self._checked_root = True
@@ -410,7 +504,9 @@ class FSDPJoinable(AdapterJoinable):
             self._source.record(tuple(args), dict(kwargs), self.join_device.type)
         if self._pending is not None:
             self._settle()  # the last forward's backward, before this step check
-        self._check.send(self, _flags(self._groups))
+        flags = self._iteration_flags()
+        self._check.send(self, flags)
+        self._last_flags = flags
         return None
 
     def _watch_backward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -491,8 +587,7 @@ class FSDPJoinable(AdapterJoinable):
 
     def _set_divisor(self, active: int) -> None:
         if active != self._divisor and active > 0:
-            for group, _, _ in self._saved:
-                group.gradient_divide_factor = float(active)
+            self._apply_divisor(active)
             self._divisor = active
 
     # -- a joined rank's shadow round ----------------------------------------------
@@ -500,36 +595,59 @@ class FSDPJoinable(AdapterJoinable):
     def _shadow_round(self) -> None:
         assert self._check is not None and self._source is not None
         active, flags = self._check.round()
-        model = self.model
         if self._first_round:
-            self._first_round = False
-            _reset_if_mid_iteration(model)
-            self._own_gradients = _take_gradients(model)  # given back by _leave
-            self._window_open = True
+            self._begin_shadowing()
         if not self._window_open:
-            _take_gradients(model)  # the previous window's, already stepped
+            self._take()  # the previous window's, already stepped
             self._window_open = True
         if not self._divide_by_initial_world_size:
             self._set_divisor(active)
         backward = bool(flags & GRAD)
-        groups = self._groups
-        saved = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
-        for group in groups:
-            group.reduce_grads = bool(flags & SYNC)
-            group.all_reduce_grads = bool(flags & ALL_REDUCE)
         args, kwargs, autocast = self._source.inputs(self.join_device)
         self._replaying = True
         try:
-            _replay.replay(model, args, kwargs, backward=backward, autocast=autocast,
-                           inference=bool(flags & INFERENCE))
+            with self._replay_settings(flags):
+                _replay.replay(self.model, args, kwargs, backward=backward,
+                               autocast=autocast, inference=bool(flags & INFERENCE))
         finally:
             self._replaying = False
-            for group, reduce_grads, all_reduce_grads in saved:
-                group.reduce_grads = reduce_grads
-                group.all_reduce_grads = all_reduce_grads
         self.shadow_synced = backward and bool(flags & SYNC)
+        self._last_flags = flags
         if self.shadow_synced:
             self._window_open = False  # the optimizer steps; the next window starts empty
+
+    def _begin_shadowing(self) -> None:
+        """Before this rank's first replay: set its own gradients aside (module doc),
+        or, in a shared window it ran out inside, keep them for the window's step."""
+        self._first_round = False
+        self._before_first_replay()
+        if self._shared_windows and self._mid_window():
+            self._own_gradients = []  # its window is stepped with the others': none back
+        else:
+            self._own_gradients = self._take()  # given back by _leave
+        self._window_open = True
+
+    def _mid_window(self) -> bool:
+        """Whether the last iteration run or shadowed had a backward that did not sync."""
+        return bool(self._last_flags & GRAD) and not self._last_flags & SYNC
+
+    def _close_window(self) -> None:
+        """In the post hooks, on every rank: close a shared window still open (module doc)."""
+        if not (self._shared_windows and self._mid_window()):
+            return
+        assert self._source is not None
+        if self._first_round:  # ran to the end without shadowing: drop all on leaving
+            self._begin_shadowing()
+        args, kwargs, autocast = self._source.inputs(self.join_device)
+        self._replaying = True
+        try:
+            with self._replay_settings(GRAD | SYNC | ALL_REDUCE):
+                _replay.replay(self.model, args, kwargs, backward=True, autocast=autocast,
+                               inference=False)
+        finally:
+            self._replaying = False
+        self._last_flags = GRAD | SYNC
+        self.closed_window = True
 
 
 class _FSDPShadow(JoinHook):
@@ -557,6 +675,8 @@ class _FSDPShadow(JoinHook):
         elastic = self.adapter._elastic
         if elastic is not None:
             elastic.sync_final_model(is_last_joiner)
+        else:
+            self.adapter._close_window()
 
 
 # -- the step check ---------------------------------------------------------------------

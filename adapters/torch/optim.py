@@ -37,7 +37,10 @@ what they are linked to. Hooks run in list order, so the order of the list is
 the order of the loop: ``Join([model, optimizer, scaler, scheduler])``.
 
 A model joinable that fills gradients offers ``shadow_parameters()`` and a
-``shadow_synced`` flag set by its latest shadow round (``adapters.fsdp``).
+``shadow_synced`` flag set by its latest shadow round (``adapters.fsdp``). One
+that closed a shared accumulation window in its post hook (``closed_window``,
+``Join(..., shared_windows=True)``) is stepped in the post hooks the same way,
+on every rank, and so are the scaler and the schedulers after it.
 """
 
 from __future__ import annotations
@@ -146,6 +149,8 @@ class OptimizerJoinable(_StepJoinable):
         self.step_fn: Callable[[], Any] | None = None  # Join(..., shadow_step=...)
         #: Whether this round's shadow stepped (or a GradScaler skipped the step).
         self.round_stepped = False
+        #: Whether the post hooks stepped a shared window a model closed (module doc).
+        self.closed_stepped = False
 
     def stepped_parameters(self) -> Iterable[torch.Tensor]:
         """The parameters this optimizer steps."""
@@ -171,8 +176,17 @@ class OptimizerJoinable(_StepJoinable):
     def shadow_step(self) -> None:
         """One shadow round's step (module doc)."""
         self.round_stepped = any(model.shadow_synced for model in self.models)
-        if not self.round_stepped:
-            return
+        if self.round_stepped:
+            self._step()
+
+    def close_step(self) -> None:
+        """In the post hooks, on every rank: the step of a shared window a model closed."""
+        self.closed_stepped = any(getattr(model, "closed_window", False)
+                                  for model in self.models)
+        if self.closed_stepped:
+            self._step()
+
+    def _step(self) -> None:
         optimizer = self.obj
         if self.scaler is not None:
             # A rank that never ran the loop has no scale yet; scale() creates it.
@@ -192,6 +206,9 @@ class _OptimizerShadow(JoinHook):
 
     def main_hook(self) -> None:
         self.adapter.shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.adapter.close_step()
 
 
 class ScalerJoinable(_StepJoinable):
@@ -213,6 +230,10 @@ class _ScalerShadow(JoinHook):
         if any(optimizer.round_stepped for optimizer in self.adapter.optimizers):
             self.adapter.obj.update()
 
+    def post_hook(self, is_last_joiner: bool) -> None:
+        if any(optimizer.closed_stepped for optimizer in self.adapter.optimizers):
+            self.adapter.obj.update()
+
 
 class SchedulerJoinable(_StepJoinable):
     """An LR scheduler: steps after every round in which its optimizer stepped."""
@@ -229,6 +250,10 @@ class _SchedulerShadow(JoinHook):
         optimizer = self.adapter._linked()
         # ZeRO's own shadow steps in every round.
         if getattr(optimizer, "round_stepped", True):
+            self.adapter.obj.step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        if getattr(self.adapter._linked(), "closed_stepped", False):
             self.adapter.obj.step()
 
 

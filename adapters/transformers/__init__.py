@@ -57,10 +57,12 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
 
     Args:
         trainer: a ``transformers.Trainer`` or a subclass (TRL's ``SFTTrainer``...),
-            under DDP (``torchrun``, ``accelerate launch``), CPU or GPU, or with a
+            under DDP (``torchrun``, ``accelerate launch``), CPU or GPU, with a
             DeepSpeed config (ZeRO 1-3, gradient accumulation, offload to the CPU;
             a joined rank replays the engine's micro-steps on the Trainer's
-            windows, :data:`DEEPSPEED_PATH`).
+            windows, :data:`DEEPSPEED_PATH`), or with FSDP (FSDP2 or FSDP1: a
+            joined rank replays the model's forward and backward and runs the
+            Trainer's clipping and step, ``_fsdp``).
         timeout: the Joins' watchdog (``joinkit.Join(timeout=...)``); ``None``
             keeps joinkit's default.
 
@@ -70,11 +72,13 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
     Raises:
         TypeError: ``trainer`` is not a ``transformers.Trainer``.
         RuntimeError: the trainer is training already; or the launcher started
-            several processes and Accelerate sees one; or a DeepSpeed config that
-            Accelerate does not run (``use_cpu=True``).
-        NotImplementedError: FSDP, DataParallel, tensor, context or sequence
+            several processes and Accelerate sees one; or a DeepSpeed or FSDP config
+            that Accelerate does not run (``use_cpu=True``).
+        NotImplementedError: DataParallel, tensor, context or sequence
             parallelism; under DeepSpeed offloading to NVMe, ZeRO++, ZeRO-3 mid-epoch
-            or stream evaluation, a model whose main input is not ``input_ids``.
+            or stream evaluation; under FSDP mid-epoch checkpoints and evaluation,
+            stream evaluation, FSDP1's CPU offload; a model whose main input is not
+            ``input_ids`` (DeepSpeed, FSDP).
         ValueError: a setting this adapter does not handle (the message says
             which, and what to use instead).
         UnsupportedTransformersError: this transformers/Accelerate changed an
@@ -112,10 +116,11 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
         return trainer  # nothing to join
     if accelerator.distributed_type not in (distributed_type.MULTI_CPU,
                                             distributed_type.MULTI_GPU,
-                                            distributed_type.DEEPSPEED):
+                                            distributed_type.DEEPSPEED,
+                                            distributed_type.FSDP):
         raise NotImplementedError(
-            f"uneven_inputs handles DDP (Accelerate's MULTI_CPU and MULTI_GPU) and DeepSpeed, "
-            f"not {accelerator.distributed_type}"
+            f"uneven_inputs handles DDP (Accelerate's MULTI_CPU and MULTI_GPU), DeepSpeed and "
+            f"FSDP, not {accelerator.distributed_type}"
         )
     from ._session import Session
 
@@ -137,10 +142,22 @@ def _refuse(trainer: Any, distributed_type: Any) -> None:
             "with use_cpu=True Accelerate ignores the DeepSpeed config and trains with DDP). "
             "Launch on the accelerators DeepSpeed is to use, or drop the deepspeed setting"
         )
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(args, "fsdp", None):
-        raise NotImplementedError(
-            "uneven_inputs does not handle FSDP under the Trainer yet; use DDP, or joinkit's "
-            "FSDP2 support in your own loop (docs/guide/fsdp.md)"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        from . import _private
+
+        _private.check("FSDP")
+        _refuse_replayed_input(trainer, "FSDP")
+        from . import _fsdp
+
+        _fsdp.refuse(trainer)
+        _refuse_gathering_evaluation(trainer, "FSDP", "FSDP's forward all-gathers the "
+                                                     "parameters")
+    elif getattr(args, "fsdp", None):
+        raise RuntimeError(
+            "uneven_inputs: TrainingArguments(fsdp=...) is set but the Trainer's Accelerator "
+            "does not run FSDP (trainer.is_fsdp_enabled is False: with use_cpu=True "
+            "Accelerate ignores the FSDP settings and trains with DDP). Launch on the "
+            "accelerators FSDP is to use, or drop the fsdp setting"
         )
     if getattr(args, "n_gpu", 1) > 1:
         raise NotImplementedError(
@@ -193,6 +210,21 @@ def _refuse(trainer: Any, distributed_type: Any) -> None:
     del distributed_type
 
 
+def _refuse_replayed_input(trainer: Any, what: str) -> None:
+    """Raise for a model a joined rank cannot replay on one token of ``input_ids``.
+
+    Raises:
+        NotImplementedError: the model's main input is not ``input_ids``.
+    """
+    main_input = getattr(trainer.model, "main_input_name", None)
+    if main_input != "input_ids":
+        raise NotImplementedError(
+            f"uneven_inputs with {what} replays a joined rank's step on one token of "
+            f"input_ids, and this model's main input is {main_input!r}: only language models "
+            f"that take input_ids are handled under {what}"
+        )
+
+
 def _refuse_deepspeed(trainer: Any) -> None:
     """Raise for a DeepSpeed setting the Join cannot replay exactly (local checks only).
 
@@ -200,14 +232,7 @@ def _refuse_deepspeed(trainer: Any) -> None:
     first epoch's Join, after the Trainer's first collectives: the settings
     they read are checked here first, from the configuration alone.
     """
-    args = trainer.args
-    main_input = getattr(trainer.model, "main_input_name", None)
-    if main_input != "input_ids":
-        raise NotImplementedError(
-            "uneven_inputs with DeepSpeed replays a joined rank's step on one token of "
-            f"input_ids, and this model's main input is {main_input!r}: only language models "
-            "that take input_ids are handled under DeepSpeed"
-        )
+    _refuse_replayed_input(trainer, "DeepSpeed")
     plugin = trainer.accelerator.state.deepspeed_plugin
     config = dict(getattr(plugin, "deepspeed_config", None) or {})
     zero = dict(config.get("zero_optimization") or {})
@@ -228,25 +253,38 @@ def _refuse_deepspeed(trainer: Any) -> None:
             "zero_quantized_weights, zero_quantized_gradients): joinkit has not run it"
         )
     if stage == 3:
-        import torch
+        _refuse_gathering_evaluation(trainer, "DeepSpeed ZeRO-3",
+                                     "ZeRO-3's forward gathers the parameters",
+                                     ", or ZeRO stage 0-2")
 
-        evaluating = str(getattr(args.eval_strategy, "value", args.eval_strategy))
-        if evaluating == "steps":
-            raise NotImplementedError(
-                "uneven_inputs with DeepSpeed ZeRO-3: eval_strategy='steps' evaluates in "
-                "the middle of an epoch on the ranks still training, and ZeRO-3's forward "
-                "gathers the parameters from every rank. Use eval_strategy='epoch' (every "
-                "rank evaluates), or ZeRO stage 0-2"
-            )
-        eval_data = trainer.eval_dataset
-        datasets = eval_data.values() if isinstance(eval_data, dict) else [eval_data]
-        if any(isinstance(d, torch.utils.data.IterableDataset) for d in datasets):
-            raise NotImplementedError(
-                "uneven_inputs with DeepSpeed ZeRO-3: an IterableDataset evaluation set (each "
-                "rank its own stream, uneven) runs different numbers of forwards on the "
-                "ranks, and ZeRO-3's forward gathers the parameters from every rank. Use a "
-                "map-style evaluation set (joinkit splits it evenly), or ZeRO stage 0-2"
-            )
+
+def _refuse_gathering_evaluation(trainer: Any, what: str, gathers: str,
+                                 instead: str = "") -> None:
+    """Raise for evaluation that runs a forward gathering from every rank unevenly.
+
+    Raises:
+        NotImplementedError: ``eval_strategy='steps'`` (the ranks still training
+            evaluate) or an ``IterableDataset`` evaluation set (uneven forwards).
+    """
+    import torch
+
+    args = trainer.args
+    evaluating = str(getattr(args.eval_strategy, "value", args.eval_strategy))
+    if evaluating == "steps":
+        raise NotImplementedError(
+            f"uneven_inputs with {what}: eval_strategy='steps' evaluates in the middle of "
+            f"an epoch on the ranks still training, and {gathers} from every rank. Use "
+            f"eval_strategy='epoch' (every rank evaluates){instead}"
+        )
+    eval_data = trainer.eval_dataset
+    datasets = eval_data.values() if isinstance(eval_data, dict) else [eval_data]
+    if any(isinstance(d, torch.utils.data.IterableDataset) for d in datasets):
+        raise NotImplementedError(
+            f"uneven_inputs with {what}: an IterableDataset evaluation set (each rank its "
+            f"own stream, uneven) runs different numbers of forwards on the ranks, and "
+            f"{gathers} from every rank. Use a map-style evaluation set (joinkit splits it "
+            f"evenly){instead}"
+        )
 
 
 def _launched() -> int | None:

@@ -171,6 +171,19 @@ GROUPS: dict[str, tuple[Member, ...]] = {
     ),
 }
 
+#: Members the Trainer under FSDP relies on (``_fsdp``): a joined rank's step.
+GROUPS["FSDP"] = (
+    _m(_T, "Trainer._clip_grad_norm", _CALL,
+       "a joined FSDP rank clips as the Trainer does (a norm all-reduce)", ("self", "model"),
+       (f"{_TRAINER}._run_epoch",)),
+    _m(_T, "Trainer._get_grad_norm", _CALL,
+       "a joined FSDP rank takes the Trainer's gradient norm (a norm all-reduce)",
+       ("self", "model", "grad_norm"), (f"{_TRAINER}._run_epoch",)),
+    _m(_T, "Trainer.model_wrapped", _ATTR, "the FSDP model a joined rank clips"),
+    _m(_ACC, "Accelerator.optimizer_step_was_skipped", _EXISTS,
+       "a joined FSDP rank steps the Trainer's scheduler unless the step was skipped"),
+)
+
 _checked: set[str] = set()
 
 

@@ -81,6 +81,14 @@ after every optimizer step of a Join the ranks agree whether the Trainer saves
 joined rank in the sync's main hook, after its replay and scheduler step), and a
 joined rank then runs the Trainer's own saving calls for its part.
 
+*FSDP* (``TrainingArguments(fsdp=...)``, FSDP2 or FSDP1; ``_fsdp`` says how). The
+epoch's Join takes the FSDP model and the Trainer's torch optimizer: a joined rank
+replays the model's forward and backward on the DeepSpeed path's one token, then
+the Trainer's clipping, optimizer step and scheduler step (``shadow_step``) after
+each micro-batch that synced. ``no_sync`` stays FSDP's own (its windows end on every
+rank together) and no gradient is set aside; the post hook sends no optimizer state
+(each rank's shards are its own).
+
 *Evaluation* (``evaluate``, ``predict``, ``eval_strategy``, also in the middle
 of an epoch after a rank joined): the ranks evaluating (every rank, or inside
 a training Join the active ones, found with one side call) split the batches
@@ -117,7 +125,7 @@ from joinkit import Join, Joinable, JoinHook, SideChannel
 from joinkit.adapters.torch.data import ShardSampler
 from joinkit.adapters.torch.optim import gradients_set_aside
 
-from . import _resume
+from . import _fsdp, _resume
 
 __all__ = ["Session", "current"]
 
@@ -144,6 +152,8 @@ class Session:
         self.channel = SideChannel(dist.group.WORLD, name="transformers side channel")
         #: The Trainer runs a DeepSpeed engine (``model_wrapped``), not DDP.
         self.deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
+        #: The Trainer runs an FSDP1 or FSDP2 model (``_fsdp``), not DDP.
+        self.fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
         # The channel outside the epochs' Joins, and the one in them: a DeepSpeed
         # engine's Join runs on its own (ZeRO) group, which the channel then follows.
         self.world_channel = self.channel
@@ -315,19 +325,22 @@ class Session:
         """Load the sampler's state of the checkpoint; the training values of the run."""
         assert self.resume_from is not None
         saved = self.saved = _resume.read(self.resume_from)
-        sampler = self.train_sampler
-        if getattr(dataloader, "sampler", None) is not sampler or sampler is None:
-            return values  # streams: the Trainer's own resume (_t_init_training_state)
-        if saved is None or args.ignore_data_skip or (saved.sampler is None
-                                                       and not saved.epoch_done):
-            return values  # no record, or a stream's: refused (_t_init_training_state)
-        if self.deepspeed and saved.world != self.world and not _loads_universal(self):
+        if (saved is not None and self.deepspeed and saved.world != self.world
+                and not _loads_universal(self)):
+            # DeepSpeed's optimizer state is partitioned over the saving world,
+            # wherever in an epoch the checkpoint was written (and data skipped or not).
             raise ValueError(
                 f"joinkit.adapters.transformers: the checkpoint {self.resume_from} was saved "
                 f"on {saved.world} ranks, and DeepSpeed's optimizer state in it is "
                 f"partitioned over them; this run has {self.world}. Resume on {saved.world} "
                 "ranks, or convert it to a universal checkpoint (DeepSpeed's "
                 "ds_to_universal.py) and set \"checkpoint\": {\"load_universal\": true}")
+        sampler = self.train_sampler
+        if getattr(dataloader, "sampler", None) is not sampler or sampler is None:
+            return values  # streams: the Trainer's own resume (_t_init_training_state)
+        if saved is None or args.ignore_data_skip or (saved.sampler is None
+                                                       and not saved.epoch_done):
+            return values  # no record, or a stream's: refused (_t_init_training_state)
         start = self.start = _resume.plan(saved)
         local = None
         if start.mid_epoch:
@@ -401,7 +414,7 @@ class Session:
             # Trainer's scheduler as the loop does).
             self.channel = self.epoch_channel
             try:
-                join = Join([self._epoch_model(kwargs["model"]), self.channel, self.sync],
+                join = Join([*self._epoch_models(kwargs["model"]), self.channel, self.sync],
                             **self._epoch_join_kwargs())
                 join.__enter__()
             except BaseException:
@@ -439,15 +452,18 @@ class Session:
         if self.trainer.state.global_step == first_step:
             self.trainer.control.should_training_stop = False
 
-    def _epoch_model(self, model: Any) -> Any:
+    def _epoch_models(self, model: Any) -> list[Any]:
         """What the epoch's Join takes for the model: DDP as it is; for a DeepSpeed
-        engine its joinable on the Trainer's windows (module doc, *DeepSpeed*)."""
+        engine its joinable on the Trainer's windows (module doc, *DeepSpeed*); for
+        FSDP the model and the Trainer's optimizer (``_fsdp``)."""
+        if self.fsdp:
+            return _fsdp.epoch_joinables(self.trainer, model)
         if not self.deepspeed:
-            return model
+            return [model]
         from joinkit.adapters.deepspeed import DeepSpeedJoinable
 
-        return DeepSpeedJoinable(model, boundaries=self._window_end,
-                                 after_step=self._engine_stepped)
+        return [DeepSpeedJoinable(model, boundaries=self._window_end,
+                                  after_step=self._engine_stepped)]
 
     def _window_end(self, micro_step: int) -> bool:
         """Whether the epoch's micro-step ``micro_step`` ends a window, on every rank:
@@ -468,15 +484,21 @@ class Session:
             trainer.lr_scheduler.step()
 
     def _epoch_join_kwargs(self) -> dict[str, Any]:
+        if self.fsdp:  # the same replay input; the Trainer's step after a synced round
+            return {**self._one_token(), "shadow_step": _fsdp.shadow_step(self.trainer),
+                    **self.join_kwargs}
         if not self.deepspeed:
             return self.join_kwargs
+        return {**self._one_token(), **self.join_kwargs}
+
+    def _one_token(self) -> dict[str, Any]:
         # A joined rank replays the engine's step on this input: one token and no
         # labels, whose logits (times zero) give every parameter a zero gradient. The
         # empty batch joinkit's replay would build otherwise does not go through a
         # Hugging Face model's attention (a view of 0 elements), and a rank without
         # data has no batch of its own.
         token = torch.zeros((1, 1), dtype=torch.long, device=self.trainer.args.device)
-        return {"shadow_input": ((), {"input_ids": token}), **self.join_kwargs}
+        return {"shadow_input": ((), {"input_ids": token})}
 
     def leave(self, error: BaseException | None = None) -> None:
         """Leave the epoch's Join: shadow until every rank finished it, then sync."""
@@ -556,7 +578,7 @@ class Session:
 
     def _a_no_sync(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def no_sync(model: Any) -> Any:
-            if self.join is not None:
+            if self.join is not None and not self.fsdp:  # FSDP's windows stay (_fsdp)
                 return contextlib.nullcontext()
             return original(model)
         return no_sync
@@ -572,9 +594,9 @@ class Session:
                         "finite, so its empty micro-batch (that batch with the loss times "
                         "zero) would not give a zero gradient")
                 loss = loss * 0.0
-            if self.trainer.args.gradient_accumulation_steps == 1 or self.deepspeed:
+            if self.trainer.args.gradient_accumulation_steps == 1 or self.deepspeed or self.fsdp:
                 # (A DeepSpeed engine accumulates itself: every rank's micro-steps are
-                # the same window's, _window_end.)
+                # the same window's, _window_end; FSDP keeps its own no_sync windows.)
                 return original(loss, **kwargs)
             # Every backward syncs during a Join: set the accumulated gradient
             # aside (DDP all-reduces a parameter's whole .grad) and add it back.
@@ -896,9 +918,10 @@ class _SyncHook(JoinHook):
         payload = None
         if session.rank == source:
             payload = {
-                # A DeepSpeed optimizer's state is this rank's partition, which every
-                # rank stepped itself (the engine's replay): not sent.
-                "optimizer": None if session.deepspeed else trainer.optimizer.state_dict(),
+                # A DeepSpeed or FSDP optimizer's state is this rank's partition or
+                # shards, which every rank stepped itself (the replay): not sent.
+                "optimizer": (None if session.deepspeed or session.fsdp
+                              else trainer.optimizer.state_dict()),
                 "scheduler": trainer.lr_scheduler.state_dict(),
                 "state": {name: getattr(trainer.state, name) for name in _STATE},
                 "control": {name: getattr(trainer.control, name) for name in _CONTROL},

@@ -35,7 +35,8 @@ _SCRIPT = Path(sys.executable).with_name("torchrun")
 TORCHRUN = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "torch.distributed.run"]
 LAUNCH_TIMEOUT = 240.0
 WORLD = 2
-MODES = ["ddp", "fsdp2"]
+MODES = ["ddp", "fsdp2", "fsdp1"]
+FSDP_MODES = ["fsdp2", "fsdp1"]
 
 
 def _environment() -> dict[str, str]:
@@ -55,15 +56,25 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("accelerate")
     base = [*TORCHRUN, "--standalone", "--nproc-per-node", str(WORLD)]
     commands = [[*base, str(PROGRAM), mode, str(out)] for mode in MODES]
+    three = [*TORCHRUN, "--standalone", "--nproc-per-node", "3"]
+    (out / "three").mkdir()
+    commands += [[*three, str(PROGRAM), mode, str(out / "three")] for mode in FSDP_MODES]
     commands.append([*base, str(EXAMPLE)])
+    names = [*MODES, *(f"{mode}-3" for mode in FSDP_MODES), "example"]
     runs = launch_ranks(commands, LAUNCH_TIMEOUT, env=_environment(), cwd=ROOT)
-    return {"out": out, "runs": dict(zip([*MODES, "example"], runs, strict=True))}
+    return {"out": out, "runs": dict(zip(names, runs, strict=True))}
 
 
-def _records(launches: dict[str, Any], mode: str, case: str) -> list[dict[str, Any]]:
-    files = [launches["out"] / f"{mode}-{case}-{rank}.json" for rank in range(WORLD)]
+def _records(launches: dict[str, Any], mode: str, case: str,
+             world: int = WORLD) -> list[dict[str, Any]]:
+    """The records of a launch (``fsdp2-3``: the 3-process launch, in a folder of its
+    own, whose files are named by the mode)."""
+    launch, mode = mode, mode.removesuffix("-3")
+    folder = launches["out"] / "three" if launch != mode else launches["out"]
+    files = [folder / f"{mode}-{case}-{rank}.json" for rank in range(world)]
     if not all(f.exists() for f in files):
-        pytest.fail(f"{mode} did not finish {case}:\n{launches['runs'][mode].stdout[-4000:]}")
+        pytest.fail(f"{launch} did not finish {case}:\n"
+                    f"{launches['runs'][launch].stdout[-4000:]}")
     return [json.loads(f.read_text()) for f in files]
 
 
@@ -107,36 +118,135 @@ def test_join_uneven_inputs_on_prepared_objects_is_exact(launches: Any, mode: st
     ranks = _records(launches, mode, "joinkit")
     assert [r["num_processes"] for r in ranks] == [WORLD, WORLD]
     assert [r["steps"] for r in ranks] == [8, 6]  # 4 and 3 batches per epoch, 2 epochs
-    assert ranks[0]["model"] == {"ddp": "DistributedDataParallel", "fsdp2": "FSDPSequential"}[mode]
+    assert ranks[0]["model"] == _MODELS[mode]
     want = _reference(padded=False)
     for rank in ranks:
         _assert_params(rank["params"], want)
 
 
-@pytest.mark.launches
-@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
-def test_accumulate_under_join_uneven_inputs_is_exact(launches: Any) -> None:
+_MODELS = {"ddp": "DistributedDataParallel", "fsdp2": "FSDPSequential",
+           "fsdp1": "FullyShardedDataParallel"}
+
+
+def _assert_trained_by(ranks: list[dict[str, Any]], mode: str) -> None:
+    """The model is what ``mode`` says, and Accelerate ran it as such to the end (its
+    no_sync and clipping follow ``distributed_type``)."""
+    kind = "MULTI_CPU" if mode == "ddp" else "FSDP"
+    assert {(r["model"], r["distributed_type"]) for r in ranks} == {
+        (_MODELS[mode], f"DistributedType.{kind}")}
+
+
+def _accumulated_reference(world: int, gas: int, clip: bool = False,
+                           batches: int | None = None,
+                           scheduler: bool = False) -> list[list[float]]:
+    """One process: a step per window of ``gas`` batch positions, each batch's loss
+    divided by the accumulation steps (Accelerate's backward) and the world (DDP's and
+    FSDP's averaging), the window's gradient clipped to ``CLIP`` when ``clip``; the last
+    window steps however full (Accelerate steps at the end of the data). ``scheduler``:
+    the rate halves ``world`` times after each step (Accelerate's wrapper steps a
+    StepLR of one step once per process)."""
     import accelerate_program as p
 
-    ranks = _records(launches, "ddp", "accumulate")
-    assert [r["steps"] for r in ranks] == [4, 3]
-    # One process: a step per window of ACCUMULATE batch positions, each batch's loss
-    # divided by the accumulation steps (Accelerate's backward) and the world (DDP).
     model = p.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=p.LR)
     x, y = p.dataset().tensors
-    per_rank = [list(range(r, p.BATCHES, WORLD)) for r in range(WORLD)]
+    total = p.BATCHES if batches is None else batches
+    per_rank = [list(range(r, total, world)) for r in range(world)]
     longest = max(len(b) for b in per_rank)
-    for start in range(0, longest, p.ACCUMULATE):
+    for start in range(0, longest, gas):
         optimizer.zero_grad()
-        for batches in per_rank:
-            for batch in batches[start:start + p.ACCUMULATE]:
+        for ranks_batches in per_rank:
+            for batch in ranks_batches[start:start + gas]:
                 rows = slice(batch * p.BATCH, (batch + 1) * p.BATCH)
                 loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
-                (loss / p.ACCUMULATE / WORLD).backward()
+                (loss / gas / world).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), p.CLIP)
         optimizer.step()
+        if scheduler:
+            for group in optimizer.param_groups:
+                group["lr"] *= 0.5 ** world
+    return p.full_params(model)
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulate_under_join_uneven_inputs_is_exact(launches: Any, mode: str) -> None:
+    """Windows of 2: rank 1's last window ends at its own last batch, half full (DDP:
+    every backward syncs; FSDP: rank 1 keeps its half for the window's step)."""
+    import accelerate_program as p
+
+    ranks = _records(launches, mode, "accumulate")
+    assert [r["steps"] for r in ranks] == [4, 3]
+    _assert_trained_by(ranks, mode)
     for rank in ranks:
-        _assert_params(rank["params"], [p.full_params(model)])
+        _assert_params(rank["params"], [_accumulated_reference(WORLD, p.ACCUMULATE)])
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("mode", FSDP_MODES)
+def test_fsdp_accumulate_with_clipping_closes_the_last_window(launches: Any,
+                                                              mode: str) -> None:
+    """Windows of 3 with clipping that bites: rank 0's second window (one batch) is open
+    when both ran out; the Join's post hooks close it (a synced replay, the shadow step's
+    clipping and step, on both). No gradient is left behind."""
+    ranks = _records(launches, mode, "accumulate3_clip")
+    assert [r["steps"] for r in ranks] == [4, 3]
+    _assert_trained_by(ranks, mode)
+    want = _accumulated_reference(WORLD, 3, clip=True)
+    for rank in ranks:
+        _assert_params(rank["params"], [want])
+        assert all(rank["grads"])
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("mode", FSDP_MODES)
+def test_fsdp_mixed_precision_equals_zero_weight_padding(launches: Any, mode: str) -> None:
+    """FSDP's bf16 mixed precision (the plugin's policy: bfloat16 parameters and
+    reductions), windows of 2, rank 1 running out inside one: bit for bit the run
+    without joinkit where rank 1 is padded (even_batches=True) with zero-weight
+    batches, the same casts and collectives; both 3.0e-4 from the float32 reference
+    (measured; bfloat16's rounding), which the bound checks really is bf16."""
+    import accelerate_program as p
+
+    joined = _records(launches, mode, "bf16")
+    padded = _records(launches, mode, "bf16_zero_padded")
+    assert [r["steps"] for r in joined] == [4, 3]
+    assert [r["steps"] for r in padded] == [4, 4]
+    _assert_trained_by(joined, mode)
+    want = _accumulated_reference(WORLD, p.ACCUMULATE)
+    for got, same in zip(joined, padded, strict=True):
+        assert got["params"] == same["params"]
+        error = max(abs(a - b) for g, w in zip(got["params"][0], want, strict=True)
+                    for a, b in zip(g, w, strict=True))
+        assert 1e-5 < error < 1e-3
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
+@pytest.mark.parametrize("mode", FSDP_MODES)
+@pytest.mark.parametrize(("case", "batches", "clip", "steps"), [
+    ("accumulate", 7, False, [3, 2, 2]), ("no_data_clip", 2, True, [1, 1, 0]),
+    ("scheduler_clip", 7, True, [3, 2, 2])])
+def test_fsdp_accumulate_on_three_processes(launches: Any, mode: str, case: str,
+                                            batches: int, clip: bool,
+                                            steps: list[int]) -> None:
+    """3 processes: rank 0's last window open at the end (closed by the post hooks); a
+    process with no data at all, which replays every micro-step and the closing one; an
+    LR scheduler Accelerate wrapped (stepped by a joined process as the wrapper steps
+    it: once per process per optimizer step)."""
+    import accelerate_program as p
+
+    ranks = _records(launches, f"{mode}-3", case, world=3)
+    assert [r["steps"] for r in ranks] == steps
+    _assert_trained_by(ranks, mode)
+    want = _accumulated_reference(3, p.ACCUMULATE, clip=clip, batches=batches,
+                                  scheduler=case.startswith("scheduler"))
+    for rank in ranks:
+        _assert_params(rank["params"], [want])
 
 
 @pytest.mark.launches

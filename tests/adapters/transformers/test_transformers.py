@@ -45,7 +45,7 @@ CELLS = ["map_gas1", "map_gas2", "map_gas2_plain", "map_max_steps", "map_eval", 
 #: The first runs of the resumed cells (RESUMES), by launch.
 FIRST_RUNS = {"torchrun-2": ["resume23_a", "stream_resume_a"], "accelerate-3": ["resume32_a"]}
 LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2, "deepspeed-3": 3,
-            "resume-3": 3, "resume-2": 2}
+            "resume-3": 3, "resume-2": 2, "fsdp-2": 2, "fsdp-3": 3}
 #: The second round: launch -> (ranks, cells, the first-round launches they resume).
 RESUMES = {"resume-3": (3, ["resume23_b", "stream_resume_refused"], ["torchrun-2"]),
            "resume-2": (2, ["resume32_b", "resume22_b", "stream_resume3_b", "stream_resume6_b"],
@@ -56,6 +56,17 @@ DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_resume_s2", "ds_resume_s3
             "ds_stream_s2", "ds_stream_s3", "ds_even_s2", "ds_refusals", "ds_gas2_s1",
             "ds_gas3_s2", "ds_gas2_s3", "ds_offload_s2", "ds_offload_s3", "ds_cpu_adam_s2"]
 DS3_CELLS = ["ds3_gas2_s2", "ds3_gas3_s1", "ds3_gas2_s3", "ds3_offload_s3"]
+#: The Trainer with FSDP (FSDP1 and FSDP2), launched apart on 2 and 3 ranks.
+FSDP_CELLS = ["fsdp2_map", "fsdp2_gas2", "fsdp2_stream_zero", "fsdp1_map",
+              "fsdp1_gas2_stream_zero", "fsdp1_even", "fsdp_refusals", "fsdp2_bf16",
+              "fsdp2_bf16_even", "fsdp1_bf16", "fsdp1_bf16_even"]
+#: bf16=True under FSDP (bfloat16 parameters, reductions and autocast; float32 models
+#: and master weights, SGD) against the float64 reference: measured 2.0e-4 (FSDP2) and
+#: 6.1e-6 (FSDP1) on 2 and 3 ranks, and 1.9e-4 and 4.3e-6 for the control where nobody
+#: joins; the bound, and at most BF16_CONTROL_FACTOR times the control's error.
+BF16_PARAM_TOLERANCE = 1e-3
+BF16_CONTROL_FACTOR = 3.0
+FSDP_LAUNCHES = ["fsdp-2", "fsdp-3"]
 #: DeepSpeed's ZeRO optimizer steps float32 master weights (its flat partitions are
 #: ``.float()``) and sums the gradient norm in float32, so a float64 model trains in
 #: float32 under it: measured at most 1.5e-6 from the float64 reference (norms 6.4e-7
@@ -69,6 +80,11 @@ PARAM_TOLERANCE = {2: 1e-9, 3: 1e-6}
 #: agree to 1e-11 (relative) after the first step, where they are equal, and Adam's
 #: normalization grows that on small gradients. Not pinned down (one process is exact).
 SFT_PARAM_TOLERANCE = 1e-6
+#: FSDP1 trains float32 here (its clip_grad_norm_, which the Trainer calls every step,
+#: refuses float64 gradients), with SGD: measured at most 2e-7 from the float64
+#: reference, and the same where nobody joins (``fsdp1_even``, the control).
+FSDP1_PARAM_TOLERANCE = 1e-6
+FSDP1_NORM_RELATIVE = 1e-5
 #: The Trainer logs float32 values.
 LOG_TOLERANCE = 2e-6
 RUNTIME = ("runtime", "per_second", "model_preparation_time")
@@ -127,7 +143,8 @@ def launches(request: pytest.FixtureRequest,
     accelerate = [*_tool("accelerate", "accelerate.commands.accelerate_cli"), "launch",
                   "--multi_gpu", "--main_process_port", "0"]
     dirs = {"torchrun-2": out / "t2", "accelerate-3": out / "a3", "deepspeed-2": out / "d2",
-            "resume-3": out / "r3", "resume-2": out / "r2"}
+            "deepspeed-3": out / "d3", "resume-3": out / "r3", "resume-2": out / "r2",
+            "fsdp-2": out / "f2", "fsdp-3": out / "f3"}
     first = {
         "torchrun-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(dirs["torchrun-2"]),
                        *CELLS, *FIRST_RUNS["torchrun-2"]],
@@ -138,6 +155,10 @@ def launches(request: pytest.FixtureRequest,
                         str(dirs["deepspeed-2"]), *DS_CELLS],
         "deepspeed-3": [*torchrun, "--nproc-per-node", "3", str(WORKER),
                         str(dirs["deepspeed-3"]), *DS3_CELLS],
+        "fsdp-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(dirs["fsdp-2"]),
+                   *FSDP_CELLS],
+        "fsdp-3": [*accelerate, "--num_processes", "3", str(WORKER), str(dirs["fsdp-3"]),
+                   *FSDP_CELLS],
     }
     # The resumed runs find the first round's checkpoints under --root (hf_worker's CELLS).
     second = {launch: [*torchrun, "--nproc-per-node", str(world), str(WORKER),
@@ -444,6 +465,107 @@ def test_bad_input_raises_on_every_rank_before_any_collective(
         assert messages["not_a_trainer"].startswith("TypeError")
         assert messages["resume_mid_epoch"].startswith("NotImplementedError")
         assert "joinkit_trainer.json" in messages["resume_mid_epoch"]
+        assert record["after"] == [[r] for r in range(len(records))]
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+@pytest.mark.parametrize(("cell", "kind"), [("fsdp2_map", "FSDP2"), ("fsdp1_map", "FSDP1"),
+                                            ("fsdp1_even", "FSDP1")])
+def test_fsdp_map_style_dataset_clipping_and_evaluation(
+        launches: dict[str, Any], launch: str, cell: str, kind: str) -> None:
+    """fsdp="full_shard", FSDP2 (float64) and FSDP1 (float32): the model really is
+    FSDP-wrapped, a joined rank replays its forward and backward and steps its shards
+    (clipping that bites), and evaluation each epoch and after training is exact."""
+    records = _records(launches, launch, cell)
+    world = len(records)
+    assert {r["wrapped"] for r in records} == {kind}
+    samples = 12 if cell == "fsdp1_even" else 13
+    batches = _batches(samples, world)
+    _check_shards(records, samples, batches, epochs=2)
+    if kind == "FSDP1":
+        _compare(records, "gpt2", tolerance=FSDP1_PARAM_TOLERANCE,
+                 norm_relative=FSDP1_NORM_RELATIVE)
+    else:
+        _compare(records, "gpt2")
+    history = records[0]["log_history"]
+    assert [e["step"] for e in history if "eval_loss" in e] == [batches, 2 * batches,
+                                                                2 * batches]
+    assert all(e["eval_rows"] == 7 for e in history if "eval_rows" in e)
+    assert all(r["global_step"] == 2 * batches for r in records)
+    counts = {len(r["recorded"]) for r in records}
+    assert len(counts) == (1 if cell == "fsdp1_even" else 2)  # uneven, but for the control
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+def test_fsdp2_gradient_accumulation_with_a_half_empty_last_window(
+        launches: dict[str, Any], launch: str) -> None:
+    records = _records(launches, launch, "fsdp2_gas2")
+    assert {r["wrapped"] for r in records} == {"FSDP2"}
+    world = len(records)
+    _check_shards(records, 13, math.ceil(_batches(13, world) / 2), epochs=2)
+    _compare(records, "llama")
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+@pytest.mark.parametrize(("cell", "kind", "rows"), [
+    ("fsdp2_stream_zero", "FSDP2", [5, 0, 12]),
+    ("fsdp1_gas2_stream_zero", "FSDP1", [0, 13, 7])])
+def test_fsdp_own_streams_a_rank_with_none(launches: dict[str, Any], launch: str, cell: str,
+                                          kind: str, rows: list[int]) -> None:
+    """Each rank's own stream, one rank with none (it replays every step); FSDP1 with
+    gradient accumulation 2 (FSDP1's no_sync windows inside the Join)."""
+    records = _records(launches, launch, cell)
+    rows = rows[: len(records)]
+    assert {r["wrapped"] for r in records} == {kind}
+    _check_streams(records, rows)
+    assert [bool(r["recorded"]) for r in records] == [n > 0 for n in rows]
+    if kind == "FSDP1":
+        _compare(records, "llama", tolerance=FSDP1_PARAM_TOLERANCE,
+                 norm_relative=FSDP1_NORM_RELATIVE)
+    else:
+        _compare(records, "llama")
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+@pytest.mark.parametrize(("cell", "kind"), [("fsdp2_bf16", "FSDP2"), ("fsdp1_bf16", "FSDP1")])
+def test_fsdp_mixed_precision_within_the_bound_of_a_run_where_nobody_joins(
+        launches: dict[str, Any], launch: str, cell: str, kind: str) -> None:
+    """bf16=True: the plugin's bfloat16 policy really applied, parameters within the
+    measured bound of the float64 reference, and no further from it than a control
+    where nobody joins (12 samples: even) is from its own."""
+    import hf_reference as ref
+
+    errors = []
+    for name in (cell, f"{cell}_even"):
+        records = _records(launches, launch, name)
+        assert {(r["wrapped"], r["param_dtype"]) for r in records} == {
+            (kind, "torch.bfloat16")}
+        want = ref.train(records, "gpt2")
+        errors.append(max(ref.max_param_error(r["params"], want["params"])
+                          for r in records))
+    print(f"{launch} {cell}: {errors[0]:.2e} (control {errors[1]:.2e})")  # measured
+    assert 1e-6 < errors[0] < BF16_PARAM_TOLERANCE  # bfloat16 rounding, really
+    assert errors[0] < BF16_CONTROL_FACTOR * errors[1]
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+def test_fsdp_settings_it_cannot_shadow_raise_on_every_rank_before_any_collective(
+        launches: dict[str, Any], launch: str) -> None:
+    records = _records(launches, launch, "fsdp_refusals")
+    for record in records:
+        messages = record["messages"]
+        assert messages["save_steps"].startswith("NotImplementedError")
+        assert "save_strategy='epoch'" in messages["save_steps"]
+        assert "eval_strategy='epoch'" in messages["eval_steps"]
+        assert "IterableDataset evaluation set" in messages["stream_eval"]
+        # FSDP settings Accelerate ignored (use_cpu=True): said, not trained as DDP.
+        assert messages["ignored"].startswith("RuntimeError")
+        assert "is_fsdp_enabled is False" in messages["ignored"]
         assert record["after"] == [[r] for r in range(len(records))]
 
 

@@ -13,6 +13,7 @@ validation batches.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import traceback
@@ -116,6 +117,19 @@ class FSDPModel(Model):
         fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
 
+class FSDPBF16Model(Model):
+    """FSDP2 with bfloat16 parameters and gradient reductions (``MixedPrecisionPolicy``;
+    float32 outputs for the loss), the mixed precision FSDP2 gives Lightning."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                      reduce_dtype=torch.bfloat16,
+                                      output_dtype=torch.float32)
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     full = getattr(tensor, "full_tensor", None)  # a DTensor shard (FSDP2): all-gathered
     return full() if full is not None else tensor
@@ -179,9 +193,10 @@ class ActiveRanks(pl.Callback):
 
 
 def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
-        validate: bool = True, shards: bool = False, fsdp: bool = False,
+        validate: bool = True, shards: bool = False, fsdp: bool | str = False,
         inputs: list[int] = INPUTS, max_steps: int = -1, epochs: int = EPOCHS,
-        epoch_metric: bool = True, side_model: bool = False) -> dict[str, Any]:
+        epoch_metric: bool = True, side_model: bool = False,
+        clip: float | None = None, bf16: bool = False) -> dict[str, Any]:
     logger = ListLogger()
     active = ActiveRanks()
     side = SideChannel() if side_model else None
@@ -191,7 +206,7 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         max_steps=max_steps, logger=logger,
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
-        accumulate_grad_batches=accumulate,
+        accumulate_grad_batches=accumulate, gradient_clip_val=clip,
         callbacks=[active, uneven],
         limit_val_batches=1.0 if validate else 0,
     )
@@ -199,21 +214,29 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
     if side is not None:
         model = SideModel(side)
     else:
-        model = (FSDPModel if fsdp else Model)(scheduler and not shards, epoch_metric)
+        kind = FSDPBF16Model if bf16 else FSDPModel if fsdp is True else Model
+        model = kind(scheduler and not shards, epoch_metric)
     train = DataLoader(rows(rank, inputs[rank], 1), batch_size=BATCH)
     val = DataLoader(rows(rank, VAL_INPUTS[rank], 2), batch_size=BATCH)
     if shards:
         train, val = shard_loaders(rank)
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val if validate else None)
+    if hasattr(model.net, "reshard"):  # FSDP2: the float32 shards, not what the last
+        model.net.reshard()             # forward (validation) left unsharded
+    with _full_parameters(trainer):
+        params = [float(v) for p in model.net.parameters() for v in _full(p.detach()).reshape(-1)]
+    momentum = ([] if fsdp == "fsdp1" else  # FSDP1: each rank's flat shard of it
+                [float(v) for s in trainer.optimizers[0].state.values()
+                 for v in _full(s["momentum_buffer"]).reshape(-1)])
     return {
-        "params": [float(v) for p in model.net.parameters()
-                   for v in _full(p.detach()).reshape(-1)],
+        "params": params,
+        "fsdp1": isinstance(trainer.strategy.model,
+                            torch.distributed.fsdp.FullyShardedDataParallel),
         "loss": [r["loss"] for r in logger.records if "loss" in r],
         "loss_max": [r["loss_max"] for r in logger.records if "loss_max" in r],
         "val_loss": [r["val_loss"] for r in logger.records if "val_loss" in r],
         "train_mse": [r["train_mse"] for r in logger.records if "train_mse" in r],
-        "momentum": [float(v) for s in trainer.optimizers[0].state.values()
-                     for v in _full(s["momentum_buffer"]).reshape(-1)],
+        "momentum": momentum,
         "global_step": trainer.global_step,
         "active_ranks": active.counts,
         # Each epoch's Join: this rank's shadow rounds; and how many of them ran the
@@ -225,9 +248,42 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
     }
 
 
-def _strategy(fsdp: bool) -> Any:
+def _full_parameters(trainer: Any) -> Any:
+    """FSDP1 (use_orig_params): the full parameters while it lasts (every rank)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(trainer.strategy.model, FullyShardedDataParallel):
+        return FullyShardedDataParallel.summon_full_params(trainer.strategy.model)
+    return contextlib.nullcontext()
+
+
+def _strategy(fsdp: bool | str) -> Any:
     if not fsdp:
         return "ddp"
+    if fsdp == "fsdp1":
+        from pytorch_lightning.strategies import FSDPStrategy
+
+        # Lightning's strategy="fsdp" (FSDP1), made to run on this CPU machine (test-only):
+        # Lightning refuses FSDPStrategy itself (the exact type) with accelerator="cpu",
+        # and its wrapping passes device_id=None, with which FSDP1 looks for a GPU.
+        class CPUFSDPStrategy(FSDPStrategy):
+            def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+                from torch.distributed import fsdp
+
+                original = fsdp.FullyShardedDataParallel
+
+                class OnCPU(original):  # type: ignore[misc, valid-type]
+                    def __init__(self, *args: Any, device_id: Any = None,
+                                 **kwargs: Any) -> None:
+                        super().__init__(*args, device_id=torch.device("cpu"), **kwargs)
+
+                fsdp.FullyShardedDataParallel = OnCPU  # type: ignore[misc]
+                try:
+                    return super()._setup_model(model)
+                finally:
+                    fsdp.FullyShardedDataParallel = original  # type: ignore[misc]
+
+        return CPUFSDPStrategy()
     from pytorch_lightning.strategies import ModelParallelStrategy
 
     return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
@@ -235,6 +291,18 @@ def _strategy(fsdp: bool) -> Any:
 
 SCENARIOS = {
     "fsdp2": lambda rank: fit(rank, scheduler=True, fsdp=True),
+    # FSDP2 with windows of 3: rank 0 (5 batches) runs out inside its second window;
+    # rank 1's third (2 batches of 8) is still open at the end, closed by the Join.
+    "fsdp2_accumulate": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp=True),
+    # Lightning's strategy="fsdp" (FSDP1, the whole LightningModule wrapped): the same.
+    "fsdp1": lambda rank: fit(rank, scheduler=True, fsdp="fsdp1"),
+    # FSDP2 with clipping by norm that bites (a norm all-reduce in every step).
+    "fsdp2_clip": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp=True, clip=CLIP),
+    # FSDP2's bfloat16 mixed precision, uneven and a control where nobody joins (8 and 8).
+    "fsdp2_bf16": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp=True, bf16=True),
+    "fsdp2_bf16_even": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp=True,
+                                        bf16=True, inputs=[8, 8]),
+    "fsdp1_accumulate": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp="fsdp1"),
     "ddp": lambda rank: fit(rank, scheduler=True),
     "ddp_accumulate": lambda rank: fit(rank, accumulate=2, validate=False),
     "ddp_shard_sampler": lambda rank: fit(rank, shards=True),
@@ -250,6 +318,7 @@ SCENARIOS = {
 }
 
 EMPTY_INPUTS = [0, 8]
+CLIP = 0.05
 MAX_STEPS = 15
 
 

@@ -1056,7 +1056,9 @@ def nccl_fsdp_reference(ctx: Ctx) -> Any:
 # -- the runner ---------------------------------------------------------------------------
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], scenarios: dict[str, Any] | None = None) -> None:
+    """Run the named scenarios on this rank (``scenarios``: another program's registry)."""
+    scenarios = SCENARIOS if scenarios is None else scenarios
     rank, world, store, out_dir, *names = argv
     backend = "gloo"
     if "--nccl" in names:
@@ -1074,7 +1076,7 @@ def main(argv: list[str]) -> None:
         with recording(out, name) as record:
             start = time.monotonic()
             ctx.group = dist.new_group(backend=backend, timeout=SCENARIO_TIMEOUT)
-            record["result"] = SCENARIOS[name](ctx)
+            record["result"] = scenarios[name](ctx)
             record["collectives"] = sequence(ctx.group)
             record["seconds"] = round(time.monotonic() - start, 2)
     dist.destroy_process_group()

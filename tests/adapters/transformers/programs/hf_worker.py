@@ -400,6 +400,151 @@ def deepspeed_trainer_class(base: type) -> type:
                 {"create_accelerator_and_postprocess": create_accelerator_and_postprocess})
 
 
+def fsdp_trainer_class(base: type) -> type:
+    """``base`` whose Accelerator runs FSDP on this CPU machine (a test-only override).
+
+    As :func:`deepspeed_trainer_class`: with ``use_cpu=True`` Accelerate 1.15 ignores
+    the Trainer's FSDP plugin (``MULTI_CPU``, the model DDP-wrapped). So right after the
+    Trainer built its Accelerator, the state is set to what a GPU machine gets,
+    ``DistributedType.FSDP`` with the plugin the Trainer's arguments describe (FSDP1 or
+    FSDP2) and the device ``cpu``; Accelerate's own ``prepare`` then wraps the model.
+    The cells check that the model really is FSDP1's ``FullyShardedDataParallel`` or an
+    FSDP2 ``FSDPModule``.
+    """
+    def create_accelerator_and_postprocess(self: Any) -> None:
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        base.create_accelerator_and_postprocess(self)
+        plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        state = self.accelerator.state
+        state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        if self.accelerator.mixed_precision != "no":
+            plugin.set_mixed_precision(self.accelerator.mixed_precision)
+        state.fsdp_plugin = plugin
+        # MULTI_CPU's device is cpu:<local rank>, which FSDP1 refuses as a device_id on
+        # a model on "cpu" (a GPU machine's is cuda:<local rank>).
+        state.device = PartialState._shared_state["device"] = torch.device("cpu")
+        self.is_fsdp_enabled = True
+
+    return type(f"FSDP{base.__name__}", (base,),
+                {"create_accelerator_and_postprocess": create_accelerator_and_postprocess})
+
+
+def wrapped_kind(trainer: Any) -> str:
+    """What Accelerate wrapped the model in: FSDP1, FSDP2, DDP or nothing."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    model = trainer.model_wrapped
+    if isinstance(model, FullyShardedDataParallel):
+        return "FSDP1"
+    if isinstance(model, FSDPModule):
+        return "FSDP2"
+    return type(model).__name__
+
+
+def fsdp_cell(ctx: dict[str, Any], *, version: int, samples: int | None = None,
+              rows: list[int] | None = None, max_steps: int = -1, gas: int = 1,
+              clip: float = 1.0, model: str = "gpt2", dtype: Any = torch.float64,
+              **overrides: Any) -> dict[str, Any]:
+    """The Trainer with ``fsdp="full_shard"`` (FSDP1 or FSDP2) on a map-style dataset
+    (evaluation each epoch and after training) or on each rank's own stream."""
+    from datasets import IterableDataset
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    extra: dict[str, Any] = {}
+    if rows is not None:
+        rank = dist.get_rank()
+        train = IterableDataset.from_generator(stream, gen_kwargs={"count": rows[rank],
+                                                                   "seed": 10 + rank})
+    else:
+        train = rows_dataset(sequences(samples or 0, seed=1))
+        extra.update(eval_dataset=rows_dataset(sequences(7, seed=2)), compute_metrics=metrics)
+    trainer = fsdp_trainer_class(trainer_class(Trainer))(
+        model=tiny_model(model).to(dtype),
+        args=args(ctx["dir"], max_steps=max_steps, gradient_accumulation_steps=gas,
+                  max_grad_norm=clip, fsdp="full_shard", fsdp_config=fsdp_config(version),
+                  eval_strategy="no" if rows is not None else "epoch", **overrides),
+        train_dataset=train, data_collator=collate, **extra)
+    trainer.recorded = []
+    trainer.items = []
+    uneven_inputs(trainer)
+    output = trainer.train()
+    final = trainer.evaluate() if rows is None else None
+    return {"recorded": trainer.recorded, "items": trainer.items,
+            "params": fsdp_params(trainer), "log_history": trainer.state.log_history,
+            "final_eval": final, "global_step": output.global_step,
+            "wrapped": wrapped_kind(trainer), "meta": meta(trainer),
+            "param_dtype": str(getattr(trainer.accelerator.state.fsdp_plugin
+                                       .mixed_precision_policy, "param_dtype", None))}
+
+
+def fsdp_config(version: int) -> dict[str, Any]:
+    """The Trainer's ``fsdp_config`` for FSDP ``version``.
+
+    FSDP1's ``sync_module_states`` (the Trainer's default for FSDP1) makes Accelerate's
+    plugin look for a GPU in its constructor (it builds a ``param_init_fn`` on the
+    current GPU): off on this CPU machine, where every rank builds the same seeded model.
+    """
+    if version == 1:
+        return {"fsdp_version": 1, "sync_module_states": False}
+    return {"fsdp_version": 2}
+
+
+def fsdp_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
+    """What ``uneven_inputs`` refuses under FSDP: on every rank, before any collective."""
+    from datasets import IterableDataset
+    from transformers import Trainer
+
+    from joinkit.adapters.transformers import uneven_inputs
+
+    data = rows_dataset(sequences(6, seed=1))
+    stream_eval = IterableDataset.from_generator(stream, gen_kwargs={"count": 3, "seed": 5})
+    messages = {}
+    cases: dict[str, tuple[type, dict[str, Any], Any]] = {
+        "save_steps": (fsdp_trainer_class(Trainer),
+                       {"save_strategy": "steps", "save_steps": 2}, data),
+        "eval_steps": (fsdp_trainer_class(Trainer),
+                       {"eval_strategy": "steps", "eval_steps": 2}, data),
+        "stream_eval": (fsdp_trainer_class(Trainer), {"eval_strategy": "epoch"},
+                        stream_eval),
+        # Without the test's override: Accelerate ignores FSDP under use_cpu=True.
+        "ignored": (Trainer, {}, data),
+    }
+    for name, (kind, overrides, evaluation) in cases.items():
+        trainer = kind(model=tiny_model("gpt2"),
+                       args=args(ctx["dir"], fsdp="full_shard", fsdp_config=fsdp_config(2),
+                                 **overrides),
+                       train_dataset=data, eval_dataset=evaluation, data_collator=collate)
+        try:
+            uneven_inputs(trainer)
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            messages[name] = f"{type(error).__name__}: {error}"
+        else:
+            messages[name] = None
+    box = [dist.get_rank()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, box)
+    return {"messages": messages, "after": gathered}
+
+
+def fsdp_params(trainer: Any) -> dict[str, torch.Tensor]:
+    """The full parameters of the Trainer's FSDP model (a collective: every rank)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    model = trainer.model_wrapped
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(model):
+            return {name.replace("_fsdp_wrapped_module.", ""): p.detach().cpu().clone()
+                    for name, p in model.named_parameters()}
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for name, p in model.named_parameters()}
+
+
 def ds_config(stage: int, *, settings: dict[str, Any] | None = None,
               **zero: Any) -> dict[str, Any]:
     """A DeepSpeed config whose batch, accumulation and clipping the Trainer fills in
@@ -625,11 +770,12 @@ def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     attempt("not_a_trainer", object())
     # Resuming in the middle of an epoch from a checkpoint joinkit did not write (no
     # record of what each rank's data consumed): refused when train() starts.
-    trainer = make()
+    trainer = Trainer(model=tiny_model("gpt2"), args=args(ctx["dir"]),
+                      train_dataset=rows_dataset(sequences(12, seed=1)), data_collator=collate)
     checkpoint = Path(ctx["dir"]) / "checkpoint-1"
     if dist.get_rank() == 0:
         trainer.save_model(str(checkpoint))
-        trainer.state.global_step = 1  # 6 samples: 2 or 3 steps per epoch
+        trainer.state.global_step = 1  # 12 samples: 3 or 2 steps per epoch on 2 or 3 ranks
         trainer.state.train_batch_size = 2
         trainer.state.save_to_json(str(checkpoint / "trainer_state.json"))
     messages["resume_mid_epoch"] = refused_resume(trainer, checkpoint)
@@ -758,6 +904,37 @@ CELLS = {
     "ds3_offload_s3": lambda ctx: ds_stream_cell(
         ctx, stage=3, rows=[4, 0, 7], max_steps=4,
         zero={**OFFLOAD_OPTIMIZER, **OFFLOAD_PARAM}, zero_force_ds_cpu_optimizer=False),
+    # FSDP2 and FSDP1 (fsdp="full_shard"): 13 samples of batch 2 (4 and 3 batches on 2
+    # ranks, 3, 2 and 2 on 3), clipping that bites, evaluation each epoch and after
+    # training; gradient accumulation 2 with a half-empty last window; each rank's own
+    # stream with a rank that has none. FSDP1's clip_grad_norm_ (the Trainer takes the
+    # norm with it every step, clipping or not) computes in float32 and refuses float64
+    # gradients: FSDP1 cells train float32 (with SGD, whose float32 error Adam's
+    # normalization would grow), with a control where nobody joins.
+    "fsdp2_map": lambda ctx: fsdp_cell(ctx, version=2, samples=13, clip=0.05),
+    "fsdp2_gas2": lambda ctx: fsdp_cell(ctx, version=2, samples=13, gas=2, model="llama"),
+    "fsdp2_stream_zero": lambda ctx: fsdp_cell(ctx, version=2, max_steps=7, model="llama",
+                                               rows=[5, 0, 12][: ctx["world"]]),
+    "fsdp1_map": lambda ctx: fsdp_cell(ctx, version=1, samples=13, clip=0.05,
+                                       dtype=torch.float32, optim="sgd"),
+    "fsdp1_gas2_stream_zero": lambda ctx: fsdp_cell(
+        ctx, version=1, max_steps=4, gas=2, model="llama", dtype=torch.float32, optim="sgd",
+        rows=[0, 13, 7][: ctx["world"]]),
+    "fsdp1_even": lambda ctx: fsdp_cell(ctx, version=1, samples=12, clip=0.05,
+                                        dtype=torch.float32, optim="sgd"),
+    "fsdp_refusals": lambda ctx: fsdp_refusals(ctx),
+    # bf16=True: Accelerate's bf16 autocast and FSDP's bfloat16 parameters and
+    # reductions (float32 models), uneven (13 samples) and a control where nobody joins
+    # (12), against the float64 reference: a measured bound. SGD: Adam's normalization
+    # grows bfloat16's rounding to 0.2 at this learning rate, control or not.
+    "fsdp2_bf16": lambda ctx: fsdp_cell(ctx, version=2, samples=13, clip=0.05,
+                                        dtype=torch.float32, optim="sgd", bf16=True),
+    "fsdp2_bf16_even": lambda ctx: fsdp_cell(ctx, version=2, samples=12, clip=0.05,
+                                             dtype=torch.float32, optim="sgd", bf16=True),
+    "fsdp1_bf16": lambda ctx: fsdp_cell(ctx, version=1, samples=13, clip=0.05,
+                                        dtype=torch.float32, optim="sgd", bf16=True),
+    "fsdp1_bf16_even": lambda ctx: fsdp_cell(ctx, version=1, samples=12, clip=0.05,
+                                             dtype=torch.float32, optim="sgd", bf16=True),
 }
 
 

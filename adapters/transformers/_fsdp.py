@@ -1,0 +1,117 @@
+"""The Trainer with FSDP (``TrainingArguments(fsdp=...)``, FSDP1 or FSDP2): its epoch's Join.
+
+Theory of operation
+-------------------
+Under FSDP the Trainer trains the root FSDP module Accelerate built
+(``model_wrapped``: a ``FullyShardedDataParallel`` for FSDP1, the model itself
+made ``fully_shard`` for FSDP2), whose collectives run inside its forward and
+backward, and every rank owns parameter and optimizer shards. So the epoch's
+Join takes the FSDP model (``joinkit.adapters.torch.fsdp1`` / ``fsdp``: a
+joined rank replays its forward and backward) and the Trainer's torch
+optimizer, whose shadow runs :func:`shadow_step` after every shadow round in
+which the active ranks' backward synced gradients: the Trainer's own gradient
+clipping (``_clip_grad_norm``, Accelerate's ``clip_grad_norm_``: FSDP1's
+``model.clip_grad_norm_`` or FSDP2's norm over DTensors, an all-reduce either
+way; with ``max_grad_norm=0`` the norm the Trainer logs, ``_get_grad_norm``,
+the same all-reduce), the optimizer's step on this rank's shards, and the LR
+scheduler's step, as ``_run_epoch`` does after each optimizer step.
+
+*The replay's input* is one token of ``input_ids``, as under DeepSpeed (a
+Hugging Face model's attention does not take a batch of 0 rows, and a rank
+without data has no batch): its logits times zero give every parameter a zero
+gradient.
+
+*Gradient accumulation* keeps FSDP's own ``no_sync`` (Accelerate's
+``no_sync``: FSDP1's ``no_sync()``, FSDP2's ``set_requires_gradient_sync``)
+inside the Join: every rank runs whole windows (the session pads a rank's last
+window with empty micro-batches), the step check tells joined ranks which
+micro-batch syncs, and FSDP accumulates the window itself (no gradient is set
+aside, unlike DDP's).
+
+*Refused* by ``uneven_inputs`` (on every rank, before any collective), each
+because the ranks still training would run collectives of every rank that a
+joined rank does not replay: ``save_strategy="steps"``/``"best"`` (an FSDP
+checkpoint gathers or writes every rank's shards), ``eval_strategy="steps"``
+(evaluation in the middle of an epoch runs on the active ranks, and FSDP's
+forward all-gathers from every rank), an ``IterableDataset`` evaluation set
+(uneven evaluation forwards); and a model whose main input is not
+``input_ids`` (the replay's input), FSDP1's parameter CPU offload
+(``joinkit.adapters.torch.fsdp1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["refuse", "epoch_joinables", "shadow_step", "is_fsdp2"]
+
+
+def is_fsdp2(trainer: Any) -> bool:
+    """Whether Accelerate's FSDP plugin builds FSDP2 (``fsdp_version=2``)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return int(getattr(plugin, "fsdp_version", 1) or 1) == 2
+
+
+def refuse(trainer: Any) -> None:
+    """Raise for an FSDP setting the Join cannot shadow (module doc; local checks only;
+    evaluation: ``uneven_inputs``, as ZeRO-3's).
+
+    Raises:
+        NotImplementedError: the setting, why, and what to use instead.
+    """
+    args = trainer.args
+    saving = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if saving not in ("no", "epoch"):
+        raise NotImplementedError(
+            f"uneven_inputs with FSDP: save_strategy={saving!r} saves in the middle of an "
+            "epoch, where a rank may have joined, and an FSDP checkpoint is a collective of "
+            "every rank (each rank's shards are gathered or written) that a joined rank does "
+            "not take part in. Use save_strategy='epoch' (or 'no')"
+        )
+    plugin = trainer.accelerator.state.fsdp_plugin
+    offload = getattr(plugin, "cpu_offload", None)
+    if not is_fsdp2(trainer) and bool(getattr(offload, "offload_params", False)):
+        raise NotImplementedError(
+            "uneven_inputs with FSDP1 and CPU offload (fsdp='... offload'): FSDP1 keeps each "
+            "sharded gradient in a CPU buffer of its own that a joined rank's replayed "
+            "reduction overwrites in place, so that rank's own gradient cannot be set aside "
+            "(joinkit.adapters.torch.fsdp1). Leave offload out, or use FSDP2 "
+            "(fsdp_config={'fsdp_version': 2})"
+        )
+
+
+def epoch_joinables(trainer: Any, model: Any) -> list[Any]:
+    """The FSDP model and the Trainer's torch optimizer, for the epoch's Join.
+
+    FSDP2 units that do not reshard after forward (the root; Accelerate's unit of a
+    tied embedding and the head) keep their unsharded parameters registered after a
+    forward without a backward (the evaluation at the last epoch's end): ``reshard()``
+    on every unit (local) registers the sharded ones again, which the optimizer steps
+    and the Join links it to.
+    """
+    if is_fsdp2(trainer):
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+    return [model, trainer.optimizer.optimizer]
+
+
+def shadow_step(trainer: Any) -> Callable[[], None]:
+    """A joined rank's step after a shadow round that synced (module doc)."""
+
+    def step() -> None:
+        model = trainer.model_wrapped
+        norm = None
+        if trainer.args.max_grad_norm > 0:
+            norm = trainer._clip_grad_norm(model)
+        trainer._get_grad_norm(model, grad_norm=norm)  # the same all-reduce when not clipping
+        trainer.optimizer.optimizer.step()
+        if trainer.accelerator.optimizer_step_was_skipped:
+            return
+        if type(trainer.lr_scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
+            trainer.lr_scheduler.step()
+
+    return step
