@@ -4,6 +4,7 @@ Usage::
 
     make matrix                                    # every minor; writes docs/compat.md
     python3 .ci/matrix.py --torch 2.6 2.15 --part edge --check   # CI's edge columns
+    python3 .ci/matrix.py --integrations           # each integration's oldest release
 
 Theory of operation
 -------------------
@@ -33,6 +34,11 @@ erred), or ``not run``. ``--check`` exits 1 if any cell failed.
 *The page.* Every run's cells are kept in ``docs/compat.json`` (a rerun of some
 minors replaces their columns only) and ``docs/compat.md`` is written from it:
 features by torch release, each refusal's reason, each column's date and commit.
+
+*The integrations* (``--integrations [NAME ...]``): each integration's oldest
+supported release gets a venv of its own and its adapter's tests
+(``.ci/integrations.py``); its cell is kept under ``compat.json``'s
+``integrations`` key and the page has a section of them.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import integrations  # noqa: E402  (.ci/integrations.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 VENVS = ROOT / ".venvs"
@@ -247,7 +256,8 @@ def _commit() -> str:
 
 
 def render(data: dict[str, dict]) -> str:
-    releases = sorted(data, key=lambda r: tuple(int(p) for p in r.split("+")[0].split(".")))
+    releases = sorted((r for r in data if r != "integrations"),
+                      key=lambda r: tuple(int(p) for p in r.split("+")[0].split(".")))
     marks = {"passed": "passed", "failed": "**failed**", "refused": "refused", "not run": "–"}
     notes: list[str] = []
     lines = [
@@ -295,6 +305,7 @@ def render(data: dict[str, dict]) -> str:
                      f"`{run['part']}`, {run['seconds']:.0f} s")
     lines += ["", "CUDA (nccl, FSDP2 on CUDA, the real SyncBatchNorm) is checked on a lent GPU",
               "machine, by hand: [CUDA checks](cuda.md).", ""]
+    lines += integrations.section(data.get("integrations", {}))
     return "\n".join(lines)
 
 
@@ -308,7 +319,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-page", action="store_true", help="write neither compat file")
     parser.add_argument("--python", default=sys.executable, help="the interpreter of the venvs")
     parser.add_argument("--timeout", type=float, default=5400.0, help="seconds per torch")
+    parser.add_argument("--integrations", nargs="*", metavar="NAME",
+                        help="run each integration's oldest release instead (default: all; "
+                             f"{', '.join(integrations.INTEGRATIONS)})")
+    parser.add_argument("--venvs", type=Path, default=VENVS,
+                        help="where --integrations builds its venvs")
+    parser.add_argument("--keep", action="store_true", help="keep --integrations' venvs")
     args = parser.parse_args(argv)
+    if args.integrations is not None:
+        return _integrations(args)
     releases = tested_releases()
     minors = args.torch or list(releases)
     if args.edges:
@@ -343,6 +362,19 @@ def main(argv: list[str]) -> int:
     if failed:
         print("matrix: failed cells:\n  " + "\n  ".join(failed), flush=True)
     return 1 if failed and args.check else 0
+
+
+def _integrations(args: argparse.Namespace) -> int:
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    bad = integrations.run(args.integrations or list(integrations.INTEGRATIONS), data,
+                           venvs=args.venvs, python=args.python, keep=args.keep,
+                           timeout=args.timeout, commit=_commit())
+    if not args.no_page:
+        RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        PAGE.write_text(render(data))
+    if bad:
+        print(f"matrix: integrations not passed: {', '.join(bad)}", flush=True)
+    return 1 if bad and args.check else 0
 
 
 if __name__ == "__main__":
