@@ -96,8 +96,6 @@ INTEGRATIONS: dict[str, Integration] = {
                   "trl": (_HF, "TESTED", "trl"),
                   "accelerate": (_HF, "TESTED", "accelerate")},
         extras="transformers,deepspeed",
-        # The dev pins of these are newer than transformers 5.3 and trl 0.25 take.
-        unpin=("huggingface_hub", "tokenizers", "safetensors", "datasets"),
         # The torchrun-2 launch (its map-style, stream, TRL and refusal cells) and the
         # deepspeed-2 launch (its ZeRO map-style cells); the in-process guard checks.
         tests=tuple(_HF_TESTS + name for name in (
