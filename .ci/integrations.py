@@ -10,9 +10,9 @@ Theory of operation
 Each integration's extra in ``pyproject.toml`` says ``>=`` its oldest supported
 release, with no upper bound (issue 48): the adapter's guard table, not the
 version number, decides what runs. The oldest release is the one that was
-current a year before the joinkit release (docs/compat.md says why, per
-integration); the newest is the dev pin in ``constraints.txt``, which ``make
-test`` runs. Both are written once, in the adapter's own ``TESTED_...``
+current a year before the joinkit release where its run passed, else the oldest
+that passed (docs/guide/install.md says why, per integration); the newest is
+the dev pin in ``constraints.txt``, which ``make test`` runs. Both are written once, in the adapter's own ``TESTED_...``
 constant (:data:`INTEGRATIONS` says where); this script reads them there.
 
 *Venvs.* ``<venvs>/<name>-<release>`` (default ``.venvs/``, ignored by git;
@@ -247,8 +247,11 @@ def section(runs: dict[str, dict]) -> list[str]:
     lines = [
         "## Integrations: the oldest supported release of each",
         "",
-        "Each integration's extra says `>=` the release that was current a year before",
-        "this joinkit, with no upper bound: the adapter's guard table (its `_private.py`:",
+        "Each integration's extra says `>=` its oldest supported release, with no upper",
+        "bound: the release that was current a year before this joinkit where its run here",
+        "passed (where not, the row says why and the range starts at the oldest release that",
+        "passed: [install](guide/install.md#supported-versions-of-the-integrations)). The",
+        "adapter's guard table (its `_private.py`:",
         "the framework internals joinkit uses), not the version number, decides what runs,",
         "and a release that lacks one is refused by name. The newest tested release is the",
         "dev pin (`constraints.txt`), which `make test` runs whole; the oldest gets its",
