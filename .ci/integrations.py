@@ -12,7 +12,8 @@ release, with no upper bound (issue 48): the adapter's guard table, not the
 version number, decides what runs. The oldest release is the one that was
 current a year before the joinkit release where its run passed, else the oldest
 that passed (docs/guide/install.md says why, per integration); the newest is
-the dev pin in ``constraints.txt``, which ``make test`` runs. Both are written once, in the adapter's own ``TESTED_...``
+the dev pin in ``constraints.txt``, which ``make test`` runs. Both are written
+once, in the adapter's own ``TESTED_...``
 constant (:data:`INTEGRATIONS` says where); this script reads them there.
 
 *Venvs.* ``<venvs>/<name>-<release>`` (default ``.venvs/``, ignored by git;
