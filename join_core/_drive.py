@@ -91,6 +91,9 @@ class Drive:
         # on_rank_loss="finish": the poll of the backend's lost ranks before
         # each heartbeat (_failures sets it on entry).
         self.poll_losses: Callable[[], None] | None = None
+        # Join.note_rank_loss: what a data source says becomes of a lost rank's
+        # remaining inputs, added to each loss warning.
+        self.loss_notes: list[str] = []
         self.phases = _reporting.PhaseLog()
         # The watchdog's view (what the rank is blocked in, registered only
         # with a timeout).
@@ -337,7 +340,9 @@ class Drive:
                         # call that got here (its exit, or a hook's notify).
                         warnings.warn(command.message, UserWarning, stacklevel=_user_stacklevel())
                     case m.WarnRankLost():
-                        warnings.warn(command.message, UserWarning, stacklevel=_user_stacklevel())
+                        message = ". ".join((command.message, " ".join(self.loss_notes))
+                                            ) if self.loss_notes else command.message
+                        warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
                     case m.ReportProgress():
                         _reporting.log_progress(command, self.caps)
                     case m.Raise():

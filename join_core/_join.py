@@ -264,6 +264,21 @@ class Join:
         if config.is_first_joinable and config.enable and join is not None:
             join._drive.fused_total = total
 
+    def note_rank_loss(self, note: str) -> None:
+        """Add ``note`` to this Join's warnings of a lost rank (``on_rank_loss="finish"``).
+
+        The warning says that a lost rank's remaining inputs were not seen in
+        this Join; a data source that does something with them (the exact
+        shards' ``ShardSampler(take_over=True)``) says what, and what the loop
+        must do for it, here. Each note is added once, in the order given.
+
+        Args:
+            note: one or more sentences, appended to each loss warning.
+        """
+        notes = self._drive.loss_notes
+        if note not in notes:
+            notes.append(note)
+
     # -- observability -----------------------------------------------------------
 
     @property

@@ -46,6 +46,7 @@ _SIGNALS = "pytorch_lightning.trainer.connectors.signal_connector"
 _TRAINER = "pytorch_lightning.trainer.trainer"
 _FIT_LOOP = "pytorch_lightning.loops.fit_loop"
 _AUTOMATIC = "pytorch_lightning.loops.optimization.automatic"
+_CHECKPOINT = "pytorch_lightning.callbacks.model_checkpoint"
 
 
 def _m(module: str, name: str, need: Need, why: str, params: tuple[str, ...] = (),
@@ -107,6 +108,10 @@ GROUPS: dict[str, tuple[Member, ...]] = {
         _m(_EPOCH_LOOP, "_TrainingEpochLoop._accumulated_batches_reached", Need.CALLABLE,
            "whether a batch ends an accumulation window (counted from the epoch's start)",
            ("self",)),
+        _m(_CHECKPOINT, "ModelCheckpoint._every_n_train_steps", Need.ATTRIBUTE,
+           "a checkpoint every N training steps (mid-epoch: refused)"),
+        _m(_CHECKPOINT, "ModelCheckpoint._train_time_interval", Need.ATTRIBUTE,
+           "a checkpoint after a training time (mid-epoch: refused)"),
     ),
 }
 

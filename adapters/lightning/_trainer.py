@@ -215,6 +215,10 @@ class UnevenInputs(Callback):
             ``fit``, the strategy is neither one of Lightning's DDP strategies nor
             ``ModelParallelStrategy``, or uses what the FSDP2 path does not support
             (module doc).
+        ValueError (at ``fit``, every rank): validation in the middle of an
+            epoch (``val_check_interval`` an int or below 1.0) or step- or
+            time-based checkpoints (``ModelCheckpoint(every_n_train_steps=...)``,
+            ``train_time_interval=...``): not supported yet (docs/lightning.md).
         UnsupportedLightningError (at ``fit``): this Lightning changed a member
             joinkit relies on.
         LocalProtocolError: ``self.log(..., sync_dist=True, sync_dist_group=...)``
@@ -286,6 +290,9 @@ class UnevenInputs(Callback):
                 f"FSDPStrategy ('fsdp', FSDP1) and ModelParallelStrategy (FSDP2, "
                 f"fully_shard), not {type(strategy).__qualname__}"
             )
+        refusal = _mid_epoch_refusal(trainer)
+        if refusal is not None:  # every rank alike, before Lightning's post-setup barrier
+            raise ValueError(refusal)
         epoch_loop = trainer.fit_loop.epoch_loop
         self._trainer, self._sigterm_seen = trainer, False
         self._sigterm = SideCollective(self._sigterm_check, shadow=self._sigterm_check,
@@ -989,6 +996,42 @@ def _is_ddp(strategy: Any) -> bool:
     return isinstance(strategy, DDPStrategy)
 
 
+
+
+def _mid_epoch_refusal(trainer: pl.Trainer) -> str | None:
+    """Why the Trainer's settings cannot run under the callback, or ``None``.
+
+    Mid-epoch validation (``val_check_interval`` an int or a float below 1) and
+    step- or time-based checkpoints (``ModelCheckpoint(every_n_train_steps=...)``,
+    ``train_time_interval=...``) run collectives inside the epoch's Join that a
+    rank which ran out of batches does not shadow yet: the first fails on every
+    rank at its first validation, the second hangs in the save's barrier.
+    """
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    interval = trainer.val_check_interval
+    if isinstance(interval, int) or (isinstance(interval, float) and interval < 1.0):
+        return (
+            f"UnevenInputs: Trainer(val_check_interval={interval!r}) validates in the middle "
+            "of a training epoch, which UnevenInputs does not support yet: the validation's "
+            "forwards and metric syncs would run inside the epoch's Join, where a rank that "
+            "ran out of training batches cannot shadow them. Validate at epoch ends "
+            "(val_check_interval=1.0, the default, with check_val_every_n_epoch=N)")
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        steps, every = callback._every_n_train_steps, callback._train_time_interval
+        if steps > 0 or every is not None:
+            what = (f"every_n_train_steps={steps}" if steps > 0
+                    else f"train_time_interval={every!r}")
+            return (
+                f"UnevenInputs: ModelCheckpoint({what}) saves in the middle of a training "
+                "epoch, which UnevenInputs does not support yet: a save is a collective "
+                "(a barrier after rank 0 writes) that a rank which ran out of training "
+                "batches does not shadow, and rank 0 may be that rank (its model lags the "
+                "others' until the epoch's Join ends), so the run would hang. Save at epoch "
+                "ends (ModelCheckpoint(every_n_epochs=1), the default)")
+    return None
 
 
 def _is_model_parallel(strategy: Any) -> bool:

@@ -40,6 +40,10 @@ for float32)                        and divide (``force_sum_reduction_for_comms`
                                     2.8) or refuses FSDP2 over gloo (2.7).
                                     The one answer read from the version
                                     (:func:`gloo_reduce_scatter_averages`)
+DDP: copying synced buffers         ``torch.autograd._unsafe_preserve_version_counter``
+without bumping their version       (DDP's ``_sync_buffers`` uses it); where torch
+counters                            lacks it, a plain copy
+                                    (:func:`preserve_version_counter`)
 FSDP2 on the CPU                    torch.cpu.Stream.record_event (2.7 and
                                     later); none in 2.6, whose FSDP2 cannot run
                                     on the CPU: refused (:func:`fsdp_runs_on_cpu`)
@@ -48,6 +52,7 @@ FSDP2 on the CPU                    torch.cpu.Stream.record_event (2.7 and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from typing import Any
@@ -56,6 +61,7 @@ from .._guards import class_names, names_in, read_only_property
 
 __all__ = [
     "ddp_buffer_sync_flag",
+    "preserve_version_counter",
     "ddp_syncs_buffers_in_forward",
     "fsdp_param_groups_attribute",
     "fsdp_param_groups",
@@ -92,6 +98,15 @@ def ddp_syncs_buffers_in_forward(ddp: Any) -> bool:
     """Whether ``ddp``'s forward broadcasts its buffers on DDP's group."""
     return bool(getattr(ddp, ddp_buffer_sync_flag())) and \
         len(getattr(ddp, "modules_buffers", [])) > 0
+
+
+def preserve_version_counter(tensors: tuple[Any, ...]) -> Any:
+    """A context in which copying into ``tensors`` keeps their version counters,
+    as DDP's buffer sync copies (a plain context where torch has no such one)."""
+    import torch
+
+    keep = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+    return contextlib.nullcontext() if keep is None else keep(tensors)
 
 
 @functools.cache

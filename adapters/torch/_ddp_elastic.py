@@ -39,17 +39,35 @@ or refuses on entry what it cannot route:
   backward) is put off while the Join lasts: ``ddp.reducer`` is a proxy
   whose ``_rebuild_buckets`` answers "not now"; on exit the real reducer is
   back and reset, so the rebuild happens at the next iteration outside.
+- *Buffers* (``broadcast_buffers=True``, DDP's default, and a model with
+  buffers: BatchNorm's running statistics). Inside torch's Join, DDP's
+  forward copies the buffers of the highest active rank to every rank (a MAX
+  all-reduce of the rank, then a broadcast), and a joined rank's hook takes
+  part in both. Here both are one *transparent* unit
+  (``TorchGroup.all_gather(..., settles=False)``): every rank gathers every
+  rank's buffers (their bytes, so any dtype travels exactly) with two flags,
+  whether it is active (it runs a forward) and whether it syncs (DDP's
+  ``will_sync_module_buffers``: not after a forward without gradients), and
+  takes those of the highest active rank: the rule of torch's Join, which
+  after a loss picks the highest surviving active rank. Transparent: a rank
+  that dies after it and before its gradient unit has not consumed the input.
+  An active rank takes part even when it does not sync (it keeps its
+  buffers), since joined ranks cannot know it without a collective.
 - *The post hook* (torch syncs the final model from the last joiner with a
   raw all-reduce and broadcasts) is one unit: an all-reduce of every last
-  joiner's parameters and buffers and a 1, divided by the count.
+  joiner's parameters and a 1, divided by the count (they hold the same
+  parameters). With ``broadcast_buffers=True`` a second unit gathers the
+  buffers and every rank takes those of the highest surviving last joiner, as
+  torch's post hook broadcasts them from the highest last joiner; otherwise
+  each rank keeps its own buffers, as in torch.
 - *After a loss* DDP's ``process_group`` is the dead one; on exit the model
   is moved onto the rebuilt group with ``DistributedDataParallel._update_process_group``
   (which also resets the reducer), so the next iteration and the next Join
   run on the survivors.
 - *Refused on entry* (a ``ValueError`` on every rank, before any collective):
-  a DDP that already has a comm hook; buffers synchronised in forward
-  (``broadcast_buffers=True`` and a model with buffers: pass
-  ``broadcast_buffers=False``); ``find_unused_parameters=True`` and
+  a DDP that already has a comm hook, or a buffer comm hook
+  (``_register_buffer_comm_hook``: its collectives run on DDP's group);
+  ``find_unused_parameters=True`` and
   ``static_graph=True`` (their extra all-reduces and delayed reductions run
   on DDP's group); a model shadowed by replay (SyncBatchNorm); a CUDA model;
   parameters of more than one dtype.
@@ -86,11 +104,11 @@ def refusal(ddp: Any, replays: bool) -> str | None:
                 "needs its own to send each backward's buckets as one unit that survives "
                 "a dead rank. Build the model without a comm hook, or use "
                 "on_rank_loss='raise'")
-    if _compat.ddp_syncs_buffers_in_forward(ddp):
-        return (head + "the model has buffers and broadcast_buffers=True: DDP broadcasts "
-                "them on its own group in each forward, which cannot survive a dead rank. "
-                "Pass DistributedDataParallel(..., broadcast_buffers=False) (each rank "
-                "keeps its own buffers), or use on_rank_loss='raise'")
+    if hasattr(ddp, "buffer_hook"):
+        return (head + "the model has a buffer comm hook (_register_buffer_comm_hook): its "
+                "collectives run on DDP's own group, which cannot survive a dead rank. "
+                "Build the model without one (joinkit syncs the buffers as DDP does by "
+                "default), or use on_rank_loss='raise'")
     if ddp.find_unused_parameters:
         return (head + "find_unused_parameters=True sends an extra all-reduce on DDP's "
                 "group in each backward, which cannot survive a dead rank: build the model "
@@ -154,6 +172,12 @@ class ElasticDDP:
         self.deferred = not ddp._has_rebuilt_buckets
         ddp.reducer = _Reducer(self.reducer)
         ddp._check_global_requires_backward_grad_sync = self.check
+        # broadcast_buffers=True with buffers: DDP's buffer sync as one unit.
+        self.syncs_buffers = _compat.ddp_syncs_buffers_in_forward(ddp)
+        if self.syncs_buffers:
+            ddp._check_sync_bufs_pre_fwd = _always
+            ddp._sync_buffers = self.sync_buffers
+            ddp._check_and_sync_module_buffers = self.shadow_buffers
 
     def close(self) -> None:
         """The Join is over: give DDP back its reducer and check; follow a rebuilt group."""
@@ -165,6 +189,8 @@ class ElasticDDP:
             ddp.reducer = self.reducer
         if ddp.__dict__.get("_check_global_requires_backward_grad_sync") == self.check:
             del ddp.__dict__["_check_global_requires_backward_grad_sync"]
+        for name in _BUFFER_METHODS:
+            ddp.__dict__.pop(name, None)
         pg = self.rebuilt_process_group()
         if pg is not None:
             ddp._update_process_group(pg)  # also resets the reducer
@@ -265,20 +291,96 @@ class ElasticDDP:
             "torch.no_grad():` and follow every other forward by a backward. (joinkit "
             "matched the all-reduce the joined ranks were in.)")
 
+    # -- the buffers -------------------------------------------------------------------
+
+    def sync_buffers(self) -> None:
+        """DDP's ``_sync_buffers`` in an active rank's forward: the buffer unit."""
+        self._buffer_unit(candidate=True)
+
+    def shadow_buffers(self) -> None:
+        """DDP's ``_check_and_sync_module_buffers`` in a joined rank's hook: the same unit."""
+        self._buffer_unit(candidate=False)
+
+    def _buffer_unit(self, candidate: bool) -> None:
+        """Take the buffers of the highest candidate rank that syncs (module doc).
+
+        Args:
+            candidate: this rank runs a forward (active); a joined rank shadows.
+        """
+        ddp = self.ddp
+        syncs = bool(ddp.will_sync_module_buffers())
+        take = _take_buffers(self.group, ddp, candidate, syncs, settles=False)
+        if take and (syncs or not candidate):
+            take()
+
     # -- the post hook -----------------------------------------------------------------
 
     def sync_final_model(self, is_last_joiner: bool) -> None:
-        """DDP's ``_sync_final_model`` as one unit: the last joiners' model, averaged.
+        """DDP's ``_sync_final_model`` as units: the last joiners' model.
 
-        Every rank that joined in the last round holds the same model (it was
-        active in the last iteration); a SUM of theirs with a count gives it.
-        If none of them survived, the survivors take the model of the lowest
-        rank of the rebuilt group (limit: docs/elastic-torch.md).
+        Every rank that joined in the last round holds the same parameters (it
+        was active in the last iteration); a SUM of theirs with a count gives
+        them. With ``broadcast_buffers=True`` every rank takes the buffers of
+        the highest last joiner (DDP broadcasts them from it), in a second
+        unit; without, each keeps its own (as in DDP). If none of the last
+        joiners survived, the survivors take the model of the lowest rank of
+        the rebuilt group (limit: docs/elastic-torch.md).
         """
         ddp = self.ddp
-        tensors = [p.data for p in ddp.module.parameters()] + [
-            b.data for b in ddp.module.buffers() if b.is_floating_point()]
-        take_last_joiners(self.group, tensors, is_last_joiner)
+        take_last_joiners(self.group, [p.data for p in ddp.module.parameters()],
+                          is_last_joiner)
+        if self.syncs_buffers:
+            take = _take_buffers(self.group, ddp, is_last_joiner, True, settles=True)
+            if take is None:  # no last joiner survived: the lowest rank's
+                take = _take_buffers(self.group, ddp, self.group.rank == 0, True,
+                                     settles=True)
+            if take is not None:
+                take()
+
+
+#: DDP's methods the buffer unit replaces on the object while the Join lasts.
+_BUFFER_METHODS = ("_check_sync_bufs_pre_fwd", "_sync_buffers",
+                   "_check_and_sync_module_buffers")
+
+
+def _always() -> bool:
+    return True
+
+
+def _take_buffers(group: Any, ddp: Any, candidate: bool, syncs: bool, settles: bool,
+                  ) -> Callable[[], None] | None:
+    """Gather every rank's buffers with its flags, as one unit on ``group``.
+
+    Returns:
+        A function that copies the buffers of the highest candidate rank into
+        this rank's (``None`` when no rank is a candidate; nothing to copy when
+        this rank is that one), if that rank syncs; else ``None``.
+    """
+    with torch.no_grad():
+        ddp._assign_modules_buffers()
+        buffers = list(ddp.modules_buffers)
+        flags = torch.tensor([int(candidate), int(syncs)], dtype=torch.uint8)
+        mine = torch.cat([flags] + [b.detach().reshape(-1).contiguous().view(torch.uint8)
+                                    for b in buffers])
+    parts = group.all_gather(mine, settles=settles)
+    chosen = max((i for i, part in enumerate(parts) if int(part[0]) == 1), default=None)
+    if chosen is None or int(parts[chosen][1]) != 1:
+        return None
+    source = parts[chosen]
+
+    def copy() -> None:
+        if chosen == group.rank:
+            return
+        start = 2
+        with torch.no_grad(), _compat.preserve_version_counter(tuple(buffers)):
+            for buffer in buffers:
+                n = buffer.numel() * buffer.element_size()
+                # A copy: a view at an odd byte offset cannot change its dtype.
+                raw = source[start:start + n].clone()
+                buffer.copy_(raw.view(buffer.dtype).view_as(buffer))
+                start += n
+
+    return copy
 
 
 class _Reducer:

@@ -141,6 +141,24 @@ DDP_FINISH_MEMBERS = (
        called_by=(_DDP_HOOK, _DDP_FORWARD)),
     _m(_C10D, "Reducer._reset_state", _CALL,
        "finish mode: the parameters pushed for a put-off rebuild are forgotten", ("self",)),
+    _m(_DDP, "DistributedDataParallel._check_sync_bufs_pre_fwd", _CALL,
+       "finish mode: replaced on the object, so that an active rank's forward always "
+       "takes part in the buffer unit", ("self",), called_by=(_DDP_FORWARD,)),
+    _m(_DDP, "DistributedDataParallel._sync_buffers", _CALL,
+       "finish mode: replaced on the object by the buffer unit (an active rank's "
+       "forward)", ("self",), called_by=(_DDP_FORWARD,)),
+    _m(_DDP, "DistributedDataParallel._check_and_sync_module_buffers", _CALL,
+       "finish mode: replaced on the object by the buffer unit (a joined rank's hook)",
+       ("self",), called_by=(_DDP_HOOK,)),
+    _m(_DDP, "DistributedDataParallel.will_sync_module_buffers", _CALL,
+       "finish mode: whether this rank's forward syncs the buffers (not after a forward "
+       "without gradients)", ("self",)),
+    _m(_DDP, "DistributedDataParallel._assign_modules_buffers", _CALL,
+       "finish mode: the buffer unit reads the model's current buffers", ("self",)),
+    _m(_DDP, "DistributedDataParallel.modules_buffers", _ATTR,
+       "finish mode: the buffers the buffer unit sends and takes"),
+    _m(_DDP, "DistributedDataParallel.buffer_hook", _ATTR,
+       "finish mode: a model with a buffer comm hook is refused"),
 )
 
 #: Members the ZeroRedundancyOptimizer adapter relies on (``adapters.torch``).

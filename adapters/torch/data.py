@@ -143,6 +143,24 @@ def _rank_and_world(
     return num_replicas, rank
 
 
+#: What ``take_over=True`` adds to a loss warning (``Join.note_rank_loss``) when the
+#: sampler is iterated in a loop of its own, not over :meth:`ShardSampler.passes`:
+#: the lost rank's remaining samples would be left untrained.
+TAKE_OVER_PLAIN_LOOP = (
+    "ShardSampler(take_over=True) gives a lost rank's remaining samples to the survivors "
+    "only in the epoch's next pass, which a loop that iterates the sampler once never "
+    "starts, so they are not trained this epoch: loop over sampler.passes() around the "
+    "Join:\n"
+    "    for _ in sampler.passes():\n"
+    "        with Join([model], on_rank_loss=\"finish\"):\n"
+    "            for batch in loader:\n"
+    "                ...")
+#: The same, for a sampler iterated inside :meth:`ShardSampler.passes`.
+TAKE_OVER_NEXT_PASS = (
+    "ShardSampler(take_over=True) gives them to the survivors in the next pass of "
+    "sampler.passes().")
+
+
 @attrs.frozen(kw_only=True)
 class TakeOver:
     """A rank lost in a pass whose unconsumed inputs the survivors took over.
@@ -241,7 +259,9 @@ class ShardSampler(Sampler[int]):
             the Join. Needed by :meth:`state_dict` and ``take_over``.
         take_over: after a pass in which ranks died (``on_rank_loss="finish"``),
             the epoch's next pass divides their unconsumed inputs over the
-            survivors.
+            survivors: loop over :meth:`passes` around the Join. Each loss
+            warning says where those inputs go, or, in a loop that iterates
+            the sampler once, that they are not trained and the loop to use.
 
     Raises:
         ValueError: ``drop_last=True``; a rank outside ``[0, num_replicas)``;
@@ -297,6 +317,9 @@ class ShardSampler(Sampler[int]):
                                     members=tuple(range(self.num_replicas)))
         self._tracker: _Tracker | None = None  # set while a pass is (or was) iterated
         self._take_overs: list[TakeOver] = []
+        # Whether a passes() generator is running: a loss warning says where the
+        # lost rank's samples go, or that the loop must use passes().
+        self._in_passes = False
         # The loaded state's pass (pending, members, skip): a StatefulDataLoader
         # restores its position in it (_resume_pass).
         self._loaded: tuple[np.ndarray, tuple[int, ...], int] | None = None
@@ -359,6 +382,9 @@ class ShardSampler(Sampler[int]):
         tracker = _Tracker()
         if join is not None:
             tracker.follow(join, upcoming.members, report=join.report)
+            if self.take_over:
+                join.note_rank_loss(TAKE_OVER_NEXT_PASS if self._in_passes
+                                    else TAKE_OVER_PLAIN_LOOP)
         self._tracker = tracker
         order = self._order()
         return _PassIterator(self, order[upcoming.share(self.rank)] if self.rank in
@@ -476,13 +502,17 @@ class ShardSampler(Sampler[int]):
             The number of the pass.
         """
         number = 0
-        yield number
-        while self._tracker is not None:
-            upcoming, take_overs = self._upcoming()
-            if not take_overs:
-                return
-            number += 1
+        self._in_passes = True
+        try:
             yield number
+            while self._tracker is not None:
+                upcoming, take_overs = self._upcoming()
+                if not take_overs:
+                    return
+                number += 1
+                yield number
+        finally:
+            self._in_passes = False
 
     def remaining(self) -> int:
         """How many samples of this epoch are not consumed yet (all ranks; the same on

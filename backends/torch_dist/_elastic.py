@@ -63,8 +63,13 @@ apply as their unit's result. Then a SUM of every survivor's count of
 heartbeats it sent as active (``ACTIVE``) gives, with the heartbeat totals,
 the dead rank's own count: its ``iterations`` (minus one when its last
 completed unit was an active heartbeat: that iteration's collective never
-completed with it, so its input counts as not seen). A unit that nobody
-completed is re-run on the new group from its saved input.
+completed with it, so its input counts as not seen). A *transparent* unit
+(``settles=False``: DDP's buffer broadcast before its forward, between an
+iteration's heartbeat and its gradient unit) does not count as that
+collective: the heartbeat before it stays the last unit for this rule, so a
+rank that died after it and before the gradient unit did not consume that
+input either. A unit that nobody completed is re-run on the new group from
+its saved input.
 
 Standard library, torch and the group's own modules; ``torch_dist`` imports it.
 """
@@ -205,6 +210,10 @@ class Elastic:
         self.own_active = 0  # heartbeats this rank completed as active
         self.last_beat: float | None = None  # this rank's value, if the last unit was a beat
         self.current_beat: float | None = None  # the same, for the unit in flight
+        # The result of the last unit that settles (not transparent), and whether
+        # the unit in flight settles (module doc).
+        self.last_settled: Any = None
+        self.current_settles = True
         self.lost: list[Any] = []
         self.counted = 0  # heartbeats of ranks lost so far (their own_active)
         self.failed_seen = -1  # generation whose failure key the watcher saw
@@ -346,7 +355,7 @@ class Elastic:
     # -- units ---------------------------------------------------------------------
 
     def unit(self, kind: str, run: Callable[[], Any], buf: Any = None,
-             beat: float | None = None) -> Any:
+             beat: float | None = None, settles: bool = True) -> Any:
         """Run one collective method as a unit (module doc); return its result.
 
         Args:
@@ -355,9 +364,11 @@ class Elastic:
             buf: the caller's buffer it overwrites in place, if any: saved
                 before and restored before a re-run; a hand-over lands in it.
             beat: for a heartbeat: this rank's value (its result is the total).
+            settles: ``False`` for a transparent unit (module doc).
         """
         saved = _snapshot(buf)
         self.current_beat = beat
+        self.current_settles = settles
         if beat is None:  # not a heartbeat or a count: collectives_issued
             self.issued_other += 1
         self.inside = True
@@ -371,20 +382,21 @@ class Elastic:
                     except GenerationFailed as failure:
                         handed = self.recover(failure.detail, kind)
                     else:
-                        self._completed(kind, _snapshot(result), beat)
+                        self._completed(kind, _snapshot(result), beat, settles)
                         return result
                 if handed is not None:
                     result = _apply(buf, handed)
-                    self._completed(kind, handed, beat)
+                    self._completed(kind, handed, beat, settles)
                     return result
                 _restore(buf, saved)
         finally:
             self.inside = False
 
-    def _completed(self, kind: str, result: Any, beat: float | None) -> None:
+    def _completed(self, kind: str, result: Any, beat: float | None, settles: bool) -> None:
         self.seq += 1
         self.last = (self.seq, kind, result)
-        self.last_beat = beat
+        if settles:
+            self.last_beat, self.last_settled = beat, result
         if beat is not None:
             self.totals += _tally(result)
             if beat == ACTIVE:
@@ -580,9 +592,8 @@ class Elastic:
         # whether the last unit (M, the same on every survivor now) was a
         # heartbeat in which a dead rank was active.
         own, totals = self.own_active, self.totals
-        last_result = (self.last or (0, "", None))[2]
-        last_beat = self.last_beat
-        if handed is not None:
+        last_result, last_beat = self.last_settled, self.last_beat
+        if handed is not None and self.current_settles:
             last_result, last_beat = handed, self.current_beat
             if last_beat is not None:
                 totals += _tally(handed)

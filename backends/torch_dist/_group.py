@@ -948,12 +948,18 @@ class TorchGroup:
         work = _hold(self.process_group.broadcast([wire], opts), wire)
         return self._finish(work, async_op, staged, lambda: buf)
 
-    def all_gather(self, buf: Any, async_op: bool = False) -> Any:
+    def all_gather(self, buf: Any, async_op: bool = False, *, settles: bool = True) -> Any:
         """Gather every rank's ``buf`` on every rank.
 
         Args:
             buf: a torch tensor or NumPy array; same shape and dtype on every rank.
             async_op: return a handle instead of waiting.
+            settles: in ``Join(..., on_rank_loss="finish")``, ``False`` for a
+                gather that comes between an iteration's heartbeat and the
+                collective of its contribution (DDP's buffer broadcast before
+                its forward): a rank lost after it and before that collective
+                counts as not having consumed the iteration's input. Ignored
+                outside finish mode.
 
         Returns:
             A list of ``world_size`` new buffers of ``buf``'s kind (and device),
@@ -964,7 +970,8 @@ class TorchGroup:
         """
         elastic = self._elastic
         if elastic is not None and not elastic.inside:
-            done = elastic.unit("all_gather", lambda: self.all_gather(buf), buf=None)
+            done = elastic.unit("all_gather", lambda: self.all_gather(buf), buf=None,
+                                settles=settles)
             return _elastic._Done(done) if async_op else done
         self._checks.all_gather(buf)
         staged = self._stage(buf)

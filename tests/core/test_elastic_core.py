@@ -213,6 +213,31 @@ def test_shell_polls_after_heartbeats_and_at_the_end() -> None:
     assert join._drive.watch.ticks == ticks + 1
 
 
+def test_a_loss_note_ends_each_loss_warning_once() -> None:
+    # A data source says what becomes of a lost rank's remaining inputs
+    # (ShardSampler(take_over=True)): each note once, in order, on every loss.
+    group = FakeElasticGroup()
+    step = Step(group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        join = Join([step], on_rank_loss="finish")
+        with join:
+            join.note_rank_loss("First note.")
+            join.note_rank_loss("Second note.")
+            join.note_rank_loss("First note.")
+            for i in range(9):
+                if i == 3:
+                    group.lost = (LOST_1,)
+                if i == 6:
+                    group.lost = (LOST_1, LOST_2)
+                step()
+    lost_warnings = [str(w.message) for w in caught if "was lost" in str(w.message)]
+    assert len(lost_warnings) == 2
+    for text in lost_warnings:
+        assert "remaining inputs were not seen" in text
+        assert text.endswith("ranks that contributed each iteration. First note. Second note.")
+
+
 def test_raise_mode_never_asks_the_backend() -> None:
     group = FakeElasticGroup()
     group.lost = (LOST_1,)  # would warn if read

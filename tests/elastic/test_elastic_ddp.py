@@ -12,7 +12,13 @@ single-process float64 reference over exactly the consumed inputs (within
 1e-6), and that the model goes on over the survivors after the Join. Also: no
 death in finish mode equals the reference and the default mode; the divisor
 ``divide_by_initial_world_size=False``; the refusals, after which the group
-still matches.
+still matches. And DDP's defaults with buffers (``broadcast_buffers=True``, a
+BatchNorm model): on 2 and 3 ranks, a rank with no input, the highest active
+rank (whose buffers DDP broadcasts) killed in its body and after its forward
+(after the buffer unit, before the gradient unit); the survivors' parameters
+and buffers (running mean and variance, batches tracked) against a float64
+single-process run that does what DDP does, and finish mode without a death
+equal to the default mode.
 """
 
 from __future__ import annotations
@@ -47,7 +53,11 @@ KILL_CELLS = [
 #: The last joiner dies in the post hook: the survivors, all joined earlier, take
 #: the model of rank 0 of the rebuilt group (a documented limit).
 POST_CELL = "3:2/post/0"
-CELLS = ["3:", "3:~raise", "3:~count", *KILL_CELLS, POST_CELL, "3:refusals"]
+#: DDP's defaults with buffers (a BatchNorm model, broadcast_buffers=True).
+BN_KILL_CELLS = ["3:2/body/3~bn", "3:2/beat/2~bn", "2:1/beat/3~bn", "3:1/body/2~bn0",
+                 "3:2/beat/4~bn0", "3:0/drain/1~bn0"]
+BN_CELLS = ["3:~bn", "3:~bnraise", "2:~bn0", *BN_KILL_CELLS]
+CELLS = ["3:", "3:~raise", "3:~count", *KILL_CELLS, POST_CELL, "3:refusals", *BN_CELLS]
 TOLERANCE = 1e-6
 
 
@@ -111,7 +121,7 @@ def test_refusals(results: dict[str, Any]) -> None:
     ranks = survivors(results, "3:refusals", runner.parse)
     for data in ranks.values():
         found = data["refusals"]
-        assert "broadcast_buffers=False" in found["buffers"], found
+        assert "_register_buffer_comm_hook" in found["buffer_hook"], found
         assert "find_unused_parameters=False" in found["unused"], found
         assert "already has a comm hook" in found["hook"], found
         assert "ZeroRedundancyOptimizer" in found["zero"], found
@@ -158,3 +168,47 @@ def test_last_joiner_dies_in_post_hook(results: dict[str, Any]) -> None:
                                  "survivors": [0, 1]}], data["lost"]
         np.testing.assert_allclose(data["final"], want, rtol=0, atol=TOLERANCE)
         assert data["size_after"] == 2 and data["probe"] == 2
+
+
+def check_bn(spec: str, ranks: dict[int, Any]) -> None:
+    """Every survivor of a ``bn`` cell: parameters and buffers against the reference."""
+    world, kills, option = runner.parse(spec)
+    want = runner.bn_reference(world, option, kills)
+    inputs = runner.bn_inputs(world, option)
+    used = {r: min(n, inputs[r]) for r, n in consumed(world, kills).items()}
+    dead = {r for r, _, _ in kills}
+    for rank, data in ranks.items():
+        assert {x["rank"]: x["iterations"] for x in data["lost"]} == {
+            r: used[r] for r in dead}, (spec, rank, data["lost"])
+        np.testing.assert_allclose(data["params"], want["params"], rtol=0, atol=TOLERANCE,
+                                   err_msg=f"{spec} rank {rank}")
+        assert set(data["buffers"]) == {"1.running_mean", "1.running_var",
+                                        "1.num_batches_tracked"}
+        for name, values in data["buffers"].items():
+            np.testing.assert_allclose(values, want["buffers"][name], rtol=0, atol=TOLERANCE,
+                                       err_msg=f"{spec} rank {rank} {name}")
+        left = world - len(dead)
+        assert data["size_after"] == left and data["probe"] == left, (spec, data)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("spec", BN_KILL_CELLS)
+def test_kill_with_buffers_broadcast(results: dict[str, Any], spec: str) -> None:
+    check_bn(spec, survivors(results, spec, runner.parse))
+
+
+@pytest.mark.timeout(600)
+def test_buffers_broadcast_without_a_death_equal_the_reference_and_default_mode(
+        results: dict[str, Any]) -> None:
+    finish = survivors(results, "3:~bn", runner.parse)
+    default = survivors(results, "3:~bnraise", runner.parse)
+    check_bn("3:~bn", finish)
+    check_bn("2:~bn0", survivors(results, "2:~bn0", runner.parse))
+    for rank in range(3):
+        np.testing.assert_allclose(finish[rank]["params"], default[rank]["params"], rtol=0,
+                                   atol=TOLERANCE)
+        for name, values in finish[rank]["buffers"].items():
+            np.testing.assert_allclose(values, default[rank]["buffers"][name], rtol=0,
+                                       atol=TOLERANCE)
+    # The buffers moved: the reference is not the initial state.
+    assert finish[0]["buffers"]["1.num_batches_tracked"] == [runner.INPUTS + 2.0]

@@ -171,3 +171,27 @@ def test_model_parallel_needs_one_root_fully_shard_module() -> None:
 
     with pytest.raises(TypeError, match="exactly one root fully_shard module.*found 0"):
         lightning._fsdp2_root(Module())
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"val_check_interval": 0.5}, "val_check_interval=0.5) validates in the middle"),
+    ({"val_check_interval": 2}, "val_check_interval=2) validates in the middle"),
+    ({"callbacks": [pl.callbacks.ModelCheckpoint(every_n_train_steps=2)]},
+     "ModelCheckpoint(every_n_train_steps=2) saves in the middle"),
+    ({"callbacks": [pl.callbacks.ModelCheckpoint(
+        train_time_interval=__import__("datetime").timedelta(seconds=5))]},
+     "ModelCheckpoint(train_time_interval=datetime.timedelta(seconds=5)) saves"),
+])
+def test_mid_epoch_validation_and_checkpoints_are_refused(kwargs: dict[str, object],
+                                                          words: str) -> None:
+    from joinkit.adapters.lightning._trainer import _mid_epoch_refusal
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, **kwargs)  # type: ignore[arg-type]
+    refusal = _mid_epoch_refusal(trainer)
+    assert refusal is not None and words in refusal, refusal
+    # Epoch-end validation and checkpoints (the defaults) are fine.
+    plain = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                       callbacks=[pl.callbacks.ModelCheckpoint(every_n_epochs=1)],
+                       check_val_every_n_epoch=2)
+    assert _mid_epoch_refusal(plain) is None

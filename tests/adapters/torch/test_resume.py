@@ -248,6 +248,10 @@ class FakeJoin:
         self.backend = FakeGroup(alive or [], history or [])
         self._report = JoinReport(rank=rank, inputs=0, joined_at_round=None, shadow_rounds=0,
                                   seconds_shadowing=0.0, is_last_joiner=False, phase="ACTIVE")
+        self.notes: list[str] = []
+
+    def note_rank_loss(self, note: str) -> None:
+        self.notes.append(note)
 
     @property
     def report(self) -> JoinReport:
@@ -392,6 +396,36 @@ def test_two_deaths_in_one_pass_and_one_in_the_take_over_pass(current: dict[str,
     takes = samplers[0].take_overs
     assert [t.rank for t in takes] == [1, 3, 2]
     assert samplers[0].world == (0,)
+
+
+def test_take_over_notes_the_loss_warning_with_where_the_samples_go(
+        current: dict[str, Any]) -> None:
+    # A loop that iterates the sampler once: the loss warning says the samples
+    # are not trained and shows the loop over passes(); inside passes(): where
+    # they go. A sampler without take_over adds nothing.
+    plain = ShardSampler(Ids(8), 2, 0, batch_size=2, take_over=True)
+    current["join"] = join = FakeJoin(0, [0, 1])
+    iter(plain)
+    assert join.notes == [data_module.TAKE_OVER_PLAIN_LOOP]
+    note = join.notes[0]
+    assert "not trained this epoch" in note
+    assert ("loop over sampler.passes() around the Join:\n"
+            "    for _ in sampler.passes():\n"
+            "        with Join([model], on_rank_loss=\"finish\"):\n"
+            "            for batch in loader:\n") in note
+    looped = ShardSampler(Ids(8), 2, 0, batch_size=2, take_over=True)
+    runs = looped.passes()
+    next(runs)
+    current["join"] = join = FakeJoin(0, [0, 1])
+    iter(looped)
+    assert join.notes == [data_module.TAKE_OVER_NEXT_PASS]
+    assert next(runs, None) is None  # nothing lost: the generator ends
+    current["join"] = join = FakeJoin(0, [0, 1])
+    iter(looped)  # after passes() ended, a plain pass again
+    assert join.notes == [data_module.TAKE_OVER_PLAIN_LOOP]
+    current["join"] = join = FakeJoin(0, [0, 1])
+    iter(ShardSampler(Ids(8), 2, 0, batch_size=2))
+    assert join.notes == []
 
 
 # -- refusals ----------------------------------------------------------------------------
@@ -569,6 +603,62 @@ def test_take_over_matrix_forked(forked: tuple[Path, dict[str, Any]], spec: str)
     ranks = {r: _read(out, f"cell{record['cell']}-rank{r}.json") for r in range(s["world"])
              if r not in dead}
     plan.record_error(spec, plan.check_take_over(out, record["cell"], spec, ranks))
+
+
+#: The loss warning of take_over=True (exact_runner.py): a loop that iterates the
+#: sampler once (``plain``) on 3 ranks, on 2, and on 3 with 2 samples (rank 2 has
+#: none; rank 0 dies before its only batch), then the same kill under passes().
+WARNING_CELLS = ["takeover:3:1/body/1::plain", "takeover:2:0/beat/2:13:plain",
+                 "takeover:3:0/body/0:2:plain", "takeover:3:1/body/1"]
+
+
+@pytest.mark.launches
+@pytest.mark.timeout(600)
+def test_take_over_loss_warning_says_to_loop_over_passes(tmp_path: Path) -> None:
+    import exact_runner as runner
+
+    done = subprocess.run([sys.executable, str(RUNNER), "--out", str(tmp_path), "--deadline",
+                           "90", *WARNING_CELLS], capture_output=True, text=True,
+                          timeout=120 * len(WARNING_CELLS) + 60)
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert [r["spec"] for r in records] == WARNING_CELLS
+    for record in records:
+        spec = record["spec"]
+        s = runner.parse(spec)
+        (kills,) = s["epochs"]
+        assert record["exit"]["t"] == {str(r): (-9 if r in kills else 0)
+                                       for r in range(s["world"])}, record
+        ranks = {r: _read(tmp_path, f"cell{record['cell']}-rank{r}.json")
+                 for r in range(s["world"]) if r not in kills}
+        for got in ranks.values():
+            (warning,) = got["warnings"]  # one loss, one warning on each survivor
+            assert "remaining inputs were not seen" in warning, warning
+            if s["loop"] == "plain":
+                assert warning.endswith(data_module.TAKE_OVER_PLAIN_LOOP), warning
+            else:
+                assert warning.endswith(data_module.TAKE_OVER_NEXT_PASS), warning
+                assert "for _ in sampler.passes()" not in warning
+        if s["loop"] == "passes":
+            plan.record_error(spec, plan.check_take_over(tmp_path, record["cell"], spec, ranks))
+            continue
+        # The plain loop leaves the dead rank's unconsumed samples untrained, as
+        # the warning says; the survivors trained exactly the first pass.
+        epoch, survivors = plan.take_over_epoch(s["n"], runner.SEED, 0, runner.BATCH,
+                                                list(range(s["world"])), kills)
+        first = epoch.passes[0]
+        untrained = sorted(set(range(s["n"])) - set(
+            i for m in first.members for i in first.consumed_ids(m)))
+        assert untrained, spec  # each cell's death leaves samples
+        for rank in survivors:
+            (seen,) = ranks[rank]["epochs"][0]["passes"]
+            assert [i for b in seen["trained"] for i in b] == first.consumed_ids(rank)
+            assert ranks[rank]["epochs"][0]["remaining"] == len(untrained)
+        want = plan.reference(ranks[survivors[0]]["init"], first.iterations())
+        for rank in survivors:
+            np.testing.assert_allclose(ranks[rank]["params"], want, rtol=0, atol=1e-5)
+        plan.record_error(spec, max(float(np.abs(np.array(ranks[r]["params"]) - want).max())
+                                    for r in survivors))
 
 
 @pytest.mark.launches

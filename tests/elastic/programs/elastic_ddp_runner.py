@@ -15,7 +15,11 @@ A ``CELL`` is ``W:KILLS[~OPTION]``: ``KILLS`` a ``+``-joined list of
 input ``at``'s forward), ``beat`` (after input ``at``'s forward, whose
 heartbeat went out, before its backward's all-reduce), ``drain`` (in DDP's
 join hook, shadow round ``at``) or ``post`` (in DDP's post hook); ``OPTION`` ``raise`` (the default
-``on_rank_loss``), ``count`` (``divide_by_initial_world_size=False``).
+``on_rank_loss``), ``count`` (``divide_by_initial_world_size=False``), ``bn``
+(DDP's defaults with buffers: :func:`bn_model`, a BatchNorm between two
+linear layers, ``broadcast_buffers=True``, a batch of ``BN_BATCH`` samples
+per input), ``bn0`` (the same, rank 0 with no input), ``bnraise`` (``bn`` in
+the default ``on_rank_loss``); the reference of these is :func:`bn_reference`.
 ``W:refusals`` runs the refused configurations instead. Each rank writes
 ``DIR/cell{C}-rank{R}.json`` (its initial and final parameters, the report's
 lost ranks, the group's size) and the parent, which gives each cell
@@ -82,6 +86,107 @@ def reference(init: list[float], world: int, consumed: dict[int, int],
     return p
 
 
+BN_BATCH = 8
+BN_WIDTH = 3
+
+
+def bn_inputs(world: int, option: str) -> dict[int, int]:
+    """Rank -> its number of inputs in a ``bn`` cell."""
+    return {r: 0 if option == "bn0" and r == 0 else INPUTS + r for r in range(world)}
+
+
+def bn_sample(rank: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Input ``index`` of ``rank`` in a ``bn`` cell: a batch (x, y)."""
+    rng = np.random.default_rng(5000 + 1000 * rank + index)
+    x = rng.standard_normal((BN_BATCH, DIM)) + 0.5 * rank  # each rank's own statistics
+    return x, x.sum(axis=1, keepdims=True) * 0.5 + rng.standard_normal((BN_BATCH, 1)) * 0.1
+
+
+def bn_model(dtype: Any = None) -> Any:
+    """Linear, BatchNorm1d, Linear; seeded alike on every rank."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, BN_WIDTH),
+                                torch.nn.BatchNorm1d(BN_WIDTH, momentum=0.3),
+                                torch.nn.Linear(BN_WIDTH, 1))
+    return model if dtype is None else model.to(dtype)
+
+
+def bn_state(module: Any) -> dict[str, Any]:
+    """The parameters (flat) and each buffer of a ``bn`` model, as lists."""
+    import torch
+
+    return {"params": torch.cat([p.detach().reshape(-1).double()
+                                 for p in module.parameters()]).tolist(),
+            "buffers": {name: b.detach().double().reshape(-1).tolist()
+                        for name, b in module.named_buffers()}}
+
+
+def bn_reference(world: int, option: str, kills: list[tuple[int, str, int]]
+                 ) -> dict[str, Any]:
+    """What DDP does, single-process in float64, over a ``bn`` cell.
+
+    Each iteration every active rank (one that runs a forward) starts from the
+    buffers of the highest active rank after its previous forward (DDP's
+    buffer broadcast inside a Join), runs its batch in training mode (its own
+    running statistics move), and the gradients of the ranks whose input was
+    consumed are summed and divided by the world size for an SGD step. At the
+    end every rank takes the buffers of the highest surviving last joiner (the
+    post hook). A rank killed in its body before input ``at`` ran ``at``
+    forwards; one killed after its forward of ``at`` ran ``at + 1`` and
+    consumed ``at``.
+
+    Returns:
+        ``bn_state`` of the model the survivors should hold.
+    """
+    import torch
+    from support.fork import consumed_inputs
+
+    inputs = bn_inputs(world, option)
+    forwards = dict(inputs)
+    for rank, point, at in kills:
+        if point == "body":
+            forwards[rank] = at
+        elif point == "beat":
+            forwards[rank] = at + 1
+    consumed = {r: min(n, inputs[r]) for r, n in consumed_inputs(world, kills, INPUTS).items()}
+    model = bn_model(torch.float64)
+    model.train()
+    bn = model[1]
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    synced = {name: getattr(bn, name).clone() for name in names}
+    after: dict[int, dict[str, Any]] = {}
+    rounds = max(forwards.values(), default=0)
+    for t in range(rounds):
+        active = [r for r in range(world) if t < forwards[r]]
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        after = {}
+        for rank in active:
+            for name in names:
+                getattr(bn, name).copy_(synced[name])
+            x, y = bn_sample(rank, t)
+            model.zero_grad()
+            loss = ((model(torch.tensor(x)) - torch.tensor(y)) ** 2).mean()
+            loss.backward()
+            after[rank] = {name: getattr(bn, name).clone() for name in names}
+            if t < consumed[rank]:
+                for g, p in zip(grads, model.parameters(), strict=True):
+                    g += p.grad
+        with torch.no_grad():
+            for g, p in zip(grads, model.parameters(), strict=True):
+                p -= LR * g / world
+        upcoming = [r for r in range(world) if t + 1 < forwards[r]]
+        if upcoming:
+            synced = after[max(upcoming)]
+    dead = {r for r, _, _ in kills}
+    last = [r for r in after if r not in dead and forwards[r] == rounds]
+    final = after[max(last)] if last else synced
+    for name in names:
+        getattr(bn, name).copy_(final[name])
+    return bn_state(model)
+
+
 def _die(path: Path) -> None:
     path.with_suffix(".died").write_text(json.dumps({"died": time.time()}))
     os.kill(os.getpid(), signal.SIGKILL)
@@ -131,6 +236,9 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     path = out / f"cell{cell}-rank{rank}.json"
     mine = {point: at for r, point, at in kills if r == rank}
     init_cell(rank, world, port, cell)
+    if option.startswith("bn"):
+        run_bn_rank(rank, world, option, mine, path)
+        return
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(DIM, 1))
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -172,6 +280,42 @@ def run_rank(rank: int, world: int, kills: list[tuple[int, str, int]], option: s
     }))
 
 
+def run_bn_rank(rank: int, world: int, option: str, mine: dict[str, int], path: Path) -> None:
+    """A ``bn`` cell's rank: DDP with its defaults (buffers broadcast in forward)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from joinkit import Join
+
+    model = DDP(bn_model())  # broadcast_buffers=True: DDP's default
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    arm_model_kills(mine, path)
+    mode = "raise" if option == "bnraise" else "finish"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Join([model], on_rank_loss=mode, store_outlives_ranks=True) as join:
+            for index in range(bn_inputs(world, option)[rank]):
+                if mine.get("body") == index:
+                    _die(path)
+                x, y = bn_sample(rank, index)
+                pred = model(torch.tensor(x, dtype=torch.float32))
+                if mine.get("beat") == index:
+                    _die(path)
+                ((pred - torch.tensor(y, dtype=torch.float32)) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    lost = [{"rank": x.rank, "iterations": x.iterations, "survivors": list(x.survivors)}
+            for x in join.report.lost_ranks]
+    after = model.process_group.size()
+    probe = torch.ones(1)
+    model.process_group.allreduce([probe]).wait()
+    path.write_text(json.dumps({
+        "rank": rank, **bn_state(model.module), "lost": lost, "size_after": after,
+        "probe": float(probe.item()),
+        "warnings": [str(w.message) for w in caught if "joinkit" in str(w.message)],
+    }))
+
+
 def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None:
     """Each refused configuration, on every rank; then a Join that works, to prove no mismatch."""
     import torch
@@ -192,11 +336,13 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
         def forward(self, x: Any) -> Any:
             return self.lin(x)
 
+    buffer_hooked = DDP(WithBuffer())
+    buffer_hooked._register_buffer_comm_hook(None, _buffer_hook)
     hooked = DDP(torch.nn.Linear(DIM, 1))
     hooked.register_comm_hook(None, lambda _, bucket: _allreduce_future(bucket))
     plain = DDP(torch.nn.Linear(DIM, 1))
     cases = {
-        "buffers": lambda: [DDP(WithBuffer())],
+        "buffer_hook": lambda: [buffer_hooked],
         "unused": lambda: [DDP(torch.nn.Linear(DIM, 1), find_unused_parameters=True)],
         "hook": lambda: [hooked],
         # ZeRO stepping in DDP's comm hook (ZeRO beside DDP works: test_elastic_zero.py).
@@ -255,6 +401,10 @@ def run_refusals(rank: int, world: int, port: int, cell: int, out: Path) -> None
     (out / f"cell{cell}-rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "refusals": found, "after": "ok", "params": params,
          "counted": counted, "again": again}))
+
+
+def _buffer_hook(state: Any, buffers: Any) -> None:
+    return None
 
 
 def _allreduce_future(bucket: Any) -> Any:

@@ -19,13 +19,15 @@ A ``CELL`` is one of:
     (``torch.utils.data.DataLoader``), ``sdl`` (torchdata's
     ``StatefulDataLoader``, the sampler's state), ``sdl-own`` (the same world,
     restored from the StatefulDataLoader's own ``state_dict``).
-``takeover:W:KILLS[,KILLS...][:N]``
+``takeover:W:KILLS[,KILLS...][:N[:plain]]``
     ``take_over=True`` in ``Join([model], on_rank_loss="finish")``, one epoch
     per ``KILLS`` (a ``+``-joined list of ``rank/point/at``, ``point`` one of
     ``body``, ``beat``, ``step``, ``drain``; ``-`` for none); each epoch's
     passes (``sampler.passes()``) over the survivors of the one before; ``N``
     samples (default 29; a death while draining needs a world whose ranks
-    have different numbers of batches).
+    have different numbers of batches). ``plain``: a loop that iterates the
+    sampler once per epoch instead of looping over ``passes()``. Each rank
+    records the loss warnings it saw.
 
 With ``--mpirun`` each ``takeover`` cell runs under ``mpirun --with-ft ulfm``
 instead (its ranks, started with ``--as-rank PORT``, build their gloo group
@@ -74,9 +76,11 @@ def parse(cell: str) -> dict[str, Any]:
         return {"kind": kind, "before": int(before), "after": int(after), "stop": int(stop),
                 "workers": int(workers), "loader": loader}
     if kind == "takeover":
-        world, _, rest = rest.partition(":")
-        epochs, _, n = rest.partition(":")
-        return {"kind": kind, "world": int(world), "n": int(n or N),
+        world, epochs, *more = rest.split(":")
+        n = more[0] if more else ""
+        loop = more[1] if len(more) > 1 else "passes"
+        assert loop in ("passes", "plain"), loop
+        return {"kind": kind, "world": int(world), "n": int(n or N), "loop": loop,
                 "epochs": [parse_kills(e) for e in epochs.split(",")]}
     raise ValueError(cell)
 
@@ -228,12 +232,12 @@ def takeover(rank: int, spec: dict[str, Any], out: Path, cell: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     rounds = _arm_drain(lambda shadow: die("drain", shadow))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # one loss warning per death
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # one loss warning per death
         for epoch in range(len(spec["epochs"])):
             sampler.set_epoch(epoch)
             passes = []
-            for number in sampler.passes():
+            for number in (sampler.passes() if spec["loop"] == "passes" else (0,)):
                 state.update({"epoch": epoch, "pass": number})
                 rounds[0] = 0  # DDP's shadow rounds of this Join
                 trained: list[list[int]] = []
@@ -260,7 +264,9 @@ def takeover(rank: int, spec: dict[str, Any], out: Path, cell: int) -> None:
                 "take_overs": [{"rank": t.rank, "consumed": list(t.consumed),
                                 "moved": {str(k): list(v) for k, v in t.moved.items()}}
                                for t in sampler.take_overs],
-                "world": list(sampler.world), "state": sampler.state_dict()})
+                "world": list(sampler.world), "state": sampler.state_dict(),
+                "remaining": sampler.remaining()})
+    record["warnings"] = [str(w.message) for w in caught if " was lost " in str(w.message)]
     record["params"] = params(model)
     record["group_size"] = model.process_group.size()
     path.write_text(json.dumps(record))
