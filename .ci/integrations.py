@@ -42,7 +42,8 @@ import subprocess
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,6 @@ class Integration:
     tests: tuple[str, ...]
     unpin: tuple[str, ...] = ()
     note: str = ""
-    env: dict[str, str] = field(default_factory=dict)
 
 
 _HF = "adapters/transformers/_private.py"
@@ -180,18 +180,6 @@ def _installed(py: Path, distributions: list[str]) -> dict[str, str]:
     return dict(zip(distributions, done.stdout.split(), strict=True))
 
 
-def run_tests(py: Path, integration: Integration, report: Path, timeout: float) -> int:
-    command = [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-               *integration.tests]
-    print("+", " ".join(command), flush=True)
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **integration.env}
-    try:
-        return subprocess.run(command, cwd=ROOT, env=env, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        print(f"integrations: the tests ran past {timeout:.0f} s", flush=True)
-        return 124
-
-
 def cell(report: Path) -> dict[str, str]:
     """The integration's cell from a JUnit report (module doc)."""
     if not report.exists():
@@ -208,8 +196,11 @@ def cell(report: Path) -> dict[str, str]:
 
 
 def run(names: list[str], data: dict, *, venvs: Path, python: str, keep: bool,
-        timeout: float, commit: str) -> list[str]:
+        timeout: float, commit: str, run_part: Callable[[Path, list[str], Path, float], int]
+        ) -> list[str]:
     """Run the named integrations; their cells go into ``data["integrations"]``.
+
+    ``run_part(python, tests, junit report, timeout)`` runs pytest (the matrix's).
 
     Returns:
         The integrations whose cell is not ``passed``.
@@ -226,7 +217,8 @@ def run(names: list[str], data: dict, *, venvs: Path, python: str, keep: bool,
         started = time.monotonic()
         venv = build(name, integration, releases, venvs, python)
         try:
-            run_tests(venv / "bin" / "python", integration, out / "junit.xml", timeout)
+            run_part(venv / "bin" / "python", list(integration.tests), out / "junit.xml",
+                     timeout)
             result = cell(out / "junit.xml")
         finally:
             if not keep:

@@ -368,7 +368,7 @@ def _integrations(args: argparse.Namespace) -> int:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     bad = integrations.run(args.integrations or list(integrations.INTEGRATIONS), data,
                            venvs=args.venvs, python=args.python, keep=args.keep,
-                           timeout=args.timeout, commit=_commit())
+                           timeout=args.timeout, commit=_commit(), run_part=run_part)
     if not args.no_page:
         RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         PAGE.write_text(render(data))
