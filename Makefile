@@ -12,7 +12,7 @@ PACKAGE_DIRS := $(shell find join_core backends adapters -type d -not -name __py
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: setup demo test test-fast lint docs matrix matrix-edges
+.PHONY: setup demo test test-fast lint docs matrix matrix-edges matrix-integrations
 
 setup: $(STAMP)
 
@@ -79,6 +79,12 @@ docs: setup
 # and docs/compat.md from the results. TORCH="2.6 2.15" reruns some columns only.
 matrix:
 	$(PYTHON) .ci/matrix.py $(if $(TORCH),--torch $(TORCH))
+
+# Each integration's oldest supported release (its extra's lower bound): a venv each
+# (deleted after its run), that adapter's own tests; their section of docs/compat.md.
+# INTEGRATIONS="ray deepspeed" reruns some only.
+matrix-integrations:
+	$(PYTHON) .ci/matrix.py --integrations $(INTEGRATIONS)
 
 # What CI runs beside `make test`: the edge part on the oldest and newest torch.
 matrix-edges:

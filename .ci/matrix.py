@@ -4,6 +4,7 @@ Usage::
 
     make matrix                                    # every minor; writes docs/compat.md
     python3 .ci/matrix.py --torch 2.6 2.15 --part edge --check   # CI's edge columns
+    python3 .ci/matrix.py --integrations           # each integration's oldest release
 
 Theory of operation
 -------------------
@@ -39,6 +40,11 @@ erred), or ``not run``. ``--check`` exits 1 if any cell failed.
 *The page.* Every run's cells are kept in ``docs/compat.json`` (a rerun of some
 minors replaces their columns only) and ``docs/compat.md`` is written from it:
 features by torch release, each refusal's reason, each column's date and commit.
+
+*The integrations* (``--integrations [NAME ...]``): each integration's oldest
+supported release gets a venv of its own and its adapter's tests
+(``.ci/integrations.py``); its cell is kept under ``compat.json``'s
+``integrations`` key and the page has a section of them.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ import time
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Sequence
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import integrations  # noqa: E402  (.ci/integrations.py, beside this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 VENVS = ROOT / ".venvs"
@@ -327,7 +336,7 @@ def _commit() -> str:
 def render(data: dict[str, dict], tested: Sequence[str] = ()) -> str:
     """The page from every run's cells; a tested release without a run is a column of
     *not run* cells."""
-    releases = sorted({*data, *tested},
+    releases = sorted({*(r for r in data if r != "integrations"), *tested},
                       key=lambda r: tuple(int(p) for p in r.split("+")[0].split(".")))
     marks = {"passed": "passed", "failed": "**failed**", "refused": "refused",
              "not run": "not run"}
@@ -382,6 +391,7 @@ def render(data: dict[str, dict], tested: Sequence[str] = ()) -> str:
                      f"`{run['part']}`, {run['seconds']:.0f} s")
     lines += ["", "CUDA (nccl, FSDP2 on CUDA, the real SyncBatchNorm) is checked on a lent GPU",
               "machine, by hand: [CUDA checks](cuda.md).", ""]
+    lines += integrations.section(data.get("integrations", {}))
     return "\n".join(lines)
 
 
@@ -398,7 +408,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--venvs-only", action="store_true",
                         help="build (or check) the venvs and stop: CI builds its two while "
                              "make test runs")
+    parser.add_argument("--integrations", nargs="*", metavar="NAME",
+                        help="run each integration's oldest release instead (default: all; "
+                             f"{', '.join(integrations.INTEGRATIONS)})")
+    parser.add_argument("--venvs", type=Path, default=VENVS,
+                        help="where --integrations builds its venvs")
+    parser.add_argument("--keep", action="store_true", help="keep --integrations' venvs")
     args = parser.parse_args(argv)
+    if args.integrations is not None:
+        return _integrations(args)
     releases = tested_releases()
     minors = args.torch or list(releases)
     if args.edges:
@@ -441,6 +459,21 @@ def main(argv: list[str]) -> int:
     if failed:
         print("matrix: failed cells:\n  " + "\n  ".join(failed), flush=True)
     return 1 if failed and args.check else 0
+
+
+def _integrations(args: argparse.Namespace) -> int:
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    bad = integrations.run(args.integrations or list(integrations.INTEGRATIONS), data,
+                           venvs=args.venvs, python=args.python, keep=args.keep,
+                           timeout=args.timeout, commit=_commit(),
+                           run_part=lambda py, tests, report, timeout: run_part(
+                               py, tests, report, timeout, tree_path()))
+    if not args.no_page:
+        RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        PAGE.write_text(render(data, list(tested_releases().values())))
+    if bad:
+        print(f"matrix: integrations not passed: {', '.join(bad)}", flush=True)
+    return 1 if bad and args.check else 0
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 __all__ = ["Need", "Member", "member", "problems", "class_names", "names_in", "read_only_property",
-           "version"]
+           "version", "supported_spec", "refusal"]
 
 
 class Need(enum.Enum):
@@ -249,3 +249,30 @@ def version(distribution: str) -> str:
         return version(distribution)
     except Exception:
         return "(unknown version)"
+
+
+def supported_spec(tested: Sequence[str]) -> str:
+    """The pip range of a framework whose oldest tested release is ``tested[0]``.
+
+    No upper bound: a newer release runs where its guard table passes (issue 48,
+    "honest ranges"); the table, not the version number, decides.
+    """
+    return f">={tested[0]}"
+
+
+def refusal(distribution: str, adapter: str, found: Sequence[str], tested: Sequence[str],
+            stakes: str) -> str:
+    """The message of an adapter's ``Unsupported...Error`` for the problems ``found``.
+
+    It names the version running, each member this release lacks or changed (the
+    lines of :func:`problems`), what going on would risk, and the releases tested.
+    """
+    installed = version(distribution)
+    lines = "\n".join(f"  - {problem}" for problem in found)
+    return (
+        f"found {distribution} {installed}; joinkit's {adapter} adapter needs internals this "
+        f"release lacks or changed:\n{lines}\n{stakes}, so joinkit stops here. joinkit "
+        f"supports {distribution}{supported_spec(tested)} wherever these internals are as "
+        f"listed (tested with {' and '.join(dict.fromkeys(tested))}); install such a release, "
+        f"or a joinkit release that supports {distribution} {installed}."
+    )

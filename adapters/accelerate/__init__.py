@@ -67,7 +67,8 @@ of Accelerate read that it does not document (the list of data loaders
 state) are listed in :data:`_PRIVATE`; a missing one raises
 :class:`UnsupportedAccelerateError`.
 
-Tested with accelerate 1.15 (constraints.txt); ``pip install 'joinkit[accelerate]'``.
+Tested with accelerate 1.12.0 (the oldest supported) and 1.15 (constraints.txt); ``pip install
+'joinkit[accelerate]'``.
 """
 
 from __future__ import annotations
@@ -79,10 +80,17 @@ from typing import Any
 
 from joinkit import Join
 
-__all__ = ["join_uneven_inputs", "unwrap", "SUPPORTED_ACCELERATE", "UnsupportedAccelerateError"]
+from .._guards import supported_spec
 
-#: The Accelerate versions this module was tested with (the ``accelerate`` extra's range).
-SUPPORTED_ACCELERATE = ">=1.15,<1.16"
+__all__ = ["join_uneven_inputs", "unwrap", "SUPPORTED_ACCELERATE", "TESTED_ACCELERATE",
+           "UnsupportedAccelerateError"]
+
+#: The Accelerate releases this module's tests ran on: the oldest supported (the
+#: release current a year before this joinkit; docs/compat.md) and the dev pin.
+TESTED_ACCELERATE = ("1.12.0", "1.15.0")
+#: The ``accelerate`` extra's range: no upper bound; :data:`_PRIVATE`, asked of the
+#: objects when used, decides what runs.
+SUPPORTED_ACCELERATE = supported_spec(TESTED_ACCELERATE)
 
 #: The private members of Accelerate this module reads: (class, attribute, what for).
 _PRIVATE = (
@@ -244,8 +252,8 @@ def _private(obj: Any, name: str, advice: str = "") -> Any:
         why = next(what for cls, attr, what in _PRIVATE if (cls, attr) == (owner, name))
         version = getattr(_accelerate(), "__version__", "?")
         raise UnsupportedAccelerateError(
-            f"accelerate {version} has no {owner}.{name}, which joinkit reads ({why}; "
-            f"supported: accelerate {SUPPORTED_ACCELERATE}){advice}"
+            f"found accelerate {version}; joinkit needs {owner}.{name}, which this release "
+            f"lacks ({why}; tested with accelerate {' and '.join(TESTED_ACCELERATE)}){advice}"
         ) from None
 
 

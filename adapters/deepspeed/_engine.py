@@ -635,7 +635,7 @@ def _refusal(engine: Any, *, training: bool) -> str | None:
     if engine.is_deepcompile_enabled():
         return ("Join does not replay a DeepSpeed engine with DeepCompile (compiled "
                 "collectives): turn compile.deepcompile off inside a Join")
-    if not engine.managed_gradient_accumulation():
+    if not _private.managed_accumulation(engine):
         return (
             "Join needs DeepSpeed's managed gradient accumulation (the engine counts "
             "micro-steps and step() is called after each backward): remove "

@@ -17,42 +17,39 @@ gradients at worst. So each member is listed here, in the format of
 ``adapters._guards`` (whose checker this module uses), and
 :func:`check` runs once per process when an engine is first adapted. It raises
 :class:`UnsupportedDeepSpeedError` naming this DeepSpeed's version and every
-member that changed; a DeepSpeed outside :data:`SUPPORTED_DEEPSPEED` is refused
-even when the members look the same, because the step's *behaviour* (which
-collectives a micro-step runs) is what the replay depends on, and only the
-tested versions are known to behave so. Nothing is checked per iteration.
-
-The ``[deepspeed]`` extra in ``pyproject.toml`` pins the same range as
-:data:`SUPPORTED_DEEPSPEED` (a test keeps them equal).
+member it lacks or changed. The table decides what runs, not the version
+number: the ``[deepspeed]`` extra says :data:`SUPPORTED_DEEPSPEED`, the oldest
+release whose run passed and up, with no upper bound (0.18.2, current a year
+before this joinkit, passes the table but not every cell: docs/guide/install.md); the replay's
+behaviour (which collectives a micro-step runs) is what the adapter's tests
+check, on the oldest and the newest of :data:`TESTED_DEEPSPEED` (docs/compat.md).
+Nothing is checked per iteration.
 """
 
 from __future__ import annotations
 
-import re
+import importlib
 import sys
 from typing import Any
 
-from .._guards import Member, Need, problems, version
+from .._guards import Member, Need, problems, refusal, supported_spec
 
 __all__ = ["SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED", "UnsupportedDeepSpeedError",
-           "ENGINE_MEMBERS", "check", "is_engine"]
+           "ENGINE_MEMBERS", "OPTIONAL_MEMBERS", "check", "is_engine", "managed_accumulation"]
 
-#: The DeepSpeed versions joinkit's adapter supports (:func:`check` checks it).
-SUPPORTED_DEEPSPEED = ">=0.19.8,<0.20"
-#: The DeepSpeed version joinkit's tests ran on.
-TESTED_DEEPSPEED = "0.19.8"
+#: The DeepSpeed releases joinkit's tests passed on: the oldest supported and the
+#: dev pin (``constraints.txt``).
+TESTED_DEEPSPEED = ("0.19.8", "0.19.8")
+#: The ``[deepspeed]`` extra's range (no upper bound: :data:`ENGINE_MEMBERS` decides).
+SUPPORTED_DEEPSPEED = supported_spec(TESTED_DEEPSPEED)
 
 
 class UnsupportedDeepSpeedError(RuntimeError):
-    """This DeepSpeed is outside :data:`SUPPORTED_DEEPSPEED`, or lacks or changed an
-    internal the adapter relies on (``joinkit.adapters.deepspeed._private``).
+    """This DeepSpeed lacks or changed an internal the adapter relies on
+    (``joinkit.adapters.deepspeed._private``).
 
     Raised when ``Join`` adapts an engine, once per process, before any collective.
     """
-# SUPPORTED_DEEPSPEED as bounds on the release tuple (a test keeps them equal).
-_LOWEST, _BELOW = (0, 19, 8), (0, 20)
-
-
 _ENGINE = "deepspeed.runtime.engine"
 _PIPE = "deepspeed.runtime.pipe.engine"
 _BASE = "deepspeed.runtime.base_optimizer"
@@ -121,7 +118,6 @@ ENGINE_MEMBERS = (
     _config("zero_optimization_stage", "the stage, for messages and refusals"),
     _config("zero_offload_optimizer", "offload to NVMe is refused"),
     _config("zero_offload_param", "offload to NVMe is refused"),
-    _config("managed_gradient_accumulation", "unmanaged accumulation is refused"),
     _config("is_deepcompile_enabled", "DeepCompile is refused"),
     _config("autotp_size", "AutoTP is refused"),
     _config("zero_hpz_partition_size", "ZeRO++ is refused"),
@@ -136,46 +132,41 @@ ENGINE_MEMBERS = (
        "an engine's optimizer listed in Join is refused with a message"),
 )
 
+#: Members that only some supported releases have: each is checked where present, and
+#: :func:`managed_accumulation` says what its absence means (one place per member).
+OPTIONAL_MEMBERS = (
+    _config("managed_gradient_accumulation", "unmanaged accumulation is refused"),
+)
+
+
+def managed_accumulation(engine: Any) -> bool:
+    """Whether ``engine`` counts the micro-steps and runs the boundary itself.
+
+    The ``managed_gradient_accumulation`` setting came in DeepSpeed 0.18.3; before
+    it (0.18.2, the oldest supported) every engine manages its accumulation.
+    """
+    setting = getattr(engine, "managed_gradient_accumulation", None)
+    return True if setting is None else bool(setting())
+
+
 _checked: list[bool] = []
 
 
 def check() -> None:
-    """Check the DeepSpeed version and :data:`ENGINE_MEMBERS`; once per process.
+    """Check :data:`ENGINE_MEMBERS` in this DeepSpeed; once per process.
 
     Raises:
-        UnsupportedDeepSpeedError: the version is outside the supported range, or
-            a member is missing or changed.
+        UnsupportedDeepSpeedError: a member is missing or changed; the message names
+            the version found and each member.
     """
     if _checked:
         return
-    installed = _deepspeed_version()
-    found: list[str] = []
-    if not _supported(installed):
-        found.append(f"deepspeed {installed} is outside the supported range")
-    found += problems(ENGINE_MEMBERS)
+    engine = importlib.import_module(_ENGINE).DeepSpeedEngine  # Join adapts one: imported
+    present = [m for m in OPTIONAL_MEMBERS if hasattr(engine, m.name.rsplit(".", 1)[-1])]
+    found = problems((*ENGINE_MEMBERS, *present))
     if found:
-        lines = "\n".join(f"  - {problem}" for problem in found)
-        raise UnsupportedDeepSpeedError(
-            f"joinkit {version('joinkit')} supports deepspeed {SUPPORTED_DEEPSPEED} (tested "
-            f"with {TESTED_DEEPSPEED}), but this process runs deepspeed {installed}:\n{lines}\n"
+        raise UnsupportedDeepSpeedError(refusal(
+            "deepspeed", "DeepSpeed", found, TESTED_DEEPSPEED,
             "A joined rank replays the engine's step, and a DeepSpeed whose step runs other "
-            "collectives would hang or train on wrong gradients, so joinkit stops here. "
-            f"Install a supported DeepSpeed (pip install 'deepspeed{SUPPORTED_DEEPSPEED}'), "
-            "or a joinkit release that supports this one."
-        )
+            "collectives would hang or train on wrong gradients"))
     _checked.append(True)
-
-
-def _deepspeed_version() -> str:
-    module = sys.modules.get("deepspeed")
-    loaded = getattr(module, "__version__", None)
-    return str(loaded) if loaded is not None else version("deepspeed")
-
-
-def _supported(version: str) -> bool:
-    """Whether ``version`` lies in :data:`SUPPORTED_DEEPSPEED` (its release numbers)."""
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if match is None:
-        return False
-    found = tuple(int(part or 0) for part in match.groups())
-    return _LOWEST <= found < _BELOW

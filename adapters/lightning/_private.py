@@ -15,23 +15,25 @@ so each is listed here, in the format of ``adapters._guards`` (whose
 checker this module uses), and :func:`check` runs once per group and process
 when an adapter first needs the group, raising
 :class:`UnsupportedLightningError` with this Lightning's version, each member
-that changed, and the supported range. Nothing is checked per iteration.
+that changed, and the releases tested. Nothing is checked per iteration.
 
-The ``[lightning]`` extra in ``pyproject.toml`` pins the same range as
-:data:`SUPPORTED_LIGHTNING`.
+The table decides what runs, not the version number: the ``[lightning]``
+extra says :data:`SUPPORTED_LIGHTNING`, the release current a year before this
+joinkit and up, with no upper bound (docs/compat.md).
 """
 
 from __future__ import annotations
 
-from .._guards import Member, Need, problems, version
+from .._guards import Member, Need, problems, refusal, supported_spec
 
 __all__ = ["SUPPORTED_LIGHTNING", "TESTED_LIGHTNING", "GROUPS", "UnsupportedLightningError",
            "check"]
 
-#: The pytorch-lightning (and lightning-fabric) versions this joinkit supports,
-#: and the one its tests ran on.
-SUPPORTED_LIGHTNING = ">=2.6,<2.7"
-TESTED_LIGHTNING = "2.6.6"
+#: The pytorch-lightning releases joinkit's tests ran on: the oldest supported
+#: and the dev pin (``constraints.txt``).
+TESTED_LIGHTNING = ("2.6.0", "2.6.6")
+#: The ``[lightning]`` extra's range (no upper bound: :data:`GROUPS` decides).
+SUPPORTED_LIGHTNING = supported_spec(TESTED_LIGHTNING)
 
 
 class UnsupportedLightningError(RuntimeError):
@@ -126,14 +128,7 @@ def check(group: str) -> None:
         return
     found = problems(GROUPS[group])
     if found:
-        lines = "\n".join(f"  - {problem}" for problem in found)
-        installed = version("pytorch-lightning")
-        raise UnsupportedLightningError(
-            f"joinkit {version('joinkit')} supports pytorch-lightning {SUPPORTED_LIGHTNING} "
-            f"(tested with {TESTED_LIGHTNING}), but this process runs {installed}, in which "
-            f"internals that joinkit's {group} adapter relies on changed:\n{lines}\n"
-            "Going on could hang or train wrongly, so joinkit stops here. Install a "
-            f"supported Lightning (pip install 'pytorch-lightning{SUPPORTED_LIGHTNING}'), or "
-            "a joinkit release that supports this one."
-        )
+        raise UnsupportedLightningError(refusal(
+            "pytorch-lightning", group, found, TESTED_LIGHTNING,
+            "Going on could hang or train wrongly"))
     _checked.add(group)

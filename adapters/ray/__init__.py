@@ -39,7 +39,8 @@ it raises ``LocalProtocolError`` before anything collective happens; outside
 any Join it is ``ray.train.report``.
 
 Ray is imported only when a report is made (``pip install 'joinkit[ray]'``);
-only public Ray Train API is used. Tested with ray 2.60 (constraints.txt).
+only public Ray Train API is used. Tested with ray 2.52.1 (the oldest supported:
+current a year before this joinkit) and 2.60 (constraints.txt).
 """
 
 from __future__ import annotations
@@ -49,10 +50,14 @@ from typing import Any
 
 from joinkit import SideCollective
 
-__all__ = ["Report", "report", "SUPPORTED_RAY"]
+from .._guards import supported_spec
 
-#: The Ray versions this module was tested with (the ``ray`` extra's range).
-SUPPORTED_RAY = ">=2.60,<2.61"
+__all__ = ["Report", "report", "SUPPORTED_RAY", "TESTED_RAY"]
+
+#: The Ray releases this module's tests ran on: the oldest supported and the dev pin.
+TESTED_RAY = ("2.52.1", "2.60.0")
+#: The ``ray`` extra's range: no upper bound (only public Ray Train API is used).
+SUPPORTED_RAY = supported_spec(TESTED_RAY)
 
 ShadowMetrics = Mapping[str, Any] | Callable[[Mapping[str, Any]], Mapping[str, Any]] | None
 

@@ -285,8 +285,8 @@ def _joined_sync(adapter: MetricJoinable, metric: Any, sync: Callable[..., None]
         if index is None or tuple(tensor.shape) != tuple(states[index].shape):
             raise UnsupportedTorchmetricsError(
                 f"{name}'s sync gathered a state joinkit did not expect (torchmetrics "
-                f"{_private._version()} changed how it syncs); joinkit "
-                f"supports torchmetrics {_private._spec()}"
+                f"{_private._version()} changed how it syncs); joinkit was tested with "
+                f"torchmetrics {' and '.join(_private.TESTED_TORCHMETRICS)}"
             )
         return gathered[index]
 

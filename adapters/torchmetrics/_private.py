@@ -18,12 +18,15 @@ promise to keep:
 - ``MetricCollection.forward`` calls each member's forward, in order.
 
 A release that changes any of these could make a joined rank shadow the wrong
-number of gathers: silently wrong numbers, or a mismatch. So the version is
-checked against :data:`SUPPORTED_TORCHMETRICS`, and the members in
-:data:`MEMBERS` (the same :class:`~joinkit.adapters._torch_private.Member`
-records and checks as torch's) once per process, when the first torchmetrics
-object is adapted; a problem raises
-:class:`joinkit.adapters.UnsupportedTorchmetricsError`. Nothing is checked per
+number of gathers: silently wrong numbers, or a mismatch. So the members in
+:data:`MEMBERS` (the same :class:`~joinkit.adapters._guards.Member` records and
+checks as torch's, with ``called_by`` for the call chain above) are checked once
+per process, when the first torchmetrics object is adapted; a problem raises
+:class:`joinkit.adapters.UnsupportedTorchmetricsError` naming the version found
+and each member. The table decides, not the version number: the ``metrics``
+extra's range (:data:`SUPPORTED_TORCHMETRICS`) has no upper bound, and its
+lower bound is the release that was current a year before this joinkit
+(:data:`TESTED_TORCHMETRICS`' first; docs/compat.md). Nothing is checked per
 iteration.
 """
 
@@ -33,15 +36,15 @@ import sys
 from typing import Any
 
 from .._errors import UnsupportedTorchmetricsError
-from .._guards import Member, Need, problems
+from .._guards import Member, Need, problems, refusal, supported_spec
 
 __all__ = ["SUPPORTED_TORCHMETRICS", "TESTED_TORCHMETRICS", "MEMBERS", "check"]
 
-#: The torchmetrics versions this joinkit supports (``pyproject.toml``'s
-#: ``metrics`` extra says the same), as (lowest, first unsupported), and the
-#: one its tests ran on.
-SUPPORTED_TORCHMETRICS = ((1, 9), (2, 0))
-TESTED_TORCHMETRICS = "1.9.0"
+#: The torchmetrics releases joinkit's tests ran on: the oldest supported (the
+#: ``metrics`` extra's lower bound) and the dev pin (``constraints.txt``).
+TESTED_TORCHMETRICS = ("1.8.2", "1.9.0")
+#: The ``metrics`` extra's range (no upper bound: :data:`MEMBERS` decides).
+SUPPORTED_TORCHMETRICS = supported_spec(TESTED_TORCHMETRICS)
 
 _METRIC = "torchmetrics.metric"
 _COLLECTION = "torchmetrics.collections"
@@ -84,49 +87,24 @@ _checked = False
 
 
 def check() -> None:
-    """Check the torchmetrics version and members; once per process.
+    """Check :data:`MEMBERS` in this torchmetrics; once per process.
 
     Raises:
-        UnsupportedTorchmetricsError: an unsupported version, or a member is
-            missing or changed; the message names the version, each problem and
-            the supported range.
+        UnsupportedTorchmetricsError: a member is missing or changed; the message
+            names the version found and each problem.
     """
     global _checked
     if _checked:
         return
-    version = _version()
-    found: list[str] = []
-    release = _release(version)
-    low, high = SUPPORTED_TORCHMETRICS
-    if release is None or not low <= release < high:
-        found.append(f"torchmetrics {version} is outside the supported range")
-    found += problems(MEMBERS)
+    found = problems(MEMBERS)
     if found:
-        lines = "\n".join(f"  - {problem}" for problem in found)
-        raise UnsupportedTorchmetricsError(
-            f"joinkit's torchmetrics adapter supports torchmetrics {_spec()} (tested with "
-            f"{TESTED_TORCHMETRICS}), but this process runs torchmetrics {version}:\n{lines}\n"
+        raise UnsupportedTorchmetricsError(refusal(
+            "torchmetrics", "torchmetrics", found, TESTED_TORCHMETRICS,
             "Going on could shadow the wrong collectives on a joined rank (wrong metric "
-            f"values or a hang), so joinkit stops here. Install a supported torchmetrics "
-            f"(pip install 'torchmetrics{_spec()}'), or a joinkit release that supports "
-            f"torchmetrics {version}."
-        )
+            "values or a hang)"))
     _checked = True
-
-
-def _spec() -> str:
-    (a, b), (c, d) = SUPPORTED_TORCHMETRICS
-    return f">={a}.{b},<{c}" if d == 0 else f">={a}.{b},<{c}.{d}"
 
 
 def _version() -> str:
     module: Any = sys.modules.get("torchmetrics")
     return str(getattr(module, "__version__", "(unknown version)"))
-
-
-def _release(version: str) -> tuple[int, int] | None:
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None

@@ -17,18 +17,27 @@ the parameters joinkit calls it with, and for a method joinkit wraps, the
 Trainer code that must still call it by its name. :func:`check` runs in
 ``uneven_inputs``, on every rank, before any collective, and raises
 :class:`UnsupportedTransformersError` naming the versions and each member that
-changed. The ``[transformers]`` extra pins the tested versions.
+changed. The table decides what runs, not the version numbers: the
+``[transformers]`` extra says :data:`SUPPORTED`, each release current a year
+before this joinkit and up, with no upper bound (docs/compat.md).
 """
 
 from __future__ import annotations
 
-from .._guards import Member, Need, problems, version
+import importlib
+from typing import Any
+
+from .._guards import Member, Need, problems, refusal, supported_spec
 
 __all__ = ["SUPPORTED", "TESTED", "GROUPS", "UnsupportedTransformersError", "check"]
 
-#: The versions this module supports (pip specifiers) and was tested with.
-SUPPORTED = {"transformers": ">=5.24,<5.25", "accelerate": ">=1.15,<1.16", "trl": ">=1.16,<1.17"}
-TESTED = {"transformers": "5.24.0", "accelerate": "1.15.0", "trl": "1.16.0"}
+#: The releases this module's tests passed on: the oldest supported of each and its
+#: dev pin (``constraints.txt``); docs/guide/install.md says why transformers and
+#: trl start there (5.3 to 5.23 and trl 0.25 pass the table, not every cell, yet).
+TESTED = {"transformers": ("5.24.0", "5.24.0"), "accelerate": ("1.12.0", "1.15.0"),
+          "trl": ("1.16.0", "1.16.0")}
+#: The ``[transformers]`` extra's ranges (no upper bound: :data:`GROUPS` decides).
+SUPPORTED = {name: supported_spec(tested) for name, tested in TESTED.items()}
 
 
 class UnsupportedTransformersError(RuntimeError):
@@ -142,10 +151,6 @@ GROUPS: dict[str, tuple[Member, ...]] = {
            "the last joiner's log is replayed where a rank missed entries"),
         _m("transformers.training_args", "TrainingArguments.should_save", _EXISTS,
            "swapped for the checkpoint writer while rank 0 has joined"),
-        _m("transformers.modeling_utils", "PreTrainedModel.should_save_on_this_rank", _CALL,
-           "replaced on the model while the checkpoint writer (not torch rank 0) saves it",
-           ("self", "is_main_process"), ("transformers.modeling_utils:"
-                                          "PreTrainedModel.save_pretrained",)),
     ),
     "Accelerator": (
         _m(_ACC, "Accelerator.gather", _CALL, "routed through the side channel",
@@ -184,7 +189,27 @@ GROUPS["FSDP"] = (
        "a joined FSDP rank steps the Trainer's scheduler unless the step was skipped"),
 )
 
+#: Members that only some supported releases have: checked where present (with the
+#: group that needs them); :func:`has_save_rank_rule` says what the absence means.
+OPTIONAL: dict[str, tuple[Member, ...]] = {
+    "Trainer": (
+        _m("transformers.modeling_utils", "PreTrainedModel.should_save_on_this_rank", _CALL,
+           "replaced on the model while the checkpoint writer (not torch rank 0) saves it",
+           ("self", "is_main_process"), ("transformers.modeling_utils:"
+                                          "PreTrainedModel.save_pretrained",)),
+    ),
+}
+
+
+def has_save_rank_rule(model: Any) -> bool:
+    """Whether ``model.save_pretrained`` asks ``should_save_on_this_rank`` (transformers
+    5.15 and later: torch rank 0 only). Before it, ``is_main_process`` alone decides,
+    which is what the checkpoint writer passes: nothing to replace."""
+    return hasattr(type(model), "should_save_on_this_rank")
+
 _checked: set[str] = set()
+#: The distribution whose internals a group lists (transformers' unless said).
+_DISTRIBUTIONS = {"Accelerator": "accelerate"}
 
 
 def check(group: str) -> None:
@@ -195,17 +220,20 @@ def check(group: str) -> None:
     """
     if group in _checked:
         return
-    found = problems(GROUPS[group])
+    present = [m for m in OPTIONAL.get(group, ()) if _exists(m)]
+    found = problems((*GROUPS[group], *present))
     if found:
-        lines = "\n".join(f"  - {problem}" for problem in found)
-        running = ", ".join(f"{name} {version(name)}" for name in SUPPORTED)
-        wanted = ", ".join(f"{name}{spec}" for name, spec in SUPPORTED.items())
-        raise UnsupportedTransformersError(
-            f"joinkit {version('joinkit')} supports {wanted} (tested with "
-            f"{', '.join(f'{k} {v}' for k, v in TESTED.items())}), but this process runs "
-            f"{running}, in which internals that joinkit.adapters.transformers relies on "
-            f"changed:\n{lines}\nGoing on could hang or train wrongly, so joinkit stops "
-            "here. Install the supported versions (pip install 'joinkit[transformers]'), "
-            "or a joinkit release that supports these."
-        )
+        distribution = _DISTRIBUTIONS.get(group, "transformers")
+        raise UnsupportedTransformersError(refusal(
+            distribution, f"Hugging Face ({group})", found, TESTED[distribution],
+            "Going on could hang or train wrongly"))
     _checked.add(group)
+
+
+def _exists(member: Member) -> bool:
+    """Whether ``member``'s owner has it (an optional member, checked only then)."""
+    *path, leaf = member.name.split(".")
+    owner: Any = importlib.import_module(member.module)
+    for part in path:
+        owner = getattr(owner, part, None)
+    return hasattr(owner, leaf)

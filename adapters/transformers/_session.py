@@ -125,7 +125,7 @@ from joinkit import Join, Joinable, JoinHook, SideChannel
 from joinkit.adapters.torch.data import ShardSampler
 from joinkit.adapters.torch.optim import gradients_set_aside
 
-from . import _fsdp, _resume
+from . import _fsdp, _private, _resume
 
 __all__ = ["Session", "current"]
 
@@ -621,13 +621,16 @@ class Session:
             trainer.args = _writer_args(args)
             # save_pretrained writes the model files on torch rank 0 only.
             inner = trainer.accelerator.unwrap_model(trainer.model)
-            inner.should_save_on_this_rank = _writes
+            rank_rule = _private.has_save_rank_rule(inner)
+            if rank_rule:
+                inner.should_save_on_this_rank = _writes
             try:
                 with self._model_files_by_rank_0(args):
                     return self._position_saved(original(model, trial), trial)
             finally:
                 trainer.args = args
-                del inner.should_save_on_this_rank
+                if rank_rule:
+                    del inner.should_save_on_this_rank
         return save_checkpoint
 
     def _checkpoint_folder(self, trial: Any) -> str:

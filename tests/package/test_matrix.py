@@ -154,3 +154,57 @@ def test_a_tested_release_without_a_run_is_a_column_not_run() -> None:
     assert "| DDP | passed | not run |" in page
     assert "| torchmetrics | not run | not run |" in page  # no edge test of it ran
     assert "- torch 2.7.1: not run yet (`make matrix TORCH=2.7`)" in page
+
+
+# -- the integrations' oldest releases (.ci/integrations.py, --integrations) -------------------
+
+integrations = matrix.integrations
+
+
+@pytest.mark.parametrize("selector", [t for i in integrations.INTEGRATIONS.values()
+                                      for t in i.tests])
+def test_every_integration_test_named_exists(selector: str) -> None:
+    path, _, name = selector.partition("::")
+    assert (ROOT / path).exists(), selector
+    if name:
+        assert name.split("[")[0] in _test_names(ROOT / path), selector
+
+
+@pytest.mark.parametrize("name", list(integrations.INTEGRATIONS))
+def test_each_oldest_release_is_its_extras_lower_bound(name: str) -> None:
+    """The release the venv pins is the extra's ``>=`` (read from the adapter's
+    ``TESTED_...``, one place), and nothing caps the extra from above."""
+    integration = integrations.INTEGRATIONS[name]
+    extras = (ROOT / "pyproject.toml").read_text()
+    for distribution, release in integrations.oldest(integration).items():
+        assert f'{distribution}>={release}"' in extras or \
+            f'{distribution}[train]>={release}"' in extras, (distribution, release)
+        pins = integrations.constraints(integration, integrations.oldest(integration))
+        assert f"{distribution}=={release}" in pins
+        assert sum(line.lower().startswith(f"{distribution}==") for line in pins) == 1
+    assert not [line for line in extras.splitlines()
+                if any(f'"{d}' in line for d in integration.releases) and ",<" in line]
+
+
+def test_an_integration_cell_reads_its_report(tmp_path: Path) -> None:
+    report = tmp_path / "junit.xml"
+    report.write_text('<testsuites><testsuite><testcase classname="a" name="t1"/>'
+                      '<testcase classname="a" name="t2"><error message="x"/></testcase>'
+                      '<testcase classname="a" name="t3"><skipped/></testcase>'
+                      '</testsuite></testsuites>')
+    assert integrations.cell(report) == {"result": "failed", "detail": "1 of 3 failed"}
+    report.write_text('<testsuites><testsuite><testcase classname="a" name="t1"/>'
+                      '<testcase classname="a" name="t3"><skipped/></testcase>'
+                      '</testsuite></testsuites>')
+    assert integrations.cell(report) == {"result": "passed", "detail": "1 tests"}
+    assert integrations.cell(tmp_path / "none.xml")["result"] == "not run"
+
+
+def test_the_page_has_a_row_per_integration() -> None:
+    run = {"result": "passed", "detail": "14 tests", "releases": {"accelerate": "1.12.0"},
+           "date": "2026-11-29", "commit": "abc1234", "seconds": 60.0,
+           "tests": ["tests/adapters/accelerate"]}
+    page = matrix.render({"integrations": {"accelerate": run}})
+    assert "| accelerate | accelerate 1.12.0 | passed (14 tests) | `accelerate` |" in page
+    for name in integrations.INTEGRATIONS:
+        assert f"\n| {name} | " in page

@@ -345,10 +345,28 @@ def test_a_missing_accelerate_internal_is_a_loud_error() -> None:
     class Accelerator:  # an Accelerate whose Accelerator has neither member
         pass
 
+    import accelerate as hf_accelerate
+
     for name in ("step", "_dataloaders"):
         with pytest.raises(accelerate.UnsupportedAccelerateError,
-                           match=rf"has no Accelerator\.{name}, which joinkit reads \("):
+                           match=rf"^found accelerate {re.escape(hf_accelerate.__version__)}; "
+                                 rf"joinkit needs Accelerator\.{name}, which this release "
+                                 r"lacks \("):
             accelerate._private(Accelerator(), name)
     assert {(cls, attr) for cls, attr, _ in accelerate._PRIVATE} == {
         ("Accelerator", "_dataloaders"), ("Accelerator", "step"),
         ("GradientState", "plugin_kwargs"), ("GradientState", "_set_sync_gradients")}
+
+
+def test_the_range_is_the_extras_with_no_upper_bound() -> None:
+    """The extras say the oldest tested release, with no upper bound (issue 48);
+    the dev pin is the newest tested."""
+    from joinkit.adapters import accelerate
+
+    text = (ROOT / "pyproject.toml").read_text()
+    assert accelerate.SUPPORTED_ACCELERATE == f">={accelerate.TESTED_ACCELERATE[0]}"
+    for extra in ("accelerate", "transformers"):
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"{extra} = "))
+        assert f'"accelerate{accelerate.SUPPORTED_ACCELERATE}"' in line
+    pin = f"accelerate=={accelerate.TESTED_ACCELERATE[-1]}"
+    assert pin in (ROOT / "constraints.txt").read_text().splitlines()

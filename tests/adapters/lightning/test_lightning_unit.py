@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -26,8 +28,10 @@ def test_a_changed_lightning_member_is_a_loud_error(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(private.GROUPS, "Trainer", (gone,))
     monkeypatch.setattr(private, "_checked", set())
     with pytest.raises(private.UnsupportedLightningError,
-                       match=r"(?s)supports pytorch-lightning >=2\.6,<2\.7.*"
-                             r"_broadcast_sigterm_tensor_renamed is missing"):
+                       match=rf"(?s)^found pytorch-lightning {re.escape(pl.__version__)}; "
+                             r"joinkit's Trainer adapter needs.*"
+                             r"_broadcast_sigterm_tensor_renamed is missing.*"
+                             r"supports pytorch-lightning>=2\.6\.0 wherever"):
         private.check("Trainer")
 
 
@@ -36,7 +40,9 @@ def test_the_pyproject_extra_pins_the_guarded_range() -> None:
 
     text = (Path(__file__).resolve().parents[3] / "pyproject.toml").read_text()
     assert f'"pytorch-lightning{private.SUPPORTED_LIGHTNING}"' in text
-    assert pl.__version__ == private.TESTED_LIGHTNING
+    assert private.SUPPORTED_LIGHTNING == f">={private.TESTED_LIGHTNING[0]}"
+    constraints = (Path(__file__).resolve().parents[3] / "constraints.txt").read_text()
+    assert f"pytorch-lightning=={private.TESTED_LIGHTNING[-1]}" in constraints.splitlines()
 
 
 def test_side_collectives_must_be_side_collectives() -> None:

@@ -396,3 +396,12 @@ def test_the_docs_show_the_example_as_it_is() -> None:
     blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
     assert blocks and all(block in (ROOT / "examples" / "ray_train.py").read_text()
                           for block in blocks)
+
+
+def test_the_range_is_the_extras_with_no_upper_bound() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("ray = "))
+    assert f'"ray[train]{ray_adapter.SUPPORTED_RAY}"' in line
+    assert ray_adapter.SUPPORTED_RAY == f">={ray_adapter.TESTED_RAY[0]}"
+    pin = f"ray=={ray_adapter.TESTED_RAY[-1]}"
+    assert pin in (ROOT / "constraints.txt").read_text().splitlines()

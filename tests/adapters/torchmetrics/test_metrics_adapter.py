@@ -59,18 +59,21 @@ def test_this_torchmetrics_passes_the_guard() -> None:
 def test_extra_and_guard_agree() -> None:
     from pathlib import Path
 
-    pyproject = (Path(__file__).parents[3] / "pyproject.toml").read_text()
-    line = next(ln for ln in pyproject.splitlines() if ln.startswith("metrics = "))
-    assert f'"torchmetrics{private._spec()}"' in line
+    root = Path(__file__).parents[3]
+    line = next(ln for ln in (root / "pyproject.toml").read_text().splitlines()
+                if ln.startswith("metrics = "))
+    assert f'"torchmetrics{private.SUPPORTED_TORCHMETRICS}"' in line
+    assert private.SUPPORTED_TORCHMETRICS == f">={private.TESTED_TORCHMETRICS[0]}"
+    pin = f"torchmetrics=={private.TESTED_TORCHMETRICS[-1]}"
+    assert pin in (root / "constraints.txt").read_text().splitlines()
 
 
-@pytest.mark.parametrize("version", ["1.8.2", "2.0.0", "garbage"])
-def test_an_unsupported_version_is_a_loud_error(monkeypatch: Any, version: str) -> None:
+@pytest.mark.parametrize("version", ["1.8.2", "2.0.0", "3.1.0", "garbage"])
+def test_the_guard_table_decides_not_the_version(monkeypatch: Any, version: str) -> None:
+    """Any version number whose members are as listed passes (no range check)."""
     monkeypatch.setattr(private, "_checked", False)
     monkeypatch.setattr(torchmetrics, "__version__", version)
-    with pytest.raises(UnsupportedTorchmetricsError, match="outside the supported range") as e:
-        private.check()
-    assert "pip install 'torchmetrics>=1.9,<2'" in str(e.value)
+    private.check()
 
 
 def test_a_changed_member_is_a_loud_error(monkeypatch: Any) -> None:
@@ -80,5 +83,7 @@ def test_a_changed_member_is_a_loud_error(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(private, "_checked", False)
     monkeypatch.setattr(Metric, "_sync_dist", _sync_dist)
-    with pytest.raises(UnsupportedTorchmetricsError, match="Metric._sync_dist has the param"):
+    with pytest.raises(UnsupportedTorchmetricsError, match="Metric._sync_dist has the param") as e:
         private.check()
+    assert f"found torchmetrics {torchmetrics.__version__}; joinkit's torchmetrics" in str(e.value)
+    assert f"torchmetrics{private.SUPPORTED_TORCHMETRICS} wherever" in str(e.value)

@@ -839,8 +839,43 @@ def test_a_changed_internal_is_a_loud_error(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.delattr(transformers.Trainer, "get_batch_samples")
     monkeypatch.setattr(_private, "_checked", set())
-    with pytest.raises(UnsupportedTransformersError, match="Trainer.get_batch_samples"):
+    message = (rf"(?s)^found transformers {re.escape(transformers.__version__)}; joinkit's "
+               r"Hugging Face \(Trainer\) adapter needs .*Trainer\.get_batch_samples is missing")
+    with pytest.raises(UnsupportedTransformersError, match=message):
         _private.check("Trainer")
+
+
+def test_a_member_older_releases_lack_is_checked_only_where_present(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``should_save_on_this_rank`` came in transformers 5.15: where it is missing the
+    check passes and nothing is replaced (``is_main_process`` alone decides there)."""
+    from transformers import PreTrainedModel
+
+    from joinkit.adapters.transformers import _private
+
+    class Model(PreTrainedModel):  # never instantiated: the rule is asked of the type
+        pass
+
+    assert _private.has_save_rank_rule(object.__new__(Model))
+    owner = next(k for k in PreTrainedModel.__mro__ if "should_save_on_this_rank" in vars(k))
+    monkeypatch.delattr(owner, "should_save_on_this_rank")
+    monkeypatch.setattr(_private, "_checked", set())
+    _private.check("Trainer")
+    assert not _private.has_save_rank_rule(object.__new__(Model))
+
+
+def test_the_ranges_are_the_extras_with_no_upper_bound() -> None:
+    """Each distribution's range is ``>=`` its oldest tested release (issue 48); the dev
+    pins are the newest tested."""
+    from joinkit.adapters.transformers import _private
+
+    line = next(ln for ln in (ROOT / "pyproject.toml").read_text().splitlines()
+                if ln.startswith("transformers = "))
+    pins = (ROOT / "constraints.txt").read_text().splitlines()
+    for name, (oldest, newest) in _private.TESTED.items():
+        assert _private.SUPPORTED[name] == f">={oldest}"
+        assert f'"{name}>={oldest}"' in line
+        assert f"{name}=={newest}" in pins
 
 
 @pytest.mark.slow

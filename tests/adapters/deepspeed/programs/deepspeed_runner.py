@@ -200,6 +200,12 @@ def refused(make: Callable[[], Any]) -> str:
     raise AssertionError(f"not refused: {joined!r}")
 
 
+def _absent(out: Path, case: str, setting: str) -> None:
+    """Record that this DeepSpeed has no ``setting``, so ``case`` cannot be built."""
+    with recording(out, f"refuse-{case}") as record:
+        record["error"] = f"absent: this DeepSpeed has no {setting} setting"
+
+
 @group
 def refusals(out: Path, rank: int, world: int) -> None:
     spec = c.cell("refusal", stage=2, plan=[2] * world)
@@ -212,10 +218,19 @@ def refusals(out: Path, rank: int, world: int) -> None:
         "sum-active": lambda: Join([engine], divide_by_initial_world_size=False),
         "finish": lambda: Join([engine], on_rank_loss="finish").__enter__(),
     }
-    summing = engine_for(spec, world, gradient_allreduce_op="sum")
-    cases["sum-active"] = lambda: Join([summing], divide_by_initial_world_size=False)
-    unmanaged = engine_for(spec, world, managed_gradient_accumulation=False)
-    cases["unmanaged"] = lambda: Join([unmanaged])
+    # Settings DeepSpeed 0.18.2 (the oldest supported) does not have: there every
+    # engine averages and manages its accumulation, so there is nothing to refuse.
+    if hasattr(engine._config, "gradient_allreduce_op"):
+        summing = engine_for(spec, world, gradient_allreduce_op="sum")
+        cases["sum-active"] = lambda: Join([summing], divide_by_initial_world_size=False)
+    else:
+        del cases["sum-active"]
+        _absent(out, "sum-active", "gradient_allreduce_op")
+    if hasattr(engine, "managed_gradient_accumulation"):
+        unmanaged = engine_for(spec, world, managed_gradient_accumulation=False)
+        cases["unmanaged"] = lambda: Join([unmanaged])
+    else:
+        _absent(out, "unmanaged", "managed_gradient_accumulation")
     for name, make in cases.items():
         with recording(out, f"refuse-{name}") as record:
             record["error"] = refused(make)
