@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from support.mpi import LAUNCHER_DID_NOT_START, LAUNCHER_TRIES
+
 RUNNER = Path(__file__).resolve().parents[1] / "faults" / "programs" / "fault_runner.py"
 
 
@@ -69,6 +71,15 @@ class Launch:
 
 
 def _run(launch: Launch) -> Launch:
+    for _ in range(LAUNCHER_TRIES):
+        _run_once(launch)
+        if launch.started or not any(s in launch.output for s in LAUNCHER_DID_NOT_START):
+            break
+    return launch
+
+
+def _run_once(launch: Launch) -> Launch:
+    launch.timed_out = False
     launch.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     proc = subprocess.Popen(

@@ -56,6 +56,13 @@ def child_env(extra: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -
     return env
 
 
+#: What Open MPI's launcher prints when it could not start at all (no rank ran):
+#: its PMIx server's listener thread, seen on a loaded machine. Such a run is the
+#: machine's, not the test's: it runs again (at most LAUNCHER_TRIES in all).
+LAUNCHER_DID_NOT_START = ("The PMIx server's listener thread failed to start",)
+LAUNCHER_TRIES = 3
+
+
 def run_mpi(
     script: Path | str,
     ranks: int,
@@ -72,10 +79,14 @@ def run_mpi(
     if ranks > (os.cpu_count() or 1) and is_open_mpi():
         command.append("--oversubscribe")
     command += [sys.executable, str(script), *args]
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=env or child_env(),
-        cwd=ROOT,
-    )
+    for _ in range(LAUNCHER_TRIES):
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=env or child_env(),
+            cwd=ROOT,
+        )
+        if not any(s in done.stdout + done.stderr for s in LAUNCHER_DID_NOT_START):
+            break
+    return done
 
 
 def tagged(stdout: str, tag: str) -> list[dict[str, Any]]:
