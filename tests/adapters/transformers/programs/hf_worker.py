@@ -254,6 +254,24 @@ def resume_cell(ctx: dict[str, Any], *, samples: int, save_steps: int, gas: int 
             "meta": meta(trainer)}
 
 
+def refusal(trainer: Any) -> str | None:
+    """``uneven_inputs(trainer)``: the error it raised (type and text), if any."""
+    from joinkit.adapters.transformers import uneven_inputs
+
+    try:
+        uneven_inputs(trainer)
+    except Exception as error:  # noqa: BLE001 - recorded for the test
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def group_after() -> list[Any]:
+    """Every rank's rank, gathered: the group still works (nothing was left unmatched)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [dist.get_rank()])
+    return gathered
+
+
 def stream_resume_refused(ctx: dict[str, Any]) -> dict[str, Any]:
     """Per-rank streams saved on 2 ranks, resumed on this world (3): refused on every
     rank alike when train() starts; the group works after."""
@@ -264,8 +282,7 @@ def stream_resume_refused(ctx: dict[str, Any]) -> dict[str, Any]:
         message: str | None = f"{type(error).__name__}: {error}"
     else:
         message = None
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [dist.get_rank()])
+    gathered = group_after()
     return {"messages": {"stream_other_world": message}, "after": gathered}
 
 
@@ -499,7 +516,6 @@ def fsdp_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     from datasets import IterableDataset
     from transformers import Trainer
 
-    from joinkit.adapters.transformers import uneven_inputs
 
     data = rows_dataset(sequences(6, seed=1))
     stream_eval = IterableDataset.from_generator(stream, gen_kwargs={"count": 3, "seed": 5})
@@ -519,15 +535,8 @@ def fsdp_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
                        args=args(ctx["dir"], fsdp="full_shard", fsdp_config=fsdp_config(2),
                                  **overrides),
                        train_dataset=data, eval_dataset=evaluation, data_collator=collate)
-        try:
-            uneven_inputs(trainer)
-        except Exception as error:  # noqa: BLE001 - recorded for the test
-            messages[name] = f"{type(error).__name__}: {error}"
-        else:
-            messages[name] = None
-    box = [dist.get_rank()]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, box)
+        messages[name] = refusal(trainer)
+    gathered = group_after()
     return {"messages": messages, "after": gathered}
 
 
@@ -683,7 +692,6 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     import_deepspeed()
     from transformers import Trainer
 
-    from joinkit.adapters.transformers import uneven_inputs
 
     data = rows_dataset(sequences(6, seed=1))
     messages = {}
@@ -697,12 +705,7 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
         trainer = deepspeed_trainer_class(Trainer)(
             model=tiny_model("gpt2"), args=args(ctx["dir"], **overrides), train_dataset=data,
             eval_dataset=data, data_collator=collate)
-        try:
-            uneven_inputs(trainer)
-        except Exception as error:  # noqa: BLE001 - recorded for the test
-            messages[name] = f"{type(error).__name__}: {error}"
-        else:
-            messages[name] = None
+        messages[name] = refusal(trainer)
     # Resuming on 2 ranks a checkpoint written on 3: DeepSpeed's optimizer state is
     # partitioned over 3 (refused when train() starts, before DeepSpeed is set up).
     trainer = deepspeed_trainer_class(Trainer)(
@@ -718,9 +721,7 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
                   "sampler": None}
         (checkpoint / "joinkit_trainer.json").write_text(json.dumps(record))
     messages["resume_other_world"] = refused_resume(trainer, checkpoint)
-    box = [dist.get_rank()]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, box)
+    gathered = group_after()
     return {"messages": messages, "after": gathered}
 
 
@@ -742,18 +743,12 @@ def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     """Bad input raises on every rank before any collective, with what to do."""
     from transformers import Trainer
 
-    from joinkit.adapters.transformers import uneven_inputs
 
     data = rows_dataset(sequences(6, seed=1))
     messages = {}
 
     def attempt(name: str, trainer: Any) -> None:
-        try:
-            uneven_inputs(trainer)
-        except Exception as error:  # noqa: BLE001 - recorded for the test
-            messages[name] = f"{type(error).__name__}: {error}"
-        else:
-            messages[name] = None
+        messages[name] = refusal(trainer)
 
     def make(**overrides: Any) -> Any:
         return Trainer(model=tiny_model("gpt2"), args=args(ctx["dir"], **overrides),
@@ -780,9 +775,7 @@ def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
         trainer.state.save_to_json(str(checkpoint / "trainer_state.json"))
     messages["resume_mid_epoch"] = refused_resume(trainer, checkpoint)
     # The group still works: nothing was sent.
-    box = [dist.get_rank()]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, box)
+    gathered = group_after()
     return {"messages": messages, "after": gathered}
 
 
