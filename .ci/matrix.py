@@ -77,7 +77,9 @@ D = T + "test_torch_dist.py::"
 E = "tests/elastic/"
 
 F = T + "test_fsdp.py::"
+F1 = T + "test_fsdp1.py::"
 W2 = "[world2]"  # test_fsdp.py's smaller world
+M = "tests/adapters/torchmetrics/test_metrics_dist.py"
 S = T + "test_torch_suite.py::test_torch_ddp_join_test[joinkit-ddp2-"
 
 #: feature -> (the tests that show it, the ones CI's edge columns run: all, none, or a
@@ -118,6 +120,11 @@ FEATURES: dict[str, tuple[list[str], bool | list[str]]] = {
                F + "test_fsdp_divide_by_the_active_ranks" + W2,
                F + "test_fsdp_gradient_accumulation" + W2,
                F + "test_fsdp_over_epochs_leaves_every_grad_as_the_loop_left_it" + W2]),
+    "FSDP1": ([T + "test_fsdp1.py"],
+              [F1 + "test_fsdp1_equals_the_reference" + W2,
+               F1 + "test_fsdp1_gradient_accumulation_with_no_sync" + W2,
+               F1 + "test_fsdp1_divide_by_the_active_ranks" + W2,
+               F1 + "test_fsdp1_mixed_precision_equals_the_reference_with_the_same_casts" + W2]),
     "SyncBatchNorm (CPU stand-in)": (
         [F + "test_ddp_sync_batch_norm_equals_the_union_batch_reference"],
         [F + "test_ddp_sync_batch_norm_equals_the_union_batch_reference" + W2]),
@@ -132,7 +139,10 @@ FEATURES: dict[str, tuple[list[str], bool | list[str]]] = {
     "exact evaluation": ([T + "test_ddp_eval.py", F + "test_fsdp_evaluation_loop"],
                          [T + "test_ddp_eval.py::test_eval_loops_match_one_process[2]",
                           F + "test_fsdp_evaluation_loop" + W2]),
-    "torchmetrics": (["tests/adapters/torchmetrics/test_metrics_dist.py"], False),
+    "torchmetrics": ([M],
+                     [M + "::test_every_metric_matches_one_process_per_step_and_at_compute" + W2,
+                      M + "::test_with_ddp_first" + W2,
+                      M + "::test_errors_are_clear_and_raised_before_a_collective" + W2]),
     "side collectives": ([T + "test_side_torch.py"],
                          [T + "test_side_torch.py::"
                           "test_training_with_side_collectives_matches_a_single_process"]),

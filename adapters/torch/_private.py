@@ -520,6 +520,7 @@ _FEATURE_OF_GROUP = {
     "DistributedDataParallel": "DDP",
     "ZeroRedundancyOptimizer": "ZeroRedundancyOptimizer",
     "FSDP2": "FSDP2",
+    "FSDP1": "FSDP1",
     "replay": "replayed step",
 }
 
@@ -528,7 +529,7 @@ def refused_features() -> dict[str, str]:
     """What joinkit refuses on this torch by design, as the matrix runs it (CPU, gloo).
 
     Asked by the compatibility matrix of each torch's venv (``.ci/matrix.py``):
-    a whole feature under its row's name (``"FSDP2"``, ``"DDP"``, ...), a part
+    a whole feature under its row's name (``"FSDP2"``, ``"FSDP1"``, ``"DDP"``, ...), a part
     of one (finish mode of one object, FSDP2's summed reductions, ...) under its
     group's name here. Each reason names this torch's version and what it lacks.
 

@@ -11,7 +11,10 @@ be had. Each test still asserts something on every torch; nothing is skipped.
 - :func:`or_refused`: a decorator for such a test: where the feature is
   refused it calls the module's check of the refusal with the test's
   arguments instead of the test; :func:`fsdp2_scenarios` is the one for
-  the FSDP2 scenarios of a ``support.run_scenarios`` worker.
+  the FSDP2 scenarios of a ``support.run_scenarios`` worker;
+- :func:`fsdp1_refusal` and :func:`fsdp1_scenarios`: the same for FSDP1, which
+  joinkit refuses where this torch lacks a member of its guard group
+  (``_private``'s ``FSDP1``; none of 2.6 to 2.15 does).
 
 Importing this module imports nothing of torch; :func:`fsdp_refusal` does.
 """
@@ -22,8 +25,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["fsdp_refusal", "fsdp_cpu_refusal", "or_refused", "scenario_refused",
-           "fsdp2_scenarios"]
+__all__ = ["fsdp_refusal", "fsdp_cpu_refusal", "fsdp1_refusal", "or_refused",
+           "scenario_refused", "fsdp2_scenarios", "fsdp1_scenarios"]
 
 Test = TypeVar("Test", bound=Callable[..., Any])
 
@@ -45,6 +48,16 @@ def fsdp_cpu_refusal() -> str | None:
     from joinkit.adapters.torch import _private
 
     return _private.fsdp_cpu_refusal()
+
+
+def fsdp1_refusal() -> str | None:
+    """What this torch lacks of FSDP1's guard group, as joinkit's refusal names it
+    (its first problem, word for word), or ``None`` where FSDP1 runs."""
+    from joinkit.adapters._guards import problems
+    from joinkit.adapters.torch import _private
+
+    found = problems(_private.GROUPS["FSDP1"])
+    return found[0] if found else None
 
 
 def or_refused(refusal: Callable[[], str | None],
@@ -86,6 +99,16 @@ def fsdp2_scenarios(*names: str) -> Callable[[Test], Test]:
     parameter) in its ``results`` fixture (``support.run_scenarios``'s): where
     this torch refuses FSDP2 on the CPU over gloo (:func:`fsdp_refusal`) it
     asserts that every rank of each was refused by name instead."""
+    return _scenarios(fsdp_refusal, names)
+
+
+def fsdp1_scenarios(*names: str) -> Callable[[Test], Test]:
+    """:func:`fsdp2_scenarios` for FSDP1's scenarios and :func:`fsdp1_refusal`."""
+    return _scenarios(fsdp1_refusal, names)
+
+
+def _scenarios(refusal: Callable[[], str | None],
+               names: tuple[str, ...]) -> Callable[[Test], Test]:
     import pytest
 
     def check(words: str, arguments: dict[str, Any]) -> None:
@@ -94,7 +117,7 @@ def fsdp2_scenarios(*names: str) -> Callable[[Test], Test]:
 
     def wrap(test: Test) -> Test:
         # What the test reads, for a run of chosen tests (support.selected_scenarios).
-        marked: Test = pytest.mark.scenarios(*names)(or_refused(fsdp_refusal, check)(test))
+        marked: Test = pytest.mark.scenarios(*names)(or_refused(refusal, check)(test))
         return marked
 
     return wrap

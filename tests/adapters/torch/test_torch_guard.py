@@ -293,3 +293,27 @@ def test_a_member_missing_is_refused_under_its_feature_alone(
     refused = _torch_private.refused_features()
     assert "_find_common_rank is missing" in refused["DDP"], refused
     assert "DistributedDataParallel" not in refused
+
+
+def test_a_torch_without_what_fsdp1_needs_refuses_fsdp1_by_its_matrix_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP1's guard group refuses FSDP1 alone, under the matrix's row ("FSDP1"), and
+    its Join names the member: before any collective (``fsdp1.py`` checks first)."""
+    from support.refusals import fsdp1_refusal
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    before = _torch_private.refused_features()
+    assert "FSDP1" not in before and fsdp1_refusal() is None
+    monkeypatch.delattr(FSDP1, "fsdp_modules")
+    refused = _torch_private.refused_features()
+    assert set(refused) == set(before) | {"FSDP1"}, refused
+    assert refused["FSDP1"].startswith(f"torch {torch.__version__} lacks or changed what "
+                                       "joinkit needs for FSDP1: ")
+    words = fsdp1_refusal()
+    assert words is not None and "FullyShardedDataParallel.fsdp_modules is missing" in words
+    assert words in refused["FSDP1"]
+    with pytest.raises(UnsupportedTorchError) as caught:
+        check(bare(FSDP1))
+    assert "joinkit needs for: FSDP1." in str(caught.value)
+    assert words in str(caught.value)
+    check(bare(DDP))  # DDP does not use FSDP1's members
