@@ -152,7 +152,7 @@ def test_a_tested_release_without_a_run_is_a_column_not_run() -> None:
     page = matrix.render({"2.6.0": run}, ["2.6.0", "2.7.1"])
     assert "| feature | 2.6.0 | 2.7.1 |" in page
     assert "| DDP | passed | not run |" in page
-    assert "| torchmetrics | not run | not run |" in page  # no edge test of it ran
+    assert "| torchmetrics | not run | not run |" in page  # no cell of it in the run
     assert "- torch 2.7.1: not run yet (`make matrix TORCH=2.7`)" in page
 
 
