@@ -56,10 +56,11 @@ loss is scaled back to the number of ranks that trained, so the logged loss
 
 *After a Join.* The post hooks give every rank the last joiner's parameters
 (DDP), optimizer and scheduler state, ``TrainerState`` (``global_step``,
-``log_history``, best metric, flos...), control flags and loss bookkeeping; a
-rank that missed log entries while it was joined calls its ``on_log``
-callbacks for them (with ``global_step`` as at the entry), so rank 0's
-reporting integrations see every entry.
+``log_history``, best metric, flos...), control flags and loss bookkeeping (the
+optimizer state only when some rank missed optimizer steps: ranks that took the
+same steps hold the same state already); a rank that missed log entries while
+it was joined calls its ``on_log`` callbacks for them (with ``global_step`` as
+at the entry), so rank 0's reporting integrations see every entry.
 
 *DeepSpeed* (``TrainingArguments(deepspeed=...)``; what it cannot replay is
 refused in ``uneven_inputs``). The epoch's Join takes the engine
@@ -917,13 +918,19 @@ class _SyncHook(JoinHook):
         session = self.session
         trainer = session.trainer
         channel = session.channel
-        source = channel.all_gather_object(is_last_joiner).index(True)
+        ranks = channel.all_gather_object((is_last_joiner, trainer.state.global_step))
+        source = [last for last, _ in ranks].index(True)
+        # Ranks that took the same optimizer steps (no rank joined before the last
+        # step: even data) stepped the same optimizer on the same all-reduced
+        # gradients, so their optimizer states are equal already: not sent (an
+        # AdamW state is twice the model, pickled, sent and loaded once per epoch).
+        stepped_alike = len({steps for _, steps in ranks}) == 1
         payload = None
         if session.rank == source:
             payload = {
                 # A DeepSpeed or FSDP optimizer's state is this rank's partition or
                 # shards, which every rank stepped itself (the replay): not sent.
-                "optimizer": (None if session.deepspeed or session.fsdp
+                "optimizer": (None if session.deepspeed or session.fsdp or stepped_alike
                               else trainer.optimizer.state_dict()),
                 "scheduler": trainer.lr_scheduler.state_dict(),
                 "state": {name: getattr(trainer.state, name) for name in _STATE},
