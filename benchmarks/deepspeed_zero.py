@@ -13,16 +13,19 @@ engine: ``engine alone`` (and again: an A/A pair, the run's scatter) and
 ``Join([engine])`` on even inputs (joinkit's ``DeepSpeedJoinable``: the
 heartbeat goes out in a forward pre-hook; the time counts the ``with`` block).
 
-After the timing each variant runs once more with its collectives counted
-(``_collectives``, per iteration by ProcessGroup method): the difference is
-joinkit's own.
+After the timing each variant runs once more with its loop's collectives
+counted (``_collectives``, per iteration by ProcessGroup method; inside the
+``with`` block, so the Join's entry and exit are not in them): the difference
+is joinkit's own per iteration.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -75,11 +78,16 @@ def main() -> None:
         made, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return made
 
+    counting: list[Counter[str]] = []  # the count pass: the loop's collectives go here
+
     def train(made: Any, n: int) -> None:
-        for _ in range(n):
-            loss = nn.functional.cross_entropy(made(x), y)
-            made.backward(loss)
-            made.step()
+        with _collectives.counting() if counting else contextlib.nullcontext() as counts:
+            for _ in range(n):
+                loss = nn.functional.cross_entropy(made(x), y)
+                made.backward(loss)
+                made.step()
+        if counts is not None:
+            counting[0].update(counts)
 
     def alone() -> Callable[[int], None]:
         made = engine()
@@ -100,9 +108,9 @@ def main() -> None:
     times = _bench.timed(variants, iterations, repeats, slowest, dist.barrier)
     counted = {}
     for name, loop in variants.items():
-        with _collectives.counting() as counts:
-            loop(iterations)
-        counted[name] = counts
+        counting[:] = [Counter()]
+        loop(iterations)
+        counted[name] = counting.pop()
     info = {"ranks": world, "iterations": iterations, "repeats": repeats,
             "deepspeed": deepspeed.__version__}
     bench = "DeepSpeed ZeRO-2, MLP 128-512-512-10, batch 64, gloo (torchrun)"
