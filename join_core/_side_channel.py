@@ -13,7 +13,8 @@ logging gather every k steps. A :class:`SideChannel` takes any number of them:
   side wire (``joinkit._side_protocol.SideWire``; created on Join entry, when
   every rank is there, since creating a communicator is collective; cached
   per group). Each call is a header all-gather and the data collective the
-  headers call for (``_side_protocol``);
+  headers call for (``_side_protocol``; a gather of at most ``INLINE_BYTES``
+  per rank is all in the headers);
 - a rank that leaves its loop body (however it leaves: its inputs ran out, it
   raised, a peer failed) starts a *service thread* (the Join calls
   :meth:`SideChannel.join_loop_exited` before its first join collective after

@@ -347,7 +347,8 @@ def decide(headers: Sequence[Header]) -> Plan:
         sizes = tuple(h.size if h.present else 0 for h in headers)
         inline = None
         if 0 < max(sizes) <= INLINE_BYTES:
-            inline = tuple(unpack_inline(h.inline, size) for h, size in zip(headers, sizes))
+            inline = tuple(unpack_inline(h.inline, size)
+                           for h, size in zip(headers, sizes, strict=True))
         return GatherPlan(present=present, sizes=sizes,
                           rows=tuple(h.rows if h.present else 0 for h in headers),
                           inline=inline)
