@@ -78,7 +78,42 @@ after their last batch; its empty fetch ends the epoch loop. Epoch-level
 training values Lightning syncs at the epoch's end (``on_epoch=True`` with
 ``sync_dist=True``, torchmetrics objects) would wait for that rank, which
 logged none: the ranks compare them after each epoch's Join and refuse them
-on every rank (``LocalProtocolError``). Refused under FSDP2 (``TypeError``).
+on every rank (``LocalProtocolError``). Refused under FSDP2 (``TypeError``);
+under FSDP1 that rank replays forward on the module's ``example_input_array``
+(emptied), as it has no input of its own (without one: ``TypeError``).
+
+*Mid-epoch events* (DDP). Validation inside an epoch (``val_check_interval`` an
+int, or a fraction, reckoned on every rank from the longest rank's number of
+batches, as a single process over the rounds) and step checkpoints
+(``ModelCheckpoint(every_n_train_steps=...)``, ``train_time_interval``) are
+collectives of every rank, which Lightning starts on the ranks still training.
+Each is a ``SideCollective`` of the Join, called once per batch where it runs:
+the checkpoint event in the first step-saving ``ModelCheckpoint``'s
+``on_train_batch_end`` (Lightning calls checkpoint callbacks last, so it sits
+after the user's side collectives and channel, before step 3's), the
+validation event after step 3, in the module's wrapped ``on_train_batch_end``.
+An event is one all-gather (each rank's "active", vote, ``global_step``,
+``is_last_batch``, batch index), then Lightning's own code on every rank as
+outside a Join (no deferred ``self.log``): a joined rank takes the *source*'s
+(the lowest active rank's) ``global_step`` and ``is_last_batch`` for the
+event. The checkpoint event runs the ``ModelCheckpoint``s' own
+``on_train_batch_end`` on every rank (they decide alike); the validation event
+validates when every active rank's ``_should_check_val_fx`` says so (at a
+rank's own last batch only Lightning's end-of-epoch check differs between
+ranks, and the epoch's last round is where all remaining ranks agree), and
+then every validation of the epoch is the event's (``_skip_next_val``). Before
+validating, a joined DDP rank takes the source's parameters and buffers (a
+broadcast; the Join's post hook would have given them at the end), and the
+validation forward skips DDP's wrapper (its join collectives are not this
+round's). A save's contents are the source's: rank 0, if joined, receives the
+source's ``dump_checkpoint`` (parameters, optimizer and scheduler state, loop
+progress, loader state), and each ``ModelCheckpoint`` decides on the source's
+``_monitor_candidates``. *Resuming* from a mid-epoch checkpoint: Lightning
+skips ``on_train_epoch_start``, so the Join is entered at the first batch
+check; every rank restored the source's batch count, and a rank whose own
+batches were all trained before the save (found in ``setup_data``) shadows the
+rest of the epoch as a rank with no batch does. Under FSDP the events are
+refused (``ValueError``, every rank): not done.
 
 *After each epoch's Join* every rank runs one MAX all-reduce: a SIGTERM after
 its last check (below), whether ``max_steps`` ended some rank's epoch with
@@ -149,7 +184,11 @@ the Join), and the LightningModule's ``on_train_batch_end`` (a hook; the
 wrapper calls the module's own first). While a Join lasts, the
 ``dist_sync_fn`` of per-step-syncing metrics. And the process's SIGTERM handler (Lightning's,
 with its ``_sigterm_notifier_fn`` swapped; the members are checked), put back
-in ``teardown``.
+in ``teardown``. With mid-epoch events: each step-saving ``ModelCheckpoint``'s
+``on_train_batch_end`` (a hook), each ``ModelCheckpoint``'s
+``_monitor_candidates`` and the checkpoint connector's ``dump_checkpoint``
+(private, checked; each the original outside an event where some rank joined);
+during a validation event, ``strategy.model`` is the module inside DDP.
 """
 
 from __future__ import annotations
@@ -217,10 +256,11 @@ class UnevenInputs(Callback):
             ``fit``, the strategy is neither one of Lightning's DDP strategies nor
             ``ModelParallelStrategy``, or uses what the FSDP2 path does not support
             (module doc).
-        ValueError (at ``fit``, every rank): validation in the middle of an
-            epoch (``val_check_interval`` an int or below 1.0) or step- or
-            time-based checkpoints (``ModelCheckpoint(every_n_train_steps=...)``,
-            ``train_time_interval=...``): not supported yet (docs/lightning.md).
+        ValueError (at ``fit``, every rank): ``val_check_interval`` as a
+            duration (each rank's clock decides); under FSDP, validation in the
+            middle of an epoch or step- or time-based checkpoints (not done yet,
+            docs/lightning.md); an int ``val_check_interval`` above the longest
+            rank's number of batches.
         UnsupportedLightningError (at ``fit``): this Lightning changed a member
             joinkit relies on.
         LocalProtocolError: ``self.log(..., sync_dist=True, sync_dist_group=...)``
