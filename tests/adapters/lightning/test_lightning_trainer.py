@@ -415,7 +415,8 @@ def example_reference() -> tuple[float, float]:
 
 # -- mid-epoch validation and step checkpoints (issue 49) -------------------------------
 
-MID_SCENARIOS = ["ddp_val_int", "ddp_val_float", "ddp_save_steps", "ddp_resume"]
+MID_SCENARIOS = ["ddp_val_int", "ddp_val_float", "ddp_save_steps", "ddp_resume",
+                 "ddp_save_timed"]
 #: On 3 ranks also (last: a failure ends a launch's fits).
 FSDP1_3_SCENARIOS = ["fsdp1_3ranks", "fsdp1_empty_rank"]
 
@@ -501,6 +502,30 @@ def test_a_step_checkpoint_with_a_joined_rank_saves_and_resumes_as_a_single_proc
         assert got["momentum"] == pytest.approx(full["momentum"], abs=1e-5)
         assert got["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
         assert got["global_step"] == full["global_step"] == 8 * w.EPOCHS
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_timed_checkpoint_with_a_joined_rank_saves_as_a_single_process(
+        mid_runs: Any, world: int) -> None:
+    """ModelCheckpoint(train_time_interval=0): rank 0's clock decides (Lightning
+    broadcasts its decision), so every rank, the ones that ran out included, saves
+    after each of the epoch's 8 rounds; each file holds the single process's
+    parameters and global_step at that step."""
+    import lightning_worker as w
+
+    inputs = w.MID_INPUTS[world]
+    folder = mid_runs[world]["out"] / f"timed{world}"
+    want = reference(scheduler=True, inputs=inputs, epochs=1)
+    for got in result(mid_runs[world], "ddp_save_timed"):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == sorted(
+        f"step={step}.ckpt" for step in range(1, 9))
+    for step in (5, 6, 8):  # rank 0 has run out from step 6 on (from step 1 on 3 ranks)
+        at = reference(scheduler=True, inputs=inputs, max_steps=step, epochs=1)
+        saved = _saved(folder / f"step={step}.ckpt")
+        assert saved["global_step"] == step
+        assert saved["params"] == pytest.approx(at["params"], abs=1e-5)
+        assert saved["momentum"] == pytest.approx(at["momentum"], abs=1e-5)
 
 
 @pytest.mark.parametrize(("name", "inputs", "accumulate"),

@@ -236,7 +236,8 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         inputs: list[int] = INPUTS, max_steps: int = -1, epochs: int = EPOCHS,
         epoch_metric: bool = True, side_model: bool = False,
         clip: float | None = None, bf16: bool = False, val_check: float | None = None,
-        save_every: int = 0, resume: str | None = None) -> dict[str, Any]:
+        save_every: int = 0, resume: str | None = None,
+        save_timed: bool = False) -> dict[str, Any]:
     logger = ListLogger()
     active = ActiveRanks()
     side = SideChannel() if side_model else None
@@ -246,10 +247,16 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         callbacks.append(pl.callbacks.ModelCheckpoint(
             dirpath=str(OUT / f"ckpt{world()}"), filename="{step}",
             every_n_train_steps=save_every, save_top_k=-1))
+    if save_timed:  # train_time_interval=0: rank 0's clock says "save" after every batch
+        import datetime
+
+        callbacks.append(pl.callbacks.ModelCheckpoint(
+            dirpath=str(OUT / f"timed{world()}"), filename="{step}",
+            train_time_interval=datetime.timedelta(0), save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu", devices=world(), strategy=_strategy(fsdp), max_epochs=epochs,
         max_steps=max_steps, logger=logger,
-        log_every_n_steps=1, enable_checkpointing=bool(save_every),
+        log_every_n_steps=1, enable_checkpointing=bool(save_every or save_timed),
         enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
         accumulate_grad_batches=accumulate, gradient_clip_val=clip,
@@ -265,7 +272,7 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         model = kind(scheduler and not shards, epoch_metric)
         if fsdp == "fsdp1" and 0 in inputs:  # what a rank with no batch replays
             model.example_input_array = torch.zeros(1, 3)
-    loader = ResumableLoader if save_every or resume else DataLoader
+    loader = ResumableLoader if save_every or resume or save_timed else DataLoader
     train = loader(rows(rank, inputs[rank], 1), batch_size=BATCH)
     val = DataLoader(rows(rank, val_inputs()[rank], 2), batch_size=BATCH)
     if shards:
@@ -381,6 +388,9 @@ SCENARIOS = {
                                      inputs=[5, 8, 3]),
     "fsdp1_empty_rank": lambda rank: fit(rank, scheduler=True, fsdp="fsdp1",
                                          inputs=MID_INPUTS[3], epoch_metric=False),
+    # ModelCheckpoint(train_time_interval=0): a save after every batch, decided by rank 0.
+    "ddp_save_timed": lambda rank: fit(rank, scheduler=True, save_timed=True, epochs=1,
+                                       inputs=MID_INPUTS[world()], epoch_metric=False),
     # Refused on every rank: an empty rank, and an epoch-level metric synced at the end.
     "ddp_empty_rank_epoch_metric": lambda rank: fit(rank, scheduler=True, inputs=EMPTY_INPUTS),
 }
