@@ -78,8 +78,10 @@ after their last batch; its empty fetch ends the epoch loop. Epoch-level
 training values Lightning syncs at the epoch's end (``on_epoch=True`` with
 ``sync_dist=True``, torchmetrics objects) would wait for that rank, which
 logged none: the ranks compare them after each epoch's Join and refuse them
-on every rank (``LocalProtocolError``). Refused under FSDP2 (``TypeError``);
-under FSDP1 that rank replays forward on the module's ``example_input_array``
+on every rank (``LocalProtocolError``). Under FSDP2 that rank replays the root
+module's forward on the input spec the active ranks publish
+(``adapters.torch._replay``); under FSDP1, whose replay input is the
+LightningModule's forward input, on the module's ``example_input_array``
 (emptied), as it has no input of its own (without one: ``TypeError``).
 
 *Mid-epoch events* (DDP). Validation inside an epoch (``val_check_interval`` an
@@ -255,7 +257,8 @@ class UnevenInputs(Callback):
             per-step-syncing metric with a ``process_group`` of its own; at
             ``fit``, the strategy is neither one of Lightning's DDP strategies nor
             ``ModelParallelStrategy``, or uses what the FSDP2 path does not support
-            (module doc).
+            (module doc); under ``FSDPStrategy``, a rank with no training batch
+            and no ``example_input_array`` on the module.
         ValueError (at ``fit``, every rank): ``val_check_interval`` as a
             duration (each rank's clock decides); under FSDP, validation in the
             middle of an epoch or step- or time-based checkpoints (not done yet,
@@ -1166,12 +1169,6 @@ def _agreeing_setup_data(callback: UnevenInputs, trainer: pl.Trainer,
         callback._any_empty = bool(any_empty or any_out) and bool(any_batches)
         callback._empty = empty and bool(any_batches)
         callback._out_epoch = trainer.current_epoch if out and any_batches else None
-        if callback._any_empty and callback._fsdp and not callback._fsdp1:
-            raise TypeError(
-                "UnevenInputs under ModelParallelStrategy (FSDP2) needs at least one "
-                "training batch on every rank; some rank's training loader is empty: use "
-                "strategy='fsdp' (FSDP1) or 'ddp', or give every rank a batch"
-            )
         if callback._any_empty and callback._fsdp1 and _example_input(module) is None:
             raise TypeError(
                 "UnevenInputs under FSDPStrategy (FSDP1): some rank's training loader is "

@@ -418,7 +418,7 @@ def example_reference() -> tuple[float, float]:
 MID_SCENARIOS = ["ddp_val_int", "ddp_val_float", "ddp_save_steps", "ddp_resume",
                  "ddp_save_timed"]
 #: On 3 ranks also (last: a failure ends a launch's fits).
-FSDP1_3_SCENARIOS = ["fsdp1_3ranks", "fsdp1_empty_rank"]
+FSDP_3_SCENARIOS = ["fsdp1_3ranks", "fsdp1_empty_rank", "fsdp2_empty_rank"]
 
 
 @pytest.fixture(scope="module")
@@ -428,7 +428,7 @@ def mid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, An
     outs = {world: tmp_path_factory.mktemp(f"mid{world}") for world in (2, 3)}
     procs = launch_ranks(
         [[TORCHRUN, "--standalone", "--nproc-per-node", str(world), str(WORKER), str(out),
-          *MID_SCENARIOS, *(FSDP1_3_SCENARIOS if world == 3 else [])]
+          *MID_SCENARIOS, *(FSDP_3_SCENARIOS if world == 3 else [])]
          for world, out in outs.items()],
         LAUNCH_TIMEOUT, env=_env(), cwd=outs[2])
     runs = {}
@@ -541,3 +541,17 @@ def test_fsdp1_strategy_on_3_ranks_matches_a_single_process(
         assert got["params"] == pytest.approx(want["params"], abs=1e-5)
         assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
         assert got["global_step"] == want["global_step"]
+
+
+def test_fsdp2_with_a_rank_without_training_batches_on_3_ranks(mid_runs: Any) -> None:
+    """ModelParallelStrategy (FSDP2) on 3 ranks with 0, 5 and 8 batches: rank 0 has no
+    input of its own and replays the root module's forward on the input spec the
+    others publish; parameters, momentum, val_loss and global_step as one process."""
+    import lightning_worker as w
+
+    want = reference(scheduler=True, inputs=w.MID_INPUTS[3])
+    for got in result(mid_runs[3], "fsdp2_empty_rank"):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        assert got["global_step"] == want["global_step"] == 8 * w.EPOCHS

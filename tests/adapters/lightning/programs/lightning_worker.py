@@ -391,6 +391,9 @@ SCENARIOS = {
     # ModelCheckpoint(train_time_interval=0): a save after every batch, decided by rank 0.
     "ddp_save_timed": lambda rank: fit(rank, scheduler=True, save_timed=True, epochs=1,
                                        inputs=MID_INPUTS[world()], epoch_metric=False),
+    # FSDP2 on 3 ranks, rank 0 with no training batch (it replays on the others' spec).
+    "fsdp2_empty_rank": lambda rank: fit(rank, scheduler=True, fsdp=True,
+                                         inputs=MID_INPUTS[3], epoch_metric=False),
     # Refused on every rank: an empty rank, and an epoch-level metric synced at the end.
     "ddp_empty_rank_epoch_metric": lambda rank: fit(rank, scheduler=True, inputs=EMPTY_INPUTS),
 }
