@@ -418,7 +418,8 @@ def example_reference() -> tuple[float, float]:
 MID_SCENARIOS = ["ddp_val_int", "ddp_val_float", "ddp_save_steps", "ddp_resume",
                  "ddp_save_timed"]
 #: On 3 ranks also (last: a failure ends a launch's fits).
-FSDP_3_SCENARIOS = ["fsdp1_3ranks", "fsdp1_empty_rank", "fsdp2_empty_rank"]
+FSDP_3_SCENARIOS = ["fsdp1_3ranks", "fsdp1_empty_rank", "fsdp2_empty_rank",
+                    "fsdp1_empty_rank_no_example"]  # last: refused, it ends the fits
 
 
 @pytest.fixture(scope="module")
@@ -555,3 +556,15 @@ def test_fsdp2_with_a_rank_without_training_batches_on_3_ranks(mid_runs: Any) ->
         assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
         assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
         assert got["global_step"] == want["global_step"] == 8 * w.EPOCHS
+
+
+def test_fsdp1_with_a_rank_without_training_batches_needs_example_input_array(
+        mid_runs: Any) -> None:
+    """The same without the module's example_input_array: rank 0 would have no input to
+    replay, so every rank refuses at fit (TypeError), none hangs."""
+    for rank in mid_runs[3]["ranks"]:
+        record = rank.get("fsdp1_empty_rank_no_example")
+        assert record is not None, mid_runs[3]["worker"].stdout[-5000:]
+        assert not record["ok"]
+        assert "TypeError" in record["error"], record["error"]
+        assert "set the module's example_input_array" in record["error"]

@@ -198,3 +198,19 @@ def test_what_mid_epoch_validation_and_checkpoints_refuse(kwargs: dict[str, obje
                        callbacks=[pl.callbacks.ModelCheckpoint(every_n_epochs=1)],
                        check_val_every_n_epoch=2)
     assert _mid_epoch_refusal(plain, True) is None
+
+
+def test_example_input_array_as_forward_arguments() -> None:
+    """FSDP1's replay input for a rank with no batch: Lightning's convention (a tuple is
+    the positional arguments, a dict the keyword arguments, else one argument)."""
+    from joinkit.adapters.lightning._trainer import _example_input
+
+    module = pl.LightningModule()
+    assert _example_input(module) is None
+    x = torch.zeros(1, 3)
+    module.example_input_array = x
+    assert _example_input(module) == ((x,), {})
+    module.example_input_array = (x, x)
+    assert _example_input(module) == ((x, x), {})
+    module.example_input_array = {"x": x}
+    assert _example_input(module) == ((), {"x": x})

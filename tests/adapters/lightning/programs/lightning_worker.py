@@ -237,7 +237,7 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         epoch_metric: bool = True, side_model: bool = False,
         clip: float | None = None, bf16: bool = False, val_check: float | None = None,
         save_every: int = 0, resume: str | None = None,
-        save_timed: bool = False) -> dict[str, Any]:
+        save_timed: bool = False, example: bool = True) -> dict[str, Any]:
     logger = ListLogger()
     active = ActiveRanks()
     side = SideChannel() if side_model else None
@@ -270,7 +270,7 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
     else:
         kind = FSDPBF16Model if bf16 else FSDPModel if fsdp is True else Model
         model = kind(scheduler and not shards, epoch_metric)
-        if fsdp == "fsdp1" and 0 in inputs:  # what a rank with no batch replays
+        if fsdp == "fsdp1" and 0 in inputs and example:  # what a rank with no batch replays
             model.example_input_array = torch.zeros(1, 3)
     loader = ResumableLoader if save_every or resume or save_timed else DataLoader
     train = loader(rows(rank, inputs[rank], 1), batch_size=BATCH)
@@ -394,6 +394,9 @@ SCENARIOS = {
     # FSDP2 on 3 ranks, rank 0 with no training batch (it replays on the others' spec).
     "fsdp2_empty_rank": lambda rank: fit(rank, scheduler=True, fsdp=True,
                                          inputs=MID_INPUTS[3], epoch_metric=False),
+    # Refused on every rank: FSDP1, a rank with no batch, no example_input_array.
+    "fsdp1_empty_rank_no_example": lambda rank: fit(rank, fsdp="fsdp1", inputs=MID_INPUTS[3],
+                                                    epoch_metric=False, example=False),
     # Refused on every rank: an empty rank, and an epoch-level metric synced at the end.
     "ddp_empty_rank_epoch_metric": lambda rank: fit(rank, scheduler=True, inputs=EMPTY_INPUTS),
 }
