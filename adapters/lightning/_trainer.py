@@ -479,10 +479,12 @@ class UnevenInputs(Callback):
     def _checkpoint_round(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """An active rank's checkpoint event: the step-saving ModelCheckpoints' own
         ``on_train_batch_end``, on every rank at once (they decide; module doc)."""
-        with self._event(True) as (_, source_batch_idx):
+        with self._event(True):
             self._run_step_saves(outputs, batch, batch_idx)
 
     def _checkpoint_shadow(self) -> None:
+        """A joined rank's checkpoint event: the same hooks, with the source's batch
+        index (``ModelCheckpoint`` reads neither the outputs nor the batch)."""
         with self._event(True) as (_, source_batch_idx):
             self._run_step_saves(None, None, source_batch_idx)
 
