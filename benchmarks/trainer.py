@@ -27,7 +27,6 @@ and its plain Trainer is joinkit's own.
 from __future__ import annotations
 
 import contextlib
-import sys
 import tempfile
 import warnings
 from collections import Counter
@@ -44,7 +43,7 @@ BATCH = 4
 def main() -> None:
     steps = _bench.int_arg(1, 20)
     repeats = _bench.int_arg(2, 7)
-    which = sys.argv[3] if len(sys.argv) > 3 else "trainer"
+    which = _bench.str_arg(3, "trainer")
     if which not in ("trainer", "sft"):
         raise SystemExit(f"trainer.py: which is 'trainer' or 'sft', not {which!r}")
     _collectives.install()  # before any process group (module doc of _collectives)
