@@ -568,6 +568,27 @@ def test_fsdp_settings_it_cannot_shadow_raise_on_every_rank_before_any_collectiv
         assert record["after"] == [[r] for r in range(len(records))]
 
 
+def _resumed_as_uninterrupted(records: list[dict[str, Any]],
+                              uninterrupted: list[dict[str, Any]],
+                              step: int) -> list[dict[str, Any]]:
+    """A run resumed from the checkpoint of ``step`` trained the uninterrupted run's
+    batches from there and ended with its exact parameters and logs (every step's,
+    and the evaluations after the checkpoint: one at that step came before it, not in
+    the resumed log). Returns the uninterrupted run's part before ``step``."""
+    import hf_reference as ref
+
+    for resumed, full in zip(records, uninterrupted, strict=True):
+        assert [(s, b["input_ids"].tolist()) for s, b in resumed["recorded"]] == [
+            (s, b["input_ids"].tolist()) for s, b in full["recorded"] if s >= step]
+        assert ref.max_param_error(resumed["params"], full["params"]) == 0.0
+        logged, logged_full = ([_clean([e])[0] for e in run["log_history"]
+                                if "loss" in e or ("eval_loss" in e and e["step"] > step)]
+                               for run in (resumed, full))
+        assert logged == logged_full
+    return [{**r, "recorded": [(s, b) for s, b in r["recorded"] if s < step]}
+            for r in uninterrupted]
+
+
 def _fsdp_tolerances(kind: str) -> dict[str, float]:
     """FSDP1 trains float32 here (FSDP1_PARAM_TOLERANCE); FSDP2 float64."""
     if kind == "FSDP1":
@@ -662,24 +683,14 @@ def test_fsdp_resumes_a_checkpoint_to_the_uninterrupted_runs_numbers(
     (FSDP2; FSDP1 on 3 ranks) or in the middle of epoch 0 (FSDP1 on 2 ranks): the
     resumed run trains the uninterrupted run's batches and ends with its exact numbers
     (parameters, logged losses, evaluations), equal to the float64 reference."""
-    import hf_reference as ref
     import hf_worker as w
 
     records = _records(launches, launch, cell)
     uninterrupted = _records(launches, launch, whole)
     step = w.FSDP_RESUMED_AT[kind.lower()][len(records)]
     assert {r["wrapped"] for r in records} == {kind}
-    for resumed, full in zip(records, uninterrupted, strict=True):
-        assert [(s, b["input_ids"].tolist()) for s, b in resumed["recorded"]] == [
-            (s, b["input_ids"].tolist()) for s, b in full["recorded"] if s >= step]
-        assert ref.max_param_error(resumed["params"], full["params"]) == 0.0
-        logged, logged_full = ([_clean([e])[0] for e in run["log_history"]
-                                if "loss" in e or ("eval_loss" in e and e["step"] > step)]
-                               for run in (resumed, full))
-        assert logged == logged_full
+    first_part = _resumed_as_uninterrupted(records, uninterrupted, step)
     assert records[0]["checkpoints"][-1] == uninterrupted[0]["checkpoints"][-1]
-    first_part = [{**r, "recorded": [(s, b) for s, b in r["recorded"] if s < step]}
-                  for r in uninterrupted]
     _compare(records, "gpt2", trained=records + first_part, **_fsdp_tolerances(kind))
 
 
@@ -778,23 +789,11 @@ def test_deepspeed_resumes_a_checkpoint_to_the_uninterrupted_runs_numbers(
     """ZeRO-2 from the checkpoint of step 4 (rank 1 had joined: its partition was saved by
     its shadow of the step), ZeRO-3 from step 2 (in the middle of epoch 0): the resumed
     run trains the uninterrupted run's batches and ends with its exact numbers."""
-    import hf_reference as ref
 
     records = _records(launches, "deepspeed-2", cell)
     uninterrupted = _records(launches, "deepspeed-2", whole)
     assert {(r["engine"], r["stage"]) for r in records} == {("DeepSpeedEngine", stage)}
-    for resumed, full in zip(records, uninterrupted, strict=True):
-        assert [(s, b["input_ids"].tolist()) for s, b in resumed["recorded"]] == [
-            (s, b["input_ids"].tolist()) for s, b in full["recorded"] if s >= step]
-        assert ref.max_param_error(resumed["params"], full["params"]) == 0.0
-        # Every step's log, and the evaluations after the checkpoint (one at the end of
-        # the epoch of step 4 came after its checkpoint: not in the resumed log).
-        logged, logged_full = ([_clean([e])[0] for e in run["log_history"]
-                                if "loss" in e or ("eval_loss" in e and e["step"] > step)]
-                               for run in (resumed, full))
-        assert logged == logged_full
-    first_part = [{**r, "recorded": [(s, b) for s, b in r["recorded"] if s < step]}
-                  for r in uninterrupted]
+    first_part = _resumed_as_uninterrupted(records, uninterrupted, step)
     _compare(records, model, tolerance=DS_PARAM_TOLERANCE, norm_relative=DS_NORM_RELATIVE,
              trained=records + first_part)
 
