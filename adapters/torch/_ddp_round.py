@@ -21,9 +21,10 @@ doc). A *round* is one backward's bucket all-reduces, in bucket order.
   one all-reduce with one more element holding the heartbeat value
   (:class:`_Slot`: on the CPU a copy into a buffer one element longer, one
   pass over the bucket and no allocation, whose head DDP gets back as the
-  bucket's result and copies into the gradients as it does any hook's; the
-  round's last bucket is waited for in the hook, so no callback runs on the
-  communication thread (:meth:`RoundHeartbeat._finish_now`); on CUDA a coalesced
+  bucket's result and copies into the gradients as it does any hook's; every
+  bucket's future is completed in the round's last bucket's hook, so no
+  callback runs on the communication thread
+  (:meth:`RoundHeartbeat._complete_round`); on CUDA a coalesced
   all-reduce of the bucket and a 1-element tensor, one NCCL group and no
   copy of the gradients). The element's sum is the
   number of active ranks in this round (failed ranks' weights aside, which
@@ -206,6 +207,10 @@ class RoundHeartbeat:
         self.issued = 0  # buckets sent in this rank's own rounds (the no-backward check)
         self.inputs = 0  # this rank's forwards in the Join (its notifies)
         self.latest: _Slot | None = None  # the latest bucket sent (CPU: its sum is read)
+        # CPU: this round's buckets so far (work, head, future) and their slots,
+        # completed by its last (:meth:`_complete_round`).
+        self.pending: list[tuple[Any, torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
+        self.round_slots: list[_Slot] = []
         self.expect: int | None = None  # ``issued`` after a forward that announced a backward
         # Joined rank: the bucket layout (index, elements, dtype, device), per rebuild.
         self.layout: list[tuple[int, int, torch.dtype, torch.device]] | None = None
@@ -222,6 +227,7 @@ class RoundHeartbeat:
         if self.ddp.__dict__.get("_check_global_requires_backward_grad_sync") == self.check:
             del self.ddp.__dict__["_check_global_requires_backward_grad_sync"]
         self.slots = {}
+        self.pending, self.round_slots = [], []
 
     # -- active rank ----------------------------------------------------------------
 
@@ -253,23 +259,21 @@ class RoundHeartbeat:
         """The comm hook's route: this bucket and the heartbeat, in one all-reduce."""
         buffer: torch.Tensor = bucket.buffer()
         slot = self._slot(bucket.index(), buffer.numel(), buffer.dtype, buffer.device)
+        if self.sent == 0:  # a round that never ended (its backward raised)
+            self.pending, self.round_slots = [], []
         work = self._send(slot, buffer)
         self.issued += 1
         self.sent = 0 if bucket.is_last() else self.sent + 1
         self.latest = slot
-        head, view, beat, elements = slot.head, slot.view, slot.beat, slot.elements
-        if head is not None:  # CPU: the result is in the wide buffer's head
+        if slot.head is not None:  # CPU: the result is in the wide buffer's head
+            future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            self.pending.append((work, slot.head, future))
+            self.round_slots.append(slot)
             if bucket.is_last():
-                return self._finish_now(work, slot)
-            if self.scale is not None:
-                def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-                    fut.value()  # raises the all-reduce's error, if any
-                    return head  # the reducer copies it into the gradients
-            else:
-                def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-                    fut.value()
-                    return head.div_(_count(float(view[elements])))  # its own count
-        elif self.scale is not None:
+                self._complete_round()
+            return future
+        beat = slot.beat
+        if self.scale is not None:
             def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
                 fut.value()
                 return buffer
@@ -278,34 +282,33 @@ class RoundHeartbeat:
                 fut.value()
                 buffer.div_(beat.clamp(min=1.0))
                 return buffer
-
-        future: torch.futures.Future[torch.Tensor] = work.get_future().then(finish)
+        future = work.get_future().then(finish)
         return future
 
-    def _finish_now(self, work: Any, slot: _Slot) -> torch.futures.Future[torch.Tensor]:
-        """The round's last bucket on the CPU: wait here, hand DDP a completed future.
+    def _complete_round(self) -> None:
+        """The round's last bucket on the CPU: wait for its buckets, complete their futures.
 
+        Every bucket but the last got a pending future (:meth:`hook`); they are
+        completed here, in the last bucket's hook, once its all-reduce is out.
         DDP waits for every bucket once the backward ends, and the last bucket
-        is ready only when the last parameter's gradient is, so waiting here
-        gives up only the overlap with what the backward computes after that
-        (gradients of inputs, if any). It spares the callback that a pending
-        future runs on the communication thread (its hand-over of the GIL and
-        its Python frame) on every iteration; ``Work.wait`` lets go of the GIL,
-        so joinkit's status thread keeps publishing. An error of the
-        all-reduce reaches DDP through the future, as from a pending one.
+        is ready only when the last parameter's gradient is, so this gives up
+        only the overlap with what the backward computes after that (gradients
+        of inputs, if any), while the earlier buckets' all-reduces still run
+        behind the backward. It spares a callback per bucket on the
+        communication thread (a future's ``then``: a hand-over of the GIL and a
+        Python frame, on every bucket of every iteration); ``Work.wait`` lets go
+        of the GIL, so joinkit's status thread keeps publishing. An error of an
+        all-reduce reaches DDP through its bucket's future, as from a pending one.
         """
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        try:
-            work.wait()
-        except Exception as error:  # noqa: BLE001 - DDP raises it, as from any future
-            future.set_exception(error)  # type: ignore[arg-type]  # torch types it as T
-            return future
-        head = slot.head
-        assert head is not None
+        slots, self.round_slots = self.round_slots, []
+        finish: Callable[[int], None] | None = None
         if self.scale is None:
-            head.div_(_count(float(slot.view[slot.elements])))
-        future.set_result(head)
-        return future
+            def divide(place: int) -> None:  # each bucket by its own count
+                slot = slots[place]
+                assert slot.head is not None
+                slot.head.div_(_count(float(slot.view[slot.elements])))
+            finish = divide
+        _ddp_hook.complete(self.pending, finish)  # the reducer copies each head into the grads
 
     def _send(self, slot: _Slot, buffer: torch.Tensor | None) -> Any:
         """Start the all-reduce of ``buffer`` (``None``: zeros) and ``self.value``."""
@@ -402,6 +405,7 @@ class RoundHeartbeat:
         if self.sent:
             owed = self._layout()[self.sent:]
             self.sent = 0
+            self.pending, self.round_slots = [], []
         self.owed = []
         for bucket in owed:
             self._shadow(bucket)
