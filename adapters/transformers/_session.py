@@ -670,8 +670,7 @@ class Session:
         def maybe_log_save_evaluate(*args: Any, **kwargs: Any) -> Any:
             if not ((self.deepspeed or self.fsdp) and self.join is not None):
                 return original(*args, **kwargs)
-            # Called after every optimizer step: the joined ranks wait for the agreement.
-            self.owed, self.step_tail = True, True
+            self.after_step()  # (on_step_end did, unless a subclass's loop skipped it)
             try:
                 result = original(*args, **kwargs)
             finally:
@@ -681,6 +680,13 @@ class Session:
                 self.agree(END)
             return result
         return maybe_log_save_evaluate
+
+    def after_step(self) -> None:
+        """After an optimizer step of a Join (DeepSpeed, FSDP; first thing in the
+        callbacks' ``on_step_end``, so a forward a later callback runs is announced
+        too): the joined ranks wait for the agreement on what follows (:meth:`agree`)."""
+        if self.join is not None and (self.deepspeed or self.fsdp):
+            self.owed = self.step_tail = True
 
     def _agreement_hooks(self, model: Any) -> list[Any]:
         """FSDP: an evaluation forward after an optimizer step (eval_strategy="steps")
@@ -1053,6 +1059,7 @@ def _callback_class() -> type:
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 session = self.session
                 session.phantom = False
+                session.after_step()
                 if session.join is not None and session.global_len:
                     # Every rank's epoch fraction is the longest rank's.
                     gas = args.gradient_accumulation_steps
