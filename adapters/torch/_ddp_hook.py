@@ -116,25 +116,32 @@ def _plain(state: HookState,
 
 
 def complete(pending: list[tuple[Any, torch.Tensor, torch.futures.Future[torch.Tensor]]],
-             finish: Callable[[int], None] | None = None) -> None:
-    """Wait for each pending bucket's all-reduce and complete its future with ``tensor``.
+             finish: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Wait for every pending bucket's all-reduce, then complete each future with its tensor.
 
     Args:
         pending: (work, tensor, future) per bucket, in order; emptied.
-        finish: called with a bucket's place in ``pending`` once its
-            all-reduce completed, before its future is (e.g. to divide it).
+        finish: called with each tensor whose all-reduce completed, once all
+            did, before its future is completed (e.g. to divide it by a count
+            that another bucket's all-reduce brought).
 
     An all-reduce's error reaches DDP through its bucket's future, as from a
     pending one.
     """
-    for place, (work, tensor, future) in enumerate(pending):
+    errors: list[Exception | None] = []
+    for work, _, _ in pending:
         try:
             work.wait()
         except Exception as error:  # noqa: BLE001 - DDP raises it, as from any future
-            future.set_exception(error)  # type: ignore[arg-type]  # torch types it as T
+            errors.append(error)
+        else:
+            errors.append(None)
+    for (_, tensor, future), failed in zip(pending, errors, strict=True):
+        if failed is not None:
+            future.set_exception(failed)  # type: ignore[arg-type]  # torch types it as T
             continue
         if finish is not None:
-            finish(place)
+            finish(tensor)
         future.set_result(tensor)
     pending.clear()
 
