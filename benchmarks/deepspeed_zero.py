@@ -59,12 +59,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(BATCH, 128, generator=generator)
     y = torch.randint(0, 10, (BATCH,), generator=generator)
-    clock = torch.zeros(1, dtype=torch.float64)
-
-    def slowest(seconds: float) -> float:
-        clock[0] = seconds
-        dist.all_reduce(clock, op=dist.ReduceOp.MAX)
-        return float(clock[0])
+    slowest = _bench.slowest_rank()
 
     def engine() -> Any:
         torch.manual_seed(0)

@@ -60,13 +60,8 @@ def main() -> None:
     datasets.disable_progress_bars()
     backends.init_torch("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    clock = torch.zeros(1, dtype=torch.float64)
     folder = tempfile.mkdtemp(prefix="joinkit-bench-trainer-")
-
-    def slowest(seconds: float) -> float:
-        clock[0] = seconds
-        dist.all_reduce(clock, op=dist.ReduceOp.MAX)
-        return float(clock[0])
+    slowest = _bench.slowest_rank()
 
     make = gpt2_trainer if which == "trainer" else sft_trainer
     trainers: list[Any] = []  # in the order of the variants
