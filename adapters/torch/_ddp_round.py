@@ -39,13 +39,14 @@ layout) apply alike.
   nothing else (an all-reduce's error reaches DDP through its bucket's).
 - *Joined rank, per round* (the hook's :meth:`RoundHeartbeat.shadow_first`, the
   Join's count, then :meth:`RoundHeartbeat.shadow_rest`, its main hook): what
-  torch's join hook does, less what this path rules out (buffers, unused
-  parameters): the bucket rebuild if due (a broadcast, once, after the first
+  torch's join hook does, less what this path rules out (buffers): the
+  bucket rebuild if due (a broadcast, once, after the first
   backward, at the same place as an active rank's next forward), the same
-  all-reduces from zeros with the drain's value in the carrier, and the
-  rebuilt parameters pushed. The carrier's sum is the count: nobody active
-  means every rank has joined and issued the same buckets up to the carrier,
-  and they all stop there.
+  all-reduces from zeros with the drain's value in the carrier, with
+  ``find_unused_parameters`` the all-reduce of its used-parameter map that
+  DDP sends after a round's last bucket, and the rebuilt parameters pushed.
+  The carrier's sum is the count: nobody active means every rank has joined
+  and issued the same buckets up to the carrier, and they all stop there.
 - *A rank failing midway through a round* (a bucket's all-reduce out, not the
   last): :meth:`RoundHeartbeat.round_open` says so; its completion round
   (:meth:`RoundHeartbeat.shadow_rest`) sends the rest from zeros.
@@ -63,8 +64,7 @@ layout) apply alike.
 
 Where this path cannot be used (:func:`refusal`) the Join takes the
 one-collective path: a CUDA model (for now: ``ON_CUDA``), a comm hook of the
-user's, ``find_unused_parameters`` (its extra all-reduce of the used-parameter
-map), ``static_graph``, buffers broadcast in forward (their source rank is
+user's, ``static_graph``, buffers broadcast in forward (their source rank is
 agreed by a collective in each forward, before anything of the round is
 known), ``mixed_precision``, a model shadowed by replay (collectives in
 forward), parameters that are not float32 or float64, and sparse gradients.
@@ -109,8 +109,6 @@ def refusal(ddp: Any, replays: bool) -> str | None:
     hook = _ddp_hook.foreign_hook(ddp)
     if hook is not None:
         return f"it has a comm hook of its own ({hook})"
-    if ddp.find_unused_parameters:
-        return "find_unused_parameters=True"
     if getattr(ddp, "static_graph", False):
         return "static_graph=True"
     if _compat.ddp_syncs_buffers_in_forward(ddp):
@@ -444,12 +442,19 @@ class RoundHeartbeat:
             self.sent = 0
             self.pending, self.carrier = [], None
         self.owed = 0
+        ddp = self.ddp
         if start:
             layout = self._layout()
             carrier = _carrier(layout)
             for place in range(start, len(layout)):
                 self._shadow(layout[place], place == carrier)
-        self.ddp.reducer._push_all_rebuilt_params()  # torch's hook does, once due
+            if ddp.find_unused_parameters:
+                # DDP all-reduces its map of the parameters each rank used
+                # right after the round's last bucket: the joined rank sends
+                # its own map, as torch's join hook does.
+                used = ddp.reducer._get_local_used_map()
+                self.wait(ddp.process_group.allreduce([used], self.opts))
+        ddp.reducer._push_all_rebuilt_params()  # torch's hook does, once due
 
     def _shadow(self, bucket: tuple[int, int, torch.dtype, torch.device],
                 carrier: bool) -> float:

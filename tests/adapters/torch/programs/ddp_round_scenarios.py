@@ -452,6 +452,48 @@ def round_then_other_paths(ctx: Ctx) -> Any:
             "expected": [path for _, _, path in epochs]}
 
 
+class Branchy(nn.Module):
+    """The test model and a branch that some inputs skip (so, on some ranks in
+    some rounds, or on every rank, parameters without a gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make()
+        torch.manual_seed(1)
+        self.branch = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return out + self.branch(x) if float(x.sum()) > 0 else out
+
+
+@scenario
+def round_find_unused(ctx: Ctx) -> Any:
+    """find_unused_parameters=True with parameters that some ranks, or all, do
+    not use in a round: joinkit's Join takes the round path and trains what
+    torch's Join trains on the same inputs (the joined ranks meet DDP's
+    all-reduce of the used-parameter map)."""
+    out: dict[str, Any] = {}
+    for counts in COUNTS[ctx.world]:
+        trained, path = {}, None
+        for which in ("joinkit", "torch"):
+            model = wrap(ctx, Branchy(), find_unused_parameters=True)
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+            join: Any = Join([model]) if which == "joinkit" else torch_join.Join([model])
+            with join:
+                for i in range(counts[ctx.rank]):
+                    model(batch(ctx.rank, i).to(DEVICE)).square().sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            if which == "joinkit":
+                path = join.heartbeat
+            trained[which] = params(model.module)
+        out[str(counts)] = {"path": path, "worst": max(
+            float((a - b).abs().max())
+            for a, b in zip(trained["joinkit"], trained["torch"], strict=True))}
+    return out
+
+
 # -- failures ------------------------------------------------------------------------------
 
 
