@@ -117,9 +117,29 @@ def record_value(bench: str, name: str, value: float, unit: str,
                                 "unit": unit, "target": target, "info": info or {}}) + "\n")
 
 
+def slowest_rank() -> Callable[[float], float]:
+    """``slowest(seconds)``: the largest of every rank's ``seconds`` (torch.distributed's
+    default group, one float64 MAX all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    clock = torch.zeros(1, dtype=torch.float64)
+
+    def slowest(seconds: float) -> float:
+        clock[0] = seconds
+        dist.all_reduce(clock, op=dist.ReduceOp.MAX)
+        return float(clock[0])
+    return slowest
+
+
 def int_arg(index: int, default: int) -> int:
     """``sys.argv[index]`` as an int, or ``default``."""
     return int(sys.argv[index]) if len(sys.argv) > index else default
+
+
+def str_arg(index: int, default: str) -> str:
+    """``sys.argv[index]``, or ``default``."""
+    return sys.argv[index] if len(sys.argv) > index else default
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float]:

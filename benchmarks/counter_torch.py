@@ -176,12 +176,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
-    clock = torch.zeros(1, dtype=torch.float64)
-
-    def slowest(seconds: float) -> float:
-        clock[0] = seconds
-        dist.all_reduce(clock, op=dist.ReduceOp.MAX)
-        return float(clock[0])
+    slowest = _bench.slowest_rank()
 
     def barrier() -> None:
         dist.barrier()

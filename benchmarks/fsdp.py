@@ -49,12 +49,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(32, 128, generator=generator)
     y = torch.randn(32, 1, generator=generator)
-    clock = torch.zeros(1, dtype=torch.float64)
-
-    def slowest(seconds: float) -> float:
-        clock[0] = seconds
-        dist.all_reduce(clock, op=dist.ReduceOp.MAX)
-        return float(clock[0])
+    slowest = _bench.slowest_rank()
 
     def model() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)

@@ -54,12 +54,7 @@ def main() -> None:
     backends.init_torch("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(rank)
-    clock = torch.zeros(1, dtype=torch.float64)
-
-    def slowest(seconds: float) -> float:
-        clock[0] = seconds
-        dist.all_reduce(clock, op=dist.ReduceOp.MAX)
-        return float(clock[0])
+    slowest = _bench.slowest_rank()
 
     cases: list[tuple[str, Callable[[], Any], tuple[torch.Tensor, torch.Tensor]]] = [
         ("MeanSquaredError", lambda: MeanSquaredError(dist_sync_on_step=True),
