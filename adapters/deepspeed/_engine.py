@@ -90,7 +90,9 @@ point-to-point sends), MoE layers (expert routing), ZeRO-Infinity
 (``offload_optimizer`` / ``offload_param`` to ``nvme``: DeepSpeed's async I/O op
 does not build on the test machines, so no replay with it was run), ZenFlow,
 DeepCompile, ZeRO++ (hpZ, quantized weights or gradients),
-``managed_gradient_accumulation: false``, tensor, sequence or model
+``managed_gradient_accumulation: false``, ZeRO-2 with gradient accumulation
+(no optimizer offload) on a DeepSpeed that steps on a window's last micro-step
+alone (0.18.2: ``_private.zero2_keeps_last_micro_step``), tensor, sequence or model
 parallelism (AutoTP, Ulysses, an ``mpu``), an engine without an optimizer (use
 :func:`evaluation`), and the engine's own optimizer or LR scheduler listed in
 the Join beside it (the engine steps them).
@@ -112,6 +114,7 @@ import torch
 from joinkit import Join, Joinable, JoinHook, LocalProtocolError
 from joinkit.lowlevel import AdapterCache
 
+from .._guards import version
 from ..torch.step_replay import StepReplay
 from . import _private
 from ._private import is_engine
@@ -591,6 +594,25 @@ def _window_message(given: bool, expected: bool, index: int) -> str:
     )
 
 
+def _offload_device(offload: Any) -> str:
+    """Where a ZeRO offload config puts its part: ``none``, ``cpu`` or ``nvme``."""
+    if offload is None:
+        return "none"
+    device = getattr(offload, "device", "none")
+    return str(getattr(device, "value", device))
+
+
+def _last_micro_step_message(gas: int) -> str:
+    return (
+        f"found deepspeed {version('deepspeed')}, whose ZeRO-2 steps on the last micro-step's "
+        f"gradient of each accumulation window alone (gradient_accumulation_steps={gas}: "
+        f"the other {gas - 1} are dropped, with or without a Join; DeepSpeed fixed it in "
+        "0.18.3), so Join refuses to train on it. Upgrade DeepSpeed (pip install "
+        "'deepspeed>=0.18.3'), or use ZeRO-1 or ZeRO-3, offload_optimizer to 'cpu', or "
+        "gradient_accumulation_steps=1"
+    )
+
+
 def _is_deepspeed_optimizer(obj: Any) -> bool:
     import sys
 
@@ -626,9 +648,7 @@ def _refusal(engine: Any, *, training: bool) -> str | None:
         )
     for what, offload in (("offload_optimizer", engine.zero_offload_optimizer()),
                           ("offload_param", engine.zero_offload_param())):
-        device = str(getattr(getattr(offload, "device", None), "value",
-                             getattr(offload, "device", "none")))
-        if offload is not None and device == "nvme":
+        if _offload_device(offload) == "nvme":
             return _nvme_message(what)
     if getattr(engine, "zenflow", False):
         return "Join does not replay a DeepSpeed engine with ZenFlow (its own update schedule)"
@@ -641,6 +661,11 @@ def _refusal(engine: Any, *, training: bool) -> str | None:
             "micro-steps and step() is called after each backward): remove "
             "\"managed_gradient_accumulation\": false from the config"
         )
+    gas = int(engine.gradient_accumulation_steps())
+    if (engine.zero_optimization_stage() == 2 and gas > 1
+            and _offload_device(engine.zero_offload_optimizer()) == "none"
+            and _private.zero2_keeps_last_micro_step()):
+        return _last_micro_step_message(gas)
     parallel = [(label, size) for label, size in (
         ("AutoTP tensor parallelism", engine.autotp_size()),
         ("sequence parallelism", engine.sequence_parallel_size),
