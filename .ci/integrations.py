@@ -23,7 +23,9 @@ integration's own (and the few dependencies its old release needs older:
 -e '.[torch,mpi,test,<extras>]'``. torch is the dev pin (2.13; where pip's
 ``find-links`` holds the CPU wheel, as on the dev machine, that one). pip's
 machine-wide constraint file is lifted (``PIP_CONSTRAINT=/dev/null``). A venv
-is deleted after its run unless ``--keep`` (about 1-3 GB each).
+is deleted after its run unless ``--keep`` (about 1-3 GB each). torch's JIT-built
+ops (DeepSpeed's CPU Adam) go to ``<venvs>/torch-extensions/<venv>``, kept between
+runs, never to the shared ``~/.cache/torch_extensions``.
 
 *A cell* is that integration's result on its oldest release: ``passed`` (every
 selected test passed), ``failed`` (k of n failed or erred) or ``not run``. Its
@@ -216,6 +218,10 @@ def run(names: list[str], data: dict, *, venvs: Path, python: str, keep: bool,
         releases = oldest(integration)
         started = time.monotonic()
         venv = build(name, integration, releases, venvs, python)
+        # torch's JIT-built C++ ops (DeepSpeed's CPU Adam) in a folder of this release's
+        # own, kept: the shared ~/.cache/torch_extensions holds the dev venv's build, which
+        # another release's sources would rebuild (and lock) under everyone's tests.
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(venvs / "torch-extensions" / venv.name)
         try:
             run_part(venv / "bin" / "python", list(integration.tests), out / "junit.xml",
                      timeout)
