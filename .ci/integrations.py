@@ -100,6 +100,9 @@ INTEGRATIONS: dict[str, Integration] = {
                   "trl": (_HF, "TESTED", "trl"),
                   "accelerate": (_HF, "TESTED", "accelerate")},
         extras="transformers,deepspeed",
+        # transformers 5.3 takes huggingface_hub<2 and tokenizers<=0.23.0 (the dev pins:
+        # 2.4.0, 0.23.3), and datasets then older than its dev pin.
+        unpin=("huggingface_hub", "tokenizers", "datasets"),
         # The torchrun-2 launch (its map-style, stream, TRL and refusal cells) and the
         # deepspeed-2 launch (its ZeRO map-style cells); the in-process guard checks.
         tests=tuple(_HF_TESTS + name for name in (
