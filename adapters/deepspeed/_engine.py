@@ -90,12 +90,15 @@ point-to-point sends), MoE layers (expert routing), ZeRO-Infinity
 (``offload_optimizer`` / ``offload_param`` to ``nvme``: DeepSpeed's async I/O op
 does not build on the test machines, so no replay with it was run), ZenFlow,
 DeepCompile, ZeRO++ (hpZ, quantized weights or gradients),
-``managed_gradient_accumulation: false``, ZeRO-2 with gradient accumulation
-(no optimizer offload) on a DeepSpeed that steps on a window's last micro-step
-alone (0.18.2: ``_private.zero2_keeps_last_micro_step``), tensor, sequence or model
+``managed_gradient_accumulation: false``, tensor, sequence or model
 parallelism (AutoTP, Ulysses, an ``mpu``), an engine without an optimizer (use
 :func:`evaluation`), and the engine's own optimizer or LR scheduler listed in
 the Join beside it (the engine steps them).
+A training Join (the engine's own, Accelerate's, the Trainer's: every
+:class:`DeepSpeedJoinable`) also refuses, when it is entered, ZeRO-2 with gradient
+accumulation (no optimizer offload) on a DeepSpeed that steps on a window's last
+micro-step alone (0.18.2: ``_private.zero2_keeps_last_micro_step``), which would
+train wrongly with or without a Join; evaluation does not accumulate.
 
 *Evaluation.* :func:`evaluation` gives the joinable of a forward-only loop
 (``StepReplay(engine, backward=None)``): a joined rank replays the forward
@@ -323,6 +326,9 @@ class DeepSpeedJoinable(StepReplay):
 
     def _refuse_on_entry(self, join: Join) -> None:
         super()._refuse_on_entry(join)
+        message = _training_refusal(self.engine)
+        if message is not None:
+            raise ValueError(message)
         if not self._divide_by_initial_world_size and join.fuses_heartbeat:
             raise ValueError(
                 "Join(..., divide_by_initial_world_size=False) needs the number of active "
@@ -602,6 +608,20 @@ def _offload_device(offload: Any) -> str:
     return str(getattr(device, "value", device))
 
 
+def _training_refusal(engine: Any) -> str | None:
+    """Why this DeepSpeed would train ``engine`` wrongly, with or without a Join, or
+    ``None``: ZeRO-2 accumulation on a release that steps on a window's last micro-step
+    alone (``_private.zero2_keeps_last_micro_step``). Every training path's Join (the
+    engine's own, Accelerate's, the Trainer's) checks it on entry; evaluation does not
+    accumulate."""
+    gas = int(engine.gradient_accumulation_steps())
+    if (engine.zero_optimization_stage() == 2 and gas > 1
+            and _offload_device(engine.zero_offload_optimizer()) == "none"
+            and _private.zero2_keeps_last_micro_step()):
+        return _last_micro_step_message(gas)
+    return None
+
+
 def _last_micro_step_message(gas: int) -> str:
     return (
         f"found deepspeed {version('deepspeed')}, whose ZeRO-2 steps on the last micro-step's "
@@ -661,11 +681,6 @@ def _refusal(engine: Any, *, training: bool) -> str | None:
             "micro-steps and step() is called after each backward): remove "
             "\"managed_gradient_accumulation\": false from the config"
         )
-    gas = int(engine.gradient_accumulation_steps())
-    if (engine.zero_optimization_stage() == 2 and gas > 1
-            and _offload_device(engine.zero_offload_optimizer()) == "none"
-            and _private.zero2_keeps_last_micro_step()):
-        return _last_micro_step_message(gas)
     parallel = [(label, size) for label, size in (
         ("AutoTP tensor parallelism", engine.autotp_size()),
         ("sequence parallelism", engine.sequence_parallel_size),

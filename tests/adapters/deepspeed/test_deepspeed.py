@@ -501,23 +501,18 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
 
     def engine(stage: int, gas: int, offload: str = "none") -> Any:
         where = None if offload == "none" else types.SimpleNamespace(device=offload)
-        return types.SimpleNamespace(
-            pipeline_parallelism=False, has_moe_layers=False, zenflow=False,
-            zero_offload_optimizer=lambda: where, zero_offload_param=lambda: None,
-            is_deepcompile_enabled=lambda: False, gradient_accumulation_steps=lambda: gas,
-            zero_optimization_stage=lambda: stage, autotp_size=lambda: 1,
-            sequence_parallel_size=1, mp_world_size=1, zero_hpz_partition_size=lambda: 1,
-            zero_quantized_weights=lambda: False, zero_quantized_gradients=lambda: False,
-            seq_data_parallel_group=None, data_parallel_group=None, optimizer=object())
+        return types.SimpleNamespace(zero_offload_optimizer=lambda: where,
+                                     gradient_accumulation_steps=lambda: gas,
+                                     zero_optimization_stage=lambda: stage)
 
-    message = _engine._refusal(engine(2, 3), training=True)
+    message = _engine._training_refusal(engine(2, 3))
     assert message is not None and message.startswith(
         f"found deepspeed {version('deepspeed')}, whose ZeRO-2 steps on the last ")
     assert "gradient_accumulation_steps=3: the other 2 are dropped" in message
     assert "pip install 'deepspeed>=0.18.3'" in message
     for stage, gas, offload in ((2, 1, "none"), (1, 3, "none"), (3, 3, "none"),
                                 (2, 3, "cpu")):
-        assert _engine._refusal(engine(stage, gas, offload), training=True) is None
+        assert _engine._training_refusal(engine(stage, gas, offload)) is None
 
 
 @pytest.mark.launches
