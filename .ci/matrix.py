@@ -465,7 +465,8 @@ def main(argv: list[str]) -> int:
 
 def _integrations(args: argparse.Namespace) -> int:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    bad = integrations.run(args.integrations or list(integrations.INTEGRATIONS), data,
+    names = args.integrations or list(integrations.INTEGRATIONS)
+    bad = integrations.run(names, data,
                            venvs=args.venvs, python=args.python, keep=args.keep,
                            reuse=args.reuse,
                            timeout=args.timeout, commit=_commit(),
@@ -473,7 +474,7 @@ def _integrations(args: argparse.Namespace) -> int:
                                py, tests, report, timeout, tree_path()))
     if not args.no_page:
         # Read again: another run of some other integrations may have written since.
-        ran = data.get("integrations", {})
+        ran = {n: r for n, r in data.get("integrations", {}).items() if n in names}
         data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
         data.setdefault("integrations", {}).update(ran)
         RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
