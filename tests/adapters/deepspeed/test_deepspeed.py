@@ -143,7 +143,7 @@ def _assert_refused(jobs: dict[str, Any], job: str, spec: dict[str, Any]) -> Non
     assert len(found) == jobs[job]["world"], f"{job} did not finish {spec['name']}"
     for record in found:
         assert not record["ok"], spec["name"]
-        assert record["error"].startswith("ValueError: found deepspeed "), record["error"]
+        assert "ValueError: found deepspeed " in record["error"], record["error"]
         assert (f"gradient_accumulation_steps={spec['gas']}" in record["error"]
                 and "fixed it in 0.18.3" in record["error"]), record["error"]
 
