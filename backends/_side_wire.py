@@ -18,7 +18,9 @@ What travels, on every backend alike:
 - a gather: each rank's bytes (uint8, any dtype torch or NumPy can view as
   bytes, bfloat16 too), zero-padded to the largest, in one all-gather; an
   absent rank sends zeros; each present rank's rows are cut out and viewed
-  back as the caller's dtype and trailing shape. CUDA tensors travel through
+  back as the caller's dtype and trailing shape. A gather of at most
+  ``INLINE_BYTES`` per rank came in the headers (the plan's ``inline``): no
+  all-gather. CUDA tensors travel through
   host memory (the group stages them where it needs);
 - a broadcast: the root's bytes.
 
@@ -98,6 +100,10 @@ class ArrayWire:
 
     # -- gathers -----------------------------------------------------------------------
 
+    def bytes_of(self, buf: Any) -> bytes:
+        """``buf``'s bytes, as a gather sends them (a small gather's header)."""
+        return _bytes_of(buf).tobytes()
+
     def gather_bytes(self, plan: GatherPlan, data: bytes | None) -> list[bytes] | None:
         """The plan's gather of raw bytes (``None``: an absent rank's zeros)."""
         parts = self._gather(plan, None if data is None else np.frombuffer(data, np.uint8))
@@ -112,14 +118,17 @@ class ArrayWire:
             return None
         trailing = tuple(buf.shape[1:])
         scalar = len(buf.shape) == 0
-        if plan.padded == 0:
-            parts: list[np.ndarray] = [np.zeros(0, np.uint8)] * self.world_size
-        else:
-            parts = self._gather(plan, _bytes_of(buf))
+        parts: list[np.ndarray]
+        if plan.inline is None and plan.padded == 0:
+            parts = [np.zeros(0, np.uint8)] * self.world_size
+        else:  # (the bytes of an inline plan came in the headers)
+            parts = self._gather(plan, None if plan.inline is not None else _bytes_of(buf))
         return [_decode(buf, parts[rank][: plan.sizes[rank]], plan.rows[rank], trailing, scalar)
                 for rank in plan.present]
 
     def _gather(self, plan: GatherPlan, data: np.ndarray | None) -> list[np.ndarray]:
+        if plan.inline is not None:  # the headers had it all
+            return [np.frombuffer(part, np.uint8) for part in plan.inline]
         send = np.zeros(plan.padded, dtype=np.uint8)
         if data is not None and data.size:
             send[: data.size] = data

@@ -122,6 +122,11 @@ def int_arg(index: int, default: int) -> int:
     return int(sys.argv[index]) if len(sys.argv) > index else default
 
 
+def str_arg(index: int, default: str) -> str:
+    """``sys.argv[index]``, or ``default``."""
+    return sys.argv[index] if len(sys.argv) > index else default
+
+
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
     if len(values) < 2:
         return values[0], values[0], values[0]

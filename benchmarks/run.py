@@ -65,12 +65,19 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
         heartbeat, fsdp, metrics = ["200"], ["3", "2"], ["4", "2"]
         world = ["128", "1", "64"]
         evaluation = ["1", "2"]
+        shapes = {"1 bucket": ["4", "1"], "2 buckets": ["2", "1"], "24 buckets": ["2", "1"],
+                  "25 MB buckets": ["1", "1"]}
+        trainer, sft, zero2 = ["3", "1"], ["3", "1"], ["4", "2"]
     else:
         counter, counter_mpi, ddp, threads, step = ["400", "21"], ["10000", "15"], \
             ["100", "21"], ["64", "1000", "3"], ["50000"]
         heartbeat, fsdp, metrics = ["50000"], ["60", "21"], ["200", "21"]
         world = ["4096", "3", "512"]
         evaluation = ["3", "21"]
+        shapes = {"1 bucket": ["200", "15"], "2 buckets": ["40", "15"],
+                  "24 buckets": ["15", "15"], "25 MB buckets": ["3", "11"]}
+        # ~2 minutes each on a quiet machine (a Trainer step ~65 ms, an SFT step less).
+        trainer, sft, zero2 = ["20", "7"], ["30", "9"], ["100", "15"]
     return [
         ("core step", [PY, str(b / "core_step.py"), *step], 120),
         # One rank: joinkit's own CPU cost per heartbeat on MPI (item 3).
@@ -80,7 +87,19 @@ def jobs(quick: bool) -> list[tuple[str, list[str], float]]:
         ("Counter, MPI", [*mpirun, PY, str(b / "counter_mpi.py"), *counter_mpi], 400),
         ("DDP, gloo (torchrun)", [*torchrun, str(b / "ddp.py"), *ddp], 400),
         ("DDP, gloo (mpirun)", [*mpirun, PY, str(b / "ddp.py"), *ddp], 400),
+        # DDP models of 1, 2, 24 and ~25 MB buckets, each launcher (issue 50).
+        *[(f"DDP {shape}, gloo ({name})", [*launch, str(b / "ddp_shapes.py"), shape, *counts],
+           900)
+          for shape, counts in shapes.items()
+          for name, launch in (("torchrun", torchrun), ("mpirun", [*mpirun, PY]))],
         ("FSDP2, gloo (torchrun)", [*torchrun, str(b / "fsdp.py"), *fsdp], 600),
+        # The Trainer, TRL's SFTTrainer and DeepSpeed ZeRO-2 with joinkit and alone (issue 50).
+        ("HF Trainer, gloo (torchrun)", [*torchrun, str(b / "trainer.py"), *trainer, "trainer"],
+         600),
+        ("TRL SFTTrainer packing, gloo (torchrun)",
+         [*torchrun, str(b / "trainer.py"), *sft, "sft"], 600),
+        ("DeepSpeed ZeRO-2, gloo (torchrun)", [*torchrun, str(b / "deepspeed_zero.py"), *zero2],
+         600),
         # torchmetrics' per-step sync inside Join versus without (issue 18, Speed).
         ("torchmetrics sync, gloo (torchrun)",
          [*torchrun, str(b / "metrics_sync.py"), *metrics], 400),

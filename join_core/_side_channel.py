@@ -13,7 +13,8 @@ logging gather every k steps. A :class:`SideChannel` takes any number of them:
   side wire (``joinkit._side_protocol.SideWire``; created on Join entry, when
   every rank is there, since creating a communicator is collective; cached
   per group). Each call is a header all-gather and the data collective the
-  headers call for (``_side_protocol``);
+  headers call for (``_side_protocol``; a gather of at most ``INLINE_BYTES``
+  per rank is all in the headers);
 - a rank that leaves its loop body (however it leaves: its inputs ran out, it
   raised, a peer failed) starts a *service thread* (the Join calls
   :meth:`SideChannel.join_loop_exited` before its first join collective after
@@ -374,7 +375,8 @@ class SideChannel(Joinable):
         rows = shape[0] if shape else 1
         header = p.Header(present=True, window=window, kind=p.Kind.ALL_GATHER,
                           dtype=_dtype_code(dtype), size=nbytes, rows=rows,
-                          fingerprint=p.fingerprint("gather", dtype, shape[1:], len(shape) == 0))
+                          fingerprint=p.fingerprint("gather", dtype, shape[1:], len(shape) == 0),
+                          inline=_inline(nbytes, lambda: wire.bytes_of(buf)))
         plan = self._plan(wire, header)
         assert isinstance(plan, p.GatherPlan)
         result: list[Any] | None = wire.gather(plan, buf)
@@ -391,7 +393,8 @@ class SideChannel(Joinable):
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         wire, window = self._begin()
         header = p.Header(present=True, window=window, kind=p.Kind.ALL_GATHER, size=len(data),
-                          rows=len(data), fingerprint=p.fingerprint("object"))
+                          rows=len(data), fingerprint=p.fingerprint("object"),
+                          inline=_inline(len(data), lambda: data))
         plan = self._plan(wire, header)
         assert isinstance(plan, p.GatherPlan)
         parts = wire.gather_bytes(plan, data)
@@ -477,6 +480,13 @@ def _dtype_code(dtype: str) -> int:
         return p.DTYPES.index(dtype) + 1
     except ValueError:
         raise TypeError(f"a side channel cannot send {dtype} buffers") from None
+
+
+def _inline(nbytes: int, data: Callable[[], bytes]) -> tuple[int, ...]:
+    """A header's ``inline`` words: a small gather's bytes, else zeros (``_side_protocol``)."""
+    if not 0 < nbytes <= p.INLINE_BYTES:
+        return (0,) * p.INLINE_WORDS
+    return p.pack_inline(data())
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -21,6 +21,13 @@ backend's *side wire*, :class:`SideWire`), where each is two collectives:
    nothing for a broadcast. So a result is the active ranks' alone: a sum over
    them, a gather of only their rows, a mean over their number.
 
+*Small gathers travel in the header.* A gather of at most ``INLINE_BYTES`` bytes
+(a token count, a logged loss, a flop count: what a trainer gathers every step)
+carries its bytes in the header's last ``INLINE_WORDS`` integers; when every
+present rank's bytes fit, the headers are the whole call (the plan's ``inline``)
+and no data collective follows: one collective per call, as the call without a
+Join. The bytes are moved, not combined, so the result is the same either way.
+
 From the same headers every rank decides the same :class:`Plan`:
 
 - *every header absent* (:class:`Stop`): every rank has left its loop and runs
@@ -66,6 +73,9 @@ __all__ = [
     "Neutral",
     "Header",
     "absent_header",
+    "pack_inline",
+    "unpack_inline",
+    "INLINE_BYTES",
     "fingerprint",
     "Stop",
     "Mismatch",
@@ -80,9 +90,13 @@ __all__ = [
     "SideWire",
 ]
 
+#: A gather of at most this many bytes per rank travels in the headers (module doc).
+INLINE_BYTES = 32
+#: The header's integers that carry those bytes.
+INLINE_WORDS = INLINE_BYTES // 8
 #: The integers of one header: present, window, kind, op, dtype, size, rows,
-#: root, fingerprint.
-HEADER_FIELDS = 9
+#: root, fingerprint, then ``INLINE_WORDS`` of a small gather's bytes.
+HEADER_FIELDS = 9 + INLINE_WORDS
 
 #: The reduce ops, by their index in a header (``backends.REDUCE_OPS``).
 OPS = ("sum", "prod", "min", "max", "band", "bor", "bxor")
@@ -129,6 +143,7 @@ class Header:
         root: a broadcast's source rank (-1: none).
         fingerprint: a digest of what must agree between the present ranks
             (:func:`fingerprint`).
+        inline: a gather's bytes when they fit (:func:`pack_inline`), else zeros.
     """
 
     present: bool
@@ -140,18 +155,20 @@ class Header:
     rows: int = 0
     root: int = -1
     fingerprint: int = 0
+    inline: tuple[int, ...] = (0,) * INLINE_WORDS
 
     def encode(self) -> tuple[int, ...]:
         """The header as ``HEADER_FIELDS`` integers (each fits an int64)."""
         return (int(self.present), self.window, self.kind, self.op, self.dtype, self.size,
-                self.rows, self.root, self.fingerprint)
+                self.rows, self.root, self.fingerprint, *self.inline)
 
     @classmethod
     def decode(cls, values: Sequence[int]) -> Header:
         """The header of ``encode``'s integers."""
-        present, window, kind, op, dtype, size, rows, root, digest = (int(v) for v in values)
+        present, window, kind, op, dtype, size, rows, root, digest = (int(v) for v in values[:9])
         return cls(present=bool(present), window=window, kind=kind, op=op, dtype=dtype,
-                   size=size, rows=rows, root=root, fingerprint=digest)
+                   size=size, rows=rows, root=root, fingerprint=digest,
+                   inline=tuple(int(v) for v in values[9:HEADER_FIELDS]))
 
     def describe(self) -> str:
         """The call in words, for a mismatch table."""
@@ -175,6 +192,20 @@ class Header:
         if self.root >= 0:
             parts.append(f"root={self.root}")
         return f"{' '.join(parts)} (iteration window {self.window})"
+
+
+def pack_inline(data: bytes) -> tuple[int, ...]:
+    """``data`` (at most ``INLINE_BYTES``) as a header's ``inline`` integers."""
+    if len(data) > INLINE_BYTES:
+        raise ValueError(f"{len(data)} bytes do not fit a header (at most {INLINE_BYTES})")
+    padded = data.ljust(INLINE_BYTES, b"\0")
+    return tuple(int.from_bytes(padded[i:i + 8], "little", signed=True)
+                 for i in range(0, INLINE_BYTES, 8))
+
+
+def unpack_inline(words: Sequence[int], size: int) -> bytes:
+    """The first ``size`` bytes that :func:`pack_inline` put in ``words``."""
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)[:size]
 
 
 def absent_header(inputs: int) -> Header:
@@ -233,16 +264,18 @@ class ReducePlan:
 @attrs.frozen(kw_only=True)
 class GatherPlan:
     """An all-gather of each rank's bytes, padded to ``max(sizes)``; absent ranks
-    send zeros. ``sizes`` and ``rows`` are per rank (0 for absent ranks)."""
+    send zeros. ``sizes`` and ``rows`` are per rank (0 for absent ranks).
+    ``inline``: every rank's bytes, when they came in the headers (module doc)."""
 
     present: tuple[int, ...]
     sizes: tuple[int, ...]
     rows: tuple[int, ...]
+    inline: tuple[bytes, ...] | None = None
 
     @property
     def padded(self) -> int:
         """The bytes every rank sends (0: no data collective at all)."""
-        return max(self.sizes, default=0)
+        return 0 if self.inline is not None else max(self.sizes, default=0)
 
 
 @attrs.frozen(kw_only=True)
@@ -311,9 +344,14 @@ def decide(headers: Sequence[Header]) -> Plan:
         return ReducePlan(present=present, op=op, dtype=dtype, size=first.size,
                           neutral=neutral(op, dtype))
     if kind == Kind.ALL_GATHER:
-        return GatherPlan(present=present,
-                          sizes=tuple(h.size if h.present else 0 for h in headers),
-                          rows=tuple(h.rows if h.present else 0 for h in headers))
+        sizes = tuple(h.size if h.present else 0 for h in headers)
+        inline = None
+        if 0 < max(sizes) <= INLINE_BYTES:
+            inline = tuple(unpack_inline(h.inline, size)
+                           for h, size in zip(headers, sizes, strict=True))
+        return GatherPlan(present=present, sizes=sizes,
+                          rows=tuple(h.rows if h.present else 0 for h in headers),
+                          inline=inline)
     if kind == Kind.BROADCAST:
         root = first.root
         if not 0 <= root < len(headers) or not headers[root].present:
@@ -371,12 +409,17 @@ class SideWire(Protocol):
         """``(dtype name, shape, nbytes)`` of an array or tensor; ``TypeError`` otherwise."""
         ...
 
+    def bytes_of(self, buf: Any) -> bytes:
+        """An array's or tensor's bytes, as a gather sends them (a small gather's header)."""
+        ...
+
     def reduce(self, plan: ReducePlan, buf: Any) -> Any:
         """The plan's all-reduce into ``buf`` (``None``: contribute the neutral element)."""
         ...
 
     def gather(self, plan: GatherPlan, buf: Any) -> list[Any] | None:
-        """The plan's gather; the present ranks' arrays of ``buf``'s kind (``None`` for absent)."""
+        """The plan's gather; the present ranks' arrays of ``buf``'s kind (``None`` for absent).
+        A plan with ``inline`` bytes moves nothing (the headers had them)."""
         ...
 
     def gather_bytes(self, plan: GatherPlan, data: bytes | None) -> list[bytes] | None:

@@ -47,6 +47,8 @@ _TRAINER = "pytorch_lightning.trainer.trainer"
 _FIT_LOOP = "pytorch_lightning.loops.fit_loop"
 _AUTOMATIC = "pytorch_lightning.loops.optimization.automatic"
 _CHECKPOINT = "pytorch_lightning.callbacks.model_checkpoint"
+_CONNECTOR = "pytorch_lightning.trainer.connectors.checkpoint_connector"
+_LOGGER_CONNECTOR = "pytorch_lightning.trainer.connectors.logger_connector.logger_connector"
 
 
 def _m(module: str, name: str, need: Need, why: str, params: tuple[str, ...] = (),
@@ -109,9 +111,27 @@ GROUPS: dict[str, tuple[Member, ...]] = {
            "whether a batch ends an accumulation window (counted from the epoch's start)",
            ("self",)),
         _m(_CHECKPOINT, "ModelCheckpoint._every_n_train_steps", Need.ATTRIBUTE,
-           "a checkpoint every N training steps (mid-epoch: refused)"),
+           "a checkpoint every N training steps (a mid-epoch event)"),
         _m(_CHECKPOINT, "ModelCheckpoint._train_time_interval", Need.ATTRIBUTE,
-           "a checkpoint after a training time (mid-epoch: refused)"),
+           "a checkpoint after a training time (a mid-epoch event)"),
+        _m(_CHECKPOINT, "ModelCheckpoint._monitor_candidates", Need.CALLABLE,
+           "what a ModelCheckpoint decides on; in an event a joined rank takes the source's",
+           ("self", "trainer")),
+        _m(_EPOCH_LOOP, "_TrainingEpochLoop._should_check_val_fx", Need.CALLABLE,
+           "whether a rank validates after a batch, its vote in the validation event",
+           ("self", "data_fetcher"), (f"{_EPOCH_LOOP}:_TrainingEpochLoop.on_advance_end",)),
+        _m(_FIT_LOOP, "_FitLoop.restarted_mid_epoch", Need.ATTRIBUTE,
+           "a fit resumed mid-epoch, where Lightning skips on_train_epoch_start (the Join's "
+           "entry)"),
+        _m(_FIT_LOOP, "_FitLoop._data_fetcher", Need.ATTRIBUTE,
+           "the training fetcher, which _should_check_val_fx takes"),
+        _m(_TRAINER, "Trainer._checkpoint_connector", Need.ATTRIBUTE,
+           "whose dump_checkpoint rank 0 takes from an active rank when it has joined"),
+        _m(_CONNECTOR, "_CheckpointConnector.dump_checkpoint", Need.CALLABLE,
+           "the checkpoint's contents, from an active rank when rank 0 has joined",
+           ("self", "weights_only")),
+        _m(_LOGGER_CONNECTOR, "_LoggerConnector._first_loop_iter", Need.ATTRIBUTE,
+           "kept around a mid-epoch validation, as Lightning's on_advance_end does"),
     ),
 }
 

@@ -78,7 +78,44 @@ after their last batch; its empty fetch ends the epoch loop. Epoch-level
 training values Lightning syncs at the epoch's end (``on_epoch=True`` with
 ``sync_dist=True``, torchmetrics objects) would wait for that rank, which
 logged none: the ranks compare them after each epoch's Join and refuse them
-on every rank (``LocalProtocolError``). Refused under FSDP2 (``TypeError``).
+on every rank (``LocalProtocolError``). Under FSDP2 that rank replays the root
+module's forward on the input spec the active ranks publish
+(``adapters.torch._replay``); under FSDP1, whose replay input is the
+LightningModule's forward input, on the module's ``example_input_array``
+(emptied), as it has no input of its own (without one: ``TypeError``).
+
+*Mid-epoch events* (DDP). Validation inside an epoch (``val_check_interval`` an
+int, or a fraction, reckoned on every rank from the longest rank's number of
+batches, as a single process over the rounds) and step checkpoints
+(``ModelCheckpoint(every_n_train_steps=...)``, ``train_time_interval``) are
+collectives of every rank, which Lightning starts on the ranks still training.
+Each is a ``SideCollective`` of the Join, called once per batch where it runs:
+the checkpoint event in the first step-saving ``ModelCheckpoint``'s
+``on_train_batch_end`` (Lightning calls checkpoint callbacks last, so it sits
+after the user's side collectives and channel, before step 3's), the
+validation event after step 3, in the module's wrapped ``on_train_batch_end``.
+An event is one all-gather (each rank's "active", vote, ``global_step``,
+``is_last_batch``, batch index), then Lightning's own code on every rank as
+outside a Join (no deferred ``self.log``): a joined rank takes the *source*'s
+(the lowest active rank's) ``global_step`` and ``is_last_batch`` for the
+event. The checkpoint event runs the ``ModelCheckpoint``s' own
+``on_train_batch_end`` on every rank (they decide alike); the validation event
+validates when every active rank's ``_should_check_val_fx`` says so (at a
+rank's own last batch only Lightning's end-of-epoch check differs between
+ranks, and the epoch's last round is where all remaining ranks agree), and
+then every validation of the epoch is the event's (``_skip_next_val``). Before
+validating, a joined DDP rank takes the source's parameters and buffers (a
+broadcast; the Join's post hook would have given them at the end), and the
+validation forward skips DDP's wrapper (its join collectives are not this
+round's). A save's contents are the source's: rank 0, if joined, receives the
+source's ``dump_checkpoint`` (parameters, optimizer and scheduler state, loop
+progress, loader state), and each ``ModelCheckpoint`` decides on the source's
+``_monitor_candidates``. *Resuming* from a mid-epoch checkpoint: Lightning
+skips ``on_train_epoch_start``, so the Join is entered at the first batch
+check; every rank restored the source's batch count, and a rank whose own
+batches were all trained before the save (found in ``setup_data``) shadows the
+rest of the epoch as a rank with no batch does. Under FSDP the events are
+refused (``ValueError``, every rank): not done.
 
 *After each epoch's Join* every rank runs one MAX all-reduce: a SIGTERM after
 its last check (below), whether ``max_steps`` ended some rank's epoch with
@@ -149,7 +186,11 @@ the Join), and the LightningModule's ``on_train_batch_end`` (a hook; the
 wrapper calls the module's own first). While a Join lasts, the
 ``dist_sync_fn`` of per-step-syncing metrics. And the process's SIGTERM handler (Lightning's,
 with its ``_sigterm_notifier_fn`` swapped; the members are checked), put back
-in ``teardown``.
+in ``teardown``. With mid-epoch events: each step-saving ``ModelCheckpoint``'s
+``on_train_batch_end`` (a hook), each ``ModelCheckpoint``'s
+``_monitor_candidates`` and the checkpoint connector's ``dump_checkpoint``
+(private, checked; each the original outside an event where some rank joined);
+during a validation event, ``strategy.model`` is the module inside DDP.
 """
 
 from __future__ import annotations
@@ -161,6 +202,8 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import attrs
 
 try:
     import pytorch_lightning as pl
@@ -214,11 +257,13 @@ class UnevenInputs(Callback):
             per-step-syncing metric with a ``process_group`` of its own; at
             ``fit``, the strategy is neither one of Lightning's DDP strategies nor
             ``ModelParallelStrategy``, or uses what the FSDP2 path does not support
-            (module doc).
-        ValueError (at ``fit``, every rank): validation in the middle of an
-            epoch (``val_check_interval`` an int or below 1.0) or step- or
-            time-based checkpoints (``ModelCheckpoint(every_n_train_steps=...)``,
-            ``train_time_interval=...``): not supported yet (docs/lightning.md).
+            (module doc); under ``FSDPStrategy``, a rank with no training batch
+            and no ``example_input_array`` on the module.
+        ValueError (at ``fit``, every rank): ``val_check_interval`` as a
+            duration (each rank's clock decides); under FSDP, validation in the
+            middle of an epoch or step- or time-based checkpoints (not done yet,
+            docs/lightning.md); an int ``val_check_interval`` above the longest
+            rank's number of batches.
         UnsupportedLightningError (at ``fit``): this Lightning changed a member
             joinkit relies on.
         LocalProtocolError: ``self.log(..., sync_dist=True, sync_dist_group=...)``
@@ -249,6 +294,14 @@ class UnevenInputs(Callback):
         self.side_channel: SideChannel | None = side_channel
         self._synced_metrics: list[tuple[Any, Any]] = []  # (metric, its dist_sync_fn)
         self._empty = False  # this rank has no training batch (a stand-in count of 1)
+        # A resumed epoch in which this rank's batches were all trained before the save.
+        self._out_epoch: int | None = None
+        self._entered: int | None = None  # the epoch whose Join was entered last
+        self._mid_val = False  # val_check_interval validates mid-epoch: validation events
+        self._val_event: SideCollective | None = None
+        self._ckpt_event: SideCollective | None = None
+        self._step_saves: list[Callable[..., Any]] = []  # the step ModelCheckpoints' own
+        self._event_state: _EventState | None = None  # while an event runs
         self._any_empty = False  # some rank has none (agreed in setup_data)
         self._cut = False  # the epoch's Join ended by max_steps before some rank's last batch
         self._join: Join | None = None
@@ -290,7 +343,7 @@ class UnevenInputs(Callback):
                 f"FSDPStrategy ('fsdp', FSDP1) and ModelParallelStrategy (FSDP2, "
                 f"fully_shard), not {type(strategy).__qualname__}"
             )
-        refusal = _mid_epoch_refusal(trainer)
+        refusal = _mid_epoch_refusal(trainer, self._fsdp)
         if refusal is not None:  # every rank alike, before Lightning's post-setup barrier
             raise ValueError(refusal)
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -299,6 +352,7 @@ class UnevenInputs(Callback):
                                        name="Lightning's SIGTERM check")
         self._log_sync = SideCollective(self._sync_deferred, shadow=self._shadow_deferred,
                                         name="self.log(sync_dist=True) of the batch")
+        self._set_up_mid_epoch(trainer)
         self._patch(epoch_loop, "_broadcast_sigterm_tensor", self._batch_check)
         self._patch(trainer.fit_loop, "setup_data",
                     _agreeing_setup_data(self, trainer, trainer.fit_loop.setup_data))
@@ -326,6 +380,7 @@ class UnevenInputs(Callback):
             self._forward_hook.remove()
         self._forward_hook = self._forward_input = None
         self._empty = self._any_empty = self._cut = False
+        self._out_epoch, self._event_state, self._entered = None, None, None
         for obj, name in reversed(self._patched):
             with contextlib.suppress(AttributeError):
                 delattr(obj, name)
@@ -352,6 +407,9 @@ class UnevenInputs(Callback):
         Raises:
             LocalProtocolError: the LightningModule's forward never ran on this rank.
         """
+        if self._forward_input is None and self._trainer is not None:
+            # A rank with no training batch: the module's example_input_array.
+            self._forward_input = _example_input(self._trainer.lightning_module)
         if self._forward_input is None:
             raise LocalProtocolError(
                 "UnevenInputs with FSDPStrategy (FSDP1) replays the LightningModule's "
@@ -378,6 +436,160 @@ class UnevenInputs(Callback):
     def _patch(self, obj: Any, name: str, value: Any) -> None:
         setattr(obj, name, value)
         self._patched.append((obj, name))
+
+    # -- mid-epoch validation and step checkpoints -------------------------------------
+
+    def _set_up_mid_epoch(self, trainer: pl.Trainer) -> None:
+        """Make mid-epoch validation and step checkpoints events of the epoch's Join.
+
+        A step-saving ``ModelCheckpoint`` (``every_n_train_steps``,
+        ``train_time_interval``) gets an ``on_train_batch_end`` that, while the Join
+        lasts, runs the checkpoint event (one side collective for all of them, in
+        their place in the batch); ``val_check_interval`` an int or below 1 makes
+        every validation of an epoch the validation event, after the batch's
+        ``self.log`` sync (module doc). The checkpoint connector's
+        ``dump_checkpoint`` and each ``ModelCheckpoint``'s ``_monitor_candidates``
+        take an active rank's when rank 0 has joined.
+        """
+        from pytorch_lightning.callbacks import ModelCheckpoint
+
+        self._mid_val = _validates_mid_epoch(trainer)
+        self._val_event = (SideCollective(self._validation_round, shadow=self._validation_shadow,
+                                          name="mid-epoch validation")
+                           if self._mid_val else None)
+        savers = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        steps = [c for c in savers
+                 if c._every_n_train_steps > 0 or c._train_time_interval is not None]
+        self._step_saves = [c.on_train_batch_end for c in steps]
+        self._ckpt_event = (SideCollective(self._checkpoint_round, shadow=self._checkpoint_shadow,
+                                           name="ModelCheckpoint's step save")
+                            if steps else None)
+        for index, checkpoint in enumerate(steps):
+            self._patch(checkpoint, "on_train_batch_end",
+                        _step_save(self, checkpoint.on_train_batch_end, first=index == 0))
+        if not (steps or self._mid_val):
+            return
+        connector = trainer._checkpoint_connector
+        self._patch(connector, "dump_checkpoint",
+                    _writer_dump(self, connector.dump_checkpoint))
+        for checkpoint in savers:
+            self._patch(checkpoint, "_monitor_candidates",
+                        _writer_candidates(self, checkpoint._monitor_candidates))
+
+    def _checkpoint_round(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """An active rank's checkpoint event: the step-saving ModelCheckpoints' own
+        ``on_train_batch_end``, on every rank at once (they decide; module doc)."""
+        with self._event(True):
+            self._run_step_saves(outputs, batch, batch_idx)
+
+    def _checkpoint_shadow(self) -> None:
+        """A joined rank's checkpoint event: the same hooks, with the source's batch
+        index (``ModelCheckpoint`` reads neither the outputs nor the batch)."""
+        with self._event(True) as (_, source_batch_idx):
+            self._run_step_saves(None, None, source_batch_idx)
+
+    def _run_step_saves(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        for save in self._step_saves:
+            save(trainer, trainer.lightning_module, outputs, batch, batch_idx)
+
+    def _validation_round(self) -> None:
+        """An active rank's validation event, after the batch's ``self.log`` sync:
+        the ranks validate now if Lightning would on every active rank (module doc)."""
+        trainer = self._trainer
+        assert trainer is not None
+        epoch_loop = trainer.fit_loop.epoch_loop
+        fetcher = trainer.fit_loop._data_fetcher
+        assert fetcher is not None  # a training batch is running
+        vote = epoch_loop._should_check_val_fx(fetcher) and not epoch_loop._skip_next_val
+        with self._event(vote) as (agreed, _):
+            epoch_loop._skip_next_val = True  # this batch's validation is the event's
+            if agreed:
+                self._validate(joined=False)
+
+    def _validation_shadow(self) -> None:
+        with self._event(True) as (agreed, _):
+            if agreed:
+                self._validate(joined=True)
+
+    @contextlib.contextmanager
+    def _event(self, vote: bool) -> Iterator[tuple[bool, int]]:
+        """One agreement of every rank (an all-gather), then Lightning's own code
+        on every rank as outside a Join (module doc).
+
+        Yields whether every active rank voted yes, and the batch index of the
+        lowest active rank (the *source*). While it lasts a joined rank has the
+        source's ``global_step`` and ``is_last_batch``; ``self.log`` syncs and
+        the validation forward are Lightning's own (no deferral, no DDP join
+        collectives); where rank 0 has joined, the checkpoint it writes and its
+        ``ModelCheckpoint`` decisions are the source's.
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        group = self._group()
+        epoch_loop = trainer.fit_loop.epoch_loop
+        progress = epoch_loop.batch_progress
+        mine = torch.tensor([1 if self._active else 0, 1 if vote else 0, trainer.global_step,
+                             1 if progress.is_last_batch else 0, epoch_loop.batch_idx],
+                            dtype=torch.int64, device=trainer.strategy.root_device)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, mine, group=group)
+        table = [[int(v) for v in row.tolist()] for row in rows]
+        actives = [rank for rank, row in enumerate(table) if row[0]]
+        if not actives:
+            raise LocalProtocolError(
+                "UnevenInputs: a mid-epoch event with no active rank (a joinkit bug)")
+        source = actives[0]
+        agreed = all(table[rank][1] for rank in actives)
+        joined, last = not self._active, progress.is_last_batch
+        if joined:
+            _set_global_step(trainer, table[source][2])
+            progress.is_last_batch = bool(table[source][3])
+        some_joined = len(actives) < len(table)
+        self._event_state = _EventState(
+            group=group, source=_global_rank(group, source),
+            some_joined=some_joined)
+        active, self._active = self._active, False
+        try:
+            yield agreed, table[source][4]
+        finally:
+            self._active, self._event_state = active, None
+            if joined:
+                progress.is_last_batch = last
+
+    def _validate(self, joined: bool) -> None:
+        """Lightning's validation after a batch (``on_advance_end``), on every rank:
+        a joined DDP rank first takes the source's parameters and buffers (it did
+        not step since it joined), and the forward skips DDP's wrapper (nothing
+        in it is a collective without gradients; its join collectives are not
+        this round's)."""
+        trainer = self._trainer
+        state = self._event_state
+        assert trainer is not None and state is not None
+        module = trainer.lightning_module
+        strategy = trainer.strategy
+        if state.some_joined and not self._fsdp:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=state.source, group=state.group)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        trainer.validating = True
+        first_loop_iter = trainer._logger_connector._first_loop_iter
+        if not joined and not epoch_loop._should_accumulate():
+            module.on_validation_model_zero_grad()
+        wrapped = strategy.model
+        bypass = _is_ddp(strategy) and isinstance(
+            wrapped, torch.nn.parallel.DistributedDataParallel)
+        if bypass:
+            assert wrapped is not None
+            strategy.model = wrapped.module  # type: ignore[assignment]  # a Module
+        try:
+            epoch_loop.val_loop.run()
+        finally:
+            if bypass:
+                strategy.model = wrapped
+        trainer.training = True
+        trainer._logger_connector._first_loop_iter = first_loop_iter
 
     # -- SIGTERM ------------------------------------------------------------------------
 
@@ -475,7 +687,11 @@ class UnevenInputs(Callback):
             self.side_channel = SideChannel(name="UnevenInputs side channel")
         if self.side_channel is not None:
             joinables.append(self.side_channel)
+        if self._ckpt_event is not None:  # ModelCheckpoint runs after the other callbacks
+            joinables.append(self._ckpt_event)
         joinables.append(self._log_sync)
+        if self._val_event is not None:
+            joinables.append(self._val_event)
         kwargs: dict[str, Any] = self._join_kwargs() if self._fsdp_root is not None else (
             {} if self._timeout is None else {"timeout": self._timeout})
         if self._fsdp_root is not None and trainer.accumulate_grad_batches > 1:
@@ -485,6 +701,7 @@ class UnevenInputs(Callback):
         join = Join(joinables, **kwargs)
         join.__enter__()
         self._join, self._active, self._cut = join, True, False
+        self._entered = trainer.current_epoch
         self._route_metric_syncs(metrics)
 
     def _route_metric_syncs(self, metrics: list[Any]) -> None:
@@ -519,6 +736,8 @@ class UnevenInputs(Callback):
         if self._join is None or self._log_sync is None:
             return
         self._log_sync()
+        if self._val_event is not None:
+            self._val_event()
         epoch_loop = trainer.fit_loop.epoch_loop
         progress = epoch_loop.batch_progress
         if progress.is_last_batch or progress.current.ready == trainer.num_training_batches:
@@ -532,13 +751,19 @@ class UnevenInputs(Callback):
         """Lightning's per-batch SIGTERM check, before each batch is fetched.
 
         On an active rank, the SIGTERM side collective (the Join's heartbeat). On
-        a rank with no training batch (a stand-in count of 1), this is where its
-        one batch would start: it leaves the Join (shadowing every round of the
-        others' epoch), validates when the others do, and its loader then ends
-        the epoch loop (Lightning stops at the empty fetch).
+        a rank with no training batch (a stand-in count of 1), or none left in
+        an epoch resumed from a mid-epoch checkpoint, this is where its next
+        batch would start: it leaves the Join (shadowing every round of the
+        others' epoch, validation events included), validates when the others
+        do at the epoch's end (no validation events), and ends the epoch loop
+        (``StopIteration``, as Lightning's empty fetch).
         """
         trainer = self._trainer
-        if not self._empty or self._join is None or trainer is None:
+        if (trainer is not None and self._join is None and self._entered != trainer.current_epoch
+                and trainer.fit_loop.restarted_mid_epoch):
+            # Resumed from a mid-epoch checkpoint: Lightning skips on_train_epoch_start.
+            self.on_train_epoch_start(trainer, trainer.lightning_module)
+        if not self._no_batch_left() or self._join is None or trainer is None:
             assert self._sigterm is not None
             self._sigterm()
             return
@@ -547,12 +772,18 @@ class UnevenInputs(Callback):
         # As after a last batch: the epoch's plateau schedulers step in the fit
         # loop (its other schedulers came with the last joiner's state).
         epoch_loop.batch_progress.is_last_batch = True
-        if not self._cut and epoch_loop._should_check_val_epoch():
+        if not self._cut and not self._mid_val and epoch_loop._should_check_val_epoch():
             # What Lightning runs after a last batch (training_epoch_loop.on_advance_end).
             trainer.validating = True
             trainer.lightning_module.on_validation_model_zero_grad()
             epoch_loop.val_loop.run()
             trainer.training = True
+        raise StopIteration  # the epoch loop's end, with nothing fetched
+
+    def _no_batch_left(self) -> bool:
+        """Whether this rank has no training batch in this epoch (module doc)."""
+        trainer = self._trainer
+        return self._empty or (trainer is not None and self._out_epoch == trainer.current_epoch)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            loss: torch.Tensor) -> None:
@@ -644,7 +875,7 @@ class UnevenInputs(Callback):
     def _cut_by_max_steps(self) -> bool:
         """Whether this rank's epoch ends by ``max_steps`` with batches left."""
         trainer = self._trainer
-        if trainer is None or self._empty:
+        if trainer is None or self._no_batch_left():
             return False
         epoch_loop = trainer.fit_loop.epoch_loop
         progress = epoch_loop.batch_progress
@@ -662,15 +893,26 @@ class UnevenInputs(Callback):
         - ``trainer.global_step``: a joined DDP rank did not step in its shadow
           rounds, so every rank takes the last joiner's count (one optimizer step
           per round, as a single process), and ``max_steps`` stops every rank at
-          the same batch of a later epoch.
+          the same batch of a later epoch; and the count of training batches
+          across epochs, likewise (one per round).
         """
         trainer = self._trainer
         assert trainer is not None
         seen = self._sigterm_seen or trainer.received_sigterm
-        flags = torch.tensor([1 if seen else 0, 1 if cut else 0, trainer.global_step],
-                             dtype=torch.int64, device=trainer.strategy.root_device)
+        total: Any = trainer.fit_loop.epoch_loop.batch_progress.total  # a _ProcessedTracker
+        flags = torch.tensor([1 if seen else 0, 1 if cut else 0, trainer.global_step,
+                              total.ready], dtype=torch.int64,
+                             device=trainer.strategy.root_device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        sigterm, any_cut, steps = (int(v) for v in flags.tolist())
+        sigterm, any_cut, steps, batches = (int(v) for v in flags.tolist())
+        if batches > total.ready:
+            # The batch count across epochs (val_check_interval with
+            # check_val_every_n_epoch=None counts it) as the last joiner's.
+            behind = batches - total.ready
+            total.ready += behind
+            total.started += behind
+            total.processed += behind
+            total.completed += behind
         if self._fsdp_root is not None and _closed_a_window(self._fsdp_root):
             steps += 1  # the post hooks' step of the last window, on every rank
         if sigterm:
@@ -891,7 +1133,11 @@ def _agreeing_setup_data(callback: UnevenInputs, trainer: pl.Trainer,
     in one MAX all-reduce whether some rank has none and some rank has some; an
     empty rank then counts one stand-in batch, so Lightning runs its epochs
     (hooks, validation) and :meth:`UnevenInputs._batch_check` shadows the others'
-    batches in that batch's place; the empty fetch ends its epoch loop.
+    batches in that batch's place. The same all-reduce finds, in an epoch
+    resumed from a mid-epoch checkpoint (every rank restores the batch count of
+    the rank that wrote it), the ranks whose batches were all trained before
+    the save, and the longest epoch, from which ``val_check_interval`` is
+    reckoned on every rank (module doc).
     """
     def setup_data() -> None:
         fit_loop = trainer.fit_loop
@@ -899,31 +1145,86 @@ def _agreeing_setup_data(callback: UnevenInputs, trainer: pl.Trainer,
         module = trainer.lightning_module
         allow = module.allow_zero_length_dataloader_with_multiple_devices
         module.allow_zero_length_dataloader_with_multiple_devices = True
+        every_n = trainer.check_val_every_n_epoch
+        if isinstance(trainer.val_check_interval, int):
+            # Lightning refuses an interval above the rank's own batch count, on
+            # that rank alone: checked below against the longest rank's.
+            trainer.check_val_every_n_epoch = None
         try:
             original()
         finally:
             module.allow_zero_length_dataloader_with_multiple_devices = allow
+            trainer.check_val_every_n_epoch = every_n
         if fit_loop._combined_loader is None or fit_loop._combined_loader is before:
             return  # not (re)loaded now: on every rank alike
-        empty = fit_loop.max_batches == 0
-        flags = torch.tensor([1 if empty else 0, 0 if empty else 1], dtype=torch.int64,
-                             device=trainer.strategy.root_device)
+        batches = fit_loop.max_batches
+        count = _BIG if math.isinf(batches) else int(batches)
+        epoch_loop = fit_loop.epoch_loop
+        trained = epoch_loop.batch_progress.current.ready if epoch_loop.restarting else 0
+        empty = count == 0
+        out = not empty and trained >= count  # resumed after its last batch
+        flags = torch.tensor([1 if empty else 0, 0 if empty or out else 1, count,
+                              1 if out else 0],
+                             dtype=torch.int64, device=trainer.strategy.root_device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        any_empty, any_batches = (bool(v) for v in flags.tolist())
-        callback._any_empty = any_empty and any_batches
-        callback._empty = empty and any_batches
-        if callback._any_empty and callback._fsdp:
+        any_empty, any_batches, longest, any_out = (int(v) for v in flags.tolist())
+        callback._any_empty = bool(any_empty or any_out) and bool(any_batches)
+        callback._empty = empty and bool(any_batches)
+        callback._out_epoch = trainer.current_epoch if out and any_batches else None
+        if callback._any_empty and callback._fsdp1 and _example_input(module) is None:
             raise TypeError(
-                "UnevenInputs under FSDP (ModelParallelStrategy, FSDPStrategy) needs at least "
-                "one training batch on every rank (a joined FSDP rank replays the forward of "
-                "batches it has seen); some rank's training loader is empty: use "
-                "strategy='ddp', or give every rank a batch"
+                "UnevenInputs under FSDPStrategy (FSDP1): some rank's training loader is "
+                "empty, and that rank replays the LightningModule's forward on an empty batch "
+                "shaped as an input it never had: set the module's example_input_array (one "
+                "input of forward, e.g. torch.zeros(1, 3)), or give every rank a batch"
             )
         if callback._empty:
             fit_loop.max_batches = 1  # one stand-in batch; the fetch finds none
             fit_loop._last_train_dl_reload_epoch = trainer.current_epoch
+        if (callback._mid_val or callback._empty) and longest < _BIG:
+            # An empty rank's is unset (Lightning returned before it).
+            _agree_val_check_batch(trainer, longest)
 
     return setup_data
+
+
+_BIG = 2**62  # an unsized training loader's batch count, in the all-reduce
+
+
+def _agree_val_check_batch(trainer: pl.Trainer, longest: int) -> None:
+    """``trainer.val_check_batch`` as a single process over the longest rank's epoch.
+
+    Raises:
+        ValueError: (every rank) an int ``val_check_interval`` above the longest
+            rank's number of batches, as Lightning alone (with its advice).
+    """
+    interval = trainer.val_check_interval
+    if isinstance(interval, int):
+        if (interval > longest and trainer.check_val_every_n_epoch is not None
+                and trainer.limit_val_batches > 0):
+            raise ValueError(
+                f" `val_check_interval` ({interval}) must be less than or equal to the number "
+                f"of the training batches ({longest}, the most any rank has). If you want to "
+                "disable validation set `limit_val_batches` to 0.0 instead. If you want to "
+                "validate based on the total training batches, set "
+                "`check_val_every_n_epoch=None`.")
+        trainer.val_check_batch = interval
+    else:
+        trainer.val_check_batch = max(1, int(longest * interval))
+
+
+def _example_input(module: pl.LightningModule) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The LightningModule's ``example_input_array`` as forward's ``(args, kwargs)``
+    (Lightning's convention: a tuple is the positional arguments, a dict the keyword
+    arguments), or ``None``."""
+    example = module.example_input_array
+    if example is None:
+        return None
+    if isinstance(example, dict):
+        return (), dict(example)
+    if isinstance(example, tuple):
+        return example, {}
+    return (example,), {}
 
 
 def _leaving_batch_end(callback: UnevenInputs, trainer: pl.Trainer,
@@ -998,40 +1299,107 @@ def _is_ddp(strategy: Any) -> bool:
 
 
 
-def _mid_epoch_refusal(trainer: pl.Trainer) -> str | None:
-    """Why the Trainer's settings cannot run under the callback, or ``None``.
+def _validates_mid_epoch(trainer: pl.Trainer) -> bool:
+    """Whether ``val_check_interval`` validates in the middle of an epoch (an int
+    number of batches, or a fraction below 1)."""
+    interval = getattr(trainer, "val_check_interval", None)  # unset: a duration
+    return isinstance(interval, int) or (isinstance(interval, float) and interval < 1.0)
 
-    Mid-epoch validation (``val_check_interval`` an int or a float below 1) and
-    step- or time-based checkpoints (``ModelCheckpoint(every_n_train_steps=...)``,
-    ``train_time_interval=...``) run collectives inside the epoch's Join that a
-    rank which ran out of batches does not shadow yet: the first fails on every
-    rank at its first validation, the second hangs in the save's barrier.
+
+def _mid_epoch_refusal(trainer: pl.Trainer, fsdp: bool) -> str | None:
+    """Why the Trainer's mid-epoch validation or checkpoints cannot run under the
+    callback, or ``None``.
+
+    Time-based validation (``val_check_interval`` a duration) is decided by each
+    rank's clock, which the ranks do not share. Under FSDP the mid-epoch events
+    are not done: a validation forward there is a joined rank's replay inside the
+    training Join, and a checkpoint's state dict is a collective of shards.
     """
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    interval = trainer.val_check_interval
-    if isinstance(interval, int) or (isinstance(interval, float) and interval < 1.0):
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
         return (
-            f"UnevenInputs: Trainer(val_check_interval={interval!r}) validates in the middle "
-            "of a training epoch, which UnevenInputs does not support yet: the validation's "
-            "forwards and metric syncs would run inside the epoch's Join, where a rank that "
-            "ran out of training batches cannot shadow them. Validate at epoch ends "
-            "(val_check_interval=1.0, the default, with check_val_every_n_epoch=N)")
-    for callback in trainer.checkpoint_callbacks:
-        if not isinstance(callback, ModelCheckpoint):
-            continue
-        steps, every = callback._every_n_train_steps, callback._train_time_interval
-        if steps > 0 or every is not None:
-            what = (f"every_n_train_steps={steps}" if steps > 0
-                    else f"train_time_interval={every!r}")
-            return (
-                f"UnevenInputs: ModelCheckpoint({what}) saves in the middle of a training "
-                "epoch, which UnevenInputs does not support yet: a save is a collective "
-                "(a barrier after rank 0 writes) that a rank which ran out of training "
-                "batches does not shadow, and rank 0 may be that rank (its model lags the "
-                "others' until the epoch's Join ends), so the run would hang. Save at epoch "
-                "ends (ModelCheckpoint(every_n_epochs=1), the default)")
+            "UnevenInputs: Trainer(val_check_interval=...) as a duration validates by each "
+            "rank's clock, which the ranks do not share, so a rank that ran out of "
+            "training batches cannot tell when the others validate: give "
+            "val_check_interval as a number of batches (an int) or a fraction of the epoch")
+    steps = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)
+             and (c._every_n_train_steps > 0 or c._train_time_interval is not None)]
+    if fsdp and (steps or _validates_mid_epoch(trainer)):
+        what = (f"Trainer(val_check_interval={trainer.val_check_interval!r})"
+                if _validates_mid_epoch(trainer) else "ModelCheckpoint(every_n_train_steps=...)")
+        return (
+            f"UnevenInputs under FSDP does not support {what} yet (validation and "
+            "checkpoints in the middle of an epoch work under DDP): validate and save at "
+            "epoch ends (val_check_interval=1.0, ModelCheckpoint(every_n_epochs=1), the "
+            "defaults)")
     return None
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    """The global rank of ``rank`` in ``group`` (``None``: the default group)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+@attrs.frozen(kw_only=True)
+class _EventState:
+    """A mid-epoch event while it runs (``UnevenInputs._event``)."""
+
+    group: Any  # the Join's process group (None: the default group)
+    source: int  # the global rank whose state a joined rank takes and rank 0 writes
+    some_joined: bool  # some rank has joined (else the event is Lightning's alone)
+
+
+def _step_save(callback: UnevenInputs, original: Callable[..., Any],
+               first: bool) -> Callable[..., Any]:
+    """A step-saving ModelCheckpoint's ``on_train_batch_end``: during the Join, the
+    first one runs the checkpoint event (every step-saving one, on every rank)."""
+    def on_train_batch_end(trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> Any:
+        if not callback._active or callback._ckpt_event is None:
+            return original(trainer, pl_module, outputs, batch, batch_idx)
+        if first:
+            callback._ckpt_event(outputs, batch, batch_idx)
+        return None
+
+    return on_train_batch_end
+
+
+def _writer_dump(callback: UnevenInputs, original: Callable[..., Any]) -> Callable[..., Any]:
+    """The checkpoint connector's ``dump_checkpoint``: in an event where rank 0 (the
+    writer) has joined, rank 0 gets the source's checkpoint (its parameters,
+    optimizer, loops and loader states are the active ranks')."""
+    def dump_checkpoint(weights_only: bool | None = False) -> dict[str, Any]:
+        checkpoint: dict[str, Any] = original(weights_only)
+        state = callback._event_state
+        if state is None or not state.some_joined or state.source == 0:
+            return checkpoint
+        rank = dist.get_rank()
+        if rank == state.source:
+            dist.send_object_list([checkpoint], dst=0, group=state.group)
+        elif rank == 0:
+            received: list[Any] = [None]
+            dist.recv_object_list(received, src=state.source, group=state.group)
+            return dict(received[0])
+        return checkpoint
+
+    return dump_checkpoint
+
+
+def _writer_candidates(callback: UnevenInputs,
+                       original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A ModelCheckpoint's ``_monitor_candidates``: in an event where some rank has
+    joined, the source's (a joined rank's logged training values are older)."""
+    def monitor_candidates(trainer: Any) -> Any:
+        candidates = original(trainer)
+        state = callback._event_state
+        if state is None or not state.some_joined:
+            return candidates
+        shared = [candidates]
+        dist.broadcast_object_list(shared, src=state.source, group=state.group)
+        return shared[0]
+
+    return monitor_candidates
 
 
 def _is_model_parallel(strategy: Any) -> bool:

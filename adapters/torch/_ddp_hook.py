@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["HookState", "install", "installed", "foreign_hook"]
+__all__ = ["HookState", "install", "installed", "foreign_hook", "complete"]
 
 
 class HookState:
@@ -51,6 +51,9 @@ class HookState:
         self.active: Callable[[], float] | None = None
         self.opts = dist.AllreduceOptions()
         self.opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        #: Outside a route, on the CPU: this backward's buckets so far (work,
+        #: tensor, future), completed by its last (:func:`complete`).
+        self.pending: list[tuple[Any, torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
 
 
 # id(ddp) -> its hook's state (a model gets the hook once: DDP allows one).
@@ -98,9 +101,49 @@ def _plain(state: HookState,
     divisor = float(group.size()) if state.active is None else max(state.active(), 1.0)
     tensor.mul_(1.0 / divisor)
     work = group.allreduce([tensor], state.opts)
-    future: torch.futures.Future[torch.Tensor] = work.get_future().then(
-        lambda fut: fut.value()[0])
+    if tensor.device.type != "cpu":
+        return work.get_future().then(  # type: ignore[no-any-return]
+            lambda fut: fut.value()[0])
+    # CPU: completed in the backward's last bucket's hook, not by a callback
+    # on the communication thread (``_ddp_round.RoundHeartbeat._complete_round``).
+    if bucket.index() == 0:
+        state.pending.clear()  # a backward that never ended (it raised)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    state.pending.append((work, tensor, future))
+    if bucket.is_last():
+        complete(state.pending)
     return future
+
+
+def complete(pending: list[tuple[Any, torch.Tensor, torch.futures.Future[torch.Tensor]]],
+             finish: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Wait for every pending bucket's all-reduce, then complete each future with its tensor.
+
+    Args:
+        pending: (work, tensor, future) per bucket, in order; emptied.
+        finish: called with each tensor whose all-reduce completed, once all
+            did, before its future is completed (e.g. to divide it by a count
+            that another bucket's all-reduce brought).
+
+    An all-reduce's error reaches DDP through its bucket's future, as from a
+    pending one.
+    """
+    errors: list[Exception | None] = []
+    for work, _, _ in pending:
+        try:
+            work.wait()
+        except Exception as error:  # noqa: BLE001 - DDP raises it, as from any future
+            errors.append(error)
+        else:
+            errors.append(None)
+    for (_, tensor, future), failed in zip(pending, errors, strict=True):
+        if failed is not None:
+            future.set_exception(failed)  # type: ignore[arg-type]  # torch types it as T
+            continue
+        if finish is not None:
+            finish(tensor)
+        future.set_result(tensor)
+    pending.clear()
 
 
 def _hook(state: HookState,

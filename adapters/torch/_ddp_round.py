@@ -5,9 +5,13 @@ Theory of operation
 With join enabled, torch's DDP sends two 1-element all-reduces per forward
 besides its gradients (the heartbeat and its gradient-sync check); the fused
 check (``_joinables._FusedCheck``) makes them one. Here they are none: the
-heartbeat rides in DDP's gradient all-reduce, one more element in every
-bucket, which the core calls a *round heartbeat* (``joinkit._machine``'s module
-doc). A *round* is one backward's bucket all-reduces, in bucket order.
+heartbeat rides in DDP's gradient all-reduce, one more element in one bucket
+per backward, which the core calls a *round heartbeat* (``joinkit._machine``'s
+module doc). A *round* is one backward's bucket all-reduces, in bucket order;
+its *carrier* is its first bucket of at most :data:`CARRIER_BYTES` (DDP caps its
+first bucket at 1 MiB, so it is nearly always bucket 0), else its last one: a
+rule both an active rank (bucket by bucket) and a joined one (from the
+layout) apply alike.
 
 - *Active rank, per forward* (:meth:`RoundHeartbeat.notify`): the Join counts
   the input (``Join.fused_heartbeat``, which raises ``PeerAborted`` if the
@@ -17,30 +21,31 @@ doc). A *round* is one backward's bucket all-reduces, in bucket order.
   backward, no round goes out; the next backward that syncs is the next round.
 - *Active rank, per bucket* (:meth:`RoundHeartbeat.hook`, the route of joinkit's
   comm hook, ``_ddp_hook``): the bucket is multiplied by ``1 / world size``
-  (``divide_by_initial_world_size=True``, as DDP's reducer does) and sent in
-  one all-reduce with one more element holding the heartbeat value
-  (:class:`_Slot`: on the CPU a copy into a buffer one element longer, one
-  pass over the bucket and no allocation, whose head DDP gets back as the
-  bucket's result and copies into the gradients as it does any hook's; the
-  round's last bucket is waited for in the hook, so no callback runs on the
-  communication thread (:meth:`RoundHeartbeat._finish_now`); on CUDA a coalesced
-  all-reduce of the bucket and a 1-element tensor, one NCCL group and no
-  copy of the gradients). The element's sum is the
-  number of active ranks in this round (failed ranks' weights aside, which
-  ``decode_tally`` reads): the next forward hands the latest bucket's sum to
-  the Join's failure check (``Join.record_heartbeat_total``), and with
-  ``divide_by_initial_world_size=False`` each bucket is divided by its own
-  sum, so its divisor comes from its own all-reduce, before it is used. The
-  future DDP gets back does nothing else (its error, if any, reaches DDP).
+  (``divide_by_initial_world_size=True``, as DDP's reducer does without a
+  hook) and all-reduced in DDP's own buffer; the carrier is sent in one
+  all-reduce with one more element holding the heartbeat value (:class:`_Slot`:
+  on the CPU a copy into a buffer one element longer, one pass over that one
+  small bucket and no allocation, whose head DDP gets back as the bucket's
+  result and copies into the gradients as it does any hook's; on CUDA a
+  coalesced all-reduce of the bucket and a 1-element tensor, one NCCL group
+  and no copy of the gradients). Every bucket's future is completed in the
+  round's last bucket's hook, so no callback runs on the communication thread
+  (:meth:`RoundHeartbeat._complete_round`). The carrier's extra element sums to
+  the number of active ranks in this round (failed ranks' weights aside, which
+  ``decode_tally`` reads): the next forward hands it to the Join's failure
+  check (``Join.record_heartbeat_total``), and with
+  ``divide_by_initial_world_size=False`` every bucket of the round is divided
+  by it once the round's all-reduces completed. The futures DDP gets back do
+  nothing else (an all-reduce's error reaches DDP through its bucket's).
 - *Joined rank, per round* (the hook's :meth:`RoundHeartbeat.shadow_first`, the
   Join's count, then :meth:`RoundHeartbeat.shadow_rest`, its main hook): what
   torch's join hook does, less what this path rules out (buffers, unused
   parameters): the bucket rebuild if due (a broadcast, once, after the first
   backward, at the same place as an active rank's next forward), the same
-  all-reduces from zeros with the drain's value, and the rebuilt
-  parameters pushed. The first bucket's sum is the count: nobody active
-  means every rank has joined and issued the same first bucket, and they all
-  stop there.
+  all-reduces from zeros with the drain's value in the carrier, and the
+  rebuilt parameters pushed. The carrier's sum is the count: nobody active
+  means every rank has joined and issued the same buckets up to the carrier,
+  and they all stop there.
 - *A rank failing midway through a round* (a bucket's all-reduce out, not the
   last): :meth:`RoundHeartbeat.round_open` says so; its completion round
   (:meth:`RoundHeartbeat.shadow_rest`) sends the rest from zeros.
@@ -137,26 +142,52 @@ def _count(total: float) -> int:
     return round(total) if NOBODY_ACTIVE_BELOW <= total < ALARM else 1
 
 
-class _Slot:
-    """One bucket's all-reduce with its heartbeat element (module doc).
+#: The largest bucket (bytes) that may carry a round's heartbeat: a round's
+#: first bucket of at most this size carries it, else its last bucket (DDP's
+#: first bucket is capped at 1 MiB, ``first_bucket_bytes``).
+CARRIER_BYTES = 4 << 20
 
-    On the CPU the bucket is copied into a buffer one element longer (the
-    copy also multiplies by ``1 / world size`` where that is the divisor), whose
-    last element is the heartbeat, read and written through a NumPy view; one
-    all-reduce sends it, and the buffer's head is the bucket's result (divided
-    in place by the count where that is the divisor). On CUDA (no copy of the
-    gradients, no host read) the bucket and a 1-element heartbeat go in one coalesced all-reduce.
+
+def carries(elements: int, dtype: torch.dtype, last: bool) -> bool:
+    """Whether a bucket carries its round's heartbeat, none before it having done so."""
+    return last or elements * dtype.itemsize <= CARRIER_BYTES
+
+
+def _carrier(layout: list[tuple[int, int, torch.dtype, torch.device]]) -> int:
+    """The place in ``layout`` of the bucket that carries a round's heartbeat."""
+    for place, (_, elements, dtype, _) in enumerate(layout):
+        if carries(elements, dtype, place == len(layout) - 1):
+            return place
+    raise AssertionError("a bucket layout without buckets")
+
+
+class _Slot:
+    """One bucket's all-reduce buffers (module doc).
+
+    The bucket that carries the heartbeat (``carrier``): on the CPU it is
+    copied into a buffer one element longer (the copy also multiplies by
+    ``1 / world size`` where that is the divisor), whose last element is the
+    heartbeat, read and written through a NumPy view; one all-reduce sends it,
+    and the buffer's head is the bucket's result. On CUDA (no copy of the
+    gradients, no host read) the bucket and a 1-element heartbeat go in one
+    coalesced all-reduce. Every other bucket is all-reduced in DDP's own
+    buffer; a joined rank's all-reduces from zeros use ``zeros``.
     """
 
-    __slots__ = ("elements", "dtype", "wide", "head", "view", "beat", "zeros")
+    __slots__ = ("elements", "dtype", "carrier", "wide", "head", "view", "beat", "zeros")
 
-    def __init__(self, elements: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, elements: int, dtype: torch.dtype, device: torch.device,
+                 carrier: bool) -> None:
         self.elements = elements
         self.dtype = dtype
+        self.carrier = carrier
         self.wide: torch.Tensor | None = None
         self.head: torch.Tensor | None = None
         self.view: Any = None
+        self.beat: torch.Tensor | None = None
         self.zeros: torch.Tensor | None = None
+        if not carrier:
+            return
         if device.type == "cpu":
             self.wide = torch.empty(elements + 1, dtype=dtype)
             self.head = self.wide[:elements]
@@ -169,6 +200,7 @@ class _Slot:
         """The heartbeat's sum, once the all-reduce completed."""
         if self.view is not None:
             return float(self.view[self.elements])
+        assert self.beat is not None
         return float(self.beat.item())
 
 
@@ -206,11 +238,17 @@ class RoundHeartbeat:
         self.issued = 0  # buckets sent in this rank's own rounds (the no-backward check)
         self.inputs = 0  # this rank's forwards in the Join (its notifies)
         self.latest: _Slot | None = None  # the latest bucket sent (CPU: its sum is read)
+        # This round's buckets so far (work, result, future), completed by its
+        # last (:meth:`_complete_round`), and its carrier once it went out.
+        self.pending: list[tuple[Any, torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
+        self.carrier: _Slot | None = None
+        self.device = torch.device(ddp.join_device)
         self.expect: int | None = None  # ``issued`` after a forward that announced a backward
         # Joined rank: the bucket layout (index, elements, dtype, device), per rebuild.
         self.layout: list[tuple[int, int, torch.dtype, torch.device]] | None = None
         self.layout_rebuilt = False
-        self.owed: list[tuple[int, int, torch.dtype, torch.device]] = []
+        # Joined rank: where the rest of the round starts after its count (0: none owed).
+        self.owed = 0
         self.state = _ddp_hook.install(ddp)
         self.state.route = self
         ddp._check_global_requires_backward_grad_sync = self.check
@@ -222,6 +260,7 @@ class RoundHeartbeat:
         if self.ddp.__dict__.get("_check_global_requires_backward_grad_sync") == self.check:
             del self.ddp.__dict__["_check_global_requires_backward_grad_sync"]
         self.slots = {}
+        self.pending, self.carrier = [], None
 
     # -- active rank ----------------------------------------------------------------
 
@@ -250,68 +289,60 @@ class RoundHeartbeat:
         return True if is_joined_rank else None
 
     def hook(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        """The comm hook's route: this bucket and the heartbeat, in one all-reduce."""
+        """The comm hook's route: this bucket, and the heartbeat if it carries it."""
         buffer: torch.Tensor = bucket.buffer()
-        slot = self._slot(bucket.index(), buffer.numel(), buffer.dtype, buffer.device)
+        last = bucket.is_last()
+        if self.sent == 0:  # a round that never ended (its backward raised)
+            self.pending, self.carrier = [], None
+        carrier = self.carrier is None and carries(buffer.numel(), buffer.dtype, last)
+        slot = self._slot(bucket.index(), buffer.numel(), buffer.dtype, buffer.device, carrier)
         work = self._send(slot, buffer)
         self.issued += 1
-        self.sent = 0 if bucket.is_last() else self.sent + 1
-        self.latest = slot
-        head, view, beat, elements = slot.head, slot.view, slot.beat, slot.elements
-        if head is not None:  # CPU: the result is in the wide buffer's head
-            if bucket.is_last():
-                return self._finish_now(work, slot)
-            if self.scale is not None:
-                def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-                    fut.value()  # raises the all-reduce's error, if any
-                    return head  # the reducer copies it into the gradients
-            else:
-                def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-                    fut.value()
-                    return head.div_(_count(float(view[elements])))  # its own count
-        elif self.scale is not None:
-            def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-                fut.value()
-                return buffer
-        else:  # CUDA: no host read; the count divides on the device
-            def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-                fut.value()
-                buffer.div_(beat.clamp(min=1.0))
-                return buffer
-
-        future: torch.futures.Future[torch.Tensor] = work.get_future().then(finish)
-        return future
-
-    def _finish_now(self, work: Any, slot: _Slot) -> torch.futures.Future[torch.Tensor]:
-        """The round's last bucket on the CPU: wait here, hand DDP a completed future.
-
-        DDP waits for every bucket once the backward ends, and the last bucket
-        is ready only when the last parameter's gradient is, so waiting here
-        gives up only the overlap with what the backward computes after that
-        (gradients of inputs, if any). It spares the callback that a pending
-        future runs on the communication thread (its hand-over of the GIL and
-        its Python frame) on every iteration; ``Work.wait`` lets go of the GIL,
-        so joinkit's status thread keeps publishing. An error of the
-        all-reduce reaches DDP through the future, as from a pending one.
-        """
+        self.sent = 0 if last else self.sent + 1
+        if carrier:
+            self.carrier = self.latest = slot
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        try:
-            work.wait()
-        except Exception as error:  # noqa: BLE001 - DDP raises it, as from any future
-            future.set_exception(error)  # type: ignore[arg-type]  # torch types it as T
-            return future
-        head = slot.head
-        assert head is not None
-        if self.scale is None:
-            head.div_(_count(float(slot.view[slot.elements])))
-        future.set_result(head)
+        self.pending.append((work, buffer if slot.head is None else slot.head, future))
+        if last:
+            self._complete_round()
         return future
+
+    def _complete_round(self) -> None:
+        """The round's last bucket: wait for its buckets, complete their futures.
+
+        Every bucket got a pending future (:meth:`hook`); they are completed
+        here, in the last bucket's hook, once its all-reduce is out. DDP waits
+        for every bucket once the backward ends, and the last bucket is ready
+        only when the last parameter's gradient is, so this gives up only the
+        overlap with what the backward computes after that (gradients of
+        inputs, if any), while the earlier buckets' all-reduces still run
+        behind the backward. It spares a callback per bucket on the
+        communication thread (a future's ``then``: a hand-over of the GIL and a
+        Python frame, on every bucket of every iteration); ``Work.wait`` lets go
+        of the GIL, so joinkit's status thread keeps publishing. An error of an
+        all-reduce reaches DDP through its bucket's future, as from a pending
+        one. With ``divide_by_initial_world_size=False`` every bucket is divided
+        by the round's count, which its carrier's all-reduce brought.
+        """
+        carrier, self.carrier = self.carrier, None
+        finish: Callable[[torch.Tensor], None] | None = None
+        if self.scale is None and carrier is not None:
+            if carrier.view is not None:
+                def finish(result: torch.Tensor) -> None:
+                    result.div_(_count(float(carrier.view[carrier.elements])))
+            else:  # CUDA: no host read; the count divides on the device
+                beat = carrier.beat
+                assert beat is not None
+
+                def finish(result: torch.Tensor) -> None:
+                    result.div_(beat.clamp(min=1.0))
+        _ddp_hook.complete(self.pending, finish)  # the reducer copies each into the grads
 
     def _send(self, slot: _Slot, buffer: torch.Tensor | None) -> Any:
-        """Start the all-reduce of ``buffer`` (``None``: zeros) and ``self.value``."""
+        """Start the all-reduce of ``buffer`` (``None``: zeros); a carrier adds ``self.value``."""
         scale = self.scale
         head = slot.head
-        if head is not None:
+        if head is not None:  # the carrier, on the CPU
             if buffer is None:
                 head.zero_()
             elif scale is not None:
@@ -322,21 +353,23 @@ class RoundHeartbeat:
             return self.allreduce([slot.wide], self.opts)
         if buffer is None:
             if slot.zeros is None:
-                slot.zeros = torch.zeros(slot.elements, dtype=slot.dtype,
-                                         device=slot.beat.device)
+                slot.zeros = torch.zeros(slot.elements, dtype=slot.dtype, device=self.device)
             else:
                 slot.zeros.zero_()
             buffer = slot.zeros
         elif scale is not None:
             buffer.mul_(scale)
-        slot.beat.fill_(self.value)
+        if slot.beat is None:
+            return self.allreduce([buffer], self.opts)
+        slot.beat.fill_(self.value)  # the carrier, on CUDA
         return self.allreduce_coalesced([buffer, slot.beat], self.coalesced_opts)
 
     def _slot(self, index: int, elements: int, dtype: torch.dtype,
-              device: torch.device) -> _Slot:
+              device: torch.device, carrier: bool) -> _Slot:
         slot = self.slots.get(index)
-        if slot is None or slot.elements != elements or slot.dtype != dtype:
-            slot = self.slots[index] = _Slot(elements, dtype, device)
+        if (slot is None or slot.elements != elements or slot.dtype != dtype
+                or slot.carrier != carrier):
+            slot = self.slots[index] = _Slot(elements, dtype, device, carrier)
         return slot
 
     def settle(self) -> None:
@@ -387,31 +420,43 @@ class RoundHeartbeat:
     # -- joined rank ----------------------------------------------------------------
 
     def shadow_first(self, heartbeat: float) -> float:
-        """A joined rank's count: the round's first bucket from zeros; its heartbeat sum."""
+        """A joined rank's count: the round's buckets up to its carrier, from zeros.
+
+        Returns:
+            The carrier's heartbeat sum.
+        """
         ddp = self.ddp
         if not ddp._has_rebuilt_buckets and ddp.reducer._rebuild_buckets():
             ddp._has_rebuilt_buckets = True  # as DDP's forward would, at the same place
         layout = self._layout()
         self.value = heartbeat
-        self.owed = layout[1:]
-        return self._shadow(layout[0])
+        carrier = _carrier(layout)
+        for bucket in layout[:carrier]:
+            self._shadow(bucket, False)
+        self.owed = carrier + 1
+        return self._shadow(layout[carrier], True)
 
     def shadow_rest(self) -> None:
         """The rest of the round: after a count, or a failing rank's open round."""
-        owed = self.owed
+        start = self.owed
         if self.sent:
-            owed = self._layout()[self.sent:]
+            start = self.sent
             self.sent = 0
-        self.owed = []
-        for bucket in owed:
-            self._shadow(bucket)
+            self.pending, self.carrier = [], None
+        self.owed = 0
+        if start:
+            layout = self._layout()
+            carrier = _carrier(layout)
+            for place in range(start, len(layout)):
+                self._shadow(layout[place], place == carrier)
         self.ddp.reducer._push_all_rebuilt_params()  # torch's hook does, once due
 
-    def _shadow(self, bucket: tuple[int, int, torch.dtype, torch.device]) -> float:
-        """One bucket's all-reduce from zeros, waited for; its heartbeat sum."""
-        slot = self._slot(*bucket)
+    def _shadow(self, bucket: tuple[int, int, torch.dtype, torch.device],
+                carrier: bool) -> float:
+        """One bucket's all-reduce from zeros, waited for; its heartbeat sum if it carries it."""
+        slot = self._slot(*bucket, carrier)
         self.wait(self._send(slot, None))
-        return slot.total()
+        return slot.total() if carrier else 0.0
 
     def _layout(self) -> list[tuple[int, int, torch.dtype, torch.device]]:
         """The reducer's buckets (index, elements, dtype, device), read once per rebuild."""

@@ -522,6 +522,27 @@ class ShardSampler(Sampler[int]):
         consumed, _ = self._consumed()
         return len(self._pass.left(consumed))
 
+    def skip_rounds(self, count: int = 1) -> None:
+        """Count ``count`` rounds of the current pass's Join as taking no batch.
+
+        ``state_dict`` counts one batch per round of the Join. A loop whose model
+        makes every forward a round (an FSDP model's joinable: each forward is a
+        step check, which a joined rank shadows) and runs forwards without a batch
+        of this sampler inside the pass (an evaluation in the middle of an epoch)
+        calls it on every rank alike, once per such round, so that ``state_dict``
+        counts the training iterations only.
+
+        Args:
+            count: the rounds without a batch (0 or more).
+
+        Raises:
+            ValueError: ``count`` is negative.
+        """
+        if count < 0:
+            raise ValueError(f"ShardSampler.skip_rounds(count): count must be >= 0, not {count}")
+        if self._tracker is not None:
+            self._tracker.mark += count
+
     def state_dict(self) -> dict[str, Any]:
         """What the epoch has consumed, on every rank alike (no collective).
 

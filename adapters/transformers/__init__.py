@@ -76,8 +76,8 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
             that Accelerate does not run (``use_cpu=True``).
         NotImplementedError: DataParallel, tensor, context or sequence
             parallelism; under DeepSpeed offloading to NVMe, ZeRO++, ZeRO-3 mid-epoch
-            or stream evaluation; under FSDP mid-epoch checkpoints and evaluation,
-            stream evaluation, FSDP1's CPU offload; a model whose main input is not
+            or stream evaluation; under FSDP stream evaluation, FSDP1's CPU
+            offload; a model whose main input is not
             ``input_ids`` (DeepSpeed, FSDP).
         ValueError: a setting this adapter does not handle (the message says
             which, and what to use instead).
@@ -150,8 +150,8 @@ def _refuse(trainer: Any, distributed_type: Any) -> None:
         from . import _fsdp
 
         _fsdp.refuse(trainer)
-        _refuse_gathering_evaluation(trainer, "FSDP", "FSDP's forward all-gathers the "
-                                                     "parameters")
+        _refuse_stream_evaluation(trainer, "FSDP", "FSDP's forward all-gathers the "
+                                                  "parameters")
     elif getattr(args, "fsdp", None):
         raise RuntimeError(
             "uneven_inputs: TrainingArguments(fsdp=...) is set but the Trainer's Accelerator "
@@ -260,14 +260,13 @@ def _refuse_deepspeed(trainer: Any) -> None:
 
 def _refuse_gathering_evaluation(trainer: Any, what: str, gathers: str,
                                  instead: str = "") -> None:
-    """Raise for evaluation that runs a forward gathering from every rank unevenly.
+    """Raise for evaluation that runs a forward gathering from every rank unevenly
+    (ZeRO-3: its evaluation forwards are no rounds of the Join, unlike FSDP's).
 
     Raises:
         NotImplementedError: ``eval_strategy='steps'`` (the ranks still training
             evaluate) or an ``IterableDataset`` evaluation set (uneven forwards).
     """
-    import torch
-
     args = trainer.args
     evaluating = str(getattr(args.eval_strategy, "value", args.eval_strategy))
     if evaluating == "steps":
@@ -276,6 +275,18 @@ def _refuse_gathering_evaluation(trainer: Any, what: str, gathers: str,
             f"an epoch on the ranks still training, and {gathers} from every rank. Use "
             f"eval_strategy='epoch' (every rank evaluates){instead}"
         )
+    _refuse_stream_evaluation(trainer, what, gathers, instead)
+
+
+def _refuse_stream_evaluation(trainer: Any, what: str, gathers: str,
+                              instead: str = "") -> None:
+    """Raise for an ``IterableDataset`` evaluation set where a forward gathers.
+
+    Raises:
+        NotImplementedError: each rank's own stream runs uneven forwards.
+    """
+    import torch
+
     eval_data = trainer.eval_dataset
     datasets = eval_data.values() if isinstance(eval_data, dict) else [eval_data]
     if any(isinstance(d, torch.utils.data.IterableDataset) for d in datasets):

@@ -28,15 +28,20 @@ window with empty micro-batches), the step check tells joined ranks which
 micro-batch syncs, and FSDP accumulates the window itself (no gradient is set
 aside, unlike DDP's).
 
-*Refused* by ``uneven_inputs`` (on every rank, before any collective), each
-because the ranks still training would run collectives of every rank that a
-joined rank does not replay: ``save_strategy="steps"``/``"best"`` (an FSDP
-checkpoint gathers or writes every rank's shards), ``eval_strategy="steps"``
-(evaluation in the middle of an epoch runs on the active ranks, and FSDP's
-forward all-gathers from every rank), an ``IterableDataset`` evaluation set
-(uneven evaluation forwards); and a model whose main input is not
-``input_ids`` (the replay's input), FSDP1's parameter CPU offload
-(``joinkit.adapters.torch.fsdp1``).
+*Checkpoints and evaluation in the middle of an epoch* (``save_strategy="steps"``
+or ``"best"``, ``eval_strategy="steps"``): an FSDP checkpoint gathers or writes
+every rank's shards, and every FSDP forward all-gathers. After every optimizer
+step of a Join the active ranks tell the joined ones what follows
+(``Session.agree``): an evaluation forward, which the FSDP model's joinable
+shadows as a round of the Join (the session's forward hooks announce it), a
+checkpoint, whose collectives a joined rank runs with the Trainer's own calls
+(``Session.save_as_joined``), or nothing. :func:`shadow_step` calls the session
+back after the step, for that agreement.
+
+*Refused* by ``uneven_inputs`` (on every rank, before any collective): an
+``IterableDataset`` evaluation set (uneven evaluation forwards, each a collective
+of every rank); a model whose main input is not ``input_ids`` (the replay's
+input), FSDP1's parameter CPU offload (``joinkit.adapters.torch.fsdp1``).
 """
 
 from __future__ import annotations
@@ -60,15 +65,6 @@ def refuse(trainer: Any) -> None:
     Raises:
         NotImplementedError: the setting, why, and what to use instead.
     """
-    args = trainer.args
-    saving = str(getattr(args.save_strategy, "value", args.save_strategy))
-    if saving not in ("no", "epoch"):
-        raise NotImplementedError(
-            f"uneven_inputs with FSDP: save_strategy={saving!r} saves in the middle of an "
-            "epoch, where a rank may have joined, and an FSDP checkpoint is a collective of "
-            "every rank (each rank's shards are gathered or written) that a joined rank does "
-            "not take part in. Use save_strategy='epoch' (or 'no')"
-        )
     plugin = trainer.accelerator.state.fsdp_plugin
     offload = getattr(plugin, "cpu_offload", None)
     if not is_fsdp2(trainer) and bool(getattr(offload, "offload_params", False)):
@@ -99,10 +95,12 @@ def epoch_joinables(trainer: Any, model: Any) -> list[Any]:
     return [model, trainer.optimizer.optimizer]
 
 
-def shadow_step(trainer: Any) -> Callable[[], None]:
-    """A joined rank's step after a shadow round that synced (module doc)."""
+def shadow_step(trainer: Any, stepped: Callable[[], None]) -> Callable[[], None]:
+    """A joined rank's step after a shadow round that synced (module doc); then
+    ``stepped`` (the session's agreement on what follows the step)."""
 
     def step() -> None:
+        stepped()
         model = trainer.model_wrapped
         norm = None
         if trainer.args.max_grad_norm > 0:

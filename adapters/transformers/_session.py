@@ -56,10 +56,11 @@ loss is scaled back to the number of ranks that trained, so the logged loss
 
 *After a Join.* The post hooks give every rank the last joiner's parameters
 (DDP), optimizer and scheduler state, ``TrainerState`` (``global_step``,
-``log_history``, best metric, flos...), control flags and loss bookkeeping; a
-rank that missed log entries while it was joined calls its ``on_log``
-callbacks for them (with ``global_step`` as at the entry), so rank 0's
-reporting integrations see every entry.
+``log_history``, best metric, flos...), control flags and loss bookkeeping (the
+optimizer state only when some rank missed optimizer steps: ranks that took the
+same steps hold the same state already); a rank that missed log entries while
+it was joined calls its ``on_log`` callbacks for them (with ``global_step`` as
+at the entry), so rank 0's reporting integrations see every entry.
 
 *DeepSpeed* (``TrainingArguments(deepspeed=...)``; what it cannot replay is
 refused in ``uneven_inputs``). The epoch's Join takes the engine
@@ -77,7 +78,7 @@ session's calls go through a second side channel that follows it. The post hook
 sends no optimizer state (each rank's is its own partition, stepped by the replay).
 A DeepSpeed checkpoint is a collective of every rank (each writes its partition):
 after every optimizer step of a Join the ranks agree whether the Trainer saves
-(:meth:`Session.agree_on_save`: the active ranks in ``_maybe_log_save_evaluate``, a
+(:meth:`Session.agree`: the active ranks in ``_maybe_log_save_evaluate``, a
 joined rank in the sync's main hook, after its replay and scheduler step), and a
 joined rank then runs the Trainer's own saving calls for its part.
 
@@ -87,7 +88,10 @@ replays the model's forward and backward on the DeepSpeed path's one token, then
 the Trainer's clipping, optimizer step and scheduler step (``shadow_step``) after
 each micro-batch that synced. ``no_sync`` stays FSDP's own (its windows end on every
 rank together) and no gradient is set aside; the post hook sends no optimizer state
-(each rank's shards are its own).
+(each rank's shards are its own). Checkpoints are collective as DeepSpeed's, and so
+are evaluation forwards in the middle of an epoch: the same agreement after every
+optimizer step also announces each evaluation forward, which the joined ranks shadow
+as a round of the Join (:meth:`Session.agree`).
 
 *Evaluation* (``evaluate``, ``predict``, ``eval_strategy``, also in the middle
 of an epoch after a rank joined): the ranks evaluating (every rank, or inside
@@ -127,7 +131,11 @@ from joinkit.adapters.torch.optim import gradients_set_aside
 
 from . import _fsdp, _private, _resume
 
-__all__ = ["Session", "current"]
+__all__ = ["Session", "current", "END", "FORWARD", "SAVE"]
+
+#: What follows an optimizer step of a Join, as the active ranks tell the joined ones
+#: (:meth:`Session.agree`): nothing, an evaluation forward (FSDP), a checkpoint.
+END, FORWARD, SAVE = 0, 1, 2
 
 _local = threading.local()
 
@@ -172,10 +180,16 @@ class Session:
         self.global_updates = 0
         self.predicting = False
         self.local_count = False
-        #: This step's save was agreed on with the joined ranks (DeepSpeed).
-        self.save_announced = False
-        #: A joined DeepSpeed rank's replayed micro-step ended a window (_engine_stepped).
+        #: An active rank owes the joined ranks the agreement on what follows this
+        #: optimizer step or evaluation forward (DeepSpeed, FSDP: :meth:`agree`).
+        self.owed = False
+        #: Inside ``_maybe_log_save_evaluate`` of a Join (FSDP: its forwards evaluate).
+        self.step_tail = False
+        #: A joined rank's replay ended a window (DeepSpeed's _engine_stepped, FSDP's
+        #: shadow step), or the last agreement announced a forward: its sync hook agrees.
         self.replayed_window_end = False
+        #: The forward hooks of an FSDP epoch's Join (_agreement_hooks).
+        self.hooks: list[Any] = []
         #: The rows of the evaluation batch in hand when it is partial (_partial_rows).
         self.partial_rows: int | None = None
         #: The training set's sampler (a map-style set), whose state a checkpoint keeps.
@@ -421,6 +435,8 @@ class Session:
                 self.channel = self.world_channel
                 raise
             self.join = join
+            if self.fsdp:
+                self.hooks = self._agreement_hooks(kwargs["model"])
             before = current()
             _local.session = self
             try:
@@ -483,9 +499,14 @@ class Session:
         if type(trainer.lr_scheduler).__name__ not in ("ReduceLROnPlateau", "GreedyLR"):
             trainer.lr_scheduler.step()
 
+    def _fsdp_stepped(self) -> None:
+        """After a joined rank's shadow step (FSDP): the sync hook's agreement."""
+        self.replayed_window_end = True
+
     def _epoch_join_kwargs(self) -> dict[str, Any]:
         if self.fsdp:  # the same replay input; the Trainer's step after a synced round
-            return {**self._one_token(), "shadow_step": _fsdp.shadow_step(self.trainer),
+            return {**self._one_token(),
+                    "shadow_step": _fsdp.shadow_step(self.trainer, self._fsdp_stepped),
                     **self.join_kwargs}
         if not self.deepspeed:
             return self.join_kwargs
@@ -504,7 +525,10 @@ class Session:
         """Leave the epoch's Join: shadow until every rank finished it, then sync."""
         join, self.join = self.join, None
         _local.session = None
-        self.phantom = False
+        self.phantom = self.owed = self.replayed_window_end = False
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
         if join is None:
             return
         try:
@@ -610,9 +634,9 @@ class Session:
         def save_checkpoint(model: Any, trial: Any) -> Any:
             if self.join is None:
                 return self._position_saved(original(model, trial), trial)
-            if self.deepspeed:  # the joined ranks save their partitions with us
-                self.save_announced = True
-                self.agree_on_save(self._checkpoint_folder(trial))
+            if self.owed:  # DeepSpeed, FSDP: the joined ranks save their parts with us
+                self.owed = False
+                self.agree(SAVE, self._checkpoint_folder(trial))
             active = self.channel.active_ranks()
             if 0 in active or self.rank != min(active):
                 return self._position_saved(original(model, trial), trial)
@@ -641,39 +665,85 @@ class Session:
         return os.path.join(trainer._get_output_dir(trial=trial),
                             f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
 
-    # -- DeepSpeed checkpoints in the middle of an epoch ---------------------------------
+    # -- collective checkpoints and evaluations in the middle of an epoch -------------
 
     def _t_maybe_log_save_evaluate(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def maybe_log_save_evaluate(*args: Any, **kwargs: Any) -> Any:
-            if not (self.deepspeed and self.join is not None):
+            if not ((self.deepspeed or self.fsdp) and self.join is not None):
                 return original(*args, **kwargs)
-            self.save_announced = False
-            result = original(*args, **kwargs)
-            if not self.save_announced:  # no save at this step (_t_save_checkpoint)
-                self.agree_on_save(None)
+            self.after_step()  # (on_step_end did, unless a subclass's loop skipped it)
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                self.step_tail = False
+            if self.owed:  # no save at this step (_t_save_checkpoint)
+                self.owed = False
+                self.agree(END)
             return result
         return maybe_log_save_evaluate
 
-    def agree_on_save(self, folder: str | None) -> str | None:
-        """The checkpoint folder of this optimizer step, if any rank saves one.
+    def after_step(self) -> None:
+        """After an optimizer step of a Join (DeepSpeed, FSDP; first thing in the
+        callbacks' ``on_step_end``, so a forward a later callback runs is announced
+        too): the joined ranks wait for the agreement on what follows (:meth:`agree`)."""
+        if self.join is not None and (self.deepspeed or self.fsdp):
+            self.owed = self.step_tail = True
 
-        DeepSpeed's ``save_checkpoint`` (and ZeRO-3's gathered model) is a collective
-        of every rank of the engine, so under DeepSpeed the ranks agree after every
-        optimizer step of a Join: the active ranks in ``_maybe_log_save_evaluate``
-        (the folder where they save, else ``None``), a joined rank in the state
-        sync's main hook, after its replay of that step (``None``), which then saves
-        its partition (:meth:`save_as_joined`). Two collectives on the engine's
-        group, a third with the folder when there is one.
+    def _agreement_hooks(self, model: Any) -> list[Any]:
+        """FSDP: an evaluation forward after an optimizer step (eval_strategy="steps")
+        is a shadow round of the Join (the model's joinable shadows every forward);
+        before it the active ranks announce it (:data:`FORWARD`), after it they owe
+        the next agreement. Prepended after the Join's own hooks, so they run first."""
+        def before(module: Any, args: Any) -> None:
+            if self.step_tail and self.owed:
+                self.owed = False
+                self.agree(FORWARD)
+
+        def after(module: Any, args: Any, output: Any) -> None:
+            if self.step_tail:
+                self.owed = True
+                self.forward_without_batch()
+
+        return [model.register_forward_pre_hook(before, prepend=True),
+                model.register_forward_hook(after)]
+
+    def forward_without_batch(self) -> None:
+        """An evaluation forward's round of the Join takes no training batch: the
+        training sampler (one batch a round) does not count it."""
+        if self.train_sampler is not None:
+            self.train_sampler.skip_rounds(1)
+
+    def agree(self, code: int, folder: str | None = None) -> tuple[int, str | None]:
+        """What follows this optimizer step (or evaluation forward) of a Join.
+
+        A DeepSpeed checkpoint (and ZeRO-3's gathered model) and an FSDP one (its
+        sharded or gathered state dicts) are collectives of every rank, and so is an
+        FSDP forward. So after every optimizer step of a Join the active ranks tell
+        the joined ones what comes next, in ``_maybe_log_save_evaluate``: an
+        evaluation forward (:data:`FORWARD`, FSDP: the joined ranks shadow it as a
+        round of the Join and agree again after it), a checkpoint in ``folder``
+        (:data:`SAVE`: the joined ranks save their part, :meth:`save_as_joined`), or
+        nothing (:data:`END`). A joined rank calls it with :data:`END` in the state
+        sync's main hook, after its replay of that step or forward. One MAX
+        all-reduce of the code on the Join's group (the engine's for DeepSpeed), and
+        a gather of the folder after a save.
+
+        Returns:
+            The active ranks' code, and the folder of a save.
         """
-        engine = self.trainer.model_wrapped
-        group = _deepspeed_group(engine)
-        flag = torch.tensor([int(folder is not None)], dtype=torch.int64, device=engine.device)
+        if self.deepspeed:
+            engine = self.trainer.model_wrapped
+            group, device = _deepspeed_group(engine), engine.device
+        else:
+            group, device = None, self.trainer.args.device
+        flag = torch.tensor([code], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if not int(flag.item()):
-            return None
+        agreed = int(flag.item())
+        if agreed != SAVE:
+            return agreed, None
         folders: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(folders, folder, group=group)
-        return str(next(f for f in folders if f is not None))
+        return agreed, str(next(f for f in folders if f is not None))
 
     def save_as_joined(self, folder: str) -> None:
         """A joined rank's part of a DeepSpeed checkpoint: the Trainer's own calls.
@@ -704,7 +774,7 @@ class Session:
         ``should_save`` is false here).
         """
         trainer = self.trainer
-        if not (self.deepspeed and _gathers_model(self)):
+        if not _gathers_model(self):
             yield
             return
         save_model = trainer.save_model
@@ -903,13 +973,16 @@ class _SyncHook(JoinHook):
 
     def main_hook(self) -> None:
         session = self.session
-        if not session.deepspeed or not session.replayed_window_end:
+        if not session.replayed_window_end:
             return
-        # After the engine's replay of a window's end (its optimizer step, then the
-        # Trainer's scheduler step, Session._engine_stepped), as the active ranks in
-        # _maybe_log_save_evaluate: the agreement on a checkpoint, and this rank's part.
-        session.replayed_window_end = False
-        folder = session.agree_on_save(None)
+        # After the replay of a window's end (DeepSpeed: the engine's optimizer step,
+        # then the Trainer's scheduler step, Session._engine_stepped; FSDP: the
+        # Trainer's step, _fsdp.shadow_step) or of an evaluation forward the active
+        # ranks announced, as they agree in _maybe_log_save_evaluate (Session.agree).
+        code, folder = session.agree(END)
+        session.replayed_window_end = code == FORWARD  # agree again after that round
+        if code == FORWARD:
+            session.forward_without_batch()
         if folder is not None:
             session.save_as_joined(folder)
 
@@ -917,13 +990,19 @@ class _SyncHook(JoinHook):
         session = self.session
         trainer = session.trainer
         channel = session.channel
-        source = channel.all_gather_object(is_last_joiner).index(True)
+        ranks = channel.all_gather_object((is_last_joiner, trainer.state.global_step))
+        source = [last for last, _ in ranks].index(True)
+        # Ranks that took the same optimizer steps (no rank joined before the last
+        # step: even data) stepped the same optimizer on the same all-reduced
+        # gradients, so their optimizer states are equal already: not sent (an
+        # AdamW state is twice the model, pickled, sent and loaded once per epoch).
+        stepped_alike = len({steps for _, steps in ranks}) == 1
         payload = None
         if session.rank == source:
             payload = {
                 # A DeepSpeed or FSDP optimizer's state is this rank's partition or
                 # shards, which every rank stepped itself (the replay): not sent.
-                "optimizer": (None if session.deepspeed or session.fsdp
+                "optimizer": (None if session.deepspeed or session.fsdp or stepped_alike
                               else trainer.optimizer.state_dict()),
                 "scheduler": trainer.lr_scheduler.state_dict(),
                 "state": {name: getattr(trainer.state, name) for name in _STATE},
@@ -987,6 +1066,7 @@ def _callback_class() -> type:
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 session = self.session
                 session.phantom = False
+                session.after_step()
                 if session.join is not None and session.global_len:
                     # Every rank's epoch fraction is the longest rank's.
                     gas = args.gradient_accumulation_steps
@@ -1202,7 +1282,14 @@ def _deepspeed_group(engine: Any) -> Any:
 
 
 def _gathers_model(session: Session) -> bool:
-    """ZeRO-3 gathers the model on torch rank 0 to save it (``stage3_gather_16bit...``)."""
+    """The model files come from a state dict gathered on torch rank 0 alone: ZeRO-3's
+    (``stage3_gather_16bit...``), FSDP's full state dict (Accelerate's
+    ``get_state_dict``: FSDP1's ``rank0_only``, FSDP2's ``cpu_offload``)."""
+    if session.fsdp:
+        plugin = session.trainer.accelerator.state.fsdp_plugin
+        return "FULL_STATE_DICT" in str(plugin.state_dict_type)
+    if not session.deepspeed:
+        return False
     engine = session.trainer.model_wrapped
     return bool(engine.zero_optimization_stage() == 3
                 and engine.zero_gather_16bit_weights_on_model_save())

@@ -58,11 +58,32 @@ def test_a_reduction_names_the_neutral_element_of_its_op() -> None:
 
 
 def test_a_gather_takes_every_present_ranks_size_and_rows() -> None:
-    headers = [_present(kind=p.Kind.ALL_GATHER, size=16, rows=2, op=-1), p.absent_header(0),
+    headers = [_present(kind=p.Kind.ALL_GATHER, size=48, rows=2, op=-1), p.absent_header(0),
                _present(kind=p.Kind.ALL_GATHER, size=0, rows=0, op=-1)]
     plan = p.decide(headers)
-    assert plan == p.GatherPlan(present=(0, 2), sizes=(16, 0, 0), rows=(2, 0, 0))
-    assert plan.padded == 16
+    assert plan == p.GatherPlan(present=(0, 2), sizes=(48, 0, 0), rows=(2, 0, 0))
+    assert plan.padded == 48
+
+
+def test_a_small_gather_is_all_in_the_headers() -> None:
+    """Up to INLINE_BYTES per rank: the headers carry the bytes, no data collective."""
+    small, other = bytes(range(1, 17)), b"\xff" * p.INLINE_BYTES
+    headers = [_present(kind=p.Kind.ALL_GATHER, size=16, rows=2, op=-1,
+                        inline=p.pack_inline(small)),
+               p.absent_header(0),
+               _present(kind=p.Kind.ALL_GATHER, size=len(other), rows=1, op=-1,
+                        inline=p.pack_inline(other))]
+    plan = p.decide([p.Header.decode(h.encode()) for h in headers])
+    assert isinstance(plan, p.GatherPlan)
+    assert plan.inline == (small, b"", other)
+    assert plan.padded == 0  # nothing more on the wire
+    # One byte more on any rank: the data collective, as before.
+    big = [headers[0], _present(kind=p.Kind.ALL_GATHER, size=p.INLINE_BYTES + 1, rows=1, op=-1)]
+    plan = p.decide(big)
+    assert isinstance(plan, p.GatherPlan) and plan.inline is None
+    assert plan.padded == p.INLINE_BYTES + 1
+    with pytest.raises(ValueError, match="do not fit"):
+        p.pack_inline(bytes(p.INLINE_BYTES + 1))
 
 
 def test_present_ranks_that_disagree_get_a_table_of_the_ranks() -> None:
@@ -95,7 +116,8 @@ _headers = st.builds(
     p.Header, present=st.booleans(), window=st.integers(-1, 5),
     kind=st.sampled_from(list(p.Kind)), op=st.integers(-1, len(p.OPS) - 1),
     dtype=st.integers(1, len(p.DTYPES)), size=st.integers(0, 64), rows=st.integers(0, 8),
-    root=st.integers(-1, 3), fingerprint=st.integers(-(2**63), 2**63 - 1))
+    root=st.integers(-1, 3), fingerprint=st.integers(-(2**63), 2**63 - 1),
+    inline=st.tuples(*[st.integers(-(2**63), 2**63 - 1)] * p.INLINE_WORDS))
 
 
 @given(st.lists(_headers, min_size=1, max_size=5))

@@ -3,8 +3,8 @@
 Not a measurement (``--quick`` starts every benchmark at once, so its numbers
 mean nothing), only a guard against the scripts rotting: each one must launch
 (under torchrun or mpirun where it needs to), finish, and report every variant.
-The DDP benchmark runs under torchrun only here; under mpirun it is the same
-script, and ``tests/backends/launch/test_launch_real.py`` covers that launch path.
+The DDP benchmarks run under torchrun only here; under mpirun they are the same
+scripts, and ``tests/backends/launch/test_launch_real.py`` covers that launch path.
 """
 
 from __future__ import annotations
@@ -66,3 +66,22 @@ def test_every_benchmark_runs_and_reports(tmp_path: Path) -> None:
     for measurement in ("| entry, 128 ranks |", "| report, 128 ranks |",
                         "| diagnostic, 128 ranks |", "| entry, all_gather, 64 ranks |"):
         assert measurement in text, measurement
+
+
+@pytest.mark.timeout(600)
+def test_the_ddp_model_family_runs_and_reports(tmp_path: Path) -> None:
+    """Issue 50's DDP shapes (1, 2, 24 and ~25 MB buckets): each launches under
+    torchrun, finds the bucket count it promises, and reports joinkit's ratio."""
+    output = tmp_path / "RESULTS.md"
+    shapes = ["1 bucket", "2 buckets", "24 buckets", "25 MB buckets"]
+    command = [sys.executable, str(RUN), "--quick", "--output", str(output)]
+    for shape in shapes:
+        command += ["--only", f"DDP {shape}, gloo (torchrun)"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=560, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    text = output.read_text()
+    for shape in shapes:
+        assert f"### DDP MLP, {shape}, gloo (torchrun)" in text, shape
+    for variant in ("| no Join |", "| no Join, again |", "| no Join, Python comm hook |",
+                    "| joinkit Join |", "| torch Join |"):
+        assert variant in text, variant

@@ -94,6 +94,13 @@ def result(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:
     return found
 
 
+def _exact_mean(net: Any, val: list[Any]) -> float:
+    """The mean squared error over every validation sample once, in float64."""
+    with torch.no_grad():
+        return sum(float(((net(x.double()) - y.double()) ** 2).sum()) for x, y in val) / sum(
+            y.numel() for _, y in val)
+
+
 def _epoch_data(epoch: int, shards: bool, inputs: list[int]
                 ) -> tuple[list[list[Any]], list[Any]]:
     """Each rank's training batches of ``epoch`` and every rank's validation batches."""
@@ -115,14 +122,16 @@ def _epoch_data(epoch: int, shards: bool, inputs: list[int]
 
 def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False,
               inputs: list[int] | None = None, max_steps: int = -1, epochs: int | None = None,
-              clip: float | None = None) -> dict[str, Any]:
-    """The single process: each step the active ranks' batches (module doc); with
-    ``max_steps``, it stops after that many optimizer steps, and an epoch it ends early
-    is not validated (Lightning validates at an epoch's last batch)."""
+              clip: float | None = None, val_every: int | None = None) -> dict[str, Any]:
+    """The single process, in float64: each step the active ranks' batches (module
+    doc); with ``max_steps``, it stops after that many optimizer steps, and an epoch
+    it ends early is not validated (Lightning validates at an epoch's last batch);
+    with ``val_every``, it validates after every ``val_every``-th step of an epoch
+    (round) instead of at the epoch's end."""
     import lightning_worker as w
 
     inputs = w.INPUTS if inputs is None else inputs
-    net = w.make_net()
+    net = w.make_net().double()
     optimizer = torch.optim.SGD(net.parameters(), lr=w.LR, momentum=w.MOMENTUM)
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     world = len(inputs)
@@ -146,7 +155,7 @@ def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
                 optimizer.zero_grad()
             losses = []
             for rank in active:
-                x, y = data[rank][step]
+                x, y = (t.double() for t in data[rank][step])
                 pred = net(x)
                 loss = torch.nn.functional.mse_loss(pred, y)
                 (loss / accumulate / world).backward()
@@ -163,12 +172,13 @@ def reference(accumulate: int = 1, scheduler: bool = False, shards: bool = False
                 steps += 1
                 if scheduler:
                     sched.step()
+            if val_every is not None and (step + 1) % val_every == 0:
+                val_loss.append(_exact_mean(net, val))
         train_mse.append(squared / count)
         if cut:
             break
-        with torch.no_grad():  # Lightning weighs each batch's mean by its size
-            val_loss.append(sum(float(torch.nn.functional.mse_loss(net(x), y)) * len(y)
-                                for x, y in val) / sum(len(y) for _, y in val))
+        if val_every is None:
+            val_loss.append(_exact_mean(net, val))
     return {
         "params": [float(v) for p in net.parameters() for v in p.detach().reshape(-1)],
         "momentum": [float(v) for s in optimizer.state.values()
@@ -401,3 +411,160 @@ def example_reference() -> tuple[float, float]:
         val_loss = sum(float(torch.nn.functional.mse_loss(model.net(x), y)) * len(y)
                        for x, y in val) / sum(len(y) for _, y in val)
     return val_loss, sum(float(p.detach().sum()) for p in model.parameters())
+
+
+# -- mid-epoch validation and step checkpoints (issue 49) -------------------------------
+
+MID_SCENARIOS = ["ddp_val_int", "ddp_val_float", "ddp_save_steps", "ddp_resume",
+                 "ddp_save_timed"]
+#: On 3 ranks also (last: a failure ends a launch's fits).
+FSDP_3_SCENARIOS = ["fsdp1_3ranks", "fsdp1_empty_rank", "fsdp2_empty_rank",
+                    "fsdp1_empty_rank_no_example"]  # last: refused, it ends the fits
+
+
+@pytest.fixture(scope="module")
+def mid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """The mid-epoch cells on 2 ranks (5 and 8 batches) and on 3 (0, 5 and 8), and
+    FSDP1 on 3 ranks: two torchrun launches at once."""
+    outs = {world: tmp_path_factory.mktemp(f"mid{world}") for world in (2, 3)}
+    procs = launch_ranks(
+        [[TORCHRUN, "--standalone", "--nproc-per-node", str(world), str(WORKER), str(out),
+          *MID_SCENARIOS, *(FSDP_3_SCENARIOS if world == 3 else [])]
+         for world, out in outs.items()],
+        LAUNCH_TIMEOUT, env=_env(), cwd=outs[2])
+    runs = {}
+    for (world, out), proc in zip(outs.items(), procs, strict=True):
+        ranks = []
+        for rank in range(world):
+            path = out / f"rank{rank}.json"
+            ranks.append(json.loads(path.read_text()) if path.exists() else {})
+        runs[world] = {"worker": proc, "ranks": ranks, "out": out}
+    return runs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("name", "every"), [("ddp_val_int", 3), ("ddp_val_float", 4)])
+def test_mid_epoch_validation_with_a_joined_rank_matches_a_single_process(
+        mid_runs: Any, world: int, name: str, every: int) -> None:
+    """val_check_interval=3 (batches) and 0.5 (half of the longest rank's 8 batches: 4):
+    every rank validates after rounds 3 and 6 (4 and 8) of each epoch, the ranks that
+    ran out (rank 0 after 5 batches; on 3 ranks rank 0 has none) included, and the
+    logged val_loss (self.log(..., sync_dist=True) at the validation's end) is the
+    exact mean over every validation sample at those parameters."""
+    import lightning_worker as w
+
+    want = reference(scheduler=True, inputs=w.MID_INPUTS[world], val_every=every)
+    assert len(want["val_loss"]) == 2 * w.EPOCHS
+    for got in result(mid_runs[world], name):
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        assert got["global_step"] == want["global_step"] == 8 * w.EPOCHS
+
+
+def _saved(path: Path) -> dict[str, Any]:
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    state = checkpoint["state_dict"]
+    return {
+        "params": [float(v) for key in ("net.weight", "net.bias")
+                   for v in state[key].reshape(-1)],
+        "momentum": [float(v) for _, s in sorted(checkpoint["optimizer_states"][0]["state"]
+                                                 .items())
+                     for v in s["momentum_buffer"].reshape(-1)],
+        "global_step": checkpoint["global_step"],
+        "loader": checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"],
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_step_checkpoint_with_a_joined_rank_saves_and_resumes_as_a_single_process(
+        mid_runs: Any, world: int) -> None:
+    """ModelCheckpoint(every_n_train_steps=6): step 6 comes after rank 0 (5 batches, or
+    none on 3 ranks) has joined, and rank 0 writes the checkpoint: it holds the
+    parameters, momentum and global_step of a single process after 6 steps, and the
+    active ranks' loader state; a fit resumed from it (ckpt_path=) ends where the
+    uninterrupted run does (parameters, momentum, val_loss of both epochs)."""
+    import lightning_worker as w
+
+    inputs = w.MID_INPUTS[world]
+    folder = mid_runs[world]["out"] / f"ckpt{world}"
+    full = reference(scheduler=True, inputs=inputs)
+    for got in result(mid_runs[world], "ddp_save_steps"):
+        assert got["params"] == pytest.approx(full["params"], abs=1e-5)
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["step=12.ckpt", "step=6.ckpt"]
+    at = reference(scheduler=True, inputs=inputs, max_steps=w.SAVE_EVERY, epochs=1)
+    saved = _saved(folder / f"step={w.SAVE_EVERY}.ckpt")
+    assert saved["global_step"] == at["global_step"] == w.SAVE_EVERY
+    assert saved["params"] == pytest.approx(at["params"], abs=1e-5)
+    assert saved["momentum"] == pytest.approx(at["momentum"], abs=1e-5)
+    assert saved["loader"] == [{"given": w.SAVE_EVERY}]  # the active ranks' 6 batches
+    for got in result(mid_runs[world], "ddp_resume"):
+        assert got["params"] == pytest.approx(full["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(full["momentum"], abs=1e-5)
+        assert got["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
+        assert got["global_step"] == full["global_step"] == 8 * w.EPOCHS
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_timed_checkpoint_with_a_joined_rank_saves_as_a_single_process(
+        mid_runs: Any, world: int) -> None:
+    """ModelCheckpoint(train_time_interval=0): rank 0's clock decides (Lightning
+    broadcasts its decision), so every rank, the ones that ran out included, saves
+    after each of the epoch's 8 rounds; each file holds the single process's
+    parameters and global_step at that step."""
+    import lightning_worker as w
+
+    inputs = w.MID_INPUTS[world]
+    folder = mid_runs[world]["out"] / f"timed{world}"
+    want = reference(scheduler=True, inputs=inputs, epochs=1)
+    for got in result(mid_runs[world], "ddp_save_timed"):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == sorted(
+        f"step={step}.ckpt" for step in range(1, 9))
+    for step in (5, 6, 8):  # rank 0 has run out from step 6 on (from step 1 on 3 ranks)
+        at = reference(scheduler=True, inputs=inputs, max_steps=step, epochs=1)
+        saved = _saved(folder / f"step={step}.ckpt")
+        assert saved["global_step"] == step
+        assert saved["params"] == pytest.approx(at["params"], abs=1e-5)
+        assert saved["momentum"] == pytest.approx(at["momentum"], abs=1e-5)
+
+
+@pytest.mark.parametrize(("name", "inputs", "accumulate"),
+                         [("fsdp1_3ranks", [5, 8, 3], 3), ("fsdp1_empty_rank", [0, 5, 8], 1)])
+def test_fsdp1_strategy_on_3_ranks_matches_a_single_process(
+        mid_runs: Any, name: str, inputs: list[int], accumulate: int) -> None:
+    """strategy="fsdp" (FSDP1) on 3 ranks: 5, 8 and 3 batches with windows of 3 (two
+    ranks run out inside windows); and 0, 5 and 8, where rank 0 has no training batch
+    and replays the LightningModule's forward on its example_input_array, emptied."""
+    want = reference(accumulate=accumulate, scheduler=True, inputs=inputs)
+    for got in result(mid_runs[3], name):
+        assert got["fsdp1"] is True
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        assert got["global_step"] == want["global_step"]
+
+
+def test_fsdp2_with_a_rank_without_training_batches_on_3_ranks(mid_runs: Any) -> None:
+    """ModelParallelStrategy (FSDP2) on 3 ranks with 0, 5 and 8 batches: rank 0 has no
+    input of its own and replays the root module's forward on the input spec the
+    others publish; parameters, momentum, val_loss and global_step as one process."""
+    import lightning_worker as w
+
+    want = reference(scheduler=True, inputs=w.MID_INPUTS[3])
+    for got in result(mid_runs[3], "fsdp2_empty_rank"):
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        assert got["global_step"] == want["global_step"] == 8 * w.EPOCHS
+
+
+def test_fsdp1_with_a_rank_without_training_batches_needs_example_input_array(
+        mid_runs: Any) -> None:
+    """The same without the module's example_input_array: rank 0 would have no input to
+    replay, so every rank refuses at fit (TypeError), none hangs."""
+    for rank in mid_runs[3]["ranks"]:
+        record = rank.get("fsdp1_empty_rank_no_example")
+        assert record is not None, mid_runs[3]["worker"].stdout[-5000:]
+        assert not record["ok"]
+        assert "TypeError" in record["error"], record["error"]
+        assert "set the module's example_input_array" in record["error"]

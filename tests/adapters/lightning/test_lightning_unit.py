@@ -173,25 +173,44 @@ def test_model_parallel_needs_one_root_fully_shard_module() -> None:
         lightning._fsdp2_root(Module())
 
 
-@pytest.mark.parametrize(("kwargs", "words"), [
-    ({"val_check_interval": 0.5}, "val_check_interval=0.5) validates in the middle"),
-    ({"val_check_interval": 2}, "val_check_interval=2) validates in the middle"),
-    ({"callbacks": [pl.callbacks.ModelCheckpoint(every_n_train_steps=2)]},
-     "ModelCheckpoint(every_n_train_steps=2) saves in the middle"),
-    ({"callbacks": [pl.callbacks.ModelCheckpoint(
-        train_time_interval=__import__("datetime").timedelta(seconds=5))]},
-     "ModelCheckpoint(train_time_interval=datetime.timedelta(seconds=5)) saves"),
+@pytest.mark.parametrize(("kwargs", "fsdp", "words"), [
+    ({"val_check_interval": "00:00:00:05"}, False,
+     "validates by each rank's clock, which the ranks do not share"),
+    ({"val_check_interval": 0.5}, True,
+     "UnevenInputs under FSDP does not support Trainer(val_check_interval=0.5) yet"),
+    ({"val_check_interval": 2}, True,
+     "UnevenInputs under FSDP does not support Trainer(val_check_interval=2) yet"),
+    ({"callbacks": [pl.callbacks.ModelCheckpoint(every_n_train_steps=2)]}, True,
+     "does not support ModelCheckpoint(every_n_train_steps=...) yet"),
 ])
-def test_mid_epoch_validation_and_checkpoints_are_refused(kwargs: dict[str, object],
+def test_what_mid_epoch_validation_and_checkpoints_refuse(kwargs: dict[str, object], fsdp: bool,
                                                           words: str) -> None:
     from joinkit.adapters.lightning._trainer import _mid_epoch_refusal
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False,
                          enable_progress_bar=False, **kwargs)  # type: ignore[arg-type]
-    refusal = _mid_epoch_refusal(trainer)
+    refusal = _mid_epoch_refusal(trainer, fsdp)
     assert refusal is not None and words in refusal, refusal
-    # Epoch-end validation and checkpoints (the defaults) are fine.
+    # Under DDP, mid-epoch validation (batches, a fraction) and step checkpoints run.
+    if not isinstance(kwargs.get("val_check_interval"), str):
+        assert _mid_epoch_refusal(trainer, False) is None
     plain = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                        callbacks=[pl.callbacks.ModelCheckpoint(every_n_epochs=1)],
                        check_val_every_n_epoch=2)
-    assert _mid_epoch_refusal(plain) is None
+    assert _mid_epoch_refusal(plain, True) is None
+
+
+def test_example_input_array_as_forward_arguments() -> None:
+    """FSDP1's replay input for a rank with no batch: Lightning's convention (a tuple is
+    the positional arguments, a dict the keyword arguments, else one argument)."""
+    from joinkit.adapters.lightning._trainer import _example_input
+
+    module = pl.LightningModule()
+    assert _example_input(module) is None
+    x = torch.zeros(1, 3)
+    module.example_input_array = x
+    assert _example_input(module) == ((x,), {})
+    module.example_input_array = (x, x)
+    assert _example_input(module) == ((x, x), {})
+    module.example_input_array = {"x": x}
+    assert _example_input(module) == ((), {"x": x})

@@ -39,7 +39,7 @@ def ranks_of(results: dict[str, Any], name: str) -> list[Any]:
 
 def test_the_default_path_matches_one_process(results: dict[str, Any]) -> None:
     for rank in ranks_of(results, "round_reference"):
-        assert rank["cells"] == 72 and rank["worst"] < 1e-6, rank["worst"]
+        assert rank["cells"] == 120 and rank["worst"] < 1e-6, rank["worst"]
         for cell in rank["reports"]:
             # Every cell took the new path, and the report counts rounds.
             assert cell == {"cell": cell["cell"], "heartbeat": "round", "path": "round",
@@ -111,7 +111,7 @@ def test_one_model_through_every_path(results: dict[str, Any]) -> None:
 
 def test_failures_reach_every_rank_and_nobody_hangs(results: dict[str, Any]) -> None:
     ranks = ranks_of(results, "round_failures")
-    assert len(ranks[0]) == 6
+    assert len(ranks[0]) == 12
     for case in ranks[0]:
         where = case.split("-")[0]
         one_joined = "[1," in case

@@ -714,3 +714,31 @@ def test_a_group_rebuilt_for_a_later_join_numbers_its_ranks_afresh(
     assert take.rank == 2 and list(take.consumed) == shares[2][:batch]
     assert sorted(i for v in take.moved.values() for i in v) == sorted(shares[2][batch:])
     assert set(take.moved) == {0, 3}
+
+
+def _with_rounds_without_batches(group: Any, skip: bool) -> dict[str, Any]:
+    """After each of 3 training iterations, one more round of the Join that takes no
+    batch (an evaluation forward of a model that makes every forward a round)."""
+    sampler = ShardSampler(Ids(20), group=group, seed=SEED, batch_size=2)
+    loader = DataLoader(Ids(20), sampler=sampler, batch_size=2)
+    counter = Counter(group)
+    with Join([counter]):
+        for index, _ in enumerate(loader):
+            counter()
+            counter()  # the round without a batch
+            if skip:
+                sampler.skip_rounds(1)
+            if index + 1 == 3:
+                return sampler.state_dict()
+    raise AssertionError("the loop ended before its third iteration")
+
+
+@pytest.mark.timeout(120)
+def test_rounds_without_a_batch_are_not_counted_as_consumed_once_skipped() -> None:
+    skipped = spawn(_with_rounds_without_batches, 2, (True,), timeout=60)
+    counted = spawn(_with_rounds_without_batches, 2, (False,), timeout=60)
+    assert skipped[0] == skipped[1]
+    assert skipped[0]["consumed"] == [[0, 6], [1, 6]]  # 3 batches of 2 each
+    assert counted[0]["consumed"] == [[0, 10], [1, 10]]  # what skip_rounds corrects
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        ShardSampler(Ids(4), 2, 0, batch_size=2).skip_rounds(-1)

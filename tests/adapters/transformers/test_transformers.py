@@ -59,7 +59,9 @@ DS3_CELLS = ["ds3_gas2_s2", "ds3_gas3_s1", "ds3_gas2_s3", "ds3_offload_s3"]
 #: The Trainer with FSDP (FSDP1 and FSDP2), launched apart on 2 and 3 ranks.
 FSDP_CELLS = ["fsdp2_map", "fsdp2_gas2", "fsdp2_stream_zero", "fsdp1_map",
               "fsdp1_gas2_stream_zero", "fsdp1_even", "fsdp_refusals", "fsdp2_bf16",
-              "fsdp2_bf16_even", "fsdp1_bf16", "fsdp1_bf16_even"]
+              "fsdp2_bf16_even", "fsdp1_bf16", "fsdp1_bf16_even", "fsdp2_save", "fsdp2_resume",
+              "fsdp1_save", "fsdp1_resume", "fsdp2_zero_save", "fsdp1_zero_save",
+              "fsdp2_stream_save", "fsdp2_best"]
 #: bf16=True under FSDP (bfloat16 parameters, reductions and autocast; float32 models
 #: and master weights, SGD) against the float64 reference: measured 2.0e-4 (FSDP2) and
 #: 6.1e-6 (FSDP1) on 2 and 3 ranks, and 1.9e-4 and 4.3e-6 for the control where nobody
@@ -559,14 +561,172 @@ def test_fsdp_settings_it_cannot_shadow_raise_on_every_rank_before_any_collectiv
     records = _records(launches, launch, "fsdp_refusals")
     for record in records:
         messages = record["messages"]
-        assert messages["save_steps"].startswith("NotImplementedError")
-        assert "save_strategy='epoch'" in messages["save_steps"]
-        assert "eval_strategy='epoch'" in messages["eval_steps"]
         assert "IterableDataset evaluation set" in messages["stream_eval"]
         # FSDP settings Accelerate ignored (use_cpu=True): said, not trained as DDP.
         assert messages["ignored"].startswith("RuntimeError")
         assert "is_fsdp_enabled is False" in messages["ignored"]
         assert record["after"] == [[r] for r in range(len(records))]
+
+
+def _resumed_as_uninterrupted(records: list[dict[str, Any]],
+                              uninterrupted: list[dict[str, Any]],
+                              step: int) -> list[dict[str, Any]]:
+    """A run resumed from the checkpoint of ``step`` trained the uninterrupted run's
+    batches from there and ended with its exact parameters and logs (every step's,
+    and the evaluations after the checkpoint: one at that step came before it, not in
+    the resumed log). Returns the uninterrupted run's part before ``step``."""
+    import hf_reference as ref
+
+    for resumed, full in zip(records, uninterrupted, strict=True):
+        assert [(s, b["input_ids"].tolist()) for s, b in resumed["recorded"]] == [
+            (s, b["input_ids"].tolist()) for s, b in full["recorded"] if s >= step]
+        assert ref.max_param_error(resumed["params"], full["params"]) == 0.0
+        logged, logged_full = ([_clean([e])[0] for e in run["log_history"]
+                                if "loss" in e or ("eval_loss" in e and e["step"] > step)]
+                               for run in (resumed, full))
+        assert logged == logged_full
+    return [{**r, "recorded": [(s, b) for s, b in r["recorded"] if s < step]}
+            for r in uninterrupted]
+
+
+def _fsdp_tolerances(kind: str) -> dict[str, float]:
+    """FSDP1 trains float32 here (FSDP1_PARAM_TOLERANCE); FSDP2 float64."""
+    if kind == "FSDP1":
+        return {"tolerance": FSDP1_PARAM_TOLERANCE, "norm_relative": FSDP1_NORM_RELATIVE}
+    return {}
+
+
+def _check_fsdp_checkpoint(records: list[dict[str, Any]], name: str, sharded: bool) -> None:
+    """Every rank's RNG state, the Trainer's files and joinkit's record; the model and
+    optimizer as ``torch.distributed.checkpoint`` shards of every rank (``sharded``), or
+    gathered whole on rank 0 (the model files too: full shapes)."""
+    files = records[0]["checkpoint_files"]
+    for rank in range(len(records)):
+        assert f"{name}/rng_state_{rank}.pth" in files
+        if sharded:
+            for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+                assert f"{name}/{part}/__{rank}_0.distcp" in files, (name, part, rank)
+    wanted = ["trainer_state.json", "joinkit_trainer.json", "scheduler.pt"]
+    wanted += (["pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"] if sharded else
+               ["pytorch_model_fsdp.bin", "optimizer.bin", "model.safetensors", "config.json"])
+    for file in wanted:
+        assert f"{name}/{file}" in files, (name, file)
+    if not sharded:  # (a tied head is saved, not a parameter of its own)
+        shapes = records[0]["model_shapes"][name]
+        params = {n: tuple(p.shape) for n, p in records[0]["params"].items()}
+        assert set(params) <= set(shapes)
+        assert all(params.get(n, shape) == shape and all(shape) for n, shape in shapes.items())
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+@pytest.mark.parametrize(("cell", "kind"), [("fsdp2_save", "FSDP2"), ("fsdp1_save", "FSDP1")])
+def test_fsdp_checkpoints_and_evaluations_in_the_middle_of_an_epoch(
+        launches: dict[str, Any], launch: str, cell: str, kind: str) -> None:
+    """save_strategy="steps" and eval_strategy="steps" (every step) under FSDP: at the
+    steps after a rank joined, it takes part in the evaluation's forwards and in the
+    checkpoint's gathers (FSDP2: full state dicts; FSDP1: sharded ones); parameters,
+    logged losses and every evaluation equal the float64 reference."""
+    import hf_worker as w
+
+    records = _records(launches, launch, cell)
+    world = len(records)
+    assert {(r["wrapped"], r["state_dict_type"]) for r in records} == {
+        (kind, "StateDictType.FULL_STATE_DICT" if kind == "FSDP2"
+         else "StateDictType.SHARDED_STATE_DICT")}
+    batches = _batches(13, world)
+    _check_shards(records, 13, batches, epochs=2)
+    _compare(records, "gpt2", **_fsdp_tolerances(kind))
+    history = records[0]["log_history"]
+    # After every step (in the Join: the last rank had joined at each epoch's last
+    # step), and evaluate() after training.
+    assert [e["step"] for e in history if "eval_loss" in e] == [*range(1, 2 * batches + 1),
+                                                                2 * batches]
+    assert all(e["eval_rows"] == 7 for e in history if "eval_rows" in e)
+    assert len(records[-1]["recorded"]) < 2 * batches  # the last rank joined
+    every = w.FSDP_SAVE_STEPS[world]
+    steps = list(range(every, 2 * batches + 1, every))
+    assert records[0]["checkpoints"] == [f"checkpoint-{n}" for n in steps]
+    assert batches in steps  # a checkpoint while the last rank had joined
+    for name in records[0]["checkpoints"]:
+        _check_fsdp_checkpoint(records, name, sharded=kind == "FSDP1")
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+def test_fsdp_save_strategy_best_saves_where_the_evaluation_improved(
+        launches: dict[str, Any], launch: str) -> None:
+    """save_strategy="best": the save is decided after each step's evaluation, the
+    joined rank told then; a checkpoint at each evaluation whose eval_loss is the best
+    so far (a rank had joined at each epoch's last step)."""
+    records = _records(launches, launch, "fsdp2_best")
+    assert {r["wrapped"] for r in records} == {"FSDP2"}
+    _compare(records, "gpt2")
+    history = records[0]["log_history"]
+    losses = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e][:-1]
+    assert len(losses) == 2 * _batches(13, len(records))  # after every step
+    best = [s for i, (s, loss) in enumerate(losses)
+            if all(loss < before for _, before in losses[:i])]
+    assert records[0]["checkpoints"] == [f"checkpoint-{s}" for s in best]
+    assert _batches(13, len(records)) in best  # the last rank had joined
+    for name in records[0]["checkpoints"]:
+        _check_fsdp_checkpoint(records, name, sharded=False)
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+@pytest.mark.parametrize(("cell", "whole", "kind"), [("fsdp2_resume", "fsdp2_save", "FSDP2"),
+                                                     ("fsdp1_resume", "fsdp1_save", "FSDP1")])
+def test_fsdp_resumes_a_checkpoint_to_the_uninterrupted_runs_numbers(
+        launches: dict[str, Any], launch: str, cell: str, whole: str, kind: str) -> None:
+    """train(resume_from_checkpoint=...) from a checkpoint saved while a rank had joined
+    (FSDP2; FSDP1 on 3 ranks) or in the middle of epoch 0 (FSDP1 on 2 ranks): the
+    resumed run trains the uninterrupted run's batches and ends with its exact numbers
+    (parameters, logged losses, evaluations), equal to the float64 reference."""
+    import hf_worker as w
+
+    records = _records(launches, launch, cell)
+    uninterrupted = _records(launches, launch, whole)
+    step = w.FSDP_RESUMED_AT[kind.lower()][len(records)]
+    assert {r["wrapped"] for r in records} == {kind}
+    first_part = _resumed_as_uninterrupted(records, uninterrupted, step)
+    assert records[0]["checkpoints"][-1] == uninterrupted[0]["checkpoints"][-1]
+    _compare(records, "gpt2", trained=records + first_part, **_fsdp_tolerances(kind))
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+@pytest.mark.parametrize(("cell", "kind", "rows"), [("fsdp2_zero_save", "FSDP2", None),
+                                                    ("fsdp1_zero_save", "FSDP1", None),
+                                                    ("fsdp2_stream_save", "FSDP2", [0, 9, 5])])
+def test_fsdp_a_rank_without_data_takes_part_in_every_checkpoint_and_evaluation(
+        launches: dict[str, Any], launch: str, cell: str, kind: str,
+        rows: list[int] | None) -> None:
+    """A rank with no training data, joined from the start: an evaluation and a checkpoint
+    at every step (sharded state dicts), or every 2 steps with rank 0 the one without
+    data (full state dicts: rank 0 writes the gathered model, rank 1 the Trainer's
+    files); equal to the float64 reference."""
+    records = _records(launches, launch, cell)
+    world = len(records)
+    assert {r["wrapped"] for r in records} == {kind}
+    history = records[0]["log_history"]
+    evaluated = [e["step"] for e in history if "eval_loss" in e]
+    if rows is None:
+        assert [len(r["recorded"]) for r in records] == [2] * (world - 1) + [0]
+        _check_shards(records, world - 1, 1, epochs=2)
+        assert evaluated == [1, 2, 2]  # after each step, and evaluate()
+        saved = [1, 2]
+    else:
+        rows = rows[:world]
+        _check_streams(records, rows)
+        assert [bool(r["recorded"]) for r in records] == [n > 0 for n in rows]
+        assert evaluated == [2, 4, 5, 5]  # every 2 steps, at max_steps, and evaluate()
+        saved = [2, 4, 5]
+    assert all(e["eval_rows"] == 7 for e in history if "eval_rows" in e)
+    _compare(records, "llama", **_fsdp_tolerances(kind))
+    assert records[0]["checkpoints"] == [f"checkpoint-{n}" for n in saved]
+    for name in records[0]["checkpoints"]:
+        _check_fsdp_checkpoint(records, name, sharded=rows is None)
 
 
 @pytest.mark.launches
@@ -629,23 +789,11 @@ def test_deepspeed_resumes_a_checkpoint_to_the_uninterrupted_runs_numbers(
     """ZeRO-2 from the checkpoint of step 4 (rank 1 had joined: its partition was saved by
     its shadow of the step), ZeRO-3 from step 2 (in the middle of epoch 0): the resumed
     run trains the uninterrupted run's batches and ends with its exact numbers."""
-    import hf_reference as ref
 
     records = _records(launches, "deepspeed-2", cell)
     uninterrupted = _records(launches, "deepspeed-2", whole)
     assert {(r["engine"], r["stage"]) for r in records} == {("DeepSpeedEngine", stage)}
-    for resumed, full in zip(records, uninterrupted, strict=True):
-        assert [(s, b["input_ids"].tolist()) for s, b in resumed["recorded"]] == [
-            (s, b["input_ids"].tolist()) for s, b in full["recorded"] if s >= step]
-        assert ref.max_param_error(resumed["params"], full["params"]) == 0.0
-        # Every step's log, and the evaluations after the checkpoint (one at the end of
-        # the epoch of step 4 came after its checkpoint: not in the resumed log).
-        logged, logged_full = ([_clean([e])[0] for e in run["log_history"]
-                                if "loss" in e or ("eval_loss" in e and e["step"] > step)]
-                               for run in (resumed, full))
-        assert logged == logged_full
-    first_part = [{**r, "recorded": [(s, b) for s, b in r["recorded"] if s < step]}
-                  for r in uninterrupted]
+    first_part = _resumed_as_uninterrupted(records, uninterrupted, step)
     _compare(records, model, tolerance=DS_PARAM_TOLERANCE, norm_relative=DS_NORM_RELATIVE,
              trained=records + first_part)
 

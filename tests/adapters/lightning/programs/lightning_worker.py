@@ -7,8 +7,8 @@ per step (``self.log(..., sync_dist=True)``), the epoch values of the
 validation loss and of a torchmetrics metric. ``test_lightning_trainer.py``
 computes the single-process reference.
 
-Rank r has ``INPUTS[r]`` training batches of 4 rows and ``VAL_INPUTS[r]``
-validation batches.
+Rank r has ``INPUTS[r]`` training batches of 4 rows (the mid-epoch cells:
+``MID_INPUTS``, also on 3 ranks) and ``val_inputs()[r]`` validation batches.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from joinkit import SideChannel, SideCollective
 from joinkit.adapters.lightning import UnevenInputs
 
 INPUTS = [5, 8]
-VAL_INPUTS = [3, 2]
+VAL_INPUTS = [3, 2, 1]  # each rank's validation batches (the first 2 on 2 ranks)
 EPOCHS = 2
 LR = 0.1
 MOMENTUM = 0.9
@@ -192,23 +192,77 @@ class ActiveRanks(pl.Callback):
         self.counts.append(self.side(1.0))
 
 
+class ResumableLoader(DataLoader):
+    """A training loader that resumes in the middle of an epoch: Lightning saves its
+    ``state_dict`` in a checkpoint and loads it on resume (a ``_Stateful`` loader);
+    its state is the number of batches it gave in the epoch (Lightning fetches a
+    sized loader's batches without prefetching)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.given = 0
+        self.skip = 0
+
+    def __iter__(self) -> Any:
+        skip, self.skip = self.skip, 0
+        self.given = skip
+        return self._batches(skip)
+
+    def _batches(self, skip: int) -> Any:
+        for index, batch in enumerate(super().__iter__()):
+            if index >= skip:
+                self.given = index + 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"given": self.given}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["given"]
+
+
+def world() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "2"))
+
+
+def val_inputs() -> list[int]:
+    return VAL_INPUTS[:world()]
+
+
 def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         validate: bool = True, shards: bool = False, fsdp: bool | str = False,
         inputs: list[int] = INPUTS, max_steps: int = -1, epochs: int = EPOCHS,
         epoch_metric: bool = True, side_model: bool = False,
-        clip: float | None = None, bf16: bool = False) -> dict[str, Any]:
+        clip: float | None = None, bf16: bool = False, val_check: float | None = None,
+        save_every: int = 0, resume: str | None = None,
+        save_timed: bool = False, example: bool = True) -> dict[str, Any]:
     logger = ListLogger()
     active = ActiveRanks()
     side = SideChannel() if side_model else None
     uneven = UnevenInputs(side_collectives=[active.side], side_channel=side)
+    callbacks: list[Any] = [active, uneven]
+    if save_every:  # ModelCheckpoint(every_n_train_steps=...), each save kept
+        callbacks.append(pl.callbacks.ModelCheckpoint(
+            dirpath=str(OUT / f"ckpt{world()}"), filename="{step}",
+            every_n_train_steps=save_every, save_top_k=-1))
+    if save_timed:  # train_time_interval=0: rank 0's clock says "save" after every batch
+        import datetime
+
+        callbacks.append(pl.callbacks.ModelCheckpoint(
+            dirpath=str(OUT / f"timed{world()}"), filename="{step}",
+            train_time_interval=datetime.timedelta(0), save_top_k=-1))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=_strategy(fsdp), max_epochs=epochs,
+        accelerator="cpu", devices=world(), strategy=_strategy(fsdp), max_epochs=epochs,
         max_steps=max_steps, logger=logger,
-        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+        log_every_n_steps=1, enable_checkpointing=bool(save_every or save_timed),
+        enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
         accumulate_grad_batches=accumulate, gradient_clip_val=clip,
-        callbacks=[active, uneven],
+        callbacks=callbacks,
         limit_val_batches=1.0 if validate else 0,
+        val_check_interval=1.0 if val_check is None else val_check,
     )
     model: Model
     if side is not None:
@@ -216,11 +270,15 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
     else:
         kind = FSDPBF16Model if bf16 else FSDPModel if fsdp is True else Model
         model = kind(scheduler and not shards, epoch_metric)
-    train = DataLoader(rows(rank, inputs[rank], 1), batch_size=BATCH)
-    val = DataLoader(rows(rank, VAL_INPUTS[rank], 2), batch_size=BATCH)
+        if fsdp == "fsdp1" and 0 in inputs and example:  # what a rank with no batch replays
+            model.example_input_array = torch.zeros(1, 3)
+    loader = ResumableLoader if save_every or resume or save_timed else DataLoader
+    train = loader(rows(rank, inputs[rank], 1), batch_size=BATCH)
+    val = DataLoader(rows(rank, val_inputs()[rank], 2), batch_size=BATCH)
     if shards:
         train, val = shard_loaders(rank)
-    trainer.fit(model, train_dataloaders=train, val_dataloaders=val if validate else None)
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val if validate else None,
+                ckpt_path=None if resume is None else str(OUT / f"ckpt{world()}" / resume))
     if hasattr(model.net, "reshard"):  # FSDP2: the float32 shards, not what the last
         model.net.reshard()             # forward (validation) left unsharded
     with _full_parameters(trainer):
@@ -286,7 +344,7 @@ def _strategy(fsdp: bool | str) -> Any:
         return CPUFSDPStrategy()
     from pytorch_lightning.strategies import ModelParallelStrategy
 
-    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    return ModelParallelStrategy(data_parallel_size=world(), tensor_parallel_size=1)
 
 
 SCENARIOS = {
@@ -313,11 +371,41 @@ SCENARIOS = {
     "ddp_max_steps": lambda rank: fit(rank, scheduler=True, max_steps=MAX_STEPS, epochs=3),
     # The LightningModule's own side-channel collectives and a per-step-syncing metric.
     "ddp_side_channel": lambda rank: fit(rank, side_model=True),
+    # Mid-epoch validation (issue 49): every 3 batches, and every half epoch (4 of 8).
+    "ddp_val_int": lambda rank: fit(rank, scheduler=True, val_check=3,
+                                    inputs=MID_INPUTS[world()], epoch_metric=False),
+    "ddp_val_float": lambda rank: fit(rank, scheduler=True, val_check=0.5,
+                                      inputs=MID_INPUTS[world()], epoch_metric=False),
+    # ModelCheckpoint(every_n_train_steps=6): step 6 is after rank 0 (5 batches) joined;
+    # then a fit resumed from it (ckpt_path=) to the end.
+    "ddp_save_steps": lambda rank: fit(rank, scheduler=True, save_every=SAVE_EVERY,
+                                       inputs=MID_INPUTS[world()], epoch_metric=False),
+    "ddp_resume": lambda rank: fit(rank, scheduler=True, resume=f"step={SAVE_EVERY}.ckpt",
+                                   inputs=MID_INPUTS[world()], epoch_metric=False),
+    # FSDP1 (strategy="fsdp") on 3 ranks: uneven with windows of 3, and a rank with no
+    # training batch (it replays forward on the module's example_input_array, emptied).
+    "fsdp1_3ranks": lambda rank: fit(rank, accumulate=3, scheduler=True, fsdp="fsdp1",
+                                     inputs=[5, 8, 3]),
+    "fsdp1_empty_rank": lambda rank: fit(rank, scheduler=True, fsdp="fsdp1",
+                                         inputs=MID_INPUTS[3], epoch_metric=False),
+    # ModelCheckpoint(train_time_interval=0): a save after every batch, decided by rank 0.
+    "ddp_save_timed": lambda rank: fit(rank, scheduler=True, save_timed=True, epochs=1,
+                                       inputs=MID_INPUTS[world()], epoch_metric=False),
+    # FSDP2 on 3 ranks, rank 0 with no training batch (it replays on the others' spec).
+    "fsdp2_empty_rank": lambda rank: fit(rank, scheduler=True, fsdp=True,
+                                         inputs=MID_INPUTS[3], epoch_metric=False),
+    # Refused on every rank: FSDP1, a rank with no batch, no example_input_array.
+    "fsdp1_empty_rank_no_example": lambda rank: fit(rank, fsdp="fsdp1", inputs=MID_INPUTS[3],
+                                                    epoch_metric=False, example=False),
     # Refused on every rank: an empty rank, and an epoch-level metric synced at the end.
     "ddp_empty_rank_epoch_metric": lambda rank: fit(rank, scheduler=True, inputs=EMPTY_INPUTS),
 }
 
 EMPTY_INPUTS = [0, 8]
+#: The mid-epoch cells' training batches by world size: a rank with none on 3 ranks.
+MID_INPUTS = {2: [5, 8], 3: [0, 5, 8]}
+SAVE_EVERY = 6
+OUT = Path(".")
 CLIP = 0.05
 MAX_STEPS = 15
 
@@ -325,7 +413,9 @@ MAX_STEPS = 15
 def main(out: Path, names: list[str]) -> None:
     import os
 
+    global OUT
     rank = int(os.environ["RANK"])
+    OUT = out
     results: dict[str, Any] = {}
     for name in names:
         try:

@@ -18,9 +18,12 @@ test (``test_ddp_round.py``) asserts on the records.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
+import itertools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import joinkit
 from joinkit import AgreementError, Join, JoinHook
+from joinkit.adapters.torch import _ddp_round
 
 TIMEOUT = datetime.timedelta(seconds=30)
 SCENARIOS, scenario = scenario_registry()
@@ -127,6 +131,18 @@ def rounds_after(counts: list[int], pattern: str, n: int) -> int:
 # -- against one process ------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def carrier_at_most(nbytes: int | None) -> Iterator[None]:
+    """``_ddp_round.CARRIER_BYTES`` set to ``nbytes`` (``None``: left as it is) inside."""
+    default = _ddp_round.CARRIER_BYTES
+    if nbytes is not None:
+        _ddp_round.CARRIER_BYTES = nbytes
+    try:
+        yield
+    finally:
+        _ddp_round.CARRIER_BYTES = default
+
+
 @scenario
 def round_reference(ctx: Ctx) -> Any:
     """Divisor both ways x one bucket, several buckets, gradients as bucket views x
@@ -134,15 +150,21 @@ def round_reference(ctx: Ctx) -> Any:
     an evaluation forward after each step: parameters equal one float64 process;
     the report counts rounds, not inputs."""
     worst, cells, reports = 0.0, 0, []
-    layouts = {"one bucket": {}, "buckets": {"bucket_cap_mb": 1e-5},
-               "views": {"bucket_cap_mb": 1e-5, "gradient_as_bucket_view": True}}
+    buckets = {"bucket_cap_mb": 1e-5}
+    views = {"bucket_cap_mb": 1e-5, "gradient_as_bucket_view": True}
+    # (DDP's options, the largest bucket that may carry the heartbeat): by
+    # default the round's first bucket carries it; with 0 bytes its last one
+    # (the buckets before it are all-reduced in DDP's own buffer).
+    layouts = {"one bucket": ({}, None), "buckets": (buckets, None), "views": (views, None),
+               "buckets, carrier last": (buckets, 0), "views, carrier last": (views, 0)}
     for divide in (True, False):
-        for layout, options in layouts.items():
+        for layout, (options, carrier_bytes) in layouts.items():
             for counts in COUNTS[ctx.world]:
                 for pattern in PATTERNS:
                     model = wrap(ctx, make(), **options)
                     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-                    with Join([model], divide_by_initial_world_size=divide) as join:
+                    with carrier_at_most(carrier_bytes), \
+                            Join([model], divide_by_initial_world_size=divide) as join:
                         train(model, optimizer, ctx.rank, counts[ctx.rank], pattern)
                     worst = max(worst, deviation(model, reference(counts, pattern, divide)))
                     report = join.report
@@ -466,28 +488,29 @@ def round_failures(ctx: Ctx) -> Any:
     (rank 1 its own, the others PeerFailure naming it), nobody hangs, and the
     group still matches afterwards."""
     out: dict[str, Any] = {}
-    for where in ("body", "forward", "backward"):
-        for counts in ([6] * ctx.world, [1] + [6] * (ctx.world - 1)):
-            model = wrap(ctx, Failing(ctx.rank, where, (1, 4)), bucket_cap_mb=1e-5)
-            optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-            done, error = 0, None
-            try:
-                with Join([model]) as join:
-                    for i in range(counts[ctx.rank]):
-                        if where == "body" and ctx.rank == 1 and i == 3:
-                            raise ValueError("bad batch on rank 1")
-                        model(batch(ctx.rank, i).to(DEVICE)).square().sum().backward()
-                        optimizer.step()
-                        optimizer.zero_grad()
-                        done += 1
-            except Exception as caught:  # noqa: BLE001 - recorded for the test
-                error = {"type": type(caught).__name__, "message": str(caught),
-                         "rank": getattr(caught, "rank", None)}
-            check_group(ctx)
-            report = join.report
-            assert report is not None
-            out[f"{where}-{counts}"] = {"error": error, "done": done,
-                                        "path": report.heartbeat, "phase": report.phase}
+    for where, counts, carrier_bytes in itertools.product(
+            ("body", "forward", "backward"), ([6] * ctx.world, [1] + [6] * (ctx.world - 1)),
+            (None, 0)):
+        model = wrap(ctx, Failing(ctx.rank, where, (1, 4)), bucket_cap_mb=1e-5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        done, error = 0, None
+        try:
+            with carrier_at_most(carrier_bytes), Join([model]) as join:
+                for i in range(counts[ctx.rank]):
+                    if where == "body" and ctx.rank == 1 and i == 3:
+                        raise ValueError("bad batch on rank 1")
+                    model(batch(ctx.rank, i).to(DEVICE)).square().sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    done += 1
+        except Exception as caught:  # noqa: BLE001 - recorded for the test
+            error = {"type": type(caught).__name__, "message": str(caught),
+                     "rank": getattr(caught, "rank", None)}
+        check_group(ctx)
+        report = join.report
+        assert report is not None
+        out[f"{where}-{counts}-{carrier_bytes}"] = {
+            "error": error, "done": done, "path": report.heartbeat, "phase": report.phase}
     return out
 
 
@@ -500,8 +523,6 @@ def main(argv: list[str]) -> None:
     rank, world = int(rank_s), int(world_s)
     backend = "gloo"
     if names and names[0] == "--nccl":
-        from joinkit.adapters.torch import _ddp_round
-
         names = names[1:]
         backend = "nccl"
         DEVICE = torch.device("cuda", rank % torch.cuda.device_count())

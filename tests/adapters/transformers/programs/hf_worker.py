@@ -475,51 +475,79 @@ def wrapped_kind(trainer: Any) -> str:
 def fsdp_cell(ctx: dict[str, Any], *, version: int, samples: int | None = None,
               rows: list[int] | None = None, max_steps: int = -1, gas: int = 1,
               clip: float = 1.0, model: str = "gpt2", dtype: Any = torch.float64,
+              eval_steps: int | None = None, save_steps: int | None = None,
+              source: str | None = None, state_dict_type: str | None = None,
               **overrides: Any) -> dict[str, Any]:
     """The Trainer with ``fsdp="full_shard"`` (FSDP1 or FSDP2) on a map-style dataset
-    (evaluation each epoch and after training) or on each rank's own stream."""
+    (evaluation each epoch, or every ``eval_steps``, and after training) or on each
+    rank's own stream; checkpoints every ``save_steps``; resumed from ``source``
+    (``OUT/cell/run/checkpoint-N`` of this launch) if given."""
     from datasets import IterableDataset
     from transformers import Trainer
 
     from joinkit.adapters.transformers import uneven_inputs
 
     extra: dict[str, Any] = {}
+    if eval_steps is not None:
+        overrides.update(eval_strategy="steps", eval_steps=eval_steps)
+    if save_steps is not None:
+        overrides.update(save_strategy="steps", save_steps=save_steps)
     if rows is not None:
         rank = dist.get_rank()
         train = IterableDataset.from_generator(stream, gen_kwargs={"count": rows[rank],
                                                                    "seed": 10 + rank})
+        if eval_steps is not None:
+            extra.update(eval_dataset=rows_dataset(sequences(7, seed=2)),
+                         compute_metrics=metrics)
     else:
         train = rows_dataset(sequences(samples or 0, seed=1))
         extra.update(eval_dataset=rows_dataset(sequences(7, seed=2)), compute_metrics=metrics)
     trainer = fsdp_trainer_class(trainer_class(Trainer))(
         model=tiny_model(model).to(dtype),
         args=args(ctx["dir"], max_steps=max_steps, gradient_accumulation_steps=gas,
-                  max_grad_norm=clip, fsdp="full_shard", fsdp_config=fsdp_config(version),
-                  eval_strategy="no" if rows is not None else "epoch", **overrides),
+                  max_grad_norm=clip, fsdp="full_shard",
+                  fsdp_config=fsdp_config(version, state_dict_type),
+                  **{"eval_strategy": "no" if rows is not None else "epoch", **overrides}),
         train_dataset=train, data_collator=collate, **extra)
     trainer.recorded = []
     trainer.items = []
     uneven_inputs(trainer)
-    output = trainer.train()
-    final = trainer.evaluate() if rows is None else None
+    output = trainer.train(resume_from_checkpoint=None if source is None
+                           else str(Path(ctx["out"]) / source))
+    final = trainer.evaluate() if "eval_dataset" in extra else None
     return {"recorded": trainer.recorded, "items": trainer.items,
             "params": fsdp_params(trainer), "log_history": trainer.state.log_history,
             "final_eval": final, "global_step": output.global_step,
             "wrapped": wrapped_kind(trainer), "meta": meta(trainer),
+            "state_dict_type": str(trainer.accelerator.state.fsdp_plugin.state_dict_type),
             "param_dtype": str(getattr(trainer.accelerator.state.fsdp_plugin
-                                       .mixed_precision_policy, "param_dtype", None))}
+                                       .mixed_precision_policy, "param_dtype", None)),
+            **checkpoints(ctx)}
 
 
-def fsdp_config(version: int) -> dict[str, Any]:
-    """The Trainer's ``fsdp_config`` for FSDP ``version``.
+def fsdp_config(version: int, state_dict_type: str | None = None) -> dict[str, Any]:
+    """The Trainer's ``fsdp_config`` for FSDP ``version`` (checkpoints of
+    ``state_dict_type``: Accelerate's default, ``FULL_STATE_DICT``, if not given).
 
     FSDP1's ``sync_module_states`` (the Trainer's default for FSDP1) makes Accelerate's
     plugin look for a GPU in its constructor (it builds a ``param_init_fn`` on the
     current GPU): off on this CPU machine, where every rank builds the same seeded model.
     """
-    if version == 1:
-        return {"fsdp_version": 1, "sync_module_states": False}
-    return {"fsdp_version": 2}
+    config: dict[str, Any] = ({"fsdp_version": 1, "sync_module_states": False}
+                              if version == 1 else {"fsdp_version": 2})
+    if state_dict_type is not None:
+        config["state_dict_type"] = state_dict_type
+    return config
+
+
+#: The FSDP checkpoint cells' save_steps, and the steps they resume from, by world.
+FSDP_SAVE_STEPS = {2: 2, 3: 3}
+FSDP_RESUMED_AT = {"fsdp2": {2: 4, 3: 3}, "fsdp1": {2: 2, 3: 3}}
+#: Their optimizer: optimizer_name()'s, but SGD with momentum where that is SGD (torch's
+#: set_optimizer_state_dict cannot load the empty state of SGD without momentum:
+#: "Expected device to be set", the Trainer alone too).
+SGD_MOMENTUM = {"optim": "sgd", "optim_args": "momentum=0.9"}
+FSDP_SAVE_OPTIMIZER: dict[int, dict[str, Any]] = {2: {}, 3: SGD_MOMENTUM}
 
 
 def fsdp_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -532,10 +560,6 @@ def fsdp_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     stream_eval = IterableDataset.from_generator(stream, gen_kwargs={"count": 3, "seed": 5})
     messages = {}
     cases: dict[str, tuple[type, dict[str, Any], Any]] = {
-        "save_steps": (fsdp_trainer_class(Trainer),
-                       {"save_strategy": "steps", "save_steps": 2}, data),
-        "eval_steps": (fsdp_trainer_class(Trainer),
-                       {"eval_strategy": "steps", "eval_steps": 2}, data),
         "stream_eval": (fsdp_trainer_class(Trainer), {"eval_strategy": "epoch"},
                         stream_eval),
         # Without the test's override: Accelerate ignores FSDP under use_cpu=True.
@@ -939,6 +963,55 @@ CELLS = {
                                         dtype=torch.float32, optim="sgd", bf16=True),
     "fsdp1_bf16_even": lambda ctx: fsdp_cell(ctx, version=1, samples=12, clip=0.05,
                                              dtype=torch.float32, optim="sgd", bf16=True),
+    # Checkpoints (save_strategy="steps") and evaluations (eval_strategy="steps") in the
+    # middle of an epoch: 13 samples (2 ranks: 4 and 3 batches an epoch, a checkpoint
+    # every 2 steps, rank 1 joined at steps 4 and 8; 3 ranks: 3, 2 and 2, every 3 steps,
+    # ranks 1 and 2 joined at 3 and 6), an evaluation after every step; resumed from
+    # the checkpoint of FSDP_RESUMED_AT (FSDP2: a rank had joined; FSDP1 on 2 ranks: in
+    # the middle of epoch 0). FSDP2 saves full state dicts (Accelerate's default), FSDP1
+    # sharded ones (torch.distributed.checkpoint), with SGD without momentum: the
+    # Trainer alone (no joinkit, nobody joined) resumes FSDP1's sharded optimizer state
+    # without SGD's momentum buffers (measured 5.4e-4 from the run that did not stop).
+    "fsdp2_save": lambda ctx: fsdp_cell(ctx, version=2, samples=13, clip=0.05, eval_steps=1,
+                                        save_steps=FSDP_SAVE_STEPS[ctx["world"]],
+                                        **FSDP_SAVE_OPTIMIZER[ctx["world"]]),
+    "fsdp2_resume": lambda ctx: fsdp_cell(
+        ctx, version=2, samples=13, clip=0.05, eval_steps=1,
+        save_steps=FSDP_SAVE_STEPS[ctx["world"]], **FSDP_SAVE_OPTIMIZER[ctx["world"]],
+        source=f"fsdp2_save/run/checkpoint-{FSDP_RESUMED_AT['fsdp2'][ctx['world']]}"),
+    "fsdp1_save": lambda ctx: fsdp_cell(ctx, version=1, samples=13, clip=0.05, eval_steps=1,
+                                        save_steps=FSDP_SAVE_STEPS[ctx["world"]],
+                                        dtype=torch.float32, optim="sgd",
+                                        state_dict_type="SHARDED_STATE_DICT"),
+    "fsdp1_resume": lambda ctx: fsdp_cell(
+        ctx, version=1, samples=13, clip=0.05, eval_steps=1,
+        save_steps=FSDP_SAVE_STEPS[ctx["world"]], dtype=torch.float32, optim="sgd",
+        state_dict_type="SHARDED_STATE_DICT",
+        source=f"fsdp1_save/run/checkpoint-{FSDP_RESUMED_AT['fsdp1'][ctx['world']]}"),
+    # save_strategy="best" (of eval_loss): a checkpoint at each evaluation (every step)
+    # that improves, decided after the evaluation (SGD with momentum: the evaluation
+    # loss improves at steps where a rank had joined).
+    "fsdp2_best": lambda ctx: fsdp_cell(ctx, version=2, samples=13, clip=0.05, eval_steps=1,
+                                        save_strategy="best",
+                                        metric_for_best_model="eval_loss", **SGD_MOMENTUM),
+    # A rank without data (one sample on every other rank), joined all along: an
+    # evaluation and a sharded checkpoint at every step. (FSDP1's full state dict
+    # segfaults on this CPU machine in torch's clone of a gathered parameter, the
+    # Trainer alone, without joinkit: its FSDP1 cells save sharded state dicts.)
+    "fsdp2_zero_save": lambda ctx: fsdp_cell(ctx, version=2, samples=ctx["world"] - 1,
+                                             model="llama", eval_steps=1, save_steps=1,
+                                             **FSDP_SAVE_OPTIMIZER[ctx["world"]],
+                                             state_dict_type="SHARDED_STATE_DICT"),
+    "fsdp1_zero_save": lambda ctx: fsdp_cell(ctx, version=1, samples=ctx["world"] - 1,
+                                             model="llama", eval_steps=1, save_steps=1,
+                                             dtype=torch.float32, optim="sgd",
+                                             state_dict_type="SHARDED_STATE_DICT"),
+    # Rank 0 without data (each rank's own stream): the lowest active rank writes the
+    # Trainer's files, rank 0 the model gathered on it (a full state dict).
+    "fsdp2_stream_save": lambda ctx: fsdp_cell(ctx, version=2, rows=[0, 9, 5][: ctx["world"]],
+                                               max_steps=5, model="llama", eval_steps=2,
+                                               save_steps=2,
+                                               **FSDP_SAVE_OPTIMIZER[ctx["world"]]),
 }
 
 
