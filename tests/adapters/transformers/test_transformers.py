@@ -1043,7 +1043,7 @@ def test_the_references_evaluation_is_the_single_process_trainers(
                       compute_metrics=w.metrics)
     got = trainer.evaluate()
     # These models' loss_type is unset: the Trainer counts unshifted labels (meta()).
-    want = ref.evaluate(w.tiny_model("gpt2"), rows, shifted=trainer._loss_shifts_labels,
+    want = ref.evaluate(w.tiny_model("gpt2"), rows, rule=w.label_count(trainer),
                         batch_size=batch)
     for key, value in want.items():
         assert got[key] == pytest.approx(value, abs=LOG_TOLERANCE), key

@@ -25,11 +25,12 @@ import hf_worker as w
 import torch
 
 
-def tokens(batch: dict[str, torch.Tensor], shifted: bool = True) -> int:
-    """The Trainer's count of a batch's label tokens (``_get_num_items_in_batch``'s rule)."""
-    if "shift_labels" in batch:
+def tokens(batch: dict[str, torch.Tensor], rule: str = "shifted") -> int:
+    """The Trainer's count of a batch's label tokens by ``rule`` (``hf_worker.label_count``:
+    ``_get_num_items_in_batch``'s rule in the installed transformers)."""
+    if rule != "labels" and "shift_labels" in batch:
         return int(batch["shift_labels"].ne(-100).sum())
-    labels = batch["labels"][..., 1:] if shifted else batch["labels"]
+    labels = batch["labels"][..., 1:] if rule == "shifted" else batch["labels"]
     return int(labels.ne(-100).sum())
 
 
@@ -96,7 +97,7 @@ def train(records: list[dict[str, Any]], model_kind: str,
         batches = steps[step]
         logged = 0.0
         if meta["average_tokens"]:
-            count = sum(tokens(batch, meta["shifts_labels"]) for _, batch in batches)
+            count = sum(tokens(batch, meta["label_count"]) for _, batch in batches)
             for _, batch in batches:
                 loss = token_loss_sum(model, batch) / count
                 loss.backward()
@@ -106,7 +107,7 @@ def train(records: list[dict[str, Any]], model_kind: str,
             for rank, batch in batches:
                 by_rank[rank].append(batch)
             for own in by_rank.values():
-                count = sum(tokens(batch, meta["shifts_labels"]) for batch in own)
+                count = sum(tokens(batch, meta["label_count"]) for batch in own)
                 rank_loss = 0.0
                 for batch in own:
                     loss = token_loss_sum(model, batch) / count
@@ -120,7 +121,7 @@ def train(records: list[dict[str, Any]], model_kind: str,
         losses.append(logged)
         lrs.append(lr)
         if evals and step + 1 in evals:
-            evaluations[step + 1] = evaluate(model, evals[step + 1], meta["shifts_labels"],
+            evaluations[step + 1] = evaluate(model, evals[step + 1], meta["label_count"],
                                              meta.get("eval_batch", 2))
             model.train()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
@@ -128,7 +129,7 @@ def train(records: list[dict[str, Any]], model_kind: str,
             "model": model}
 
 
-def evaluate(model: Any, rows: list[dict[str, Any]], shifted: bool,
+def evaluate(model: Any, rows: list[dict[str, Any]], rule: str,
              batch_size: int = 2) -> dict[str, float]:
     """The single-process Trainer's evaluation: eval_loss (the mean over the samples of
     their batch's loss, normalized by its token count, ``tokens``) and
@@ -139,7 +140,7 @@ def evaluate(model: Any, rows: list[dict[str, Any]], shifted: bool,
         for start in range(0, len(rows), batch_size):
             batch = w.collate(rows[start:start + batch_size])
             out = model(**batch)
-            loss = float(token_loss_sum(model, batch)) / tokens(batch, shifted)
+            loss = float(token_loss_sum(model, batch)) / tokens(batch, rule)
             sample_losses += [loss] * len(batch["labels"])
             logits.append(out.logits)
             labels.append(batch["labels"])

@@ -167,8 +167,19 @@ def meta(trainer: Any) -> dict[str, Any]:
             "max_grad_norm": trainer.args.max_grad_norm,
             "eval_batch": trainer.args.per_device_eval_batch_size,
             "weight_decay": trainer.args.weight_decay,
-            "shifts_labels": bool(getattr(trainer, "_loss_shifts_labels", True)),
+            "label_count": label_count(trainer),
             "scheduler": str(trainer.args.lr_scheduler_type)}
+
+
+def label_count(trainer: Any) -> str:
+    """How this Trainer counts a window's label tokens (``_get_num_items_in_batch``), for
+    ``hf_reference.tokens``: from transformers 5.10, ``"shifted"`` (``labels[..., 1:]``,
+    where the model's loss shifts them: ``_loss_shifts_labels``) or ``"unshifted"``, a
+    collator's ``shift_labels`` as given; before, ``"labels"``: every label, and
+    ``shift_labels`` not read."""
+    if not hasattr(trainer, "_loss_shifts_labels"):
+        return "labels"
+    return "shifted" if trainer._loss_shifts_labels else "unshifted"
 
 
 def params(model: Any) -> dict[str, torch.Tensor]:
