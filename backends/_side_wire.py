@@ -64,7 +64,7 @@ class ArrayWire:
     def exchange(self, header: tuple[int, ...]) -> list[tuple[int, ...]]:
         """All-gather one header; every rank's, in rank order."""
         parts = self.group.all_gather(np.array(header, dtype=np.int64))
-        return [tuple(int(v) for v in np.asarray(part)) for part in parts]
+        return [tuple(np.asarray(part, dtype=np.int64).tolist()) for part in parts]
 
     def layout(self, buf: Any) -> tuple[str, tuple[int, ...], int]:
         """``(dtype name, shape, nbytes)`` of a NumPy array or torch tensor.
