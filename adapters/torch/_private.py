@@ -118,6 +118,8 @@ DDP_MEMBERS = (
        "a joined rank's zero buckets, in the reducer's order", ("self",)),
     _m(_C10D, "Reducer._run_comm_hook", _CALL,
        "a joined rank's bucket all-reduce", ("self", "bucket")),
+    _m(_C10D, "Reducer._get_local_used_map", _CALL,
+       "a joined rank's used-parameter map (find_unused_parameters)", ("self",)),
     _m(_C10D, "Reducer._set_forward_pass_work_handle", _CALL,
        "the reducer forgets the Join's last heartbeat on exit",
        ("self", "work", "divide_by_initial_world_size"), called_by=(_DDP_FORWARD,)),
