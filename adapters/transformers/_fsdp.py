@@ -38,6 +38,18 @@ checkpoint, whose collectives a joined rank runs with the Trainer's own calls
 (``Session.save_as_joined``), or nothing. :func:`shadow_step` calls the session
 back after the step, for that agreement.
 
+*Resuming FSDP1's sharded checkpoints.* Accelerate's ``load_fsdp_optimizer``
+loads an FSDP1 ``SHARDED_STATE_DICT`` (or ``LOCAL_STATE_DICT``) optimizer with
+``torch.distributed.checkpoint`` into the template ``FSDP.optim_state_dict``
+gives of the Trainer's new optimizer, whose state is still empty (torch's
+optimizers create it at their first step): it reads the parameter groups and
+none of the state (SGD's momentum, Adam's moments), the Trainer alone too.
+FSDP2's path (``get_optimizer_state_dict``) first steps the optimizer once with
+zero gradients and a zero learning rate (torch's ``_init_optim_state``), which
+creates the state without changing a parameter; :func:`init_optimizer_state`
+does the same before the Trainer's load, so a resumed run under
+``uneven_inputs`` has the saved state.
+
 *Refused* by ``uneven_inputs`` (on every rank, before any collective): an
 ``IterableDataset`` evaluation set (uneven evaluation forwards, each a collective
 of every rank); a model whose main input is not ``input_ids`` (the replay's
@@ -49,7 +61,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["refuse", "epoch_joinables", "shadow_step", "is_fsdp2"]
+__all__ = ["refuse", "epoch_joinables", "shadow_step", "is_fsdp2", "init_optimizer_state"]
 
 
 def is_fsdp2(trainer: Any) -> bool:
@@ -113,3 +125,33 @@ def shadow_step(trainer: Any, stepped: Callable[[], None]) -> Callable[[], None]
             trainer.lr_scheduler.step()
 
     return step
+
+
+def init_optimizer_state(trainer: Any) -> None:
+    """Create the Trainer's optimizer state before it loads an FSDP1 sharded checkpoint
+    (module doc: *Resuming FSDP1's sharded checkpoints*); nothing otherwise.
+
+    A step with zero gradients at a zero learning rate: no parameter changes (weight
+    decay is scaled by the rate too), and the load then replaces the state it made.
+    """
+    from torch.distributed.fsdp import StateDictType
+
+    plugin = trainer.accelerator.state.fsdp_plugin
+    optimizer = trainer.optimizer.optimizer
+    if is_fsdp2(trainer) or plugin.state_dict_type == StateDictType.FULL_STATE_DICT:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return
+    import torch
+
+    for param in params:
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)

@@ -75,6 +75,10 @@ GROUPS: dict[str, tuple[Member, ...]] = {
            "samples its ShardSampler left, with nothing to skip",
            ("self", "max_steps", "num_update_steps_per_epoch", "num_train_epochs",
             "resume_from_checkpoint", "trial"), (f"{_TRAINER}._inner_training_loop",)),
+        _m(_T, "Trainer._load_optimizer_and_scheduler", _CALL,
+           "wrapped: under FSDP1 with sharded checkpoints the optimizer's state is created "
+           "before Accelerate's load, which reads only the state its template has",
+           ("self", "checkpoint"), (f"{_TRAINER}._prepare_for_training",)),
         _m(_T, "Trainer._get_output_dir", _CALL,
            "the checkpoint folder joinkit's record of the data's position goes into",
            ("self", "trial"), (f"{_TRAINER}._save_checkpoint",)),

@@ -217,7 +217,8 @@ class Session:
                      "_init_training_state", "_run_epoch", "get_batch_samples",
                      "_get_num_items_in_batch", "training_step", "floating_point_ops",
                      "_track_num_input_tokens", "_save_checkpoint", "prediction_step",
-                     "evaluation_loop", "_maybe_log_save_evaluate"):
+                     "evaluation_loop", "_maybe_log_save_evaluate",
+                     "_load_optimizer_and_scheduler"):
             _wrap(trainer, name, getattr(self, f"_t_{name.lstrip('_')}"))
         for name in ("prepare", "gather", "gather_for_metrics", "reduce",
                      "pad_across_processes", "wait_for_everyone", "no_sync", "backward"):
@@ -386,6 +387,15 @@ class Session:
                 raise NotImplementedError(_mid_epoch_refusal(self))
             return epochs, steps
         return init_training_state
+
+    def _t_load_optimizer_and_scheduler(self, original: Callable[..., Any]
+                                        ) -> Callable[..., Any]:
+        def load_optimizer_and_scheduler(checkpoint: Any) -> Any:
+            if checkpoint is not None and self.fsdp:
+                _fsdp.init_optimizer_state(self.trainer)  # FSDP1's sharded optimizer
+            return original(checkpoint)
+
+        return load_optimizer_and_scheduler
 
     def _set_epoch_lengths(self, epoch: int) -> None:
         """This epoch's batch counts: a resumed epoch's are what its sampler left."""

@@ -550,6 +550,59 @@ SGD_MOMENTUM = {"optim": "sgd", "optim_args": "momentum=0.9"}
 FSDP_SAVE_OPTIMIZER: dict[int, dict[str, Any]] = {2: {}, 3: SGD_MOMENTUM}
 
 
+def optimizer_state(optimizer: Any) -> dict[int, dict[str, Any]]:
+    """This rank's optimizer state (its shards; FSDP2's DTensors' local ones), by
+    parameter index."""
+    from torch.distributed.tensor import DTensor
+
+    def local(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+    index = {id(p): i for i, p in enumerate(
+        p for group in optimizer.param_groups for p in group["params"])}
+    return {index[id(p)]: {k: local(v) for k, v in state.items()}
+            for p, state in optimizer.state.items()}
+
+
+def plain_fsdp_resume(ctx: dict[str, Any], *, version: int, state_dict_type: str,
+                      optim: str = "sgd", optim_args: str | None = "momentum=0.9",
+                      dtype: Any = torch.float32, joinkit: bool = False) -> dict[str, Any]:
+    """The Trainer alone (no joinkit unless ``joinkit``; even data, nobody joins) with
+    FSDP ``version``:
+    2 steps and a checkpoint of ``state_dict_type``, then a new Trainer resumed from it;
+    this rank's optimizer state after the first run and as the resumed one loaded it
+    (at ``on_train_begin``, after ``_load_optimizer_and_scheduler``)."""
+    from transformers import Trainer, TrainerCallback
+
+    loaded: dict[str, Any] = {}
+
+    class Loaded(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            loaded["state"] = optimizer_state(kwargs["optimizer"].optimizer)
+
+    def run(source: str | None) -> Any:
+        trainer = fsdp_trainer_class(Trainer)(
+            model=tiny_model("gpt2").to(dtype),
+            args=args(ctx["dir"], max_steps=2, save_strategy="steps", save_steps=2,
+                      fsdp="full_shard", fsdp_config=fsdp_config(version, state_dict_type),
+                      optim=optim, optim_args=optim_args),
+            train_dataset=rows_dataset(sequences(4 * ctx["world"], seed=1)),
+            data_collator=collate, callbacks=[Loaded()])
+        if joinkit:
+            from joinkit.adapters.transformers import uneven_inputs
+
+            uneven_inputs(trainer)
+        trainer.train(resume_from_checkpoint=source)
+        return trainer
+
+    first = run(None)
+    saved = optimizer_state(first.optimizer.optimizer)
+    run(str(Path(ctx["dir"]) / "checkpoint-2"))
+    return {"saved": saved, "loaded": loaded["state"], "wrapped": wrapped_kind(first)}
+
+
 def fsdp_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     """What ``uneven_inputs`` refuses under FSDP: on every rank, before any collective."""
     from datasets import IterableDataset
@@ -951,6 +1004,18 @@ CELLS = {
     "fsdp1_even": lambda ctx: fsdp_cell(ctx, version=1, samples=12, clip=0.05,
                                         dtype=torch.float32, optim="sgd"),
     "fsdp_refusals": lambda ctx: fsdp_refusals(ctx),
+    # The Trainer alone (no joinkit): a sharded FSDP checkpoint's optimizer state as
+    # saved and as a resumed Trainer loads it (SGD with momentum, AdamW).
+    "plain_fsdp1_sgd": lambda ctx: plain_fsdp_resume(ctx, version=1,
+                                                     state_dict_type="SHARDED_STATE_DICT"),
+    "plain_fsdp1_adamw": lambda ctx: plain_fsdp_resume(
+        ctx, version=1, state_dict_type="SHARDED_STATE_DICT", optim="adamw_torch",
+        optim_args=None),
+    "plain_fsdp2_sgd": lambda ctx: plain_fsdp_resume(ctx, version=2,
+                                                     state_dict_type="SHARDED_STATE_DICT"),
+    # ... and under uneven_inputs, which creates the optimizer's state before the load.
+    "joinkit_fsdp1_sgd": lambda ctx: plain_fsdp_resume(
+        ctx, version=1, state_dict_type="SHARDED_STATE_DICT", joinkit=True),
     # bf16=True: Accelerate's bf16 autocast and FSDP's bfloat16 parameters and
     # reductions (float32 models), uneven (13 samples) and a control where nobody joins
     # (12), against the float64 reference: a measured bound. SGD: Adam's normalization
@@ -969,23 +1034,22 @@ CELLS = {
     # ranks 1 and 2 joined at 3 and 6), an evaluation after every step; resumed from
     # the checkpoint of FSDP_RESUMED_AT (FSDP2: a rank had joined; FSDP1 on 2 ranks: in
     # the middle of epoch 0). FSDP2 saves full state dicts (Accelerate's default), FSDP1
-    # sharded ones (torch.distributed.checkpoint), with SGD without momentum: the
-    # Trainer alone (no joinkit, nobody joined) resumes FSDP1's sharded optimizer state
-    # without SGD's momentum buffers (measured 5.4e-4 from the run that did not stop).
+    # sharded ones (torch.distributed.checkpoint); SGD with momentum, whose buffers the
+    # resumed run must load (the Trainer alone loses them under FSDP1: plain_fsdp1_sgd).
     "fsdp2_save": lambda ctx: fsdp_cell(ctx, version=2, samples=13, clip=0.05, eval_steps=1,
                                         save_steps=FSDP_SAVE_STEPS[ctx["world"]],
-                                        **FSDP_SAVE_OPTIMIZER[ctx["world"]]),
+                                        **SGD_MOMENTUM),
     "fsdp2_resume": lambda ctx: fsdp_cell(
         ctx, version=2, samples=13, clip=0.05, eval_steps=1,
-        save_steps=FSDP_SAVE_STEPS[ctx["world"]], **FSDP_SAVE_OPTIMIZER[ctx["world"]],
+        save_steps=FSDP_SAVE_STEPS[ctx["world"]], **SGD_MOMENTUM,
         source=f"fsdp2_save/run/checkpoint-{FSDP_RESUMED_AT['fsdp2'][ctx['world']]}"),
     "fsdp1_save": lambda ctx: fsdp_cell(ctx, version=1, samples=13, clip=0.05, eval_steps=1,
                                         save_steps=FSDP_SAVE_STEPS[ctx["world"]],
-                                        dtype=torch.float32, optim="sgd",
+                                        dtype=torch.float32, **SGD_MOMENTUM,
                                         state_dict_type="SHARDED_STATE_DICT"),
     "fsdp1_resume": lambda ctx: fsdp_cell(
         ctx, version=1, samples=13, clip=0.05, eval_steps=1,
-        save_steps=FSDP_SAVE_STEPS[ctx["world"]], dtype=torch.float32, optim="sgd",
+        save_steps=FSDP_SAVE_STEPS[ctx["world"]], dtype=torch.float32, **SGD_MOMENTUM,
         state_dict_type="SHARDED_STATE_DICT",
         source=f"fsdp1_save/run/checkpoint-{FSDP_RESUMED_AT['fsdp1'][ctx['world']]}"),
     # save_strategy="best" (of eval_loss): a checkpoint at each evaluation (every step)
