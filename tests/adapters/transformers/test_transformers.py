@@ -45,11 +45,15 @@ CELLS = ["map_gas1", "map_gas2", "map_gas2_plain", "map_max_steps", "map_eval", 
 #: The first runs of the resumed cells (RESUMES), by launch.
 FIRST_RUNS = {"torchrun-2": ["resume23_a", "stream_resume_a"], "accelerate-3": ["resume32_a"]}
 LAUNCHES = {"torchrun-2": 2, "accelerate-3": 3, "deepspeed-2": 2, "deepspeed-3": 3,
-            "resume-3": 3, "resume-2": 2, "fsdp-2": 2, "fsdp-3": 3}
+            "resume-3": 3, "resume-2": 2, "fsdp-2": 2, "fsdp-3": 3, "fsdp-resume-3": 3,
+            "fsdp-resume-2": 2}
 #: The second round: launch -> (ranks, cells, the first-round launches they resume).
 RESUMES = {"resume-3": (3, ["resume23_b", "stream_resume_refused"], ["torchrun-2"]),
            "resume-2": (2, ["resume32_b", "resume22_b", "stream_resume3_b", "stream_resume6_b"],
-                        ["accelerate-3", "torchrun-2"])}
+                        ["accelerate-3", "torchrun-2"]),
+           # FSDP checkpoints of the fsdp-2 (fsdp-3) launch resumed on 3 (2) ranks.
+           "fsdp-resume-3": (3, ["fsdp1_world_b", "fsdp2_world_b"], ["fsdp-2"]),
+           "fsdp-resume-2": (2, ["fsdp1_world_b", "fsdp2_world_b"], ["fsdp-3"])}
 RESUME_TIMEOUT = 300.0
 #: The DeepSpeed cells, launched apart (only those launches import DeepSpeed).
 DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_resume_s2", "ds_resume_s3",
@@ -62,7 +66,7 @@ FSDP_CELLS = ["fsdp2_map", "fsdp2_gas2", "fsdp2_stream_zero", "fsdp1_map",
               "fsdp2_bf16_even", "fsdp1_bf16", "fsdp1_bf16_even", "fsdp2_save", "fsdp2_resume",
               "fsdp1_save", "fsdp1_resume", "fsdp2_zero_save", "fsdp1_zero_save",
               "fsdp2_stream_save", "fsdp2_best", "plain_fsdp1_sgd", "plain_fsdp1_adamw",
-              "plain_fsdp2_sgd", "joinkit_fsdp1_sgd"]
+              "plain_fsdp2_sgd", "joinkit_fsdp1_sgd", "fsdp1_world_a", "fsdp2_world_a"]
 #: bf16=True under FSDP (bfloat16 parameters, reductions and autocast; float32 models
 #: and master weights, SGD) against the float64 reference: measured 2.0e-4 (FSDP2) and
 #: 6.1e-6 (FSDP1) on 2 and 3 ranks, and 1.9e-4 and 4.3e-6 for the control where nobody
@@ -147,7 +151,8 @@ def launches(request: pytest.FixtureRequest,
                   "--multi_gpu", "--main_process_port", "0"]
     dirs = {"torchrun-2": out / "t2", "accelerate-3": out / "a3", "deepspeed-2": out / "d2",
             "deepspeed-3": out / "d3", "resume-3": out / "r3", "resume-2": out / "r2",
-            "fsdp-2": out / "f2", "fsdp-3": out / "f3"}
+            "fsdp-2": out / "f2", "fsdp-3": out / "f3", "fsdp-resume-3": out / "fr3",
+            "fsdp-resume-2": out / "fr2"}
     first = {
         "torchrun-2": [*torchrun, "--nproc-per-node", "2", str(WORKER), str(dirs["torchrun-2"]),
                        *CELLS, *FIRST_RUNS["torchrun-2"]],
@@ -301,9 +306,25 @@ def test_resuming_in_the_middle_of_an_epoch_on_any_number_of_ranks(
     """A run stopped in the middle of an epoch resumes from its checkpoint (on 2 -> 3,
     3 -> 2 and 2 -> 2 ranks): every sample once per epoch over both runs, and the whole
     run equal to one float64 reference (the first run's steps, then the resumed ones)."""
+    before, after = _records(launches, first, first_cell), _records(launches, launch, cell)
+    worlds = {len(before), len(after)}
+    _check_resumed(before, after, tolerance=PARAM_TOLERANCE[max(worlds)])
+    if worlds == {2}:
+        # The same world: each rank goes on with the rest of its own shard, as if the run
+        # had not stopped (ShardSampler's order, 4 steps per epoch).
+        _check_shards([{"recorded": b["recorded"] + a["recorded"]}
+                       for b, a in zip(before, after, strict=True)], 13, 4, epochs=2)
+        assert after[0]["meta"]["max_steps"] == before[0]["meta"]["max_steps"]
+
+
+def _check_resumed(before: list[dict[str, Any]], after: list[dict[str, Any]],
+                   **tolerances: float) -> None:
+    """A run stopped (``before``) and resumed from its last checkpoint (``after``, maybe
+    on another number of ranks): every sample of the 13 once per epoch over both runs,
+    and the whole run equal to one float64 reference (the first run's steps, then the
+    resumed ones)."""
     import hf_worker as w
 
-    before, after = _records(launches, first, first_cell), _records(launches, launch, cell)
     stop = before[0]["global_step"]
     assert {r["global_step"] for r in before} == {stop}
     assert after[0]["checkpoints"][0] > f"checkpoint-{stop}"  # it saved on after the resume
@@ -314,19 +335,12 @@ def test_resuming_in_the_middle_of_an_epoch_on_any_number_of_ranks(
                 for (_, batch), e in zip(record["recorded"], record["epochs"], strict=True)
                 if e == epoch for row in batch["input_ids"].tolist()]
         assert sorted(seen) == sorted(data), epoch
-    worlds = {len(before), len(after)}
     # The first run's linear schedule counts its own max_steps, and so does the resumed
     # one's from its second step on; its first step has the learning rate the checkpoint
     # saved (the optimizer's and scheduler's state), as the Trainer resumes.
-    _compare(after, "gpt2", tolerance=PARAM_TOLERANCE[max(worlds)], trained=after + before,
+    _compare(after, "gpt2", trained=after + before,
              totals={0: before[0]["meta"]["max_steps"],
-                     stop + 1: after[0]["meta"]["max_steps"]})
-    if worlds == {2}:
-        # The same world: each rank goes on with the rest of its own shard, as if the run
-        # had not stopped (ShardSampler's order, 4 steps per epoch).
-        _check_shards([{"recorded": b["recorded"] + a["recorded"]}
-                       for b, a in zip(before, after, strict=True)], 13, 4, epochs=2)
-        assert after[0]["meta"]["max_steps"] == before[0]["meta"]["max_steps"]
+                     stop + 1: after[0]["meta"]["max_steps"]}, **tolerances)
 
 
 @pytest.mark.launches
@@ -693,6 +707,28 @@ def test_fsdp_resumes_a_checkpoint_to_the_uninterrupted_runs_numbers(
     first_part = _resumed_as_uninterrupted(records, uninterrupted, step)
     assert records[0]["checkpoints"][-1] == uninterrupted[0]["checkpoints"][-1]
     _compare(records, "gpt2", trained=records + first_part, **_fsdp_tolerances(kind))
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(("launch", "first"), [("fsdp-resume-3", "fsdp-2"),
+                                              ("fsdp-resume-2", "fsdp-3")])
+@pytest.mark.parametrize(("version", "kind"), [(1, "FSDP1"), (2, "FSDP2")])
+def test_fsdp_resumes_on_another_number_of_ranks(launches: dict[str, Any], launch: str,
+                                                 first: str, version: int, kind: str) -> None:
+    """An FSDP checkpoint (FSDP1: sharded, torch.distributed.checkpoint; FSDP2: full state
+    dicts) saved on 2 ranks in the middle of epoch 0 resumes on 3, where ranks 1 and 2 have
+    none of the epoch's last sample; one saved on 3 at epoch 0's last step, which ranks 1
+    and 2 (out of data) take part in, resumes on 2: every sample once per epoch over both
+    runs, the whole run equal to the float64 reference (SGD with momentum)."""
+    before = _records(launches, first, f"fsdp{version}_world_a")
+    after = _records(launches, launch, f"fsdp{version}_world_b")
+    assert {r["wrapped"] for r in before + after} == {kind}
+    _check_resumed(before, after, **(_fsdp_tolerances(kind) or
+                                     {"tolerance": PARAM_TOLERANCE[3]}))
+    if len(before) == 3:  # ranks 1 and 2 were out of data at the checkpoint's step
+        assert [max(s for s, _ in r["recorded"]) for r in before] == [2, 1, 1]
+    else:  # the resumed epoch 0: rank 0's one sample
+        assert [[s for s, _ in r["recorded"] if s == 3] for r in after] == [[3], [], []]
 
 
 def _same_state(saved: dict[int, dict[str, Any]], loaded: dict[int, dict[str, Any]]) -> bool:

@@ -477,11 +477,12 @@ def fsdp_cell(ctx: dict[str, Any], *, version: int, samples: int | None = None,
               clip: float = 1.0, model: str = "gpt2", dtype: Any = torch.float64,
               eval_steps: int | None = None, save_steps: int | None = None,
               source: str | None = None, state_dict_type: str | None = None,
-              **overrides: Any) -> dict[str, Any]:
+              stop: int | None = None, **overrides: Any) -> dict[str, Any]:
     """The Trainer with ``fsdp="full_shard"`` (FSDP1 or FSDP2) on a map-style dataset
     (evaluation each epoch, or every ``eval_steps``, and after training) or on each
-    rank's own stream; checkpoints every ``save_steps``; resumed from ``source``
-    (``OUT/cell/run/checkpoint-N`` of this launch) if given."""
+    rank's own stream; checkpoints every ``save_steps``; stopped after ``stop`` steps,
+    or resumed from ``source`` (``OUT/cell/run/checkpoint-N`` of this launch, or
+    ``ROOT/launch/cell/run/checkpoint-N`` with ``--root``) if given."""
     from datasets import IterableDataset
     from transformers import Trainer
 
@@ -508,14 +509,16 @@ def fsdp_cell(ctx: dict[str, Any], *, version: int, samples: int | None = None,
                   max_grad_norm=clip, fsdp="full_shard",
                   fsdp_config=fsdp_config(version, state_dict_type),
                   **{"eval_strategy": "no" if rows is not None else "epoch", **overrides}),
-        train_dataset=train, data_collator=collate, **extra)
+        train_dataset=train, data_collator=collate,
+        callbacks=[] if stop is None else [stop_after(stop)], **extra)
     trainer.recorded = []
     trainer.items = []
+    trainer.epochs = []
     uneven_inputs(trainer)
     output = trainer.train(resume_from_checkpoint=None if source is None
-                           else str(Path(ctx["out"]) / source))
+                           else str(Path(ctx["root"] or ctx["out"]) / source))
     final = trainer.evaluate() if "eval_dataset" in extra else None
-    return {"recorded": trainer.recorded, "items": trainer.items,
+    return {"recorded": trainer.recorded, "items": trainer.items, "epochs": trainer.epochs,
             "params": fsdp_params(trainer), "log_history": trainer.state.log_history,
             "final_eval": final, "global_step": output.global_step,
             "wrapped": wrapped_kind(trainer), "meta": meta(trainer),
@@ -601,6 +604,12 @@ def plain_fsdp_resume(ctx: dict[str, Any], *, version: int, state_dict_type: str
     saved = optimizer_state(first.optimizer.optimizer)
     run(str(Path(ctx["dir"]) / "checkpoint-2"))
     return {"saved": saved, "loaded": loaded["state"], "wrapped": wrapped_kind(first)}
+
+
+#: The world-size change cells' model: FSDP1 float32 with sharded state dicts (its
+#: clip_grad_norm_ refuses float64), FSDP2 float64 with full ones.
+FSDP_WORLD: dict[int, dict[str, Any]] = {
+    1: {"dtype": torch.float32, "state_dict_type": "SHARDED_STATE_DICT"}, 2: {}}
 
 
 def fsdp_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -1052,6 +1061,20 @@ CELLS = {
         save_steps=FSDP_SAVE_STEPS[ctx["world"]], dtype=torch.float32, **SGD_MOMENTUM,
         state_dict_type="SHARDED_STATE_DICT",
         source=f"fsdp1_save/run/checkpoint-{FSDP_RESUMED_AT['fsdp1'][ctx['world']]}"),
+    # Resumed on another number of ranks: 13 samples, SGD with momentum, stopped after
+    # step 3 with a checkpoint there (FSDP1: sharded, torch.distributed.checkpoint;
+    # FSDP2: full state dicts). On 3 ranks (3, 2 and 2 batches) step 3 is epoch 0's
+    # last, which rank 0 takes alone (ranks 1 and 2 are out of data, saving with it),
+    # resumed on 2 ranks (test_transformers' second round, ROOT = the first round's
+    # folder) from epoch 1; on 2 ranks (4 and 3 batches) it leaves 1 sample of epoch 0,
+    # which 3 ranks resume (ranks 1 and 2 have none of it).
+    **{f"fsdp{version}_world_{part}": (
+        lambda ctx, version=version, part=part: fsdp_cell(
+            ctx, version=version, samples=13, clip=0.05, save_steps=3, **SGD_MOMENTUM,
+            **FSDP_WORLD[version],
+            **({"stop": 3} if part == "a" else
+               {"source": f"f{5 - ctx['world']}/fsdp{version}_world_a/run/checkpoint-3"})))
+       for version in (1, 2) for part in ("a", "b")},
     # save_strategy="best" (of eval_loss): a checkpoint at each evaluation (every step)
     # that improves, decided after the evaluation (SGD with momentum: the evaluation
     # loss improves at steps where a rank had joined).
