@@ -66,7 +66,8 @@ FSDP_CELLS = ["fsdp2_map", "fsdp2_gas2", "fsdp2_stream_zero", "fsdp1_map",
               "fsdp2_bf16_even", "fsdp1_bf16", "fsdp1_bf16_even", "fsdp2_save", "fsdp2_resume",
               "fsdp1_save", "fsdp1_resume", "fsdp2_zero_save", "fsdp1_zero_save",
               "fsdp2_stream_save", "fsdp2_best", "plain_fsdp1_sgd", "plain_fsdp1_adamw",
-              "plain_fsdp2_sgd", "joinkit_fsdp1_sgd", "fsdp1_world_a", "fsdp2_world_a"]
+              "plain_fsdp2_sgd", "joinkit_fsdp1_sgd", "fsdp1_world_a", "fsdp2_world_a",
+              "fsdp1_load_best", "fsdp2_load_best"]
 #: bf16=True under FSDP (bfloat16 parameters, reductions and autocast; float32 models
 #: and master weights, SGD) against the float64 reference: measured 2.0e-4 (FSDP2) and
 #: 6.1e-6 (FSDP1) on 2 and 3 ranks, and 1.9e-4 and 4.3e-6 for the control where nobody
@@ -729,6 +730,46 @@ def test_fsdp_resumes_on_another_number_of_ranks(launches: dict[str, Any], launc
         assert [max(s for s, _ in r["recorded"]) for r in before] == [2, 1, 1]
     else:  # the resumed epoch 0: rank 0's one sample
         assert [[s for s, _ in r["recorded"] if s == 3] for r in after] == [[3], [], []]
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("launch", FSDP_LAUNCHES)
+@pytest.mark.parametrize(("version", "kind"), [(1, "FSDP1"), (2, "FSDP2")])
+def test_fsdp_load_best_model_at_end_loads_the_best_checkpoint_on_every_rank(
+        launches: dict[str, Any], launch: str, version: int, kind: str) -> None:
+    """load_best_model_at_end=True, an evaluation and a checkpoint after every step (the
+    last rank had joined at each epoch's last step): the best checkpoint is the step whose
+    exact (float64 reference) eval_loss is the lowest, not the last one, and every rank
+    ends with its parameters (the reference's after that step) and evaluates as there."""
+    import hf_reference as ref
+    import hf_worker as w
+
+    records = _records(launches, launch, f"fsdp{version}_load_best")
+    world = len(records)
+    assert {r["wrapped"] for r in records} == {kind}
+    steps = 2 * _batches(13, world)
+    assert len(records[-1]["recorded"]) < steps  # the last rank joined
+    history = records[0]["log_history"]
+    for record in records[1:]:
+        assert _clean(record["log_history"]) == _clean(history)
+    evaluation = w.sequences(7, seed=2)
+    want = ref.train(records, "gpt2", evals=dict.fromkeys(range(1, steps + 1), evaluation))
+    exact = {step: metrics["eval_loss"] for step, metrics in want["evals"].items()}
+    logged = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
+    assert [s for s, _ in logged[:-1]] == list(range(1, steps + 1))
+    assert [loss for _, loss in logged[:-1]] == pytest.approx(
+        [exact[s] for s in range(1, steps + 1)], abs=LOG_TOLERANCE)
+    best = min(exact, key=exact.__getitem__)
+    assert best < steps  # the loss rose again: the last checkpoint is not the best
+    assert {Path(r["best"]).name for r in records} == {f"checkpoint-{best}"}
+    assert records[0]["checkpoints"] == [f"checkpoint-{s}" for s in range(1, steps + 1)]
+    at_best = ref.train([{**r, "recorded": [(s, b) for s, b in r["recorded"] if s < best]}
+                         for r in records], "gpt2")
+    tolerance = _fsdp_tolerances(kind).get("tolerance", PARAM_TOLERANCE[world])
+    for record in records:  # loaded on every rank
+        assert ref.max_param_error(record["params"], at_best["params"]) < tolerance
+        assert record["final_eval"]["eval_loss"] == pytest.approx(exact[best],
+                                                                  abs=LOG_TOLERANCE)
 
 
 def _same_state(saved: dict[int, dict[str, Any]], loaded: dict[int, dict[str, Any]]) -> bool:

@@ -519,6 +519,7 @@ def fsdp_cell(ctx: dict[str, Any], *, version: int, samples: int | None = None,
                            else str(Path(ctx["root"] or ctx["out"]) / source))
     final = trainer.evaluate() if "eval_dataset" in extra else None
     return {"recorded": trainer.recorded, "items": trainer.items, "epochs": trainer.epochs,
+            "best": trainer.state.best_model_checkpoint,
             "params": fsdp_params(trainer), "log_history": trainer.state.log_history,
             "final_eval": final, "global_step": output.global_step,
             "wrapped": wrapped_kind(trainer), "meta": meta(trainer),
@@ -606,6 +607,8 @@ def plain_fsdp_resume(ctx: dict[str, Any], *, version: int, state_dict_type: str
     return {"saved": saved, "loaded": loaded["state"], "wrapped": wrapped_kind(first)}
 
 
+#: The load_best_model_at_end cells' learning rate.
+BEST_LR = 2.0
 #: The world-size change cells' model: FSDP1 float32 with sharded state dicts (its
 #: clip_grad_norm_ refuses float64), FSDP2 float64 with full ones.
 FSDP_WORLD: dict[int, dict[str, Any]] = {
@@ -1075,6 +1078,15 @@ CELLS = {
             **({"stop": 3} if part == "a" else
                {"source": f"f{5 - ctx['world']}/fsdp{version}_world_a/run/checkpoint-3"})))
        for version in (1, 2) for part in ("a", "b")},
+    # load_best_model_at_end: an evaluation and a checkpoint every step, the best of
+    # eval_loss loaded after training (on every rank: FSDP's load is a collective); a
+    # learning rate at which the evaluation loss rises again before the end.
+    **{f"fsdp{version}_load_best": (
+        lambda ctx, version=version: fsdp_cell(
+            ctx, version=version, samples=13, clip=0.05, eval_steps=1, save_steps=1,
+            load_best_model_at_end=True, metric_for_best_model="eval_loss",
+            learning_rate=BEST_LR, **SGD_MOMENTUM, **FSDP_WORLD[version]))
+       for version in (1, 2)},
     # save_strategy="best" (of eval_loss): a checkpoint at each evaluation (every step)
     # that improves, decided after the evaluation (SGD with momentum: the evaluation
     # loss improves at steps where a rank had joined).
