@@ -772,6 +772,29 @@ def test_fsdp_load_best_model_at_end_loads_the_best_checkpoint_on_every_rank(
                                                                   abs=LOG_TOLERANCE)
 
 
+@pytest.mark.launches
+@pytest.mark.timeout(2 * 120 + 30)
+def test_fsdp1_full_state_dict_with_cpu_offload_crashes_in_torch_on_a_cpu_model() -> None:
+    """torch alone (programs/fsdp1_full_state_dict.py): FSDP1's full state dict of a CPU
+    model with offload_to_cpu=True, which Accelerate's get_state_dict always asks for
+    (the Trainer's save_model under FSDP1), ends its ranks with a segmentation fault;
+    without the offload it returns every parameter (docs/transformers.md, Limits). Once
+    this fails, torch fixed it: run the FSDP1 cells with full state dicts."""
+    program = WORKER.parent / "fsdp1_full_state_dict.py"
+    torchrun = [*_tool("torchrun", "torch.distributed.run"), "--standalone",
+                "--nproc-per-node", "2", str(program)]
+    for offload in ("1", "0"):
+        [run] = launch_ranks([[*torchrun, offload]], 120.0, env=_environment(), cwd=ROOT)
+        if offload == "1":
+            assert run.returncode != 0
+            assert "SIGSEGV" in run.stdout, run.stdout[-3000:]
+        else:
+            assert run.returncode == 0, run.stdout[-3000:]
+            for rank in range(2):
+                assert (f"rank {rank} state dict: ['0.bias', '0.weight', '1.bias', "
+                        "'1.weight']") in run.stdout
+
+
 def _same_state(saved: dict[int, dict[str, Any]], loaded: dict[int, dict[str, Any]]) -> bool:
     """Two of ``hf_worker.optimizer_state``'s: the same keys and exactly the same values."""
     if {i: set(state) for i, state in saved.items()} != {
