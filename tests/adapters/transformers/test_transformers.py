@@ -52,8 +52,10 @@ RESUMES = {"resume-3": (3, ["resume23_b", "stream_resume_refused"], ["torchrun-2
            "resume-2": (2, ["resume32_b", "resume22_b", "stream_resume3_b", "stream_resume6_b"],
                         ["accelerate-3", "torchrun-2"]),
            # FSDP checkpoints of the fsdp-2 (fsdp-3) launch resumed on 3 (2) ranks.
-           "fsdp-resume-3": (3, ["fsdp1_world_b", "fsdp2_world_b"], ["fsdp-2"]),
-           "fsdp-resume-2": (2, ["fsdp1_world_b", "fsdp2_world_b"], ["fsdp-3"])}
+           "fsdp-resume-3": (3, ["fsdp1_world_b", "fsdp2_world_b", "fsdp2_sharded_world_b"],
+                             ["fsdp-2"]),
+           "fsdp-resume-2": (2, ["fsdp1_world_b", "fsdp2_world_b", "fsdp2_sharded_world_b"],
+                             ["fsdp-3"])}
 RESUME_TIMEOUT = 300.0
 #: The DeepSpeed cells, launched apart (only those launches import DeepSpeed).
 DS_CELLS = ["ds_map_s2", "ds_map_s3", "ds_map_s1", "ds_resume_s2", "ds_resume_s3",
@@ -67,6 +69,7 @@ FSDP_CELLS = ["fsdp2_map", "fsdp2_gas2", "fsdp2_stream_zero", "fsdp1_map",
               "fsdp1_save", "fsdp1_resume", "fsdp2_zero_save", "fsdp1_zero_save",
               "fsdp2_stream_save", "fsdp2_best", "plain_fsdp1_sgd", "plain_fsdp1_adamw",
               "plain_fsdp2_sgd", "joinkit_fsdp1_sgd", "fsdp1_world_a", "fsdp2_world_a",
+              "fsdp2_sharded_world_a",
               "fsdp1_load_best", "fsdp2_load_best"]
 #: bf16=True under FSDP (bfloat16 parameters, reductions and autocast; float32 models
 #: and master weights, SGD) against the float64 reference: measured 2.0e-4 (FSDP2) and
@@ -713,17 +716,22 @@ def test_fsdp_resumes_a_checkpoint_to_the_uninterrupted_runs_numbers(
 @pytest.mark.launches
 @pytest.mark.parametrize(("launch", "first"), [("fsdp-resume-3", "fsdp-2"),
                                               ("fsdp-resume-2", "fsdp-3")])
-@pytest.mark.parametrize(("version", "kind"), [(1, "FSDP1"), (2, "FSDP2")])
+@pytest.mark.parametrize(("name", "kind"), [("fsdp1", "FSDP1"), ("fsdp2", "FSDP2"),
+                                            ("fsdp2_sharded", "FSDP2")])
 def test_fsdp_resumes_on_another_number_of_ranks(launches: dict[str, Any], launch: str,
-                                                 first: str, version: int, kind: str) -> None:
+                                                 first: str, name: str, kind: str) -> None:
     """An FSDP checkpoint (FSDP1: sharded, torch.distributed.checkpoint; FSDP2: full state
-    dicts) saved on 2 ranks in the middle of epoch 0 resumes on 3, where ranks 1 and 2 have
-    none of the epoch's last sample; one saved on 3 at epoch 0's last step, which ranks 1
-    and 2 (out of data) take part in, resumes on 2: every sample once per epoch over both
-    runs, the whole run equal to the float64 reference (SGD with momentum)."""
-    before = _records(launches, first, f"fsdp{version}_world_a")
-    after = _records(launches, launch, f"fsdp{version}_world_b")
+    dicts, and sharded ones) saved on 2 ranks in the middle of epoch 0 resumes on 3,
+    where ranks 1 and 2 have none of the epoch's last sample; one saved on 3 at epoch 0's
+    last step, which ranks 1 and 2 (out of data) take part in, resumes on 2: every sample
+    once per epoch over both runs, the whole run equal to the float64 reference (SGD with
+    momentum)."""
+    before = _records(launches, first, f"{name}_world_a")
+    after = _records(launches, launch, f"{name}_world_b")
     assert {r["wrapped"] for r in before + after} == {kind}
+    sharded = "sharded" in name or kind == "FSDP1"
+    assert {r["state_dict_type"] for r in before + after} == {
+        f"StateDictType.{'SHARDED' if sharded else 'FULL'}_STATE_DICT"}
     _check_resumed(before, after, **(_fsdp_tolerances(kind) or
                                      {"tolerance": PARAM_TOLERANCE[3]}))
     if len(before) == 3:  # ranks 1 and 2 were out of data at the checkpoint's step

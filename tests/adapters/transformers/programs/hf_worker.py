@@ -609,10 +609,13 @@ def plain_fsdp_resume(ctx: dict[str, Any], *, version: int, state_dict_type: str
 
 #: The load_best_model_at_end cells' learning rate.
 BEST_LR = 2.0
-#: The world-size change cells' model: FSDP1 float32 with sharded state dicts (its
-#: clip_grad_norm_ refuses float64), FSDP2 float64 with full ones.
-FSDP_WORLD: dict[int, dict[str, Any]] = {
-    1: {"dtype": torch.float32, "state_dict_type": "SHARDED_STATE_DICT"}, 2: {}}
+#: The world-size change cells (by name): FSDP1 float32 (its clip_grad_norm_ refuses
+#: float64) with sharded state dicts (torch.distributed.checkpoint), FSDP2 float64 with
+#: full ones and with sharded ones.
+FSDP_WORLD: dict[str, dict[str, Any]] = {
+    "fsdp1": {"version": 1, "dtype": torch.float32, "state_dict_type": "SHARDED_STATE_DICT"},
+    "fsdp2": {"version": 2},
+    "fsdp2_sharded": {"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}}
 
 
 def fsdp_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -1065,27 +1068,25 @@ CELLS = {
         state_dict_type="SHARDED_STATE_DICT",
         source=f"fsdp1_save/run/checkpoint-{FSDP_RESUMED_AT['fsdp1'][ctx['world']]}"),
     # Resumed on another number of ranks: 13 samples, SGD with momentum, stopped after
-    # step 3 with a checkpoint there (FSDP1: sharded, torch.distributed.checkpoint;
-    # FSDP2: full state dicts). On 3 ranks (3, 2 and 2 batches) step 3 is epoch 0's
-    # last, which rank 0 takes alone (ranks 1 and 2 are out of data, saving with it),
+    # step 3 with a checkpoint there (FSDP_WORLD). On 3 ranks (3, 2 and 2 batches) step
+    # 3 is epoch 0's last, which rank 0 takes alone (ranks 1 and 2 are out of data, saving with it),
     # resumed on 2 ranks (test_transformers' second round, ROOT = the first round's
     # folder) from epoch 1; on 2 ranks (4 and 3 batches) it leaves 1 sample of epoch 0,
     # which 3 ranks resume (ranks 1 and 2 have none of it).
-    **{f"fsdp{version}_world_{part}": (
-        lambda ctx, version=version, part=part: fsdp_cell(
-            ctx, version=version, samples=13, clip=0.05, save_steps=3, **SGD_MOMENTUM,
-            **FSDP_WORLD[version],
+    **{f"{name}_world_{part}": (
+        lambda ctx, name=name, part=part: fsdp_cell(
+            ctx, samples=13, clip=0.05, save_steps=3, **SGD_MOMENTUM, **FSDP_WORLD[name],
             **({"stop": 3} if part == "a" else
-               {"source": f"f{5 - ctx['world']}/fsdp{version}_world_a/run/checkpoint-3"})))
-       for version in (1, 2) for part in ("a", "b")},
+               {"source": f"f{5 - ctx['world']}/{name}_world_a/run/checkpoint-3"})))
+       for name in FSDP_WORLD for part in ("a", "b")},
     # load_best_model_at_end: an evaluation and a checkpoint every step, the best of
     # eval_loss loaded after training (on every rank: FSDP's load is a collective); a
     # learning rate at which the evaluation loss rises again before the end.
     **{f"fsdp{version}_load_best": (
         lambda ctx, version=version: fsdp_cell(
-            ctx, version=version, samples=13, clip=0.05, eval_steps=1, save_steps=1,
+            ctx, samples=13, clip=0.05, eval_steps=1, save_steps=1,
             load_best_model_at_end=True, metric_for_best_model="eval_loss",
-            learning_rate=BEST_LR, **SGD_MOMENTUM, **FSDP_WORLD[version]))
+            learning_rate=BEST_LR, **SGD_MOMENTUM, **FSDP_WORLD[f"fsdp{version}"]))
        for version in (1, 2)},
     # save_strategy="best" (of eval_loss): a checkpoint at each evaluation (every step)
     # that improves, decided after the evaluation (SGD with momentum: the evaluation
