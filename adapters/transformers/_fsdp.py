@@ -127,18 +127,26 @@ def shadow_step(trainer: Any, stepped: Callable[[], None]) -> Callable[[], None]
     return step
 
 
-def init_optimizer_state(trainer: Any) -> None:
-    """Create the Trainer's optimizer state before it loads an FSDP1 sharded checkpoint
-    (module doc: *Resuming FSDP1's sharded checkpoints*); nothing otherwise.
+def init_optimizer_state(trainer: Any, checkpoint: str) -> None:
+    """Create the Trainer's optimizer state before it loads an FSDP1 sharded
+    ``checkpoint`` (module doc: *Resuming FSDP1's sharded checkpoints*); nothing
+    otherwise.
 
     A step with zero gradients at a zero learning rate: no parameter changes (weight
-    decay is scaled by the rate too), and the load then replaces the state it made.
+    decay is scaled by the rate too), and the load then replaces the state it made. Only
+    where the Trainer loads one (Accelerate's ``optimizer_0`` folder and the scheduler's
+    file): a state made and not replaced would change the first step (Adam's count).
     """
+    import os
+
     from torch.distributed.fsdp import StateDictType
 
     plugin = trainer.accelerator.state.fsdp_plugin
     optimizer = trainer.optimizer.optimizer
     if is_fsdp2(trainer) or plugin.state_dict_type == StateDictType.FULL_STATE_DICT:
+        return
+    if not (os.path.isdir(os.path.join(checkpoint, "optimizer_0"))
+            and os.path.isfile(os.path.join(checkpoint, "scheduler.pt"))):
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if optimizer.state or any(p.grad is not None for p in params):

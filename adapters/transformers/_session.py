@@ -392,7 +392,7 @@ class Session:
                                         ) -> Callable[..., Any]:
         def load_optimizer_and_scheduler(checkpoint: Any) -> Any:
             if checkpoint is not None and self.fsdp:
-                _fsdp.init_optimizer_state(self.trainer)  # FSDP1's sharded optimizer
+                _fsdp.init_optimizer_state(self.trainer, checkpoint)  # FSDP1, sharded
             return original(checkpoint)
 
         return load_optimizer_and_scheduler
