@@ -128,13 +128,19 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for (name, run) in zip(JOBS, runs, strict=True)}
 
 
-def refused_here(spec: dict[str, Any]) -> bool:
+def refused_here(spec: dict[str, Any], windows: bool = False) -> bool:
     """Whether this DeepSpeed's engine for ``spec`` is refused on entry: ZeRO-2 with
-    accumulation on a release that steps on a window's last micro-step alone (0.18.2)."""
+    accumulation on a release that steps on a window's last micro-step alone, and
+    (``windows``: Accelerate's cells) ZeRO 0 or 1 with accumulation on a release whose
+    ``no_sync()`` leaves a micro-step undivided (both 0.18.2)."""
     from joinkit.adapters.deepspeed import _private
 
-    return (spec["stage"] == 2 and spec["gas"] > 1 and spec.get("offload", "none") == "none"
-            and _private.zero2_keeps_last_micro_step())
+    if spec["gas"] == 1:
+        return False
+    return ((spec["stage"] == 2 and spec.get("offload", "none") == "none"
+             and _private.zero2_keeps_last_micro_step())
+            or (windows and spec["stage"] < 2
+                and _private.no_sync_skips_accumulation_scaling()))
 
 
 def _assert_refused(jobs: dict[str, Any], job: str, spec: dict[str, Any]) -> None:
@@ -287,7 +293,7 @@ def test_accelerates_deepspeed_plugin_is_exact(jobs: dict[str, Any], job: str) -
             1, 2, 3}
     assert any(0 in s["plan"] for s in cells)
     for spec in cells:
-        if refused_here(spec):
+        if refused_here(spec, windows=True):
             _assert_refused(jobs, job, spec)
             continue
         ranks = _records(jobs, job, spec["name"])
@@ -462,6 +468,45 @@ class _Epilogue0183:
                 self.all_grad_tensors[i] = []
 
 
+class _Prologue0182:
+    def _backward_prologue(self, loss: Any, scale_wrt_gas: bool = True) -> Any:  # 0.18.2's
+        do_gradient_reduction = self.enable_backward_allreduce and not self.inside_no_sync_ctxt
+        if do_gradient_reduction and self.gradient_accumulation_steps() > 1 and scale_wrt_gas:
+            loss = self._scale_loss_by_gas(loss.float())
+        return loss
+
+
+class _Prologue0183:
+    def _backward_prologue(self) -> None:  # 0.18.3 divides each gradient, no_sync or not
+        self.optimizer.backward_prologue()
+
+
+@pytest.mark.parametrize(("owner", "undivided"), [(_Prologue0182, True),
+                                                  (_Prologue0183, False), (object, False)])
+def test_no_syncs_undivided_micro_step_is_read_from_deepspeeds_code(
+        monkeypatch: pytest.MonkeyPatch, owner: type, undivided: bool) -> None:
+    """The compat layer finds 0.18.2's no_sync() bug in the engine's own code (not the
+    version number): its backward divides the loss by the accumulation steps only when it
+    reduces; 0.18.3's, or a method it cannot read, divides every micro-step. On the
+    DeepSpeed installed here it agrees with DeepSpeed's history."""
+    import types
+
+    from joinkit.adapters._guards import version
+    from joinkit.adapters.deepspeed import _private
+
+    installed = _private.no_sync_skips_accumulation_scaling()
+    release = tuple(int(part) for part in version("deepspeed").split(".")[:3])
+    assert installed == (release < (0, 18, 3))
+    module = types.ModuleType(_private._ENGINE)
+    module.DeepSpeedEngine = owner  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, _private._ENGINE, module)
+    _private.no_sync_skips_accumulation_scaling.cache_clear()
+    try:
+        assert _private.no_sync_skips_accumulation_scaling() is undivided
+    finally:
+        _private.no_sync_skips_accumulation_scaling.cache_clear()
+
+
 @pytest.mark.parametrize(("owner", "drops"), [(_Epilogue0182, True), (_Epilogue0183, False),
                                               (object, False)])
 def test_zero2s_last_micro_step_bug_is_read_from_deepspeeds_code(
@@ -513,6 +558,20 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
     for stage, gas, offload in ((2, 1, "none"), (1, 3, "none"), (3, 3, "none"),
                                 (2, 3, "cpu")):
         assert _engine._training_refusal(engine(stage, gas, offload)) is None
+
+    # The loop's windows (Accelerate's accumulate()) on ZeRO 0 and 1 where no_sync()
+    # leaves a micro-step undivided; the engine's own loop (no no_sync()) still runs.
+    monkeypatch.setattr(_private, "zero2_keeps_last_micro_step", lambda: False)
+    monkeypatch.setattr(_private, "no_sync_skips_accumulation_scaling", lambda: True)
+    for stage in (0, 1):
+        message = _engine._training_refusal(engine(stage, 2), windows=True)
+        assert message is not None and message.startswith(
+            f"found deepspeed {version('deepspeed')}, whose engine.no_sync() leaves a ")
+        assert f"on ZeRO-{stage}" in message and "would count 2 times" in message
+        assert "pip install 'deepspeed>=0.18.3'" in message
+        assert _engine._training_refusal(engine(stage, 2)) is None
+    for stage, gas in ((1, 1), (2, 2), (3, 2)):
+        assert _engine._training_refusal(engine(stage, gas), windows=True) is None
 
 
 @pytest.mark.launches

@@ -76,10 +76,10 @@ from joinkit.adapters.deepspeed import _private, evaluation  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[4]
 #: The stage of the accumulating cells that test another refusal or mistake: ZeRO-2,
-#: except on a DeepSpeed whose ZeRO-2 drops a window's earlier micro-steps (0.18.2),
-#: where Join refuses ZeRO-2 accumulation first (test_deepspeed's refusal cells assert
-#: that) and these cells take ZeRO-1.
-ACCUMULATING_STAGE = 1 if _private.zero2_keeps_last_micro_step() else 2
+#: except on a DeepSpeed whose accumulation Join refuses first there (0.18.2: its ZeRO-2
+#: drops a window's earlier micro-steps, and its no_sync() leaves them undivided on
+#: ZeRO 0 and 1; test_deepspeed's refusal cells assert both), where they take ZeRO-3.
+ACCUMULATING_STAGE = 3 if _private.zero2_keeps_last_micro_step() else 2
 #: Whether this DeepSpeed's ZeRO-3 releases, at a backward's end, the parameters whose
 #: post-backward hook never fired (``full_params``).
 _RELEASES_BACKWARD_LEFTOVERS = hasattr(
