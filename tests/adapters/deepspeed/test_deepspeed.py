@@ -481,55 +481,42 @@ class _Prologue0183:
         self.optimizer.backward_prologue()
 
 
-@pytest.mark.parametrize(("owner", "undivided"), [(_Prologue0182, True),
-                                                  (_Prologue0183, False), (object, False)])
-def test_no_syncs_undivided_micro_step_is_read_from_deepspeeds_code(
-        monkeypatch: pytest.MonkeyPatch, owner: type, undivided: bool) -> None:
-    """The compat layer finds 0.18.2's no_sync() bug in the engine's own code (not the
-    version number): its backward divides the loss by the accumulation steps only when it
-    reduces; 0.18.3's, or a method it cannot read, divides every micro-step. On the
-    DeepSpeed installed here it agrees with DeepSpeed's history."""
+#: Each 0.18.2 bug the compat layer reads from DeepSpeed's code: (its detector, the
+#: module and class whose method it reads) -> the method as 0.18.2 and 0.18.3 have it.
+_BUGS = {("zero2_keeps_last_micro_step", "_STAGE12", "DeepSpeedZeroOptimizer"):
+         (_Epilogue0182, _Epilogue0183),
+         ("no_sync_skips_accumulation_scaling", "_ENGINE", "DeepSpeedEngine"):
+         (_Prologue0182, _Prologue0183)}
+
+
+@pytest.mark.parametrize(("bug", "owner", "found"), [
+    (bug, owner, found) for bug, (old, new) in _BUGS.items()
+    for owner, found in ((old, True), (new, False), (object, False))])
+def test_a_0_18_2_bug_is_read_from_deepspeeds_code(
+        monkeypatch: pytest.MonkeyPatch, bug: tuple[str, str, str], owner: type,
+        found: bool) -> None:
+    """The compat layer finds each 0.18.2 bug in DeepSpeed's own code (not the version
+    number): the ZeRO-2 epilogue's line that restarts the window's sum; the engine's
+    backward that divides the loss by the accumulation steps only when it reduces (not
+    under ``no_sync()``). 0.18.3's method, or one it cannot read, has neither. On the
+    DeepSpeed installed here each agrees with DeepSpeed's history."""
     import types
 
     from joinkit.adapters._guards import version
     from joinkit.adapters.deepspeed import _private
 
-    installed = _private.no_sync_skips_accumulation_scaling()
+    detector, module_name, class_name = bug
+    detect = getattr(_private, detector)
     release = tuple(int(part) for part in version("deepspeed").split(".")[:3])
-    assert installed == (release < (0, 18, 3))
-    module = types.ModuleType(_private._ENGINE)
-    module.DeepSpeedEngine = owner  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, _private._ENGINE, module)
-    _private.no_sync_skips_accumulation_scaling.cache_clear()
+    assert detect() == (release < (0, 18, 3))
+    module = types.ModuleType(getattr(_private, module_name))
+    setattr(module, class_name, owner)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    detect.cache_clear()
     try:
-        assert _private.no_sync_skips_accumulation_scaling() is undivided
+        assert detect() is found
     finally:
-        _private.no_sync_skips_accumulation_scaling.cache_clear()
-
-
-@pytest.mark.parametrize(("owner", "drops"), [(_Epilogue0182, True), (_Epilogue0183, False),
-                                              (object, False)])
-def test_zero2s_last_micro_step_bug_is_read_from_deepspeeds_code(
-        monkeypatch: pytest.MonkeyPatch, owner: type, drops: bool) -> None:
-    """The compat layer finds 0.18.2's ZeRO-2 bug in the optimizer's own code (not the
-    version number): its line restarts the window's sum; 0.18.3's, or a method it cannot
-    read, does not. On the DeepSpeed installed here it agrees with DeepSpeed's history."""
-    import types
-
-    from joinkit.adapters._guards import version
-    from joinkit.adapters.deepspeed import _private
-
-    installed = _private.zero2_keeps_last_micro_step()
-    release = tuple(int(part) for part in version("deepspeed").split(".")[:3])
-    assert installed == (release < (0, 18, 3))
-    module = types.ModuleType(_private._STAGE12)
-    module.DeepSpeedZeroOptimizer = owner  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, _private._STAGE12, module)
-    _private.zero2_keeps_last_micro_step.cache_clear()
-    try:
-        assert _private.zero2_keeps_last_micro_step() is drops
-    finally:
-        _private.zero2_keeps_last_micro_step.cache_clear()
+        detect.cache_clear()
 
 
 def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
