@@ -383,6 +383,11 @@ MISTAKES = {
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("case", list(MISTAKES))
 def test_a_loop_mistake_fails_every_rank_promptly(jobs: dict[str, Any], case: str) -> None:
+    if case == "window-no-sync" and refused_here({"stage": 1, "gas": 2}, windows=True):
+        # no_sync() needs ZeRO 0 or 1, whose accumulation on the loop's windows this
+        # DeepSpeed trains wrongly (0.18.2): Join refuses it on entry, on every rank.
+        _assert_refused(jobs, "torchrun-2", {"name": "mistake-window-no-sync", "gas": 2})
+        return
     rank0, *others = _records(jobs, "torchrun-2", f"mistake-{case}")
     assert rank0["error"].startswith("LocalProtocolError: ")
     assert MISTAKES[case] in rank0["error"]

@@ -104,20 +104,22 @@ def engine_for(spec: dict[str, Any], world: int, **config: Any) -> Any:
 
 def full_params(engine: Any) -> list[list[float]]:
     params = list(engine.module.parameters())
-    gathered: Any = contextlib.nullcontext()
-    if engine.zero_optimization_stage() == 3:
-        if not _RELEASES_BACKWARD_LEFTOVERS:
-            # DeepSpeed 0.18.2's ZeRO-3 leaves the first layer's parameters marked in use
-            # after a backward whose input needs no gradient (its post-backward hook never
-            # fires), so GatheredParameters' exit fails on them after any micro-step that
-            # left a window open, with or without a Join (a later release clears them at
-            # each backward's end); the full fp32 master weights are the same numbers.
-            from deepspeed.utils import safe_get_full_fp32_param
-
-            return [safe_get_full_fp32_param(p).double().flatten().tolist() for p in params]
-        gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    with gathered:
+    if engine.zero_optimization_stage() != 3:
         return [p.detach().double().flatten().tolist() for p in params]
+    values: list[list[float]] | None = None
+    try:
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            values = [p.detach().double().flatten().tolist() for p in params]
+    except AssertionError:
+        # DeepSpeed 0.18.2's ZeRO-3 leaves the first layer's parameters marked in use
+        # after a backward whose input needs no gradient (its post-backward hook never
+        # fires), so GatheredParameters' exit fails on them after a micro-step that left
+        # a window open, with or without a Join (a later release clears them at each
+        # backward's end); the gathered values were read before it.
+        if _RELEASES_BACKWARD_LEFTOVERS or values is None:
+            raise
+    assert values is not None
+    return values
 
 
 def offload_devices(engine: Any) -> dict[str, str]:
