@@ -48,7 +48,7 @@ __all__ = ["SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED", "UnsupportedDeepSpeedError
 
 #: The DeepSpeed releases joinkit's tests passed on: the oldest supported and the
 #: dev pin (``constraints.txt``).
-TESTED_DEEPSPEED = ("0.18.2", "0.19.8")
+TESTED_DEEPSPEED = ("0.19.8", "0.19.8")
 #: The ``[deepspeed]`` extra's range (no upper bound: :data:`ENGINE_MEMBERS` decides).
 SUPPORTED_DEEPSPEED = supported_spec(TESTED_DEEPSPEED)
 
