@@ -14,14 +14,19 @@ group is made) all go; a DDP model's own gradient all-reduces run in C++ (the
 reducer) and are not counted. While a ``counting()`` block is open, every call
 on any thread (a side channel's service thread included) adds one to its
 method's count; ``[other group]`` marks a group that is not the default
-(world) group, such as a side channel's own. The benchmarks count the same
-loop with and without the Join: the difference is joinkit's own.
+(world) group, such as a side channel's own. A DDP gradient all-reduce that
+joinkit's comm hook starts (``adapters/torch/_ddp_round.py``,
+``_ddp_hook.py``: a bucket, which DDP alone all-reduces in C++ uncounted) is
+marked ``[DDP's buckets]``, and :func:`own` leaves those out. The benchmarks
+count the same loop with and without the Join: the difference of :func:`own`
+is joinkit's own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -52,6 +57,8 @@ def install() -> None:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             if _open:
                 key = name if self is dist.group.WORLD else f"{name} [other group]"
+                if _from_ddp_hook():
+                    key = f"{key} {BUCKETS}"
                 with _lock:
                     for counts in _open:
                         counts[key] += 1
@@ -63,6 +70,28 @@ def install() -> None:
         if method is not None:
             setattr(ProcessGroup, name, wrapped(name, method))
     _installed = True
+
+
+#: The mark of a DDP bucket's all-reduce started by joinkit's comm hook.
+BUCKETS = "[DDP's buckets]"
+_HOOK_FILES = ("_ddp_round.py", "_ddp_hook.py")
+
+
+def _from_ddp_hook() -> bool:
+    """Whether the caller is joinkit's DDP comm hook (a few frames up)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_HOOK_FILES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def own(counts: Counter[str]) -> int:
+    """The collectives in ``counts`` but DDP's buckets (``BUCKETS``): a loop's own."""
+    return sum(n for name, n in counts.items() if BUCKETS not in name)
 
 
 @contextlib.contextmanager

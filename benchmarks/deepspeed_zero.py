@@ -117,8 +117,8 @@ def main() -> None:
         for name, counts in counted.items():
             print(f"  collectives, {name}: per iteration "
                   f"{_collectives.per_step(counts, iterations)}", flush=True)
-        own = (sum(counted["Join([engine])"].values())
-               - sum(counted["engine alone"].values())) / iterations
+        own = (_collectives.own(counted["Join([engine])"])
+               - _collectives.own(counted["engine alone"])) / iterations
         _bench.record_value(bench, "Join([engine]): collectives of joinkit's own per iteration",
                             own, "per iteration", 0.0, info)
     dist.barrier()

@@ -114,7 +114,8 @@ def main() -> None:
         for top, bottom, target in ratios:
             if target is None:
                 continue
-            own = (sum(counted[top][0].values()) - sum(counted[bottom][0].values())) / (steps - 1)
+            own = (_collectives.own(counted[top][0])
+                   - _collectives.own(counted[bottom][0])) / (steps - 1)
             _bench.record_value(bench, f"{top}: collectives of joinkit's own per step", own,
                                 "per step", 0.0, info)
     dist.barrier()

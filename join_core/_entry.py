@@ -373,7 +373,10 @@ def _in_round(joinable: Any) -> bool:
 
 
 def _quiet(hook: Any) -> bool:
-    """Whether a joinable's hook shadows nothing per round (its main hook is JoinHook's)."""
+    """Whether a joinable's hook shadows nothing per round: its main hook is JoinHook's,
+    or the hook declares its main hook local (``JoinHook.main_hook_is_local``)."""
+    if getattr(hook, "main_hook_is_local", False) is True:
+        return True
     return getattr(getattr(hook, "main_hook", None), "__func__", None) is JoinHook.main_hook
 
 

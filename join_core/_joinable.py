@@ -66,7 +66,19 @@ class JoinHook:
     """The two entry points a joinable gives the Join context manager.
 
     Subclass it and override what you need; both default to doing nothing.
+
+    Attributes:
+        main_hook_is_local: ``True`` declares that :meth:`main_hook` issues no
+            collective on the Join's group (it only checks or updates this
+            rank's own state). A joinable whose hook has no main hook of its
+            own, or declares this, leaves the first joinable free to carry the
+            heartbeat in its rounds (``Join.heartbeat == "round"``): a joined
+            rank then meets only the first joinable's collectives. Declaring it
+            for a main hook that does issue collectives desynchronises the
+            ranks' collectives; the default, ``False``, is always safe.
     """
+
+    main_hook_is_local: bool = False
 
     def main_hook(self) -> None:
         """Shadow the collectives of one training iteration on a joined rank.

@@ -445,6 +445,10 @@ class SideChannel(Joinable):
 
 
 class _ChannelHook(JoinHook):
+    # The main hook only reads this rank's service thread's outcome: a joined rank's
+    # side calls are the thread's, on the side wire, never on the Join's group.
+    main_hook_is_local = True
+
     def __init__(self, channel: SideChannel) -> None:
         self.channel = channel
 

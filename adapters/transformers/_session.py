@@ -970,6 +970,10 @@ class _TrainerSync(Joinable):
 class _SyncHook(JoinHook):
     def __init__(self, session: Session) -> None:
         self.session = session
+        # Its main hook agrees on the Join's group only after a replayed window end
+        # (DeepSpeed, FSDP); with DDP it never does, so DDP's gradient all-reduces
+        # may carry the heartbeat (Join.heartbeat == "round").
+        self.main_hook_is_local = not (session.deepspeed or session.fsdp)
 
     def main_hook(self) -> None:
         session = self.session

@@ -26,6 +26,7 @@ from joinkit import (
     JoinReport,
     LocalProtocolError,
     RankTimeout,
+    _entry,
 )
 from joinkit import _machine as m
 from joinkit.backends.threads import ThreadGroup, spawn
@@ -490,3 +491,23 @@ def test_notify_with_a_foreign_joinable_no_adapter_handles_is_a_clear_error() ->
         Join.notify_join_context(Foreign())
     with pytest.raises(LocalProtocolError, match="no adapter handles"):
         Join.fused_heartbeat(Foreign())  # type: ignore[arg-type]
+
+
+def test_a_hook_that_declares_its_main_hook_local_leaves_the_round_path_open() -> None:
+    """``JoinHook.main_hook_is_local``: only ``True`` itself counts as the declaration;
+    an overridden main hook is otherwise taken to issue collectives."""
+    class Shadowing(JoinHook):
+        def main_hook(self) -> None:
+            pass
+
+    class Local(Shadowing):
+        main_hook_is_local = True
+
+    class Truthy(Shadowing):
+        main_hook_is_local = 1  # type: ignore[assignment]
+
+    assert JoinHook.main_hook_is_local is False
+    assert _entry._quiet(JoinHook())
+    assert not _entry._quiet(Shadowing())
+    assert _entry._quiet(Local())
+    assert not _entry._quiet(Truthy())

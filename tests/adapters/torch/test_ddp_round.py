@@ -59,6 +59,7 @@ def test_no_collective_of_joinkits_own_per_iteration(results: dict[str, Any]) ->
 
 PATHS = {
     "plain": "round", "quiet second": "round", "buffers not broadcast": "round",
+    "local main hook second": "round", "side channel second": "round",
     "float64": "round", "heartbeat_in_gradients=False": "fused",
     "find_unused_parameters": "round", "static_graph": "fused", "buffers": "fused",
     "user comm hook": "fused", "zero": "fused", "counter second": "fused",
@@ -81,6 +82,11 @@ def test_each_configuration_gets_its_path(results: dict[str, Any]) -> None:
                 assert WHY[name] in got["why"], (name, got)
             elif path == "round" or name in ("zero", "counter second"):
                 assert got["why"] is None, (name, got)
+        # A side channel beside DDP: the active ranks' sums, answered by the
+        # joined ranks' service threads; a local main hook ran in shadow rounds.
+        assert rank["side channel second"]["side"] is True, rank["side channel second"]
+        rounds, shadowed = rank["local main hook second"]["rounds"]
+        assert rounds == shadowed, rank["local main hook second"]
         # Ranks that disagree are told so on entry, with the table.
         assert rank["disagree"] is not None and "heartbeat" in rank["disagree"]
         assert "round" in rank["disagree"] and "fused" in rank["disagree"]

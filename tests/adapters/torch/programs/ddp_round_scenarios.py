@@ -248,6 +248,26 @@ class Quiet(joinkit.Joinable):
         return self.group
 
 
+class Counted(Quiet):
+    """A joinable whose main hook only counts this rank's shadow rounds and says so
+    (``JoinHook.main_hook_is_local``)."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group)
+        self.rounds = 0
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        counted = self
+
+        class Hook(JoinHook):
+            main_hook_is_local = True
+
+            def main_hook(self) -> None:
+                counted.rounds += 1
+
+        return Hook()
+
+
 class WithBuffer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -272,6 +292,8 @@ def round_paths(ctx: Ctx) -> Any:
     configs: dict[str, Any] = {
         "plain": (lambda: wrap(ctx, make()), {}, []),
         "quiet second": (lambda: wrap(ctx, make()), {}, ["quiet"]),
+        "local main hook second": (lambda: wrap(ctx, make()), {}, ["local"]),
+        "side channel second": (lambda: wrap(ctx, make()), {}, ["side"]),
         "heartbeat_in_gradients=False": (lambda: wrap(ctx, make()),
                                          {"heartbeat_in_gradients": False}, []),
         "check_agreement=False": (lambda: wrap(ctx, make()), {"check_agreement": False}, []),
@@ -297,8 +319,13 @@ def round_paths(ctx: Ctx) -> Any:
         else:
             optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         others: list[Any] = []
+        side_sums: list[int] = []
         if "quiet" in extra:
             others = [Quiet(ctx.group)]
+        elif "local" in extra:
+            others = [Counted(ctx.group)]
+        elif "side" in extra:
+            others = [joinkit.SideChannel(ctx.group)]
         elif "zero" in extra:
             others = [optimizer]
         elif "counter" in extra:
@@ -311,12 +338,21 @@ def round_paths(ctx: Ctx) -> Any:
                 for other in others:  # after the model's, as the list orders them
                     if isinstance(other, Ticker):
                         other()
+                    elif isinstance(other, joinkit.SideChannel):
+                        # The active ranks' sum: joined ranks' service threads answer.
+                        active = other.all_reduce(torch.ones(1, device=DEVICE))
+                        side_sums.append(int(active.item()))
         module = model.module.net if isinstance(model.module, WithBuffer) else model.module
         report = join.report
         assert report is not None
         out[name] = {"path": join.heartbeat, "report": report.heartbeat,
                      "why": join.joinables[0].round_refusal,  # type: ignore[attr-defined]
                      "worst": deviation(module, reference(counts, "every", True))}
+        if "side" in extra:  # input i's sum: the ranks with more than i inputs
+            out[name]["side"] = side_sums == [sum(c > i for c in counts)
+                                              for i in range(counts[ctx.rank])]
+        if "local" in extra:
+            out[name]["rounds"] = [others[0].rounds, max(counts) - counts[ctx.rank]]
     # The ranks disagree: rank 0 asks for the one-collective path.
     model = wrap(ctx, make())
     try:
