@@ -97,8 +97,11 @@ the Join beside it (the engine steps them).
 A training Join (the engine's own, Accelerate's, the Trainer's: every
 :class:`DeepSpeedJoinable`) also refuses, when it is entered, ZeRO-2 with gradient
 accumulation (no optimizer offload) on a DeepSpeed that steps on a window's last
-micro-step alone (0.18.2: ``_private.zero2_keeps_last_micro_step``), which would
-train wrongly with or without a Join; evaluation does not accumulate.
+micro-step alone (0.18.2: ``_private.zero2_keeps_last_micro_step``), and a joinable
+on the loop's windows on ZeRO 0 or 1 with accumulation on a DeepSpeed whose
+``engine.no_sync()`` leaves a micro-step undivided by the accumulation steps (0.18.2:
+``_private.no_sync_skips_accumulation_scaling``), which would train wrongly with or
+without a Join; evaluation does not accumulate.
 
 *Evaluation.* :func:`evaluation` gives the joinable of a forward-only loop
 (``StepReplay(engine, backward=None)``): a joined rank replays the forward
@@ -326,7 +329,7 @@ class DeepSpeedJoinable(StepReplay):
 
     def _refuse_on_entry(self, join: Join) -> None:
         super()._refuse_on_entry(join)
-        message = _training_refusal(self.engine)
+        message = _training_refusal(self.engine, windows=self._boundaries is not None)
         if message is not None:
             raise ValueError(message)
         if not self._divide_by_initial_world_size and join.fuses_heartbeat:
@@ -608,17 +611,33 @@ def _offload_device(offload: Any) -> str:
     return str(getattr(device, "value", device))
 
 
-def _training_refusal(engine: Any) -> str | None:
+def _training_refusal(engine: Any, windows: bool = False) -> str | None:
     """Why this DeepSpeed would train ``engine`` wrongly, with or without a Join, or
     ``None``: ZeRO-2 accumulation on a release that steps on a window's last micro-step
-    alone (``_private.zero2_keeps_last_micro_step``). Every training path's Join (the
-    engine's own, Accelerate's, the Trainer's) checks it on entry; evaluation does not
-    accumulate."""
+    alone (``_private.zero2_keeps_last_micro_step``), and the loop's windows
+    (``windows``: Accelerate's ``accumulate()``, whose micro-steps inside a window run
+    under ``engine.no_sync()`` on ZeRO 0 and 1) on a release that leaves such a
+    micro-step undivided (``_private.no_sync_skips_accumulation_scaling``). Every
+    training path's Join (the engine's own, Accelerate's, the Trainer's) checks it on
+    entry; evaluation does not accumulate."""
     gas = int(engine.gradient_accumulation_steps())
-    if (engine.zero_optimization_stage() == 2 and gas > 1
-            and _offload_device(engine.zero_offload_optimizer()) == "none"
+    stage = engine.zero_optimization_stage()
+    if gas == 1:
+        return None
+    if (stage == 2 and _offload_device(engine.zero_offload_optimizer()) == "none"
             and _private.zero2_keeps_last_micro_step()):
         return _last_micro_step_message(gas)
+    if windows and stage < 2 and _private.no_sync_skips_accumulation_scaling():
+        return (
+            f"found deepspeed {version('deepspeed')}, whose engine.no_sync() leaves a "
+            "micro-step's loss undivided by gradient_accumulation_steps: with the loop's "
+            f"accumulation windows on ZeRO-{stage} (Accelerate's accumulate() runs a "
+            f"window's first micro-steps under engine.no_sync(); gradient_accumulation_steps"
+            f"={gas}) each of them would count {gas} times, with or without a Join; "
+            "DeepSpeed fixed it in 0.18.3), so Join refuses to train on it. Upgrade "
+            "DeepSpeed (pip install 'deepspeed>=0.18.3'), or use ZeRO-3, or "
+            "gradient_accumulation_steps=1"
+        )
     return None
 
 

@@ -26,9 +26,10 @@ tests check, on the oldest and the newest of :data:`TESTED_DEEPSPEED`
 
 *What differs between supported releases* is resolved here, once per process,
 from the release's own code (not its version number):
-:func:`managed_accumulation` (a setting 0.18.3 added) and
-:func:`zero2_keeps_last_micro_step` (a ZeRO-2 bug 0.18.3 fixed, which the
-adapter refuses rather than train wrongly).
+:func:`managed_accumulation` (a setting 0.18.3 added),
+:func:`zero2_keeps_last_micro_step` and :func:`no_sync_skips_accumulation_scaling`
+(two accumulation bugs 0.18.3 fixed, which the adapter refuses rather than train
+wrongly).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .._guards import Member, Need, problems, refusal, supported_spec
 
 __all__ = ["SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED", "UnsupportedDeepSpeedError",
            "ENGINE_MEMBERS", "OPTIONAL_MEMBERS", "check", "is_engine", "managed_accumulation",
-           "zero2_keeps_last_micro_step"]
+           "no_sync_skips_accumulation_scaling", "zero2_keeps_last_micro_step"]
 
 #: The DeepSpeed releases joinkit's tests passed on: the oldest supported and the
 #: dev pin (``constraints.txt``).
@@ -184,6 +185,33 @@ def zero2_keeps_last_micro_step() -> bool:
     except (AttributeError, OSError, TypeError):
         return False
     return _RESTARTS_EACH_MICRO_STEP in source
+
+
+#: The engine's backward prologue, where a micro-step's loss is divided by the
+#: accumulation steps (0.18.2's gate: :func:`no_sync_skips_accumulation_scaling`).
+_PROLOGUE = "_backward_prologue"
+_SCALES_OUTSIDE_NO_SYNC = ("not self.inside_no_sync_ctxt",
+                           "if do_gradient_reduction and self.gradient_accumulation_steps() > 1")
+
+
+@functools.cache
+def no_sync_skips_accumulation_scaling() -> bool:
+    """Whether this DeepSpeed leaves a micro-step under ``engine.no_sync()`` undivided.
+
+    DeepSpeed 0.18.2 (fixed in 0.18.3) divides a micro-step's loss by
+    ``gradient_accumulation_steps`` in ``DeepSpeedEngine._backward_prologue`` only when
+    the backward reduces, so a micro-step inside ``engine.no_sync()`` (Accelerate's
+    ``accumulate()`` under ZeRO 0 and 1) adds ``gradient_accumulation_steps`` times its
+    share to the window's gradient, with or without a Join (0.18.3 divides every
+    micro-step). Read once per process from that method's source: 0.18.2's gate; a
+    release without it (or whose source cannot be read) divides every micro-step.
+    """
+    engine = getattr(importlib.import_module(_ENGINE), "DeepSpeedEngine", None)
+    try:
+        source = inspect.getsource(getattr(engine, _PROLOGUE))
+    except (AttributeError, OSError, TypeError):
+        return False
+    return all(line in source for line in _SCALES_OUTSIDE_NO_SYNC)
 
 
 _checked: list[bool] = []

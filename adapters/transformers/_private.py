@@ -33,8 +33,9 @@ __all__ = ["SUPPORTED", "TESTED", "GROUPS", "UnsupportedTransformersError", "che
 
 #: The releases this module's tests passed on: the oldest supported of each and its
 #: dev pin (``constraints.txt``); docs/guide/install.md says why transformers and
-#: trl start there (5.3 to 5.23 and trl 0.25 pass the table, not every cell, yet).
-TESTED = {"transformers": ("5.24.0", "5.24.0"), "accelerate": ("1.12.0", "1.15.0"),
+#: trl start there (transformers 5.3 is the first whose Trainer has these internals;
+#: trl 0.25 passes the table, not its SFT cell, yet).
+TESTED = {"transformers": ("5.3.0", "5.24.0"), "accelerate": ("1.12.0", "1.15.0"),
           "trl": ("1.16.0", "1.16.0")}
 #: The ``[transformers]`` extra's ranges (no upper bound: :data:`GROUPS` decides).
 SUPPORTED = {name: supported_spec(tested) for name, tested in TESTED.items()}

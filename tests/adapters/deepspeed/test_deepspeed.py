@@ -128,13 +128,19 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for (name, run) in zip(JOBS, runs, strict=True)}
 
 
-def refused_here(spec: dict[str, Any]) -> bool:
+def refused_here(spec: dict[str, Any], windows: bool = False) -> bool:
     """Whether this DeepSpeed's engine for ``spec`` is refused on entry: ZeRO-2 with
-    accumulation on a release that steps on a window's last micro-step alone (0.18.2)."""
+    accumulation on a release that steps on a window's last micro-step alone, and
+    (``windows``: Accelerate's cells) ZeRO 0 or 1 with accumulation on a release whose
+    ``no_sync()`` leaves a micro-step undivided (both 0.18.2)."""
     from joinkit.adapters.deepspeed import _private
 
-    return (spec["stage"] == 2 and spec["gas"] > 1 and spec.get("offload", "none") == "none"
-            and _private.zero2_keeps_last_micro_step())
+    if spec["gas"] == 1:
+        return False
+    return ((spec["stage"] == 2 and spec.get("offload", "none") == "none"
+             and _private.zero2_keeps_last_micro_step())
+            or (windows and spec["stage"] < 2
+                and _private.no_sync_skips_accumulation_scaling()))
 
 
 def _assert_refused(jobs: dict[str, Any], job: str, spec: dict[str, Any]) -> None:
@@ -287,7 +293,7 @@ def test_accelerates_deepspeed_plugin_is_exact(jobs: dict[str, Any], job: str) -
             1, 2, 3}
     assert any(0 in s["plan"] for s in cells)
     for spec in cells:
-        if refused_here(spec):
+        if refused_here(spec, windows=True):
             _assert_refused(jobs, job, spec)
             continue
         ranks = _records(jobs, job, spec["name"])
@@ -377,6 +383,11 @@ MISTAKES = {
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("case", list(MISTAKES))
 def test_a_loop_mistake_fails_every_rank_promptly(jobs: dict[str, Any], case: str) -> None:
+    if case == "window-no-sync" and refused_here({"stage": 1, "gas": 2}, windows=True):
+        # no_sync() needs ZeRO 0 or 1, whose accumulation on the loop's windows this
+        # DeepSpeed trains wrongly (0.18.2): Join refuses it on entry, on every rank.
+        _assert_refused(jobs, "torchrun-2", {"name": "mistake-window-no-sync", "gas": 2})
+        return
     rank0, *others = _records(jobs, "torchrun-2", f"mistake-{case}")
     assert rank0["error"].startswith("LocalProtocolError: ")
     assert MISTAKES[case] in rank0["error"]
@@ -462,29 +473,55 @@ class _Epilogue0183:
                 self.all_grad_tensors[i] = []
 
 
-@pytest.mark.parametrize(("owner", "drops"), [(_Epilogue0182, True), (_Epilogue0183, False),
-                                              (object, False)])
-def test_zero2s_last_micro_step_bug_is_read_from_deepspeeds_code(
-        monkeypatch: pytest.MonkeyPatch, owner: type, drops: bool) -> None:
-    """The compat layer finds 0.18.2's ZeRO-2 bug in the optimizer's own code (not the
-    version number): its line restarts the window's sum; 0.18.3's, or a method it cannot
-    read, does not. On the DeepSpeed installed here it agrees with DeepSpeed's history."""
+class _Prologue0182:
+    def _backward_prologue(self, loss: Any, scale_wrt_gas: bool = True) -> Any:  # 0.18.2's
+        do_gradient_reduction = self.enable_backward_allreduce and not self.inside_no_sync_ctxt
+        if do_gradient_reduction and self.gradient_accumulation_steps() > 1 and scale_wrt_gas:
+            loss = self._scale_loss_by_gas(loss.float())
+        return loss
+
+
+class _Prologue0183:
+    def _backward_prologue(self) -> None:  # 0.18.3 divides each gradient, no_sync or not
+        self.optimizer.backward_prologue()
+
+
+#: Each 0.18.2 bug the compat layer reads from DeepSpeed's code: (its detector, the
+#: module and class whose method it reads) -> the method as 0.18.2 and 0.18.3 have it.
+_BUGS = {("zero2_keeps_last_micro_step", "_STAGE12", "DeepSpeedZeroOptimizer"):
+         (_Epilogue0182, _Epilogue0183),
+         ("no_sync_skips_accumulation_scaling", "_ENGINE", "DeepSpeedEngine"):
+         (_Prologue0182, _Prologue0183)}
+
+
+@pytest.mark.parametrize(("bug", "owner", "found"), [
+    (bug, owner, found) for bug, (old, new) in _BUGS.items()
+    for owner, found in ((old, True), (new, False), (object, False))])
+def test_a_0_18_2_bug_is_read_from_deepspeeds_code(
+        monkeypatch: pytest.MonkeyPatch, bug: tuple[str, str, str], owner: type,
+        found: bool) -> None:
+    """The compat layer finds each 0.18.2 bug in DeepSpeed's own code (not the version
+    number): the ZeRO-2 epilogue's line that restarts the window's sum; the engine's
+    backward that divides the loss by the accumulation steps only when it reduces (not
+    under ``no_sync()``). 0.18.3's method, or one it cannot read, has neither. On the
+    DeepSpeed installed here each agrees with DeepSpeed's history."""
     import types
 
     from joinkit.adapters._guards import version
     from joinkit.adapters.deepspeed import _private
 
-    installed = _private.zero2_keeps_last_micro_step()
+    detector, module_name, class_name = bug
+    detect = getattr(_private, detector)
     release = tuple(int(part) for part in version("deepspeed").split(".")[:3])
-    assert installed == (release < (0, 18, 3))
-    module = types.ModuleType(_private._STAGE12)
-    module.DeepSpeedZeroOptimizer = owner  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, _private._STAGE12, module)
-    _private.zero2_keeps_last_micro_step.cache_clear()
+    assert detect() == (release < (0, 18, 3))
+    module = types.ModuleType(getattr(_private, module_name))
+    setattr(module, class_name, owner)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    detect.cache_clear()
     try:
-        assert _private.zero2_keeps_last_micro_step() is drops
+        assert detect() is found
     finally:
-        _private.zero2_keeps_last_micro_step.cache_clear()
+        detect.cache_clear()
 
 
 def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
@@ -513,6 +550,20 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
     for stage, gas, offload in ((2, 1, "none"), (1, 3, "none"), (3, 3, "none"),
                                 (2, 3, "cpu")):
         assert _engine._training_refusal(engine(stage, gas, offload)) is None
+
+    # The loop's windows (Accelerate's accumulate()) on ZeRO 0 and 1 where no_sync()
+    # leaves a micro-step undivided; the engine's own loop (no no_sync()) still runs.
+    monkeypatch.setattr(_private, "zero2_keeps_last_micro_step", lambda: False)
+    monkeypatch.setattr(_private, "no_sync_skips_accumulation_scaling", lambda: True)
+    for stage in (0, 1):
+        message = _engine._training_refusal(engine(stage, 2), windows=True)
+        assert message is not None and message.startswith(
+            f"found deepspeed {version('deepspeed')}, whose engine.no_sync() leaves a ")
+        assert f"on ZeRO-{stage}" in message and "would count 2 times" in message
+        assert "pip install 'deepspeed>=0.18.3'" in message
+        assert _engine._training_refusal(engine(stage, 2)) is None
+    for stage, gas in ((1, 1), (2, 2), (3, 2)):
+        assert _engine._training_refusal(engine(stage, gas), windows=True) is None
 
 
 @pytest.mark.launches

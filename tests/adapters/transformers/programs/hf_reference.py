@@ -69,10 +69,14 @@ def train(records: list[dict[str, Any]], model_kind: str,
             steps[step].append((rank, batch))
     model = w.tiny_model(model_kind)
     if sft:
-        from trl.trainer.utils import add_fused_lm_head
+        # TRL's SFTTrainer fuses the model's LM head (its metrics' outputs) from the
+        # release that has ``add_fused_lm_head``; an older one (0.25) trains the model as
+        # it is, and so does the reference.
+        from trl.trainer import utils as trl_utils
 
-        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
-        model._fused = True
+        if hasattr(trl_utils, "add_fused_lm_head"):
+            trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+            model._fused = True
     model.train()
     defaults = meta["defaults"]
     optimizer: torch.optim.Optimizer
