@@ -318,6 +318,7 @@ class UnevenInputs(Callback):
         self._forward_input: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._forward_hook: Any = None
         self._val_join: Join | None = None
+        self._val_target: Any = None  # a validation event's adapter of the FSDP root
         self._trainer: pl.Trainer | None = None
         self._sigterm_seen = False  # this rank got SIGTERM (the swapped handler)
         self._handlers: tuple[Any, Any] | None = None  # (Lightning's, ours)
@@ -343,7 +344,7 @@ class UnevenInputs(Callback):
                 f"FSDPStrategy ('fsdp', FSDP1) and ModelParallelStrategy (FSDP2, "
                 f"fully_shard), not {type(strategy).__qualname__}"
             )
-        refusal = _mid_epoch_refusal(trainer, self._fsdp)
+        refusal = _mid_epoch_refusal(trainer)
         if refusal is not None:  # every rank alike, before Lightning's post-setup barrier
             raise ValueError(refusal)
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -559,17 +560,14 @@ class UnevenInputs(Callback):
                 progress.is_last_batch = last
 
     def _validate(self, joined: bool) -> None:
-        """Lightning's validation after a batch (``on_advance_end``), on every rank:
-        a joined DDP rank first takes the source's parameters and buffers (it did
-        not step since it joined), and the forward skips DDP's wrapper (nothing
-        in it is a collective without gradients; its join collectives are not
-        this round's)."""
+        """Lightning's validation after a batch (``on_advance_end``), on every rank,
+        its forwards outside the training Join's model (:meth:`_event_forwards`)."""
         trainer = self._trainer
         state = self._event_state
         assert trainer is not None and state is not None
         module = trainer.lightning_module
-        strategy = trainer.strategy
         if state.some_joined and not self._fsdp:
+            # A joined DDP rank did not step since it joined: the source's.
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor.data, src=state.source, group=state.group)
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -577,19 +575,50 @@ class UnevenInputs(Callback):
         first_loop_iter = trainer._logger_connector._first_loop_iter
         if not joined and not epoch_loop._should_accumulate():
             module.on_validation_model_zero_grad()
-        wrapped = strategy.model
-        bypass = _is_ddp(strategy) and isinstance(
-            wrapped, torch.nn.parallel.DistributedDataParallel)
-        if bypass:
-            assert wrapped is not None
-            strategy.model = wrapped.module  # type: ignore[assignment]  # a Module
-        try:
+        with self._event_forwards():
             epoch_loop.val_loop.run()
-        finally:
-            if bypass:
-                strategy.model = wrapped
         trainer.training = True
         trainer._logger_connector._first_loop_iter = first_loop_iter
+
+    @contextlib.contextmanager
+    def _event_forwards(self) -> Iterator[None]:
+        """The validation event's forwards, which every rank runs, are not the
+        training Join's rounds.
+
+        DDP: they skip DDP's wrapper (nothing in it is a collective without
+        gradients; its join collectives are not this round's). FSDP: each
+        rank's shards are its own and current (a joined rank replayed every
+        step), and each forward all-gathers, so the ranks validate as after an
+        epoch, in a Join of the model of its own (uneven validation batches),
+        over a second adapter of the root, while the training Join's adapter
+        is paused. FSDP2's root keeps what a forward without a backward
+        unsharded: resharded after it (local), so the optimizer steps the shards.
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        strategy = trainer.strategy
+        root = self._fsdp_root
+        if root is not None:
+            training = _fsdp_adapter(root)
+            self._val_target = type(training)(root)
+            try:
+                with training.paused():
+                    yield None
+            finally:
+                self._val_target = None
+                if not self._fsdp1:
+                    root.reshard()
+            return
+        wrapped = strategy.model
+        if not (_is_ddp(strategy)
+                and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)):
+            yield None
+            return
+        strategy.model = wrapped.module
+        try:
+            yield None
+        finally:
+            strategy.model = wrapped
 
     # -- SIGTERM ------------------------------------------------------------------------
 
@@ -821,7 +850,9 @@ class UnevenInputs(Callback):
         # forward (no backward: gradients are off) until every rank has finished.
         if self._fsdp_root is None or trainer.world_size < 2:
             return
-        join = Join([self._fsdp_root], **self._join_kwargs())
+        # In a validation event: the second adapter (_event_forwards).
+        target = self._fsdp_root if self._val_target is None else self._val_target
+        join = Join([target], **self._join_kwargs())
         join.__enter__()
         self._val_join = join
 
@@ -1095,13 +1126,17 @@ def _windowed_accumulation(epoch_loop: Any) -> Callable[[], bool]:
 
 def _closed_a_window(root: Any) -> bool:
     """Whether the epoch's Join closed an open FSDP window in its post hooks."""
+    return bool(_fsdp_adapter(root).closed_window)
+
+
+def _fsdp_adapter(root: Any) -> Any:
+    """joinkit's adapter of the FSDP root (FSDP1 or FSDP2), the training Join's."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from joinkit.adapters.torch import fsdp, fsdp1
 
-    adapter = fsdp1.adapt(root) if isinstance(root, FullyShardedDataParallel) else (
+    return fsdp1.adapt(root) if isinstance(root, FullyShardedDataParallel) else (
         fsdp.adapt(root))
-    return adapter.closed_window
 
 
 def _is_fsdp1(strategy: Any) -> bool:
@@ -1306,33 +1341,18 @@ def _validates_mid_epoch(trainer: pl.Trainer) -> bool:
     return isinstance(interval, int) or (isinstance(interval, float) and interval < 1.0)
 
 
-def _mid_epoch_refusal(trainer: pl.Trainer, fsdp: bool) -> str | None:
-    """Why the Trainer's mid-epoch validation or checkpoints cannot run under the
-    callback, or ``None``.
+def _mid_epoch_refusal(trainer: pl.Trainer) -> str | None:
+    """Why the Trainer's mid-epoch validation cannot run under the callback, or ``None``.
 
     Time-based validation (``val_check_interval`` a duration) is decided by each
-    rank's clock, which the ranks do not share. Under FSDP the mid-epoch events
-    are not done: a validation forward there is a joined rank's replay inside the
-    training Join, and a checkpoint's state dict is a collective of shards.
+    rank's clock, which the ranks do not share.
     """
-    from pytorch_lightning.callbacks import ModelCheckpoint
-
     if getattr(trainer, "_val_check_time_interval", None) is not None:
         return (
             "UnevenInputs: Trainer(val_check_interval=...) as a duration validates by each "
             "rank's clock, which the ranks do not share, so a rank that ran out of "
             "training batches cannot tell when the others validate: give "
             "val_check_interval as a number of batches (an int) or a fraction of the epoch")
-    steps = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)
-             and (c._every_n_train_steps > 0 or c._train_time_interval is not None)]
-    if fsdp and (steps or _validates_mid_epoch(trainer)):
-        what = (f"Trainer(val_check_interval={trainer.val_check_interval!r})"
-                if _validates_mid_epoch(trainer) else "ModelCheckpoint(every_n_train_steps=...)")
-        return (
-            f"UnevenInputs under FSDP does not support {what} yet (validation and "
-            "checkpoints in the middle of an epoch work under DDP): validate and save at "
-            "epoch ends (val_check_interval=1.0, ModelCheckpoint(every_n_epochs=1), the "
-            "defaults)")
     return None
 
 
@@ -1365,22 +1385,35 @@ def _step_save(callback: UnevenInputs, original: Callable[..., Any],
     return on_train_batch_end
 
 
+#: A checkpoint's parts that are each rank's own shards under FSDP (every rank
+#: dumps and saves its own, in the same order: a collective of shards).
+_SHARDED_PARTS = ("state_dict", "optimizer_states")
+
+
 def _writer_dump(callback: UnevenInputs, original: Callable[..., Any]) -> Callable[..., Any]:
     """The checkpoint connector's ``dump_checkpoint``: in an event where rank 0 (the
     writer) has joined, rank 0 gets the source's checkpoint (its parameters,
-    optimizer, loops and loader states are the active ranks')."""
+    optimizer, loops and loader states are the active ranks'). Under FSDP every
+    rank keeps its own model and optimizer parts (its shards, current on a joined
+    rank, which stepped in every round; a full state dict is gathered from every
+    rank's), and rank 0 takes the rest from the source (loops, loader, callbacks,
+    schedulers, ``global_step``): never another rank's shards."""
     def dump_checkpoint(weights_only: bool | None = False) -> dict[str, Any]:
         checkpoint: dict[str, Any] = original(weights_only)
         state = callback._event_state
         if state is None or not state.some_joined or state.source == 0:
             return checkpoint
         rank = dist.get_rank()
+        sent = checkpoint if not callback._fsdp else {
+            key: value for key, value in checkpoint.items() if key not in _SHARDED_PARTS}
         if rank == state.source:
-            dist.send_object_list([checkpoint], dst=0, group=state.group)
+            dist.send_object_list([sent], dst=0, group=state.group)
         elif rank == 0:
             received: list[Any] = [None]
             dist.recv_object_list(received, src=state.source, group=state.group)
-            return dict(received[0])
+            if not callback._fsdp:
+                return dict(received[0])
+            checkpoint.update(received[0])
         return checkpoint
 
     return dump_checkpoint
