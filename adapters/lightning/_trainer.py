@@ -37,8 +37,8 @@ is the order of a joined rank's shadow round:
    Lightning's own end-of-batch check stops every rank together).
 2. The DDP forward (training_step runs inside it): DDP's gradient-sync check;
    then the backward pass: DDP's gradient all-reduce. The DDP model
-   (``strategy.model``), adapted by ``adapters.torch``. FSDP1
-   (``strategy="fsdp"``) cannot be shadowed and is refused; for FSDP2 see below.
+   (``strategy.model``), adapted by ``adapters.torch``. For FSDP2 and FSDP1
+   (``strategy="fsdp"``) see below.
 3. ``self.log(..., sync_dist=True)`` of a step value would all-reduce *inside*
    the forward, between DDP's collectives, where no shadow can sit. While the
    Join lasts, ``strategy.reduce`` (what ``self.log`` syncs with) defers the
@@ -84,9 +84,10 @@ module's forward on the input spec the active ranks publish
 LightningModule's forward input, on the module's ``example_input_array``
 (emptied), as it has no input of its own (without one: ``TypeError``).
 
-*Mid-epoch events* (DDP). Validation inside an epoch (``val_check_interval`` an
-int, or a fraction, reckoned on every rank from the longest rank's number of
-batches, as a single process over the rounds) and step checkpoints
+*Mid-epoch events* (DDP, FSDP2, FSDP1). Validation inside an epoch
+(``val_check_interval`` an int, or a fraction, reckoned on every rank from the
+longest rank's number of batches, as a single process over the rounds) and step
+checkpoints
 (``ModelCheckpoint(every_n_train_steps=...)``, ``train_time_interval``) are
 collectives of every rank, which Lightning starts on the ranks still training.
 Each is a ``SideCollective`` of the Join, called once per batch where it runs:
@@ -114,8 +115,18 @@ progress, loader state), and each ``ModelCheckpoint`` decides on the source's
 skips ``on_train_epoch_start``, so the Join is entered at the first batch
 check; every rank restored the source's batch count, and a rank whose own
 batches were all trained before the save (found in ``setup_data``) shadows the
-rest of the epoch as a rank with no batch does. Under FSDP the events are
-refused (``ValueError``, every rank): not done.
+rest of the epoch as a rank with no batch does. *Under FSDP* each rank's
+shards are its own and current (a joined rank stepped them in every shadow
+round), so nothing is broadcast: the validation event's forwards, which
+all-gather on every rank, run in a Join of the model of its own (entered at
+``on_validation_epoch_start`` as after an epoch: uneven validation batches)
+over a second adapter of the root, while the training Join's adapter is
+``paused()`` (those forwards are no round of the training Join, as the DDP
+path's skip DDP's wrapper); FSDP2's root is resharded after it (local). A
+checkpoint's state dict is a collective of shards: every rank dumps and saves
+its own model and optimizer parts, in the same order, and rank 0, if joined,
+takes only the rest of the source's ``dump_checkpoint`` (loops, loader,
+callbacks, schedulers, ``global_step``), never another rank's shards.
 
 *After each epoch's Join* every rank runs one MAX all-reduce: a SIGTERM after
 its last check (below), whether ``max_steps`` ended some rank's epoch with
@@ -190,7 +201,8 @@ in ``teardown``. With mid-epoch events: each step-saving ``ModelCheckpoint``'s
 ``on_train_batch_end`` (a hook), each ``ModelCheckpoint``'s
 ``_monitor_candidates`` and the checkpoint connector's ``dump_checkpoint``
 (private, checked; each the original outside an event where some rank joined);
-during a validation event, ``strategy.model`` is the module inside DDP.
+during a validation event, ``strategy.model`` is the module inside DDP (under
+FSDP, the training Join's adapter of the root is paused instead).
 """
 
 from __future__ import annotations
@@ -258,12 +270,11 @@ class UnevenInputs(Callback):
             ``fit``, the strategy is neither one of Lightning's DDP strategies nor
             ``ModelParallelStrategy``, or uses what the FSDP2 path does not support
             (module doc); under ``FSDPStrategy``, a rank with no training batch
-            and no ``example_input_array`` on the module.
+            (or none left in a resumed epoch) and no ``example_input_array`` on
+            the module.
         ValueError (at ``fit``, every rank): ``val_check_interval`` as a
-            duration (each rank's clock decides); under FSDP, validation in the
-            middle of an epoch or step- or time-based checkpoints (not done yet,
-            docs/lightning.md); an int ``val_check_interval`` above the longest
-            rank's number of batches.
+            duration (each rank's clock decides); an int ``val_check_interval``
+            above the longest rank's number of batches.
         UnsupportedLightningError (at ``fit``): this Lightning changed a member
             joinkit relies on.
         LocalProtocolError: ``self.log(..., sync_dist=True, sync_dist_group=...)``

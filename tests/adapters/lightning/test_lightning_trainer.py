@@ -426,12 +426,20 @@ FSDP_3_SCENARIOS = ["fsdp1_3ranks", "fsdp1_empty_rank", "fsdp2_empty_rank",
 def mid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """The mid-epoch cells on 2 ranks (5 and 8 batches) and on 3 (0, 5 and 8), and
     FSDP1 on 3 ranks: two torchrun launches at once."""
-    outs = {world: tmp_path_factory.mktemp(f"mid{world}") for world in (2, 3)}
+    return _launch_worlds(tmp_path_factory, "mid", {
+        2: MID_SCENARIOS, 3: [*MID_SCENARIOS, *FSDP_3_SCENARIOS]}, LAUNCH_TIMEOUT)
+
+
+def _launch_worlds(tmp_path_factory: pytest.TempPathFactory, prefix: str,
+                   scenarios: dict[int, list[str]], timeout: float
+                   ) -> dict[int, dict[str, Any]]:
+    """One torchrun launch of the worker per world size, all at once; each world's
+    records (``result``), its process and its output folder."""
+    outs = {world: tmp_path_factory.mktemp(f"{prefix}{world}") for world in scenarios}
     procs = launch_ranks(
         [[TORCHRUN, "--standalone", "--nproc-per-node", str(world), str(WORKER), str(out),
-          *MID_SCENARIOS, *(FSDP_3_SCENARIOS if world == 3 else [])]
-         for world, out in outs.items()],
-        LAUNCH_TIMEOUT, env=_env(), cwd=outs[2])
+          *scenarios[world]] for world, out in outs.items()],
+        timeout, env=_env(), cwd=outs[2])
     runs = {}
     for (world, out), proc in zip(outs.items(), procs, strict=True):
         ranks = []
@@ -581,19 +589,8 @@ FSDP_MID_TIMEOUT = 540.0
 @pytest.fixture(scope="module")
 def fsdp_mid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """The FSDP mid-epoch cells on 2 ranks (5 and 8 batches) and on 3 (0, 5 and 8)."""
-    outs = {world: tmp_path_factory.mktemp(f"fsdp_mid{world}") for world in (2, 3)}
-    procs = launch_ranks(
-        [[TORCHRUN, "--standalone", "--nproc-per-node", str(world), str(WORKER), str(out),
-          *FSDP_MID_SCENARIOS] for world, out in outs.items()],
-        FSDP_MID_TIMEOUT, env=_env(), cwd=outs[2])
-    runs = {}
-    for (world, out), proc in zip(outs.items(), procs, strict=True):
-        ranks = []
-        for rank in range(world):
-            path = out / f"rank{rank}.json"
-            ranks.append(json.loads(path.read_text()) if path.exists() else {})
-        runs[world] = {"worker": proc, "ranks": ranks, "out": out}
-    return runs
+    return _launch_worlds(tmp_path_factory, "fsdp_mid", {
+        2: FSDP_MID_SCENARIOS, 3: FSDP_MID_SCENARIOS}, FSDP_MID_TIMEOUT)
 
 
 @pytest.mark.timeout(FSDP_MID_TIMEOUT + 60)
