@@ -581,8 +581,9 @@ def test_fsdp1_with_a_rank_without_training_batches_needs_example_input_array(
 # -- the same under FSDP2 (ModelParallelStrategy) and FSDP1 (strategy="fsdp") ------------
 
 FSDP_MID_SCENARIOS = ["fsdp2_val_int", "fsdp2_save_steps", "fsdp2_resume",
+                      "fsdp2_full_save_steps", "fsdp2_full_resume",
                       "fsdp1_val_int", "fsdp1_save_steps", "fsdp1_resume"]
-#: Six fits per world, both worlds at once on a loaded 2-core machine: 2-5 minutes.
+#: Eight fits per world, both worlds at once on a loaded 2-core machine: 2-6 minutes.
 FSDP_MID_TIMEOUT = 540.0
 
 
@@ -636,15 +637,16 @@ def _saved_distributed(path: Path, out: Path) -> dict[str, Any]:
 
 @pytest.mark.timeout(FSDP_MID_TIMEOUT + 60)
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp1"])
+@pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp2_full", "fsdp1"])
 def test_fsdp_step_checkpoint_with_a_joined_rank_saves_and_resumes_as_a_single_process(
         fsdp_mid_runs: Any, world: int, fsdp: str, tmp_path: Path) -> None:
-    """ModelCheckpoint(every_n_train_steps=6) under FSDP2 and FSDP1 (sharded state dicts:
-    every rank saves its own shards, rank 0 the rest): step 6 comes after rank 0 has
-    joined; the shards hold the single process's parameters and momentum after 6 steps
-    (a joined rank's are current: it stepped them in every round), the rest the active
-    ranks' global_step and loader state; a fit resumed from it ends where the
-    uninterrupted run does."""
+    """ModelCheckpoint(every_n_train_steps=6) under FSDP2 and FSDP1 with sharded state
+    dicts (every rank saves its own shards, rank 0 the rest), and under FSDP2 with one
+    file of full state dicts (gathered from every rank's shards; rank 0 writes): step 6
+    comes after rank 0 has joined; the shards hold the single process's parameters and
+    momentum after 6 steps (a joined rank's are current: it stepped them in every
+    round), the rest the active ranks' global_step and loader state; a fit resumed from
+    it ends where the uninterrupted run does."""
     import lightning_worker as w
 
     inputs = w.MID_INPUTS[world]
@@ -654,14 +656,16 @@ def test_fsdp_step_checkpoint_with_a_joined_rank_saves_and_resumes_as_a_single_p
         assert got["params"] == pytest.approx(full["params"], abs=1e-5)
     assert sorted(p.name for p in folder.glob("*.ckpt")) == ["step=12.ckpt", "step=6.ckpt"]
     at = reference(scheduler=True, inputs=inputs, max_steps=w.SAVE_EVERY, epochs=1)
-    saved = _saved_distributed(folder / f"step={w.SAVE_EVERY}.ckpt", tmp_path / "whole.pt")
+    path = folder / f"step={w.SAVE_EVERY}.ckpt"
+    saved = _saved(path) if fsdp == "fsdp2_full" else _saved_distributed(
+        path, tmp_path / "whole.pt")
     assert saved["global_step"] == at["global_step"] == w.SAVE_EVERY
     assert saved["params"] == pytest.approx(at["params"], abs=1e-5)
     assert saved["momentum"] == pytest.approx(at["momentum"], abs=1e-5)
     assert saved["loader"] == [{"given": w.SAVE_EVERY}]  # the active ranks' 6 batches
     for got in result(fsdp_mid_runs[world], f"{fsdp}_resume"):
         assert got["params"] == pytest.approx(full["params"], abs=1e-5)
-        if fsdp == "fsdp2":
+        if fsdp.startswith("fsdp2"):  # FSDP1's momentum is each rank's flat shard
             assert got["momentum"] == pytest.approx(full["momentum"], abs=1e-5)
         assert got["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
         assert got["global_step"] == full["global_step"] == 8 * w.EPOCHS
