@@ -103,6 +103,14 @@ reduced gradient it adds is zero) and raises ``LocalProtocolError``; the
 Join's failure protocol gives its peers ``PeerFailure``. Limit: a backward
 that does not reach the root's outputs counts as none.
 
+*Forwards that are no round* (:meth:`FSDPJoinable.paused`). A framework that
+runs an evaluation on every rank, active and joined, in one of the Join's
+rounds (a side collective's call and shadow: Lightning's mid-epoch validation)
+pauses the adapter while it lasts: no step check, backward watch or divisor in
+those forwards, whose collectives pair among themselves; uneven evaluation
+batches go in a Join of their own over a second ``FSDPJoinable`` of the same
+model (the cached adapter is in the training Join).
+
 *A rank that dies* (``Join([model, optimizer], on_rank_loss="finish")``): none
 of the above runs. The model's ``join_hook`` vouches for FSDP's group
 (``torch_dist.elastic_raw_groups``), and on entry ``adapters._fsdp_elastic``
