@@ -61,6 +61,8 @@ def test_the_markdown_has_blocks_to_run() -> None:
     assert len(runnable) >= 3, [b.id for b in BLOCKS]
 
 
+# A block's run may wait for the one before it (two run at once): two launches' guard.
+@pytest.mark.timeout(2 * ds.LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_block(block: ds.Block,
                runs: dict[str, Future[subprocess.CompletedProcess[str]]]) -> None:
