@@ -37,8 +37,8 @@ is the order of a joined rank's shadow round:
    Lightning's own end-of-batch check stops every rank together).
 2. The DDP forward (training_step runs inside it): DDP's gradient-sync check;
    then the backward pass: DDP's gradient all-reduce. The DDP model
-   (``strategy.model``), adapted by ``adapters.torch``. FSDP1
-   (``strategy="fsdp"``) cannot be shadowed and is refused; for FSDP2 see below.
+   (``strategy.model``), adapted by ``adapters.torch``. For FSDP2 and FSDP1
+   (``strategy="fsdp"``) see below.
 3. ``self.log(..., sync_dist=True)`` of a step value would all-reduce *inside*
    the forward, between DDP's collectives, where no shadow can sit. While the
    Join lasts, ``strategy.reduce`` (what ``self.log`` syncs with) defers the
@@ -84,9 +84,10 @@ module's forward on the input spec the active ranks publish
 LightningModule's forward input, on the module's ``example_input_array``
 (emptied), as it has no input of its own (without one: ``TypeError``).
 
-*Mid-epoch events* (DDP). Validation inside an epoch (``val_check_interval`` an
-int, or a fraction, reckoned on every rank from the longest rank's number of
-batches, as a single process over the rounds) and step checkpoints
+*Mid-epoch events* (DDP, FSDP2, FSDP1). Validation inside an epoch
+(``val_check_interval`` an int, or a fraction, reckoned on every rank from the
+longest rank's number of batches, as a single process over the rounds) and step
+checkpoints
 (``ModelCheckpoint(every_n_train_steps=...)``, ``train_time_interval``) are
 collectives of every rank, which Lightning starts on the ranks still training.
 Each is a ``SideCollective`` of the Join, called once per batch where it runs:
@@ -114,8 +115,18 @@ progress, loader state), and each ``ModelCheckpoint`` decides on the source's
 skips ``on_train_epoch_start``, so the Join is entered at the first batch
 check; every rank restored the source's batch count, and a rank whose own
 batches were all trained before the save (found in ``setup_data``) shadows the
-rest of the epoch as a rank with no batch does. Under FSDP the events are
-refused (``ValueError``, every rank): not done.
+rest of the epoch as a rank with no batch does. *Under FSDP* each rank's
+shards are its own and current (a joined rank stepped them in every shadow
+round), so nothing is broadcast: the validation event's forwards, which
+all-gather on every rank, run in a Join of the model of its own (entered at
+``on_validation_epoch_start`` as after an epoch: uneven validation batches)
+over a second adapter of the root, while the training Join's adapter is
+``paused()`` (those forwards are no round of the training Join, as the DDP
+path's skip DDP's wrapper); FSDP2's root is resharded after it (local). A
+checkpoint's state dict is a collective of shards: every rank dumps and saves
+its own model and optimizer parts, in the same order, and rank 0, if joined,
+takes only the rest of the source's ``dump_checkpoint`` (loops, loader,
+callbacks, schedulers, ``global_step``), never another rank's shards.
 
 *After each epoch's Join* every rank runs one MAX all-reduce: a SIGTERM after
 its last check (below), whether ``max_steps`` ended some rank's epoch with
@@ -190,7 +201,8 @@ in ``teardown``. With mid-epoch events: each step-saving ``ModelCheckpoint``'s
 ``on_train_batch_end`` (a hook), each ``ModelCheckpoint``'s
 ``_monitor_candidates`` and the checkpoint connector's ``dump_checkpoint``
 (private, checked; each the original outside an event where some rank joined);
-during a validation event, ``strategy.model`` is the module inside DDP.
+during a validation event, ``strategy.model`` is the module inside DDP (under
+FSDP, the training Join's adapter of the root is paused instead).
 """
 
 from __future__ import annotations
@@ -258,12 +270,11 @@ class UnevenInputs(Callback):
             ``fit``, the strategy is neither one of Lightning's DDP strategies nor
             ``ModelParallelStrategy``, or uses what the FSDP2 path does not support
             (module doc); under ``FSDPStrategy``, a rank with no training batch
-            and no ``example_input_array`` on the module.
+            (or none left in a resumed epoch) and no ``example_input_array`` on
+            the module.
         ValueError (at ``fit``, every rank): ``val_check_interval`` as a
-            duration (each rank's clock decides); under FSDP, validation in the
-            middle of an epoch or step- or time-based checkpoints (not done yet,
-            docs/lightning.md); an int ``val_check_interval`` above the longest
-            rank's number of batches.
+            duration (each rank's clock decides); an int ``val_check_interval``
+            above the longest rank's number of batches.
         UnsupportedLightningError (at ``fit``): this Lightning changed a member
             joinkit relies on.
         LocalProtocolError: ``self.log(..., sync_dist=True, sync_dist_group=...)``
@@ -318,6 +329,7 @@ class UnevenInputs(Callback):
         self._forward_input: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._forward_hook: Any = None
         self._val_join: Join | None = None
+        self._val_target: Any = None  # a validation event's adapter of the FSDP root
         self._trainer: pl.Trainer | None = None
         self._sigterm_seen = False  # this rank got SIGTERM (the swapped handler)
         self._handlers: tuple[Any, Any] | None = None  # (Lightning's, ours)
@@ -343,7 +355,7 @@ class UnevenInputs(Callback):
                 f"FSDPStrategy ('fsdp', FSDP1) and ModelParallelStrategy (FSDP2, "
                 f"fully_shard), not {type(strategy).__qualname__}"
             )
-        refusal = _mid_epoch_refusal(trainer, self._fsdp)
+        refusal = _mid_epoch_refusal(trainer)
         if refusal is not None:  # every rank alike, before Lightning's post-setup barrier
             raise ValueError(refusal)
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -559,17 +571,14 @@ class UnevenInputs(Callback):
                 progress.is_last_batch = last
 
     def _validate(self, joined: bool) -> None:
-        """Lightning's validation after a batch (``on_advance_end``), on every rank:
-        a joined DDP rank first takes the source's parameters and buffers (it did
-        not step since it joined), and the forward skips DDP's wrapper (nothing
-        in it is a collective without gradients; its join collectives are not
-        this round's)."""
+        """Lightning's validation after a batch (``on_advance_end``), on every rank,
+        its forwards outside the training Join's model (:meth:`_event_forwards`)."""
         trainer = self._trainer
         state = self._event_state
         assert trainer is not None and state is not None
         module = trainer.lightning_module
-        strategy = trainer.strategy
         if state.some_joined and not self._fsdp:
+            # A joined DDP rank did not step since it joined: the source's.
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor.data, src=state.source, group=state.group)
         epoch_loop = trainer.fit_loop.epoch_loop
@@ -577,19 +586,50 @@ class UnevenInputs(Callback):
         first_loop_iter = trainer._logger_connector._first_loop_iter
         if not joined and not epoch_loop._should_accumulate():
             module.on_validation_model_zero_grad()
-        wrapped = strategy.model
-        bypass = _is_ddp(strategy) and isinstance(
-            wrapped, torch.nn.parallel.DistributedDataParallel)
-        if bypass:
-            assert wrapped is not None
-            strategy.model = wrapped.module  # type: ignore[assignment]  # a Module
-        try:
+        with self._event_forwards():
             epoch_loop.val_loop.run()
-        finally:
-            if bypass:
-                strategy.model = wrapped
         trainer.training = True
         trainer._logger_connector._first_loop_iter = first_loop_iter
+
+    @contextlib.contextmanager
+    def _event_forwards(self) -> Iterator[None]:
+        """The validation event's forwards, which every rank runs, are not the
+        training Join's rounds.
+
+        DDP: they skip DDP's wrapper (nothing in it is a collective without
+        gradients; its join collectives are not this round's). FSDP: each
+        rank's shards are its own and current (a joined rank replayed every
+        step), and each forward all-gathers, so the ranks validate as after an
+        epoch, in a Join of the model of its own (uneven validation batches),
+        over a second adapter of the root, while the training Join's adapter
+        is paused. FSDP2's root keeps what a forward without a backward
+        unsharded: resharded after it (local), so the optimizer steps the shards.
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        strategy = trainer.strategy
+        root = self._fsdp_root
+        if root is not None:
+            training = _fsdp_adapter(root)
+            self._val_target = type(training)(root)
+            try:
+                with training.paused():
+                    yield None
+            finally:
+                self._val_target = None
+                if not self._fsdp1:
+                    root.reshard()
+            return
+        wrapped = strategy.model
+        if not (_is_ddp(strategy)
+                and isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)):
+            yield None
+            return
+        strategy.model = wrapped.module
+        try:
+            yield None
+        finally:
+            strategy.model = wrapped
 
     # -- SIGTERM ------------------------------------------------------------------------
 
@@ -821,7 +861,9 @@ class UnevenInputs(Callback):
         # forward (no backward: gradients are off) until every rank has finished.
         if self._fsdp_root is None or trainer.world_size < 2:
             return
-        join = Join([self._fsdp_root], **self._join_kwargs())
+        # In a validation event: the second adapter (_event_forwards).
+        target = self._fsdp_root if self._val_target is None else self._val_target
+        join = Join([target], **self._join_kwargs())
         join.__enter__()
         self._val_join = join
 
@@ -1095,13 +1137,17 @@ def _windowed_accumulation(epoch_loop: Any) -> Callable[[], bool]:
 
 def _closed_a_window(root: Any) -> bool:
     """Whether the epoch's Join closed an open FSDP window in its post hooks."""
+    return bool(_fsdp_adapter(root).closed_window)
+
+
+def _fsdp_adapter(root: Any) -> Any:
+    """joinkit's adapter of the FSDP root (FSDP1 or FSDP2), the training Join's."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from joinkit.adapters.torch import fsdp, fsdp1
 
-    adapter = fsdp1.adapt(root) if isinstance(root, FullyShardedDataParallel) else (
+    return fsdp1.adapt(root) if isinstance(root, FullyShardedDataParallel) else (
         fsdp.adapt(root))
-    return adapter.closed_window
 
 
 def _is_fsdp1(strategy: Any) -> bool:
@@ -1306,33 +1352,18 @@ def _validates_mid_epoch(trainer: pl.Trainer) -> bool:
     return isinstance(interval, int) or (isinstance(interval, float) and interval < 1.0)
 
 
-def _mid_epoch_refusal(trainer: pl.Trainer, fsdp: bool) -> str | None:
-    """Why the Trainer's mid-epoch validation or checkpoints cannot run under the
-    callback, or ``None``.
+def _mid_epoch_refusal(trainer: pl.Trainer) -> str | None:
+    """Why the Trainer's mid-epoch validation cannot run under the callback, or ``None``.
 
     Time-based validation (``val_check_interval`` a duration) is decided by each
-    rank's clock, which the ranks do not share. Under FSDP the mid-epoch events
-    are not done: a validation forward there is a joined rank's replay inside the
-    training Join, and a checkpoint's state dict is a collective of shards.
+    rank's clock, which the ranks do not share.
     """
-    from pytorch_lightning.callbacks import ModelCheckpoint
-
     if getattr(trainer, "_val_check_time_interval", None) is not None:
         return (
             "UnevenInputs: Trainer(val_check_interval=...) as a duration validates by each "
             "rank's clock, which the ranks do not share, so a rank that ran out of "
             "training batches cannot tell when the others validate: give "
             "val_check_interval as a number of batches (an int) or a fraction of the epoch")
-    steps = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)
-             and (c._every_n_train_steps > 0 or c._train_time_interval is not None)]
-    if fsdp and (steps or _validates_mid_epoch(trainer)):
-        what = (f"Trainer(val_check_interval={trainer.val_check_interval!r})"
-                if _validates_mid_epoch(trainer) else "ModelCheckpoint(every_n_train_steps=...)")
-        return (
-            f"UnevenInputs under FSDP does not support {what} yet (validation and "
-            "checkpoints in the middle of an epoch work under DDP): validate and save at "
-            "epoch ends (val_check_interval=1.0, ModelCheckpoint(every_n_epochs=1), the "
-            "defaults)")
     return None
 
 
@@ -1365,22 +1396,35 @@ def _step_save(callback: UnevenInputs, original: Callable[..., Any],
     return on_train_batch_end
 
 
+#: A checkpoint's parts that are each rank's own shards under FSDP (every rank
+#: dumps and saves its own, in the same order: a collective of shards).
+_SHARDED_PARTS = ("state_dict", "optimizer_states")
+
+
 def _writer_dump(callback: UnevenInputs, original: Callable[..., Any]) -> Callable[..., Any]:
     """The checkpoint connector's ``dump_checkpoint``: in an event where rank 0 (the
     writer) has joined, rank 0 gets the source's checkpoint (its parameters,
-    optimizer, loops and loader states are the active ranks')."""
+    optimizer, loops and loader states are the active ranks'). Under FSDP every
+    rank keeps its own model and optimizer parts (its shards, current on a joined
+    rank, which stepped in every round; a full state dict is gathered from every
+    rank's), and rank 0 takes the rest from the source (loops, loader, callbacks,
+    schedulers, ``global_step``): never another rank's shards."""
     def dump_checkpoint(weights_only: bool | None = False) -> dict[str, Any]:
         checkpoint: dict[str, Any] = original(weights_only)
         state = callback._event_state
         if state is None or not state.some_joined or state.source == 0:
             return checkpoint
         rank = dist.get_rank()
+        sent = checkpoint if not callback._fsdp else {
+            key: value for key, value in checkpoint.items() if key not in _SHARDED_PARTS}
         if rank == state.source:
-            dist.send_object_list([checkpoint], dst=0, group=state.group)
+            dist.send_object_list([sent], dst=0, group=state.group)
         elif rank == 0:
             received: list[Any] = [None]
             dist.recv_object_list(received, src=state.source, group=state.group)
-            return dict(received[0])
+            if not callback._fsdp:
+                return dict(received[0])
+            checkpoint.update(received[0])
         return checkpoint
 
     return dump_checkpoint

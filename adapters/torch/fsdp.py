@@ -103,6 +103,14 @@ reduced gradient it adds is zero) and raises ``LocalProtocolError``; the
 Join's failure protocol gives its peers ``PeerFailure``. Limit: a backward
 that does not reach the root's outputs counts as none.
 
+*Forwards that are no round* (:meth:`FSDPJoinable.paused`). A framework that
+runs an evaluation on every rank, active and joined, in one of the Join's
+rounds (a side collective's call and shadow: Lightning's mid-epoch validation)
+pauses the adapter while it lasts: no step check, backward watch or divisor in
+those forwards, whose collectives pair among themselves; uneven evaluation
+batches go in a Join of their own over a second ``FSDPJoinable`` of the same
+model (the cached adapter is in the training Join).
+
 *A rank that dies* (``Join([model, optimizer], on_rank_loss="finish")``): none
 of the above runs. The model's ``join_hook`` vouches for FSDP's group
 (``torch_dist.elastic_raw_groups``), and on entry ``adapters._fsdp_elastic``
@@ -220,6 +228,7 @@ class FSDPJoinable(AdapterJoinable):
         self._checked_root = False
         self._saved: list[tuple[Any, float | None, bool]] = []
         self._replaying = False
+        self._paused = False  # paused(): forwards that are not the Join's iterations
         self._first_round = True
         self._window_open = False
         # This rank's own gradients while it shadows (module doc).
@@ -481,8 +490,24 @@ class FSDPJoinable(AdapterJoinable):
 
     # -- an active rank's iteration ------------------------------------------------
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """While it lasts, the model's forwards are not iterations of this adapter's Join.
+
+        For forwards that every rank of the group runs alike inside the Join, active
+        and joined (an evaluation that a framework runs on every rank in one of the
+        Join's rounds, itself in a Join of its own over another adapter of the same
+        model): no step check, no backward watch, no divisor. Those forwards'
+        collectives pair among themselves, not with a shadow round.
+        """
+        paused, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = paused
+
     def _pre_forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        if self._replaying:
+        if self._replaying or self._paused:
             return None
         assert self._source is not None and self._check is not None
         if not self._checked_root:
@@ -503,7 +528,7 @@ class FSDPJoinable(AdapterJoinable):
 
     def _watch_backward(self, module: nn.Module, args: Any, output: Any) -> None:
         """After an active rank's forward with gradients: watch for its backward."""
-        if self._replaying or not torch.is_grad_enabled() or \
+        if self._replaying or self._paused or not torch.is_grad_enabled() or \
                 torch.is_inference_mode_enabled():
             return None
         tensors = [t for t in _tensors(output) if t.grad_fn is not None]
@@ -571,7 +596,7 @@ class FSDPJoinable(AdapterJoinable):
         self._settle()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._replaying:
+        if self._replaying or self._paused:
             return None
         assert self._check is not None
         self._set_divisor(self._check.active_count())

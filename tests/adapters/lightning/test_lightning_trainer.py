@@ -426,12 +426,20 @@ FSDP_3_SCENARIOS = ["fsdp1_3ranks", "fsdp1_empty_rank", "fsdp2_empty_rank",
 def mid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """The mid-epoch cells on 2 ranks (5 and 8 batches) and on 3 (0, 5 and 8), and
     FSDP1 on 3 ranks: two torchrun launches at once."""
-    outs = {world: tmp_path_factory.mktemp(f"mid{world}") for world in (2, 3)}
+    return _launch_worlds(tmp_path_factory, "mid", {
+        2: MID_SCENARIOS, 3: [*MID_SCENARIOS, *FSDP_3_SCENARIOS]}, LAUNCH_TIMEOUT)
+
+
+def _launch_worlds(tmp_path_factory: pytest.TempPathFactory, prefix: str,
+                   scenarios: dict[int, list[str]], timeout: float
+                   ) -> dict[int, dict[str, Any]]:
+    """One torchrun launch of the worker per world size, all at once; each world's
+    records (``result``), its process and its output folder."""
+    outs = {world: tmp_path_factory.mktemp(f"{prefix}{world}") for world in scenarios}
     procs = launch_ranks(
         [[TORCHRUN, "--standalone", "--nproc-per-node", str(world), str(WORKER), str(out),
-          *MID_SCENARIOS, *(FSDP_3_SCENARIOS if world == 3 else [])]
-         for world, out in outs.items()],
-        LAUNCH_TIMEOUT, env=_env(), cwd=outs[2])
+          *scenarios[world]] for world, out in outs.items()],
+        timeout, env=_env(), cwd=outs[2])
     runs = {}
     for (world, out), proc in zip(outs.items(), procs, strict=True):
         ranks = []
@@ -568,3 +576,96 @@ def test_fsdp1_with_a_rank_without_training_batches_needs_example_input_array(
         assert not record["ok"]
         assert "TypeError" in record["error"], record["error"]
         assert "set the module's example_input_array" in record["error"]
+
+
+# -- the same under FSDP2 (ModelParallelStrategy) and FSDP1 (strategy="fsdp") ------------
+
+FSDP_MID_SCENARIOS = ["fsdp2_val_int", "fsdp2_save_steps", "fsdp2_resume",
+                      "fsdp2_full_save_steps", "fsdp2_full_resume",
+                      "fsdp1_val_int", "fsdp1_save_steps", "fsdp1_resume"]
+#: Eight fits per world, both worlds at once on a loaded 2-core machine: 2-6 minutes.
+FSDP_MID_TIMEOUT = 540.0
+
+
+@pytest.fixture(scope="module")
+def fsdp_mid_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """The FSDP mid-epoch cells on 2 ranks (5 and 8 batches) and on 3 (0, 5 and 8)."""
+    return _launch_worlds(tmp_path_factory, "fsdp_mid", {
+        2: FSDP_MID_SCENARIOS, 3: FSDP_MID_SCENARIOS}, FSDP_MID_TIMEOUT)
+
+
+@pytest.mark.timeout(FSDP_MID_TIMEOUT + 60)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", ["fsdp2_val_int", "fsdp1_val_int"])
+def test_fsdp_mid_epoch_validation_with_a_joined_rank_matches_a_single_process(
+        fsdp_mid_runs: Any, world: int, name: str) -> None:
+    """val_check_interval=3 under FSDP2 and FSDP1: every rank validates after rounds 3
+    and 6 of each epoch (the ranks that ran out included; each validation forward
+    all-gathers shards on every rank), and the logged val_loss is the exact mean over
+    every validation sample at those parameters; training as a single process."""
+    import lightning_worker as w
+
+    want = reference(scheduler=True, inputs=w.MID_INPUTS[world], val_every=3)
+    assert len(want["val_loss"]) == 2 * w.EPOCHS
+    for got in result(fsdp_mid_runs[world], name):
+        assert got["fsdp1"] is name.startswith("fsdp1")
+        assert got["val_loss"] == pytest.approx(want["val_loss"], abs=1e-5)
+        assert got["params"] == pytest.approx(want["params"], abs=1e-5)
+        if name.startswith("fsdp2"):  # FSDP1's momentum is each rank's flat shard
+            assert got["momentum"] == pytest.approx(want["momentum"], abs=1e-5)
+        assert got["global_step"] == want["global_step"] == 8 * w.EPOCHS
+
+
+def _saved_distributed(path: Path, out: Path) -> dict[str, Any]:
+    """A sharded (torch.distributed.checkpoint) Lightning checkpoint, read whole here."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, out)
+    shards = torch.load(out, map_location="cpu", weights_only=False)
+    meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+    state = shards["state_dict"] if "state_dict" in shards else shards["model"]  # FSDP2, 1
+    momentum = shards["optimizer_0"]["state"]
+    return {
+        "params": [float(v) for key in ("net.weight", "net.bias")
+                   for v in state[key].reshape(-1)],
+        "momentum": [float(v) for key in ("net.weight", "net.bias")
+                     for v in momentum[key]["momentum_buffer"].reshape(-1)],
+        "global_step": meta["global_step"],
+        "loader": meta["loops"]["fit_loop"]["state_dict"]["combined_loader"],
+    }
+
+
+@pytest.mark.timeout(FSDP_MID_TIMEOUT + 60)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp2_full", "fsdp1"])
+def test_fsdp_step_checkpoint_with_a_joined_rank_saves_and_resumes_as_a_single_process(
+        fsdp_mid_runs: Any, world: int, fsdp: str, tmp_path: Path) -> None:
+    """ModelCheckpoint(every_n_train_steps=6) under FSDP2 and FSDP1 with sharded state
+    dicts (every rank saves its own shards, rank 0 the rest), and under FSDP2 with one
+    file of full state dicts (gathered from every rank's shards; rank 0 writes): step 6
+    comes after rank 0 has joined; the shards hold the single process's parameters and
+    momentum after 6 steps (a joined rank's are current: it stepped them in every
+    round), the rest the active ranks' global_step and loader state; a fit resumed from
+    it ends where the uninterrupted run does."""
+    import lightning_worker as w
+
+    inputs = w.MID_INPUTS[world]
+    folder = fsdp_mid_runs[world]["out"] / f"ckpt{world}_{fsdp}"
+    full = reference(scheduler=True, inputs=inputs)
+    for got in result(fsdp_mid_runs[world], f"{fsdp}_save_steps"):
+        assert got["params"] == pytest.approx(full["params"], abs=1e-5)
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["step=12.ckpt", "step=6.ckpt"]
+    at = reference(scheduler=True, inputs=inputs, max_steps=w.SAVE_EVERY, epochs=1)
+    path = folder / f"step={w.SAVE_EVERY}.ckpt"
+    saved = _saved(path) if fsdp == "fsdp2_full" else _saved_distributed(
+        path, tmp_path / "whole.pt")
+    assert saved["global_step"] == at["global_step"] == w.SAVE_EVERY
+    assert saved["params"] == pytest.approx(at["params"], abs=1e-5)
+    assert saved["momentum"] == pytest.approx(at["momentum"], abs=1e-5)
+    assert saved["loader"] == [{"given": w.SAVE_EVERY}]  # the active ranks' 6 batches
+    for got in result(fsdp_mid_runs[world], f"{fsdp}_resume"):
+        assert got["params"] == pytest.approx(full["params"], abs=1e-5)
+        if fsdp.startswith("fsdp2"):  # FSDP1's momentum is each rank's flat shard
+            assert got["momentum"] == pytest.approx(full["momentum"], abs=1e-5)
+        assert got["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
+        assert got["global_step"] == full["global_step"] == 8 * w.EPOCHS

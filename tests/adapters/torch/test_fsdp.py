@@ -121,6 +121,17 @@ def test_fsdp_evaluation_loop(results: Results) -> None:
     assert sum(r["outputs"] for r in ranks) > 0
 
 
+@fsdp2("fsdp_paused_eval")
+def test_fsdp_evaluation_inside_the_join_with_the_training_adapter_paused(
+        results: Results) -> None:
+    """FSDPJoinable.paused(): an uneven evaluation on every rank inside the training
+    Join, in a Join of its own (a second adapter), is no training round: the
+    collectives match on every rank and training ends at the reference."""
+    ranks = outcome(results, "fsdp_paused_eval")
+    assert all(within(r["deviation"]) for r in ranks), ranks
+    assert sum(r["outputs"] for r in ranks) > 0
+
+
 @fsdp2("fsdp_after_exit")
 def test_fsdp_sends_no_join_collectives_after_the_block(results: Results) -> None:
     for rank in outcome(results, "fsdp_after_exit"):

@@ -237,7 +237,8 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
         epoch_metric: bool = True, side_model: bool = False,
         clip: float | None = None, bf16: bool = False, val_check: float | None = None,
         save_every: int = 0, resume: str | None = None,
-        save_timed: bool = False, example: bool = True) -> dict[str, Any]:
+        save_timed: bool = False, example: bool = True,
+        full_state: bool = False) -> dict[str, Any]:
     logger = ListLogger()
     active = ActiveRanks()
     side = SideChannel() if side_model else None
@@ -245,7 +246,7 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
     callbacks: list[Any] = [active, uneven]
     if save_every:  # ModelCheckpoint(every_n_train_steps=...), each save kept
         callbacks.append(pl.callbacks.ModelCheckpoint(
-            dirpath=str(OUT / f"ckpt{world()}"), filename="{step}",
+            dirpath=str(OUT / checkpoints(fsdp, full_state)), filename="{step}",
             every_n_train_steps=save_every, save_top_k=-1))
     if save_timed:  # train_time_interval=0: rank 0's clock says "save" after every batch
         import datetime
@@ -254,7 +255,9 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
             dirpath=str(OUT / f"timed{world()}"), filename="{step}",
             train_time_interval=datetime.timedelta(0), save_top_k=-1))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world(), strategy=_strategy(fsdp), max_epochs=epochs,
+        accelerator="cpu", devices=world(),
+        strategy=_strategy(fsdp, sharded=bool(save_every or resume), full_state=full_state),
+        max_epochs=epochs,
         max_steps=max_steps, logger=logger,
         log_every_n_steps=1, enable_checkpointing=bool(save_every or save_timed),
         enable_progress_bar=False,
@@ -270,15 +273,17 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
     else:
         kind = FSDPBF16Model if bf16 else FSDPModel if fsdp is True else Model
         model = kind(scheduler and not shards, epoch_metric)
-        if fsdp == "fsdp1" and 0 in inputs and example:  # what a rank with no batch replays
+        # What a rank with no batch (or none left after the resumed save) replays.
+        if fsdp == "fsdp1" and (0 in inputs or resume) and example:
             model.example_input_array = torch.zeros(1, 3)
     loader = ResumableLoader if save_every or resume or save_timed else DataLoader
     train = loader(rows(rank, inputs[rank], 1), batch_size=BATCH)
     val = DataLoader(rows(rank, val_inputs()[rank], 2), batch_size=BATCH)
     if shards:
         train, val = shard_loaders(rank)
+    folder = OUT / checkpoints(fsdp, full_state)
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val if validate else None,
-                ckpt_path=None if resume is None else str(OUT / f"ckpt{world()}" / resume))
+                ckpt_path=None if resume is None else str(folder / resume))
     if hasattr(model.net, "reshard"):  # FSDP2: the float32 shards, not what the last
         model.net.reshard()             # forward (validation) left unsharded
     with _full_parameters(trainer):
@@ -306,6 +311,12 @@ def fit(rank: int, accumulate: int = 1, scheduler: bool = False,
     }
 
 
+def checkpoints(fsdp: bool | str, full_state: bool = False) -> str:
+    """The step checkpoints' folder of a scenario (by world size and strategy)."""
+    return f"ckpt{world()}" + ("" if not fsdp else "_fsdp2" if fsdp is True else
+                               f"_{fsdp}") + ("_full" if full_state else "")
+
+
 def _full_parameters(trainer: Any) -> Any:
     """FSDP1 (use_orig_params): the full parameters while it lasts (every rank)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -315,7 +326,10 @@ def _full_parameters(trainer: Any) -> Any:
     return contextlib.nullcontext()
 
 
-def _strategy(fsdp: bool | str) -> Any:
+def _strategy(fsdp: bool | str, sharded: bool = False, full_state: bool = False) -> Any:
+    """Lightning's strategy of a scenario; ``sharded``: FSDP1 saves sharded checkpoints
+    (its full state dict of a CPU model segfaults in torch, docs/lightning.md);
+    ``full_state``: FSDP2 saves one file of full state dicts (rank 0 writes)."""
     if not fsdp:
         return "ddp"
     if fsdp == "fsdp1":
@@ -341,10 +355,11 @@ def _strategy(fsdp: bool | str) -> Any:
                 finally:
                     fsdp.FullyShardedDataParallel = original  # type: ignore[misc]
 
-        return CPUFSDPStrategy()
+        return CPUFSDPStrategy(state_dict_type="sharded" if sharded else "full")
     from pytorch_lightning.strategies import ModelParallelStrategy
 
-    return ModelParallelStrategy(data_parallel_size=world(), tensor_parallel_size=1)
+    return ModelParallelStrategy(data_parallel_size=world(), tensor_parallel_size=1,
+                                 save_distributed_checkpoint=not full_state)
 
 
 SCENARIOS = {
@@ -394,6 +409,31 @@ SCENARIOS = {
     # FSDP2 on 3 ranks, rank 0 with no training batch (it replays on the others' spec).
     "fsdp2_empty_rank": lambda rank: fit(rank, scheduler=True, fsdp=True,
                                          inputs=MID_INPUTS[3], epoch_metric=False),
+    # The mid-epoch cells under FSDP2 (ModelParallelStrategy) and FSDP1 (strategy="fsdp").
+    "fsdp2_val_int": lambda rank: fit(rank, scheduler=True, val_check=3, fsdp=True,
+                                      inputs=MID_INPUTS[world()], epoch_metric=False),
+    "fsdp2_save_steps": lambda rank: fit(rank, scheduler=True, save_every=SAVE_EVERY,
+                                         fsdp=True, inputs=MID_INPUTS[world()],
+                                         epoch_metric=False),
+    "fsdp2_resume": lambda rank: fit(rank, scheduler=True, resume=f"step={SAVE_EVERY}.ckpt",
+                                     fsdp=True, inputs=MID_INPUTS[world()],
+                                     epoch_metric=False),
+    # The same with one file of full state dicts (gathered from every rank's shards).
+    "fsdp2_full_save_steps": lambda rank: fit(rank, scheduler=True, save_every=SAVE_EVERY,
+                                              fsdp=True, inputs=MID_INPUTS[world()],
+                                              epoch_metric=False, full_state=True),
+    "fsdp2_full_resume": lambda rank: fit(rank, scheduler=True,
+                                          resume=f"step={SAVE_EVERY}.ckpt", fsdp=True,
+                                          inputs=MID_INPUTS[world()], epoch_metric=False,
+                                          full_state=True),
+    "fsdp1_val_int": lambda rank: fit(rank, scheduler=True, val_check=3, fsdp="fsdp1",
+                                      inputs=MID_INPUTS[world()], epoch_metric=False),
+    "fsdp1_save_steps": lambda rank: fit(rank, scheduler=True, save_every=SAVE_EVERY,
+                                         fsdp="fsdp1", inputs=MID_INPUTS[world()],
+                                         epoch_metric=False),
+    "fsdp1_resume": lambda rank: fit(rank, scheduler=True, resume=f"step={SAVE_EVERY}.ckpt",
+                                     fsdp="fsdp1", inputs=MID_INPUTS[world()],
+                                     epoch_metric=False),
     # Refused on every rank: FSDP1, a rank with no batch, no example_input_array.
     "fsdp1_empty_rank_no_example": lambda rank: fit(rank, fsdp="fsdp1", inputs=MID_INPUTS[3],
                                                     epoch_metric=False, example=False),

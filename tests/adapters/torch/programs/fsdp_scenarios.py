@@ -338,6 +338,45 @@ def fsdp_eval(ctx: Ctx) -> Any:
 
 
 @scenario
+def fsdp_paused_eval(ctx: Ctx) -> Any:
+    """An evaluation every rank runs inside the training Join, rank 0 joined (it had
+    1 batch): a side collective of the Join's agrees on the round (MAX) and, in
+    round 1, every rank (an active rank's call, the joined one's shadow) evaluates,
+    uneven (1/3, or 3/0/1/2 batches), in a Join of its own over a second adapter of
+    the model while the training Join's is ``paused()``: its forwards are no
+    training round; training then goes on to the reference."""
+    from joinkit import SideCollective
+    from joinkit.adapters.torch import fsdp
+
+    n = counts(ctx, {2: [1, 3], 4: [1, 3, 2, 3]})
+    model = shard(net(), ctx.group)
+    optimizer = sgd(model.parameters())
+    outputs = [0]
+
+    def evaluate(step: int) -> None:
+        agreed = torch.tensor([float(step)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ctx.group)
+        if int(agreed) != 1:
+            return
+        model.eval()
+        with fsdp.adapt(model).paused(), Join([fsdp.FSDPJoinable(model)]), torch.no_grad():
+            for j in range(counts(ctx, {2: [1, 3], 4: [3, 0, 1, 2]})[ctx.rank]):
+                outputs[0] += model(data(ctx.rank, 100 + j)[0]).shape[0]
+        model.reshard()
+        model.train()
+
+    side = SideCollective(evaluate, shadow=lambda: evaluate(-1), name="evaluation")
+    with Join([model, optimizer, side]):
+        for i in range(n[ctx.rank]):
+            x, y = data(ctx.rank, i)
+            mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            side(i)
+    return {"deviation": deviation(model, reference(n, sgd)), "outputs": outputs[0]}
+
+
+@scenario
 def fsdp_after_exit(ctx: Ctx) -> Any:
     """After the Join the model issues exactly FSDP's own collectives."""
 
