@@ -97,7 +97,10 @@ the Join beside it (the engine steps them).
 A training Join (the engine's own, Accelerate's, the Trainer's: every
 :class:`DeepSpeedJoinable`) also refuses, when it is entered, ZeRO-2 with gradient
 accumulation (no optimizer offload) on a DeepSpeed that steps on a window's last
-micro-step alone (0.18.2: ``_private.zero2_keeps_last_micro_step``), and a joinable
+micro-step alone (0.18.2: ``_private.zero2_keeps_last_micro_step``), ZeRO-2 with
+optimizer offload and more than 2 accumulation steps on a DeepSpeed that drops a
+window's middle micro-steps there (0.18.3 to 0.18.9:
+``_private.zero2_offload_drops_middle_micro_steps``), and a joinable
 on the loop's windows on ZeRO 0 or 1 with accumulation on a DeepSpeed whose
 ``engine.no_sync()`` leaves a micro-step undivided by the accumulation steps (0.18.2:
 ``_private.no_sync_skips_accumulation_scaling``), which would train wrongly with or
@@ -614,7 +617,9 @@ def _offload_device(offload: Any) -> str:
 def _training_refusal(engine: Any, windows: bool = False) -> str | None:
     """Why this DeepSpeed would train ``engine`` wrongly, with or without a Join, or
     ``None``: ZeRO-2 accumulation on a release that steps on a window's last micro-step
-    alone (``_private.zero2_keeps_last_micro_step``), and the loop's windows
+    alone (``_private.zero2_keeps_last_micro_step``) or with optimizer offload drops a
+    window's middle micro-steps (``_private.zero2_offload_drops_middle_micro_steps``),
+    and the loop's windows
     (``windows``: Accelerate's ``accumulate()``, whose micro-steps inside a window run
     under ``engine.no_sync()`` on ZeRO 0 and 1) on a release that leaves such a
     micro-step undivided (``_private.no_sync_skips_accumulation_scaling``). Every
@@ -624,9 +629,20 @@ def _training_refusal(engine: Any, windows: bool = False) -> str | None:
     stage = engine.zero_optimization_stage()
     if gas == 1:
         return None
-    if (stage == 2 and _offload_device(engine.zero_offload_optimizer()) == "none"
-            and _private.zero2_keeps_last_micro_step()):
+    offload = _offload_device(engine.zero_offload_optimizer())
+    if stage == 2 and offload == "none" and _private.zero2_keeps_last_micro_step():
         return _last_micro_step_message(gas)
+    if (stage == 2 and offload != "none" and gas > 2
+            and _private.zero2_offload_drops_middle_micro_steps()):
+        return (
+            f"found deepspeed {version('deepspeed')}, whose ZeRO-2 with offload_optimizer "
+            "keeps each accumulation window's gradient on the CPU from its first micro-step "
+            f"only: with gradient_accumulation_steps={gas} the optimizer steps on the first "
+            f"and the last micro-step's gradients, and the other {gas - 2} are dropped, with "
+            "or without a Join; DeepSpeed fixed it in 0.19.0), so Join refuses to train on "
+            "it. Upgrade DeepSpeed (pip install 'deepspeed>=0.19.0'), or use ZeRO-1 or "
+            "ZeRO-3 with the offload, no offload, or gradient_accumulation_steps of 2 at most"
+        )
     if windows and stage < 2 and _private.no_sync_skips_accumulation_scaling():
         return (
             f"found deepspeed {version('deepspeed')}, whose engine.no_sync() leaves a "

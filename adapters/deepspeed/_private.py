@@ -28,8 +28,9 @@ tests check, on the oldest and the newest of :data:`TESTED_DEEPSPEED`
 from the release's own code (not its version number):
 :func:`managed_accumulation` (a setting 0.18.3 added),
 :func:`zero2_keeps_last_micro_step` and :func:`no_sync_skips_accumulation_scaling`
-(two accumulation bugs 0.18.3 fixed, which the adapter refuses rather than train
-wrongly).
+(two accumulation bugs 0.18.3 fixed, in releases below the range) and
+:func:`zero2_offload_drops_middle_micro_steps` (one 0.19.0 fixed, in 0.18.3 to 0.18.9),
+which the adapter refuses rather than train wrongly.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ from .._guards import Member, Need, problems, refusal, supported_spec
 
 __all__ = ["SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED", "UnsupportedDeepSpeedError",
            "ENGINE_MEMBERS", "OPTIONAL_MEMBERS", "check", "is_engine", "managed_accumulation",
-           "no_sync_skips_accumulation_scaling", "zero2_keeps_last_micro_step"]
+           "no_sync_skips_accumulation_scaling", "zero2_keeps_last_micro_step",
+           "zero2_offload_drops_middle_micro_steps"]
 
 #: The DeepSpeed releases joinkit's tests passed on: the oldest supported and the
 #: dev pin (``constraints.txt``).
-TESTED_DEEPSPEED = ("0.19.8", "0.19.8")
+TESTED_DEEPSPEED = ("0.18.3", "0.19.8")
 #: The ``[deepspeed]`` extra's range (no upper bound: :data:`ENGINE_MEMBERS` decides).
 SUPPORTED_DEEPSPEED = supported_spec(TESTED_DEEPSPEED)
 
@@ -152,7 +154,7 @@ def managed_accumulation(engine: Any) -> bool:
     """Whether ``engine`` counts the micro-steps and runs the boundary itself.
 
     The ``managed_gradient_accumulation`` setting came in DeepSpeed 0.18.3; before
-    it (0.18.2, the oldest supported) every engine manages its accumulation.
+    it (0.18.2, below the range) every engine manages its accumulation.
     """
     setting = getattr(engine, "managed_gradient_accumulation", None)
     return True if setting is None else bool(setting())
@@ -212,6 +214,36 @@ def no_sync_skips_accumulation_scaling() -> bool:
     except (AttributeError, OSError, TypeError):
         return False
     return all(line in source for line in _SCALES_OUTSIDE_NO_SYNC)
+
+
+#: ZeRO-1/2's copy of a micro-step's gradient to the CPU under optimizer offload
+#: (0.18.3-0.18.9's branch: :func:`zero2_offload_drops_middle_micro_steps`).
+_OFFLOAD_ACCUMULATION = "async_accumulate_grad_in_cpu_via_gpu"
+_SAVES_THE_FIRST_MICRO_STEP_ONLY = "accumulate_gradients() else: copy_gradients_to_cpu()"
+
+
+@functools.cache
+def zero2_offload_drops_middle_micro_steps() -> bool:
+    """Whether this DeepSpeed's ZeRO-2 with optimizer offload drops a window's middle
+    micro-steps.
+
+    DeepSpeed 0.18.3 to 0.18.9 (fixed in 0.19.0) keep a window's gradient sum on the
+    CPU in ``DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu``: each
+    micro-step after the first adds that sum to its own gradient, but only the first
+    copies the result back (``if micro_step_id > 0: accumulate_gradients() else:
+    copy_gradients_to_cpu()``), so with ``gradient_accumulation_steps > 2`` the
+    optimizer steps on the first and the last micro-step's gradients alone, with or
+    without a Join (ZeRO-2 reduces every micro-step; ZeRO-1 reduces at the boundary
+    only and never reaches the branch before it). Read once per process from that
+    method's source, whitespace aside; a release without the branch (or whose
+    source cannot be read) sums the whole window.
+    """
+    optimizer = getattr(importlib.import_module(_STAGE12), "DeepSpeedZeroOptimizer", None)
+    try:
+        source = inspect.getsource(getattr(optimizer, _OFFLOAD_ACCUMULATION))
+    except (AttributeError, OSError, TypeError):
+        return False
+    return _SAVES_THE_FIRST_MICRO_STEP_ONLY in " ".join(source.split())
 
 
 _checked: list[bool] = []

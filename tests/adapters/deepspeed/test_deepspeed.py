@@ -128,22 +128,30 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for (name, run) in zip(JOBS, runs, strict=True)}
 
 
-def refused_here(spec: dict[str, Any], windows: bool = False) -> bool:
-    """Whether this DeepSpeed's engine for ``spec`` is refused on entry: ZeRO-2 with
-    accumulation on a release that steps on a window's last micro-step alone, and
-    (``windows``: Accelerate's cells) ZeRO 0 or 1 with accumulation on a release whose
-    ``no_sync()`` leaves a micro-step undivided (both 0.18.2)."""
+def refused_here(spec: dict[str, Any], windows: bool = False) -> str | None:
+    """The DeepSpeed release that fixed what makes this one's engine for ``spec`` refused
+    on entry, or ``None``: ZeRO-2 with accumulation on a release that steps on a
+    window's last micro-step alone, and (``windows``: Accelerate's cells) ZeRO 0 or 1
+    with accumulation on a release whose ``no_sync()`` leaves a micro-step undivided
+    (both 0.18.2, fixed in 0.18.3); ZeRO-2 with optimizer offload and more than 2
+    accumulation steps on a release that drops a window's middle micro-steps there
+    (0.18.3 to 0.18.9, fixed in 0.19.0)."""
     from joinkit.adapters.deepspeed import _private
 
     if spec["gas"] == 1:
-        return False
-    return ((spec["stage"] == 2 and spec.get("offload", "none") == "none"
-             and _private.zero2_keeps_last_micro_step())
-            or (windows and spec["stage"] < 2
-                and _private.no_sync_skips_accumulation_scaling()))
+        return None
+    offload = spec.get("offload", "none")
+    if spec["stage"] == 2 and offload == "none" and _private.zero2_keeps_last_micro_step():
+        return "0.18.3"
+    if (spec["stage"] == 2 and offload != "none" and spec["gas"] > 2
+            and _private.zero2_offload_drops_middle_micro_steps()):
+        return "0.19.0"
+    if windows and spec["stage"] < 2 and _private.no_sync_skips_accumulation_scaling():
+        return "0.18.3"
+    return None
 
 
-def _assert_refused(jobs: dict[str, Any], job: str, spec: dict[str, Any]) -> None:
+def _assert_refused(jobs: dict[str, Any], job: str, spec: dict[str, Any], fixed: str) -> None:
     """Every rank recorded the refusal of ``spec`` (:func:`refused_here`), before training."""
     found = jobs[job]["records"].get(spec["name"], [])
     assert len(found) == jobs[job]["world"], f"{job} did not finish {spec['name']}"
@@ -151,7 +159,7 @@ def _assert_refused(jobs: dict[str, Any], job: str, spec: dict[str, Any]) -> Non
         assert not record["ok"], spec["name"]
         assert "ValueError: found deepspeed " in record["error"], record["error"]
         assert (f"gradient_accumulation_steps={spec['gas']}" in record["error"]
-                and "fixed it in 0.18.3" in record["error"]), record["error"]
+                and f"fixed it in {fixed}" in record["error"]), record["error"]
 
 
 def _records(jobs: dict[str, Any], job: str, name: str) -> list[dict[str, Any]]:
@@ -176,8 +184,9 @@ def test_every_cell_equals_the_float64_reference(jobs: dict[str, Any], job: str)
     assert {s["stage"] for s in cells} == {0, 1, 2, 3}
     assert {0 in s["plan"] for s in cells} == {True, False}  # a rank with no batch
     for spec in cells:
-        if refused_here(spec):
-            _assert_refused(jobs, job, spec)
+        fixed = refused_here(spec)
+        if fixed is not None:
+            _assert_refused(jobs, job, spec, fixed)
             continue
         ranks = _records(jobs, job, spec["name"])
         want = reference(spec, world)
@@ -293,8 +302,9 @@ def test_accelerates_deepspeed_plugin_is_exact(jobs: dict[str, Any], job: str) -
             1, 2, 3}
     assert any(0 in s["plan"] for s in cells)
     for spec in cells:
-        if refused_here(spec, windows=True):
-            _assert_refused(jobs, job, spec)
+        fixed = refused_here(spec, windows=True)
+        if fixed is not None:
+            _assert_refused(jobs, job, spec, fixed)
             continue
         ranks = _records(jobs, job, spec["name"])
         losses: dict[tuple[int, int], float] = {}
@@ -383,10 +393,12 @@ MISTAKES = {
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("case", list(MISTAKES))
 def test_a_loop_mistake_fails_every_rank_promptly(jobs: dict[str, Any], case: str) -> None:
-    if case == "window-no-sync" and refused_here({"stage": 1, "gas": 2}, windows=True):
+    fixed = refused_here({"stage": 1, "gas": 2}, windows=True)
+    if case == "window-no-sync" and fixed is not None:
         # no_sync() needs ZeRO 0 or 1, whose accumulation on the loop's windows this
         # DeepSpeed trains wrongly (0.18.2): Join refuses it on entry, on every rank.
-        _assert_refused(jobs, "torchrun-2", {"name": "mistake-window-no-sync", "gas": 2})
+        _assert_refused(jobs, "torchrun-2", {"name": "mistake-window-no-sync", "gas": 2},
+                        fixed)
         return
     rank0, *others = _records(jobs, "torchrun-2", f"mistake-{case}")
     assert rank0["error"].startswith("LocalProtocolError: ")
@@ -407,7 +419,10 @@ def test_a_loop_mistake_fails_every_rank_promptly(jobs: dict[str, Any], case: st
 @pytest.mark.launches
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 def test_the_example_runs_under_the_deepspeed_launcher(jobs: dict[str, Any]) -> None:
-    lines = sorted(r["stdout"].strip() for r in _records(jobs, "deepspeed-2", "example"))
+    # Each rank's last line is the example's (DeepSpeed 0.18.x prints its memory use on
+    # rank 0 at ZeRO-2's initialization, see_memory_usage(..., force=True), before it).
+    lines = sorted(r["stdout"].strip().splitlines()[-1]
+                   for r in _records(jobs, "deepspeed-2", "example"))
     assert lines == ["Rank 0 trained on all 5 of its batches!",
                      "Rank 1 trained on all 3 of its batches!"]
 
@@ -486,25 +501,53 @@ class _Prologue0183:
         self.optimizer.backward_prologue()
 
 
-#: Each 0.18.2 bug the compat layer reads from DeepSpeed's code: (its detector, the
-#: module and class whose method it reads) -> the method as 0.18.2 and 0.18.3 have it.
+class _OffloadAccumulation0183:
+    def async_accumulate_grad_in_cpu_via_gpu(self) -> None:  # 0.18.3-0.18.9's branch
+        def accumulate_gradients() -> None: ...
+
+        def copy_gradients_to_cpu() -> None: ...
+
+        if self.micro_step_id > 0:
+            accumulate_gradients()
+        else:
+            copy_gradients_to_cpu()
+
+
+class _OffloadAccumulation0190:
+    def async_accumulate_grad_in_cpu_via_gpu(self) -> None:  # 0.19.0 saves every sum
+        def accumulate_gradients() -> None: ...
+
+        def copy_gradients_to_cpu() -> None: ...
+
+        if self.micro_step_id > 0:
+            accumulate_gradients()
+        copy_gradients_to_cpu()
+
+
+#: Each accumulation bug the compat layer reads from DeepSpeed's code: (its detector,
+#: the module and class whose method it reads) -> the method with the bug and with its
+#: fix, and the release that fixed it.
 _BUGS = {("zero2_keeps_last_micro_step", "_STAGE12", "DeepSpeedZeroOptimizer"):
-         (_Epilogue0182, _Epilogue0183),
+         (_Epilogue0182, _Epilogue0183, (0, 18, 3)),
          ("no_sync_skips_accumulation_scaling", "_ENGINE", "DeepSpeedEngine"):
-         (_Prologue0182, _Prologue0183)}
+         (_Prologue0182, _Prologue0183, (0, 18, 3)),
+         ("zero2_offload_drops_middle_micro_steps", "_STAGE12", "DeepSpeedZeroOptimizer"):
+         (_OffloadAccumulation0183, _OffloadAccumulation0190, (0, 19, 0))}
 
 
 @pytest.mark.parametrize(("bug", "owner", "found"), [
-    (bug, owner, found) for bug, (old, new) in _BUGS.items()
+    (bug, owner, found) for bug, (old, new, _) in _BUGS.items()
     for owner, found in ((old, True), (new, False), (object, False))])
-def test_a_0_18_2_bug_is_read_from_deepspeeds_code(
+def test_an_accumulation_bug_is_read_from_deepspeeds_code(
         monkeypatch: pytest.MonkeyPatch, bug: tuple[str, str, str], owner: type,
         found: bool) -> None:
-    """The compat layer finds each 0.18.2 bug in DeepSpeed's own code (not the version
-    number): the ZeRO-2 epilogue's line that restarts the window's sum; the engine's
-    backward that divides the loss by the accumulation steps only when it reduces (not
-    under ``no_sync()``). 0.18.3's method, or one it cannot read, has neither. On the
-    DeepSpeed installed here each agrees with DeepSpeed's history."""
+    """The compat layer finds each accumulation bug in DeepSpeed's own code (not the
+    version number): 0.18.2's ZeRO-2 epilogue line that restarts the window's sum, and
+    its engine's backward that divides the loss by the accumulation steps only when it
+    reduces (not under ``no_sync()``); 0.18.3-0.18.9's ZeRO-2 offload branch that saves
+    a window's CPU sum on its first micro-step only. The fixed method, or one it cannot
+    read, has none. On the DeepSpeed installed here each agrees with DeepSpeed's
+    history."""
     import types
 
     from joinkit.adapters._guards import version
@@ -513,7 +556,7 @@ def test_a_0_18_2_bug_is_read_from_deepspeeds_code(
     detector, module_name, class_name = bug
     detect = getattr(_private, detector)
     release = tuple(int(part) for part in version("deepspeed").split(".")[:3])
-    assert detect() == (release < (0, 18, 3))
+    assert detect() == (release < _BUGS[bug][2])
     module = types.ModuleType(getattr(_private, module_name))
     setattr(module, class_name, owner)
     monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -528,13 +571,17 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Where this DeepSpeed steps on a window's last micro-step alone, ZeRO-2 with
     accumulation and without optimizer offload is refused (the message names the version,
-    the accumulation and the ways out); ZeRO-1, offload or one micro-step still run."""
+    the accumulation and the ways out); ZeRO-1, offload or one micro-step still run.
+    Likewise the loop's windows on ZeRO 0/1 where ``no_sync()`` leaves a micro-step
+    undivided, and ZeRO-2 offload past 2 accumulation steps where it drops the middle
+    ones."""
     import types
 
     from joinkit.adapters._guards import version
     from joinkit.adapters.deepspeed import _engine, _private
 
     monkeypatch.setattr(_private, "zero2_keeps_last_micro_step", lambda: True)
+    monkeypatch.setattr(_private, "zero2_offload_drops_middle_micro_steps", lambda: False)
 
     def engine(stage: int, gas: int, offload: str = "none") -> Any:
         where = None if offload == "none" else types.SimpleNamespace(device=offload)
@@ -564,6 +611,18 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
         assert _engine._training_refusal(engine(stage, 2)) is None
     for stage, gas in ((1, 1), (2, 2), (3, 2)):
         assert _engine._training_refusal(engine(stage, gas), windows=True) is None
+
+    # ZeRO-2 with optimizer offload where the CPU sum keeps a window's first micro-step
+    # only: more than 2 accumulation steps are refused; ZeRO-1 and 3, or 2 steps, run.
+    monkeypatch.setattr(_private, "no_sync_skips_accumulation_scaling", lambda: False)
+    monkeypatch.setattr(_private, "zero2_offload_drops_middle_micro_steps", lambda: True)
+    message = _engine._training_refusal(engine(2, 4, "cpu"))
+    assert message is not None and message.startswith(
+        f"found deepspeed {version('deepspeed')}, whose ZeRO-2 with offload_optimizer ")
+    assert "gradient_accumulation_steps=4" in message and "the other 2 are dropped" in message
+    assert "pip install 'deepspeed>=0.19.0'" in message
+    for stage, gas, offload in ((2, 2, "cpu"), (2, 3, "none"), (1, 3, "cpu"), (3, 3, "cpu")):
+        assert _engine._training_refusal(engine(stage, gas, offload)) is None
 
 
 @pytest.mark.launches
