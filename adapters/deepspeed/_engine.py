@@ -100,7 +100,9 @@ accumulation (no optimizer offload) on a DeepSpeed that steps on a window's last
 micro-step alone (0.18.2: ``_private.zero2_keeps_last_micro_step``), ZeRO-2 with
 optimizer offload and more than 2 accumulation steps on a DeepSpeed that drops a
 window's middle micro-steps there (0.18.3 to 0.18.9:
-``_private.zero2_offload_drops_middle_micro_steps``), and a joinable
+``_private.zero2_offload_drops_middle_micro_steps``), ZeRO-3 on the CPU on a
+DeepSpeed that reads its gathered parameters before the gathers end (0.18.3 to
+0.19.7: ``_private.zero3_gather_races_on_cpu``), and a joinable
 on the loop's windows on ZeRO 0 or 1 with accumulation on a DeepSpeed whose
 ``engine.no_sync()`` leaves a micro-step undivided by the accumulation steps (0.18.2:
 ``_private.no_sync_skips_accumulation_scaling``), which would train wrongly with or
@@ -619,7 +621,8 @@ def _training_refusal(engine: Any, windows: bool = False) -> str | None:
     ``None``: ZeRO-2 accumulation on a release that steps on a window's last micro-step
     alone (``_private.zero2_keeps_last_micro_step``) or with optimizer offload drops a
     window's middle micro-steps (``_private.zero2_offload_drops_middle_micro_steps``),
-    and the loop's windows
+    ZeRO-3 on the CPU where it reads gathered parameters early
+    (``_private.zero3_gather_races_on_cpu``), and the loop's windows
     (``windows``: Accelerate's ``accumulate()``, whose micro-steps inside a window run
     under ``engine.no_sync()`` on ZeRO 0 and 1) on a release that leaves such a
     micro-step undivided (``_private.no_sync_skips_accumulation_scaling``). Every
@@ -627,6 +630,16 @@ def _training_refusal(engine: Any, windows: bool = False) -> str | None:
     entry; evaluation does not accumulate."""
     gas = int(engine.gradient_accumulation_steps())
     stage = engine.zero_optimization_stage()
+    if (stage == 3 and torch.device(engine.device).type == "cpu"
+            and _private.zero3_gather_races_on_cpu()):
+        return (
+            f"found deepspeed {version('deepspeed')}, whose ZeRO-3 on the CPU (gloo) reads "
+            "the parameters it gathers several at once (after each optimizer step, the "
+            "persistent ones) before every gather has ended, so now and then the model "
+            "trains on stale values, with or without a Join; DeepSpeed fixed it in "
+            "0.19.8), so Join refuses to train on it. Upgrade DeepSpeed (pip install "
+            "'deepspeed>=0.19.8'), or use ZeRO-1 or ZeRO-2, or a GPU"
+        )
     if gas == 1:
         return None
     offload = _offload_device(engine.zero_offload_optimizer())

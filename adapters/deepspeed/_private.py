@@ -46,7 +46,7 @@ from .._guards import Member, Need, problems, refusal, supported_spec
 __all__ = ["SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED", "UnsupportedDeepSpeedError",
            "ENGINE_MEMBERS", "OPTIONAL_MEMBERS", "check", "is_engine", "managed_accumulation",
            "no_sync_skips_accumulation_scaling", "zero2_keeps_last_micro_step",
-           "zero2_offload_drops_middle_micro_steps"]
+           "zero2_offload_drops_middle_micro_steps", "zero3_gather_races_on_cpu"]
 
 #: The DeepSpeed releases joinkit's tests passed on: the oldest supported and the
 #: dev pin (``constraints.txt``).
@@ -66,6 +66,7 @@ _PIPE = "deepspeed.runtime.pipe.engine"
 _BASE = "deepspeed.runtime.base_optimizer"
 _STAGE12 = "deepspeed.runtime.zero.stage_1_and_2"
 _STAGE3 = "deepspeed.runtime.zero.stage3"
+_PARTITION = "deepspeed.runtime.zero.partition_parameters"
 
 
 def _m(module: str, name: str, need: Need, why: str, params: tuple[str, ...] = (),
@@ -244,6 +245,38 @@ def zero2_offload_drops_middle_micro_steps() -> bool:
     except (AttributeError, OSError, TypeError):
         return False
     return _SAVES_THE_FIRST_MICRO_STEP_ONLY in " ".join(source.split())
+
+
+#: ZeRO-3's gather of several partitioned parameters at once (0.18.3-0.19.7's wait:
+#: :func:`zero3_gather_races_on_cpu`).
+_COALESCED_GATHER = "_allgather_params_coalesced"
+_WAITS_ON_THE_LAST_GATHER_ONLY = "launch_handles[-1].wait()"
+
+
+@functools.cache
+def zero3_gather_races_on_cpu() -> bool:
+    """Whether this DeepSpeed's ZeRO-3 reads parameters gathered on the CPU before
+    the gathers end.
+
+    DeepSpeed 0.18.3 to 0.19.7 (fixed in 0.19.8) gather several parameters at once in
+    ``Init._allgather_params_coalesced`` (after each optimizer step, the persistent
+    parameters: every parameter under ``param_persistence_threshold``; and in
+    ``GatheredParameters``) with one asynchronous all-gather each, then wait on the
+    last handle alone (``launch_handles[-1].wait()``) and read them all. On a GPU the
+    gathers run in order on one stream, so the last one's end is everyone's; on the
+    CPU (gloo) each handle completes on its own, so a parameter may be read before its
+    gather ended: the model then trains on stale or partial values now and then, with
+    or without a Join (measured on the plain engine: about one ZeRO-3 cell in twenty
+    ends 0.01 off the float64 reference). Read once per process from that method's
+    source; a release without that wait (or whose source cannot be read) waits on
+    every gather.
+    """
+    init = getattr(importlib.import_module(_PARTITION), "Init", None)
+    try:
+        source = inspect.getsource(getattr(init, _COALESCED_GATHER))
+    except (AttributeError, OSError, TypeError):
+        return False
+    return _WAITS_ON_THE_LAST_GATHER_ONLY in source
 
 
 _checked: list[bool] = []

@@ -128,37 +128,44 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for (name, run) in zip(JOBS, runs, strict=True)}
 
 
-def refused_here(spec: dict[str, Any], windows: bool = False) -> str | None:
-    """The DeepSpeed release that fixed what makes this one's engine for ``spec`` refused
-    on entry, or ``None``: ZeRO-2 with accumulation on a release that steps on a
-    window's last micro-step alone, and (``windows``: Accelerate's cells) ZeRO 0 or 1
-    with accumulation on a release whose ``no_sync()`` leaves a micro-step undivided
-    (both 0.18.2, fixed in 0.18.3); ZeRO-2 with optimizer offload and more than 2
-    accumulation steps on a release that drops a window's middle micro-steps there
-    (0.18.3 to 0.18.9, fixed in 0.19.0)."""
+def refused_here(spec: dict[str, Any], windows: bool = False) -> tuple[str, str] | None:
+    """Why this DeepSpeed's engine for ``spec`` is refused on entry, as (the DeepSpeed
+    release that fixed it, what the message names), or ``None``: ZeRO-3 on the CPU on
+    a release that reads its gathered parameters before the gathers end (0.18.3 to
+    0.19.7, fixed in 0.19.8; the launched jobs run on the CPU); ZeRO-2 with
+    accumulation on a release that steps on a window's last micro-step alone, and
+    (``windows``: Accelerate's cells) ZeRO 0 or 1 with accumulation on a release whose
+    ``no_sync()`` leaves a micro-step undivided (both 0.18.2, fixed in 0.18.3); ZeRO-2
+    with optimizer offload and more than 2 accumulation steps on a release that drops
+    a window's middle micro-steps there (0.18.3 to 0.18.9, fixed in 0.19.0)."""
     from joinkit.adapters.deepspeed import _private
 
+    if spec["stage"] == 3 and _private.zero3_gather_races_on_cpu():
+        return "0.19.8", "ZeRO-3 on the CPU (gloo)"
     if spec["gas"] == 1:
         return None
+    accumulation = f"gradient_accumulation_steps={spec['gas']}"
     offload = spec.get("offload", "none")
     if spec["stage"] == 2 and offload == "none" and _private.zero2_keeps_last_micro_step():
-        return "0.18.3"
+        return "0.18.3", accumulation
     if (spec["stage"] == 2 and offload != "none" and spec["gas"] > 2
             and _private.zero2_offload_drops_middle_micro_steps()):
-        return "0.19.0"
+        return "0.19.0", accumulation
     if windows and spec["stage"] < 2 and _private.no_sync_skips_accumulation_scaling():
-        return "0.18.3"
+        return "0.18.3", accumulation
     return None
 
 
-def _assert_refused(jobs: dict[str, Any], job: str, spec: dict[str, Any], fixed: str) -> None:
+def _assert_refused(jobs: dict[str, Any], job: str, spec: dict[str, Any],
+                    why: tuple[str, str]) -> None:
     """Every rank recorded the refusal of ``spec`` (:func:`refused_here`), before training."""
+    fixed, named = why
     found = jobs[job]["records"].get(spec["name"], [])
     assert len(found) == jobs[job]["world"], f"{job} did not finish {spec['name']}"
     for record in found:
         assert not record["ok"], spec["name"]
         assert "ValueError: found deepspeed " in record["error"], record["error"]
-        assert (f"gradient_accumulation_steps={spec['gas']}" in record["error"]
+        assert (named in record["error"]
                 and f"fixed it in {fixed}" in record["error"]), record["error"]
 
 
@@ -184,9 +191,9 @@ def test_every_cell_equals_the_float64_reference(jobs: dict[str, Any], job: str)
     assert {s["stage"] for s in cells} == {0, 1, 2, 3}
     assert {0 in s["plan"] for s in cells} == {True, False}  # a rank with no batch
     for spec in cells:
-        fixed = refused_here(spec)
-        if fixed is not None:
-            _assert_refused(jobs, job, spec, fixed)
+        why = refused_here(spec)
+        if why is not None:
+            _assert_refused(jobs, job, spec, why)
             continue
         ranks = _records(jobs, job, spec["name"])
         want = reference(spec, world)
@@ -302,9 +309,9 @@ def test_accelerates_deepspeed_plugin_is_exact(jobs: dict[str, Any], job: str) -
             1, 2, 3}
     assert any(0 in s["plan"] for s in cells)
     for spec in cells:
-        fixed = refused_here(spec, windows=True)
-        if fixed is not None:
-            _assert_refused(jobs, job, spec, fixed)
+        why = refused_here(spec, windows=True)
+        if why is not None:
+            _assert_refused(jobs, job, spec, why)
             continue
         ranks = _records(jobs, job, spec["name"])
         losses: dict[tuple[int, int], float] = {}
@@ -393,12 +400,12 @@ MISTAKES = {
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 60)
 @pytest.mark.parametrize("case", list(MISTAKES))
 def test_a_loop_mistake_fails_every_rank_promptly(jobs: dict[str, Any], case: str) -> None:
-    fixed = refused_here({"stage": 1, "gas": 2}, windows=True)
-    if case == "window-no-sync" and fixed is not None:
+    why = refused_here({"stage": 1, "gas": 2}, windows=True)
+    if case == "window-no-sync" and why is not None:
         # no_sync() needs ZeRO 0 or 1, whose accumulation on the loop's windows this
         # DeepSpeed trains wrongly (0.18.2): Join refuses it on entry, on every rank.
         _assert_refused(jobs, "torchrun-2", {"name": "mistake-window-no-sync", "gas": 2},
-                        fixed)
+                        why)
         return
     rank0, *others = _records(jobs, "torchrun-2", f"mistake-{case}")
     assert rank0["error"].startswith("LocalProtocolError: ")
@@ -524,7 +531,19 @@ class _OffloadAccumulation0190:
         copy_gradients_to_cpu()
 
 
-#: Each accumulation bug the compat layer reads from DeepSpeed's code: (its detector,
+class _CoalescedGather0183:
+    def _allgather_params_coalesced(self) -> None:  # 0.18.3-0.19.7's wait
+        launch_handles = [self]
+        launch_handles[-1].wait()
+
+
+class _CoalescedGather0198:
+    def _allgather_params_coalesced(self) -> None:  # 0.19.8 waits on every gather
+        for handle in [self]:
+            handle.wait()
+
+
+#: Each bug the compat layer reads from DeepSpeed's code: (its detector,
 #: the module and class whose method it reads) -> the method with the bug and with its
 #: fix, and the release that fixed it.
 _BUGS = {("zero2_keeps_last_micro_step", "_STAGE12", "DeepSpeedZeroOptimizer"):
@@ -532,21 +551,24 @@ _BUGS = {("zero2_keeps_last_micro_step", "_STAGE12", "DeepSpeedZeroOptimizer"):
          ("no_sync_skips_accumulation_scaling", "_ENGINE", "DeepSpeedEngine"):
          (_Prologue0182, _Prologue0183, (0, 18, 3)),
          ("zero2_offload_drops_middle_micro_steps", "_STAGE12", "DeepSpeedZeroOptimizer"):
-         (_OffloadAccumulation0183, _OffloadAccumulation0190, (0, 19, 0))}
+         (_OffloadAccumulation0183, _OffloadAccumulation0190, (0, 19, 0)),
+         ("zero3_gather_races_on_cpu", "_PARTITION", "Init"):
+         (_CoalescedGather0183, _CoalescedGather0198, (0, 19, 8))}
 
 
 @pytest.mark.parametrize(("bug", "owner", "found"), [
     (bug, owner, found) for bug, (old, new, _) in _BUGS.items()
     for owner, found in ((old, True), (new, False), (object, False))])
-def test_an_accumulation_bug_is_read_from_deepspeeds_code(
+def test_a_deepspeed_bug_is_read_from_deepspeeds_code(
         monkeypatch: pytest.MonkeyPatch, bug: tuple[str, str, str], owner: type,
         found: bool) -> None:
-    """The compat layer finds each accumulation bug in DeepSpeed's own code (not the
-    version number): 0.18.2's ZeRO-2 epilogue line that restarts the window's sum, and
-    its engine's backward that divides the loss by the accumulation steps only when it
+    """The compat layer finds each bug in DeepSpeed's own code (not the version
+    number): 0.18.2's ZeRO-2 epilogue line that restarts the window's sum, and its
+    engine's backward that divides the loss by the accumulation steps only when it
     reduces (not under ``no_sync()``); 0.18.3-0.18.9's ZeRO-2 offload branch that saves
-    a window's CPU sum on its first micro-step only. The fixed method, or one it cannot
-    read, has none. On the DeepSpeed installed here each agrees with DeepSpeed's
+    a window's CPU sum on its first micro-step only; 0.18.3-0.19.7's ZeRO-3 gather that
+    waits on its last all-gather alone. The fixed method, or one it cannot read, has
+    none. On the DeepSpeed installed here each agrees with DeepSpeed's
     history."""
     import types
 
@@ -582,12 +604,14 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
 
     monkeypatch.setattr(_private, "zero2_keeps_last_micro_step", lambda: True)
     monkeypatch.setattr(_private, "zero2_offload_drops_middle_micro_steps", lambda: False)
+    monkeypatch.setattr(_private, "zero3_gather_races_on_cpu", lambda: False)
 
-    def engine(stage: int, gas: int, offload: str = "none") -> Any:
+    def engine(stage: int, gas: int, offload: str = "none", device: str = "cpu") -> Any:
         where = None if offload == "none" else types.SimpleNamespace(device=offload)
         return types.SimpleNamespace(zero_offload_optimizer=lambda: where,
                                      gradient_accumulation_steps=lambda: gas,
-                                     zero_optimization_stage=lambda: stage)
+                                     zero_optimization_stage=lambda: stage,
+                                     device=torch.device(device))
 
     message = _engine._training_refusal(engine(2, 3))
     assert message is not None and message.startswith(
@@ -623,6 +647,19 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
     assert "pip install 'deepspeed>=0.19.0'" in message
     for stage, gas, offload in ((2, 2, "cpu"), (2, 3, "none"), (1, 3, "cpu"), (3, 3, "cpu")):
         assert _engine._training_refusal(engine(stage, gas, offload)) is None
+
+    # ZeRO-3 on the CPU where its gathers are read before they end: refused with or
+    # without accumulation, the loop's windows or not; on a GPU, and ZeRO 0-2, it runs.
+    monkeypatch.setattr(_private, "zero2_offload_drops_middle_micro_steps", lambda: False)
+    monkeypatch.setattr(_private, "zero3_gather_races_on_cpu", lambda: True)
+    for gas, offload, windows in ((1, "none", False), (2, "cpu", True)):
+        message = _engine._training_refusal(engine(3, gas, offload), windows=windows)
+        assert message is not None and message.startswith(
+            f"found deepspeed {version('deepspeed')}, whose ZeRO-3 on the CPU (gloo) ")
+        assert "pip install 'deepspeed>=0.19.8'" in message
+    assert _engine._training_refusal(engine(3, 2, device="cuda")) is None
+    for stage in (0, 1, 2):
+        assert _engine._training_refusal(engine(stage, 1)) is None
 
 
 @pytest.mark.launches
