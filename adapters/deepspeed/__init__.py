@@ -25,7 +25,7 @@ Public names:
   checkpoints);
 - :data:`SUPPORTED_DEEPSPEED`, :class:`UnsupportedDeepSpeedError`.
 
-``pip install 'joinkit[deepspeed]'`` (deepspeed 0.19.8 and later).
+``pip install 'joinkit[deepspeed]'`` (deepspeed 0.18.3 and later).
 """
 
 from __future__ import annotations

@@ -99,9 +99,9 @@ A training Join (the engine's own, Accelerate's, the Trainer's: every
 accumulation (no optimizer offload) on a DeepSpeed that steps on a window's last
 micro-step alone (0.18.2: ``_private.zero2_keeps_last_micro_step``), ZeRO-2 with
 optimizer offload and more than 2 accumulation steps on a DeepSpeed that drops a
-window's middle micro-steps there (0.18.3 to 0.18.9:
+window's middle micro-steps there (0.18.2 to 0.18.9:
 ``_private.zero2_offload_drops_middle_micro_steps``), ZeRO-3 on the CPU on a
-DeepSpeed that reads its gathered parameters before the gathers end (0.18.3 to
+DeepSpeed that reads its gathered parameters before the gathers end (0.18.2 to
 0.19.7: ``_private.zero3_gather_races_on_cpu``), and a joinable
 on the loop's windows on ZeRO 0 or 1 with accumulation on a DeepSpeed whose
 ``engine.no_sync()`` leaves a micro-step undivided by the accumulation steps (0.18.2:

@@ -29,7 +29,7 @@ from the release's own code (not its version number):
 :func:`managed_accumulation` (a setting 0.18.3 added),
 :func:`zero2_keeps_last_micro_step` and :func:`no_sync_skips_accumulation_scaling`
 (two accumulation bugs 0.18.3 fixed, in releases below the range) and
-:func:`zero2_offload_drops_middle_micro_steps` (one 0.19.0 fixed, in 0.18.3 to 0.18.9),
+:func:`zero2_offload_drops_middle_micro_steps` (one 0.19.0 fixed, in 0.18.2 to 0.18.9),
 which the adapter refuses rather than train wrongly.
 """
 
@@ -228,7 +228,7 @@ def zero2_offload_drops_middle_micro_steps() -> bool:
     """Whether this DeepSpeed's ZeRO-2 with optimizer offload drops a window's middle
     micro-steps.
 
-    DeepSpeed 0.18.3 to 0.18.9 (fixed in 0.19.0) keep a window's gradient sum on the
+    DeepSpeed 0.18.2 to 0.18.9 (fixed in 0.19.0) keep a window's gradient sum on the
     CPU in ``DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu``: each
     micro-step after the first adds that sum to its own gradient, but only the first
     copies the result back (``if micro_step_id > 0: accumulate_gradients() else:
@@ -258,7 +258,7 @@ def zero3_gather_races_on_cpu() -> bool:
     """Whether this DeepSpeed's ZeRO-3 reads parameters gathered on the CPU before
     the gathers end.
 
-    DeepSpeed 0.18.3 to 0.19.7 (fixed in 0.19.8) gather several parameters at once in
+    DeepSpeed 0.18.2 to 0.19.7 (fixed in 0.19.8) gather several parameters at once in
     ``Init._allgather_params_coalesced`` (after each optimizer step, the persistent
     parameters: every parameter under ``param_persistence_threshold``; and in
     ``GatheredParameters``) with one asynchronous all-gather each, then wait on the
