@@ -161,6 +161,16 @@ def managed_accumulation(engine: Any) -> bool:
     return True if setting is None else bool(setting())
 
 
+def _method_source(module: str, owner: str, method: str) -> str:
+    """The source of DeepSpeed's ``owner.method`` in ``module`` (the compat checks
+    read it once per process), or ``""`` where it cannot be read."""
+    cls = getattr(importlib.import_module(module), owner, None)
+    try:
+        return inspect.getsource(getattr(cls, method))
+    except (AttributeError, OSError, TypeError):
+        return ""
+
+
 #: ZeRO-1/2's end of a backward, where a window's gradient is summed (0.18.2's
 #: spelling of the test that restarts the sum: :func:`zero2_keeps_last_micro_step`).
 _EPILOGUE = "independent_gradient_partition_epilogue"
@@ -182,11 +192,7 @@ def zero2_keeps_last_micro_step() -> bool:
     source: its 0.18.2 line; a release without it (or whose source cannot be read)
     sums the whole window.
     """
-    optimizer = getattr(importlib.import_module(_STAGE12), "DeepSpeedZeroOptimizer", None)
-    try:
-        source = inspect.getsource(getattr(optimizer, _EPILOGUE))
-    except (AttributeError, OSError, TypeError):
-        return False
+    source = _method_source(_STAGE12, "DeepSpeedZeroOptimizer", _EPILOGUE)
     return _RESTARTS_EACH_MICRO_STEP in source
 
 
@@ -209,11 +215,7 @@ def no_sync_skips_accumulation_scaling() -> bool:
     micro-step). Read once per process from that method's source: 0.18.2's gate; a
     release without it (or whose source cannot be read) divides every micro-step.
     """
-    engine = getattr(importlib.import_module(_ENGINE), "DeepSpeedEngine", None)
-    try:
-        source = inspect.getsource(getattr(engine, _PROLOGUE))
-    except (AttributeError, OSError, TypeError):
-        return False
+    source = _method_source(_ENGINE, "DeepSpeedEngine", _PROLOGUE)
     return all(line in source for line in _SCALES_OUTSIDE_NO_SYNC)
 
 
@@ -239,11 +241,7 @@ def zero2_offload_drops_middle_micro_steps() -> bool:
     method's source, whitespace aside; a release without the branch (or whose
     source cannot be read) sums the whole window.
     """
-    optimizer = getattr(importlib.import_module(_STAGE12), "DeepSpeedZeroOptimizer", None)
-    try:
-        source = inspect.getsource(getattr(optimizer, _OFFLOAD_ACCUMULATION))
-    except (AttributeError, OSError, TypeError):
-        return False
+    source = _method_source(_STAGE12, "DeepSpeedZeroOptimizer", _OFFLOAD_ACCUMULATION)
     return _SAVES_THE_FIRST_MICRO_STEP_ONLY in " ".join(source.split())
 
 
@@ -271,11 +269,7 @@ def zero3_gather_races_on_cpu() -> bool:
     source; a release without that wait (or whose source cannot be read) waits on
     every gather.
     """
-    init = getattr(importlib.import_module(_PARTITION), "Init", None)
-    try:
-        source = inspect.getsource(getattr(init, _COALESCED_GATHER))
-    except (AttributeError, OSError, TypeError):
-        return False
+    source = _method_source(_PARTITION, "Init", _COALESCED_GATHER)
     return _WAITS_ON_THE_LAST_GATHER_ONLY in source
 
 
