@@ -36,7 +36,7 @@ __all__ = ["SUPPORTED", "TESTED", "GROUPS", "UnsupportedTransformersError", "che
 #: trl start there (transformers 5.3 is the first whose Trainer has these internals;
 #: trl 0.25 passes the table, not its SFT cell, yet).
 TESTED = {"transformers": ("5.3.0", "5.24.0"), "accelerate": ("1.12.0", "1.15.0"),
-          "trl": ("1.16.0", "1.16.0")}
+          "trl": ("0.25.1", "1.16.0")}
 #: The ``[transformers]`` extra's ranges (no upper bound: :data:`GROUPS` decides).
 SUPPORTED = {name: supported_spec(tested) for name, tested in TESTED.items()}
 
