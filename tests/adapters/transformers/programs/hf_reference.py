@@ -45,7 +45,7 @@ def token_loss_sum(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def _chunked_lm_head(model: Any) -> None:
     """TRL's ``loss_type="chunked_nll"`` forward on the reference model, as its SFTTrainer
     patches the trained one (the loss summed in float32 chunks, also for a float64 model;
-    the default of the TRL releases between 1.0 and 1.16 that have it, 1.8 among them)."""
+    TRL's default in 1.8 to 1.14, an option in 1.4; 1.15 fuses the LM head instead)."""
     from trl.trainer import sft_trainer
 
     sft_trainer._patch_chunked_ce_lm_head(model, chunk_size=sft_trainer._CHUNKED_LM_HEAD_CHUNK_SIZE)
