@@ -71,6 +71,14 @@ collective per iteration instead of two, and nothing changes for
 ``no_sync()``. The reducer gets that all-reduce's ``Work``; with
 ``divide_by_initial_world_size=False`` it reads the number of active ranks from
 the work's result, so it gets a work whose result is the heartbeat sum alone.
+With buffers broadcast in forward (``broadcast_buffers=True`` and a module with
+buffers), torch's DDP inside a Join first finds the rank that sources them (the
+highest active one) with one more all-reduce per forward
+(``_find_common_rank``). That rank changes only when a rank joins, which the
+fused heartbeat shows to every rank in the same round: :meth:`_FusedCheck.common_rank`
+asks again only when the round's heartbeat sum differs from the one it last
+asked at, and answers from the last all-reduce otherwise (the same rank torch
+finds, with one collective per forward instead of two).
 
 *DDP carries the heartbeat in its gradients* (``adapters.torch._ddp_round``):
 where DDP is the Join's first joinable and no other joinable has collectives
@@ -684,6 +692,9 @@ class _DDPShadow(_Shadow):
                 # the last round (a rank that stepped alone under no_sync()
                 # since may differ): ask, with one small all-reduce.
                 is_last_joiner = heartbeat_round.most_inputs()
+            if self.adapter._fused is not None:
+                # torch's final-model sync asks by is_last_joiner, not activity.
+                self.adapter._fused.release_common_rank()
             super().post_hook(is_last_joiner)
             return
         # on_rank_loss="finish": torch's final-model sync as one unit of the group.
@@ -799,11 +810,17 @@ class _FusedCheck:
         self.count_only = not divide_by_initial_world_size
         self.sync = True  # the latest round's answer (joined rank)
         self.own_latest: int | None = None  # a send of ours not yet read (joined rank)
+        self.heartbeat = 0.0  # the latest round's heartbeat sum (joined rank)
+        # (heartbeat sum, DDP's common rank) of the last all-reduce that found it.
+        self.common: tuple[float, int] | None = None
+        self.find_common_rank = ddp._find_common_rank
         ddp._check_global_requires_backward_grad_sync = self.check
+        ddp._find_common_rank = self.common_rank
 
     def close(self) -> None:
         """Give DDP its own check back; release completed work."""
         self.ddp.__dict__.pop("_check_global_requires_backward_grad_sync", None)
+        self.release_common_rank()
         for work in self.works:
             if work is not None and work.is_completed():
                 work.wait()
@@ -859,7 +876,41 @@ class _FusedCheck:
         heartbeat, syncs = split_heartbeat_flags(self.buffers[index].item())
         self.sync = syncs > 0
         self.own_latest = None
+        self.heartbeat = heartbeat
         return heartbeat
+
+    def common_rank(self, input_rank: int, rank_cond: bool) -> int:
+        """DDP's ``_find_common_rank`` for its buffer broadcast (module doc).
+
+        The rank that sources the buffers is the highest active one, which
+        torch finds with an all-reduce before every broadcast. Active ranks
+        only leave within a Join, so while this round's heartbeat sum equals
+        the one of the round that last asked, the answer is the same: it is
+        asked again only when the sum changed. Every rank decides from the
+        same sum (this round's fused all-reduce), so all of them ask or none.
+        """
+        if rank_cond:
+            # An active rank's forward: its own send of this round (just out).
+            index = self.current
+            self.wait(self.works[index])
+            heartbeat, _ = split_heartbeat_flags(self.buffers[index].item())
+        elif self.own_latest is not None:
+            # A completion round's hook: the round of this rank's own last send.
+            self.wait(self.works[self.own_latest])
+            heartbeat, _ = split_heartbeat_flags(self.buffers[self.own_latest].item())
+        else:
+            heartbeat = self.heartbeat  # this shadow round's count
+        common = self.common
+        if common is not None and common[0] == heartbeat:
+            return common[1]
+        rank = int(self.find_common_rank(input_rank, rank_cond))
+        self.common = (heartbeat, rank)
+        return rank
+
+    def release_common_rank(self) -> None:
+        """Give DDP its own ``_find_common_rank`` back (its final-model sync asks it)."""
+        if self.ddp.__dict__.get("_find_common_rank") == self.common_rank:
+            del self.ddp.__dict__["_find_common_rank"]
 
     def check(self, is_joined_rank: bool) -> bool | None:
         """DDP's ``_check_global_requires_backward_grad_sync``, already sent."""

@@ -103,7 +103,8 @@ DDP_MEMBERS = (
        "replaced while the Join lasts by the check fused with the heartbeat",
        ("self", "is_joined_rank"), called_by=(_DDP_HOOK, _DDP_FORWARD)),
     _m(_DDP, "DistributedDataParallel._find_common_rank", _CALL,
-       "replaced in a replay so that a joined rank never sources the buffers",
+       "answered from the fused heartbeat while no rank joined (asked again when one "
+       "did), and in a replay so that a joined rank never sources the buffers",
        ("self", "input_rank", "rank_cond"),
        called_by=(f"{_DDP}:DistributedDataParallel._sync_buffers",
                   f"{_DDP}:DistributedDataParallel._check_and_sync_module_buffers")),

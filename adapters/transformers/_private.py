@@ -32,11 +32,11 @@ from .._guards import Member, Need, problems, refusal, supported_spec
 __all__ = ["SUPPORTED", "TESTED", "GROUPS", "UnsupportedTransformersError", "check"]
 
 #: The releases this module's tests passed on: the oldest supported of each and its
-#: dev pin (``constraints.txt``); docs/guide/install.md says why transformers and
-#: trl start there (transformers 5.3 is the first whose Trainer has these internals;
-#: trl 0.25 passes the table, not its SFT cell, yet).
+#: dev pin (``constraints.txt``); docs/guide/install.md says why transformers starts
+#: there (5.3 is the first whose Trainer has these internals; 5.0 to 5.2 lack
+#: ``_run_epoch``, among others) and trl at the release current a year ago.
 TESTED = {"transformers": ("5.3.0", "5.24.0"), "accelerate": ("1.12.0", "1.15.0"),
-          "trl": ("1.16.0", "1.16.0")}
+          "trl": ("0.25.1", "1.16.0")}
 #: The ``[transformers]`` extra's ranges (no upper bound: :data:`GROUPS` decides).
 SUPPORTED = {name: supported_spec(tested) for name, tested in TESTED.items()}
 

@@ -210,6 +210,20 @@ def test_ddp_with_batchnorm_buffers(results: Any) -> None:
     assert_identical([r["params"] for r in outcome(results, "ddp_buffers")])
 
 
+def test_ddp_buffers_come_from_torchs_source_rank_with_fewer_collectives(
+        results: Any) -> None:
+    ranks = outcome(results, "ddp_buffer_source")
+    for rank in ranks:
+        assert rank["joinkit"]["heartbeat"] == "fused"  # buffers rule the round path out
+        # Every parameter and running statistic equals torch's Join's, bit for bit.
+        assert rank["joinkit"]["state"] == rank["torch"]["state"]
+        # torch asks once per round (5) and in its final-model sync; joinkit on
+        # entry and when a rank joined (the sum went 3, 2, 1), and in that sync.
+        assert rank["torch"]["calls"] == 5 + 1
+        assert rank["joinkit"]["calls"] == 3 + 1
+    assert_identical([r["joinkit"]["state"] for r in ranks])
+
+
 def test_mixed_with_a_joinkit_joinable_in_either_order(results: Any) -> None:
     ranks = outcome(results, "mixed_joinables")
     inputs = [3 + rank for rank in range(WORLD)]

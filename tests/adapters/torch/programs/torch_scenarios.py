@@ -742,6 +742,44 @@ def ddp_buffers(ctx: Ctx) -> Any:
 
 
 @scenario
+def ddp_buffer_source(ctx: Ctx) -> Any:
+    """Buffers broadcast in forward from the highest active rank, as torch's Join does.
+
+    The highest rank runs out first (inputs ``5 - rank``), so the rank that
+    sources the buffers changes twice. BatchNorm's running statistics differ
+    per rank before each broadcast, so a wrong source shows in the buffers.
+    joinkit's fused path asks DDP's ``_find_common_rank`` only when the
+    heartbeat sum changed (module doc of ``adapters.torch._joinables``).
+    """
+    out: dict[str, Any] = {}
+    original = DDP._find_common_rank
+    calls = [0]
+
+    def counted(self: DDP, input_rank: int, rank_cond: bool) -> int:
+        calls[0] += 1
+        return original(self, input_rank, rank_cond)  # type: ignore[no-any-return]
+
+    DDP._find_common_rank = counted  # type: ignore[method-assign]
+    try:
+        for name, join_cls in (("joinkit", Join), ("torch", torch_join.Join)):
+            torch.manual_seed(0)
+            module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+            model = ddp(ctx, module.double(), broadcast_buffers=True)
+            optim = torch.optim.SGD(model.parameters(), lr=0.1)
+            calls[0] = 0
+            with join_cls([model]) as join:
+                for i in range(5 - ctx.rank):
+                    optim.zero_grad()
+                    model(batch(ctx.rank, i, (5, 4)).double() * (1 + ctx.rank)).sum().backward()
+                    optim.step()
+            out[name] = {"state": flat(model.module), "calls": calls[0],
+                         "heartbeat": getattr(join, "heartbeat", "torch")}
+    finally:
+        DDP._find_common_rank = original  # type: ignore[method-assign]
+    return out
+
+
+@scenario
 def ddp_nested(ctx: Ctx) -> Any:
     model = ddp(ctx, nn.Linear(1, 1))
     try:

@@ -42,6 +42,15 @@ def token_loss_sum(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch, num_items_in_batch=torch.tensor(1.0, dtype=torch.float64)).loss
 
 
+def _chunked_lm_head(model: Any) -> None:
+    """TRL's ``loss_type="chunked_nll"`` forward on the reference model, as its SFTTrainer
+    patches the trained one (the loss summed in float32 chunks, also for a float64 model;
+    TRL's default in 1.8 to 1.14, an option in 1.4; 1.15 fuses the LM head instead)."""
+    from trl.trainer import sft_trainer
+
+    sft_trainer._patch_chunked_ce_lm_head(model, chunk_size=sft_trainer._CHUNKED_LM_HEAD_CHUNK_SIZE)
+
+
 def train(records: list[dict[str, Any]], model_kind: str,
           evals: dict[int, Any] | None = None, sft: bool = False,
           totals: dict[int, int] | None = None) -> dict[str, Any]:
@@ -70,9 +79,15 @@ def train(records: list[dict[str, Any]], model_kind: str,
     model = w.tiny_model(model_kind)
     if sft:
         # TRL's SFTTrainer fuses the model's LM head (its metrics' outputs) from the
-        # release that has ``add_fused_lm_head``; an older one (0.25) trains the model as
-        # it is, and so does the reference.
+        # release that has ``add_fused_lm_head``; an older one (0.26 to 1.8) trains the
+        # model as it is, and so does the reference. Every one forwards with
+        # ``use_cache=False`` (its compute_loss): with a cache, transformers' mask does not
+        # split the packed rows at their position_ids, and the loss differs (1e-3).
         from trl.trainer import utils as trl_utils
+
+        model.config.use_cache = False
+        if meta.get("loss_type") == "chunked_nll":
+            _chunked_lm_head(model)
 
         if hasattr(trl_utils, "add_fused_lm_head"):
             trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))

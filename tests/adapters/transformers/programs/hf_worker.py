@@ -168,7 +168,10 @@ def meta(trainer: Any) -> dict[str, Any]:
             "eval_batch": trainer.args.per_device_eval_batch_size,
             "weight_decay": trainer.args.weight_decay,
             "label_count": label_count(trainer),
-            "scheduler": str(trainer.args.lr_scheduler_type)}
+            "scheduler": str(trainer.args.lr_scheduler_type),
+            # TRL's SFTConfig: "chunked_nll" (its default in 1.8 to 1.14) patches the model's
+            # forward with a float32 chunked cross-entropy, which the reference then uses.
+            "loss_type": getattr(trainer.args, "loss_type", None)}
 
 
 def label_count(trainer: Any) -> str:
