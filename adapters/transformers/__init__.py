@@ -133,6 +133,10 @@ def uneven_inputs(trainer: Any, *, timeout: float | None = None) -> Any:
 def _refuse(trainer: Any, distributed_type: Any) -> None:
     """Raise for a configuration the adapter does not handle (local checks only)."""
     args = trainer.args
+    from . import _private
+
+    if _private.loop() == "_inner_training_loop":
+        _refuse_in_the_inline_loop(trainer)
     if getattr(trainer, "is_deepspeed_enabled", False):
         _refuse_deepspeed(trainer)
     elif getattr(args, "deepspeed", None):
@@ -143,8 +147,6 @@ def _refuse(trainer: Any, distributed_type: Any) -> None:
             "Launch on the accelerators DeepSpeed is to use, or drop the deepspeed setting"
         )
     if getattr(trainer, "is_fsdp_enabled", False):
-        from . import _private
-
         _private.check("FSDP")
         _refuse_replayed_input(trainer, "FSDP")
         from . import _fsdp
@@ -208,6 +210,41 @@ def _refuse(trainer: Any, distributed_type: Any) -> None:
             "set (every rank the same; joinkit splits it), or eval_strategy='epoch'"
         )
     del distributed_type
+
+
+def _refuse_in_the_inline_loop(trainer: Any) -> None:
+    """Raise for what the epoch loop of transformers 5.0 to 5.2 (written out in
+    ``_inner_training_loop``, no ``_run_epoch``) cannot give under a Join.
+
+    Raises:
+        NotImplementedError: ``include_num_input_tokens_seen`` (the loop gathers each
+            micro-batch's token count inline, before ``training_step``: an empty
+            micro-batch would count its tokens), FSDP (a joined rank's clipping is the
+            Trainer's ``_clip_grad_norm``), DeepSpeed (joinkit has not run its replay
+            under this loop).
+    """
+    import transformers
+
+    args = trainer.args
+    found = (f"transformers {transformers.__version__}'s Trainer (its epoch loop is "
+             "written out in _inner_training_loop)")
+    upgrade = "; transformers 5.3 and later handle it"
+    counting = getattr(args, "include_num_input_tokens_seen", "no")
+    if counting not in ("no", False, None):
+        raise NotImplementedError(
+            f"uneven_inputs: include_num_input_tokens_seen={counting!r} with {found}: the "
+            "loop gathers each micro-batch's token count itself, before training_step, so "
+            "a rank's empty micro-batches (the padding of its last window) would count "
+            f"tokens. Set include_num_input_tokens_seen='no'{upgrade}")
+    for enabled, what, why in (
+            ("is_fsdp_enabled", "FSDP", "a joined rank clips as the Trainer's _clip_grad_norm "
+                                        "does, which this release lacks"),
+            ("is_deepspeed_enabled", "DeepSpeed", "joinkit has not run a joined rank's replay "
+                                                  "of the engine under this loop")):
+        if getattr(trainer, enabled, False):
+            raise NotImplementedError(
+                f"uneven_inputs with {what} and {found}: {why}. Upgrade transformers, or "
+                f"train with DDP{upgrade}")
 
 
 def _refuse_replayed_input(trainer: Any, what: str) -> None:

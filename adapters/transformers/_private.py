@@ -29,7 +29,8 @@ from typing import Any
 
 from .._guards import Member, Need, problems, refusal, supported_spec
 
-__all__ = ["SUPPORTED", "TESTED", "GROUPS", "UnsupportedTransformersError", "check"]
+__all__ = ["SUPPORTED", "TESTED", "GROUPS", "LOOPS", "LOSS_GATHERS", "UnsupportedTransformersError",
+           "check", "loop", "loss_gather"]
 
 #: The releases this module's tests passed on: the oldest supported of each and its
 #: dev pin (``constraints.txt``); docs/guide/install.md says why transformers starts
@@ -59,59 +60,25 @@ def _m(module: str, name: str, need: Need, why: str, params: tuple[str, ...] = (
 _CALL, _ATTR, _EXISTS = Need.CALLABLE, Need.ATTRIBUTE, Need.EXISTS
 
 #: Members by what needs them.
+#: Members by what needs them ("Trainer": with those of the installed loop, :data:`LOOPS`,
+#: and of its loss gather, :data:`LOSS_GATHERS`).
 GROUPS: dict[str, tuple[Member, ...]] = {
     "Trainer": (
-        _m(_T, "Trainer._run_epoch", _CALL,
-           "wrapped: one Join per epoch, with this rank's own number of batches",
-           ("self", "model", "epoch", "train_dataloader", "steps_in_epoch",
-            "num_update_steps_per_epoch", "trial", "ignore_keys_for_eval", "start_time",
-            "resume_from_checkpoint", "epochs_trained", "steps_trained_in_current_epoch"),
-           (f"{_TRAINER}._inner_training_loop",)),
         _m(_T, "Trainer._inner_training_loop", _CALL,
-           "wrapped: the checkpoint a run resumes from",
+           "wrapped: the checkpoint a run resumes from; an epoch's Join left on an error",
            ("self", "batch_size", "args", "resume_from_checkpoint", "trial",
             "ignore_keys_for_eval"), (f"{_TRAINER}.train",)),
-        _m(_T, "Trainer._init_training_state", _CALL,
-           "wrapped: a run resumed in the middle of an epoch starts at that epoch, on the "
-           "samples its ShardSampler left, with nothing to skip",
-           ("self", "max_steps", "num_update_steps_per_epoch", "num_train_epochs",
-            "resume_from_checkpoint", "trial"), (f"{_TRAINER}._inner_training_loop",)),
-        _m(_T, "Trainer._load_optimizer_and_scheduler", _CALL,
-           "wrapped: under FSDP1 with sharded checkpoints the optimizer's state is created "
-           "before Accelerate's load, which reads only the state its template has",
-           ("self", "checkpoint"), (f"{_TRAINER}._prepare_for_training",)),
         _m(_T, "Trainer._get_output_dir", _CALL,
            "the checkpoint folder joinkit's record of the data's position goes into",
            ("self", "trial"), (f"{_TRAINER}._save_checkpoint",)),
         _m("transformers.trainer_utils", "PREFIX_CHECKPOINT_DIR", _EXISTS,
            "the checkpoint folder's name"),
-        _m(_T, "Trainer.set_initial_training_values", _CALL,
-           "wrapped: the epoch length and max_steps of the rank with the most batches",
-           ("self", "args", "dataloader"), (f"{_TRAINER}._inner_training_loop",)),
-        _m(_T, "Trainer.get_batch_samples", _CALL,
-           "wrapped: a rank's last window of gradient accumulation is padded with empty "
-           "micro-batches so that every rank steps at the same micro-batch",
-           ("self", "epoch_iterator", "num_batches", "device"), (f"{_TRAINER}._run_epoch",)),
         _m(_T, "Trainer._get_num_items_in_batch", _CALL,
            "wrapped: how many ranks counted the window's tokens",
            ("self", "batch_samples", "device"), (f"{_TRAINER}.get_batch_samples",)),
-        _m(_T, "Trainer.training_step", _CALL,
-           "wrapped: an empty micro-batch's zero loss; the reported loss of the ranks that "
-           "trained", ("self", "model", "inputs", "num_items_in_batch"),
-           (f"{_TRAINER}._run_epoch",)),
-        _m(_T, "Trainer.floating_point_ops", _CALL, "wrapped: no flops for an empty micro-batch",
-           ("self", "inputs"), (f"{_TRAINER}._run_epoch",)),
-        _m(_T, "Trainer._track_num_input_tokens", _CALL,
-           "wrapped: an empty micro-batch counts no tokens", ("self", "inputs"),
-           (f"{_TRAINER}._run_epoch",)),
         _m(_T, "Trainer._save_checkpoint", _CALL,
            "wrapped: while rank 0 has joined, the lowest active rank writes the checkpoint",
            ("self", "model", "trial"), (f"{_TRAINER}._maybe_log_save_evaluate",)),
-        _m(_T, "Trainer._maybe_log_save_evaluate", _CALL,
-           "wrapped: under DeepSpeed the ranks agree after each optimizer step whether a "
-           "checkpoint is saved (a joined rank saves its partition with them)",
-           ("self", "tr_loss", "grad_norm", "model", "trial", "epoch", "ignore_keys_for_eval",
-            "start_time"), (f"{_TRAINER}._run_epoch",)),
         _m(_T, "Trainer.save_model", _CALL,
            "a joined DeepSpeed rank's part of a checkpoint (ZeRO-3's gather)",
            ("self", "output_dir", "_internal_call"), (f"{_TRAINER}._save_checkpoint",)),
@@ -142,8 +109,6 @@ GROUPS: dict[str, tuple[Member, ...]] = {
         _m(_T, "Trainer.evaluation_loop", _CALL,
            "wrapped: run inside a Join of the side channel (uneven evaluation shards)",
            ("self", "dataloader", "description"), (f"{_TRAINER}.evaluate", f"{_TRAINER}.predict")),
-        _m(_T, "nested_gather", _CALL, "replaced by a dispatcher: the logged loss's gather",
-           ("tensors", "parallel_mode"), (f"{_TRAINER}._maybe_log_save_evaluate",)),
         _m(_T, "distributed_broadcast_scalars", _CALL,
            "replaced by a dispatcher: store_flos's gather", ("scalars",),
            (f"{_TRAINER}.store_flos",)),
@@ -194,6 +159,120 @@ GROUPS["FSDP"] = (
        "a joined FSDP rank steps the Trainer's scheduler unless the step was skipped"),
 )
 
+def _per_step(loop: str) -> tuple[Member, ...]:
+    """The members a training loop (``loop``: the Trainer function that holds it) calls
+    for each micro-batch and optimizer step, by their names."""
+    by = (f"{_TRAINER}.{loop}",)
+    return (
+        _m(_T, "Trainer.get_batch_samples", _CALL,
+           "wrapped: a rank's last window of gradient accumulation is padded with empty "
+           "micro-batches so that every rank steps at the same micro-batch",
+           ("self", "epoch_iterator", "num_batches", "device"), by),
+        _m(_T, "Trainer.training_step", _CALL,
+           "wrapped: an empty micro-batch's zero loss; the reported loss of the ranks that "
+           "trained", ("self", "model", "inputs", "num_items_in_batch"), by),
+        _m(_T, "Trainer.floating_point_ops", _CALL, "wrapped: no flops for an empty micro-batch",
+           ("self", "inputs"), by),
+        _m(_T, "Trainer._maybe_log_save_evaluate", _CALL,
+           "wrapped: under DeepSpeed the ranks agree after each optimizer step whether a "
+           "checkpoint is saved (a joined rank saves its partition with them)",
+           ("self", "tr_loss", "grad_norm", "model", "trial", "epoch", "ignore_keys_for_eval",
+            "start_time"), by),
+    )
+
+
+_CALLBACKS = "transformers.trainer_callback:CallbackHandler"
+
+#: The two training loops joinkit hooks, by the Trainer function that runs an epoch
+#: (:func:`loop` says which one the installed Trainer has; their members are checked
+#: with the "Trainer" group).
+#:
+#: ``_run_epoch`` (transformers 5.3 and later): one call per epoch, which joinkit wraps
+#: (the epoch's Join, this rank's own number of batches).
+#:
+#: ``_inner_training_loop`` (transformers 5.0 to 5.2: the epoch loop written out in
+#: it): the loop takes an epoch's length from ``len(train_dataloader)`` before
+#: ``on_epoch_begin``, so joinkit's own loader reports this rank's padded length, and
+#: the epoch's Join is entered in joinkit's ``on_epoch_begin`` and left in its
+#: ``on_epoch_end`` (``_session``). What this loop cannot give (its inline token count,
+#: a resume in the middle of an epoch, FSDP's clipping) is refused by name.
+LOOPS: dict[str, tuple[Member, ...]] = {
+    "_run_epoch": (
+        _m(_T, "Trainer._run_epoch", _CALL,
+           "wrapped: one Join per epoch, with this rank's own number of batches",
+           ("self", "model", "epoch", "train_dataloader", "steps_in_epoch",
+            "num_update_steps_per_epoch", "trial", "ignore_keys_for_eval", "start_time",
+            "resume_from_checkpoint", "epochs_trained", "steps_trained_in_current_epoch"),
+           (f"{_TRAINER}._inner_training_loop",)),
+        _m(_T, "Trainer._init_training_state", _CALL,
+           "wrapped: a run resumed in the middle of an epoch starts at that epoch, on the "
+           "samples its ShardSampler left, with nothing to skip",
+           ("self", "max_steps", "num_update_steps_per_epoch", "num_train_epochs",
+            "resume_from_checkpoint", "trial"), (f"{_TRAINER}._inner_training_loop",)),
+        _m(_T, "Trainer._load_optimizer_and_scheduler", _CALL,
+           "wrapped: under FSDP1 with sharded checkpoints the optimizer's state is created "
+           "before Accelerate's load, which reads only the state its template has",
+           ("self", "checkpoint"), (f"{_TRAINER}._prepare_for_training",)),
+        _m(_T, "Trainer.set_initial_training_values", _CALL,
+           "wrapped: the epoch length and max_steps of the rank with the most batches",
+           ("self", "args", "dataloader"), (f"{_TRAINER}._inner_training_loop",)),
+        _m(_T, "Trainer._track_num_input_tokens", _CALL,
+           "wrapped: an empty micro-batch counts no tokens", ("self", "inputs"),
+           (f"{_TRAINER}._run_epoch",)),
+        *_per_step("_run_epoch"),
+    ),
+    "_inner_training_loop": (
+        _m(_T, "Trainer.set_initial_training_values", _CALL,
+           "wrapped: the epoch length and max_steps of the rank with the most batches; "
+           "then joinkit's loader reports this rank's padded epoch length",
+           ("self", "args", "dataloader", "total_train_batch_size"),
+           (f"{_TRAINER}._inner_training_loop",)),
+        _m(_T, "TRAINER_STATE_NAME", _EXISTS,
+           "the checkpoint's state, whose global_step says where in an epoch it was saved"),
+        _m("transformers.trainer_callback", "CallbackHandler.on_epoch_begin", _CALL,
+           "joinkit's callback enters the epoch's Join there (after the loop read the "
+           "epoch's length)", ("self", "args", "state", "control"),
+           (f"{_TRAINER}._inner_training_loop",)),
+        _m("transformers.trainer_callback", "CallbackHandler.on_epoch_end", _CALL,
+           "joinkit's callback leaves the epoch's Join there", ("self", "args", "state",
+                                                               "control"),
+           (f"{_TRAINER}._inner_training_loop",)),
+        *_per_step("_inner_training_loop"),
+    ),
+}
+
+#: The logged loss's gather, by where ``_maybe_log_save_evaluate`` takes it from (the
+#: module's ``nested_gather`` from transformers 5.2 on, the Trainer's own method before).
+LOSS_GATHERS: dict[str, Member] = {
+    "nested_gather": _m(_T, "nested_gather", _CALL,
+                        "replaced by a dispatcher: the logged loss's gather",
+                        ("tensors", "parallel_mode"),
+                        (f"{_TRAINER}._maybe_log_save_evaluate",)),
+    "Trainer._nested_gather": _m(_T, "Trainer._nested_gather", _CALL,
+                                 "wrapped: the logged loss's gather", ("self", "tensors"),
+                                 (f"{_TRAINER}._maybe_log_save_evaluate",)),
+}
+
+
+def loop() -> str:
+    """The installed Trainer's training loop: a key of :data:`LOOPS`."""
+    trainer = importlib.import_module(_T).Trainer
+    return "_run_epoch" if hasattr(trainer, "_run_epoch") else "_inner_training_loop"
+
+
+def loss_gather() -> str:
+    """The installed Trainer's loss gather: a key of :data:`LOSS_GATHERS`."""
+    module = importlib.import_module(_T)
+    return "nested_gather" if hasattr(module, "nested_gather") else "Trainer._nested_gather"
+
+
+def _members(group: str) -> tuple[Member, ...]:
+    """``group``'s members on the installed release (module doc)."""
+    if group != "Trainer":
+        return GROUPS[group]
+    return (*GROUPS[group], *LOOPS[loop()], LOSS_GATHERS[loss_gather()])
+
+
 #: Members that only some supported releases have: checked where present (with the
 #: group that needs them); :func:`has_save_rank_rule` says what the absence means.
 OPTIONAL: dict[str, tuple[Member, ...]] = {
@@ -226,7 +305,7 @@ def check(group: str) -> None:
     if group in _checked:
         return
     present = [m for m in OPTIONAL.get(group, ()) if _exists(m)]
-    found = problems((*GROUPS[group], *present))
+    found = problems((*_members(group), *present))
     if found:
         distribution = _DISTRIBUTIONS.get(group, "transformers")
         raise UnsupportedTransformersError(refusal(

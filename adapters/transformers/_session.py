@@ -162,6 +162,9 @@ class Session:
         self.deepspeed = bool(getattr(trainer, "is_deepspeed_enabled", False))
         #: The Trainer runs an FSDP1 or FSDP2 model (``_fsdp``), not DDP.
         self.fsdp = bool(getattr(trainer, "is_fsdp_enabled", False))
+        #: The Trainer's epoch loop is written out in ``_inner_training_loop``
+        #: (transformers 5.0 to 5.2), not in ``_run_epoch`` (module doc, *Two loops*).
+        self.inline = _private.loop() == "_inner_training_loop"
         # The channel outside the epochs' Joins, and the one in them: a DeepSpeed
         # engine's Join runs on its own (ZeRO) group, which the channel then follows.
         self.world_channel = self.channel
@@ -206,19 +209,25 @@ class Session:
         self.resumed_lengths: tuple[int | None, int | None] = (None, None)
         #: The batches of the current epoch done before this run (a resumed epoch's).
         self.epoch_offset = 0
+        #: The epoch the Trainer runs next (counted by the callback, as the loop counts).
+        self.next_epoch = 0
 
     # -- installing ----------------------------------------------------------------
 
     def install(self) -> None:
         trainer = self.trainer
         accelerator = trainer.accelerator
-        for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader",
-                     "_inner_training_loop", "set_initial_training_values",
-                     "_init_training_state", "_run_epoch", "get_batch_samples",
-                     "_get_num_items_in_batch", "training_step", "floating_point_ops",
-                     "_track_num_input_tokens", "_save_checkpoint", "prediction_step",
-                     "evaluation_loop", "_maybe_log_save_evaluate",
-                     "_load_optimizer_and_scheduler"):
+        names = ["get_train_dataloader", "get_eval_dataloader", "get_test_dataloader",
+                 "_inner_training_loop", "set_initial_training_values", "get_batch_samples",
+                 "_get_num_items_in_batch", "training_step", "floating_point_ops",
+                 "_save_checkpoint", "prediction_step", "evaluation_loop",
+                 "_maybe_log_save_evaluate"]
+        if not self.inline:
+            names += ["_init_training_state", "_run_epoch", "_track_num_input_tokens",
+                      "_load_optimizer_and_scheduler"]
+        if _private.loss_gather() == "Trainer._nested_gather":
+            names.append("_nested_gather")
+        for name in names:
             _wrap(trainer, name, getattr(self, f"_t_{name.lstrip('_')}"))
         for name in ("prepare", "gather", "gather_for_metrics", "reduce",
                      "pad_across_processes", "wait_for_everyone", "no_sync", "backward"):
@@ -299,7 +308,9 @@ class Session:
 
     def _t_set_initial_training_values(self, original: Callable[..., Any]
                                        ) -> Callable[..., Any]:
-        def set_initial_training_values(args: Any, dataloader: Any) -> Any:
+        def set_initial_training_values(args: Any, dataloader: Any, *rest: Any) -> Any:
+            if isinstance(dataloader, _OwnLoader):
+                dataloader.reported_length = None  # its own length, from here
             try:
                 local: int | None = len(dataloader)
             except TypeError:
@@ -315,13 +326,54 @@ class Session:
             self.local_len = local
             self.global_len = max(known) if known else None
             values = original(args, dataloader if self.global_len is None
-                              else _Sized(self.global_len, dataloader))
+                              else _Sized(self.global_len, dataloader), *rest)
             self.global_updates = int(values[1])
             self.full_lengths = (self.local_len, self.global_len, self.global_updates)
+            if self.inline:
+                # The loop reads an epoch's length from the loader (module doc).
+                if self.global_len is not None and isinstance(dataloader, _OwnLoader):
+                    dataloader.reported_length = lambda: self._epoch_steps(0, 0)[0]
+                if self.resume_from is not None:
+                    self._refuse_inline_resume(args, values)
             if self.resume_from is not None:
                 values = self._resumed_values(args, dataloader, values)
             return values
         return set_initial_training_values
+
+    def _refuse_inline_resume(self, args: Any, values: tuple[Any, ...]) -> None:
+        """The loop of transformers 5.0 to 5.2 resumes at an epoch's start only.
+
+        It counts the epochs and batches done from ``global_step`` with no hook
+        between (``_init_training_state`` came in 5.3), and skips batches of
+        joinkit's uneven loaders as if they were even: a checkpoint in the middle of
+        an epoch (or saved on another number of ranks, whose epochs have other
+        lengths) is refused, on every rank alike (each reads the same files).
+
+        Raises:
+            NotImplementedError: such a checkpoint.
+        """
+        from transformers.trainer_callback import TrainerState
+        from transformers.trainer import TRAINER_STATE_NAME
+
+        assert self.resume_from is not None
+        path = os.path.join(self.resume_from, TRAINER_STATE_NAME)
+        if not os.path.isfile(path):
+            return
+        step = TrainerState.load_from_json(path).global_step
+        saved = _resume.read(self.resume_from)
+        other_world = saved is not None and saved.world != self.world
+        if other_world or (step % max(int(values[1]), 1) and not args.ignore_data_skip):
+            where = (f"saved on {saved.world} ranks (this run has {self.world})"
+                     if other_world and saved is not None
+                     else f"in the middle of an epoch (step {step})")
+            raise NotImplementedError(
+                f"joinkit.adapters.transformers: the checkpoint {self.resume_from} is "
+                f"{where}, and transformers {_version()}'s Trainer resumes only at an "
+                "epoch's start on the ranks that saved it (its epoch loop skips batches as "
+                "if every rank had the same; transformers 5.3 and later resume such "
+                "checkpoints). Upgrade transformers, resume from a checkpoint saved at an "
+                "epoch's end on the same number of ranks, or set ignore_data_skip=True on "
+                "that number (the epoch's data starts over)")
 
     # -- resuming in the middle of an epoch (_resume) ------------------------------------
 
@@ -331,6 +383,10 @@ class Session:
             self.saved = self.start = None
             try:
                 return original(*args, **kwargs)
+            except BaseException as error:
+                if self.join is not None:  # (the loop's own epochs: module doc)
+                    self.leave(error)
+                raise
             finally:
                 self.resume_from = None
         return inner_training_loop
@@ -426,29 +482,10 @@ class Session:
         def run_epoch(**kwargs: Any) -> Any:
             self._set_epoch_lengths(int(kwargs["epoch"]))
             first_step = self.trainer.state.global_step
-            gas = self.trainer.args.gradient_accumulation_steps
-            steps, updates = kwargs["steps_in_epoch"], kwargs["num_update_steps_per_epoch"]
-            if self.global_len is not None and self.local_len is not None:
-                local = self.local_len
-                updates = max(local // gas + int(local % gas > 0), 1)
-                steps = min(updates * gas, self.global_len) if local else 0
-            self.window, self.epoch, self.phantom = 0, int(kwargs["epoch"]), False
-            # The DDP model, or the DeepSpeed engine (joinkit.adapters.deepspeed: a
-            # joined rank replays its step; the sync's main hook then steps the
-            # Trainer's scheduler as the loop does).
-            self.channel = self.epoch_channel
-            try:
-                join = Join([*self._epoch_models(kwargs["model"]), self.channel, self.sync],
-                            **self._epoch_join_kwargs())
-                join.__enter__()
-            except BaseException:
-                self.channel = self.world_channel
-                raise
-            self.join = join
-            if self.fsdp:
-                self.hooks = self._agreement_hooks(kwargs["model"])
+            steps, updates = self._epoch_steps(kwargs["steps_in_epoch"],
+                                               kwargs["num_update_steps_per_epoch"])
             before = current()
-            _local.session = self
+            join = self.enter_epoch(int(kwargs["epoch"]), kwargs["model"])
             try:
                 result = original(**{**kwargs, "steps_in_epoch": steps,
                                      "num_update_steps_per_epoch": updates})
@@ -463,6 +500,38 @@ class Session:
             self._go_on_after_an_empty_resumed_pass(int(kwargs["epoch"]), first_step)
             return result
         return run_epoch
+
+    def _epoch_steps(self, steps: int, updates: int) -> tuple[int, int]:
+        """This epoch's batches and optimizer steps on this rank: its own number of
+        windows, the last one padded to the longest rank's (``get_batch_samples``);
+        ``steps``, ``updates`` where the loaders have no length."""
+        if self.global_len is not None and self.local_len is not None:
+            local = self.local_len
+            gas = self.trainer.args.gradient_accumulation_steps
+            updates = max(local // gas + int(local % gas > 0), 1)
+            steps = min(updates * gas, self.global_len) if local else 0
+        return steps, updates
+
+    def enter_epoch(self, epoch: int, model: Any) -> Join:
+        """Enter epoch ``epoch``'s Join of ``model`` (the DDP model, the DeepSpeed
+        engine or the FSDP model); the session's collectives are routed from here."""
+        self.window, self.epoch, self.phantom = 0, epoch, False
+        # The DDP model, or the DeepSpeed engine (joinkit.adapters.deepspeed: a
+        # joined rank replays its step; the sync's main hook then steps the
+        # Trainer's scheduler as the loop does).
+        self.channel = self.epoch_channel
+        try:
+            join = Join([*self._epoch_models(model), self.channel, self.sync],
+                        **self._epoch_join_kwargs())
+            join.__enter__()
+        except BaseException:
+            self.channel = self.world_channel
+            raise
+        self.join = join
+        if self.fsdp:
+            self.hooks = self._agreement_hooks(model)
+        _local.session = self
+        return join
 
     def _go_on_after_an_empty_resumed_pass(self, epoch: int, first_step: int) -> None:
         """A stream checkpoint saved at its pass's last step resumes into an empty pass.
@@ -850,6 +919,14 @@ class Session:
 
     # -- the routed collectives ----------------------------------------------------------
 
+    def _t_nested_gather(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def nested_gather(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            # The Trainer's own loss gather (before transformers 5.2).
+            if not self._routing() or tensors is None:
+                return original(tensors, *args, **kwargs)
+            return self.gather(tensors)
+        return nested_gather
+
     def _routing(self) -> bool:
         return current() is self
 
@@ -1069,7 +1146,8 @@ def _callback_class() -> type:
         from transformers import TrainerCallback
 
         class JoinkitCallback(TrainerCallback):
-            """Leaves each epoch's Join first thing at ``on_epoch_end``."""
+            """Leaves each epoch's Join first thing at ``on_epoch_end`` (and enters it at
+            ``on_epoch_begin`` in the loop of transformers 5.0 to 5.2)."""
 
             def __init__(self, session: Session) -> None:
                 self.session = session
@@ -1089,8 +1167,19 @@ def _callback_class() -> type:
                     full = session.full_lengths[1] or session.global_len
                     state.epoch = session.epoch + min(session.epoch_offset + done, full) / full
 
+            def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                session = self.session
+                # The loop's first epoch (its own count: module doc, *Two loops*).
+                session.next_epoch = state.global_step // max(session.global_updates, 1)
+
+            def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                session = self.session
+                if session.inline:  # (_run_epoch enters it otherwise)
+                    session.enter_epoch(session.next_epoch, session.trainer.model_wrapped)
+
             def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 self.session.leave()
+                self.session.next_epoch += 1
 
         _CALLBACK = JoinkitCallback
     return _CALLBACK
@@ -1107,12 +1196,13 @@ def _install_dispatchers() -> None:
         return
     module: Any = importlib.import_module("transformers.trainer")
 
-    nested_gather = module.nested_gather
+    nested_gather = getattr(module, "nested_gather", None)  # (before 5.2: Trainer's own)
     broadcast_scalars = module.distributed_broadcast_scalars
 
     def dispatch_nested_gather(tensors: Any, parallel_mode: Any, name: Any = None) -> Any:
         session = current()
         if session is None or tensors is None:
+            assert nested_gather is not None
             return nested_gather(tensors, parallel_mode, name)
         return session.gather(tensors)
 
@@ -1124,7 +1214,8 @@ def _install_dispatchers() -> None:
         gathered = session.gather(torch.tensor(scalars, device=device))
         return gathered if num_total_examples is None else gathered[:num_total_examples]
 
-    module.nested_gather = dispatch_nested_gather
+    if nested_gather is not None:
+        module.nested_gather = dispatch_nested_gather
     module.distributed_broadcast_scalars = dispatch_broadcast_scalars
     module.dist = _DistProxy(module.dist)
     _installed = True
@@ -1195,7 +1286,18 @@ def _loader_params(loader: DataLoader[Any]) -> dict[str, Any]:
 
 
 class _OwnLoader(DataLoader):  # type: ignore[type-arg]
-    """A rank's own loader; ``set_epoch`` reaches its sampler and its dataset."""
+    """A rank's own loader; ``set_epoch`` reaches its sampler and its dataset.
+
+    ``reported_length`` (set by the session for the epoch loop of transformers 5.0 to
+    5.2, which reads an epoch's length from the loader): its length, if set.
+    """
+
+    reported_length: Callable[[], int] | None = None
+
+    def __len__(self) -> int:
+        if self.reported_length is not None:
+            return self.reported_length()
+        return super().__len__()
 
     def set_epoch(self, epoch: int) -> None:
         for target in (self.sampler, getattr(self.batch_sampler, "sampler", None),
@@ -1266,6 +1368,12 @@ class _PaddedEval:
                 last = self.inner.collate_fn([self.dataset[i] for i in next(iter(first))])
             for _ in range(self._steps - count):
                 yield _Phantom(last)
+
+
+def _version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
 
 
 def _loads_universal(session: Session) -> bool:
