@@ -485,7 +485,12 @@ def test_bad_input_raises_on_every_rank_before_any_collective(
         assert "split_batches" in messages["split_batches"]
         assert messages["not_a_trainer"].startswith("TypeError")
         assert messages["resume_mid_epoch"].startswith("NotImplementedError")
-        assert "joinkit_trainer.json" in messages["resume_mid_epoch"]
+        if record["loop"] == "_run_epoch":
+            assert "joinkit_trainer.json" in messages["resume_mid_epoch"]
+        else:  # transformers 5.0 to 5.2: the epoch loop in _inner_training_loop
+            assert "resumes only at an epoch's start" in messages["resume_mid_epoch"]
+            assert messages["tokens_seen"].startswith("NotImplementedError")
+            assert "include_num_input_tokens_seen='all'" in messages["tokens_seen"]
         assert record["after"] == [[r] for r in range(len(records))]
 
 
@@ -1130,6 +1135,67 @@ def test_a_changed_internal_is_a_loud_error(monkeypatch: pytest.MonkeyPatch) -> 
                r"Hugging Face \(Trainer\) adapter needs .*Trainer\.get_batch_samples is missing")
     with pytest.raises(UnsupportedTransformersError, match=message):
         _private.check("Trainer")
+
+
+def test_the_installed_trainers_loop_decides_which_members_are_checked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table lists two training loops (``_run_epoch``, 5.3 and later; the epoch loop
+    inline in ``_inner_training_loop``, 5.0 to 5.2) and two loss gathers; what the
+    installed Trainer has picks one of each. A Trainer with neither loop is refused by
+    name: the inline loop's members are checked, and this release's differ."""
+    import transformers
+    import transformers.trainer
+
+    from joinkit.adapters.transformers import UnsupportedTransformersError, _private
+
+    if not hasattr(transformers.Trainer, "_run_epoch"):  # 5.0 to 5.2: that loop checks
+        monkeypatch.setattr(_private, "_checked", set())
+        _private.check("Trainer")
+        monkeypatch.delattr(transformers.Trainer, "get_batch_samples")
+        with pytest.raises(UnsupportedTransformersError, match="get_batch_samples is missing"):
+            _private.check("Trainer")
+        return
+    assert _private.loop() == "_run_epoch"
+    assert _private.loss_gather() == "nested_gather"
+    monkeypatch.delattr(transformers.Trainer, "_run_epoch")
+    monkeypatch.setattr(_private, "_checked", set())
+    assert _private.loop() == "_inner_training_loop"
+    with pytest.raises(UnsupportedTransformersError) as raised:
+        _private.check("Trainer")
+    message = str(raised.value)
+    assert "Trainer.set_initial_training_values has the parameters" in message
+    assert "total_train_batch_size" in message
+    assert "_inner_training_loop no longer calls get_batch_samples" in message
+    monkeypatch.undo()
+    monkeypatch.delattr(transformers.trainer, "nested_gather")
+    monkeypatch.setattr(_private, "_checked", set())
+    assert _private.loss_gather() == "Trainer._nested_gather"
+    with pytest.raises(UnsupportedTransformersError, match=r"Trainer\._nested_gather is missing"):
+        _private.check("Trainer")
+
+
+def test_what_the_inline_loop_cannot_give_is_refused_by_name(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Under the loop of transformers 5.0 to 5.2 (simulated here: the table's choice),
+    its inline token count is refused, naming the setting and the release."""
+    import transformers
+    from transformers import Trainer, TrainingArguments
+
+    from joinkit.adapters import transformers as adapter
+    from joinkit.adapters.transformers import _private
+
+    monkeypatch.setattr(_private, "loop", lambda: "_inner_training_loop")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             include_num_input_tokens_seen="all")
+    trainer = Trainer(model=torch.nn.Linear(2, 2), args=args)
+    with pytest.raises(NotImplementedError,
+                       match=rf"include_num_input_tokens_seen='all' with transformers "
+                             rf"{re.escape(transformers.__version__)}'s Trainer"):
+        adapter._refuse(trainer, None)
+    trainer.args.include_num_input_tokens_seen = "no"
+    trainer.is_deepspeed_enabled = True
+    with pytest.raises(NotImplementedError, match="uneven_inputs with DeepSpeed and transformers"):
+        adapter._refuse_in_the_inline_loop(trainer)
 
 
 def test_a_member_older_releases_lack_is_checked_only_where_present(

@@ -5,8 +5,10 @@ to), a single process trains the same tiny model as one Trainer would on the
 union of each step's batches: the loss of a step is the token mean over all of
 its batches (``average_tokens_across_devices``; without it, each rank's window
 normalized by its own tokens, the world size dividing the gradient as DDP
-does), the gradient is clipped to ``max_grad_norm``, AdamW steps with the
-Trainer's linear schedule. Evaluation is the single-process Trainer's: the
+does; each loss divided by what Accelerate's backward divides it by: the
+``gradient_accumulation_steps`` that older transformers, 5.3 among them, gives it), the
+gradient is clipped to ``max_grad_norm``, AdamW steps with the Trainer's linear
+schedule. Evaluation is the single-process Trainer's: the
 evaluation set in its sequential batches, ``eval_loss`` the mean over the
 samples of their batch's token mean (each sample once: the Trainer repeats a
 batch's loss ``eval_batch_size`` times and Accelerate drops the repeats a
@@ -106,6 +108,8 @@ def train(records: list[dict[str, Any]], model_kind: str,
                                       fused=defaults.get("fused") or None)
     totals = totals or {0: meta["max_steps"]}
     base_lr = defaults["lr"]
+    # Accelerate's backward divides the loss by this (hf_worker.backward_divisor).
+    divisor = meta.get("backward_divisor", 1)
     losses, lrs, norms, evaluations = [], [], [], {}
     for step in sorted(steps):
         total = totals[max(first for first in totals if first <= step)]
@@ -119,7 +123,7 @@ def train(records: list[dict[str, Any]], model_kind: str,
             count = sum(tokens(batch, meta["label_count"]) for _, batch in batches)
             for _, batch in batches:
                 loss = token_loss_sum(model, batch) / count
-                loss.backward()
+                (loss / divisor).backward()
                 logged += float(loss.detach())
         else:
             by_rank: dict[int, list[dict[str, torch.Tensor]]] = defaultdict(list)
@@ -130,7 +134,7 @@ def train(records: list[dict[str, Any]], model_kind: str,
                 rank_loss = 0.0
                 for batch in own:
                     loss = token_loss_sum(model, batch) / count
-                    (loss / world).backward()
+                    (loss / (world * divisor)).backward()
                     rank_loss += float(loss.detach())
                 logged += rank_loss / len(by_rank)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(),

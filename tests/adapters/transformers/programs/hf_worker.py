@@ -171,7 +171,18 @@ def meta(trainer: Any) -> dict[str, Any]:
             "scheduler": str(trainer.args.lr_scheduler_type),
             # TRL's SFTConfig: "chunked_nll" (its default in 1.8 to 1.14) patches the model's
             # forward with a float32 chunked cross-entropy, which the reference then uses.
-            "loss_type": getattr(trainer.args, "loss_type", None)}
+            "loss_type": getattr(trainer.args, "loss_type", None),
+            "backward_divisor": backward_divisor(trainer)}
+
+
+def backward_divisor(trainer: Any) -> int:
+    """What ``Accelerator.backward`` divides each micro-batch's loss by (not DeepSpeed's:
+    the Trainer turns it off there): the Trainer's ``gradient_accumulation_steps`` in the
+    releases that give it to Accelerate (5.3 among them: the loss normalized by the window's
+    tokens is divided again), 1 in those that give Accelerate 1."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return 1
+    return int(trainer.accelerator.gradient_accumulation_steps)
 
 
 def label_count(trainer: Any) -> str:
@@ -643,7 +654,7 @@ def fsdp_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
                        train_dataset=data, eval_dataset=evaluation, data_collator=collate)
         messages[name] = refusal(trainer)
     gathered = group_after()
-    return {"messages": messages, "after": gathered}
+    return {"messages": messages, "after": gathered, "loop": _private.loop()}
 
 
 def fsdp_params(trainer: Any) -> dict[str, torch.Tensor]:
@@ -828,7 +839,7 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
         (checkpoint / "joinkit_trainer.json").write_text(json.dumps(record))
     messages["resume_other_world"] = refused_resume(trainer, checkpoint)
     gathered = group_after()
-    return {"messages": messages, "after": gathered}
+    return {"messages": messages, "after": gathered, "loop": _private.loop()}
 
 
 def refused_resume(trainer: Any, checkpoint: Path) -> str | None:
@@ -848,6 +859,8 @@ def refused_resume(trainer: Any, checkpoint: Path) -> str | None:
 def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     """Bad input raises on every rank before any collective, with what to do."""
     from transformers import Trainer
+
+    from joinkit.adapters.transformers import _private
 
 
     data = rows_dataset(sequences(6, seed=1))
@@ -869,6 +882,9 @@ def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     attempt("group_by_length", make(train_sampling_strategy="group_by_length"))
     attempt("split_batches", make(accelerator_config={"split_batches": True}))
     attempt("not_a_trainer", object())
+    if _private.loop() == "_inner_training_loop":
+        # The epoch loop of transformers 5.0 to 5.2 gathers the token count inline.
+        attempt("tokens_seen", make(include_num_input_tokens_seen="all"))
     # Resuming in the middle of an epoch from a checkpoint joinkit did not write (no
     # record of what each rank's data consumed): refused when train() starts.
     trainer = Trainer(model=tiny_model("gpt2"), args=args(ctx["dir"]),
@@ -882,7 +898,7 @@ def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     messages["resume_mid_epoch"] = refused_resume(trainer, checkpoint)
     # The group still works: nothing was sent.
     gathered = group_after()
-    return {"messages": messages, "after": gathered}
+    return {"messages": messages, "after": gathered, "loop": _private.loop()}
 
 
 CELLS = {
