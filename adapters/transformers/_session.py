@@ -31,6 +31,20 @@ state sync, entered in ``_run_epoch`` (which gets this rank's own number of
 batches) and left in the first ``on_epoch_end`` callback: a rank whose batches
 ran out shadows the others until every rank has finished the epoch.
 
+*Two loops.* From transformers 5.3 the Trainer runs each epoch in ``_run_epoch``,
+which the session wraps as above. Transformers 5.0 to 5.2 write the epoch loop out
+in ``_inner_training_loop``; the session hooks the points that loop calls instead
+(``_private.LOOPS`` lists them, and the table's check picks the loop the installed
+Trainer has): the loop takes an epoch's length from ``len(train_dataloader)``, so
+once ``set_initial_training_values`` has read the loaders' true lengths, joinkit's
+own loader reports this rank's padded length (the ``steps_in_epoch`` 5.3's
+``_run_epoch`` is given); the epoch's Join is entered in joinkit's callback's
+``on_epoch_begin`` (which the loop calls after reading that length) and left in its
+``on_epoch_end``, or by the ``_inner_training_loop`` wrapper when the loop raises.
+What that loop cannot give without a copy of it is refused by name in
+``uneven_inputs`` (its inline token count, DeepSpeed, FSDP) and when ``train()``
+starts (a checkpoint in the middle of an epoch, or of another world size).
+
 *Gradient accumulation.* A window of ``gradient_accumulation_steps``
 micro-batches ends in an optimizer step; a rank whose data ends inside a
 window pads it with *empty micro-batches* (its last batch, with the loss
@@ -44,10 +58,11 @@ all-reduces wrongly.
 *Collectives.* While a session's Join is open on the thread (and during its
 evaluation), ``accelerator.gather``/``gather_for_metrics``/``reduce``/
 ``pad_across_processes``/``wait_for_everyone``, the Trainer's loss gather
-(``nested_gather``), ``store_flos``'s all-gather and its barrier go through
-the session's :class:`joinkit.SideChannel`: gathers return only the rows of
-the ranks still training (an empty micro-batch adds none), so any number of
-them per step is answered by the joined ranks' service threads. With
+(``nested_gather``; before transformers 5.2 its own ``_nested_gather``),
+``store_flos``'s all-gather and its barrier go through the session's
+:class:`joinkit.SideChannel`: gathers return only the rows of the ranks still
+training (an empty micro-batch adds none), so any number of them per step is
+answered by the joined ranks' service threads. With
 ``average_tokens_across_devices`` the token count of a window is the active
 ranks' and the loss is scaled by the world size for DDP's divisor (gradients
 are then exactly the token mean over the window's batches); the *reported*
@@ -352,8 +367,8 @@ class Session:
         Raises:
             NotImplementedError: such a checkpoint.
         """
-        from transformers.trainer_callback import TrainerState
         from transformers.trainer import TRAINER_STATE_NAME
+        from transformers.trainer_callback import TrainerState
 
         assert self.resume_from is not None
         path = os.path.join(self.resume_from, TRAINER_STATE_NAME)

@@ -1152,6 +1152,7 @@ def test_the_installed_trainers_loop_decides_which_members_are_checked(
         monkeypatch.setattr(_private, "_checked", set())
         _private.check("Trainer")
         monkeypatch.delattr(transformers.Trainer, "get_batch_samples")
+        monkeypatch.setattr(_private, "_checked", set())  # (checked once per process)
         with pytest.raises(UnsupportedTransformersError, match="get_batch_samples is missing"):
             _private.check("Trainer")
         return

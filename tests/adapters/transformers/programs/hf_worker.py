@@ -654,7 +654,7 @@ def fsdp_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
                        train_dataset=data, eval_dataset=evaluation, data_collator=collate)
         messages[name] = refusal(trainer)
     gathered = group_after()
-    return {"messages": messages, "after": gathered, "loop": _private.loop()}
+    return {"messages": messages, "after": gathered}
 
 
 def fsdp_params(trainer: Any) -> dict[str, torch.Tensor]:
@@ -839,7 +839,7 @@ def ds_refusals(ctx: dict[str, Any]) -> dict[str, Any]:
         (checkpoint / "joinkit_trainer.json").write_text(json.dumps(record))
     messages["resume_other_world"] = refused_resume(trainer, checkpoint)
     gathered = group_after()
-    return {"messages": messages, "after": gathered, "loop": _private.loop()}
+    return {"messages": messages, "after": gathered}
 
 
 def refused_resume(trainer: Any, checkpoint: Path) -> str | None:
