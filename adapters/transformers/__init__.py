@@ -172,6 +172,10 @@ def _refuse(trainer: Any, distributed_type: Any) -> None:
                 "uneven_inputs handles data parallelism only (tensor, context and sequence "
                 f"parallel sizes of 1); {size[4:6].upper()} size is {getattr(trainer, size)()}"
             )
+    if getattr(args, "group_by_length", False) is True:  # (transformers 5.0 and 5.1)
+        raise ValueError(
+            "uneven_inputs: group_by_length=True is not handled (its sampler shards by "
+            "itself); leave it False")
     strategy = getattr(args, "train_sampling_strategy", "random")
     if strategy not in ("random", "sequential"):
         raise ValueError(

@@ -308,7 +308,9 @@ class Session:
             args = self.trainer.args
             seed = args.data_seed if args.data_seed is not None else args.seed
             sampler = ShardSampler(dataset, num_replicas=self.world, rank=self.rank,
-                                   shuffle=args.train_sampling_strategy != "sequential",
+                                   # (5.0, 5.1: random; group_by_length refused)
+                                   shuffle=getattr(args, "train_sampling_strategy",
+                                                   "random") != "sequential",
                                    seed=seed, batch_size=loader.batch_size or 1)
             self.train_sampler = sampler
             return _OwnLoader(dataset, batch_size=loader.batch_size, sampler=sampler,

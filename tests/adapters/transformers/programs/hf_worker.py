@@ -858,7 +858,7 @@ def refused_resume(trainer: Any, checkpoint: Path) -> str | None:
 
 def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     """Bad input raises on every rank before any collective, with what to do."""
-    from transformers import Trainer
+    from transformers import Trainer, TrainingArguments
 
     from joinkit.adapters.transformers import _private
 
@@ -879,7 +879,11 @@ def refusals(ctx: dict[str, Any]) -> dict[str, Any]:
     deep = make()
     deep.args.deepspeed = {"zero_optimization": {"stage": 2}}
     attempt("deepspeed", deep)
-    attempt("group_by_length", make(train_sampling_strategy="group_by_length"))
+    # (transformers 5.0 and 5.1: group_by_length=True)
+    grouped = ({"train_sampling_strategy": "group_by_length"}
+               if hasattr(TrainingArguments, "train_sampling_strategy")
+               else {"group_by_length": True})
+    attempt("group_by_length", make(**grouped))
     attempt("split_batches", make(accelerator_config={"split_batches": True}))
     attempt("not_a_trainer", object())
     if _private.loop() == "_inner_training_loop":
