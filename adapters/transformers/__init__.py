@@ -242,9 +242,7 @@ def _refuse_in_the_inline_loop(trainer: Any) -> None:
             f"tokens. Set include_num_input_tokens_seen='no'{upgrade}")
     for enabled, what, why in (
             ("is_fsdp_enabled", "FSDP", "a joined rank clips as the Trainer's _clip_grad_norm "
-                                        "does, which this release lacks"),
-            ("is_deepspeed_enabled", "DeepSpeed", "joinkit has not run a joined rank's replay "
-                                                  "of the engine under this loop")):
+                                        "does, which this release lacks"),):
         if getattr(trainer, enabled, False):
             raise NotImplementedError(
                 f"uneven_inputs with {what} and {found}: {why}. Upgrade transformers, or "

@@ -172,7 +172,10 @@ def meta(trainer: Any) -> dict[str, Any]:
             # TRL's SFTConfig: "chunked_nll" (its default in 1.8 to 1.14) patches the model's
             # forward with a float32 chunked cross-entropy, which the reference then uses.
             "loss_type": getattr(trainer.args, "loss_type", None),
-            "backward_divisor": backward_divisor(trainer)}
+            "backward_divisor": backward_divisor(trainer),
+            # The Trainer logs the gradient norm without clipping too (_get_grad_norm, 5.3
+            # and later); before, only where it clips (max_grad_norm > 0).
+            "norm_unclipped": hasattr(trainer, "_get_grad_norm")}
 
 
 def backward_divisor(trainer: Any) -> int:
