@@ -11,7 +11,9 @@ longer takes ``steps_in_epoch`` would run the global number of steps on a rank
 with fewer batches; a ``_maybe_log_save_evaluate`` that gathers through another
 function would hang in its loss gather once a rank joined.
 
-So every member is listed here, in :data:`GROUPS`, in the format of
+So every member is listed here, in :data:`GROUPS` (with those of the training
+loop the installed Trainer runs, :data:`LOOPS`, and of its loss gather,
+:data:`LOSS_GATHERS`: the release's code picks them, not its version), in the format of
 ``adapters._guards`` (whose checker this module reuses): that it exists,
 the parameters joinkit calls it with, and for a method joinkit wraps, the
 Trainer code that must still call it by its name. :func:`check` runs in
@@ -34,8 +36,9 @@ __all__ = ["SUPPORTED", "TESTED", "GROUPS", "LOOPS", "LOSS_GATHERS", "Unsupporte
 
 #: The releases this module's tests passed on: the oldest supported of each and its
 #: dev pin (``constraints.txt``); docs/guide/install.md says why transformers starts
-#: there (5.3 is the first whose Trainer has these internals; 5.0 to 5.2 lack
-#: ``_run_epoch``, among others) and trl at the release current a year ago.
+#: there (5.3 is the first with ``_run_epoch``; 5.0 to 5.2 run the older loop of
+#: :data:`LOOPS`, whose cells pass but whose range is not moved yet:
+#: docs/design/transformers-legacy-loop.md) and trl at the release current a year ago.
 TESTED = {"transformers": ("5.3.0", "5.24.0"), "accelerate": ("1.12.0", "1.15.0"),
           "trl": ("0.25.1", "1.16.0")}
 #: The ``[transformers]`` extra's ranges (no upper bound: :data:`GROUPS` decides).

@@ -346,14 +346,15 @@ class Session:
                               else _Sized(self.global_len, dataloader), *rest)
             self.global_updates = int(values[1])
             self.full_lengths = (self.local_len, self.global_len, self.global_updates)
-            if self.inline:
+            if self.inline and self.global_len is not None and isinstance(dataloader,
+                                                                           _OwnLoader):
                 # The loop reads an epoch's length from the loader (module doc).
-                if self.global_len is not None and isinstance(dataloader, _OwnLoader):
-                    dataloader.reported_length = lambda: self._epoch_steps(0, 0)[0]
-                if self.resume_from is not None:
-                    self._refuse_inline_resume(args, values)
+                dataloader.reported_length = lambda: self._epoch_steps(0, 0)[0]
             if self.resume_from is not None:
-                values = self._resumed_values(args, dataloader, values)
+                resumed = self._resumed_values(args, dataloader, values)
+                if self.inline:  # (after _resumed_values' own refusals)
+                    self._refuse_inline_resume(args, values)
+                values = resumed
             return values
         return set_initial_training_values
 
