@@ -100,8 +100,8 @@ INTEGRATIONS: dict[str, Integration] = {
                   "trl": (_HF, "TESTED", "trl"),
                   "accelerate": (_HF, "TESTED", "accelerate")},
         extras="transformers,deepspeed",
-        # transformers 5.3 takes huggingface_hub<2 and tokenizers<=0.23.0 (the dev pins:
-        # 2.4.0, 0.23.3), and datasets then older than its dev pin.
+        # transformers 5.0 to 5.3 take huggingface_hub<2 and tokenizers<=0.23.0 (the dev
+        # pins: 2.4.0, 0.23.3), and datasets then older than its dev pin.
         unpin=("huggingface_hub", "tokenizers", "datasets"),
         # The torchrun-2 launch (its map-style, stream, TRL and refusal cells) and the
         # deepspeed-2 launch (its ZeRO map-style cells); the in-process guard checks.
@@ -112,6 +112,8 @@ INTEGRATIONS: dict[str, Integration] = {
             "test_bad_input_raises_on_every_rank_before_any_collective[torchrun-2]",
             "test_deepspeed_zero_map_style_dataset_and_evaluation",
             "test_a_changed_internal_is_a_loud_error",
+            "test_the_installed_trainers_loop_decides_which_members_are_checked",
+            "test_what_the_inline_loop_cannot_give_is_refused_by_name",
             "test_batch_shards_cover_the_trainers_batches_once")),
         note="a representative subset of cells (the module's `_needed` launch selection)"),
 }

@@ -36,10 +36,9 @@ __all__ = ["SUPPORTED", "TESTED", "GROUPS", "LOOPS", "LOSS_GATHERS", "Unsupporte
 
 #: The releases this module's tests passed on: the oldest supported of each and its
 #: dev pin (``constraints.txt``); docs/guide/install.md says why transformers starts
-#: there (5.3 is the first with ``_run_epoch``; 5.0 to 5.2 run the older loop of
-#: :data:`LOOPS`, whose cells pass but whose range is not moved yet:
+#: there (5.0, the oldest 5.x release; 5.0 to 5.2 run the older loop of :data:`LOOPS`,
 #: docs/design/transformers-legacy-loop.md) and trl at the release current a year ago.
-TESTED = {"transformers": ("5.3.0", "5.24.0"), "accelerate": ("1.12.0", "1.15.0"),
+TESTED = {"transformers": ("5.0.0", "5.24.0"), "accelerate": ("1.12.0", "1.15.0"),
           "trl": ("0.25.1", "1.16.0")}
 #: The ``[transformers]`` extra's ranges (no upper bound: :data:`GROUPS` decides).
 SUPPORTED = {name: supported_spec(tested) for name, tested in TESTED.items()}
