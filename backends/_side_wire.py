@@ -34,6 +34,7 @@ This module imports NumPy; torch only through the tensors it is given.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,9 @@ from joinkit.lowlevel import BroadcastPlan, GatherPlan, Neutral, ReducePlan
 from ._checks import is_tensor
 
 __all__ = ["ArrayWire"]
+
+#: The torch dtypes whose bytes NumPy reads as they are (:meth:`ArrayWire.bytes_of`).
+_PLAIN = frozenset({"torch.float32", "torch.float64", "torch.int64", "torch.int32"})
 
 
 class ArrayWire:
@@ -57,14 +61,36 @@ class ArrayWire:
         self.group = group
         self.rank = int(group.rank)
         self.world_size = int(group.world_size)
+        #: Each thread's header buffers (:meth:`exchange`).
+        self._local = threading.local()
 
     def __repr__(self) -> str:
         return f"ArrayWire({self.group!r})"
 
     def exchange(self, header: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """All-gather one header; every rank's, in rank order."""
-        parts = self.group.all_gather(np.array(header, dtype=np.int64))
-        return [tuple(np.asarray(part, dtype=np.int64).tolist()) for part in parts]
+        """All-gather one header; every rank's, in rank order.
+
+        Through the group's fixed-buffer ``all_gather_into`` where it has one
+        (torch, MPI): the header's bytes, into buffers of this thread's that
+        every call reuses (a side call is made every step; the service thread
+        has its own). Every rank of a group takes the same path: the same
+        collective on the wire.
+        """
+        gather_into = getattr(self.group, "all_gather_into", None)
+        if gather_into is None:
+            parts = self.group.all_gather(np.array(header, dtype=np.int64))
+            return [tuple(np.asarray(part, dtype=np.int64).tolist()) for part in parts]
+        buffers = getattr(self._local, "headers", None)
+        if buffers is None:
+            buffers = self._local.headers = (
+                np.zeros(len(header), np.int64), np.zeros((self.world_size, len(header)),
+                                                          np.int64))
+        send, out = buffers
+        send[:] = header
+        received = gather_into(send.view(np.uint8), out.view(np.uint8))
+        if isinstance(received, np.ndarray):
+            return [tuple(row) for row in received.view(np.int64).tolist()]
+        return [tuple(np.asarray(part).view(np.int64).tolist()) for part in received]
 
     def layout(self, buf: Any) -> tuple[str, tuple[int, ...], int]:
         """``(dtype name, shape, nbytes)`` of a NumPy array or torch tensor.
@@ -102,6 +128,11 @@ class ArrayWire:
 
     def bytes_of(self, buf: Any) -> bytes:
         """``buf``'s bytes, as a gather sends them (a small gather's header)."""
+        if is_tensor(buf) and buf.device.type == "cpu" and str(buf.dtype) in _PLAIN:
+            # A logged loss, a token or flop count, every step: the tensor's own bytes.
+            flat = buf.detach().reshape(-1)
+            if flat.is_contiguous() and not flat.is_conj() and not flat.is_neg():
+                return bytes(flat.numpy().data)
         return _bytes_of(buf).tobytes()
 
     def gather_bytes(self, plan: GatherPlan, data: bytes | None) -> list[bytes] | None:
@@ -119,6 +150,9 @@ class ArrayWire:
         trailing = tuple(buf.shape[1:])
         scalar = len(buf.shape) == 0
         parts: list[np.ndarray]
+        if plan.inline is not None and is_tensor(buf):  # the headers had it all
+            return [_tensor_of(buf, plan.inline[rank], plan.rows[rank], trailing, scalar)
+                    for rank in plan.present]
         if plan.inline is None and plan.padded == 0:
             parts = [np.zeros(0, np.uint8)] * self.world_size
         else:  # (the bytes of an inline plan came in the headers)
@@ -202,6 +236,21 @@ def _bytes_of(buf: Any) -> np.ndarray:
         return np.asarray(flat.view(torch.uint8).numpy())
     arr = np.ascontiguousarray(buf).reshape(-1)
     return arr.view(np.uint8)
+
+
+def _tensor_of(like: Any, data: bytes, rows: int, trailing: tuple[int, ...],
+               scalar: bool) -> Any:
+    """One rank's bytes of a small gather as a tensor of ``like``'s kind (:func:`_decode`
+    without NumPy: a logged loss, a token count, every step)."""
+    if not data:
+        return _decode(like, np.frombuffer(data, np.uint8), rows, trailing, scalar)
+    torch = sys.modules["torch"]
+    wire_dtype = torch.uint8 if like.dtype == torch.bool else like.dtype
+    out = torch.frombuffer(bytearray(data), dtype=wire_dtype).reshape(
+        () if scalar else (rows, *trailing))
+    if like.dtype == torch.bool:
+        out = out.to(torch.bool)
+    return out.to(like.device) if like.device.type != "cpu" else out
 
 
 def _decode(like: Any, data: np.ndarray, rows: int, trailing: tuple[int, ...],

@@ -49,6 +49,7 @@ Standard library only; the arrays are handled by the backend's side wire.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import threading
 from collections.abc import Callable
@@ -190,7 +191,7 @@ class SideChannel(Joinable):
         header = p.absent_header(inputs).encode()
         try:
             while True:
-                plan = p.decide([p.Header.decode(h) for h in wire.exchange(header)])
+                plan = p.decide_encoded(wire.exchange(header))
                 if isinstance(plan, p.Stop):
                     return
                 if isinstance(plan, (p.Mismatch, p.Refused, p.BarrierPlan)):
@@ -285,7 +286,7 @@ class SideChannel(Joinable):
 
     def _plan(self, wire: Any, header: p.Header) -> p.Plan:
         self._check_service()
-        plan = p.decide([p.Header.decode(h) for h in wire.exchange(header.encode())])
+        plan = p.decide_encoded(wire.exchange(header.encode()))
         self.calls += 1
         self.last_active = getattr(plan, "present", ())
         if isinstance(plan, p.Mismatch):
@@ -375,7 +376,7 @@ class SideChannel(Joinable):
         rows = shape[0] if shape else 1
         header = p.Header(present=True, window=window, kind=p.Kind.ALL_GATHER,
                           dtype=_dtype_code(dtype), size=nbytes, rows=rows,
-                          fingerprint=p.fingerprint("gather", dtype, shape[1:], len(shape) == 0),
+                          fingerprint=_gather_fingerprint(dtype, shape[1:], len(shape) == 0),
                           inline=_inline(nbytes, lambda: wire.bytes_of(buf)))
         plan = self._plan(wire, header)
         assert isinstance(plan, p.GatherPlan)
@@ -477,6 +478,12 @@ def _wire_of(backend: Any, channel: SideChannel) -> Any:
             "(docs/guide/writing-a-backend.md)"
         )
     return side_wire()
+
+
+@functools.lru_cache(maxsize=256)
+def _gather_fingerprint(dtype: str, trailing: tuple[int, ...], scalar: bool) -> int:
+    """A gather's fingerprint (a digest per call: cached, a loop gathers few layouts)."""
+    return p.fingerprint("gather", dtype, trailing, scalar)
 
 
 def _dtype_code(dtype: str) -> int:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import struct
 from collections.abc import Sequence
 from typing import Any, Protocol, TypeAlias
 
@@ -86,6 +87,7 @@ __all__ = [
     "BroadcastPlan",
     "Plan",
     "decide",
+    "decide_encoded",
     "neutral",
     "SideWire",
 ]
@@ -97,6 +99,8 @@ INLINE_WORDS = INLINE_BYTES // 8
 #: The integers of one header: present, window, kind, op, dtype, size, rows,
 #: root, fingerprint, then ``INLINE_WORDS`` of a small gather's bytes.
 HEADER_FIELDS = 9 + INLINE_WORDS
+#: ``INLINE_BYTES`` as ``INLINE_WORDS`` little-endian signed 64-bit integers.
+_INLINE = struct.Struct(f"<{INLINE_WORDS}q")
 
 #: The reduce ops, by their index in a header (``backends.REDUCE_OPS``).
 OPS = ("sum", "prod", "min", "max", "band", "bor", "bxor")
@@ -198,14 +202,12 @@ def pack_inline(data: bytes) -> tuple[int, ...]:
     """``data`` (at most ``INLINE_BYTES``) as a header's ``inline`` integers."""
     if len(data) > INLINE_BYTES:
         raise ValueError(f"{len(data)} bytes do not fit a header (at most {INLINE_BYTES})")
-    padded = data.ljust(INLINE_BYTES, b"\0")
-    return tuple(int.from_bytes(padded[i:i + 8], "little", signed=True)
-                 for i in range(0, INLINE_BYTES, 8))
+    return _INLINE.unpack(data.ljust(INLINE_BYTES, b"\0"))
 
 
 def unpack_inline(words: Sequence[int], size: int) -> bytes:
     """The first ``size`` bytes that :func:`pack_inline` put in ``words``."""
-    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)[:size]
+    return _INLINE.pack(*words[:INLINE_WORDS])[:size]
 
 
 def absent_header(inputs: int) -> Header:
@@ -361,6 +363,43 @@ def decide(headers: Sequence[Header]) -> Plan:
                 "training (e.g. the lowest active rank), or send the value before the loop"))
         return BroadcastPlan(present=present, root=root, size=headers[root].size)
     return Mismatch(message=_table(f"unknown side call kind {kind}", headers))
+
+
+def decide_encoded(rows: Sequence[Sequence[int]]) -> Plan:
+    """:func:`decide` of encoded headers (what the wire's exchange returns).
+
+    The same plan as ``decide([Header.decode(row) for row in rows])``; the call
+    that every step of a training loop makes (every rank present, in one window,
+    agreeing on a gather or a reduction) is read from the integers directly,
+    without a :class:`Header` per rank; anything else goes through :func:`decide`.
+    """
+    first = rows[0]
+    kind, window, digest = first[2], first[1], first[8]
+    if first[0] == 1 and kind in (Kind.ALL_GATHER, Kind.ALL_REDUCE):
+        if kind == Kind.ALL_GATHER:
+            agree = all(r[0] == 1 and r[1] == window and r[2] == kind and r[8] == digest
+                        for r in rows)
+        else:
+            agree = all(r[0] == 1 and r[1] == window and r[2:6] == first[2:6]
+                        and r[8] == digest for r in rows)
+        if agree:
+            return _all_present(kind, first, rows)
+    return decide([Header.decode(row) for row in rows])
+
+
+def _all_present(kind: int, first: Sequence[int], rows: Sequence[Sequence[int]]) -> Plan:
+    """The plan of a gather or reduction whose headers all agree (:func:`decide_encoded`)."""
+    present = tuple(range(len(rows)))
+    if kind == Kind.ALL_REDUCE:
+        op, dtype = OPS[first[3]], DTYPES[first[4] - 1]
+        return ReducePlan(present=present, op=op, dtype=dtype, size=int(first[5]),
+                          neutral=neutral(op, dtype))
+    sizes = tuple(int(r[5]) for r in rows)
+    inline = None
+    if 0 < max(sizes) <= INLINE_BYTES:
+        inline = tuple(unpack_inline(r[9:], size) for r, size in zip(rows, sizes, strict=True))
+    return GatherPlan(present=present, sizes=sizes, rows=tuple(int(r[6]) for r in rows),
+                      inline=inline)
 
 
 def _agreed(header: Header) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import side_channel_cases as cases
@@ -228,3 +229,21 @@ def test_throw_mode_ends_without_a_hang() -> None:
         return "finished"
 
     assert spawn(rank_fn, 3, timeout=20.0) == ["EarlyTermination"] * 3
+
+
+@given(st.lists(_headers, min_size=1, max_size=5), st.data())
+def test_the_encoded_fast_path_decides_as_decide(headers: list[p.Header], data: Any) -> None:
+    # decide_encoded reads the all-present, agreeing gather or reduction from the
+    # integers: the same plan as decide, whatever the headers (agreeing or not).
+    if data.draw(st.booleans()):  # a training loop's call: every rank present, agreeing
+        first = headers[0]
+        headers = [attrs.evolve(first, present=True, size=h.size, rows=h.rows, inline=h.inline)
+                   for h in headers]
+    encoded = [h.encode() for h in headers]
+    assert p.decide_encoded(encoded) == p.decide(headers)
+
+
+def test_inline_bytes_round_trip_through_a_header() -> None:
+    for size in range(p.INLINE_BYTES + 1):
+        data = bytes(range(256 - size, 256))
+        assert p.unpack_inline(p.pack_inline(data), size) == data
