@@ -635,13 +635,15 @@ def _training_refusal(engine: Any, windows: bool = False) -> str | None:
     stage = engine.zero_optimization_stage()
     if (stage == 3 and torch.device(engine.device).type == "cpu"
             and _private.zero3_gather_races_on_cpu()):
+        # Where ZeRO-1/2's first CPU step raises too (below), ZeRO-0 is the CPU's stage.
+        other = "ZeRO-0" if _private.zero12_step_raises_on_cpu() else "ZeRO-1 or ZeRO-2"
         return (
             f"found deepspeed {version('deepspeed')}, whose ZeRO-3 on the CPU (gloo) reads "
             "the parameters it gathers several at once (after each optimizer step, the "
             "persistent ones) before every gather has ended, so now and then the model "
             "trains on stale values, with or without a Join; DeepSpeed fixed it in "
             "0.19.8), so Join refuses to train on it. Upgrade DeepSpeed (pip install "
-            "'deepspeed>=0.19.8'), or use ZeRO-1 or ZeRO-2, or a GPU"
+            f"'deepspeed>=0.19.8'), or use {other}, or a GPU"
         )
     if (torch.device(engine.device).type == "cpu" and _private.zero12_step_raises_on_cpu()
             and _zero12_optimizer(engine.optimizer) and int(engine.dp_world_size) > 1):

@@ -690,6 +690,7 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
         assert message is not None and message.startswith(
             f"found deepspeed {version('deepspeed')}, whose ZeRO-3 on the CPU (gloo) ")
         assert "pip install 'deepspeed>=0.19.8'" in message
+        assert "or use ZeRO-1 or ZeRO-2, or a GPU" in message
     assert _engine._training_refusal(engine(3, 2, device="cuda")) is None
     for stage in (0, 1, 2):
         assert _engine._training_refusal(engine(stage, 1)) is None
@@ -711,6 +712,10 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
         assert "Output 0 of Split is a view" in message and "on every rank" in message
         assert "fixed it in 0.19.0" in message
         assert "pip install 'deepspeed>=0.19.0'" in message
+    # ZeRO-3's refusal then names ZeRO-0 as the CPU's way out, not ZeRO-1/2.
+    monkeypatch.setattr(_private, "zero3_gather_races_on_cpu", lambda: True)
+    assert "or use ZeRO-0, or a GPU" in str(_engine._training_refusal(engine(3, 1)))
+    monkeypatch.setattr(_private, "zero3_gather_races_on_cpu", lambda: False)
     for runs in (engine(2, 1, device="cuda", optimizer=zero()),
                  engine(2, 1, optimizer=zero(), world=1), engine(1, 1, optimizer=object()),
                  engine(0, 1)):
