@@ -82,12 +82,13 @@ class ArrayWire:
             return [tuple(np.asarray(part, dtype=np.int64).tolist()) for part in parts]
         buffers = getattr(self._local, "headers", None)
         if buffers is None:
-            buffers = self._local.headers = (
-                np.zeros(len(header), np.int64), np.zeros((self.world_size, len(header)),
-                                                          np.int64))
-        send, out = buffers
+            send = np.zeros(len(header), np.int64)
+            out = np.zeros((self.world_size, len(header)), np.int64)
+            # The same byte views each call: the group keeps its tensors for them.
+            buffers = self._local.headers = (send, send.view(np.uint8), out.view(np.uint8))
+        send, send_bytes, out_bytes = buffers
         send[:] = header
-        received = gather_into(send.view(np.uint8), out.view(np.uint8))
+        received = gather_into(send_bytes, out_bytes)
         if isinstance(received, np.ndarray):
             return [tuple(row) for row in received.view(np.int64).tolist()]
         return [tuple(np.asarray(part).view(np.int64).tolist()) for part in received]

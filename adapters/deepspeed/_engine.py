@@ -102,7 +102,9 @@ optimizer offload and more than 2 accumulation steps on a DeepSpeed that drops a
 window's middle micro-steps there (0.18.2 to 0.18.9:
 ``_private.zero2_offload_drops_middle_micro_steps``), ZeRO-3 on the CPU on a
 DeepSpeed that reads its gathered parameters before the gathers end (0.18.2 to
-0.19.7: ``_private.zero3_gather_races_on_cpu``), and a joinable
+0.19.7: ``_private.zero3_gather_races_on_cpu``), ZeRO-1 or 2 on the CPU, 2 ranks or
+more, on a DeepSpeed whose first optimizer step raises there, its flat parameters left
+in autograd (0.18.7 to 0.18.9: ``_private.zero12_step_raises_on_cpu``), and a joinable
 on the loop's windows on ZeRO 0 or 1 with accumulation on a DeepSpeed whose
 ``engine.no_sync()`` leaves a micro-step undivided by the accumulation steps (0.18.2:
 ``_private.no_sync_skips_accumulation_scaling``), which would train wrongly with or
@@ -622,7 +624,8 @@ def _training_refusal(engine: Any, windows: bool = False) -> str | None:
     alone (``_private.zero2_keeps_last_micro_step``) or with optimizer offload drops a
     window's middle micro-steps (``_private.zero2_offload_drops_middle_micro_steps``),
     ZeRO-3 on the CPU where it reads gathered parameters early
-    (``_private.zero3_gather_races_on_cpu``), and the loop's windows
+    (``_private.zero3_gather_races_on_cpu``), ZeRO-1/2 on the CPU where the first
+    optimizer step raises (``_private.zero12_step_raises_on_cpu``), and the loop's windows
     (``windows``: Accelerate's ``accumulate()``, whose micro-steps inside a window run
     under ``engine.no_sync()`` on ZeRO 0 and 1) on a release that leaves such a
     micro-step undivided (``_private.no_sync_skips_accumulation_scaling``). Every
@@ -632,13 +635,26 @@ def _training_refusal(engine: Any, windows: bool = False) -> str | None:
     stage = engine.zero_optimization_stage()
     if (stage == 3 and torch.device(engine.device).type == "cpu"
             and _private.zero3_gather_races_on_cpu()):
+        # Where ZeRO-1/2's first CPU step raises too (below), ZeRO-0 is the CPU's stage.
+        other = "ZeRO-0" if _private.zero12_step_raises_on_cpu() else "ZeRO-1 or ZeRO-2"
         return (
             f"found deepspeed {version('deepspeed')}, whose ZeRO-3 on the CPU (gloo) reads "
             "the parameters it gathers several at once (after each optimizer step, the "
             "persistent ones) before every gather has ended, so now and then the model "
             "trains on stale values, with or without a Join; DeepSpeed fixed it in "
             "0.19.8), so Join refuses to train on it. Upgrade DeepSpeed (pip install "
-            "'deepspeed>=0.19.8'), or use ZeRO-1 or ZeRO-2, or a GPU"
+            f"'deepspeed>=0.19.8'), or use {other}, or a GPU"
+        )
+    if (torch.device(engine.device).type == "cpu" and _private.zero12_step_raises_on_cpu()
+            and _zero12_optimizer(engine.optimizer) and int(engine.dp_world_size) > 1):
+        return (
+            f"found deepspeed {version('deepspeed')}, whose ZeRO-{stage} keeps its "
+            "flattened parameters in autograd (flattened on the accelerator without "
+            ".detach()), so on the CPU (gloo) the first optimizer step's all-gather into "
+            "them raises \"RuntimeError: Output 0 of Split is a view and is being modified "
+            "inplace\" on every rank, with or without a Join (0.18.7 to 0.18.9; DeepSpeed "
+            "fixed it in 0.19.0), so Join refuses to train on it. Upgrade DeepSpeed (pip "
+            "install 'deepspeed>=0.19.0'), or use 0.18.6 or older, or ZeRO stage 0"
         )
     if gas == 1:
         return None
@@ -668,6 +684,12 @@ def _training_refusal(engine: Any, windows: bool = False) -> str | None:
             "gradient_accumulation_steps=1"
         )
     return None
+
+
+def _zero12_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is ZeRO-1/2's (not bf16's ``BF16_Optimizer`` at stage 1)."""
+    cls = _private_class("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer")
+    return cls is not None and isinstance(optimizer, cls)
 
 
 def _last_micro_step_message(gas: int) -> str:

@@ -30,7 +30,9 @@ from the release's own code (not its version number):
 :func:`zero2_keeps_last_micro_step` and :func:`no_sync_skips_accumulation_scaling`
 (two accumulation bugs 0.18.3 fixed, in releases below the range) and
 :func:`zero2_offload_drops_middle_micro_steps` (one 0.19.0 fixed, in 0.18.2 to 0.18.9),
-which the adapter refuses rather than train wrongly.
+which the adapter refuses rather than train wrongly, and :func:`zero12_step_raises_on_cpu`
+(0.18.7 to 0.18.9, fixed in 0.19.0), refused rather than let every rank raise at its
+first optimizer step.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from .._guards import Member, Need, problems, refusal, supported_spec
 __all__ = ["SUPPORTED_DEEPSPEED", "TESTED_DEEPSPEED", "UnsupportedDeepSpeedError",
            "ENGINE_MEMBERS", "OPTIONAL_MEMBERS", "check", "is_engine", "managed_accumulation",
            "no_sync_skips_accumulation_scaling", "zero2_keeps_last_micro_step",
-           "zero2_offload_drops_middle_micro_steps", "zero3_gather_races_on_cpu"]
+           "zero12_step_raises_on_cpu", "zero2_offload_drops_middle_micro_steps",
+           "zero3_gather_races_on_cpu"]
 
 #: The DeepSpeed releases joinkit's tests passed on: the oldest supported and the
 #: dev pin (``constraints.txt``).
@@ -243,6 +246,37 @@ def zero2_offload_drops_middle_micro_steps() -> bool:
     """
     source = _method_source(_STAGE12, "DeepSpeedZeroOptimizer", _OFFLOAD_ACCUMULATION)
     return _SAVES_THE_FIRST_MICRO_STEP_ONLY in " ".join(source.split())
+
+
+#: ZeRO-1/2's flattening of a parameter group where it lives, in the optimizer's
+#: constructor (0.18.7-0.18.9's spelling, without ``.detach()``:
+#: :func:`zero12_step_raises_on_cpu`).
+_CONSTRUCTOR = "__init__"
+_KEEPS_THE_FLAT_BUFFER_IN_AUTOGRAD = (
+    "use_cpu_data=False) self.bit16_groups_flat.append(flattened_buffer)")
+
+
+@functools.cache
+def zero12_step_raises_on_cpu() -> bool:
+    """Whether this DeepSpeed's ZeRO-1/2 raises at its first optimizer step on the CPU.
+
+    DeepSpeed 0.18.7 to 0.18.9 (fixed in 0.19.0; 0.18.6 and older flatten a copy on the
+    CPU) flatten each parameter group where it lives when there is memory for it, in
+    ``DeepSpeedZeroOptimizer.__init__``: ``torch.cat`` of the parameters, which require
+    grad, kept as the flat buffer without ``.detach()``, so the buffer is part of an
+    autograd graph. The optimizer step all-gathers the updated partitions into that
+    buffer; gloo (the CPU accelerator) writes each rank's part into a view from
+    ``split``, which autograd forbids modifying in place: with torch 2.13 the first
+    step raises ``RuntimeError: Output 0 of Split is a view and is being modified
+    inplace`` on every rank of a world of 2 or more, with or without a Join and with or
+    without optimizer offload (measured on the plain engine, 0.18.7 to 0.18.9; 0.18.6
+    and 0.19.0 step). NCCL writes the buffer in place, without views; no GPU run was
+    made. Read once per process from that constructor's source, whitespace aside: the
+    flattened buffer appended as it is; a release that detaches it (or whose source
+    cannot be read) steps.
+    """
+    source = _method_source(_STAGE12, "DeepSpeedZeroOptimizer", _CONSTRUCTOR)
+    return _KEEPS_THE_FLAT_BUFFER_IN_AUTOGRAD in " ".join(source.split())
 
 
 #: ZeRO-3's gather of several partitioned parameters at once (0.18.3-0.19.7's wait:

@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 from typing import Any
 
 from .._guards import class_names, names_in, read_only_property
@@ -102,11 +103,32 @@ def ddp_syncs_buffers_in_forward(ddp: Any) -> bool:
 
 def preserve_version_counter(tensors: tuple[Any, ...]) -> Any:
     """A context in which copying into ``tensors`` keeps their version counters,
-    as DDP's buffer sync copies (a plain context where torch has no such one)."""
+    as DDP's buffer sync copies (a plain context where torch has no such one).
+
+    torch 2.6's ``_unsafe_preserve_version_counter`` takes one tensor, 2.7 and
+    later a tensor or a tuple: on 2.6 one context per tensor.
+    """
+    found = _version_keeper()
+    if found is None:
+        return contextlib.nullcontext()
+    keep, takes_tuple = found
+    if takes_tuple:
+        return keep(tensors)
+    stack = contextlib.ExitStack()
+    for tensor in tensors:
+        stack.enter_context(keep(tensor))
+    return stack
+
+
+@functools.cache
+def _version_keeper() -> tuple[Any, bool] | None:
+    """torch's ``_unsafe_preserve_version_counter`` and whether it takes a tuple."""
     import torch
 
     keep = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
-    return contextlib.nullcontext() if keep is None else keep(tensors)
+    if keep is None:
+        return None
+    return keep, "tensors" in inspect.signature(keep.__init__).parameters
 
 
 @functools.cache

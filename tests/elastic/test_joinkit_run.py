@@ -201,7 +201,9 @@ def test_the_example_trains_every_sample_once(launched: dict[str, Any]) -> None:
     # examples/elastic_run.py, as docs/elastic-torch.md runs it.
     run = launched["example"]
     assert run["code"] == 0, _explain(run)
-    assert run["stdout"].splitlines() == [
+    # (gloo's own connection lines, which some torch releases print, e.g. 2.10, aside)
+    said = [line for line in run["stdout"].splitlines() if not line.startswith("[Gloo] ")]
+    assert said == [
         "rank 1 consumed 4 samples; its other 6 went to ranks 0, 2",
         "every sample of the epoch trained once: True"], run["stdout"]
     assert _lost_line(run["stderr"]) == (

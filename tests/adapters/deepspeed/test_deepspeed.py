@@ -137,11 +137,15 @@ def refused_here(spec: dict[str, Any], windows: bool = False) -> tuple[str, str]
     (``windows``: Accelerate's cells) ZeRO 0 or 1 with accumulation on a release whose
     ``no_sync()`` leaves a micro-step undivided (both 0.18.2, fixed in 0.18.3); ZeRO-2
     with optimizer offload and more than 2 accumulation steps on a release that drops
-    a window's middle micro-steps there (0.18.3 to 0.18.9, fixed in 0.19.0)."""
+    a window's middle micro-steps there (0.18.3 to 0.18.9, fixed in 0.19.0); ZeRO-1 and
+    2 on a release whose first optimizer step raises on the CPU (0.18.7 to 0.18.9, fixed
+    in 0.19.0; every launched job has 2 ranks or more)."""
     from joinkit.adapters.deepspeed import _private
 
     if spec["stage"] == 3 and _private.zero3_gather_races_on_cpu():
         return "0.19.8", "ZeRO-3 on the CPU (gloo)"
+    if spec["stage"] in (1, 2) and _private.zero12_step_raises_on_cpu():
+        return "0.19.0", "Output 0 of Split is a view"
     if spec["gas"] == 1:
         return None
     accumulation = f"gradient_accumulation_steps={spec['gas']}"
@@ -531,6 +535,27 @@ class _OffloadAccumulation0190:
         copy_gradients_to_cpu()
 
 
+class _FlatBuffer0189:
+    def __init__(self) -> None:  # 0.18.7-0.18.9 keep the flattened buffer in autograd
+        self.bit16_groups_flat: list[Any] = []
+        flattened_buffer = self.flatten_dense_tensors_aligned([],
+                                                              1,
+                                                              use_cpu_data=False)
+        self.bit16_groups_flat.append(flattened_buffer)
+
+    def flatten_dense_tensors_aligned(self, tensors: Any, alignment: int,
+                                      use_cpu_data: bool = False) -> Any: ...
+
+
+class _FlatBuffer0190(_FlatBuffer0189):
+    def __init__(self) -> None:  # 0.19.0 detaches it
+        self.bit16_groups_flat: list[Any] = []
+        flattened_buffer = self.flatten_dense_tensors_aligned([],
+                                                              1,
+                                                              use_cpu_data=False).detach()
+        self.bit16_groups_flat.append(flattened_buffer)
+
+
 class _CoalescedGather0183:
     def _allgather_params_coalesced(self) -> None:  # 0.18.3-0.19.7's wait
         launch_handles = [self]
@@ -545,15 +570,18 @@ class _CoalescedGather0198:
 
 #: Each bug the compat layer reads from DeepSpeed's code: (its detector,
 #: the module and class whose method it reads) -> the method with the bug and with its
-#: fix, and the release that fixed it.
+#: fix, and the releases that have it (from the first, where it is in the range, to
+#: the one that fixed it, excluded).
 _BUGS = {("zero2_keeps_last_micro_step", "_STAGE12", "DeepSpeedZeroOptimizer"):
-         (_Epilogue0182, _Epilogue0183, (0, 18, 3)),
+         (_Epilogue0182, _Epilogue0183, ((0, 0, 0), (0, 18, 3))),
          ("no_sync_skips_accumulation_scaling", "_ENGINE", "DeepSpeedEngine"):
-         (_Prologue0182, _Prologue0183, (0, 18, 3)),
+         (_Prologue0182, _Prologue0183, ((0, 0, 0), (0, 18, 3))),
          ("zero2_offload_drops_middle_micro_steps", "_STAGE12", "DeepSpeedZeroOptimizer"):
-         (_OffloadAccumulation0183, _OffloadAccumulation0190, (0, 19, 0)),
+         (_OffloadAccumulation0183, _OffloadAccumulation0190, ((0, 0, 0), (0, 19, 0))),
+         ("zero12_step_raises_on_cpu", "_STAGE12", "DeepSpeedZeroOptimizer"):
+         (_FlatBuffer0189, _FlatBuffer0190, ((0, 18, 7), (0, 19, 0))),
          ("zero3_gather_races_on_cpu", "_PARTITION", "Init"):
-         (_CoalescedGather0183, _CoalescedGather0198, (0, 19, 8))}
+         (_CoalescedGather0183, _CoalescedGather0198, ((0, 0, 0), (0, 19, 8)))}
 
 
 @pytest.mark.parametrize(("bug", "owner", "found"), [
@@ -566,9 +594,10 @@ def test_a_deepspeed_bug_is_read_from_deepspeeds_code(
     number): 0.18.2's ZeRO-2 epilogue line that restarts the window's sum, and its
     engine's backward that divides the loss by the accumulation steps only when it
     reduces (not under ``no_sync()``); 0.18.3-0.18.9's ZeRO-2 offload branch that saves
-    a window's CPU sum on its first micro-step only; 0.18.3-0.19.7's ZeRO-3 gather that
-    waits on its last all-gather alone. The fixed method, or one it cannot read, has
-    none. On the DeepSpeed installed here each agrees with DeepSpeed's
+    a window's CPU sum on its first micro-step only; 0.18.7-0.18.9's ZeRO-1/2 constructor
+    that keeps its flattened parameters in autograd (no ``.detach()``); 0.18.3-0.19.7's
+    ZeRO-3 gather that waits on its last all-gather alone. The fixed method, or one it
+    cannot read, has none. On the DeepSpeed installed here each agrees with DeepSpeed's
     history."""
     import types
 
@@ -578,7 +607,8 @@ def test_a_deepspeed_bug_is_read_from_deepspeeds_code(
     detector, module_name, class_name = bug
     detect = getattr(_private, detector)
     release = tuple(int(part) for part in version("deepspeed").split(".")[:3])
-    assert detect() == (release < _BUGS[bug][2])
+    first, fixed = _BUGS[bug][2]
+    assert detect() == (first <= release < fixed)
     module = types.ModuleType(getattr(_private, module_name))
     setattr(module, class_name, owner)
     monkeypatch.setitem(sys.modules, module.__name__, module)
@@ -605,13 +635,16 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
     monkeypatch.setattr(_private, "zero2_keeps_last_micro_step", lambda: True)
     monkeypatch.setattr(_private, "zero2_offload_drops_middle_micro_steps", lambda: False)
     monkeypatch.setattr(_private, "zero3_gather_races_on_cpu", lambda: False)
+    monkeypatch.setattr(_private, "zero12_step_raises_on_cpu", lambda: False)
 
-    def engine(stage: int, gas: int, offload: str = "none", device: str = "cpu") -> Any:
+    def engine(stage: int, gas: int, offload: str = "none", device: str = "cpu",
+               optimizer: Any = None, world: int = 2) -> Any:
         where = None if offload == "none" else types.SimpleNamespace(device=offload)
         return types.SimpleNamespace(zero_offload_optimizer=lambda: where,
                                      gradient_accumulation_steps=lambda: gas,
                                      zero_optimization_stage=lambda: stage,
-                                     device=torch.device(device))
+                                     device=torch.device(device), optimizer=optimizer,
+                                     dp_world_size=world)
 
     message = _engine._training_refusal(engine(2, 3))
     assert message is not None and message.startswith(
@@ -657,9 +690,36 @@ def test_zero2_accumulation_on_such_a_release_is_refused_with_its_reason(
         assert message is not None and message.startswith(
             f"found deepspeed {version('deepspeed')}, whose ZeRO-3 on the CPU (gloo) ")
         assert "pip install 'deepspeed>=0.19.8'" in message
+        assert "or use ZeRO-1 or ZeRO-2, or a GPU" in message
     assert _engine._training_refusal(engine(3, 2, device="cuda")) is None
     for stage in (0, 1, 2):
         assert _engine._training_refusal(engine(stage, 1)) is None
+
+    # ZeRO-1/2 on the CPU where the first optimizer step raises (the flat parameters kept
+    # in autograd): refused for ZeRO-1/2's optimizer on 2 ranks or more, with or without
+    # accumulation or offload; on a GPU, one rank, or another optimizer (bf16's at
+    # stage 1), it runs.
+    monkeypatch.setattr(_private, "zero3_gather_races_on_cpu", lambda: False)
+    monkeypatch.setattr(_private, "zero12_step_raises_on_cpu", lambda: True)
+    zero = types.new_class("DeepSpeedZeroOptimizer")
+    monkeypatch.setitem(sys.modules, _private._STAGE12,
+                        types.SimpleNamespace(DeepSpeedZeroOptimizer=zero))
+    for stage, gas, offload, windows in ((1, 1, "none", False), (2, 3, "cpu", True)):
+        message = _engine._training_refusal(engine(stage, gas, offload, optimizer=zero()),
+                                            windows=windows)
+        assert message is not None and message.startswith(
+            f"found deepspeed {version('deepspeed')}, whose ZeRO-{stage} keeps its ")
+        assert "Output 0 of Split is a view" in message and "on every rank" in message
+        assert "fixed it in 0.19.0" in message
+        assert "pip install 'deepspeed>=0.19.0'" in message
+    # ZeRO-3's refusal then names ZeRO-0 as the CPU's way out, not ZeRO-1/2.
+    monkeypatch.setattr(_private, "zero3_gather_races_on_cpu", lambda: True)
+    assert "or use ZeRO-0, or a GPU" in str(_engine._training_refusal(engine(3, 1)))
+    monkeypatch.setattr(_private, "zero3_gather_races_on_cpu", lambda: False)
+    for runs in (engine(2, 1, device="cuda", optimizer=zero()),
+                 engine(2, 1, optimizer=zero(), world=1), engine(1, 1, optimizer=object()),
+                 engine(0, 1)):
+        assert _engine._training_refusal(runs) is None
 
 
 @pytest.mark.launches

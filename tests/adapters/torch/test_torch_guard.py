@@ -27,6 +27,7 @@ from torch.nn.parallel import distributed as ddp_module
 from joinkit import Join
 from joinkit.adapters import UnsupportedTorchError, _guards
 from joinkit.adapters._guards import Member, Need, problems
+from joinkit.adapters.torch import _compat
 from joinkit.adapters.torch import _private as _torch_private
 from joinkit.adapters.torch._private import GROUPS, check
 
@@ -317,3 +318,47 @@ def test_a_torch_without_what_fsdp1_needs_refuses_fsdp1_by_its_matrix_name(
     assert "joinkit needs for: FSDP1." in str(caught.value)
     assert words in str(caught.value)
     check(bare(DDP))  # DDP does not use FSDP1's members
+
+
+def test_copies_into_buffers_keep_their_version_counters() -> None:
+    # The elastic buffer unit copies a peer's buffers in as DDP's broadcast does,
+    # keeping autograd's version counters (on this torch's own context).
+    buffers = (torch.zeros(3), torch.zeros(2, dtype=torch.int64))
+    before = [b._version for b in buffers]
+    with torch.no_grad(), _compat.preserve_version_counter(buffers):
+        for buffer in buffers:
+            buffer.copy_(torch.ones_like(buffer))
+    assert [b._version for b in buffers] == before
+    assert all(bool((b == 1).all()) for b in buffers)
+
+
+def test_a_version_keeper_of_one_tensor_is_entered_per_tensor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.6's _unsafe_preserve_version_counter takes one tensor (2.7 and later
+    # a tuple): one context per tensor there, resolved once per process.
+    entered: list[torch.Tensor] = []
+    left: list[torch.Tensor] = []
+
+    class OneTensor:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            assert isinstance(tensor, torch.Tensor)
+            entered.append(tensor)
+            self.tensor = tensor
+
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *args: Any) -> None:
+            left.append(self.tensor)
+
+    monkeypatch.setattr(torch.autograd, "_unsafe_preserve_version_counter", OneTensor)
+    _compat._version_keeper.cache_clear()
+    try:
+        buffers = (torch.zeros(3), torch.zeros(1))
+        with _compat.preserve_version_counter(buffers):
+            buffers[0].add_(1)
+            buffers[1].add_(1)
+        assert entered == list(buffers)
+        assert left == list(reversed(buffers))
+    finally:
+        _compat._version_keeper.cache_clear()
