@@ -75,6 +75,10 @@ GROUPS: dict[str, tuple[Member, ...]] = {
            ("self", "trial"), (f"{_TRAINER}._save_checkpoint",)),
         _m("transformers.trainer_utils", "PREFIX_CHECKPOINT_DIR", _EXISTS,
            "the checkpoint folder's name"),
+        *(_m(_T, f"Trainer.{size}", _CALL,
+             "uneven_inputs refuses tensor, context and sequence parallelism (a size "
+             "above 1): it shards the data by rank", ("self",))
+          for size in ("get_tp_size", "get_cp_size", "get_sp_size")),
         _m(_T, "Trainer._get_num_items_in_batch", _CALL,
            "wrapped: how many ranks counted the window's tokens",
            ("self", "batch_samples", "device"), (f"{_TRAINER}.get_batch_samples",)),

@@ -1142,6 +1142,26 @@ def test_a_changed_internal_is_a_loud_error(monkeypatch: pytest.MonkeyPatch) -> 
         _private.check("Trainer")
 
 
+def test_a_trainer_without_the_parallel_sizes_is_refused_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """uneven_inputs asks the Trainer's tensor, context and sequence parallel sizes
+    (refusing any above 1); transformers 4.57 has no get_cp_size nor get_sp_size, so
+    such a Trainer is refused by the table, naming them, not by an AttributeError."""
+    import transformers
+
+    from joinkit.adapters.transformers import UnsupportedTransformersError, _private
+
+    monkeypatch.delattr(transformers.Trainer, "get_cp_size")
+    monkeypatch.delattr(transformers.Trainer, "get_sp_size")
+    monkeypatch.setattr(_private, "_checked", set())  # (checked once per process)
+    with pytest.raises(UnsupportedTransformersError) as raised:
+        _private.check("Trainer")
+    message = str(raised.value)
+    assert "Trainer.get_cp_size is missing" in message
+    assert "Trainer.get_sp_size is missing" in message
+    assert "tensor, context and sequence parallelism" in message
+
+
 def test_the_installed_trainers_loop_decides_which_members_are_checked(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The table lists two training loops (``_run_epoch``, 5.3 and later; the epoch loop
